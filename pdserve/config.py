@@ -1,0 +1,62 @@
+"""Engine configuration shared by the CLI, the engine core, the scheduler and the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass
+class EngineConfig:
+    """Everything one engine instance needs to start.
+
+    Attributes:
+        model: a local Hugging Face directory, a ``.gguf`` file, or the built-in name
+            ``smollm2-135m-instruct``.
+        served_model_name: the name clients use in ``model`` (defaults to ``model``).
+        tokenizer: tokenizer directory when it differs from ``model``.
+        load_format: ``auto`` (safetensors / GGUF by file type) or ``dummy`` (random weights).
+        dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16`` (``auto``: bf16 on CUDA,
+            float32 on CPU).
+        device: ``auto``, ``cpu`` or ``cuda``.
+        seed: global seed for dummy weights and unseeded sampling.
+        block_size: tokens per KV cache block.
+        enable_prefix_caching: automatic prefix caching with chained block hashes.
+        max_model_len: longest prompt + output in tokens (default: the model's
+            ``max_position_embeddings``).
+        max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts).
+        max_num_seqs: most requests running at once.
+        gpu_memory_utilization: fraction of GPU memory the instance may use (CUDA).
+        kv_cache_memory: bytes reserved for the KV cache (CPU; on CUDA overrides the fraction).
+        num_gpu_blocks_override: fixed number of KV blocks (tests).
+        enforce_eager: disable CUDA graphs.
+        kv_transfer_config: parsed ``--kv-transfer-config`` (None: no connector).
+        trust_remote_code: passed to transformers when reading configs/tokenizers.
+    """
+
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False
+    kv_transfer_config: Any = None
+    trust_remote_code: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The model name clients must send."""
+        return self.served_model_name or self.model

@@ -1,0 +1,149 @@
+"""Data passed between the scheduler, the model runner and the front end (no torch).
+
+One engine step is::
+
+    sched_out = scheduler.schedule()                 # SchedulerOutput (bookkeeping only)
+    runner_out = model_runner.execute(sched_out)     # ModelRunnerOutput (tensors stay inside)
+    core_outs = scheduler.update_from_output(sched_out, runner_out)  # list[EngineCoreOutput]
+
+The scheduler and the model runner live in the same engine-core process, so the lists below are
+shared by reference, not copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner computes KV for ``token_ids`` at positions
+    ``num_computed_tokens .. num_computed_tokens + len(token_ids) - 1`` and writes it into the
+    slots given by ``block_ids`` (slot of position ``p`` = ``block_ids[p // block_size] *
+    block_size + p % block_size``). Attention for those tokens covers positions
+    ``0 .. num_computed_tokens + len(token_ids) - 1`` (causal).
+
+    Attributes:
+        req_id: the request id.
+        token_ids: the tokens to compute this step (a prefill chunk, or the last sampled token).
+        num_computed_tokens: tokens already in the KV cache before this step.
+        block_ids: the whole block table of the request (may be longer than needed).
+        sample: True when a token must be sampled after this chunk (last prefill chunk or decode);
+            False for a non-final chunk of a chunked prefill.
+        sampling_params: the request's sampling parameters.
+        prompt_token_ids: the prompt (for the repetition penalty).
+        output_token_ids: the tokens generated so far (for penalties and ``min_tokens``).
+        eos_token_id: EOS id, suppressed while fewer than ``min_tokens`` tokens exist.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    """What the scheduler decided for one step.
+
+    Attributes:
+        scheduled: requests to run, prefills and decodes mixed, in batch order.
+        finished_req_ids: requests that finished or were aborted since the last step; the runner
+            drops its per-request state (RNG generators) for them.
+        kv_connector_metadata: opaque object built by the connector's scheduler side for its
+            worker side (None without a connector).
+        total_num_scheduled_tokens: sum of ``len(r.token_ids)``.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: Any = None
+    total_num_scheduled_tokens: int = 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities for one sampled token.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its log-probability under the (penalised, temperature-free) distribution.
+        top: the ``k`` most likely ``(token_id, logprob)`` pairs, best first.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the connector's worker side reports after a step.
+
+    Attributes:
+        finished_sending: request ids whose blocks another instance finished reading (or whose
+            lease expired); the scheduler may now free their blocks.
+        finished_recving: request ids whose KV load completed (successfully or not).
+        invalid_block_ids: block ids whose load failed; the scheduler applies
+            ``kv_load_failure_policy`` to the requests holding them.
+        stats: connector statistics for the front end's metrics (JSON-serialisable).
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    stats: dict[str, Any] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner produced for one step.
+
+    Attributes:
+        sampled_token_ids: req_id -> sampled token, only for requests with ``sample=True``.
+        logprobs: req_id -> logprobs of that token, only when the request asked for logprobs.
+        kv_connector_output: the connector's report, or None without a connector.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per-request delta sent from the engine core to the front end after a step.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens generated in this step (usually one).
+        new_logprobs: logprobs for ``new_token_ids`` when requested.
+        finish_reason: ``stop``, ``length``, ``abort`` or ``error`` when finished, else None.
+        stop_reason: the stop token id that ended the request, if any.
+        num_prompt_tokens: prompt length.
+        num_cached_tokens: prompt tokens served from the local prefix cache.
+        num_transferred_tokens: prompt tokens whose KV came from another instance.
+        kv_transfer_params: params to return to the client (on the finishing output).
+        error: human-readable reason when ``finish_reason == "error"``.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_transferred_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None

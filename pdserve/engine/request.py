@@ -1,0 +1,97 @@
+"""Engine-side request state (pure Python, no torch)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Life cycle of a request inside the engine core."""
+
+    WAITING = "waiting"
+    # KV is being loaded from another instance (connector); not schedulable until it lands.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI ``finish_reason`` for a finished status (``stop``, ``length``, ``abort``, ``error``)."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+@dataclass
+class Request:
+    """One sequence being served by the engine core.
+
+    Attributes:
+        request_id: unique id (the front end derives child ids for ``n`` > 1).
+        prompt_token_ids: prompt tokens, length ``num_prompt_tokens``.
+        sampling_params: how to sample and when to stop.
+        kv_transfer_params: the client's ``kv_transfer_params`` (any JSON object) or None; the
+            connector reads it and may replace it with the params returned to the client.
+        output_token_ids: generated tokens so far.
+        num_computed_tokens: tokens whose KV is in this engine's cache (prefix hits, transferred
+            tokens and computed tokens alike).
+        num_cached_tokens: prompt tokens served from the local prefix cache (set once, at first
+            scheduling); reported as ``usage.prompt_tokens_details.cached_tokens``.
+        num_transferred_tokens: prompt tokens whose KV was loaded from another instance.
+        block_ids: the request's block table (physical block ids, in token order).
+        arrival_time: ``time.monotonic()`` at arrival (seconds).
+        error: a human-readable reason when ``status`` is ``FINISHED_ERROR``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    num_transferred_tokens: int = 0
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by output tokens (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def is_finished(self) -> bool:
+        return self.status.finished

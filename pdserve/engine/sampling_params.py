@@ -1,0 +1,90 @@
+"""Per-request sampling and stopping parameters (pure Python, no torch).
+
+The field names and defaults follow the OpenAI API and vLLM's ``SamplingParams`` so that users of
+those systems find the same knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one sequence is sampled and when it stops.
+
+    Attributes:
+        n: number of independent choices for the prompt (the front end fans these out into
+            ``n`` engine requests).
+        temperature: softmax temperature; ``0`` means greedy (argmax).
+        top_p: nucleus sampling mass in (0, 1]; ``1`` disables it.
+        top_k: keep the ``k`` most likely tokens; ``0`` or ``-1`` disables it.
+        min_p: drop tokens whose probability is below ``min_p * p_max``; ``0`` disables it.
+        seed: per-request RNG seed; the same seed gives the same tokens.
+        repetition_penalty: CTRL-style penalty (Keskar et al., 2019) on tokens seen in the prompt
+            or the output; ``1`` disables it.
+        presence_penalty: OpenAI presence penalty on tokens seen in the output.
+        frequency_penalty: OpenAI frequency penalty, proportional to output occurrence counts.
+        max_tokens: upper bound on generated tokens.
+        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens exist.
+        stop: strings that end generation; they are not included in the returned text.
+        stop_token_ids: token ids that end generation (in addition to EOS).
+        ignore_eos: keep generating past EOS (benchmarks).
+        logprobs: ``None`` for no logprobs, else the number of top alternatives per token (0..20).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Check ranges.
+
+        Raises:
+            ValueError: with a message naming the offending field.
+        """
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or at least 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")

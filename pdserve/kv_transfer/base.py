@@ -1,0 +1,150 @@
+"""KV connector interface: a scheduler side that decides which blocks move, and a worker side
+that moves bytes.
+
+The split follows vLLM's v1 KV connector design. Both sides are created in the engine-core
+process; the scheduler side is called by the scheduler (no torch), the worker side by the model
+runner (owns the KV cache tensor). The scheduler side talks to the worker side only through the
+``kv_connector_metadata`` object it builds each step; the worker side reports back through
+:class:`pdserve.engine.outputs.KVConnectorOutput`.
+
+Call order inside one engine step::
+
+    # scheduler
+    n, load_async = sched.get_num_new_matched_tokens(req, num_local_computed_tokens)
+    ... allocate blocks for local + n tokens ...
+    sched.update_state_after_alloc(req, block_ids, n)
+    meta = sched.build_connector_meta(scheduler_output)
+    # runner
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv()            # posts async reads, never blocks
+    ... forward pass ...
+    out = worker.get_finished(finished_req_ids)   # polls, never blocks
+    # scheduler
+    sched.update_connector_output(out)
+    delay_free, params = sched.request_finished(req, block_ids)   # for each finished request
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
+    from pdserve.engine.request import Request
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Geometry of the paged KV cache, shared by both connector sides.
+
+    The cache is one contiguous tensor of shape
+    ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`` so that one block is one
+    contiguous region of ``block_bytes`` bytes (DESIGN §5).
+
+    Attributes:
+        num_blocks: blocks in the cache.
+        block_size: tokens per block.
+        num_layers: transformer layers.
+        num_kv_heads: KV heads (per tensor-parallel rank).
+        head_dim: head size.
+        dtype: torch dtype name, e.g. ``"bfloat16"``.
+        element_size: bytes per element.
+        model_name: served model identity (for the compatibility hash).
+    """
+
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    element_size: int
+    model_name: str
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        return (
+            self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim
+            * self.element_size
+        )
+
+    @property
+    def layout(self) -> str:
+        return "NLKHBD"  # num_blocks, num_layers, k/v, heads, block_size, head_dim
+
+
+class KVConnectorSchedulerSide(abc.ABC):
+    """Decides which blocks move. Pure bookkeeping: no torch, no I/O on the engine loop."""
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` (the local prefix-cache hit, in tokens) that
+        can be loaded from another instance.
+
+        Returns:
+            ``(num_tokens, load_async)``: ``load_async`` True means the request must wait in
+            ``WAITING_FOR_REMOTE_KVS`` until the worker reports it in ``finished_recving``.
+        """
+
+    @abc.abstractmethod
+    def update_state_after_alloc(
+        self, request: "Request", block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Record the blocks allocated for a request that will load ``num_external_tokens``
+        tokens (the tail after the local prefix-cache hit)."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> Any:
+        """Build the metadata the worker side needs for this step (loads to start, requests
+        to heartbeat or to notify, blocks to keep). Resets per-step state."""
+
+    @abc.abstractmethod
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """Consume the worker side's report of this step."""
+
+    @abc.abstractmethod
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when a request finishes (or is aborted).
+
+        Returns:
+            ``(delay_free, kv_transfer_params)``: ``delay_free`` True means the scheduler keeps
+            the blocks until the request id appears in ``finished_sending``;
+            ``kv_transfer_params`` is returned to the client.
+        """
+
+    def shutdown(self) -> None:
+        """Release resources (threads, sockets)."""
+
+
+class KVConnectorWorkerSide(abc.ABC):
+    """Moves bytes. Owns the transfer agent; reads and writes the runner's KV cache tensor."""
+
+    @abc.abstractmethod
+    def register_kv_cache(self, kv_cache: Any, spec: KVCacheSpec) -> None:
+        """Register the runner's KV cache tensor (shape per :class:`KVCacheSpec`) for transfer."""
+
+    @abc.abstractmethod
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        """Receive this step's metadata from the scheduler side."""
+
+    @abc.abstractmethod
+    def start_load_kv(self) -> None:
+        """Post the reads named in the bound metadata; must not block."""
+
+    @abc.abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> "KVConnectorOutput":
+        """Poll transfers and notifications; must not block.
+
+        Args:
+            finished_req_ids: requests the scheduler finished this step.
+        """
+
+    def shutdown(self) -> None:
+        """Release the agent and registered memory."""
