@@ -9,6 +9,8 @@ runner (owns the KV cache tensor). The scheduler side talks to the worker side o
 
 Call order inside one engine step::
 
+    # scheduler (once, when a request arrives; optional hook)
+    sched.request_added(req)
     # scheduler
     n, load_async = sched.get_num_new_matched_tokens(req, num_local_computed_tokens)
     ... allocate blocks for local + n tokens ...
@@ -22,6 +24,9 @@ Call order inside one engine step::
     # scheduler
     sched.update_connector_output(out)
     delay_free, params = sched.request_finished(req, block_ids)   # for each finished request
+
+The engine keeps stepping (``execute`` with an empty batch if need be) while
+``sched.has_pending_work()`` is True.
 """
 
 from __future__ import annotations
@@ -96,7 +101,12 @@ class KVConnectorSchedulerSide(abc.ABC):
         self, request: "Request", block_ids: list[int], num_external_tokens: int
     ) -> None:
         """Record the blocks allocated for a request that will load ``num_external_tokens``
-        tokens (the tail after the local prefix-cache hit)."""
+        tokens (the tail after the local prefix-cache hit).
+
+        Args:
+            block_ids: the request's whole block table after allocation, in token order
+                (local prefix-hit blocks first).
+        """
 
     @abc.abstractmethod
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> Any:
@@ -117,7 +127,22 @@ class KVConnectorSchedulerSide(abc.ABC):
             ``(delay_free, kv_transfer_params)``: ``delay_free`` True means the scheduler keeps
             the blocks until the request id appears in ``finished_sending``;
             ``kv_transfer_params`` is returned to the client.
+
+        A request finished while its asynchronous load is in flight keeps its blocks until its
+        id appears in ``finished_recving`` (the worker reports it once nothing writes them).
         """
+
+    def request_added(self, request: "Request") -> None:
+        """Optional hook: a request entered the scheduler's queue (before any scheduling).
+
+        Lets the connector start work early for requests that will load KV (handshakes,
+        keeping the remote's lease alive while the request waits). Default: nothing.
+        """
+
+    def has_pending_work(self) -> bool:
+        """True while the connector needs engine steps even with nothing to compute
+        (transfers in flight, leases to expire, notifications to send). Default: False."""
+        return False
 
     def shutdown(self) -> None:
         """Release resources (threads, sockets)."""

@@ -1,0 +1,343 @@
+"""Offline generation throughput: pdserve's in-process engine against ``transformers.generate``.
+
+The workload follows issue #8 (and vLLM's ``benchmark_throughput`` with random data): 256
+requests whose prompt and output lengths are drawn uniformly from 100..1024 tokens (seed 0),
+random prompt token ids, ``ignore_eos`` so every request produces exactly its output length, and
+the Qwen3-0.6B architecture with dummy (random) weights in bf16. Speed does not depend on weight
+values, so no checkpoint is downloaded: the script writes the model's ``config.json`` into a
+temporary directory and both engines initialise random weights from it.
+
+Both engines run in the same process, one after the other, on the same requests; the script
+prints output tokens/s of each and their ratio (the target on one H200 is >= 20,000 tokens/s and
+>= 10x ``transformers``).
+
+``transformers`` cannot give each sequence of a batch its own output length, so it runs the
+requests in batches of ``--hf-batch-size`` (sorted by output length, which favours it: less
+padding) with ``max_new_tokens`` = the longest output of the batch, and only the requested
+tokens are counted. Sampling is the same on both sides: ``--temperature`` (1.0 by default, as in
+vLLM's benchmark; 0 = greedy) with top-p 1 and no top-k.
+
+Examples::
+
+    # the issue's benchmark (GPU)
+    python benchmarks/offline_throughput.py
+    # a quick check on a CPU (tiny random Qwen3, a few short requests)
+    python benchmarks/offline_throughput.py --model-preset tiny-qwen3 --num-prompts 8 \\
+        --min-len 4 --max-len 16 --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+# Qwen3-0.6B's config.json (Qwen/Qwen3-0.6B on the Hugging Face Hub), written out so that no
+# download is needed.
+QWEN3_0_6B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+# A few-layer Qwen3 with the same structure, for runs on a CPU.
+TINY_QWEN3_CONFIG = {
+    **QWEN3_0_6B_CONFIG,
+    "head_dim": 32,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "max_window_layers": 2,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+MODEL_PRESETS = {"qwen3-0.6b": QWEN3_0_6B_CONFIG, "tiny-qwen3": TINY_QWEN3_CONFIG}
+
+
+def write_model_config(directory: Path, preset: str) -> Path:
+    """Write ``config.json`` of a model preset into ``directory`` (created) and return it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "config.json", "w") as fh:
+        json.dump(MODEL_PRESETS[preset], fh, indent=2)
+    return directory
+
+
+@dataclass
+class Workload:
+    """The requests: prompt token ids and output lengths (tokens)."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def make_workload(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int,
+                  min_out: int | None = None, max_out: int | None = None) -> Workload:
+    """Uniform prompt lengths in ``[min_len, max_len]`` and output lengths in
+    ``[min_out, max_out]`` (default: the same range), random token ids, from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    min_out = min_len if min_out is None else min_out
+    max_out = max_len if max_out is None else max_out
+    in_lens = torch.randint(min_len, max_len + 1, (num_prompts,), generator=gen).tolist()
+    out_lens = torch.randint(min_out, max_out + 1, (num_prompts,), generator=gen).tolist()
+    prompts = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in in_lens]
+    return Workload(prompts, out_lens)
+
+
+@dataclass
+class Result:
+    """One engine's run: wall time (s), tokens, and output tokens per second."""
+
+    engine: str
+    seconds: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Result:
+    """Generate the workload with :class:`pdserve.engine.llm_engine.LLMEngine`."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(
+        model=str(model_dir),
+        load_format="dummy",
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        block_size=args.block_size,
+        max_model_len=max(len(p) for p in work.prompts) + max(work.output_lens),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=args.enforce_eager,
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine(config)
+    print(f"[pdserve] engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        params = [
+            SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature, top_p=1.0)
+            for n in work.output_lens
+        ]
+        # Warm-up: compiles Triton kernels and fills allocator caches outside the timed run.
+        engine.generate(work.prompts[: min(4, len(work.prompts))],
+                        SamplingParams(max_tokens=4, ignore_eos=True))
+        _sync(args.device)
+        t0 = time.perf_counter()
+        outputs = engine.generate(work.prompts, params)
+        _sync(args.device)
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+        del engine
+        _free_device_memory()
+    errors = [o for o in outputs if o.finish_reason not in ("length", "stop")]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, e.g. "
+                           f"{errors[0].finish_reason}: {errors[0].error}")
+    produced = sum(len(o.token_ids) for o in outputs)
+    if produced != work.num_output_tokens:
+        raise RuntimeError(f"pdserve produced {produced} tokens, {work.num_output_tokens} were asked for")
+    return Result("pdserve", seconds, len(outputs), work.num_prompt_tokens, produced)
+
+
+def run_transformers(model_dir: Path, work: Workload, args: argparse.Namespace) -> Result:
+    """Generate the workload with ``transformers`` ``generate`` in left-padded batches."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    pad_id = 0
+    order = sorted(range(len(work.prompts)), key=lambda i: work.output_lens[i], reverse=True)
+    if args.hf_max_prompts:
+        order = order[: args.hf_max_prompts]
+    batches = [order[i : i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
+    sample_kw = ({"do_sample": True, "temperature": args.temperature, "top_p": 1.0, "top_k": 0}
+                 if args.temperature > 0 else {"do_sample": False})
+
+    def generate(ids: list[int], max_new: int) -> torch.Tensor:
+        width = max(len(work.prompts[i]) for i in ids)
+        input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for row, i in enumerate(ids):
+            p = work.prompts[i]
+            input_ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        with torch.inference_mode():
+            return model.generate(
+                input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                max_new_tokens=max_new, min_new_tokens=max_new, eos_token_id=None,
+                pad_token_id=pad_id, **sample_kw,
+            )
+
+    try:
+        generate(batches[0][:2], 4)  # warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        for i, batch in enumerate(batches):
+            max_new = max(work.output_lens[j] for j in batch)
+            out = generate(batch, max_new)
+            if out.shape[1] - max(len(work.prompts[j]) for j in batch) != max_new:
+                raise RuntimeError("transformers stopped early despite min_new_tokens")
+            print(f"[transformers] batch {i + 1}/{len(batches)}: {len(batch)} requests, "
+                  f"{max_new} steps, {time.perf_counter() - t0:.1f} s so far", flush=True)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    finally:
+        del model
+        _free_device_memory()
+    counted = [work.output_lens[i] for i in order]
+    return Result("transformers", seconds, len(order),
+                  sum(len(work.prompts[i]) for i in order), sum(counted))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-preset", choices=sorted(MODEL_PRESETS), default="qwen3-0.6b")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100, help="shortest prompt (tokens)")
+    p.add_argument("--max-len", type=int, default=1024, help="longest prompt (tokens)")
+    p.add_argument("--min-out", type=int, default=None, help="shortest output (default --min-len)")
+    p.add_argument("--max-out", type=int, default=None, help="longest output (default --max-len)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="pdserve without CUDA graphs")
+    p.add_argument("--hf-batch-size", type=int, default=128)
+    p.add_argument("--hf-max-prompts", type=int, default=0,
+                   help="run transformers on only the N longest-output requests (0 = all)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-pdserve", action="store_true")
+    p.add_argument("--output-json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.min_len < 1 or args.max_len < args.min_len:
+        p.error("need 1 <= --min-len <= --max-len")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    preset = MODEL_PRESETS[args.model_preset]
+    work = make_workload(args.num_prompts, args.min_len, args.max_len, preset["vocab_size"],
+                         args.seed, args.min_out, args.max_out)
+    print(f"workload: {args.num_prompts} requests, {work.num_prompt_tokens} prompt tokens, "
+          f"{work.num_output_tokens} output tokens, model {args.model_preset} (dummy weights), "
+          f"dtype {args.dtype}, torch {torch.__version__}"
+          + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", CPU"),
+          flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
+    results: list[Result] = []
+    failures: list[str] = []
+    try:
+        model_dir = write_model_config(tmp / args.model_preset, args.model_preset)
+        runs = ([] if args.skip_pdserve else [run_pdserve]) + ([] if args.skip_hf else [run_transformers])
+        for run in runs:
+            try:
+                r = run(model_dir, work, args)
+            except Exception as exc:  # report and still run the other engine
+                failures.append(f"{run.__name__}: {type(exc).__name__}: {exc}")
+                print(f"[{run.__name__}] FAILED: {exc!r}", file=sys.stderr, flush=True)
+                continue
+            results.append(r)
+            print(f"[{r.engine}] {r.output_tokens} output tokens in {r.seconds:.2f} s = "
+                  f"{r.output_tokens_per_s:,.0f} tokens/s", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print("\nengine         requests  output tokens  seconds   output tokens/s")
+    for r in results:
+        print(f"{r.engine:<14} {r.num_requests:>8}  {r.output_tokens:>13}  {r.seconds:>7.2f}  "
+              f"{r.output_tokens_per_s:>16,.0f}")
+    by = {r.engine: r for r in results}
+    ratio = None
+    if "pdserve" in by and "transformers" in by:
+        ratio = by["pdserve"].output_tokens_per_s / by["transformers"].output_tokens_per_s
+        print(f"pdserve / transformers = {ratio:.1f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as fh:
+            json.dump({"args": vars(args),
+                       "results": [{**asdict(r), "output_tokens_per_s": r.output_tokens_per_s}
+                                   for r in results],
+                       "ratio": ratio, "failures": failures}, fh, indent=2)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

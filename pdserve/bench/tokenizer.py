@@ -1,0 +1,50 @@
+"""Load the benchmark's tokenizer (``-m/--model``) from local files only; nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+BUILTIN_MODEL = "smollm2-135m-instruct"
+
+
+class TokenizerLoadError(RuntimeError):
+    """The tokenizer source is not usable; the message says why."""
+
+
+def load_tokenizer(source: str) -> Any:
+    """Return a ``transformers`` tokenizer for ``source``.
+
+    Args:
+        source: the built-in model name ``smollm2-135m-instruct`` (resolved, and converted once,
+            by :func:`pdserve.model.smollm2.resolve_model_path`), a local Hugging Face model or
+            tokenizer directory, or a local ``.gguf`` file.
+
+    Raises:
+        TokenizerLoadError: the path does not exist or holds no loadable tokenizer.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    path_str = source
+    if source.strip().lower() == BUILTIN_MODEL:
+        from pdserve.model.smollm2 import resolve_model_path
+
+        try:
+            path_str = resolve_model_path(source)
+        except (FileNotFoundError, OSError) as exc:
+            raise TokenizerLoadError(f"cannot prepare the built-in model {source!r}: {exc}") from exc
+    path = Path(path_str).expanduser()
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if path.is_dir():
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    raise TokenizerLoadError(
+        f"-m/--model {source!r} is neither the built-in {BUILTIN_MODEL!r}, a local model "
+        "directory, nor a .gguf file (the benchmark never downloads tokenizers)"
+    )

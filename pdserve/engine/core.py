@@ -1,0 +1,345 @@
+"""The engine core: scheduler + model runner (+ KV connector), stepped in a loop.
+
+:class:`EngineCore` is usable in-process (:class:`pdserve.engine.llm_engine.LLMEngine`, tests);
+:func:`run_engine_core` is the entry point of the separate engine-core process that
+:class:`pdserve.engine.async_engine.AsyncEngine` spawns, speaking the protocol of
+:mod:`pdserve.engine.messages` over ZMQ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+from pdserve.config import EngineConfig
+from pdserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreAddresses,
+    CoreFailed,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    StepOutputs,
+    make_encoder,
+    make_input_decoder,
+)
+from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# Seconds the core loop waits for input between connector polls while only KV transfers are
+# pending (keeps transfer latency low without spinning a core), and while fully idle.
+KV_POLL_INTERVAL_S = 0.001
+IDLE_POLL_INTERVAL_S = 0.5
+# Seconds between stats-only messages while the scheduler state changes without token output.
+STATS_INTERVAL_S = 0.1
+
+
+def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int, num_blocks: int) -> int:
+    """Effective ``max_model_len`` in tokens.
+
+    Default: the model's ``max_position_embeddings``, capped (with a warning) at the KV cache
+    capacity ``num_blocks * block_size`` so that a single request always fits.
+
+    Raises:
+        ValueError: an explicit ``max_model_len`` exceeds the model's positions or the KV cache.
+    """
+    capacity = num_blocks * config.block_size
+    if config.max_model_len is None:
+        if max_position_embeddings > capacity:
+            logger.warning(
+                "max_model_len defaults to the KV cache capacity, %d tokens (the model supports %d);"
+                " give the cache more memory to serve longer sequences",
+                capacity, max_position_embeddings,
+            )
+        return min(max_position_embeddings, capacity)
+    if config.max_model_len < 1:
+        raise ValueError(f"max_model_len must be at least 1, got {config.max_model_len}")
+    if config.max_model_len > max_position_embeddings:
+        raise ValueError(
+            f"max_model_len ({config.max_model_len}) is larger than the model's "
+            f"max_position_embeddings ({max_position_embeddings})"
+        )
+    if config.max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len ({config.max_model_len} tokens) does not fit in the KV cache "
+            f"({num_blocks} blocks x {config.block_size} = {capacity} tokens); lower "
+            "--max-model-len or raise --kv-cache-memory / --gpu-memory-utilization"
+        )
+    return config.max_model_len
+
+
+def _create_connectors(kv_transfer_config: Any, engine_config: EngineConfig) -> tuple[Any, Any]:
+    """Both sides of the configured KV connector (scheduler side, worker side)."""
+    try:
+        from pdserve.kv_transfer.factory import create_connector
+    except ImportError as e:
+        raise RuntimeError(f"a KV transfer config was given but no connector is available: {e}") from e
+    return (
+        create_connector(kv_transfer_config, "scheduler", engine_config),
+        create_connector(kv_transfer_config, "worker", engine_config),
+    )
+
+
+class EngineCore:
+    """Scheduler, KV cache manager, model runner and (optional) KV connector of one instance.
+
+    Args:
+        config: the engine configuration.
+        runner: a model runner to use instead of building
+            :class:`pdserve.model.runner.ModelRunner` (tests inject fakes).
+        connectors: ``(scheduler_side, worker_side)`` to use instead of creating them from
+            ``config.kv_transfer_config`` (tests inject fakes).
+
+    Attributes:
+        model_info: the runner's ``ModelInfo``.
+        num_blocks: KV cache blocks.
+        max_model_len: effective max sequence length (tokens).
+        config: ``config`` with ``max_model_len`` resolved.
+        scheduler: the :class:`Scheduler`.
+
+    Raises:
+        ValueError / RuntimeError / OSError: the model or the configuration cannot be used (the
+            message says why).
+    """
+
+    def __init__(self, config: EngineConfig, runner: Any = None, connectors: tuple[Any, Any] | None = None):
+        if runner is None:
+            from pdserve.model.runner import ModelRunner
+
+            runner = ModelRunner(config)
+        self.runner = runner
+        self.model_info = runner.model_info
+        self.num_blocks = int(runner.determine_num_blocks())
+        if self.num_blocks < 1:
+            raise ValueError("no memory left for the KV cache (0 blocks)")
+        self.max_model_len = resolve_max_model_len(
+            config, self.model_info.max_position_embeddings, self.num_blocks
+        )
+        self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
+        runner.allocate_kv_cache(self.num_blocks)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d",
+            self.num_blocks, config.block_size, self.num_blocks * config.block_size, self.max_model_len,
+        )
+        self.connector = None
+        self.connector_worker = None
+        if connectors is None and config.kv_transfer_config is not None:
+            connectors = _create_connectors(config.kv_transfer_config, self.config)
+        if connectors is not None:
+            self.connector, self.connector_worker = connectors
+            self.connector_worker.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)
+            runner.set_kv_connector_worker(self.connector_worker)
+        self.eos_token_ids = list(self.model_info.eos_token_ids or [])
+        self.scheduler = Scheduler(
+            self.config, self.num_blocks, self.connector, eos_token_ids=self.eos_token_ids
+        )
+        self._connector_stats: list[dict[str, Any]] = []
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, msg: AddRequest) -> EngineCoreOutput | None:
+        """Queue a request.
+
+        Returns:
+            None when queued, else a finished output with ``finish_reason="error"`` saying why
+            the request was rejected (the front end validates first; this is the last line).
+        """
+        eos = msg.eos_token_id
+        if eos is None and self.eos_token_ids:
+            eos = self.eos_token_ids[0]
+        req = Request(
+            request_id=msg.request_id,
+            prompt_token_ids=list(msg.prompt_token_ids),
+            sampling_params=msg.sampling_params,
+            eos_token_id=eos,
+            kv_transfer_params=msg.kv_transfer_params,
+        )
+        try:
+            msg.sampling_params.validate()
+            vocab = self.model_info.vocab_size
+            bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            return EngineCoreOutput(
+                request_id=msg.request_id,
+                finish_reason="error",
+                num_prompt_tokens=req.num_prompt_tokens,
+                error=str(e),
+            )
+        return None
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    # ---------------------------------------------------------------- stepping
+    def has_work(self) -> bool:
+        """True when a step could make progress or the connector needs polling."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_work()
+
+    def step(self) -> tuple[list[EngineCoreOutput], bool]:
+        """One engine step: schedule, execute, commit.
+
+        When nothing is schedulable but KV transfers, notifications or leases are pending (or
+        finished requests must be reported to the runner), the runner still executes an empty
+        batch so the connector gets polled.
+
+        Returns:
+            ``(outputs, computed)``: per-request deltas and whether any token was computed.
+        """
+        sched = self.scheduler.schedule()
+        if not sched.scheduled and not sched.finished_req_ids and not self.scheduler.has_pending_kv_work():
+            return [], False
+        out = self.runner.execute(sched)
+        outputs = self.scheduler.update_from_output(sched, out)
+        kv_out = out.kv_connector_output
+        if kv_out is not None and kv_out.stats:
+            self._connector_stats.append(kv_out.stats)
+        return outputs, bool(sched.scheduled)
+
+    def take_connector_stats(self) -> list[dict[str, Any]]:
+        """Connector stats deltas collected since the last call."""
+        stats, self._connector_stats = self._connector_stats, []
+        return stats
+
+    def stats(self) -> dict[str, Any]:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        """Stop the connector and release the runner (idempotent)."""
+        for part in (self.connector, self.connector_worker, self.runner):
+            if part is None:
+                continue
+            try:
+                part.shutdown()
+            except Exception:  # shutting down: log and keep releasing the rest
+                logger.exception("error while shutting down %s", type(part).__name__)
+        self.connector = self.connector_worker = None
+
+
+def _model_info_dict(model_info: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(model_info):
+        return dataclasses.asdict(model_info)
+    return dict(vars(model_info))
+
+
+def run_engine_core(config: EngineConfig, addresses: CoreAddresses) -> None:
+    """Entry point of the engine-core process: build the core, then loop until told to stop.
+
+    Startup failures are sent to the front end as :class:`StartupFailed` (then exit code 1);
+    failures while running as :class:`CoreFailed`. Exits on its own when the parent dies.
+    """
+    import zmq
+
+    logging.basicConfig(
+        level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
+    parent = os.getppid()
+    ctx = zmq.Context()
+    in_sock = ctx.socket(zmq.PULL)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 5000)
+    in_sock.connect(addresses.input_address)
+    out_sock.connect(addresses.output_address)
+    encoder = make_encoder()
+    decoder = make_input_decoder()
+    core: EngineCore | None = None
+    exit_code = 0
+    try:
+        try:
+            core = EngineCore(config)
+        except BaseException as e:  # any startup failure must reach the front end
+            logger.error("engine core failed to start: %s", e)
+            out_sock.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}", traceback.format_exc())))
+            exit_code = 1
+            return
+        out_sock.send(
+            encoder.encode(
+                Ready(
+                    model_info=_model_info_dict(core.model_info),
+                    num_blocks=core.num_blocks,
+                    block_size=config.block_size,
+                    max_model_len=core.max_model_len,
+                )
+            )
+        )
+        try:
+            _core_loop(core, in_sock, out_sock, encoder, decoder, parent)
+        except BaseException as e:
+            logger.exception("engine core failed")
+            out_sock.send(encoder.encode(CoreFailed(f"{type(e).__name__}: {e}", traceback.format_exc())))
+            exit_code = 1
+    finally:
+        if core is not None:
+            core.shutdown()
+        in_sock.close(0)
+        out_sock.close()
+        ctx.term()
+        if exit_code:
+            os._exit(exit_code)
+
+
+def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, decoder: Any, parent: int) -> None:
+    import zmq
+
+    poller = zmq.Poller()
+    poller.register(in_sock, zmq.POLLIN)
+    last_stats: dict[str, Any] | None = None
+    last_stats_time = 0.0
+    progressed = False
+    sched = core.scheduler
+    while True:
+        # Wait for input: not at all while the last step computed tokens, briefly while other
+        # work (transfers, leases) is pending, long (but bounded, to notice a dead parent) when
+        # idle. Never spins a core when nothing can progress.
+        if progressed:
+            timeout_ms = 0
+        elif core.has_work():
+            timeout_ms = KV_POLL_INTERVAL_S * 1000
+        else:
+            timeout_ms = IDLE_POLL_INTERVAL_S * 1000
+        early_outputs: list[EngineCoreOutput] = []
+        if poller.poll(timeout_ms):
+            while True:
+                try:
+                    raw = in_sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = decoder.decode(raw)
+                if isinstance(msg, AddRequest):
+                    rejected = core.add_request(msg)
+                    if rejected is not None:
+                        early_outputs.append(rejected)
+                elif isinstance(msg, AbortRequests):
+                    core.abort_requests(msg.request_ids)
+                elif isinstance(msg, Shutdown):
+                    logger.info("engine core shutting down")
+                    return
+        elif os.getppid() != parent:
+            logger.warning("front-end process died; engine core exiting")
+            return
+
+        outputs, progressed = core.step() if core.has_work() or sched.finished_req_ids else ([], False)
+        outputs = early_outputs + outputs
+        conn_stats = core.take_connector_stats()
+        now = time.monotonic()
+        stats = None
+        if outputs or conn_stats or now - last_stats_time >= STATS_INTERVAL_S:
+            snapshot = core.stats()
+            if outputs or conn_stats or snapshot != last_stats:
+                stats = snapshot
+                last_stats = snapshot
+                last_stats_time = now
+        if outputs or conn_stats or stats is not None:
+            out_sock.send(encoder.encode(StepOutputs(outputs=outputs, stats=stats, connector_stats=conn_stats)))

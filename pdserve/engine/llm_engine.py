@@ -1,0 +1,146 @@
+"""Synchronous, in-process engine for tests and offline benchmarks (no HTTP, no extra process)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from pdserve.config import EngineConfig
+from pdserve.engine.core import EngineCore
+from pdserve.engine.messages import AddRequest
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationOutput:
+    """The complete result of one prompt.
+
+    Attributes:
+        request_id: the id the engine used.
+        prompt_token_ids: the prompt.
+        token_ids: generated tokens (an EOS or stop token that ended the sequence included).
+        finish_reason: ``stop``, ``length``, ``abort`` or ``error``.
+        stop_reason: the stop token id that ended it, if any.
+        logprobs: per generated token, when requested.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        num_transferred_tokens: prompt tokens whose KV came from another instance.
+        kv_transfer_params: the connector's params (finishing output).
+        error: reason when ``finish_reason == "error"``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_transferred_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class LLMEngine:
+    """Runs an :class:`EngineCore` in the calling thread.
+
+    Args:
+        config: engine configuration.
+        runner: optional model runner (tests inject fakes); default: the real ModelRunner.
+        connectors: optional ``(scheduler_side, worker_side)`` KV connector pair (tests).
+    """
+
+    def __init__(self, config: EngineConfig, runner: Any = None, connectors: tuple[Any, Any] | None = None):
+        self.core = EngineCore(config, runner=runner, connectors=connectors)
+        self._next_id = 0
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def kv_cache_manager(self):
+        return self.core.scheduler.kv_cache_manager
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        kv_transfer_params: Sequence[dict[str, Any] | None] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for all prompts at once (continuous batching) and return results in prompt
+        order.
+
+        Args:
+            prompts: token id lists.
+            sampling_params: one for all prompts, or one per prompt (default:
+                ``SamplingParams()``).
+            kv_transfer_params: per prompt, or None.
+
+        Raises:
+            ValueError: mismatched list lengths.
+        """
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        kvp = list(kv_transfer_params) if kv_transfer_params is not None else [None] * len(prompts)
+        results: dict[str, GenerationOutput] = {}
+        order: list[str] = []
+        for prompt, sp, kv in zip(prompts, params, kvp):
+            rid = f"llm-{self._next_id}"
+            self._next_id += 1
+            order.append(rid)
+            res = GenerationOutput(request_id=rid, prompt_token_ids=list(prompt))
+            results[rid] = res
+            rejected = self.core.add_request(
+                AddRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp, kv_transfer_params=kv)
+            )
+            if rejected is not None:
+                res.finish_reason, res.error = rejected.finish_reason, rejected.error
+        pending = {rid for rid in order if results[rid].finish_reason is None}
+        while pending:
+            outputs, progressed = self.core.step()
+            if not progressed and not outputs:
+                time.sleep(0.001)  # only transfers pending: poll without spinning
+            for o in outputs:
+                res = results.get(o.request_id)
+                if res is None:
+                    continue
+                res.token_ids.extend(o.new_token_ids)
+                res.logprobs.extend(o.new_logprobs)
+                res.num_cached_tokens = o.num_cached_tokens
+                res.num_transferred_tokens = o.num_transferred_tokens
+                if o.finish_reason is not None:
+                    res.finish_reason = o.finish_reason
+                    res.stop_reason = o.stop_reason
+                    res.kv_transfer_params = o.kv_transfer_params
+                    res.error = o.error
+                    pending.discard(o.request_id)
+        return [results[rid] for rid in order]
+
+    def drain_kv_work(self, timeout_s: float = 60.0) -> None:
+        """Step until no KV transfer, notification or lease is pending (e.g. a prefiller's blocks
+        held for a decoder), at most ``timeout_s`` seconds.
+
+        Raises:
+            TimeoutError: still pending after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.core.scheduler.has_pending_kv_work() or self.core.scheduler.finished_req_ids:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"KV transfer work still pending after {timeout_s} s")
+            _, progressed = self.core.step()
+            if not progressed:
+                time.sleep(0.001)
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,154 @@
+"""OpenAI-style error bodies and the FastAPI exception handlers that produce them.
+
+Every error the server returns has the body
+``{"error": {"message": str, "type": str, "param": str | None, "code": str | int | None}}``,
+the shape the official ``openai`` client parses into its exception classes. Bad input is a 4xx;
+a 5xx means the engine failed a request or a bug, never the client's input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+# HTTP status -> error ``type``, named like the openai client's exception classes.
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class OpenAIError(Exception):
+    """An error to return to the client as an OpenAI error body.
+
+    Args:
+        message: human-readable reason.
+        status: HTTP status code.
+        param: the request field at fault, if any.
+        code: machine-readable code (e.g. ``model_not_found``); defaults to None.
+        type_: error type; defaults to the name for ``status`` in :data:`ERROR_TYPES`.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        param: str | None = None,
+        code: str | int | None = None,
+        type_: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type_ or ERROR_TYPES.get(status, "BadRequestError" if status < 500 else
+                                             "InternalServerError")
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body ``{"error": {...}}``."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    """A 400 ``BadRequestError``."""
+    return OpenAIError(message, 400, param=param, code=code)
+
+
+def model_not_found(name: str | None, served: str) -> OpenAIError:
+    """A 404 for a ``model`` this server does not serve."""
+    return OpenAIError(
+        f"The model '{name}' does not exist; this server serves '{served}'.",
+        404, param="model", code="model_not_found", type_="NotFoundError",
+    )
+
+
+def _clean_msg(msg: str) -> str:
+    # pydantic prefixes messages raised by validators with "Value error, ".
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
+
+
+def validation_error_to_openai(errors: list[dict[str, Any]]) -> OpenAIError:
+    """Turns FastAPI/pydantic validation errors into one 400.
+
+    The first error names the field (``param`` = its top-level name); union members in the
+    location (``str``, ``list[int]``) are dropped from the message.
+    """
+    if not errors:
+        return bad_request("Invalid request")
+    err = errors[0]
+    kind = err.get("type", "")
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return bad_request(f"Malformed JSON body: {detail}".rstrip(": "), code="invalid_json")
+    if not loc:
+        if kind == "missing":
+            return bad_request("The request body is missing; send a JSON object.")
+        return bad_request(f"The request body must be a JSON object: {_clean_msg(err['msg'])}")
+    # Drop pydantic's union-member tags such as "str" / "list[int]" / "function-after[...]".
+    path = [p for p in loc if not (("[" in p and "]" in p) or p in ("str", "int", "float", "bool"))]
+    where = ".".join(path) or loc[0]
+    msg = _clean_msg(str(err.get("msg", "invalid value")))
+    if kind == "missing":
+        msg = "field required"
+    return bad_request(f"{where}: {msg}", param=path[0] if path else loc[0])
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Registers handlers so every error leaves as an OpenAI error body."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error_to_openai(list(exc.errors())).response()
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _json_error(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return bad_request(f"Malformed JSON body: {exc}", code="invalid_json").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        err = OpenAIError(detail, exc.status_code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500).response()

@@ -1,0 +1,296 @@
+"""OpenAI-compatible request and response models (pydantic).
+
+Requests accept unknown extra fields (clients send many we do not use) but validate the fields we
+know strictly: a string where a number belongs, ``true`` where an integer belongs, or an
+out-of-range value is a 400, never a silent coercion. Field names follow the OpenAI API; fields
+that are not OpenAI's (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``repetition_penalty``, ``kv_transfer_params``, ``chat_template_kwargs``) follow vLLM's so that its
+users find the same knobs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Largest ``n`` accepted: each choice is one engine request.
+MAX_N = 128
+# Most alternatives per token for logprobs / top_logprobs (SamplingParams.validate's bound).
+MAX_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    """Base of request bodies: strict types for known fields, unknown fields allowed."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Request):
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage`` and no choices."""
+
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Sampling and stopping fields shared by both endpoints (None: the default)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _non_negative_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    def stop_list(self) -> list[str]:
+        """``stop`` as a list (empty strings dropped)."""
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s]
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions`` body.
+
+    ``prompt`` is a string, a list of strings, a list of token ids, or a list of token-id lists;
+    each prompt gets ``n`` choices (choice index = prompt index * n + i). ``logprobs`` is the
+    number of alternatives per token (0..20). ``echo`` is not supported (only ``false``).
+    """
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        ok = isinstance(v, str) or (
+            isinstance(v, list)
+            and (
+                all(isinstance(p, str) for p in v)
+                or all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+                or all(
+                    isinstance(p, list)
+                    and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                    for p in v
+                )
+            )
+        )
+        if not ok:
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of token ids, "
+                "or a list of token-id lists"
+            )
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo=true is not supported")
+        return v
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list: strings or token-id lists (never mixed)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            return []
+        if isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return p  # type: ignore[return-value]
+
+
+class ContentPart(_Request):
+    """One part of a message's ``content`` list; only ``{"type": "text", "text": ...}`` is
+    supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    """One chat message. Extra keys (``name``, ``tool_calls``, ...) go to the chat template."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str | None:
+        """The content as one string (text parts joined)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(
+                        f"only text content parts are supported, got type {part.type!r}"
+                    )
+        return v
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions`` body.
+
+    ``max_completion_tokens`` wins over ``max_tokens``; without either, generation may run to
+    ``max_model_len``. ``logprobs`` is a bool and ``top_logprobs`` (0..20) needs it.
+    ``add_generation_prompt`` (default true) and ``chat_template_kwargs`` go to the tokenizer's
+    chat template.
+    """
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token for the engine, or None without logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    """Token accounting: ``prompt_tokens`` counts each prompt once (not once per choice)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(_Response):
+    """Legacy completions ``logprobs`` object."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pdserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)

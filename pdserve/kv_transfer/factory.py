@@ -1,0 +1,55 @@
+"""Create a KV connector side from a :class:`~pdserve.kv_transfer.config.KVTransferConfig`.
+
+The engine core creates both sides in its own process: the scheduler side for the Scheduler and
+the worker side for the ModelRunner (which then calls ``register_kv_cache``). The two sides
+share no object; they talk only through the per-step metadata and ``KVConnectorOutput``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
+from pdserve.kv_transfer.config import KVTransferConfig, KVTransferConfigError
+
+ROLES = ("scheduler", "worker")
+
+
+def create_connector(
+    kv_transfer_config: KVTransferConfig,
+    role: str,
+    engine_config: Any = None,
+) -> KVConnectorSchedulerSide | KVConnectorWorkerSide:
+    """Build one side of the configured connector.
+
+    Args:
+        kv_transfer_config: the validated configuration.
+        role: ``"scheduler"`` or ``"worker"``.
+        engine_config: the :class:`pdserve.config.EngineConfig` (the scheduler side reads
+            ``block_size``, default 16 without one); ``extra["data_parallel_rank"]`` (default 0)
+            selects the side-channel port ``base + rank``.
+
+    Returns:
+        A :class:`KVConnectorSchedulerSide` for ``"scheduler"``, a
+        :class:`KVConnectorWorkerSide` for ``"worker"``.
+
+    Raises:
+        ValueError: unknown role.
+        KVTransferConfigError: unknown connector.
+        NixlUnavailableError, SideChannelBindError: the worker side cannot start (missing NIXL
+            backend, side-channel port in use).
+    """
+    if role not in ROLES:
+        raise ValueError(f"unknown connector role {role!r}; expected one of {list(ROLES)}")
+    if kv_transfer_config.kv_connector != "NixlConnector":
+        raise KVTransferConfigError(f"unknown kv_connector {kv_transfer_config.kv_connector!r}")
+    extra = getattr(engine_config, "extra", None) or {}
+    dp_rank = int(extra.get("data_parallel_rank", 0))
+    if role == "scheduler":
+        from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
+
+        block_size = int(getattr(engine_config, "block_size", 16) or 16)
+        return NixlConnectorScheduler(kv_transfer_config, block_size, data_parallel_rank=dp_rank)
+    from pdserve.kv_transfer.nixl.worker import NixlConnectorWorker
+
+    return NixlConnectorWorker(kv_transfer_config, data_parallel_rank=dp_rank)

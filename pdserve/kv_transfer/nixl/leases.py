@@ -1,0 +1,152 @@
+"""Leases on blocks this instance keeps for a remote reader (thread-safe).
+
+A finished request's blocks stay allocated (the scheduler's ``delay_free``) until one of:
+the reader's "done" notification (the READ completed), the reader's "abort" notification,
+or the end of the lease (counted as an expired request). Heartbeats from a reader whose request
+still waits in its queue extend a renewable lease; a successful claim (the reader's check right
+before its READ) extends it too. The side-channel thread claims; the engine thread does the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+_CLOSED_MEMORY = 10_000  # how many closed leases are remembered (to answer late claims clearly)
+_EARLY_NOTICE_TTL_S = 120.0
+
+
+@dataclass
+class Lease:
+    """Blocks kept for a remote reader.
+
+    Attributes:
+        block_ids: the blocks, in token order (exactly what was advertised to the reader).
+        duration_s: lease length in seconds.
+        expiry: ``time.monotonic()`` deadline.
+        renewable: heartbeats and claims extend the lease.
+    """
+
+    block_ids: list[int]
+    duration_s: float
+    expiry: float
+    renewable: bool = True
+
+
+class LeaseTable:
+    """Request id -> :class:`Lease`, with the reasons of recently closed leases."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._closed: OrderedDict[str, str] = OrderedDict()
+        self._early: dict[str, tuple[str, float]] = {}  # notices seen before their lease
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def __contains__(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self._leases
+
+    def expiry_wallclock(self, req_id: str) -> float | None:
+        """The lease's end as ``time.time()`` seconds, or None when there is no lease."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None:
+                return None
+            return time.time() + (lease.expiry - time.monotonic())
+
+    def add(self, req_id: str, block_ids: list[int], duration_s: float, renewable: bool = True,
+            now: float | None = None) -> str | None:
+        """Start a lease.
+
+        Returns:
+            The kind of a notice (``"done"``/``"abort"``) that arrived before the lease; the
+            caller then closes the lease at once. None otherwise.
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._leases[req_id] = Lease(list(block_ids), duration_s, now + duration_s, renewable)
+            self._closed.pop(req_id, None)
+            early = self._early.pop(req_id, None)
+        return early[0] if early else None
+
+    def close(self, req_id: str, reason: str) -> bool:
+        """End a lease (read done, aborted, released). Returns True when it existed."""
+        with self._lock:
+            lease = self._leases.pop(req_id, None)
+            if lease is None:
+                return False
+            self._remember(req_id, reason)
+            return True
+
+    def note_unknown(self, req_id: str, kind: str, now: float | None = None) -> None:
+        """Remember a done/abort notice for a lease not registered yet."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if req_id in self._closed:
+                return
+            self._early[req_id] = (kind, now + _EARLY_NOTICE_TTL_S)
+
+    def renew(self, req_id: str, now: float | None = None) -> bool:
+        """Heartbeat: extend a renewable lease to ``now + duration``. True if extended."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None or not lease.renewable:
+                return False
+            lease.expiry = max(lease.expiry, now + lease.duration_s)
+            return True
+
+    def claim(self, req_id: str, block_ids: list[int],
+              now: float | None = None) -> tuple[str, str, float]:
+        """A reader's check before its READ (side-channel thread).
+
+        Returns:
+            ``("ok", "", seconds_left)`` when the lease holds exactly ``block_ids`` (a renewable
+            lease is extended for the read); ``("wait", reason, 0)`` for an unknown request
+            (its lease may not be registered yet); ``("reject", reason, 0)`` otherwise.
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None:
+                closed = self._closed.get(req_id)
+                if closed is not None:
+                    return "reject", f"request {req_id!r} holds no blocks any more ({closed})", 0.0
+                return "wait", f"no blocks are held for request {req_id!r}", 0.0
+            if list(block_ids) != lease.block_ids:
+                return (
+                    "reject",
+                    f"block ids {list(block_ids)[:8]}... do not match the {len(lease.block_ids)} "
+                    f"blocks held for request {req_id!r}",
+                    0.0,
+                )
+            if lease.renewable:
+                lease.expiry = max(lease.expiry, now + lease.duration_s)
+            return "ok", "", lease.expiry - now
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Close every lease whose deadline passed (all entries are scanned).
+
+        Returns:
+            The expired request ids.
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [rid for rid, lease in self._leases.items() if lease.expiry <= now]
+            for rid in expired:
+                del self._leases[rid]
+                self._remember(rid, "lease expired")
+            for rid in [r for r, (_, t) in self._early.items() if t <= now]:
+                del self._early[rid]
+        return expired
+
+    def _remember(self, req_id: str, reason: str) -> None:
+        self._closed[req_id] = reason
+        while len(self._closed) > _CLOSED_MEMORY:
+            self._closed.popitem(last=False)

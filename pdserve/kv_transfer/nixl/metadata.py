@@ -1,0 +1,193 @@
+"""Per-step metadata that the NIXL connector's scheduler side hands to its worker side.
+
+Pure Python (no torch). The scheduler side builds one :class:`NixlConnectorMetadata` per engine
+step; the worker side acts on it in ``start_load_kv`` / ``get_finished``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class KVTransferParamsError(ValueError):
+    """``kv_transfer_params`` that name a remote instance but lack or mistype a field."""
+
+
+@dataclass(frozen=True)
+class RemoteEndpoint:
+    """Where a remote engine's side channel listens, and who it claims to be.
+
+    Attributes:
+        engine_id: the remote instance's ``engine_id``.
+        host: side-channel host.
+        port: side-channel TCP port.
+    """
+
+    engine_id: str
+    host: str
+    port: int
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.engine_id, self.host, self.port)
+
+
+@dataclass
+class RemoteKVRef:
+    """A remote instance's KV for one request, parsed from ``kv_transfer_params``.
+
+    Attributes:
+        endpoint: the remote instance.
+        request_id: the request id on the remote instance (``remote_request_id``).
+        block_ids: the remote block table covering the remote request's computed tokens.
+        num_tokens: tokens whose KV the remote holds (``remote_num_tokens``), or None when the
+            params do not say (P→D: the whole prompt).
+        block_hashes: chained per-block token hashes of the remote's full blocks, when given.
+        expiry_time: the remote's wall-clock time (``time.time()`` seconds) at which its blocks
+            are freed, when given.
+    """
+
+    endpoint: RemoteEndpoint
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int | None = None
+    block_hashes: list[str] | None = None
+    expiry_time: float | None = None
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "RemoteKVRef":
+        """Parse the remote fields of ``kv_transfer_params`` (unknown extra fields are ignored).
+
+        Raises:
+            KVTransferParamsError: a required field is missing or has the wrong type.
+        """
+        def need(name: str, types: type | tuple[type, ...]) -> Any:
+            if name not in params or params[name] is None:
+                raise KVTransferParamsError(f"kv_transfer_params lacks {name!r}")
+            value = params[name]
+            if not isinstance(value, types) or isinstance(value, bool):
+                raise KVTransferParamsError(
+                    f"kv_transfer_params.{name} has the wrong type ({type(value).__name__})"
+                )
+            return value
+
+        engine_id = need("remote_engine_id", str)
+        host = need("remote_host", str)
+        port = need("remote_port", int)
+        if not 0 < port < 65536:
+            raise KVTransferParamsError(f"kv_transfer_params.remote_port {port} is out of range")
+        request_id = need("remote_request_id", str)
+        block_ids = need("remote_block_ids", list)
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids):
+            raise KVTransferParamsError(
+                "kv_transfer_params.remote_block_ids must be a list of non-negative integers"
+            )
+        num_tokens = params.get("remote_num_tokens")
+        if num_tokens is not None and (not isinstance(num_tokens, int) or num_tokens < 0):
+            raise KVTransferParamsError("kv_transfer_params.remote_num_tokens must be an integer")
+        hashes = params.get("remote_block_hashes")
+        if hashes is not None and (
+            not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes)
+        ):
+            raise KVTransferParamsError(
+                "kv_transfer_params.remote_block_hashes must be a list of strings"
+            )
+        expiry = params.get("remote_blocks_expiry_time")
+        if expiry is not None and (not isinstance(expiry, (int, float)) or isinstance(expiry, bool)):
+            raise KVTransferParamsError(
+                "kv_transfer_params.remote_blocks_expiry_time must be a number"
+            )
+        return cls(
+            endpoint=RemoteEndpoint(engine_id=engine_id, host=host, port=port),
+            request_id=request_id,
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            block_hashes=list(hashes) if hashes is not None else None,
+            expiry_time=float(expiry) if expiry is not None else None,
+        )
+
+
+@dataclass
+class RecvSpec:
+    """One asynchronous KV load: read ``remote_block_ids[i]`` into ``local_block_ids[i]``.
+
+    Attributes:
+        req_id: the local request id.
+        remote: the remote request (its full block table is sent in the lease claim).
+        local_block_ids: local destination blocks, in token order.
+        remote_read_block_ids: remote source blocks, same length and order.
+        num_tokens: tokens this load makes computed (for logs).
+        error: set when the load is known to fail before any I/O (bad params); the worker
+            reports it as a failed load.
+    """
+
+    req_id: str
+    remote: RemoteKVRef | None
+    local_block_ids: list[int]
+    remote_read_block_ids: list[int]
+    num_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class SendSpec:
+    """Blocks this instance keeps for a remote reader.
+
+    Attributes:
+        req_id: the local request id (the ``remote_request_id`` the reader will name).
+        block_ids: the blocks kept, in token order.
+        lease_duration: seconds to keep them without a heartbeat or read.
+        renew_on_heartbeat: heartbeats extend the lease (P→D leases) or not (D's TTL blocks).
+    """
+
+    req_id: str
+    block_ids: list[int]
+    lease_duration: float
+    renew_on_heartbeat: bool = True
+
+
+@dataclass
+class RemoteNotice:
+    """A control notification to a remote instance about one of its requests.
+
+    Attributes:
+        remote: the remote request.
+        kind: ``"abort"`` (this instance will not read; free the blocks) or ``"done"``.
+    """
+
+    remote: RemoteKVRef
+    kind: str
+
+
+@dataclass
+class NixlConnectorMetadata:
+    """What the worker side must do this step.
+
+    Attributes:
+        reqs_to_recv: loads to start (after the scheduler allocated their blocks).
+        reqs_to_send: finished requests whose blocks this instance keeps for a remote reader.
+        notices: control notifications to send (abort before read, release).
+        heartbeat_start: requests waiting in the local queue whose remote lease must be kept
+            alive (req_id -> remote request).
+        heartbeat_stop: requests that no longer need heartbeats.
+        aborted_recvs: requests finished locally while their load was planned or in flight;
+            the worker reports each in ``finished_recving`` once no READ writes its blocks.
+        release_sends: leases to drop now (the local side decided the blocks are not needed).
+        handshakes: remote instances to handshake with ahead of time.
+    """
+
+    reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
+    reqs_to_send: dict[str, SendSpec] = field(default_factory=dict)
+    notices: list[RemoteNotice] = field(default_factory=list)
+    heartbeat_start: dict[str, RemoteKVRef] = field(default_factory=dict)
+    heartbeat_stop: set[str] = field(default_factory=set)
+    aborted_recvs: set[str] = field(default_factory=set)
+    release_sends: set[str] = field(default_factory=set)
+    handshakes: list[RemoteEndpoint] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.reqs_to_recv or self.reqs_to_send or self.notices or self.heartbeat_start
+            or self.heartbeat_stop or self.aborted_recvs or self.release_sends or self.handshakes
+        )

@@ -1,0 +1,160 @@
+"""KV transfer statistics: per-step deltas for the front end's Prometheus metrics, and the
+periodic ``KV Transfer metrics: ...`` log line.
+
+The delta dict (``KVConnectorOutput.stats``) has exactly these keys::
+
+    {"xfer_time_s": [float], "post_time_s": [float], "bytes": [int], "num_descriptors": [int],
+     "num_failed_transfers": int, "num_failed_notifications": int, "num_kv_expired_reqs": int}
+
+one list entry per successful transfer; the server turns them into the
+``pdserve:nixl_*`` histograms and counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("pdserve.kv_transfer")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method) of a non-empty list.
+
+    Args:
+        values: samples.
+        q: percentile in 0..100.
+    """
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class TransferStats:
+    """Transfer observations over some period.
+
+    Attributes:
+        xfer_time_s: per successful transfer, seconds from post to completion.
+        post_time_s: per successful transfer, seconds spent creating and posting it.
+        bytes: per successful transfer, bytes moved.
+        num_descriptors: per successful transfer, descriptors after merging runs of blocks.
+        num_failed_transfers: transfers that failed (error, timeout, failed handshake or lease
+            claim, invalid block ids).
+        num_failed_notifications: control notifications that could not be sent.
+        num_kv_expired_reqs: leases that ended without a read (blocks freed by expiry).
+    """
+
+    xfer_time_s: list[float] = field(default_factory=list)
+    post_time_s: list[float] = field(default_factory=list)
+    bytes: list[int] = field(default_factory=list)
+    num_descriptors: list[int] = field(default_factory=list)
+    num_failed_transfers: int = 0
+    num_failed_notifications: int = 0
+    num_kv_expired_reqs: int = 0
+
+    def record_transfer(
+        self, xfer_time_s: float, post_time_s: float, nbytes: int, num_descriptors: int
+    ) -> None:
+        self.xfer_time_s.append(float(xfer_time_s))
+        self.post_time_s.append(float(post_time_s))
+        self.bytes.append(int(nbytes))
+        self.num_descriptors.append(int(num_descriptors))
+
+    def merge(self, other: "TransferStats") -> None:
+        self.xfer_time_s += other.xfer_time_s
+        self.post_time_s += other.post_time_s
+        self.bytes += other.bytes
+        self.num_descriptors += other.num_descriptors
+        self.num_failed_transfers += other.num_failed_transfers
+        self.num_failed_notifications += other.num_failed_notifications
+        self.num_kv_expired_reqs += other.num_kv_expired_reqs
+
+    def is_empty(self) -> bool:
+        return not (
+            self.xfer_time_s or self.num_failed_transfers or self.num_failed_notifications
+            or self.num_kv_expired_reqs
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``KVConnectorOutput.stats`` form (see the module docstring)."""
+        return {
+            "xfer_time_s": list(self.xfer_time_s),
+            "post_time_s": list(self.post_time_s),
+            "bytes": list(self.bytes),
+            "num_descriptors": list(self.num_descriptors),
+            "num_failed_transfers": self.num_failed_transfers,
+            "num_failed_notifications": self.num_failed_notifications,
+            "num_kv_expired_reqs": self.num_kv_expired_reqs,
+        }
+
+    def format_log_line(self) -> str:
+        """``KV Transfer metrics: ...`` with averages and P90s in milliseconds, sizes in MB
+        (10^6 bytes) and throughput as total MB over total transfer time."""
+        n = len(self.xfer_time_s)
+        total_mb = sum(self.bytes) / 1e6
+        total_xfer_s = sum(self.xfer_time_s)
+        avg_xfer = 1e3 * total_xfer_s / n if n else 0.0
+        p90_xfer = 1e3 * percentile(self.xfer_time_s, 90) if n else 0.0
+        avg_post = 1e3 * sum(self.post_time_s) / n if n else 0.0
+        p90_post = 1e3 * percentile(self.post_time_s, 90) if n else 0.0
+        avg_mb = total_mb / n if n else 0.0
+        throughput = total_mb / total_xfer_s if total_xfer_s > 0 else 0.0
+        avg_desc = sum(self.num_descriptors) / n if n else 0.0
+        return (
+            f"KV Transfer metrics: Num successful transfers={n}, "
+            f"Avg xfer time (ms)={avg_xfer:.3f}, P90 xfer time (ms)={p90_xfer:.3f}, "
+            f"Avg post time (ms)={avg_post:.3f}, P90 post time (ms)={p90_post:.3f}, "
+            f"Avg MB per transfer={avg_mb:.3f}, Throughput (MB/s)={throughput:.3f}, "
+            f"Avg number of descriptors={avg_desc:.1f}, "
+            f"Num failed transfers={self.num_failed_transfers}, "
+            f"Num KV expired reqs={self.num_kv_expired_reqs}"
+        )
+
+
+class StatsRecorder:
+    """Collects observations; hands out per-step deltas and logs the interval line.
+
+    Args:
+        log_interval_s: seconds between two log lines (a line is logged only when something
+            happened during the interval).
+    """
+
+    def __init__(self, log_interval_s: float):
+        self.log_interval_s = log_interval_s
+        self._delta = TransferStats()
+        self._interval = TransferStats()
+        self._last_log = time.monotonic()
+
+    @property
+    def current(self) -> TransferStats:
+        """The observations not yet taken by :meth:`take_delta` (record into this)."""
+        return self._delta
+
+    def take_delta(self) -> dict[str, Any] | None:
+        """This step's observations as a stats dict, or None when nothing happened."""
+        if self._delta.is_empty():
+            return None
+        delta = self._delta
+        self._delta = TransferStats()
+        self._interval.merge(delta)
+        return delta.to_dict()
+
+    def maybe_log(self, now: float | None = None) -> str | None:
+        """Log (INFO) and return the interval line when the interval has passed and there was
+        activity; otherwise return None."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_log < self.log_interval_s:
+            return None
+        self._last_log = now
+        if self._interval.is_empty():
+            return None
+        line = self._interval.format_log_line()
+        self._interval = TransferStats()
+        logger.info("%s", line)
+        return line

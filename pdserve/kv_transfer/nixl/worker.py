@@ -1,0 +1,556 @@
+"""Worker side of the NIXL connector: moves KV blocks between instances.
+
+One :class:`NixlConnectorWorker` per engine-core process. It owns the NIXL agent (KV cache
+registered once), the side-channel server (so every instance can be read from, in both
+directions), the lease table of blocks kept for remote readers, and the state of this instance's
+own loads. Nothing here blocks the engine loop: handshakes, lease claims and side-channel
+notices run on a small thread pool and only ZMQ happens there; NIXL calls happen on the engine
+thread in :meth:`start_load_kv` / :meth:`get_finished`, which only post and poll.
+
+Load life cycle (reader side)::
+
+    handshake (once per remote engine, cached) -> claim (per request, checks and extends the
+    owner's lease) -> READ posted (notification "done" rides on it) -> polled until DONE/ERR
+
+Any failure ends the load with the request id in ``finished_recving`` and its destination blocks
+in ``invalid_block_ids``; the owner is told to drop its lease ("abort") when it can be reached.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.outputs import KVConnectorOutput
+from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
+from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.nixl.agent import NixlAgent, RemoteAgent, block_runs
+from pdserve.kv_transfer.nixl.leases import LeaseTable
+from pdserve.kv_transfer.nixl.metadata import (
+    NixlConnectorMetadata,
+    RecvSpec,
+    RemoteEndpoint,
+    RemoteKVRef,
+    RemoteNotice,
+)
+from pdserve.kv_transfer.nixl.side_channel import (
+    SideChannelError,
+    SideChannelServer,
+    SideChannelTimeout,
+    compat_fields,
+    compat_hash,
+    compat_mismatch,
+    side_channel_request,
+)
+from pdserve.kv_transfer.nixl.stats import StatsRecorder
+
+logger = logging.getLogger(__name__)
+
+NOTIF_PREFIX = b"pdserve1|"
+NOTIF_KINDS = ("done", "abort", "heartbeat")
+
+
+def encode_notif(kind: str, req_id: str) -> bytes:
+    """Notification payload naming one of the owner's requests."""
+    return NOTIF_PREFIX + kind.encode() + b"|" + req_id.encode()
+
+
+def decode_notif(msg: bytes) -> tuple[str, str] | None:
+    """``(kind, req_id)`` of a pdserve notification, or None for anything else."""
+    if not msg.startswith(NOTIF_PREFIX):
+        return None
+    kind, sep, req = msg[len(NOTIF_PREFIX):].partition(b"|")
+    if not sep:
+        return None
+    try:
+        kind_s, req_s = kind.decode(), req.decode()
+    except UnicodeDecodeError:
+        return None
+    return (kind_s, req_s) if kind_s in NOTIF_KINDS else None
+
+
+@dataclass
+class _Remote:
+    """Handshake state of one remote engine."""
+
+    endpoint: RemoteEndpoint
+    future: cf.Future | None = None  # pending handshake
+    agent: RemoteAgent | None = None  # ready
+    info: dict[str, Any] | None = None
+    clock_offset_s: float = 0.0  # remote time.time() - local time.time()
+
+
+@dataclass
+class _Load:
+    """One request's load in progress."""
+
+    spec: RecvSpec
+    phase: str = "handshake"  # handshake -> claim -> xfer
+    claim: cf.Future | None = None
+    handle: Any = None
+    t_post: float = 0.0
+    post_s: float = 0.0
+    deadline: float = 0.0
+    aborted: bool = False
+
+
+@dataclass
+class _Heartbeat:
+    remote: RemoteKVRef
+    last_sent: float = field(default=-1e18)
+
+
+class NixlConnectorWorker(KVConnectorWorkerSide):
+    """NIXL worker side (see the module docstring).
+
+    Args:
+        config: the validated transfer configuration.
+        data_parallel_rank: selects the side-channel port (``base + rank``).
+
+    Raises:
+        NixlUnavailableError: a configured backend is missing from this NIXL build.
+        SideChannelBindError: the side-channel port is in use.
+    """
+
+    def __init__(self, config: KVTransferConfig, data_parallel_rank: int = 0):
+        self.config = config
+        self.engine_id = config.engine_id
+        self.side_channel_host = config.side_channel_host
+        self.side_channel_port = config.side_channel_port_for(data_parallel_rank)
+        self.agent = NixlAgent(f"pdserve-{config.engine_id}-dp{data_parallel_rank}", config.backends)
+        self.leases = LeaseTable()
+        self.spec: KVCacheSpec | None = None
+        self._info: dict[str, Any] | None = None
+        self._compat: dict[str, Any] | None = None
+        self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="nixl-sidechan")
+        self._remotes: dict[tuple[str, str, int], _Remote] = {}
+        self._loads: dict[str, _Load] = {}
+        self._heartbeats: dict[str, _Heartbeat] = {}
+        self._pending_notices: list[RemoteNotice] = []
+        self._bg_notices: list[cf.Future] = []
+        self._metadata: NixlConnectorMetadata | None = None
+        self._out = KVConnectorOutput()
+        self.stats = StatsRecorder(config.kv_metrics_log_interval)
+        # (kind, req_id) notices received by the side-channel thread, applied on the engine thread
+        self._side_notices: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self.side_channel = SideChannelServer(
+            self.side_channel_host,
+            self.side_channel_port,
+            get_info=lambda: self._info,
+            claim=self.leases.claim,
+            notify=self._on_side_channel_notice,
+            claim_wait_s=config.kv_handshake_timeout,
+        )
+
+    # ------------------------------------------------------------------------- registration
+    def register_kv_cache(self, kv_cache: Any, spec: KVCacheSpec) -> None:
+        """Register the KV cache ``[num_blocks, L, 2, H_kv, block_size, D]`` with NIXL.
+
+        Raises:
+            ValueError: ``kv_buffer_device`` differs from the cache's device, or the tensor does
+                not match ``spec``.
+        """
+        want = self.config.kv_buffer_device
+        if want != "auto" and want != kv_cache.device.type:
+            raise ValueError(
+                f"kv_buffer_device={want!r} but the KV cache lives on {kv_cache.device.type!r}; "
+                "pdserve transfers directly from the KV cache (use 'auto')"
+            )
+        expected = (spec.num_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_size,
+                    spec.head_dim)
+        if tuple(kv_cache.shape) != expected:
+            raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} != spec {expected}")
+        self.agent.register_kv_cache(kv_cache, spec.block_bytes)
+        self.spec = spec
+        self._compat = compat_fields(spec)
+        info = {
+            "engine_id": self.engine_id,
+            "agent_name": self.agent.name,
+            "agent_metadata": self.agent.metadata(),
+            "kv_base_addr": self.agent.base_addr,
+            "block_bytes": spec.block_bytes,
+            "num_blocks": spec.num_blocks,
+            "mem_type": self.agent.mem_type,
+            "device_id": self.agent.device_id,
+            "compat": self._compat,
+            "compat_hash": compat_hash(self._compat),
+            "lease_duration": self.config.kv_lease_duration,
+        }
+        self._info = info
+        logger.info(
+            "NIXL: registered KV cache (%s, %d blocks x %d bytes) for engine %s; side channel "
+            "%s:%d", self.agent.mem_type, spec.num_blocks, spec.block_bytes, self.engine_id,
+            self.side_channel_host, self.side_channel_port,
+        )
+
+    # --------------------------------------------------------------------------- step inputs
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        """Take this step's :class:`NixlConnectorMetadata` and apply its bookkeeping at once."""
+        if metadata is None:
+            return
+        if not isinstance(metadata, NixlConnectorMetadata):
+            raise TypeError(f"expected NixlConnectorMetadata, got {type(metadata).__name__}")
+        now = time.monotonic()
+        for req_id, send in metadata.reqs_to_send.items():
+            early = self.leases.add(req_id, send.block_ids, send.lease_duration,
+                                    send.renew_on_heartbeat, now)
+            if early is not None and self.leases.close(req_id, f"{early} before lease"):
+                self._out.finished_sending.add(req_id)
+        for req_id in metadata.release_sends:
+            if self.leases.close(req_id, "released"):
+                self._out.finished_sending.add(req_id)
+        for endpoint in metadata.handshakes:
+            self._ensure_handshake(endpoint)
+        for req_id, ref in metadata.heartbeat_start.items():
+            self._heartbeats[req_id] = _Heartbeat(ref)
+            self._ensure_handshake(ref.endpoint)
+        for req_id in metadata.heartbeat_stop:
+            self._heartbeats.pop(req_id, None)
+        self._pending_notices.extend(metadata.notices)
+        for req_id, spec in metadata.reqs_to_recv.items():
+            self._heartbeats.pop(req_id, None)
+            self._loads[req_id] = _Load(spec)
+            if spec.remote is not None and spec.error is None:
+                self._ensure_handshake(spec.remote.endpoint)
+        for req_id in metadata.aborted_recvs:
+            self._heartbeats.pop(req_id, None)
+            load = self._loads.get(req_id)
+            if load is None:  # already reported (or never started): harmless repeat
+                self._out.finished_recving.add(req_id)
+            else:
+                load.aborted = True
+        self._metadata = metadata
+
+    def start_load_kv(self) -> None:
+        """Advance handshakes and claims and post the READs that are ready (never blocks)."""
+        self._progress()
+
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        """Poll transfers, notifications, leases and heartbeats; report what finished.
+
+        Args:
+            finished_req_ids: requests the scheduler finished this step (aborts of loads arrive
+                through the metadata's ``aborted_recvs``).
+        """
+        self._progress()
+        self._poll_transfers()
+        self._process_notifications()
+        for req_id in self.leases.expire():
+            self._out.finished_sending.add(req_id)
+            self.stats.current.num_kv_expired_reqs += 1
+            logger.warning("NIXL: lease of request %s expired before a read; blocks freed", req_id)
+        self._send_heartbeats()
+        self._send_notices()
+        out, self._out = self._out, KVConnectorOutput()
+        out.stats = self.stats.take_delta()
+        self.stats.maybe_log()
+        self._metadata = None
+        return out
+
+    def has_pending_work(self) -> bool:
+        """True while loads, leases, heartbeats or notices need polling."""
+        return bool(self._loads or len(self.leases) or self._heartbeats or self._pending_notices)
+
+    # ------------------------------------------------------------------------------ handshake
+    def _ensure_handshake(self, endpoint: RemoteEndpoint) -> _Remote:
+        remote = self._remotes.get(endpoint.key)
+        if remote is None:
+            remote = _Remote(endpoint)
+            self._remotes[endpoint.key] = remote
+        if remote.agent is None and remote.future is None:
+            remote.future = self._pool.submit(self._fetch_remote_info, endpoint)
+        return remote
+
+    def _fetch_remote_info(self, endpoint: RemoteEndpoint) -> tuple[dict[str, Any], float]:
+        """Background thread: ask the remote side channel for its agent info and check it."""
+        t0 = time.time()
+        reply = side_channel_request(endpoint.host, endpoint.port, {"type": "get_info"},
+                                     self.config.kv_handshake_timeout)
+        t1 = time.time()
+        if not reply.get("ok"):
+            raise SideChannelError(
+                f"remote {endpoint.host}:{endpoint.port} refused the handshake: "
+                f"{reply.get('reason')}"
+            )
+        info = reply["info"]
+        if info.get("engine_id") != endpoint.engine_id:
+            raise SideChannelError(
+                f"the side channel at {endpoint.host}:{endpoint.port} belongs to engine "
+                f"{info.get('engine_id')!r}, not {endpoint.engine_id!r} (restarted or wrong host)"
+            )
+        local = self._compat or {}
+        if info.get("compat_hash") != compat_hash(local):
+            raise SideChannelError(
+                f"KV cache of engine {endpoint.engine_id} is incompatible: "
+                f"{compat_mismatch(local, info.get('compat') or {})}"
+            )
+        offset = float(info.get("time", (t0 + t1) / 2)) - (t0 + t1) / 2
+        return info, offset
+
+    def _finish_handshakes(self) -> None:
+        for remote in list(self._remotes.values()):
+            fut = remote.future
+            if fut is None or not fut.done():
+                continue
+            remote.future = None
+            try:
+                info, offset = fut.result()
+                remote.agent = self.agent.add_remote(
+                    info["agent_metadata"], int(info["kv_base_addr"]), int(info["block_bytes"]),
+                    int(info["num_blocks"]), str(info["mem_type"]), int(info["device_id"]),
+                )
+                remote.info = info
+                remote.clock_offset_s = offset
+                logger.info(
+                    "NIXL: handshake with engine %s at %s:%d done (%d remote blocks)",
+                    remote.endpoint.engine_id, remote.endpoint.host, remote.endpoint.port,
+                    remote.agent.num_blocks,
+                )
+            except Exception as e:  # SideChannelError, NIXL errors, malformed info
+                reason = f"NIXL handshake with engine {remote.endpoint.engine_id} failed: {e}"
+                logger.warning("%s", reason)
+                del self._remotes[remote.endpoint.key]
+                reachable = not isinstance(e, SideChannelTimeout)
+                for req_id in [r for r, hb in self._heartbeats.items()
+                               if hb.remote.endpoint.key == remote.endpoint.key]:
+                    del self._heartbeats[req_id]
+                for req_id, load in list(self._loads.items()):
+                    if load.phase == "handshake" and load.spec.remote is not None and \
+                            load.spec.remote.endpoint.key == remote.endpoint.key:
+                        self._fail_load(req_id, reason, notify_remote=reachable)
+
+    def remote_clock_offset(self, endpoint: RemoteEndpoint) -> float | None:
+        """Seconds to add to a local ``time.time()`` to get the remote's clock (None before the
+        handshake)."""
+        remote = self._remotes.get(endpoint.key)
+        return remote.clock_offset_s if remote is not None and remote.agent is not None else None
+
+    # ---------------------------------------------------------------------------------- loads
+    def _progress(self) -> None:
+        self._finish_handshakes()
+        now = time.monotonic()
+        for req_id, load in list(self._loads.items()):
+            spec = load.spec
+            if load.phase == "handshake":
+                if spec.error is not None or spec.remote is None:
+                    self._fail_load(req_id, spec.error or "no remote KV reference",
+                                    notify_remote=False)
+                    continue
+                if load.aborted:
+                    self._drop_aborted(req_id, load)
+                    continue
+                remote = self._ensure_handshake(spec.remote.endpoint)
+                if remote.agent is None:
+                    continue
+                bad = [b for b in spec.remote_read_block_ids if b >= remote.agent.num_blocks]
+                if bad or len(spec.local_block_ids) != len(spec.remote_read_block_ids):
+                    self._fail_load(
+                        req_id,
+                        f"remote block ids {bad[:8]} out of range (engine "
+                        f"{spec.remote.endpoint.engine_id} has {remote.agent.num_blocks} blocks)"
+                        if bad else "local/remote block counts differ",
+                        notify_remote=True,
+                    )
+                    continue
+                load.claim = self._pool.submit(
+                    side_channel_request, spec.remote.endpoint.host, spec.remote.endpoint.port,
+                    {"type": "claim", "request_id": spec.remote.request_id,
+                     "block_ids": spec.remote.block_ids},
+                    self.config.kv_handshake_timeout * 2,
+                )
+                load.phase = "claim"
+            if load.phase == "claim":
+                if not load.claim.done():
+                    continue
+                try:
+                    reply = load.claim.result()
+                except Exception as e:
+                    self._fail_load(req_id, f"lease claim failed: {e}",
+                                    notify_remote=not isinstance(e, SideChannelTimeout))
+                    continue
+                if not reply.get("ok"):
+                    self._fail_load(req_id, f"remote refused the read: {reply.get('reason')}",
+                                    notify_remote=True)
+                    continue
+                if load.aborted:
+                    self._drop_aborted(req_id, load)
+                    continue
+                self._post(req_id, load, now)
+
+    def _post(self, req_id: str, load: _Load, now: float) -> None:
+        spec = load.spec
+        remote = self._remotes[spec.remote.endpoint.key]
+        t0 = time.perf_counter()
+        try:
+            handle, state = self.agent.post_read(
+                remote.agent, spec.local_block_ids, spec.remote_read_block_ids,
+                encode_notif("done", spec.remote.request_id),
+            )
+        except Exception as e:
+            self._fail_load(req_id, f"posting the NIXL READ failed: {e}", notify_remote=True)
+            return
+        load.post_s = time.perf_counter() - t0
+        load.t_post = t0
+        load.handle = handle
+        load.phase = "xfer"
+        load.deadline = now + self.config.kv_transfer_timeout
+        if state == "ERR":
+            self._xfer_failed(req_id, load, "the NIXL READ failed when posted")
+        elif state == "DONE":
+            self._xfer_done(req_id, load)
+
+    def _poll_transfers(self) -> None:
+        now = time.monotonic()
+        for req_id, load in list(self._loads.items()):
+            if load.phase != "xfer":
+                continue
+            state = self.agent.check(load.handle)
+            if state == "DONE":
+                self._xfer_done(req_id, load)
+            elif state == "ERR":
+                self._xfer_failed(req_id, load, "the NIXL READ failed")
+            elif now > load.deadline:
+                self._xfer_failed(
+                    req_id, load,
+                    f"the NIXL READ did not finish within {self.config.kv_transfer_timeout:g} s",
+                )
+
+    def _xfer_done(self, req_id: str, load: _Load) -> None:
+        spec = load.spec
+        elapsed = time.perf_counter() - load.t_post
+        tele = self.agent.telemetry(load.handle)
+        self.agent.release(load.handle)
+        nbytes = len(spec.local_block_ids) * self.agent.block_bytes
+        ndesc = len(block_runs(spec.local_block_ids, spec.remote_read_block_ids))
+        xfer_s = elapsed
+        if tele is not None:
+            if tele[1] > 0:
+                xfer_s = tele[1]
+            if tele[3] > 0:
+                ndesc = tele[3]
+        self.stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)
+        del self._loads[req_id]
+        self._out.finished_recving.add(req_id)
+        logger.debug("NIXL: request %s loaded %d blocks in %.3f ms", req_id,
+                     len(spec.local_block_ids), 1e3 * xfer_s)
+
+    def _xfer_failed(self, req_id: str, load: _Load, reason: str) -> None:
+        self.agent.release(load.handle)
+        self._fail_load(req_id, reason, notify_remote=True)
+
+    def _fail_load(self, req_id: str, reason: str, notify_remote: bool) -> None:
+        load = self._loads.pop(req_id, None)
+        if load is None:
+            return
+        spec = load.spec
+        self.stats.current.num_failed_transfers += 1
+        logger.warning("NIXL: KV load of request %s failed: %s", req_id, reason)
+        self._out.finished_recving.add(req_id)
+        if not load.aborted:  # an aborted request's blocks are simply freed
+            self._out.invalid_block_ids.update(spec.local_block_ids)
+        if notify_remote and spec.remote is not None:
+            self._pending_notices.append(RemoteNotice(spec.remote, "abort"))
+
+    def _drop_aborted(self, req_id: str, load: _Load) -> None:
+        """A load aborted before its READ was posted: free locally, tell the owner."""
+        del self._loads[req_id]
+        self._out.finished_recving.add(req_id)
+        if load.spec.remote is not None:
+            self._pending_notices.append(RemoteNotice(load.spec.remote, "abort"))
+
+    # -------------------------------------------------------------------------- notifications
+    def _on_side_channel_notice(self, kind: str, req_id: str) -> None:
+        """Side-channel thread: queue a notice for the engine thread."""
+        self._side_notices.put((kind, req_id))
+
+    def _apply_notice(self, kind: str, req_id: str) -> None:
+        if kind == "heartbeat":
+            self.leases.renew(req_id)
+        elif kind in ("done", "abort"):
+            if self.leases.close(req_id, "read done" if kind == "done" else "aborted by reader"):
+                self._out.finished_sending.add(req_id)
+            else:
+                self.leases.note_unknown(req_id, kind)
+
+    def _process_notifications(self) -> None:
+        try:
+            notifs = self.agent.get_notifs()
+        except Exception as e:
+            logger.warning("NIXL: reading notifications failed: %s", e)
+            notifs = {}
+        for messages in notifs.values():
+            for msg in messages:
+                parsed = decode_notif(bytes(msg))
+                if parsed is None:
+                    logger.warning("NIXL: ignoring an unknown notification %r", bytes(msg)[:64])
+                    continue
+                self._apply_notice(*parsed)
+        while True:
+            try:
+                kind, req_id = self._side_notices.get_nowait()
+            except queue.Empty:
+                break
+            self._apply_notice(kind, req_id)
+
+    def _send_to(self, ref: RemoteKVRef, kind: str) -> None:
+        """Send one notification by NIXL if the remote agent is loaded, else by the side channel
+        in the background (so a notice never waits for a handshake)."""
+        remote = self._remotes.get(ref.endpoint.key)
+        if remote is not None and remote.agent is not None:
+            try:
+                self.agent.send_notif(remote.agent.name, encode_notif(kind, ref.request_id))
+            except Exception as e:
+                self.stats.current.num_failed_notifications += 1
+                logger.warning("NIXL: %s notification for %s failed: %s", kind, ref.request_id, e)
+            return
+        self._bg_notices.append(self._pool.submit(
+            side_channel_request, ref.endpoint.host, ref.endpoint.port,
+            {"type": "notify", "kind": kind, "request_id": ref.request_id},
+            self.config.kv_handshake_timeout,
+        ))
+
+    def _send_notices(self) -> None:
+        if self._pending_notices:
+            self._finish_handshakes()
+            notices, self._pending_notices = self._pending_notices, []
+            for notice in notices:
+                self._send_to(notice.remote, notice.kind)
+        if self._bg_notices:
+            still = []
+            for fut in self._bg_notices:
+                if not fut.done():
+                    still.append(fut)
+                elif fut.exception() is not None:
+                    self.stats.current.num_failed_notifications += 1
+                    logger.warning("NIXL: side-channel notice failed: %s", fut.exception())
+            self._bg_notices = still
+
+    def _send_heartbeats(self) -> None:
+        now = time.monotonic()
+        for hb in self._heartbeats.values():
+            remote = self._remotes.get(hb.remote.endpoint.key)
+            if remote is None or remote.agent is None:
+                self._ensure_handshake(hb.remote.endpoint)
+                continue
+            lease = float((remote.info or {}).get("lease_duration", self.config.kv_lease_duration))
+            if now - hb.last_sent >= lease / 3:
+                hb.last_sent = now
+                self._send_to(hb.remote, "heartbeat")
+
+    # ------------------------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        """Stop the side channel and the thread pool, release transfers and the agent."""
+        try:
+            self.side_channel.close()
+        except Exception:
+            pass
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for load in self._loads.values():
+            if load.handle is not None:
+                self.agent.release(load.handle)
+        self._loads.clear()
+        self.agent.close()

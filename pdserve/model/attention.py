@@ -1,0 +1,292 @@
+"""Paged attention over one KV cache tensor.
+
+KV cache layout (DESIGN §5): one tensor ``kv_cache`` of shape
+``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``; index 0 of the third
+dimension holds keys, 1 holds values. One block is contiguous across all layers, so a KV transfer
+moves one descriptor per block. Token ``p`` of a request lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+A step's batch is flattened into ``T`` tokens: first the prefill tokens (requests computing more
+than one token this step, whole prompts or chunks of a chunked prefill), then one token per
+decode request (requests computing exactly one token, including a single-token prompt or the
+last prompt token recomputed after a KV transfer). :class:`AttentionMetadata` describes that
+split; it is built once per step and shared by all layers.
+
+:class:`TorchAttentionBackend` runs everywhere with ``torch.nn.functional.scaled_dot_product_attention``:
+each prefill request attends over its gathered context (causal, offset by the tokens already in
+the cache, grouped-query attention), and all decode requests run in one padded, batched call.
+A CUDA backend (e.g. a Triton paged-decode kernel) only needs to provide the same ``forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One prefill request inside the flattened batch.
+
+    Attributes:
+        query_start: index of its first token in the flattened batch.
+        query_len: tokens computed this step (> 1).
+        num_computed: tokens already in the KV cache before this step (prefix-cache hits,
+            earlier chunks, transferred KV).
+        block_table: physical block ids covering ``num_computed + query_len`` tokens, int64
+            tensor on the model device, shape ``[ceil((num_computed + query_len) / block_size)]``.
+        mask: ``[query_len, num_computed + query_len]`` bool (True = attend), or None when
+            ``num_computed == 0`` (plain causal attention over the new tokens).
+    """
+
+    query_start: int
+    query_len: int
+    num_computed: int
+    block_table: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attended to by the last query token."""
+        return self.num_computed + self.query_len
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of the flattened batch, shared by every layer.
+
+    Attributes:
+        slot_mapping: ``[T]`` int64, KV cache slot of each token
+            (``block_id * block_size + offset``).
+        slot_block: ``[T]`` int64, ``slot_mapping // block_size``.
+        slot_offset: ``[T]`` int64, ``slot_mapping % block_size``.
+        num_prefill_tokens: tokens ``0 .. num_prefill_tokens - 1`` belong to ``prefills``.
+        prefills: the prefill requests, in batch order.
+        num_decodes: requests with one token each, at ``num_prefill_tokens ..  T - 1``.
+        decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with block 0 (padding is
+            masked out), or None without decodes.
+        decode_seq_lens: ``[num_decodes]`` int64, context length of each decode request including
+            its new token, or None.
+        decode_mask: ``[1, num_decodes, 1, max_blocks * block_size]`` bool (True = attend), or None.
+        max_decode_seq_len: the largest entry of ``decode_seq_lens`` (0 without decodes).
+    """
+
+    slot_mapping: torch.Tensor
+    slot_block: torch.Tensor
+    slot_offset: torch.Tensor
+    num_prefill_tokens: int
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    max_decode_seq_len: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+def build_attention_metadata(
+    prefills: list[tuple[int, list[int], int]],
+    decodes: list[tuple[list[int], int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Build the metadata of one step.
+
+    Args:
+        prefills: per prefill request ``(num_computed, block_ids, query_len)`` (query_len > 1).
+        decodes: per decode request ``(block_ids, num_computed)``; the new token sits at
+            position ``num_computed``.
+        block_size: tokens per block.
+        device: the model device.
+
+    Returns:
+        The metadata, with the token order "all prefill tokens, then one token per decode".
+
+    Raises:
+        ValueError: a block table is too short for the positions it must hold.
+    """
+    slots: list[torch.Tensor] = []
+    spans: list[PrefillSpan] = []
+    start = 0
+    for num_computed, block_ids, query_len in prefills:
+        ctx = num_computed + query_len
+        num_blocks = -(-ctx // block_size)
+        if len(block_ids) < num_blocks:
+            raise ValueError(
+                f"block table of {len(block_ids)} blocks cannot hold {ctx} tokens "
+                f"(block_size {block_size})"
+            )
+        table = torch.tensor(block_ids[:num_blocks], dtype=torch.int64)
+        pos = torch.arange(num_computed, ctx, dtype=torch.int64)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        mask = None
+        if num_computed > 0:
+            q_pos = torch.arange(num_computed, ctx, dtype=torch.int64)
+            mask = (torch.arange(ctx, dtype=torch.int64)[None, :] <= q_pos[:, None]).to(device)
+        spans.append(PrefillSpan(start, query_len, num_computed, table.to(device), mask))
+        start += query_len
+
+    decode_tables = decode_lens = decode_mask = None
+    max_len = 0
+    if decodes:
+        lens = [n + 1 for _, n in decodes]
+        max_len = max(lens)
+        max_blocks = -(-max_len // block_size)
+        rows = []
+        dslots = []
+        for (block_ids, n), seq_len in zip(decodes, lens):
+            if len(block_ids) * block_size < seq_len:
+                raise ValueError(
+                    f"block table of {len(block_ids)} blocks cannot hold {seq_len} tokens "
+                    f"(block_size {block_size})"
+                )
+            row = block_ids[:max_blocks]
+            rows.append(row + [0] * (max_blocks - len(row)))
+            dslots.append(block_ids[n // block_size] * block_size + n % block_size)
+        slots.append(torch.tensor(dslots, dtype=torch.int64))
+        decode_tables = torch.tensor(rows, dtype=torch.int64, device=device)
+        decode_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+        key_pos = torch.arange(max_blocks * block_size, dtype=torch.int64, device=device)
+        decode_mask = (key_pos[None, :] < decode_lens[:, None])[None, :, None, :]
+
+    slot_mapping = (
+        torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64)
+    ).to(device)
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        slot_block=slot_mapping // block_size,
+        slot_offset=slot_mapping % block_size,
+        num_prefill_tokens=start,
+        prefills=spans,
+        num_decodes=len(decodes),
+        decode_block_tables=decode_tables,
+        decode_seq_lens=decode_lens,
+        decode_mask=decode_mask,
+        max_decode_seq_len=max_len,
+    )
+
+
+def write_kv(
+    kv_cache: torch.Tensor,
+    layer: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """Store this step's keys and values of one layer in their slots.
+
+    Args:
+        kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``.
+        layer: layer index.
+        key, value: ``[T, num_kv_heads, head_dim]``.
+        meta: gives ``slot_block`` and ``slot_offset`` of each token.
+    """
+    # Advanced indices separated by a slice: the indexed view is [T, num_kv_heads, head_dim].
+    kv_cache[meta.slot_block, layer, 0, :, meta.slot_offset] = key
+    kv_cache[meta.slot_block, layer, 1, :, meta.slot_offset] = value
+
+
+class TorchAttentionBackend:
+    """Paged attention with torch SDPA (CPU and CUDA).
+
+    Args:
+        num_heads: query heads.
+        num_kv_heads: KV heads (``num_heads`` must be a multiple: grouped-query attention).
+        head_dim: head size.
+        block_size: tokens per KV cache block.
+        scale: softmax scale (``head_dim ** -0.5`` for Llama and Qwen3).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 scale: float):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.scale = scale
+
+    def forward(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend.
+
+        Args:
+            layer: layer index into ``kv_cache``.
+            query: ``[T, num_heads, head_dim]`` (rotary embedding applied).
+            key, value: ``[T, num_kv_heads, head_dim]``.
+            kv_cache: the paged cache (see module docstring).
+            meta: the step's metadata.
+
+        Returns:
+            ``[T, num_heads, head_dim]`` attention output.
+        """
+        write_kv(kv_cache, layer, key, value, meta)
+        out = torch.empty_like(query)
+        for span in meta.prefills:
+            sl = slice(span.query_start, span.query_start + span.query_len)
+            out[sl] = self._prefill(layer, query[sl], key[sl], value[sl], kv_cache, span)
+        if meta.num_decodes:
+            p = meta.num_prefill_tokens
+            out[p:] = self._decode(layer, query[p:], kv_cache, meta)
+        return out
+
+    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+        """Causal attention of one request's new tokens ``q`` ``[n, H, D]`` over its context."""
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if span.num_computed == 0:
+            # No earlier context: attend over the new tokens themselves (same values as the cache).
+            k = k.transpose(0, 1).unsqueeze(0)
+            v = v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+        else:
+            ctx = span.context_len
+            # [nb, 2, Hkv, bs, D] -> [2, Hkv, nb * bs, D] -> first ctx tokens
+            blocks = kv_cache[:, layer].index_select(0, span.block_table)
+            kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, self.num_kv_heads, -1, self.head_dim)
+            k_ctx = kv[0, :, :ctx].unsqueeze(0)
+            v_ctx = kv[1, :, :ctx].unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=span.mask,
+                                               scale=self.scale, enable_gqa=self.group > 1)
+        return o.squeeze(0).transpose(0, 1)
+
+    def _decode(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """One new token per request, batched: ``q`` ``[B, H, D]`` -> ``[B, H, D]``.
+
+        The padded gather produces ``[2, Hkv, B, max_blocks, bs, D]``; viewed as
+        ``[Hkv, B, S, D]`` it is contiguous, and the ``group`` query heads that share a KV head
+        play the role of ``group`` query positions, so SDPA needs no GQA expansion.
+        """
+        b = q.shape[0]
+        tables = meta.decode_block_tables
+        assert tables is not None and meta.decode_mask is not None
+        m = tables.shape[1]
+        s = m * self.block_size
+        # index_select on the block dim copies whole [2, Hkv, bs, D] blocks (fast memcpy; advanced
+        # indexing on an inner dim is several times slower on CPU), then one permute-copy.
+        blocks = kv_cache[:, layer].index_select(0, tables.flatten())  # [B*M, 2, Hkv, bs, D]
+        gathered = (blocks.view(b, m, 2, self.num_kv_heads, self.block_size, self.head_dim)
+                    .permute(2, 3, 0, 1, 4, 5).contiguous())  # [2, Hkv, B, M, bs, D]
+        k = gathered[0].view(self.num_kv_heads, b, s, self.head_dim)
+        v = gathered[1].view(self.num_kv_heads, b, s, self.head_dim)
+        # [B, H, D] -> [B, Hkv, G, D] -> [Hkv, B, G, D]
+        qg = q.view(b, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=self.scale)
+        return o.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)

@@ -1,0 +1,322 @@
+"""Model loading: Hugging Face directories (safetensors, sharded or not), GGUF files (through
+``transformers``, dequantized) and ``--load-format dummy`` (random weights, real config).
+
+:func:`load_model` is the entry point used by the model runner; :class:`ModelInfo` is the
+summary the rest of the engine (scheduler, front end, connector) sees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.model.llama import ArchConfig, CausalLM
+from pdserve.model.smollm2 import resolve_model_path
+
+logger = logging.getLogger("pdserve.model")
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelInfo:
+    """What the engine needs to know about the loaded model (plain Python, picklable).
+
+    Attributes:
+        name: served model name.
+        architecture: HF architecture name, e.g. ``LlamaForCausalLM``.
+        num_layers: decoder layers.
+        num_kv_heads: KV heads.
+        head_dim: head size.
+        vocab_size: logits width.
+        max_position_embeddings: the model's context length in tokens.
+        eos_token_ids: end-of-sequence token ids (config and generation config, in that order).
+        dtype: torch dtype name of weights and KV cache, e.g. ``"bfloat16"``.
+        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
+    """
+
+    name: str
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    dtype: str
+    device: str
+
+
+@dataclass
+class LoadedModel:
+    """Result of :func:`load_model`: the module, its architecture, its summary and its path."""
+
+    model: CausalLM
+    arch: ArchConfig
+    info: ModelInfo
+    path: str
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available else CPU; ``cpu``; ``cuda`` / ``cuda:N``.
+
+    Raises:
+        ValueError: unknown name, or CUDA requested but unavailable.
+    """
+    name = (name or "auto").lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name} requested but CUDA is not available")
+        return torch.device(name)
+    raise ValueError(f"unsupported device {name!r} (use auto, cpu or cuda)")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> bfloat16 on CUDA, float32 on CPU; else ``float32``/``bfloat16``/``float16``.
+
+    Raises:
+        ValueError: unknown dtype name.
+    """
+    name = (name or "auto").lower()
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+               "half": "float16"}
+    name = aliases.get(name, name)
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r} (use auto, float32, bfloat16 or float16)")
+    return _DTYPES[name]
+
+
+def _listify(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | None = None
+                        ) -> ArchConfig:
+    """Parse a Hugging Face ``config.json`` dict.
+
+    Understands both the older ``rope_theta`` + ``rope_scaling`` keys and the newer
+    ``rope_parameters`` dict. Defaults for absent keys follow the HF config classes.
+
+    Raises:
+        ValueError: unsupported architecture, missing required key, or a feature this engine
+            does not implement (sliding-window attention, activation other than SiLU).
+    """
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and not archs:
+        arch = _MODEL_TYPE_TO_ARCH.get(str(hf.get("model_type", "")).lower())
+    if arch is None:
+        raise ValueError(
+            f"unsupported model architecture {archs or hf.get('model_type')!r}; supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "vocab_size"):
+        if key not in hf:
+            raise ValueError(f"config.json lacks required key {key!r}")
+    if str(hf.get("hidden_act", "silu")).lower() not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {hf.get('hidden_act')!r} (only silu)")
+    if arch == "Qwen3ForCausalLM" and hf.get("use_sliding_window"):
+        raise ValueError("Qwen3 with use_sliding_window=true is not supported")
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    is_qwen3 = arch == "Qwen3ForCausalLM"
+    head_dim = hf.get("head_dim") or (128 if is_qwen3 else hidden // num_heads)  # HF defaults
+    rope = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling")
+    if legacy:
+        rope = {**legacy, **rope}
+    rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+    if arch == "MistralForCausalLM" and hf.get("sliding_window"):
+        max_pos = int(hf.get("max_position_embeddings", 32768))
+        if int(hf["sliding_window"]) < max_pos:
+            logger.warning("sliding_window=%s is ignored: attention is full (results differ "
+                           "beyond %s tokens)", hf["sliding_window"], hf["sliding_window"])
+    eos = _listify(hf.get("eos_token_id"))
+    for e in _listify((generation_config or {}).get("eos_token_id")):
+        if e not in eos:
+            eos.append(e)
+    default_max_pos = 40960 if is_qwen3 else 2048
+    return ArchConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        vocab_size=int(hf["vocab_size"]),
+        max_position_embeddings=int(hf.get("max_position_embeddings", default_max_pos)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=is_qwen3,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+        eos_token_ids=eos,
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files of a HF directory: the shards named by ``model.safetensors.index.json``,
+    else ``model.safetensors``, else every ``*.safetensors`` file.
+
+    Raises:
+        ValueError: no safetensors file, or a shard named by the index is missing.
+    """
+    index = _read_json(model_dir / "model.safetensors.index.json")
+    if index is not None:
+        names = sorted(set(index.get("weight_map", {}).values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise ValueError(f"{model_dir}: shards named in model.safetensors.index.json are "
+                             f"missing: {', '.join(missing[:4])}")
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors weights found (use a HF directory with "
+                         "safetensors weights, a .gguf file, or --load-format dummy)")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` from safetensors files (memory-mapped, CPU)."""
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+def load_gguf_state(gguf_file: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Dequantize a GGUF model with ``transformers``; returns ``(hf_config_dict, state_dict)``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    hf = model.config.to_dict()
+    hf["architectures"] = [type(model).__name__]
+    return hf, dict(model.state_dict())
+
+
+def model_max_len(config: EngineConfig, arch: ArchConfig) -> int:
+    """The engine's ``max_model_len``: the configured value, else the model's context length.
+
+    Raises:
+        ValueError: ``max_model_len`` is not positive.
+    """
+    value = config.max_model_len or arch.max_position_embeddings
+    if value <= 0:
+        raise ValueError(f"max_model_len must be positive, got {value}")
+    return int(value)
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load the model named by ``config`` onto its device.
+
+    ``config.model`` is the built-in name, a HF directory, or a ``.gguf`` file;
+    ``config.load_format`` is ``auto`` (by file type), ``safetensors``, ``gguf`` or ``dummy``
+    (random weights from ``config.seed``; needs only ``config.json``).
+
+    Raises:
+        ValueError: missing path or files, unsupported architecture / load format / dtype /
+            device, or weights that do not match the config.
+        FileNotFoundError: the built-in model's package is not installed.
+    """
+    fmt = (config.load_format or "auto").lower()
+    if fmt not in LOAD_FORMATS:
+        raise ValueError(f"unsupported load format {config.load_format!r} "
+                         f"(use one of {', '.join(LOAD_FORMATS)})")
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    path = Path(resolve_model_path(config.model))
+    t0 = time.perf_counter()
+    state: dict[str, torch.Tensor] | None = None
+    if path.is_file() and path.suffix == ".gguf":
+        if fmt == "safetensors":
+            raise ValueError(f"{path} is a GGUF file but --load-format safetensors was given")
+        hf, state = load_gguf_state(path)
+        gen_cfg = None
+    elif path.is_dir():
+        hf = _read_json(path / "config.json")
+        if hf is None:
+            raise ValueError(f"{path} has no config.json (not a Hugging Face model directory)")
+        if fmt == "gguf":
+            raise ValueError(f"{path} is a directory; --load-format gguf needs a .gguf file")
+        gen_cfg = _read_json(path / "generation_config.json")
+    elif path.exists():
+        raise ValueError(f"{path}: expected a model directory or a .gguf file")
+    else:
+        raise ValueError(f"model {config.model!r} not found (expected a local Hugging Face "
+                         "directory, a .gguf file, or the built-in 'smollm2-135m-instruct')")
+    arch = arch_config_from_hf(hf, gen_cfg)
+    max_len = model_max_len(config, arch)
+    model = CausalLM(arch, dtype, device, config.block_size, max_positions=max_len)
+    if fmt == "dummy":
+        model.init_dummy_weights(config.seed)
+    elif state is not None:
+        model.load_weights(state.items())
+    else:
+        model.load_weights(iter_safetensors(_safetensors_files(path)))
+    model.eval()
+    logger.info("loaded %s (%s, %d layers, %s, %s, load_format=%s) in %.1f s", path,
+                arch.architecture, arch.num_layers, str(dtype).removeprefix("torch."), device,
+                fmt, time.perf_counter() - t0)
+    info = ModelInfo(
+        name=config.name,
+        architecture=arch.architecture,
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        vocab_size=arch.vocab_size,
+        max_position_embeddings=arch.max_position_embeddings,
+        eos_token_ids=list(arch.eos_token_ids),
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+    )
+    return LoadedModel(model=model, arch=arch, info=info, path=str(path))
+
+
+def is_gguf(path: str) -> bool:
+    """True for an existing ``.gguf`` file."""
+    return os.path.isfile(path) and path.endswith(".gguf")

@@ -1,0 +1,262 @@
+"""The model runner: owns the weights, the paged KV cache and the sampler, and turns one
+:class:`SchedulerOutput` into one :class:`ModelRunnerOutput` (docs/architecture.md).
+
+The KV cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``
+(DESIGN §5: a block is contiguous across layers, one NIXL descriptor per block). The engine core
+registers it with the KV connector's worker side itself
+(``worker.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)``) and hands the worker to
+:meth:`ModelRunner.set_kv_connector_worker`; the runner then drives the worker around every
+forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
+from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
+from pdserve.model.attention import build_attention_metadata
+from pdserve.model.loader import ModelInfo, load_model, model_max_len
+from pdserve.model.sampler import Sampler
+
+logger = logging.getLogger("pdserve.model")
+
+GiB = 1 << 30
+DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
+
+
+class ModelRunner:
+    """Runs the model for the scheduler.
+
+    Args:
+        config: the engine configuration (model, dtype, device, block size, memory limits, seed).
+
+    Raises:
+        ValueError: bad model path / format / dtype / device (see :func:`load_model`).
+
+    Attributes:
+        model_info: summary of the loaded model.
+        max_model_len: longest sequence (prompt + output) in tokens.
+        kv_cache: the paged KV cache (after :meth:`allocate_kv_cache`).
+        kv_cache_spec: its geometry, for the KV connector.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        loaded = load_model(config)
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.model_info: ModelInfo = loaded.info
+        self.model_path = loaded.path
+        self.device = self.model.device
+        self.dtype = self.model.dtype
+        self.block_size = config.block_size
+        self.max_model_len = model_max_len(config, self.arch)
+        self.sampler = Sampler(self.device, config.seed)
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_cache_spec: KVCacheSpec | None = None
+        self._connector: KVConnectorWorkerSide | None = None
+
+    # ------------------------------------------------------------------ KV cache sizing
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block across all layers, K and V."""
+        a = self.arch
+        return (a.num_layers * 2 * a.num_kv_heads * self.block_size * a.head_dim
+                * torch.empty(0, dtype=self.dtype).element_size())
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks to allocate.
+
+        ``num_gpu_blocks_override`` wins. Otherwise ``kv_cache_memory`` bytes when set (CPU and
+        CUDA); else on CUDA ``gpu_memory_utilization`` of the device memory minus what a
+        profiling forward pass of ``max_num_batched_tokens`` tokens peaks at; else on CPU
+        1 GiB, capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
+
+        Raises:
+            ValueError: the cache cannot hold even one sequence of ``max_model_len`` tokens.
+        """
+        cfg = self.config
+        if cfg.num_gpu_blocks_override:
+            return int(cfg.num_gpu_blocks_override)
+        if cfg.kv_cache_memory is not None:
+            budget = int(cfg.kv_cache_memory)
+        elif self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            need_tokens = self.max_model_len * max(1, cfg.max_num_seqs)
+            need = math.ceil(need_tokens / self.block_size) * self.block_bytes
+            budget = min(DEFAULT_CPU_KV_CACHE_BYTES, need)
+        num_blocks = budget // self.block_bytes
+        min_blocks = math.ceil(self.max_model_len / self.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"the KV cache ({budget / GiB:.2f} GiB, {num_blocks} blocks of "
+                f"{self.block_size} tokens) cannot hold one sequence of max_model_len="
+                f"{self.max_model_len} tokens ({min_blocks * self.block_bytes / GiB:.2f} GiB); "
+                "raise --kv-cache-memory / --gpu-memory-utilization or lower --max-model-len"
+            )
+        return int(num_blocks)
+
+    def _profile_cuda_budget(self) -> int:
+        """Bytes left for the KV cache on CUDA after a profiling forward pass."""
+        cfg = self.config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = max(1, min(cfg.max_num_batched_tokens, self.max_model_len))
+        num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
+        self._profile_run(num_tokens, num_seqs)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
+        budget = int(total * cfg.gpu_memory_utilization) - peak - non_torch
+        logger.info("CUDA memory: total %.2f GiB, weights+activations peak %.2f GiB, other "
+                    "%.2f GiB, KV cache budget %.2f GiB", total / GiB, peak / GiB,
+                    non_torch / GiB, budget / GiB)
+        torch.cuda.empty_cache()
+        return max(0, budget)
+
+    def _profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """A forward pass of ``num_tokens`` prompt tokens in ``num_seqs`` requests (sampled with
+        top-p, the costliest sampler path) on a scratch KV cache, to measure peak memory."""
+        from pdserve.engine.sampling_params import SamplingParams
+
+        per_seq = max(1, num_tokens // num_seqs)
+        blocks_per_seq = math.ceil(per_seq / self.block_size)
+        scratch = self._new_cache(num_seqs * blocks_per_seq)
+        params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1)
+        reqs = [
+            ScheduledRequest(
+                req_id=f"profile-{i}", token_ids=[0] * per_seq, num_computed_tokens=0,
+                block_ids=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                sample=True, sampling_params=params, prompt_token_ids=[0] * per_seq,
+                output_token_ids=[])
+            for i in range(num_seqs)
+        ]
+        self._forward_and_sample(reqs, scratch)
+        del scratch
+
+    def _new_cache(self, num_blocks: int) -> torch.Tensor:
+        a = self.arch
+        shape = (num_blocks, a.num_layers, 2, a.num_kv_heads, self.block_size, a.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache ``[num_blocks, L, 2, H_kv, block_size, D]`` (zeroed) and its spec.
+
+        Raises:
+            ValueError: ``num_blocks`` is not positive.
+        """
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.kv_cache = self._new_cache(num_blocks)
+        a = self.arch
+        self.kv_cache_spec = KVCacheSpec(
+            num_blocks=num_blocks, block_size=self.block_size, num_layers=a.num_layers,
+            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+            element_size=self.kv_cache.element_size(), model_name=self.model_info.name)
+        total = num_blocks * self.block_bytes
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB on %s "
+                    "(%.1f sequences of max_model_len=%d)", num_blocks, self.block_size,
+                    num_blocks * self.block_size, total / GiB, self.device,
+                    num_blocks * self.block_size / self.max_model_len, self.max_model_len)
+
+    def set_kv_connector_worker(self, worker: KVConnectorWorkerSide | None) -> None:
+        """Attach (or detach with None) the KV connector's worker side.
+
+        The runner does not register the KV cache with it; the engine core calls
+        ``worker.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)``.
+        """
+        self._connector = worker
+
+    # ------------------------------------------------------------------ stepping
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one engine step.
+
+        Drops the sampler state of ``sched.finished_req_ids``; with a connector, binds its
+        metadata and starts KV loads before the forward pass and polls it afterwards (also for
+        an empty batch); computes KV for every scheduled token and samples a token for each
+        request with ``sample=True``.
+
+        Raises:
+            RuntimeError: the KV cache was not allocated.
+            ValueError: a malformed scheduled request (no tokens, short block table, position
+                beyond ``max_model_len``).
+        """
+        self.sampler.drop(sched.finished_req_ids)
+        worker = self._connector
+        if worker is not None:
+            worker.bind_connector_metadata(sched.kv_connector_metadata)
+            worker.start_load_kv()
+        out = ModelRunnerOutput()
+        if sched.scheduled:
+            if self.kv_cache is None:
+                raise RuntimeError("allocate_kv_cache() must be called before execute()")
+            sampled, tokens, logprobs = self._forward_and_sample(sched.scheduled, self.kv_cache)
+            for req, tok, lp in zip(sampled, tokens, logprobs):
+                out.sampled_token_ids[req.req_id] = tok
+                if lp is not None:
+                    out.logprobs[req.req_id] = lp
+        if worker is not None:
+            out.kv_connector_output = worker.get_finished(sched.finished_req_ids)
+        return out
+
+    def _forward_and_sample(self, scheduled: list[ScheduledRequest], kv_cache: torch.Tensor):
+        """Flatten the batch (prefills first, then single-token decodes), run the model and
+        sample. Returns ``(sampled_requests, token_ids, logprobs)`` in matching order."""
+        prefills = [r for r in scheduled if len(r.token_ids) > 1]
+        decodes = [r for r in scheduled if len(r.token_ids) == 1]
+        if len(prefills) + len(decodes) != len(scheduled):
+            bad = next(r.req_id for r in scheduled if not r.token_ids)
+            raise ValueError(f"request {bad} was scheduled with no tokens")
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_idx: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        for r in prefills:
+            n = r.num_computed_tokens
+            input_ids.extend(r.token_ids)
+            positions.extend(range(n, n + len(r.token_ids)))
+            if r.sample:
+                logits_idx.append(len(input_ids) - 1)
+                sampled.append(r)
+        for r in decodes:
+            input_ids.append(r.token_ids[0])
+            positions.append(r.num_computed_tokens)
+            if r.sample:
+                logits_idx.append(len(input_ids) - 1)
+                sampled.append(r)
+        last = max(r.num_computed_tokens + len(r.token_ids) for r in scheduled)
+        if last > self.max_model_len:
+            raise ValueError(f"a scheduled request reaches {last} tokens, beyond max_model_len="
+                             f"{self.max_model_len}")
+        meta = build_attention_metadata(
+            [(r.num_computed_tokens, r.block_ids, len(r.token_ids)) for r in prefills],
+            [(r.block_ids, r.num_computed_tokens) for r in decodes],
+            self.block_size, self.device)
+        dev = self.device
+        ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        idx_t = torch.tensor(logits_idx, dtype=torch.int64).to(dev, non_blocking=True)
+        logits = self.model(ids_t, pos_t, kv_cache, meta, idx_t)
+        if not sampled:
+            return [], [], []
+        tokens, logprobs = self.sampler.sample(logits, sampled)
+        return sampled, tokens, logprobs
+
+    def shutdown(self) -> None:
+        """Release the KV cache and the weights (the connector is shut down by its owner)."""
+        self._connector = None
+        self.kv_cache = None
+        self.kv_cache_spec = None
+        self.model = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,83 @@
+"""Tokenizer loading for the engine front end, offline.
+
+Sources, in order: ``config.tokenizer`` when given, else the model itself (the built-in
+``smollm2-135m-instruct`` name, a Hugging Face directory, or a ``.gguf`` file, whose embedded
+vocabulary ``transformers`` reads). A ``--load-format dummy`` model whose directory has only a
+``config.json`` gets a byte-level tokenizer (256 byte tokens plus ``<s>``/``</s>``), enough to
+run speed benchmarks on token ids; its ids above 257 decode to nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from pdserve.config import EngineConfig
+from pdserve.model.smollm2 import resolve_model_path
+
+logger = logging.getLogger("pdserve.model")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def has_tokenizer_files(directory: str | os.PathLike) -> bool:
+    """True when ``directory`` holds a Hugging Face tokenizer."""
+    d = Path(directory)
+    return d.is_dir() and any((d / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def load_tokenizer(config: EngineConfig):
+    """Load the tokenizer for ``config`` without network access.
+
+    Returns:
+        a ``transformers.PreTrainedTokenizerBase``.
+
+    Raises:
+        ValueError: the path does not exist or holds no tokenizer (and the model is not a
+            dummy-weight model).
+    """
+    from transformers import AutoTokenizer
+
+    source = config.tokenizer or config.model
+    path = resolve_model_path(source)
+    kwargs = {"trust_remote_code": config.trust_remote_code}
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
+                                             gguf_file=os.path.basename(path), **kwargs)
+    if has_tokenizer_files(path):
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    if not os.path.exists(path):
+        raise ValueError(f"tokenizer path {source!r} not found")
+    if (config.load_format or "").lower() == "dummy" and not config.tokenizer:
+        logger.warning("%s has no tokenizer files; using a byte-level tokenizer for the dummy "
+                       "model (token ids above 257 decode to empty text)", path)
+        return byte_level_tokenizer()
+    raise ValueError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, ...); "
+                     "pass --tokenizer DIR")
+
+
+def byte_level_tokenizer():
+    """A tokenizer with one token per byte (ids 0..255) plus ``<s>`` (256) and ``</s>`` (257),
+    built with the ``tokenizers`` library; for dummy-weight models without tokenizer files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=_byte_of))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    return fast
+
+
+def _byte_of(ch: str) -> int:
+    """The byte that GPT-2's byte-level alphabet maps to the printable character ``ch``."""
+    code = ord(ch)
+    if 33 <= code <= 126 or 161 <= code <= 172 or 174 <= code <= 255:
+        return code
+    # the remaining bytes are mapped, in order, to code points 256, 257, ...
+    others = [b for b in range(256)
+              if not (33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255)]
+    return others[code - 256]

@@ -1,0 +1,746 @@
+"""Triton kernels for the CUDA decode path: paged decode attention, KV cache writes, RMSNorm and
+rotary embedding.
+
+All kernels work on pdserve's KV cache layout, one tensor for every layer::
+
+    kv_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]   (dim 2: 0=K, 1=V)
+
+The slot of position ``p`` of a request is ``block_table[p // block_size] * block_size +
+p % block_size``; K of that position in layer ``l`` and kv head ``h`` is
+``kv_cache[slot // block_size, l, 0, h, slot % block_size]``.
+
+Every launch has a grid that depends only on tensor shapes and Python ints fixed by the caller, never
+on tensor contents, and no function here synchronises with the host, so all of them can be captured
+in CUDA graphs.
+
+The decode-attention kernel follows the split-K ("flash-decoding") scheme of Dao et al., *Flash-
+Decoding for long-context inference* (2023): the context of each sequence is cut into
+``num_splits`` pieces that run as separate programs, each keeping an online softmax (Milakov &
+Gimelshein, *Online normalizer calculation for softmax*, 2018), and a second kernel merges the
+pieces with their log-sum-exp weights. Unlike a fixed partition size, the piece length is derived
+inside the kernel from each sequence's context length, so the grid is the same for every step of a
+given batch size (what CUDA graphs need) and long and short contexts both use every split.
+
+The kernels also run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
+``triton`` is imported), which is how the CPU test suite checks them; this is slow and meant for
+tests only.
+
+:class:`TritonAttentionBackend` packages the decode kernel and the KV write behind the interface of
+:class:`pdserve.model.attention.TorchAttentionBackend`, so the model can switch backends on CUDA.
+
+Import this module only where Triton is installed (the CUDA path of the model runner).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend
+
+_LOG2_E = 1.4426950408889634
+
+# Programs per streaming multiprocessor that the split heuristic aims for: enough resident
+# programs to hide memory latency in a memory-bound kernel.
+_PROGRAMS_PER_SM = 2
+# Smallest number of context tokens worth a separate split (below this the merge costs more than
+# the parallelism gains).
+_MIN_TOKENS_PER_SPLIT = 64
+MAX_NUM_SPLITS = 64
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter runs: any small number keeps the test grids small
+
+
+def choose_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    device: torch.device,
+    max_context_len: int | None = None,
+) -> int:
+    """Number of context splits per (sequence, kv head) for :func:`paged_decode_attention`.
+
+    Aims at ``2 x multiprocessor count`` programs in all. When ``max_context_len`` (tokens) is
+    given, no split gets fewer than 64 tokens on average; leave it ``None`` under CUDA graphs so the
+    answer depends on the batch size alone.
+
+    Returns:
+        An int in ``[1, MAX_NUM_SPLITS]``.
+    """
+    target = _PROGRAMS_PER_SM * _num_sms(device)
+    splits = max(1, math.ceil(target / max(1, num_seqs * num_kv_heads)))
+    if max_context_len is not None:
+        splits = min(splits, max(1, math.ceil(max_context_len / _MIN_TOKENS_PER_SPLIT)))
+    return min(splits, MAX_NUM_SPLITS)
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    out_ptr,  # [S, Hq, D] final output (used when not SPLIT)
+    part_out_ptr,  # [S, Hq, P, D] fp32 normalised partial outputs (SPLIT)
+    part_max_ptr,  # [S, Hq, P] fp32 running max of log2-scaled scores (SPLIT)
+    part_sum_ptr,  # [S, Hq, P] fp32 softmax denominators (SPLIT)
+    q_ptr,
+    kv_ptr,  # the layer's view: [num_blocks, 2, Hkv, block_size, D]
+    block_tables_ptr,
+    context_lens_ptr,
+    scale_log2,
+    num_splits,
+    stride_q_s,
+    stride_q_h,
+    stride_o_s,
+    stride_o_h,
+    stride_kv_b,
+    stride_kv_kv,
+    stride_kv_h,
+    stride_kv_t,
+    stride_bt_s,
+    stride_po_s,
+    stride_po_h,
+    stride_po_p,
+    stride_pm_s,
+    stride_pm_h,
+    QUERY_GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    ctx = tl.load(context_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, ctx)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    g_mask = offs_g < QUERY_GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * QUERY_GROUP + offs_g
+
+    q = tl.load(
+        q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+
+    k_base = kv_ptr + kv_head * stride_kv_h
+    bt_base = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        block = tl.load(bt_base + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        tok = block.to(tl.int64) * stride_kv_b + (offs_n % BLOCK_SIZE) * stride_kv_t
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(k_base + stride_kv_kv + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        if DOT_IN_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_IN_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # Sequences with no context (padding rows of a CUDA graph batch) produce zeros, not NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        po = (
+            part_out_ptr
+            + seq * stride_po_s
+            + heads[:, None] * stride_po_h
+            + split * stride_po_p
+            + offs_d[None, :]
+        )
+        tl.store(po, out, mask=out_mask)
+        pm = seq * stride_pm_s + heads * stride_pm_h + split
+        tl.store(part_max_ptr + pm, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + pm, l_i, mask=g_mask)
+    else:
+        o = out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + offs_d[None, :]
+        tl.store(o, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    num_splits,
+    stride_o_s,
+    stride_o_h,
+    stride_po_s,
+    stride_po_h,
+    stride_po_p,
+    stride_pm_s,
+    stride_pm_h,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_p = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    p_mask = offs_p < num_splits
+    d_mask = offs_d < HEAD_DIM
+
+    pm = seq * stride_pm_s + head * stride_pm_h + offs_p
+    m = tl.load(part_max_ptr + pm, mask=p_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + pm, mask=p_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row with no context at all
+    # Empty splits have l == 0 and m == -inf: their weight is 0.
+    w = tl.exp2(m - m_max) * l
+    po = part_out_ptr + seq * stride_po_s + head * stride_po_h
+    parts = tl.load(
+        po + offs_p[:, None] * stride_po_p + offs_d[None, :],
+        mask=p_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_o_s + head * stride_o_h + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_context_len: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged KV cache (decode step).
+
+    Args:
+        q: ``[num_seqs, num_q_heads, head_dim]`` queries (bf16, fp16 or fp32); the last dim must be
+            contiguous.
+        kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`` with the same
+            dtype as ``q``; ``block_size`` a power of two, ``head_dim`` at least 16.
+        layer: index into dim 1 of ``kv_cache``.
+        block_tables: ``[num_seqs, max_blocks]`` int32 block ids; only the first
+            ``ceil(context_len / block_size)`` entries of a row are read.
+        context_lens: ``[num_seqs]`` int32 tokens to attend to, the new token's own K/V included
+            (it must already be in the cache). A sequence with 0 gets an all-zero output.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        out: optional ``[num_seqs, num_q_heads, head_dim]`` output buffer (e.g. a static CUDA graph
+            buffer); allocated when None.
+        num_splits: context splits per sequence (1 = no merge kernel); default
+            :func:`choose_num_splits`.
+        max_context_len: optional upper bound of ``context_lens`` known on the host, used only to
+            avoid pointless splits; leave None under CUDA graphs.
+        block_n: tokens per inner iteration (power of two, at least 16); default 32 for
+            ``head_dim`` up to 128, else 16.
+        num_warps: Triton warps per program.
+        num_stages: Triton software-pipelining depth of the context loop.
+
+    Returns:
+        ``out``: ``[num_seqs, num_q_heads, head_dim]`` in ``q``'s dtype.
+
+    Raises:
+        ValueError: on shape or dtype mismatches.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
+    if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+        raise ValueError(
+            "kv_cache must be [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, num_layers, _, num_kv_heads, block_size, kv_head_dim = kv_cache.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, kv_cache has {kv_head_dim}")
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer {layer} out of range for {num_layers} layers")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if head_dim < 16:
+        raise ValueError(f"head_dim must be at least 16, got {head_dim}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}")
+    if context_lens.shape != (num_seqs,):
+        raise ValueError(f"context_lens must be [num_seqs], got {tuple(context_lens.shape)}")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("q, kv_cache and block_tables need a contiguous last dimension")
+
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous last dim")
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, q.device, max_context_len)
+    if not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_NUM_SPLITS}], got {num_splits}")
+    if block_n is None:
+        block_n = 32 if head_dim <= 128 else 16
+
+    group = num_q_heads // num_kv_heads
+    kv_layer = kv_cache[:, layer]  # [num_blocks, 2, Hkv, block_size, D]
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(
+            (num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:  # unused placeholders of the right kind
+        part_out = out
+        part_max = part_sum = context_lens
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (num_seqs, num_kv_heads, num_splits)
+    _paged_decode_split_kernel[grid](
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        q,
+        kv_layer,
+        block_tables,
+        context_lens,
+        scale * _LOG2_E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_layer.stride(0),
+        kv_layer.stride(1),
+        kv_layer.stride(2),
+        kv_layer.stride(3),
+        block_tables.stride(0),
+        part_out.stride(0) if split else 0,
+        part_out.stride(1) if split else 0,
+        part_out.stride(2) if split else 0,
+        part_max.stride(0) if split else 0,
+        part_max.stride(1) if split else 0,
+        QUERY_GROUP=group,
+        GROUP_PAD=max(16, _next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=_next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        DOT_PRECISION=precision,
+        # Triton's CPU interpreter multiplies 16-bit float operands of tl.dot as raw integer bits
+        # (seen in 3.6-3.9), so interpreted runs widen them first; rounding is unchanged.
+        DOT_IN_FP32=q.device.type != "cuda",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if split:
+        _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_max.stride(0),
+            part_max.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=_next_power_of_2(head_dim),
+            SPLITS_PAD=_next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kv_ptr,  # the layer's view: [num_blocks, 2, Hkv, block_size, D]
+    slot_mapping_ptr,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_kv_b,
+    stride_kv_kv,
+    stride_kv_h,
+    stride_kv_t,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    # Broadcast the slot before comparing: Triton 3.9's interpreter mistypes scalar comparisons.
+    slot_tile = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], dtype=tl.int64) + slot
+    mask = (slot_tile >= 0) & (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    src = offs_h[:, None] * stride_k_h + offs_d[None, :]
+    k = tl.load(k_ptr + token * stride_k_t + src, mask=mask)
+    v = tl.load(v_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
+    dst = (
+        kv_ptr
+        + (slot // BLOCK_SIZE) * stride_kv_b
+        + (slot % BLOCK_SIZE) * stride_kv_t
+        + offs_h[:, None] * stride_kv_h
+        + offs_d[None, :]
+    )
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + stride_kv_kv, v, mask=mask)
+
+
+def store_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new keys and values into the paged KV cache of one layer.
+
+    Args:
+        k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype (last dim contiguous).
+        kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``, written in
+            place.
+        layer: index into dim 1 of ``kv_cache``.
+        slot_mapping: ``[num_tokens]`` int32/int64 slots (``block_id * block_size + offset``);
+            tokens with a negative slot are skipped (padding of CUDA graph batches).
+
+    Raises:
+        ValueError: on shape or dtype mismatches.
+    """
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError("k and v must both be [num_tokens, num_kv_heads, head_dim], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if (kv_cache.dim() != 6 or kv_cache.shape[2] != 2 or kv_cache.shape[3] != num_kv_heads
+            or kv_cache.shape[5] != head_dim):
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not match k/v {tuple(k.shape)}")
+    if not 0 <= layer < kv_cache.shape[1]:
+        raise ValueError(f"layer {layer} out of range for {kv_cache.shape[1]} layers")
+    if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype:
+        raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [num_tokens], got {tuple(slot_mapping.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("k, v and kv_cache need a contiguous last dimension")
+    if num_tokens == 0:
+        return
+    kv_layer = kv_cache[:, layer]
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        kv_layer,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_layer.stride(0),
+        kv_layer.stride(1),
+        kv_layer.stride(2),
+        kv_layer.stride(3),
+        NUM_HEADS=num_kv_heads,
+        HEADS_PAD=_next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=_next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[4],
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # Add in the model dtype, as the reference models do, and hand the sum back as the new
+        # residual stream.
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich, 2019) over the last dim, optionally fused with the residual add.
+
+    Matches Hugging Face ``LlamaRMSNorm``/``Qwen3RMSNorm``: statistics in fp32, the normalised
+    value rounded to the input dtype, then multiplied by ``weight``.
+
+    Args:
+        x: ``[num_tokens, hidden]`` (last dim contiguous).
+        weight: ``[hidden]``.
+        eps: added to the mean square.
+        residual: optional ``[num_tokens, hidden]``; when given, ``x + residual`` is normalised and
+            also written back into ``residual`` (in place).
+        out: optional output buffer shaped like ``x``.
+
+    Returns:
+        The normalised ``[num_tokens, hidden]`` tensor (``out`` when given).
+    """
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError("x must be [num_tokens, hidden] and weight [hidden], got "
+                         f"{tuple(x.shape)}, {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x")
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.stride(-1) != 1 or out.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        raise ValueError("rms_norm needs a contiguous last dimension")
+    n_rows, n_cols = x.shape
+    if n_rows == 0:
+        return out
+    block = _next_power_of_2(n_cols)
+    _rms_norm_kernel[(n_rows,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        n_cols,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return out
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    norm_weight_ptr,
+    stride_x_t,
+    stride_x_h,
+    stride_cs,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_j = tl.arange(0, HALF_PAD)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_j[None, :] < HALF)
+    base = x_ptr + token * stride_x_t + offs_h[:, None] * stride_x_h + offs_j[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)
+        w1 = tl.load(norm_weight_ptr + offs_j, mask=offs_j < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_weight_ptr + HALF + offs_j, mask=offs_j < HALF, other=0.0).to(tl.float32)
+        x1 = (x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]
+        x2 = (x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]
+        x1 = x1.to(dtype).to(tl.float32)
+        x2 = x2.to(dtype).to(tl.float32)
+    c = tl.load(cos_ptr + pos * stride_cs + offs_j, mask=offs_j < HALF, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_cs + offs_j, mask=offs_j < HALF, other=0.0)[None, :]
+    tl.store(base, (x1 * c - x2 * s).to(dtype), mask=mask)
+    tl.store(base + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
+
+
+def rotary_embedding(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Rotary position embedding (Su et al., RoFormer, 2021), "rotate half" (GPT-NeoX) layout, in
+    place; optionally preceded by a per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``).
+
+    Call it once for q and once for k.
+
+    Args:
+        x: ``[num_tokens, num_heads, head_dim]``, modified in place (last dim contiguous; the token
+            and head strides may be those of a view into a fused QKV projection).
+        positions: ``[num_tokens]`` integer positions.
+        cos, sin: ``[max_position, head_dim // 2]`` fp32 tables (``cos(pos * inv_freq)``), the
+            whole head dim is rotated.
+        norm_weight: optional ``[head_dim]`` RMSNorm weight applied to each head before rotation.
+        eps: RMSNorm epsilon.
+
+    Returns:
+        ``x``.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [num_tokens, num_heads, head_dim], got {tuple(x.shape)}")
+    num_tokens, num_heads, head_dim = x.shape
+    if head_dim % 2 or cos.shape[-1] != head_dim // 2 or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} must be [max_position, head_dim // 2] "
+                         f"for head_dim {head_dim}")
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions must be [num_tokens], got {tuple(positions.shape)}")
+    if norm_weight is not None and norm_weight.shape != (head_dim,):
+        raise ValueError(f"norm_weight must be [head_dim], got {tuple(norm_weight.shape)}")
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+        raise ValueError("x, cos and sin need a contiguous last dimension (and equal cos/sin strides)")
+    if num_tokens == 0:
+        return x
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        x,
+        positions,
+        cos,
+        sin,
+        norm_weight if norm_weight is not None else cos,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        eps,
+        NUM_HEADS=num_heads,
+        HEADS_PAD=_next_power_of_2(num_heads),
+        HEAD_DIM=head_dim,
+        HALF=half,
+        HALF_PAD=_next_power_of_2(half),
+        HAS_NORM=norm_weight is not None,
+        num_warps=4,
+    )
+    return x
+
+
+class TritonAttentionBackend(TorchAttentionBackend):
+    """Drop-in replacement for :class:`pdserve.model.attention.TorchAttentionBackend` on CUDA.
+
+    Same ``forward(layer, query, key, value, kv_cache, meta)``: K/V are written with
+    :func:`store_kv_cache` (negative slots skipped), decode tokens use
+    :func:`paged_decode_attention`, prefill spans keep the torch SDPA path of the parent class.
+
+    Args:
+        num_heads, num_kv_heads, head_dim, block_size, scale: as for the parent class.
+        cuda_graph_mode: True while the forward pass is captured in / replayed from a CUDA graph:
+            the split count then depends on the batch size only (``max_decode_seq_len`` of the
+            capture-time metadata would be stale).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 scale: float, cuda_graph_mode: bool = False):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale)
+        self.cuda_graph_mode = cuda_graph_mode
+
+    def forward(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend.
+
+        Args:
+            layer: layer index into ``kv_cache``.
+            query: ``[T, num_heads, head_dim]`` (rotary embedding applied).
+            key, value: ``[T, num_kv_heads, head_dim]``.
+            kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``.
+            meta: the step's metadata (prefill tokens first, then one token per decode).
+
+        Returns:
+            ``[T, num_heads, head_dim]`` attention output.
+        """
+        store_kv_cache(key, value, kv_cache, layer, meta.slot_mapping)
+        out = torch.empty_like(query)
+        for span in meta.prefills:
+            sl = slice(span.query_start, span.query_start + span.query_len)
+            out[sl] = self._prefill(layer, query[sl], key[sl], value[sl], kv_cache, span)
+        if meta.num_decodes:
+            p = meta.num_prefill_tokens
+            assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+            paged_decode_attention(
+                query[p:], kv_cache, layer, meta.decode_block_tables, meta.decode_seq_lens,
+                self.scale, out=out[p:],
+                max_context_len=None if self.cuda_graph_mode else meta.max_decode_seq_len,
+            )
+        return out

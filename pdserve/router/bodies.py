@@ -1,0 +1,125 @@
+"""Request bodies of the two legs (DESIGN.md §2) and the proxy's own checks on client bodies.
+
+Prefill leg (to P): the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1`` when
+the client sent that field), ``stream=false``, without ``min_tokens``, ``stream_options``, ``n``
+and ``conversation_id``, and with ``kv_transfer_params`` set to :data:`PREFILL_KV_PARAMS`; in
+multi-turn mode the decoder's params from the previous turn are merged in (see
+:func:`prefill_leg_body`).
+
+Decode leg (to D): the client's body without ``conversation_id``, with ``kv_transfer_params``
+replaced by what P returned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.router.errors import INVALID_REQUEST, ProxyError
+
+#: ``kv_transfer_params`` of a stateless prefill request: P must keep the blocks for a remote
+#: decoder and has nothing to pull itself.
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+#: Body fields the proxy consumes and never forwards.
+PROXY_FIELDS = ("conversation_id",)
+
+
+def check_client_body(body: Any) -> None:
+    """Reject bodies the disaggregated flow cannot serve faithfully.
+
+    ``n`` / ``best_of`` > 1 are refused: the prefill leg computes one sequence and the decode
+    leg would have to fork it, which the engines do not do; silently returning one choice would
+    lose the others.
+
+    Raises:
+        ProxyError: 400 with an OpenAI-style body naming the offending field.
+    """
+    if not isinstance(body, dict):
+        raise ProxyError(400, "request body must be a JSON object", INVALID_REQUEST)
+    for field in ("n", "best_of"):
+        value = body.get(field)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ProxyError(400, f"'{field}' must be a positive integer, got {value!r}",
+                             INVALID_REQUEST, field)
+        if value > 1:
+            raise ProxyError(400, f"'{field}' > 1 is not supported by the disaggregated proxy "
+                             f"(got {value}); send {value} separate requests instead",
+                             INVALID_REQUEST, field)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ProxyError(400, f"'stream' must be a boolean, got {stream!r}", INVALID_REQUEST, "stream")
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise ProxyError(400, "'kv_transfer_params' must be an object", INVALID_REQUEST,
+                         "kv_transfer_params")
+
+
+def conversation_key(body: dict[str, Any], session_header: str | None) -> str | None:
+    """The conversation id: the body's ``conversation_id``, else the ``X-Session-ID`` header.
+
+    Raises:
+        ProxyError: 400 when ``conversation_id`` is neither a string nor an integer.
+    """
+    cid = body.get("conversation_id")
+    if cid is None:
+        return session_header or None
+    if isinstance(cid, bool) or not isinstance(cid, (str, int)):
+        raise ProxyError(400, f"'conversation_id' must be a string, got {cid!r}", INVALID_REQUEST,
+                         "conversation_id")
+    return str(cid) or None
+
+
+def prefill_leg_body(body: dict[str, Any], decoder_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The body sent to P.
+
+    Args:
+        body: the client's (checked) body; not modified.
+        decoder_params: multi-turn only: the ``kv_transfer_params`` D returned for the previous
+            turn (``remote_block_ids``, ``remote_num_tokens``, ``remote_blocks_expiry_time``,
+            ``remote_host``, ``remote_port``, ``remote_engine_id``, ``remote_request_id``, ...).
+            All of D's fields are copied over :data:`PREFILL_KV_PARAMS`, then ``do_remote_decode``
+            is forced to true and ``do_remote_prefill`` to false, so P both keeps its blocks for D
+            and sees where the previous turn's blocks are.
+
+    Returns:
+        A new dict (shallow copy; nested values are shared with ``body``).
+    """
+    out = dict(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    for field in ("min_tokens", "stream_options", "n", *PROXY_FIELDS):
+        out.pop(field, None)
+    params = dict(PREFILL_KV_PARAMS)
+    if decoder_params:
+        params.update(decoder_params)
+        params["do_remote_decode"] = True
+        params["do_remote_prefill"] = False
+    out["kv_transfer_params"] = params
+    return out
+
+
+def decode_leg_body(body: dict[str, Any], prefill_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The body sent to D: the client's body plus P's returned ``kv_transfer_params``.
+
+    When P returned no params (P not configured as a KV producer), D gets no
+    ``kv_transfer_params`` and computes the prompt itself.
+    """
+    out = dict(body)
+    for field in PROXY_FIELDS:
+        out.pop(field, None)
+    if prefill_params is None:
+        out.pop("kv_transfer_params", None)
+    else:
+        out["kv_transfer_params"] = prefill_params
+    return out

@@ -1,0 +1,132 @@
+"""Per-conversation state of the multi-turn proxy (DESIGN.md §3), bounded by LRU and TTL.
+
+After each turn the proxy remembers, per ``conversation_id``:
+
+* the decoder's returned ``kv_transfer_params`` (where D keeps the turn's KV blocks), which the
+  next turn's prefill request carries so that P can pull those blocks instead of recomputing;
+* which prefill and decode instances served the turn, so the next turn prefers them (D holds the
+  blocks; P's prefix cache may still hold the earlier prompt).
+
+Expiry: an entry lives ``ttl`` seconds after its last turn (default: the decoder's
+``decoder_kv_blocks_ttl``). The stored params expire sooner when D says so in
+``remote_blocks_expiry_time``, an absolute wall-clock time in seconds since the Unix epoch
+(``time.time()`` on D); after that D has freed the blocks and the params are dropped. At most
+``max_entries`` conversations are kept; the least recently used is dropped first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass
+class ConversationState:
+    """What the proxy knows about one conversation.
+
+    Attributes:
+        prefiller_url, decoder_url: base URLs of the instances that served the last turn.
+        kv_transfer_params: D's params from the latest turn that returned any, or None.
+        params_expire_at: monotonic time (s) after which ``kv_transfer_params`` is dropped.
+        expires_at: monotonic time (s) after which the whole entry is dropped.
+    """
+
+    prefiller_url: str | None
+    decoder_url: str | None
+    kv_transfer_params: dict[str, Any] | None
+    params_expire_at: float
+    expires_at: float
+
+
+class ConversationStore:
+    """LRU- and TTL-bounded map ``conversation_id -> ConversationState``.
+
+    Args:
+        max_entries: most conversations kept (>= 1).
+        ttl: seconds an entry lives after its last turn (> 0).
+        clock: monotonic clock in seconds; wall_clock: Unix time in seconds (injectable for tests).
+
+    Raises:
+        ValueError: ``max_entries < 1`` or ``ttl <= 0``.
+    """
+
+    def __init__(self, max_entries: int, ttl: float,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if not ttl > 0:
+            raise ValueError(f"ttl must be > 0, got {ttl}")
+        self.max_entries = max_entries
+        self.ttl = ttl
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._entries: OrderedDict[str, ConversationState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, conversation_id: str) -> ConversationState | None:
+        """The live state of ``conversation_id`` (marked most recently used), or None.
+
+        Expired entries are removed; expired params are cleared (routing stickiness is kept
+        until the entry itself expires).
+        """
+        state = self._entries.get(conversation_id)
+        if state is None:
+            return None
+        now = self._clock()
+        if now >= state.expires_at:
+            del self._entries[conversation_id]
+            return None
+        if state.kv_transfer_params is not None and now >= state.params_expire_at:
+            state.kv_transfer_params = None
+        self._entries.move_to_end(conversation_id)
+        return state
+
+    def record_turn(self, conversation_id: str, prefiller_url: str | None, decoder_url: str | None,
+                    kv_transfer_params: dict[str, Any] | None) -> ConversationState:
+        """Store the outcome of a finished turn.
+
+        Args:
+            kv_transfer_params: D's returned params; None keeps the previously stored params (and
+                their expiry), since D's older blocks stay valid until they expire.
+
+        Returns:
+            The stored state.
+        """
+        now = self._clock()
+        expires_at = now + self.ttl
+        state = self._entries.get(conversation_id)
+        if kv_transfer_params is not None:
+            params_expire_at = min(expires_at, self._params_deadline(kv_transfer_params, now))
+        elif state is not None and state.kv_transfer_params is not None and now < state.params_expire_at:
+            kv_transfer_params, params_expire_at = state.kv_transfer_params, state.params_expire_at
+        else:
+            params_expire_at = now
+        state = ConversationState(prefiller_url, decoder_url, kv_transfer_params, params_expire_at,
+                                  expires_at)
+        self._entries[conversation_id] = state
+        self._entries.move_to_end(conversation_id)
+        self._evict(now)
+        return state
+
+    def _params_deadline(self, params: dict[str, Any], now: float) -> float:
+        expiry = params.get("remote_blocks_expiry_time")
+        if isinstance(expiry, (int, float)) and not isinstance(expiry, bool):
+            return now + (float(expiry) - self._wall_clock())
+        return float("inf")
+
+    def _evict(self, now: float) -> None:
+        entries = self._entries
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)
+        # Drop expired entries at the cold end (the rest expire lazily in get(); the LRU bound
+        # already caps memory).
+        while entries:
+            oldest = next(iter(entries.values()))
+            if now < oldest.expires_at:
+                break
+            entries.popitem(last=False)

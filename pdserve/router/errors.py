@@ -1,0 +1,87 @@
+"""OpenAI-style error bodies and the exception the proxy raises for errors it answers itself.
+
+Every error the proxy returns has the shape of the OpenAI API:
+``{"error": {"message": str, "type": str, "param": str | None, "code": int}}``, where ``code`` is
+the HTTP status. Errors from an upstream instance keep the upstream's status; their body is passed
+through unchanged when it already has that shape, otherwise it is wrapped into it
+(:func:`normalize_upstream_error`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: ``type`` strings used for errors the proxy produces itself.
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+UPSTREAM_ERROR = "upstream_error"
+UPSTREAM_TIMEOUT = "upstream_timeout"
+
+
+def error_body(message: str, err_type: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI-style error object for ``status`` (an HTTP status code)."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_bytes(message: str, err_type: str, status: int, param: str | None = None) -> bytes:
+    """:func:`error_body` encoded as compact JSON bytes."""
+    return json.dumps(error_body(message, err_type, status, param), separators=(",", ":")).encode()
+
+
+class ProxyError(Exception):
+    """An error the proxy answers with its own OpenAI-style body.
+
+    Args:
+        status: HTTP status code sent to the client (400, 401, 404, 413, 502, 503, 504).
+        message: human-readable message; for upstream failures it names the leg and instance,
+            e.g. ``"prefill instance http://127.0.0.1:8100 unreachable (...)"``.
+        err_type: the ``type`` field of the body (one of the constants in this module).
+        param: the offending request field, if any.
+    """
+
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+    def body(self) -> bytes:
+        """The JSON error body as bytes."""
+        return error_bytes(self.message, self.err_type, self.status, self.param)
+
+
+def normalize_upstream_error(status: int, raw: bytes, leg: str, url: str) -> bytes:
+    """Make an upstream's error body OpenAI-shaped, keeping it byte-identical when it already is.
+
+    Args:
+        status: the upstream's HTTP status (>= 400).
+        raw: the upstream's response body (any bytes, possibly empty or not JSON).
+        leg: ``"prefill"`` or ``"decode"``, used in the message of wrapped bodies.
+        url: the upstream's base URL, used in the message of wrapped bodies.
+
+    Returns:
+        ``raw`` when it is a JSON object with an ``"error"`` object; otherwise a new body whose
+        message carries the upstream's own message (``message`` or FastAPI's ``detail`` field) or
+        its text.
+    """
+    try:
+        parsed = json.loads(raw) if raw else None
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        if isinstance(parsed.get("error"), dict):
+            return raw
+        inner = parsed.get("message", parsed.get("detail"))
+        text = inner if isinstance(inner, str) else json.dumps(inner if inner is not None else parsed)
+    else:
+        text = raw.decode("utf-8", "replace").strip() or "(empty body)"
+    err_type = INVALID_REQUEST if status < 500 else UPSTREAM_ERROR
+    if status < 500:
+        message = text
+    else:
+        message = f"{leg} instance {url} failed with HTTP {status}: {text}"
+    return error_bytes(message, err_type, status)

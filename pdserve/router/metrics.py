@@ -1,0 +1,70 @@
+"""Prometheus metrics of the proxy, in a registry of their own (served at ``GET /metrics``).
+
+Names (kept here until the project-wide ``pdserve/metrics.py`` takes them over):
+
+* ``pdserve:proxy_requests_total{endpoint, status}``: generation requests answered, by endpoint
+  (``completions`` / ``chat_completions``) and HTTP status (``499`` = client went away).
+* ``pdserve:proxy_errors_total{upstream, leg}``: upstream failures (unreachable, timeout,
+  connection lost, invalid response, HTTP 5xx), by instance URL and leg. Client errors (4xx) that
+  an instance reports are not counted: they are the client's.
+* ``pdserve:proxy_added_latency_seconds``: time the proxy itself adds before the first byte of
+  the answer leaves it: wall time from receiving the request to sending the first response byte,
+  minus the time spent waiting on the prefill leg and on the decode leg's response headers
+  (non-streaming: its whole body).
+* ``pdserve:proxy_in_flight_requests{upstream, leg}``: requests this proxy has open per instance.
+* ``pdserve:proxy_conversations``: remembered multi-turn conversations.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+#: Buckets of the added-latency histogram, in seconds (50 µs .. 1 s).
+ADDED_LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                         0.1, 0.25, 1.0)
+
+
+class ProxyMetrics:
+    """The proxy's metrics; label children are created up front so the hot path only adds.
+
+    Args:
+        prefillers, decoders: base URLs of the instances (label values of ``upstream``).
+    """
+
+    def __init__(self, prefillers: tuple[str, ...] | list[str], decoders: tuple[str, ...] | list[str]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("pdserve:proxy_requests", "Generation requests answered by the proxy",
+                                ["endpoint", "status"], registry=self.registry)
+        self.errors = Counter("pdserve:proxy_errors", "Upstream failures seen by the proxy",
+                              ["upstream", "leg"], registry=self.registry)
+        self.added_latency = Histogram("pdserve:proxy_added_latency_seconds",
+                                       "Latency the proxy adds before the first response byte (s)",
+                                       buckets=ADDED_LATENCY_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge("pdserve:proxy_in_flight_requests",
+                               "Requests open on each instance through this proxy",
+                               ["upstream", "leg"], registry=self.registry)
+        self.conversations = Gauge("pdserve:proxy_conversations",
+                                   "Remembered multi-turn conversations", registry=self.registry)
+        self.in_flight_child = {}
+        for leg, urls in (("prefill", prefillers), ("decode", decoders)):
+            for url in urls:
+                self.in_flight_child[(leg, url)] = self.in_flight.labels(upstream=url, leg=leg)
+                self.errors.labels(upstream=url, leg=leg)  # export zeros from the start
+        self._request_children: dict[tuple[str, int], Counter] = {}
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        """Count one answered generation request."""
+        child = self._request_children.get((endpoint, status))
+        if child is None:
+            child = self.requests.labels(endpoint=endpoint, status=str(status))
+            self._request_children[(endpoint, status)] = child
+        child.inc()
+
+    def count_error(self, upstream: str, leg: str) -> None:
+        """Count one upstream failure."""
+        self.errors.labels(upstream=upstream, leg=leg).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """``(body, content_type)`` of the text exposition format."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

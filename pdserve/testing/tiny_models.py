@@ -1,0 +1,84 @@
+"""Tiny random Llama / Qwen3 models for fast tests.
+
+:func:`make_tiny_model` writes a Hugging Face model directory (``config.json``,
+``model.safetensors``, ``generation_config.json`` and the SmolLM2 tokenizer files) that both
+pdserve and ``transformers.AutoModelForCausalLM`` load. Weights come from ``transformers``'
+own initialisation under a fixed seed, so the same arguments give the same model.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+# Small but not degenerate: 2 layers, grouped-query attention (4 query heads, 2 KV heads), the
+# full SmolLM2 vocabulary so its tokenizer can be reused.
+_COMMON: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    "initializer_range": 0.02,
+}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    # untied LM head (SmolLM2 itself covers the tied case)
+    "llama": {"head_dim": 16, "tie_word_embeddings": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    # head_dim * heads != hidden_size, tied embeddings, as in Qwen3-0.6B
+    "qwen3": {"head_dim": 32, "tie_word_embeddings": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja")
+
+
+def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
+                    tokenizer_dir: str | Path | None = None, **overrides: Any) -> Path:
+    """Write a tiny random model directory.
+
+    Args:
+        path: output directory (created if missing).
+        arch: ``"llama"`` (``LlamaForCausalLM``) or ``"qwen3"`` (``Qwen3ForCausalLM``).
+        seed: ``torch`` seed for the random weights.
+        tokenizer_dir: where to copy tokenizer files from (default: the converted built-in
+            SmolLM2 directory, converting it first if needed).
+        **overrides: config keys replacing the defaults (e.g. ``num_hidden_layers=4``,
+            ``rope_parameters={...}``).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: unknown ``arch``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    if arch not in _DEFAULTS:
+        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    fields = {**_COMMON, **_DEFAULTS[arch], **overrides}
+    config_cls = LlamaConfig if arch == "llama" else Qwen3Config
+    config = config_cls(**fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(out))
+    if tokenizer_dir is None:
+        from pdserve.model.smollm2 import ensure_converted
+
+        tokenizer_dir = ensure_converted()
+    for name in _TOKENIZER_FILES:
+        src = Path(tokenizer_dir) / name
+        if src.is_file():
+            shutil.copyfile(src, out / name)
+    return out

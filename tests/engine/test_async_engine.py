@@ -1,0 +1,227 @@
+"""AsyncEngine end to end: a real engine-core process on the tiny random Llama, talking ZMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import pytest_asyncio
+
+from pdserve.config import EngineConfig
+from pdserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStartupError,
+    RequestOutput,
+)
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+ARGS = dict(dtype="float32", device="cpu", block_size=4, max_model_len=128, num_gpu_blocks_override=128)
+
+
+def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def prompt(length: int, salt: int = 0) -> list[int]:
+    return [(37 * i + 11 * salt + 3) % 3000 + 200 for i in range(length)]
+
+
+async def run(engine: AsyncEngine, rid: str, ids: list[int], params: SamplingParams) -> list[RequestOutput]:
+    return [o async for o in engine.generate(rid, ids, params)]
+
+
+async def wait_all_free(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = engine.stats()
+        if s.num_free_blocks == s.num_blocks and s.num_running == 0 and s.num_waiting == 0:
+            return
+        assert time.monotonic() < deadline, f"blocks not freed: {s}"
+        await asyncio.sleep(0.05)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llama_path):
+    eng = await AsyncEngine.start(EngineConfig(model=tiny_llama_path, **ARGS))
+    try:
+        yield eng
+    finally:
+        await eng.shutdown()
+    assert eng._proc.exitcode == 0  # the core stopped on its own, not killed
+
+
+@pytest.fixture(scope="module")
+def offline_tokens(tiny_llama_path) -> dict[int, list[int]]:
+    """Greedy tokens of the in-process engine for a few prompts (the reference)."""
+    llm = LLMEngine(EngineConfig(model=tiny_llama_path, **ARGS))
+    try:
+        lengths = [1, 3, 4, 5, 9, 30]
+        outs = llm.generate([prompt(n, n) for n in lengths], greedy())
+        return {n: o.token_ids for n, o in zip(lengths, outs)}
+    finally:
+        llm.shutdown()
+
+
+async def test_generate_streams_deltas_matching_offline_tokens_and_text(engine, offline_tokens):
+    assert engine.max_model_len == 128 and engine.num_blocks == 128
+    outs = await run(engine, "one", prompt(9, 9), greedy())
+    tokens = [t for o in outs for t in o.new_token_ids]
+    assert tokens == offline_tokens[9]
+    assert all(len(o.new_token_ids) == 1 for o in outs)
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    last = outs[-1]
+    assert last.finish_reason == "length" and last.num_output_tokens == 12 and last.num_prompt_tokens == 9
+    text = "".join(o.new_text for o in outs)
+    assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    await wait_all_free(engine)
+
+
+async def test_concurrent_requests_equal_offline(engine, offline_tokens):
+    lengths = list(offline_tokens)
+    results = await asyncio.gather(*(run(engine, f"c{n}", prompt(n, n), greedy()) for n in lengths))
+    for n, outs in zip(lengths, results):
+        assert [t for o in outs for t in o.new_token_ids] == offline_tokens[n], n
+    s = engine.stats()
+    assert s.generation_tokens_total >= 12 * len(lengths)
+    await wait_all_free(engine)
+
+
+async def test_stop_string_is_removed_and_request_stops(engine, offline_tokens):
+    tokens = offline_tokens[30]
+    full = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    # A stop string that starts in the middle of the text (text from token 4's start on).
+    head = engine.tokenizer.decode(tokens[:4], skip_special_tokens=True)
+    stop = full[len(head) : len(head) + 3]
+    assert stop and full.find(stop) == len(head), "pick a stop string that occurs first there"
+    outs = await run(engine, "stop", prompt(30, 30), greedy(stop=[stop]))
+    text = "".join(o.new_text for o in outs)
+    assert text == full[: len(head)]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    assert sum(len(o.new_token_ids) for o in outs) < len(tokens)
+    await wait_all_free(engine)
+
+
+async def test_abort_and_leaving_the_iterator_free_all_blocks(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    agen = engine.generate("leave", prompt(20), params)
+    first = await agen.__anext__()
+    assert not first.finished
+    await agen.aclose()  # client went away
+
+    outs: list[RequestOutput] = []
+    async for o in engine.generate("aborted", prompt(20, 1), params):
+        outs.append(o)
+        if len(outs) == 2:
+            await engine.abort("aborted")
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert not any(o.finished for o in outs[:-1])
+    assert sum(len(o.new_token_ids) for o in outs) < 100  # outputs already queued may precede it
+    await wait_all_free(engine)
+    await engine.abort("unknown-id")  # ignored
+
+
+async def test_cancelled_task_aborts_the_request(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    got_one = asyncio.Event()
+
+    async def consume():
+        async for _ in engine.generate("cancelled", prompt(10), params):
+            got_one.set()
+
+    task = asyncio.create_task(consume())
+    await got_one.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_all_free(engine)
+
+
+async def test_invalid_requests_raise_value_error(engine):
+    with pytest.raises(ValueError, match="max_model_len"):
+        await run(engine, "long", prompt(129), greedy())
+    with pytest.raises(ValueError, match="max_tokens"):
+        await run(engine, "long2", prompt(100), greedy(max_tokens=29))
+    with pytest.raises(ValueError, match="at least one token"):
+        await run(engine, "empty", [], greedy())
+    with pytest.raises(ValueError, match="token ids"):
+        await run(engine, "vocab", [10**7], greedy())
+    with pytest.raises(ValueError, match="temperature"):
+        await run(engine, "temp", [1], SamplingParams(temperature=-1))
+    await engine.check_health()
+
+
+async def test_startup_failure_is_a_clear_error(tmp_path):
+    with pytest.raises(EngineStartupError, match="not found"):
+        await AsyncEngine.start(EngineConfig(model=str(tmp_path / "no-such-model"), **ARGS))
+
+
+async def test_dead_core_fails_in_flight_requests(tiny_llama_path):
+    eng = await AsyncEngine.start(EngineConfig(model=tiny_llama_path, **ARGS))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        agen = eng.generate("doomed", prompt(10), params)
+        await agen.__anext__()
+        os.kill(eng._proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            async for _ in agen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await eng.check_health()
+        with pytest.raises(EngineDeadError):
+            await run(eng, "after", prompt(3), params)
+    finally:
+        await eng.shutdown()
+
+
+async def test_connector_stats_reach_listeners_unchanged():
+    from pdserve.engine.messages import StepOutputs
+
+    eng = AsyncEngine()  # no process: exercise the output handling only
+    seen: list[dict] = []
+    eng.add_stats_listener(seen.append)
+    eng._handle_step_outputs(StepOutputs(stats={"num_running": 2, "kv_cache_usage": 0.5, "extra": 1},
+                                         connector_stats=[{"xfer_time_s": [0.1]}, {"num_failed": 1}]))
+    assert seen == [{"xfer_time_s": [0.1]}, {"num_failed": 1}]
+    assert eng.stats().num_running == 2 and eng.stats().kv_cache_usage == 0.5
+
+
+async def test_prefix_cache_hits_are_reported_per_request(engine, offline_tokens):
+    ids = prompt(30, 30)
+    outs = await run(engine, "cached-1", ids, greedy())
+    again = await run(engine, "cached-2", ids, greedy())
+    assert [t for o in again for t in o.new_token_ids] == offline_tokens[30]
+    assert again[-1].num_cached_tokens == (30 - 1) // 4 * 4
+    assert outs[-1].num_cached_tokens <= again[-1].num_cached_tokens
+    await wait_all_free(engine)
+    s = engine.stats()
+    assert s.prompt_tokens_cached_total >= 28
+    assert s.prompt_tokens_computed_total + s.prompt_tokens_cached_total <= s.prompt_tokens_total
+
+
+async def test_logprobs_are_passed_through(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
+    outs = await run(engine, "lp", prompt(5), params)
+    lps = [lp for o in outs for lp in o.new_logprobs]
+    assert [lp.token_id for lp in lps] == [t for o in outs for t in o.new_token_ids]
+    assert all(len(lp.top) == 2 and lp.top[0][0] == lp.token_id for lp in lps)  # greedy = top-1
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def test_idle_core_does_not_spin(engine):
+    await wait_all_free(engine)
+    before = _cpu_seconds(engine._proc.pid)
+    await asyncio.sleep(2.0)
+    used = _cpu_seconds(engine._proc.pid) - before
+    assert used < 0.3, f"idle engine core used {used:.2f} s of CPU in 2 s"

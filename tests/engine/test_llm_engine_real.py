@@ -1,0 +1,110 @@
+"""The real engine (ModelRunner on the tiny random Llama, CPU, float32) in-process: batching,
+chunked prefill, prefix caching and preemption must not change greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+
+BS = 4
+# Around the block size (1, B-1, B, B+1, 2B+1) plus longer ones.
+LENGTHS = [1, BS - 1, BS, BS + 1, 2 * BS + 1, 23, 40]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def prompt(length: int, salt: int = 0) -> list[int]:
+    return [(31 * i + 17 * salt + 5) % 4000 + 100 for i in range(length)]
+
+
+PROMPTS = [prompt(n, salt=i) for i, n in enumerate(LENGTHS)]
+
+
+def make_engine(path: str, **kw) -> LLMEngine:
+    args = dict(model=path, dtype="float32", device="cpu", block_size=BS, max_model_len=128,
+                num_gpu_blocks_override=256)
+    args.update(kw)
+    return LLMEngine(EngineConfig(**args))
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    kvm = engine.kv_cache_manager
+    kvm.check_consistency()
+    assert kvm.num_free_blocks == kvm.num_blocks
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tiny_llama_path) -> list[list[int]]:
+    """Greedy tokens of each prompt run alone, without prefix caching."""
+    engine = make_engine(tiny_llama_path, enable_prefix_caching=False)
+    try:
+        outs = [engine.generate([p], GREEDY)[0] for p in PROMPTS]
+        assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
+        assert_all_free(engine)
+        return [o.token_ids for o in outs]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # everything in one batch
+        {"max_num_batched_tokens": 16},  # chunked prefill, prefill and decode mixed
+        {"max_num_seqs": 3},  # continuous batching: requests join as others finish
+    ],
+    ids=["one-batch", "chunked", "max-seqs-3"],
+)
+def test_batched_requests_equal_one_at_a_time(tiny_llama_path, one_at_a_time, kw):
+    engine = make_engine(tiny_llama_path, **kw)
+    try:
+        # staggered lengths so requests finish at different steps
+        params = [SamplingParams(temperature=0.0, max_tokens=10 - i % 3, ignore_eos=True)
+                  for i in range(len(PROMPTS))]
+        outs = engine.generate(PROMPTS, params)
+        for i, o in enumerate(outs):
+            assert o.token_ids == one_at_a_time[i][: 10 - i % 3], f"prompt length {LENGTHS[i]}"
+        assert_all_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_prefix_caching_on_and_off_give_the_same_tokens(tiny_llama_path, one_at_a_time):
+    engine = make_engine(tiny_llama_path, enable_prefix_caching=True)
+    try:
+        first = engine.generate(PROMPTS, GREEDY)
+        again = engine.generate(PROMPTS, GREEDY)  # now served from the prefix cache
+        for i in range(len(PROMPTS)):
+            assert first[i].token_ids == again[i].token_ids == one_at_a_time[i]
+            full_blocks_before_last = (LENGTHS[i] - 1) // BS
+            assert again[i].num_cached_tokens == full_blocks_before_last * BS
+        stats = engine.stats()
+        assert stats["prompt_tokens_cached_total"] == sum((n - 1) // BS * BS for n in LENGTHS)
+        # A prompt extending a cached one (its prompt + its output) also matches.
+        ext = PROMPTS[-1] + one_at_a_time[-1] + prompt(5, salt=9)
+        cached = engine.generate([ext], GREEDY)[0]
+        assert cached.num_cached_tokens >= len(PROMPTS[-1]) // BS * BS
+        assert_all_free(engine)
+    finally:
+        engine.shutdown()
+    cold = make_engine(tiny_llama_path, enable_prefix_caching=False)
+    try:
+        assert cold.generate([ext], GREEDY)[0].token_ids == cached.token_ids
+    finally:
+        cold.shutdown()
+
+
+def test_preemption_keeps_tokens_identical(tiny_llama_path, one_at_a_time):
+    # 20 blocks x 4 = 80 tokens of KV for prompts of 23 and 40 tokens plus 10 outputs each.
+    engine = make_engine(tiny_llama_path, num_gpu_blocks_override=20, max_model_len=80)
+    try:
+        idx = [4, 5, 6, 3]
+        outs = engine.generate([PROMPTS[i] for i in idx], GREEDY)
+        for i, o in zip(idx, outs):
+            assert o.token_ids == one_at_a_time[i], f"prompt length {LENGTHS[i]}"
+        assert engine.stats()["num_preemptions_total"] > 0
+        assert_all_free(engine)
+    finally:
+        engine.shutdown()

@@ -1,0 +1,178 @@
+"""Bad input gets an OpenAI-style 4xx body (never a 500) and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fake_engine_for_server import FakeEngine
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+def assert_openai_error(r: httpx.Response, status: int, type_: str, param: str | None = None,
+                        code: str | None = None, message_has: str | None = None) -> None:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == type_
+    assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    if message_has is not None:
+        assert message_has in err["message"], err["message"]
+
+
+# (endpoint, JSON body, expected param, substring of the message)
+BAD_BODIES = [
+    (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, "temperature", "number"),
+    (COMPLETIONS, {"prompt": "x", "temperature": -0.5}, "temperature", None),
+    (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p", None),
+    (COMPLETIONS, {"prompt": "x", "top_k": -2}, "top_k", None),
+    (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, "min_p", None),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": -1}, "max_tokens", None),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens", None),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": "ten"}, "max_tokens", None),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 2.5}, "max_tokens", None),
+    (COMPLETIONS, {"prompt": "x", "n": 0}, "n", None),
+    (COMPLETIONS, {"prompt": "x", "n": True}, "n", None),
+    (COMPLETIONS, {"prompt": "x", "seed": "abc"}, "seed", None),
+    (COMPLETIONS, {"prompt": "x", "presence_penalty": 3}, "presence_penalty", None),
+    (COMPLETIONS, {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", None),
+    (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", None),
+    (COMPLETIONS, {"prompt": "x", "logprobs": -1}, "logprobs", None),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs", None),
+    (COMPLETIONS, {"prompt": "x", "stop": 5}, "stop", None),
+    (COMPLETIONS, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", None),
+    (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream", None),
+    (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options",
+     None),
+    (COMPLETIONS, {"prompt": "x", "kv_transfer_params": [1, 2]}, "kv_transfer_params", None),
+    (COMPLETIONS, {"prompt": "x", "echo": True}, "echo", "echo"),
+    (COMPLETIONS, {"prompt": 5}, "prompt", "prompt must be"),
+    (COMPLETIONS, {"prompt": [1, "a"]}, "prompt", "prompt must be"),
+    (COMPLETIONS, {"prompt": [True]}, "prompt", "prompt must be"),
+    (COMPLETIONS, {}, "prompt", "required"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 5, "min_tokens": 6}, None, "min_tokens"),
+    (CHAT, {"messages": []}, "messages", "empty"),
+    (CHAT, {"messages": "hi"}, "messages", None),
+    (CHAT, {}, "messages", "required"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages", None),
+    (CHAT, {"messages": [{"content": "hi"}]}, "messages", None),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages", None),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
+     "text"),
+    (CHAT, {"messages": USER_HI, "logprobs": 3}, "logprobs", None),
+    (CHAT, {"messages": USER_HI, "top_logprobs": 2}, None, "logprobs"),
+    (CHAT, {"messages": USER_HI, "max_completion_tokens": 0}, "max_completion_tokens", None),
+]
+
+
+@pytest.mark.parametrize("path,body,param,message_has", BAD_BODIES,
+                         ids=[f"{p.rsplit('/', 1)[-1]}:{b}" for p, b, _, _ in BAD_BODIES])
+async def test_bad_field_is_400(client: httpx.AsyncClient, fake_engine: FakeEngine, path: str,
+                                body: dict, param: str | None, message_has: str | None) -> None:
+    r = await client.post(path, json=body)
+    assert_openai_error(r, 400, "BadRequestError", param=param, message_has=message_has)
+    assert fake_engine.calls == {}, "an invalid request must not reach the engine"
+    # The server keeps serving.
+    ok = await client.post(COMPLETIONS, json={"prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": ', b"not json", b'{"prompt": "x",}'])
+async def test_malformed_json_is_400(client: httpx.AsyncClient, raw: bytes) -> None:
+    r = await client.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, "BadRequestError", code="invalid_json", message_has="JSON")
+
+
+@pytest.mark.parametrize("raw", [b"[1, 2]", b'"a string"', b"17"])
+async def test_body_not_an_object_is_400(client: httpx.AsyncClient, raw: bytes) -> None:
+    r = await client.post(CHAT, content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, "BadRequestError", message_has="JSON object")
+
+
+async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
+    for path, body in ((COMPLETIONS, {"prompt": "x"}), (CHAT, {"messages": USER_HI})):
+        r = await client.post(path, json={**body, "model": "gpt-17"})
+        assert_openai_error(r, 404, "NotFoundError", param="model", code="model_not_found",
+                            message_has="gpt-17")
+
+
+async def test_served_model_name_is_accepted(client: httpx.AsyncClient) -> None:
+    r = await client.post(COMPLETIONS, json={"prompt": "x", "model": "fake-model",
+                                            "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], ["a", ""]])
+async def test_empty_prompt_is_400(client: httpx.AsyncClient, prompt: object) -> None:
+    r = await client.post(COMPLETIONS, json={"prompt": prompt})
+    assert_openai_error(r, 400, "BadRequestError", param="prompt", message_has="empty")
+
+
+async def test_prompt_longer_than_max_model_len_is_400(client: httpx.AsyncClient,
+                                                      fake_engine: FakeEngine) -> None:
+    too_long = "x" * fake_engine.max_model_len
+    r = await client.post(COMPLETIONS, json={"prompt": too_long, "max_tokens": 1})
+    assert_openai_error(r, 400, "BadRequestError", param="prompt",
+                        code="context_length_exceeded",
+                        message_has=str(fake_engine.max_model_len))
+    r = await client.post(COMPLETIONS, json={"prompt": [5] * (fake_engine.max_model_len + 3)})
+    assert_openai_error(r, 400, "BadRequestError", param="prompt")
+    r = await client.post(CHAT, json={"messages": [{"role": "user", "content": too_long}]})
+    assert_openai_error(r, 400, "BadRequestError", param="messages",
+                        code="context_length_exceeded")
+
+
+async def test_prompt_plus_max_tokens_too_long_is_400(client: httpx.AsyncClient,
+                                                     fake_engine: FakeEngine) -> None:
+    prompt = "x" * 10
+    room = fake_engine.max_model_len - 10
+    r = await client.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": room + 1})
+    assert_openai_error(r, 400, "BadRequestError", param="max_tokens",
+                        code="context_length_exceeded")
+    r = await client.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": room})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == room
+
+
+async def test_token_id_outside_vocabulary_is_400(client: httpx.AsyncClient,
+                                                 fake_engine: FakeEngine) -> None:
+    vocab = fake_engine.model_info.vocab_size
+    for bad in ([1, vocab], [-1, 2]):
+        r = await client.post(COMPLETIONS, json={"prompt": bad})
+        assert_openai_error(r, 400, "BadRequestError", param="prompt")
+
+
+async def test_chat_template_failure_is_400(client: httpx.AsyncClient,
+                                            fake_engine: FakeEngine) -> None:
+    fake_engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    r = await client.post(CHAT, json={"messages": USER_HI})
+    assert_openai_error(r, 400, "BadRequestError", param="messages",
+                        message_has="roles must alternate")
+    fake_engine.tokenizer.chat_template = None
+    r = await client.post(CHAT, json={"messages": USER_HI})
+    assert_openai_error(r, 400, "BadRequestError", param="messages",
+                        message_has="no chat template")
+
+
+async def test_unknown_route_and_method_use_openai_body(client: httpx.AsyncClient) -> None:
+    assert_openai_error(await client.get("/v1/nothing"), 404, "NotFoundError")
+    assert_openai_error(await client.get(COMPLETIONS), 405, "MethodNotAllowedError")
+
+
+async def test_unknown_fields_are_ignored(client: httpx.AsyncClient,
+                                          fake_engine: FakeEngine) -> None:
+    r = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2, "user": "me",
+                                            "frobnicate": {"a": 1}, "suffix": None})
+    assert r.status_code == 200, r.text
+    r = await client.post(CHAT, json={"messages": [{"role": "user", "content": "hi",
+                                                    "name": "bob"}],
+                                      "max_tokens": 2, "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+    assert len(fake_engine.calls) == 2

@@ -1,0 +1,106 @@
+"""``pdserve serve`` command line: option parsing and clear startup errors."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.config import DEFAULT_MODEL, EngineConfig
+from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args, parse_size
+from pdserve.entrypoints.server import main
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("4096", 4096), ("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5 GiB", 3 * 2**29),
+    ("4G", 4 * 10**9), ("3gb", 3 * 10**9), ("1e9", 10**9), ("64KiB", 65536), ("10k", 10000),
+])
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "2XB", "-1GiB", "0", "GiB"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size(text)
+
+
+def test_defaults_match_engine_config() -> None:
+    args = build_parser().parse_args([])
+    cfg = engine_config_from_args(args, None)
+    assert cfg == EngineConfig()
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
+    assert cfg.model == DEFAULT_MODEL
+
+
+def test_every_option_reaches_engine_config() -> None:
+    args = build_parser().parse_args([
+        "/models/x", "--served-model-name", "x", "--tokenizer", "/tok", "--load-format", "dummy",
+        "--dtype", "bfloat16", "--device", "cpu", "--seed", "5", "--block-size", "32",
+        "--no-enable-prefix-caching", "--max-model-len", "1024", "--max-num-batched-tokens",
+        "512", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5", "--kv-cache-memory",
+        "1GiB", "--num-gpu-blocks-override", "64", "--enforce-eager", "--trust-remote-code",
+    ])
+    kv = object()
+    cfg = engine_config_from_args(args, kv)
+    assert cfg == EngineConfig(
+        model="/models/x", served_model_name="x", tokenizer="/tok", load_format="dummy",
+        dtype="bfloat16", device="cpu", seed=5, block_size=32, enable_prefix_caching=False,
+        max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8,
+        gpu_memory_utilization=0.5, kv_cache_memory=2**30, num_gpu_blocks_override=64,
+        enforce_eager=True, kv_transfer_config=kv, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--dtype", "float8"], ["--block-size", "0"], ["--port", "70000"],
+    ["--kv-cache-memory", "lots"], ["--gpu-memory-utilization", "1.5"], ["--bogus"],
+])
+def test_bad_options_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "pdserve serve" in err and "error" in err
+
+
+def test_bad_kv_transfer_config_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--kv-transfer-config", "{not json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve serve: error:") and "kv-transfer-config" in err
+    assert main(["--kv-transfer-config.kv_role", "kv_sideways"]) == 2
+    assert "kv_sideways" in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--kv-cache-memory" in out and "--kv-transfer-config" in out
+
+
+def _serve(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", *argv],
+                          capture_output=True, text=True, timeout=120, env=ENV)
+
+
+def test_missing_model_path_is_one_clear_line(tmp_path) -> None:
+    missing = tmp_path / "no-such-model"
+    p = _serve(str(missing), "--port", "0")
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert str(missing) in p.stderr and "not found" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_port_in_use_is_one_clear_line() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        p = _serve("--port", str(port))
+    assert p.returncode == 1
+    assert "Traceback" not in p.stderr
+    assert f"127.0.0.1:{port}" in p.stderr and "in use" in p.stderr.lower()

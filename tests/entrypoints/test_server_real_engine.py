@@ -1,0 +1,246 @@
+"""``pdserve serve`` as a real process on the tiny random Llama, driven by the official ``openai``
+client. Greedy output must equal the engine's own offline output (``AsyncEngine`` in-process,
+same configuration), and after every test all KV blocks are free again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+SERVED_NAME = "tiny-llama"
+ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "max_model_len": 256,
+               "kv_cache_memory": 8 * 2**20, "block_size": 16}
+# Completion prompts as token ids: lengths around the block size (1, B-1, B, B+1, 2B+1).
+PROMPT_LENGTHS = [1, 15, 16, 17, 33]
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompt_ids(length: int) -> list[int]:
+    return [(7 * i + 3) % 1000 + 10 for i in range(length)]
+
+
+def _chat_ids(tokenizer) -> list[int]:
+    text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_path: str) -> dict:
+    """Greedy text of the engine itself (no HTTP) for every prompt the tests send."""
+    from pdserve.engine.async_engine import AsyncEngine
+
+    async def run() -> dict:
+        engine = await AsyncEngine.start(EngineConfig(model=tiny_llama_path, **ENGINE_ARGS))
+        try:
+            prompts = {n: _prompt_ids(n) for n in PROMPT_LENGTHS}
+            prompts["chat"] = _chat_ids(engine.tokenizer)
+            result = {}
+            for key, ids in prompts.items():
+                params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+                text, tokens = "", []
+                async for out in engine.generate(f"offline-{key}", ids, params):
+                    text += out.new_text
+                    tokens += out.new_token_ids
+                result[key] = (text, tokens)
+            return result
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(run())
+
+
+def _start_server(model: str, log_path) -> tuple[subprocess.Popen, str]:
+    """Starts ``pdserve serve`` on a free port and waits for ``/health`` to answer 200."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", model, "--port", str(port),
+           "--served-model-name", SERVED_NAME, "--dtype", "float32", "--device", "cpu",
+           "--max-model-len", "256", "--kv-cache-memory", "8MiB", "--block-size", "16"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    return proc, base
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after 180 s:\n{log_path.read_text()}")
+            time.sleep(0.2)
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_path: str, tmp_path_factory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    proc, base = _start_server(tiny_llama_path, log)
+    try:
+        yield base
+    finally:
+        _stop(proc)
+    assert proc.returncode == 0, f"unclean shutdown ({proc.returncode}):\n{log.read_text()}"
+
+
+def _metrics(base: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", timeout=5).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if not s.labels}
+
+
+def _wait_all_blocks_free(base: str, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(base)
+        if (m["pdserve:kv_cache_free_blocks"] == m["pdserve:kv_cache_total_blocks"]
+                and m["pdserve:num_requests_running"] == 0
+                and m["pdserve:num_requests_waiting"] == 0):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks not all free: {m}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def client(server: str) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
+    yield c
+    c.close()
+    _wait_all_blocks_free(server)
+
+
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_completion_greedy_matches_offline(client: openai.OpenAI, offline: dict,
+                                           length: int) -> None:
+    text, tokens = offline[length]
+    r = client.completions.create(model=SERVED_NAME, prompt=_prompt_ids(length), **GREEDY)
+    assert r.choices[0].text == text
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (length, len(tokens))
+    stream = client.completions.create(model=SERVED_NAME, prompt=_prompt_ids(length),
+                                       stream=True, stream_options={"include_usage": True},
+                                       **GREEDY)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_chat_greedy_matches_offline(client: openai.OpenAI, offline: dict) -> None:
+    text, _ = offline["chat"]
+    r = client.chat.completions.create(model=SERVED_NAME, messages=CHAT, **GREEDY)
+    assert r.choices[0].message.content == text
+    assert r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=SERVED_NAME, messages=CHAT, stream=True,
+                                            **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+def test_repeated_prompt_hits_prefix_cache(client: openai.OpenAI, offline: dict) -> None:
+    ids = _prompt_ids(33)
+    client.completions.create(model=SERVED_NAME, prompt=ids, **GREEDY)
+    r = client.completions.create(model=SERVED_NAME, prompt=ids, **GREEDY)
+    assert r.choices[0].text == offline[33][0]
+    assert r.usage.prompt_tokens_details.cached_tokens == 32  # two full blocks of 16
+
+
+def test_n_and_concurrent_requests(client: openai.OpenAI, offline: dict) -> None:
+    r = client.completions.create(model=SERVED_NAME, prompt=_prompt_ids(17), n=3, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.text == offline[17][0] for c in r.choices)
+    assert r.usage.completion_tokens == 3 * MAX_TOKENS and r.usage.prompt_tokens == 17
+    r = client.completions.create(model=SERVED_NAME, prompt="Once upon a time", n=2, seed=11,
+                                  temperature=1.0, max_tokens=8)
+    assert len(r.choices) == 2
+    again = client.completions.create(model=SERVED_NAME, prompt="Once upon a time", n=2,
+                                      seed=11, temperature=1.0, max_tokens=8)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+
+
+def test_bad_requests_through_openai_client(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=SERVED_NAME, prompt=[5] * 300, max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=SERVED_NAME, prompt=[5] * 200, max_tokens=100)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=SERVED_NAME, messages=[], max_tokens=1)
+    models = client.models.list()
+    assert [m.id for m in models.data] == [SERVED_NAME]
+
+
+def test_disconnect_mid_stream_frees_blocks(server: str, client: openai.OpenAI) -> None:
+    with httpx.Client(base_url=server, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={
+                "prompt": _prompt_ids(40), "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break
+    m = _wait_all_blocks_free(server)
+    assert m["pdserve:generation_tokens_total"] > 0
+    text = httpx.get(server + "/metrics").text
+    aborted = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "pdserve:request_success_total"
+               and s.labels == {"finish_reason": "abort"}]
+    assert aborted and aborted[0] >= 1
+
+
+def test_engine_death_stops_the_server(tiny_llama_path: str, tmp_path) -> None:
+    log = tmp_path / "serve.log"
+    proc, base = _start_server(tiny_llama_path, log)
+    try:
+        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+        cores = [int(c) for c in children
+                 if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+        assert len(cores) == 1, children
+        os.kill(cores[0], signal.SIGKILL)
+        proc.wait(timeout=60)
+        assert proc.returncode == 1
+        assert "engine died" in log.read_text()
+    finally:
+        _stop(proc)

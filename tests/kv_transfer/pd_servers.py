@@ -1,0 +1,196 @@
+"""Helpers for end-to-end P/D tests: ``pdserve serve`` subprocesses, the two proxy-style legs,
+and ``/metrics`` scraping."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+STARTUP_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One ``pdserve serve`` process (an API server plus its engine core).
+
+    Args:
+        model: model directory.
+        log_path: file receiving the process's stdout and stderr.
+        kv_config: ``--kv-transfer-config`` dict, or None for a plain instance.
+        args: extra CLI arguments.
+    """
+
+    def __init__(self, model: str, log_path: Path, kv_config: dict | None = None,
+                 args: list[str] | None = None):
+        self.port = free_port()
+        self.side_channel_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", model, "--port", str(self.port),
+               *(args or [])]
+        if kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        env = dict(os.environ, PDSERVE_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                   PDSERVE_NIXL_SIDE_CHANNEL_PORT=str(self.side_channel_port),
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL)
+        self.client = httpx.Client(base_url=self.url, timeout=120)
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if self.client.get("/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server not ready in time:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as name -> value (label sets summed)."""
+        values: dict[str, float] = {}
+        for line in self.client.get("/metrics").text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_part, _, value = line.rpartition(" ")
+            name = name_part.split("{", 1)[0]
+            try:
+                values[name] = values.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+        return values
+
+    def wait_metrics(self, predicate: Callable[[dict[str, float]], bool],
+                     timeout_s: float = 20.0) -> dict[str, float]:
+        """Poll ``/metrics`` until ``predicate`` holds; returns the last scrape."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            if predicate(m):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"metrics condition not met in {timeout_s} s: "
+                                     f"{ {k: v for k, v in m.items() if 'nixl' in k or 'kv_cache' in k or 'prompt' in k} }")
+            time.sleep(0.1)
+
+    def wait_all_blocks_free(self, timeout_s: float = 20.0) -> dict[str, float]:
+        return self.wait_metrics(
+            lambda m: m.get("pdserve:kv_cache_free_blocks") == m.get("pdserve:kv_cache_total_blocks"),
+            timeout_s,
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.client.close()
+        self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL the API server; its engine core notices the dead parent and exits."""
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def start_all(servers: list[Server]) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    for s in servers:
+        s.wait_ready(deadline)
+
+
+def nixl_config(role: str, **extra: Any) -> dict:
+    cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
+    policy = extra.pop("kv_load_failure_policy", None)
+    if policy:
+        cfg["kv_load_failure_policy"] = policy
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
+    return cfg
+
+
+# ---------------------------------------------------------------------------------- requests
+def sse_events(response: httpx.Response) -> list[dict]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def generate(server: Server, endpoint: str, body: dict) -> dict:
+    """Run one request; returns ``{"status", "text", "kv_transfer_params", "error", "body"}``
+    for both streaming and non-streaming bodies."""
+    path = f"/v1/{endpoint}"
+    if body.get("stream"):
+        with server.client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return {"status": r.status_code, "text": None, "error": r.json(),
+                        "kv_transfer_params": None, "body": None}
+            events = sse_events(r)
+        text, params, error = "", None, None
+        for ev in events:
+            if "error" in ev:
+                error = ev
+                continue
+            for ch in ev.get("choices") or []:
+                text += (ch.get("text") or (ch.get("delta") or {}).get("content") or "")
+            if ev.get("kv_transfer_params") is not None:
+                params = ev["kv_transfer_params"]
+        return {"status": 200 if error is None else 500, "text": None if error else text,
+                "error": error, "kv_transfer_params": params, "body": events}
+    r = server.client.post(path, json=body)
+    data = r.json()
+    if r.status_code != 200:
+        return {"status": r.status_code, "text": None, "error": data, "kv_transfer_params": None,
+                "body": data}
+    ch = data["choices"][0]
+    text = ch["text"] if endpoint == "completions" else ch["message"]["content"]
+    return {"status": 200, "text": text, "error": None,
+            "kv_transfer_params": data.get("kv_transfer_params"), "body": data}
+
+
+def prefill_leg(p: Server, endpoint: str, body: dict) -> dict:
+    """The proxy's request to P: ``max_tokens=1``, not streamed, ``do_remote_decode``.
+    Returns P's ``kv_transfer_params``."""
+    leg = dict(body, max_tokens=1, stream=False,
+               kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    leg.pop("stream_options", None)
+    leg.pop("min_tokens", None)
+    out = generate(p, endpoint, leg)
+    assert out["status"] == 200, out
+    params = out["kv_transfer_params"]
+    assert params and params["do_remote_prefill"] is True, out
+    return params
+
+
+def decode_leg(d: Server, endpoint: str, body: dict, params: dict) -> dict:
+    """The proxy's request to D: the original body plus P's params."""
+    return generate(d, endpoint, dict(body, kv_transfer_params=params))

@@ -1,0 +1,229 @@
+"""Two-process tests of the NIXL worker sides moving real KV blocks over UCX (tcp/sm on CPU).
+
+The owner (P) and the reader (D) are separate processes (see ``nixl_peer.py``); the test plays
+the scheduler sides by handing each worker its per-step metadata.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from nixl_peer import PeerProcess, block_pattern
+from pdserve.kv_transfer.nixl.metadata import (
+    NixlConnectorMetadata,
+    RecvSpec,
+    RemoteEndpoint,
+    RemoteKVRef,
+    RemoteNotice,
+    SendSpec,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+GEOMETRY = {"num_blocks": 32, "block_size": 4, "num_layers": 2, "num_kv_heads": 2,
+            "head_dim": 8, "model": "tiny"}
+LEASE_S = 1.5  # P's configured lease (sets D's heartbeat period to LEASE_S / 3)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_config(role: str, **extra) -> dict:
+    ex = {"kv_handshake_timeout": 2.0, "kv_metrics_log_interval": 0.5}
+    ex.update(extra)
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": ex}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = PeerProcess(make_config("kv_producer", kv_lease_duration=LEASE_S), free_port(), GEOMETRY)
+    d = None
+    try:
+        assert p.hello.get("ok"), p.hello
+        d = PeerProcess(make_config("kv_consumer"), free_port(), GEOMETRY, zeros=True)
+        assert d.hello.get("ok"), d.hello
+        yield p, d
+    finally:
+        if d is not None:
+            d.shutdown()
+        p.shutdown()
+
+
+def ref_to(p: PeerProcess, req_id: str, block_ids: list[int]) -> RemoteKVRef:
+    return RemoteKVRef(RemoteEndpoint(p.engine_id, "127.0.0.1", p.port), req_id, block_ids)
+
+
+def lease(p: PeerProcess, req_id: str, block_ids: list[int], duration: float = 30.0) -> None:
+    p.bind(NixlConnectorMetadata(reqs_to_send={req_id: SendSpec(req_id, block_ids, duration)}))
+    out = p.step()
+    assert req_id not in out["finished_sending"]
+
+
+def recv_meta(d_req: str, ref: RemoteKVRef, local: list[int], remote: list[int]):
+    return NixlConnectorMetadata(reqs_to_recv={
+        d_req: RecvSpec(d_req, ref, local, remote, num_tokens=len(local) * 4)
+    })
+
+
+def test_read_moves_blocks_merges_descriptors_and_notifies_owner(pair):
+    p, d = pair
+    remote_ids = [3, 4, 5, 9]
+    local_ids = [10, 11, 12, 20]  # runs: 3-5 -> 10-12 (one descriptor), 9 -> 20
+    lease(p, "p-read", remote_ids)
+    d.bind(recv_meta("d-read", ref_to(p, "p-read", remote_ids), local_ids, remote_ids))
+    acc = d.step_until(lambda a: "d-read" in a["finished_recving"])
+    assert not acc["invalid_block_ids"]
+    got = d.blocks(local_ids)
+    numel = got[0].numel()
+    for rid, block in zip(remote_ids, got):
+        assert torch.equal(block, block_pattern(rid, numel))
+    # untouched neighbours stay zero
+    assert all(float(b.abs().sum()) == 0.0 for b in d.blocks([13, 21]))
+    stats = [s for s in acc["stats"] if s["xfer_time_s"]]
+    assert stats and stats[-1]["num_descriptors"] == [2]
+    block_bytes = numel * 4
+    assert stats[-1]["bytes"] == [4 * block_bytes]
+    # the READ's notification frees P's lease at once (well before the 30 s lease)
+    p_acc = p.step_until(lambda a: "p-read" in a["finished_sending"], timeout_s=10)
+    assert p_acc["last"]["num_leases"] == 0
+    assert not any(s["num_kv_expired_reqs"] for s in p_acc["stats"])
+
+
+def test_lease_expiry_frees_blocks_and_is_counted_for_every_entry(pair):
+    p, _ = pair
+    # three leases; the middle one is the shortest, so a scan of only the head would miss it
+    p.bind(NixlConnectorMetadata(reqs_to_send={
+        "exp-a": SendSpec("exp-a", [1], 30.0),
+        "exp-b": SendSpec("exp-b", [2], 0.3),
+        "exp-c": SendSpec("exp-c", [6], 0.6),
+    }))
+    acc = p.step_until(lambda a: {"exp-b", "exp-c"} <= a["finished_sending"], timeout_s=10)
+    assert "exp-a" not in acc["finished_sending"]
+    assert sum(s["num_kv_expired_reqs"] for s in acc["stats"]) == 2
+    # drop the long one explicitly
+    p.bind(NixlConnectorMetadata(release_sends={"exp-a"}))
+    assert "exp-a" in p.step()["finished_sending"]
+
+
+def test_abort_notification_frees_owner_lease(pair):
+    p, d = pair
+    lease(p, "p-abort", [7, 8])
+    ref = ref_to(p, "p-abort", [7, 8])
+    d.bind(NixlConnectorMetadata(notices=[RemoteNotice(ref, "abort")]))
+    d.step()
+    acc = p.step_until(lambda a: "p-abort" in a["finished_sending"], timeout_s=10)
+    assert not any(s["num_kv_expired_reqs"] for s in acc["stats"])
+
+
+def test_heartbeats_keep_a_waiting_lease_alive(pair):
+    p, d = pair
+    # a lease of P's configured length; D heartbeats every LEASE_S / 3
+    lease(p, "p-hb", [14], duration=LEASE_S)
+    d.bind(NixlConnectorMetadata(heartbeat_start={"d-hb": ref_to(p, "p-hb", [14])}))
+    import time
+
+    t_end = time.monotonic() + 2.5 * LEASE_S
+    while time.monotonic() < t_end:
+        d.step()
+        out = p.step()
+        assert "p-hb" not in out["finished_sending"], "lease expired despite heartbeats"
+        time.sleep(0.05)
+    d.bind(NixlConnectorMetadata(heartbeat_stop={"d-hb"}))
+    d.step()
+    acc = p.step_until(lambda a: "p-hb" in a["finished_sending"], timeout_s=3 * LEASE_S)
+    assert sum(s["num_kv_expired_reqs"] for s in acc["stats"]) == 1
+
+
+def test_forged_block_ids_fail_the_load(pair):
+    p, d = pair
+    lease(p, "p-forged", [15, 16])
+    # in range but not the leased blocks -> the owner refuses the claim
+    d.bind(recv_meta("d-forged", ref_to(p, "p-forged", [17, 18]), [24, 25], [17, 18]))
+    acc = d.step_until(lambda a: "d-forged" in a["finished_recving"])
+    assert set(acc["invalid_block_ids"]) == {24, 25}
+    assert sum(s["num_failed_transfers"] for s in acc["stats"]) == 1
+    assert all(float(b.abs().sum()) == 0.0 for b in d.blocks([24, 25]))
+    # out of the owner's range -> refused before any I/O
+    d.bind(recv_meta("d-range", ref_to(p, "p-forged", [15, 10_000]), [26, 27], [15, 10_000]))
+    acc = d.step_until(lambda a: "d-range" in a["finished_recving"])
+    assert set(acc["invalid_block_ids"]) == {26, 27}
+    # the failed reader told the owner to drop the lease
+    p.step_until(lambda a: "p-forged" in a["finished_sending"], timeout_s=10)
+
+
+def test_unknown_request_id_is_refused_after_the_claim_wait(pair):
+    p, d = pair
+    d.bind(recv_meta("d-unknown", ref_to(p, "never-leased", [1]), [28], [1]))
+    acc = d.step_until(lambda a: "d-unknown" in a["finished_recving"], timeout_s=15)
+    assert acc["invalid_block_ids"] == {28}
+
+
+def test_abort_while_waiting_for_claim_reports_finished_recving_and_frees_owner(pair):
+    p, d = pair
+    lease(p, "p-ab2", [19])
+    d.bind(recv_meta("d-ab2", ref_to(p, "p-ab2", [19]), [29], [19]))
+    d.bind(NixlConnectorMetadata(aborted_recvs={"d-ab2"}))
+    acc = d.step_until(lambda a: "d-ab2" in a["finished_recving"])
+    assert not acc["invalid_block_ids"]  # an aborted request's blocks are just freed
+    p.step_until(lambda a: "p-ab2" in a["finished_sending"], timeout_s=10)
+
+
+def test_unreachable_side_channel_fails_the_load(pair):
+    _, d = pair
+    dead = RemoteKVRef(RemoteEndpoint("nobody", "127.0.0.1", free_port()), "x", [0])
+    d.bind(recv_meta("d-dead", dead, [30], [0]))
+    acc = d.step_until(lambda a: "d-dead" in a["finished_recving"], timeout_s=15)
+    assert acc["invalid_block_ids"] == {30}
+
+
+def test_wrong_engine_id_fails_the_handshake(pair):
+    p, d = pair
+    lease(p, "p-wrong", [21])
+    wrong = RemoteKVRef(RemoteEndpoint("not-" + p.engine_id, "127.0.0.1", p.port), "p-wrong", [21])
+    d.bind(recv_meta("d-wrong", wrong, [31], [21]))
+    acc = d.step_until(lambda a: "d-wrong" in a["finished_recving"])
+    assert acc["invalid_block_ids"] == {31}
+    p.bind(NixlConnectorMetadata(release_sends={"p-wrong"}))
+    p.step()
+
+
+def test_incompatible_geometry_fails_the_handshake_and_frees_owner_blocks(pair):
+    _, d = pair
+    other = PeerProcess(make_config("kv_producer"), free_port(), dict(GEOMETRY, head_dim=16))
+    try:
+        assert other.hello.get("ok"), other.hello
+        lease(other, "o-1", [2])
+        d.bind(recv_meta("d-mismatch", ref_to(other, "o-1", [2]), [5], [2]))
+        acc = d.step_until(lambda a: "d-mismatch" in a["finished_recving"])
+        assert acc["invalid_block_ids"] == {5}
+        # the abort reaches the owner over the side channel (its agent was never loaded)
+        other.step_until(lambda a: "o-1" in a["finished_sending"], timeout_s=10)
+    finally:
+        other.shutdown()
+
+
+def test_port_in_use_is_a_clear_startup_error(pair):
+    p, _ = pair
+    clash = PeerProcess(make_config("kv_consumer"), p.port, GEOMETRY)
+    try:
+        assert "error" in clash.hello
+        assert "already in use" in clash.hello["error"]
+        assert str(p.port) in clash.hello["error"]
+    finally:
+        clash.kill()
+
+
+def test_missing_backend_is_a_clear_startup_error():
+    bad = PeerProcess(make_config("kv_consumer", backends=["UCX", "NO_SUCH_BACKEND"]),
+                      free_port(), GEOMETRY)
+    try:
+        assert "error" in bad.hello
+        assert "NO_SUCH_BACKEND" in bad.hello["error"]
+    finally:
+        bad.kill()

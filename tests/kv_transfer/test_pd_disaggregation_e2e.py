@@ -1,0 +1,246 @@
+"""End to end: ``pdserve serve`` prefiller (P) and decoder (D) processes with NIXL between them.
+
+The test plays the proxy: it sends the P leg (``max_tokens=1``, ``do_remote_decode``) and then
+the D leg with P's ``kv_transfer_params``, and compares D's greedy output with a single instance
+given the same request. Metrics prove that the KV really moved (transfers > 0, at most one prompt
+token computed on D) and that P's blocks are all free again afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from pd_servers import Server, decode_leg, free_port, generate, nixl_config, prefill_leg, start_all
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+B = 16  # --block-size
+COMMON = ["--block-size", str(B), "--num-gpu-blocks-override", "1024", "--max-model-len", "1024"]
+SHORT_LEASE_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_path, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd-logs")
+    spec = {
+        "single": (None, []),
+        "p": (nixl_config("kv_producer"), []),
+        "p_short": (nixl_config("kv_producer", kv_lease_duration=SHORT_LEASE_S), []),
+        "d_fail": (nixl_config("kv_consumer", kv_handshake_timeout=2.0), []),
+        # one request at a time, so a second one waits in the queue (abort-before-read test)
+        "d_rec": (nixl_config("kv_consumer", kv_load_failure_policy="recompute",
+                              kv_handshake_timeout=2.0), ["--max-num-seqs", "1"]),
+    }
+    servers: dict[str, Server] = {}
+    try:
+        for name, (kv, extra) in spec.items():
+            servers[name] = Server(tiny_llama_path, logs / f"{name}.log", kv, COMMON + extra)
+        start_all(list(servers.values()))
+        servers["model"] = tiny_llama_path  # type: ignore[assignment]
+        yield servers
+    finally:
+        for s in servers.values():
+            if isinstance(s, Server):
+                s.stop()
+
+
+def token_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 30000) for _ in range(n)]
+
+
+def completion_body(cluster, prompt, stream: bool, max_tokens: int = 8) -> dict:
+    return {"model": cluster["model"], "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream}
+
+
+def chat_body(cluster, text: str, stream: bool, max_tokens: int = 8) -> dict:
+    return {"model": cluster["model"], "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+
+
+def reference(cluster, endpoint: str, body: dict) -> str:
+    out = generate(cluster["single"], endpoint, dict(body, stream=False))
+    assert out["status"] == 200, out
+    return out["text"]
+
+
+def counters(m: dict[str, float]) -> dict[str, float]:
+    return {
+        "xfers": m.get("pdserve:nixl_xfer_time_seconds_count", 0.0),
+        "computed": m.get("pdserve:prompt_tokens_computed_total", 0.0),
+        "transferred": m.get("pdserve:prompt_tokens_transferred_total", 0.0),
+        "failed": m.get("pdserve:nixl_num_failed_transfers", 0.0),
+        "expired": m.get("pdserve:nixl_num_kv_expired_reqs", 0.0),
+        "requests": m.get("pdserve:request_success_total", 0.0),
+    }
+
+
+# --------------------------------------------------------------------------------- correctness
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("length", [1, B - 1, B, B + 1, 2 * B + 1, 300])
+def test_completions_equal_single_instance(cluster, length, stream):
+    p, d = cluster["p"], cluster["d_fail"]
+    body = completion_body(cluster, token_prompt(length, seed=length * 10 + stream), stream)
+    expected = reference(cluster, "completions", body)
+    before = counters(d.metrics())
+    params = prefill_leg(p, "completions", body)
+    assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == p.side_channel_port
+    assert len(params["remote_block_ids"]) == -(-length // B)
+    out = decode_leg(d, "completions", body, params)
+    assert out["status"] == 200, out
+    assert out["text"] == expected
+    after = counters(d.wait_metrics(lambda m: counters(m)["requests"] > before["requests"]))
+    assert after["computed"] - before["computed"] <= 1  # only the last prompt token
+    assert after["transferred"] - before["transferred"] == length - 1
+    if length > 1:
+        assert after["xfers"] > before["xfers"]
+    p.wait_all_blocks_free(timeout_s=10)  # read done (or released) -> P's lease ends at once
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_chat_equals_single_instance(cluster, stream):
+    p, d = cluster["p"], cluster["d_fail"]
+    body = chat_body(cluster, f"Tell me about the number {41 + stream} and rivers.", stream)
+    expected = reference(cluster, "chat/completions", body)
+    before = counters(d.metrics())
+    params = prefill_leg(p, "chat/completions", body)
+    out = decode_leg(d, "chat/completions", body, params)
+    assert out["status"] == 200, out
+    assert out["text"] == expected
+    after = counters(d.wait_metrics(lambda m: counters(m)["requests"] > before["requests"]))
+    assert after["xfers"] > before["xfers"]
+    assert after["computed"] - before["computed"] <= 1
+    p.wait_all_blocks_free(timeout_s=10)
+
+
+def test_decoder_prefix_cache_hit_reads_only_the_rest(cluster):
+    p, d = cluster["p"], cluster["d_fail"]
+    prefix = token_prompt(3 * B, seed=777)
+    warm = generate(d, "completions", completion_body(cluster, prefix + [5000], False, 2))
+    assert warm["status"] == 200
+    prompt = prefix + token_prompt(2 * B + 3, seed=778)
+    body = completion_body(cluster, prompt, False)
+    expected = reference(cluster, "completions", body)
+    before = counters(d.metrics())
+    params = prefill_leg(p, "completions", body)
+    out = decode_leg(d, "completions", body, params)
+    assert out["status"] == 200 and out["text"] == expected
+    assert out["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * B
+    after = counters(d.wait_metrics(lambda m: counters(m)["requests"] > before["requests"]))
+    assert after["transferred"] - before["transferred"] == len(prompt) - 1 - 3 * B
+    assert after["computed"] - before["computed"] <= 1
+    assert after["xfers"] > before["xfers"]
+    p.wait_all_blocks_free(timeout_s=10)
+
+
+# ----------------------------------------------------------------------------- lease handling
+def test_lease_expiry_frees_producer_blocks_and_is_counted(cluster):
+    p = cluster["p_short"]
+    before = counters(p.metrics())
+    body = completion_body(cluster, token_prompt(40, seed=9001), False)
+    prefill_leg(p, "completions", body)  # D never comes
+    m = p.metrics()
+    assert m["pdserve:kv_cache_free_blocks"] < m["pdserve:kv_cache_total_blocks"]
+    m = p.wait_all_blocks_free(timeout_s=SHORT_LEASE_S + 10)
+    assert counters(m)["expired"] == before["expired"] + 1
+
+
+def test_abort_before_read_frees_producer_blocks(cluster):
+    p, d = cluster["p"], cluster["d_rec"]
+    # occupy D's only sequence slot so that the P/D request waits in D's queue
+    long_body = completion_body(cluster, token_prompt(8, seed=4242), False, max_tokens=400)
+    long_body["ignore_eos"] = True
+    busy = threading.Thread(target=generate, args=(d, "completions", long_body), daemon=True)
+    busy.start()
+    d.wait_metrics(lambda m: m.get("pdserve:num_requests_running", 0) >= 1)
+    body = completion_body(cluster, token_prompt(50, seed=4243), True)
+    params = prefill_leg(p, "completions", body)
+    before_p = counters(p.metrics())
+    with d.client.stream("POST", "/v1/completions", json=dict(body, kv_transfer_params=params)):
+        d.wait_metrics(lambda m: m.get("pdserve:num_requests_waiting", 0) >= 1)
+    # the client went away: D aborts the queued request and tells P, long before P's 30 s lease
+    m = p.wait_all_blocks_free(timeout_s=10)
+    assert counters(m)["expired"] == before_p["expired"]
+    busy.join(timeout=120)
+
+
+# --------------------------------------------------------------------------- failure injection
+def _expect_failure_or_recompute(cluster, d: Server, endpoint: str, body: dict, params: dict,
+                                 expected: str) -> None:
+    before = counters(d.metrics())
+    out = decode_leg(d, endpoint, body, params)
+    if d is cluster["d_fail"]:
+        assert out["status"] >= 500, out
+        assert out["text"] is None
+    else:
+        assert out["status"] == 200, out
+        assert out["text"] == expected
+    d.wait_metrics(lambda m: counters(m)["failed"] > before["failed"])
+
+
+@pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])
+def test_unreachable_side_channel(cluster, decoder):
+    p, d = cluster["p_short"], cluster[decoder]
+    body = completion_body(cluster, token_prompt(37, seed=hash(decoder) % 1000), False)
+    expected = reference(cluster, "completions", body)
+    params = prefill_leg(p, "completions", body)
+    params = dict(params, remote_port=free_port())  # nobody listens there
+    _expect_failure_or_recompute(cluster, d, "completions", body, params, expected)
+    p.wait_all_blocks_free(timeout_s=SHORT_LEASE_S + 10)  # P never heard from D: lease expiry
+
+
+@pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])
+@pytest.mark.parametrize("forge", ["shifted", "out_of_range"])
+def test_forged_block_ids(cluster, decoder, forge):
+    p, d = cluster["p"], cluster[decoder]
+    body = completion_body(cluster, token_prompt(45, seed=len(forge) * 7 + len(decoder)), False)
+    expected = reference(cluster, "completions", body)
+    params = prefill_leg(p, "completions", body)
+    ids = params["remote_block_ids"]
+    forged = [(b + 100) % 1024 for b in ids] if forge == "shifted" else [10**6 + b for b in ids]
+    _expect_failure_or_recompute(cluster, d, "completions", body,
+                                 dict(params, remote_block_ids=forged), expected)
+    p.wait_all_blocks_free(timeout_s=10)  # D's abort notice released the real lease
+
+
+@pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])
+def test_failed_handshake_frees_producer_blocks(cluster, decoder):
+    p, d = cluster["p"], cluster[decoder]
+    body = completion_body(cluster, token_prompt(21, seed=31 + len(decoder)), False)
+    expected = reference(cluster, "completions", body)
+    params = prefill_leg(p, "completions", body)
+    wrong = dict(params, remote_engine_id="some-other-engine")
+    _expect_failure_or_recompute(cluster, d, "completions", body, wrong, expected)
+    p.wait_all_blocks_free(timeout_s=10)  # abort sent over the side channel
+
+
+def test_producer_killed_after_answering(cluster, tmp_path):
+    model = cluster["model"]
+    victim = Server(model, tmp_path / "victim.log", nixl_config("kv_producer"), COMMON)
+    try:
+        start_all([victim])
+        legs = {}
+        for name in ("d_fail", "d_rec"):
+            # a first full round trip, so the decoder has the producer's handshake cached
+            warm = completion_body(cluster, token_prompt(20, seed=len(name)), False)
+            out = decode_leg(cluster[name], "completions", warm, prefill_leg(victim, "completions", warm))
+            assert out["status"] == 200
+            body = completion_body(cluster, token_prompt(52, seed=len(name) + 100), False)
+            legs[name] = (body, prefill_leg(victim, "completions", body),
+                          reference(cluster, "completions", body))
+        victim.kill()
+        for name, (body, params, expected) in legs.items():
+            _expect_failure_or_recompute(cluster, cluster[name], "completions", body, params,
+                                         expected)
+    finally:
+        victim.stop()
+
+
+def test_all_producer_blocks_free_at_the_end(cluster):
+    for name in ("p", "p_short"):
+        cluster[name].wait_all_blocks_free(timeout_s=SHORT_LEASE_S + 10)

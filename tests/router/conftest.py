@@ -1,0 +1,72 @@
+"""Fixtures for proxy tests: fake P/D instances plus an in-process proxy in front of them."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+import aiohttp
+from multidict import CIMultiDict
+import pytest
+
+from pdserve.router.config import ProxyConfig
+from pdserve.router.proxy import RunningProxy, start_proxy
+
+from .fakes import FakeInstance
+
+
+def unused_port() -> int:
+    """A localhost TCP port nothing listens on (bound once, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    """Fake instances, the proxy in front of them and an HTTP client session."""
+
+    prefillers: list[FakeInstance]
+    decoders: list[FakeInstance]
+    proxy: RunningProxy
+    session: aiohttp.ClientSession
+    extra: list = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    async def post(self, path: str, body, headers: dict | None = None) -> tuple[int, CIMultiDict, bytes]:
+        """POST ``body`` (JSON-encoded unless bytes) through the proxy: (status, headers, body)."""
+        kwargs = {"data": body} if isinstance(body, (bytes, str)) else {"json": body}
+        async with self.session.post(self.url + path, headers=headers, **kwargs) as r:
+            return r.status, r.headers.copy(), await r.read()
+
+
+@pytest.fixture
+async def make_cluster():
+    """Factory: ``await make_cluster(n_prefill=1, n_decode=1, prefill_urls=(), decode_urls=(),
+    **ProxyConfig fields)``; extra URLs (e.g. dead ports) are appended to the fakes' URLs."""
+    made: list[Cluster] = []
+
+    async def make(n_prefill: int = 1, n_decode: int = 1, prefill_urls=(), decode_urls=(),
+                   **overrides) -> Cluster:
+        ps = [FakeInstance(f"p{i}", "prefill") for i in range(n_prefill)]
+        ds = [FakeInstance(f"d{i}", "decode") for i in range(n_decode)]
+        for inst in ps + ds:
+            await inst.start()
+        config = ProxyConfig(host="127.0.0.1", port=0,
+                             prefillers=tuple(p.url for p in ps) + tuple(prefill_urls),
+                             decoders=tuple(d.url for d in ds) + tuple(decode_urls), **overrides)
+        proxy = await start_proxy(config)
+        session = aiohttp.ClientSession()
+        cluster = Cluster(ps, ds, proxy, session)
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for c in made:
+        await c.session.close()
+        await c.proxy.close()
+        for inst in c.prefillers + c.decoders:
+            await inst.close()

@@ -1,0 +1,76 @@
+"""Prefill-leg and decode-leg bodies (DESIGN.md §2) and the proxy's checks on client bodies."""
+
+import copy
+
+import pytest
+
+from pdserve.router.bodies import (PREFILL_KV_PARAMS, check_client_body, conversation_key,
+                                   decode_leg_body, prefill_leg_body)
+from pdserve.router.errors import ProxyError
+
+CLIENT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50,
+          "max_completion_tokens": 50, "stream": True, "stream_options": {"include_usage": True},
+          "min_tokens": 5, "n": 1, "temperature": 0.0, "conversation_id": "c1",
+          "kv_transfer_params": {"client": "value"}}
+
+
+def test_prefill_leg_body_is_one_token_non_streaming_with_stateless_params():
+    before = copy.deepcopy(CLIENT)
+    assert prefill_leg_body(CLIENT) == {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "max_completion_tokens": 1, "stream": False, "temperature": 0.0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                               "remote_engine_id": None, "remote_block_ids": None,
+                               "remote_host": None, "remote_port": None}}
+    assert CLIENT == before
+
+
+def test_prefill_leg_body_adds_max_completion_tokens_only_when_present():
+    out = prefill_leg_body({"model": "m", "prompt": "x"})
+    assert out["max_tokens"] == 1 and "max_completion_tokens" not in out and out["stream"] is False
+
+
+def test_prefill_leg_body_merges_decoder_params_of_previous_turn():
+    d_params = {"do_remote_decode": True, "do_remote_prefill": True, "remote_block_ids": [4, 5],
+                "remote_num_tokens": 37, "remote_blocks_expiry_time": 1.7e9, "remote_host": "d",
+                "remote_port": 5601, "remote_engine_id": "engine-d", "remote_request_id": "r1"}
+    out = prefill_leg_body({"model": "m", "prompt": "x"}, d_params)
+    assert out["kv_transfer_params"] == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [4, 5],
+        "remote_num_tokens": 37, "remote_blocks_expiry_time": 1.7e9, "remote_host": "d",
+        "remote_port": 5601, "remote_engine_id": "engine-d", "remote_request_id": "r1"}
+    assert PREFILL_KV_PARAMS["remote_block_ids"] is None  # the template is not modified
+
+
+def test_decode_leg_body_is_client_body_plus_prefill_params():
+    p_params = {"do_remote_prefill": True, "remote_block_ids": [1]}
+    expected = dict(CLIENT, kv_transfer_params=p_params)
+    del expected["conversation_id"]
+    assert decode_leg_body(CLIENT, p_params) == expected
+    no_params = decode_leg_body(CLIENT, None)
+    assert "kv_transfer_params" not in no_params and "conversation_id" not in no_params
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ([1, 2], 400, None), ({"n": 2}, 400, "n"), ({"best_of": 3}, 400, "best_of"),
+    ({"n": 0}, 400, "n"), ({"n": "2"}, 400, "n"), ({"stream": "yes"}, 400, "stream"),
+    ({"kv_transfer_params": [1]}, 400, "kv_transfer_params"),
+])
+def test_check_client_body_refuses(body, status, param):
+    with pytest.raises(ProxyError) as e:
+        check_client_body(body)
+    assert (e.value.status, e.value.param) == (status, param)
+
+
+def test_check_client_body_accepts_n_1():
+    check_client_body({"n": 1, "best_of": 1, "stream": False})
+
+
+def test_conversation_key_body_then_header():
+    assert conversation_key({"conversation_id": "a"}, "h") == "a"
+    assert conversation_key({"conversation_id": 7}, None) == "7"
+    assert conversation_key({}, "h") == "h"
+    assert conversation_key({}, None) is None
+    with pytest.raises(ProxyError) as e:
+        conversation_key({"conversation_id": {"x": 1}}, None)
+    assert e.value.status == 400 and e.value.param == "conversation_id"

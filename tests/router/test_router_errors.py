@@ -1,0 +1,200 @@
+"""Every error path of the proxy: exact status codes and OpenAI-style bodies."""
+
+import asyncio
+import json
+
+from aiohttp import web
+
+from pdserve.router import app as app_module
+
+from .conftest import unused_port
+from .fakes import sse, wait_until
+
+BODY = {"model": "m", "prompt": "x", "max_tokens": 8}
+
+
+def err(message, type_, code, param=None):
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def respond(status, body, content_type="application/json"):
+    async def handler(inst, request, rec):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return web.Response(status=status, body=data, content_type=content_type)
+    return handler
+
+
+async def test_prefill_client_error_passes_through_unchanged_and_is_not_retried(make_cluster):
+    c = await make_cluster(n_prefill=2)
+    upstream = {"error": {"message": "prompt too long: 5000 > 4096 tokens", "type": "BadRequestError",
+                          "param": "prompt", "code": 400}}
+    for p in c.prefillers:
+        p.handler = respond(400, upstream)
+    status, headers, raw = await c.post("/v1/completions", BODY)
+    assert status == 400 and json.loads(raw) == upstream
+    assert headers["Content-Type"] == "application/json"
+    assert sum(len(p.received) for p in c.prefillers) == 1
+    assert c.decoders[0].received == []
+
+
+async def test_decode_client_error_passes_through(make_cluster):
+    c = await make_cluster()
+    upstream = err("'temperature' must be >= 0", "invalid_request_error", 400, "temperature")
+    c.decoders[0].handler = respond(400, upstream)
+    for stream in (False, True):  # a streaming request gets the JSON error too, not an empty 200
+        status, headers, raw = await c.post("/v1/completions", dict(BODY, stream=stream))
+        assert (status, json.loads(raw)) == (400, upstream)
+        assert headers["Content-Type"] == "application/json"
+    assert len(c.decoders[0].received) == 2
+
+
+async def test_non_openai_upstream_errors_are_wrapped(make_cluster):
+    c = await make_cluster()
+    c.prefillers[0].handler = respond(500, b"Internal Server Error", "text/plain")
+    status, _, raw = await c.post("/v1/completions", BODY)
+    assert status == 500
+    assert json.loads(raw) == err(f"prefill instance {c.prefillers[0].url} failed with HTTP 500: "
+                                  "Internal Server Error", "upstream_error", 500)
+    c.prefillers[0].handler = None
+    c.decoders[0].handler = respond(422, {"detail": [{"loc": ["body", "max_tokens"], "msg": "bad"}]})
+    status, _, raw = await c.post("/v1/completions", BODY)
+    assert status == 422
+    assert json.loads(raw) == err('[{"loc": ["body", "max_tokens"], "msg": "bad"}]',
+                                  "invalid_request_error", 422)
+
+
+async def test_unreachable_prefill_instance_is_503_naming_the_leg(make_cluster):
+    dead = f"http://127.0.0.1:{unused_port()}"
+    c = await make_cluster(n_prefill=0, prefill_urls=[dead])
+    status, _, raw = await c.post("/v1/completions", BODY)
+    assert status == 503
+    assert json.loads(raw) == err(f"prefill instance {dead} unreachable (Connection refused)",
+                                  "upstream_unavailable", 503)
+    assert c.decoders[0].received == []
+
+
+async def test_unreachable_decode_instance_is_503_naming_the_leg(make_cluster):
+    dead = f"http://127.0.0.1:{unused_port()}"
+    c = await make_cluster(n_decode=0, decode_urls=[dead])
+    status, _, raw = await c.post("/v1/completions", dict(BODY, stream=True))
+    assert status == 503
+    assert json.loads(raw) == err(f"decode instance {dead} unreachable (Connection refused)",
+                                  "upstream_unavailable", 503)
+
+
+async def test_dead_instance_fails_over_and_is_counted(make_cluster):
+    dead = f"http://127.0.0.1:{unused_port()}"
+    c = await make_cluster(prefill_urls=[dead])
+    for _ in range(4):
+        assert (await c.post("/v1/completions", BODY))[0] == 200
+    assert len(c.prefillers[0].received) == 4
+    metrics = c.proxy.proxy.metrics
+    # one refused connection; afterwards the dead instance is cooling down and tried last
+    assert metrics.errors.labels(upstream=dead, leg="prefill")._value.get() == 1
+
+
+async def test_invalid_prefill_answer_is_502(make_cluster):
+    c = await make_cluster()
+    c.prefillers[0].handler = respond(200, b"<html>oops</html>", "text/html")
+    status, _, raw = await c.post("/v1/completions", BODY)
+    assert status == 502
+    assert json.loads(raw) == err(f"prefill instance {c.prefillers[0].url} returned an invalid "
+                                  "response: body is not JSON", "upstream_error", 502)
+    assert c.decoders[0].received == []
+
+
+async def test_prefill_timeout_is_504(make_cluster):
+    c = await make_cluster(timeout=0.3)
+    never = asyncio.Event()
+
+    async def hang(inst, request, rec):
+        await never.wait()
+
+    c.prefillers[0].handler = hang
+    status, _, raw = await c.post("/v1/completions", BODY)
+    assert status == 504
+    assert json.loads(raw) == err(f"prefill instance {c.prefillers[0].url} timed out after 0.3 s",
+                                  "upstream_timeout", 504)
+
+
+async def test_decoder_dropping_the_stream_gives_sse_error_then_done(make_cluster):
+    c = await make_cluster()
+    first = sse({"choices": [{"index": 0, "text": "partial"}]})
+
+    async def drop(inst, request, rec):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(first)
+        request.transport.close()  # connection lost in the middle of the chunked body
+        return resp
+
+    c.decoders[0].handler = drop
+    status, headers, raw = await c.post("/v1/completions", dict(BODY, stream=True))
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert raw.startswith(first)
+    events = raw[len(first):].split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    error = json.loads(events[-3].removeprefix(b"data: "))
+    assert error["error"]["code"] == 502 and error["error"]["type"] == "upstream_error"
+    assert error["error"]["message"].startswith(f"decode instance {c.decoders[0].url} failed: ")
+    assert c.proxy.proxy.metrics.errors.labels(upstream=c.decoders[0].url,
+                                               leg="decode")._value.get() == 1
+
+
+async def test_decoder_stalling_mid_stream_gives_sse_timeout_error(make_cluster):
+    c = await make_cluster(timeout=0.3)
+    never = asyncio.Event()
+
+    async def stall(inst, request, rec):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a"}]}')  # event cut before its end
+        await never.wait()
+
+    c.decoders[0].handler = stall
+    status, _, raw = await c.post("/v1/completions", dict(BODY, stream=True))
+    assert status == 200
+    expected = err(f"decode instance {c.decoders[0].url} timed out after 0.3 s", "upstream_timeout", 504)
+    assert raw == (b'data: {"choices": [{"text": "a"}]}\n\n'
+                   + b"data: " + json.dumps(expected, separators=(",", ":")).encode() + b"\n\n"
+                   + b"data: [DONE]\n\n")
+    # the proxy closed the stalled upstream request, so D's server cancelled it
+    await wait_until(lambda: c.decoders[0].cancelled == [c.decoders[0].received[0].request_id])
+
+
+async def test_bad_client_bodies_are_400_and_reach_no_instance(make_cluster):
+    c = await make_cluster()
+    cases = [
+        (b"{not json", "request body is not valid JSON: Expecting property name enclosed in double "
+                       "quotes: line 1 column 2 (char 1)", None),
+        (b"[1, 2]", "request body must be a JSON object", None),
+        (json.dumps(dict(BODY, n=2)).encode(),
+         "'n' > 1 is not supported by the disaggregated proxy (got 2); send 2 separate requests "
+         "instead", "n"),
+        (json.dumps(dict(BODY, stream="true")).encode(), "'stream' must be a boolean, got 'true'",
+         "stream"),
+    ]
+    for data, message, param in cases:
+        status, headers, raw = await c.post("/v1/completions", data,
+                                            {"Content-Type": "application/json", "X-Request-Id": "r1"})
+        assert (status, json.loads(raw)) == (400, err(message, "invalid_request_error", 400, param))
+        assert headers["X-Request-Id"] == "r1"
+    assert c.prefillers[0].received == [] and c.decoders[0].received == []
+
+
+async def test_too_large_body_is_413(make_cluster, monkeypatch):
+    monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 1000)
+    c = await make_cluster()
+    status, _, raw = await c.post("/v1/completions", dict(BODY, prompt="x" * 2000))
+    assert (status, json.loads(raw)) == (413, err("request body larger than 1000 bytes",
+                                                  "invalid_request_error", 413))
+
+
+async def test_unknown_route_and_wrong_method(make_cluster):
+    c = await make_cluster()
+    async with c.session.get(c.url + "/v1/embeddings") as r:
+        assert (r.status, await r.json()) == (404, err("no route GET /v1/embeddings", "not_found_error", 404))
+    async with c.session.get(c.url + "/v1/completions") as r:
+        assert r.status == 405 and r.headers["Allow"] == "POST"
+        assert await r.json() == err("method GET not allowed on /v1/completions (use POST)",
+                                     "invalid_request_error", 405)

@@ -1,0 +1,124 @@
+"""--multi-turn: D's kv_transfer_params of turn k reach P with turn k+1 (DESIGN.md §3)."""
+
+import time
+
+from .test_router_flow import STATELESS
+
+
+def decoder_params(name):
+    """Per-turn params a fake D returns: block ids and request id change every turn."""
+    def make(turn):
+        return {"do_remote_decode": True, "remote_block_ids": [10 * turn, 10 * turn + 1],
+                "remote_num_tokens": 32 * turn, "remote_blocks_expiry_time": time.time() + 480,
+                "remote_host": "127.0.0.1", "remote_port": 5700, "remote_engine_id": f"engine-{name}",
+                "remote_request_id": f"{name}-turn{turn}"}
+    return make
+
+
+def expected_prefill_params(d_params):
+    return {**STATELESS, **d_params, "do_remote_decode": True, "do_remote_prefill": False}
+
+
+def chat(turn, **extra):
+    return {"model": "m", "messages": [{"role": "user", "content": f"turn {turn}"}], **extra}
+
+
+async def run_turns(c, stream, n=4, **extra):
+    for turn in range(1, n + 1):
+        status, _, raw = await c.post("/v1/chat/completions", chat(turn, stream=stream, **extra))
+        assert status == 200, raw
+
+
+async def check_four_turns(c, stream):
+    for d in c.decoders:
+        d.decoder_params = decoder_params(d.name)
+    await run_turns(c, stream, conversation_id="conv-1")
+    # sticky: every turn on the same D (round-robin alone would alternate)
+    (d,) = [d for d in c.decoders if d.received]
+    assert len(d.received) == 4
+    p_bodies = [r.body for p in c.prefillers for r in p.received]
+    assert len(p_bodies) == 4
+    assert p_bodies[0]["kv_transfer_params"] == STATELESS
+    returned = [d.decoder_params(turn) for turn in (1, 2, 3)]
+    for turn in (2, 3, 4):
+        got = p_bodies[turn - 1]["kv_transfer_params"]
+        want = expected_prefill_params(returned[turn - 2])
+        want["remote_blocks_expiry_time"] = got["remote_blocks_expiry_time"]  # time.time() per call
+        assert got == want, turn
+        assert got["remote_request_id"] == f"{d.name}-turn{turn - 1}"
+    for rec in [r for p in c.prefillers for r in p.received] + d.received:
+        assert "conversation_id" not in rec.body
+
+
+async def test_four_turns_non_streaming(make_cluster):
+    await check_four_turns(await make_cluster(n_prefill=2, n_decode=2, multi_turn=True), stream=False)
+
+
+async def test_four_turns_streaming(make_cluster):
+    await check_four_turns(await make_cluster(n_prefill=2, n_decode=2, multi_turn=True), stream=True)
+
+
+async def test_without_conversation_id_no_params_are_attached(make_cluster):
+    c = await make_cluster(n_decode=2, multi_turn=True)
+    for d in c.decoders:
+        d.decoder_params = decoder_params(d.name)
+    await run_turns(c, stream=False)
+    assert [r.body["kv_transfer_params"] for r in c.prefillers[0].received] == [STATELESS] * 4
+    assert [len(d.received) for d in c.decoders] == [2, 2]
+
+
+async def test_session_header_keys_the_conversation(make_cluster):
+    c = await make_cluster(multi_turn=True)
+    c.decoders[0].decoder_params = decoder_params("d0")
+    for turn in (1, 2):
+        status, _, _ = await c.post("/v1/chat/completions", chat(turn), {"X-Session-ID": "s-9"})
+        assert status == 200
+    second = c.prefillers[0].received[1].body["kv_transfer_params"]
+    assert second["remote_request_id"] == "d0-turn1" and second["do_remote_decode"] is True
+
+
+async def test_stateless_mode_strips_conversation_id_and_attaches_nothing(make_cluster):
+    c = await make_cluster()
+    c.decoders[0].decoder_params = decoder_params("d0")
+    await run_turns(c, stream=False, n=2, conversation_id="conv-1")
+    assert [r.body["kv_transfer_params"] for r in c.prefillers[0].received] == [STATELESS] * 2
+    assert all("conversation_id" not in r.body for r in c.decoders[0].received)
+
+
+async def test_expired_decoder_blocks_are_not_offered(make_cluster):
+    c = await make_cluster(multi_turn=True)
+    c.decoders[0].decoder_params = lambda turn: {"remote_block_ids": [1],
+                                                 "remote_blocks_expiry_time": time.time() - 1}
+    await run_turns(c, stream=False, n=2, conversation_id="c")
+    assert [r.body["kv_transfer_params"] for r in c.prefillers[0].received] == [STATELESS] * 2
+
+
+async def test_lru_bound_forgets_least_recent_conversation(make_cluster):
+    c = await make_cluster(multi_turn=True, max_conversations=1)
+    c.decoders[0].decoder_params = decoder_params("d0")
+    for conv in ("a", "b", "a", "a"):
+        status, _, _ = await c.post("/v1/chat/completions", chat(1, conversation_id=conv))
+        assert status == 200
+    params = [r.body["kv_transfer_params"] for r in c.prefillers[0].received]
+    assert params[:3] == [STATELESS] * 3  # "a" was evicted by "b" before its second turn
+    assert params[3]["remote_request_id"] == "d0-turn3"
+    assert len(c.proxy.proxy.conversations) == 1
+
+
+async def test_failed_turn_keeps_previous_params(make_cluster):
+    from aiohttp import web
+
+    c = await make_cluster(multi_turn=True)
+    c.decoders[0].decoder_params = decoder_params("d0")
+    await run_turns(c, stream=False, n=1, conversation_id="c")
+
+    async def broken(inst, request, rec):
+        return web.json_response({"error": {"message": "bad", "type": "x", "code": 400}}, status=400)
+
+    c.decoders[0].handler = broken
+    status, _, _ = await c.post("/v1/chat/completions", chat(2, conversation_id="c"))
+    assert status == 400
+    c.decoders[0].handler = None
+    await run_turns(c, stream=False, n=1, conversation_id="c")
+    bodies = [r.body["kv_transfer_params"] for r in c.prefillers[0].received]
+    assert bodies[1]["remote_request_id"] == bodies[2]["remote_request_id"] == "d0-turn1"

@@ -1,0 +1,465 @@
+"""Unit tests of ``pdserve up`` (pdserve/launcher.py) with fake child processes.
+
+The fakes are tiny HTTP servers (``FAKE_CHILD`` below) that answer ``/health``, record the signals
+they receive, and can be told to die, ignore SIGTERM, never become healthy or spawn a grandchild.
+``FakeCommands`` replaces the real ``pdserve serve`` / ``pdserve proxy`` command lines, so the
+real port allocation, environment, supervision and shutdown code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve import launcher
+from pdserve.launcher import (
+    ChildCommands,
+    LaunchError,
+    allocate_free_ports,
+    assign_gpus,
+    build_plan,
+    kv_transfer_config,
+    parse_args,
+)
+
+FAKE_CHILD = r"""
+import argparse, http.server, json, os, signal, subprocess, sys, time, threading
+p = argparse.ArgumentParser()
+p.add_argument("--name"); p.add_argument("--port", type=int); p.add_argument("--record")
+p.add_argument("--exit-after", type=float); p.add_argument("--exit-code", type=int, default=3)
+p.add_argument("--ignore-term", action="store_true"); p.add_argument("--never-healthy", action="store_true")
+p.add_argument("--grandchild", action="store_true")
+a, rest = p.parse_known_args()
+rec = os.path.join(a.record, a.name)
+def note(what):
+    with open(rec + ".events", "a") as f:
+        f.write(what + "\n")
+with open(rec + ".json", "w") as f:
+    json.dump({"pid": os.getpid(), "argv": sys.argv, "env": {k: v for k, v in os.environ.items()
+               if k.startswith(("PDSERVE_", "CUDA_"))}}, f)
+if a.grandchild:
+    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    open(rec + ".grandchild", "w").write(str(g.pid))
+def on_signal(sig, frame):
+    note(signal.Signals(sig).name)
+    if not a.ignore_term:
+        os._exit(0)
+signal.signal(signal.SIGTERM, on_signal); signal.signal(signal.SIGINT, on_signal)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = self.path == "/health" and not a.never_healthy
+        self.send_response(200 if ok else 503); self.end_headers()
+    def log_message(self, *args):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", a.port), H)
+threading.Thread(target=srv.serve_forever, daemon=True).start()
+print(f"fake {a.name} listening on {a.port}", flush=True)
+if a.exit_after is not None:
+    time.sleep(a.exit_after)
+    print(f"fake {a.name} dying with code {a.exit_code}", flush=True)
+    os._exit(a.exit_code)
+while True:
+    time.sleep(1)
+"""
+
+
+class FakeCommands(ChildCommands):
+    """Child commands that start ``FAKE_CHILD`` instead of real servers.
+
+    Args:
+        record_dir: where the fakes write ``<name>.json`` (argv, env), ``<name>.events``
+            (signals received) and ``<name>.grandchild`` (PID).
+        behaviour: extra fake-child flags per role (``prefill``, ``decode``, ``proxy``).
+    """
+
+    def __init__(self, record_dir: Path, behaviour: dict[str, list[str]] | None = None):
+        super().__init__()
+        self.record_dir = Path(record_dir)
+        self.behaviour = behaviour or {}
+        self._counts: dict[str, int] = {}
+
+    def _fake(self, role: str, port: int) -> list[str]:
+        index = self._counts.get(role, 0)
+        self._counts[role] = index + 1
+        name = role if role == "proxy" else f"{role}-{index}"
+        return [sys.executable, "-c", FAKE_CHILD, "--name", name, "--port", str(port),
+                "--record", str(self.record_dir), *self.behaviour.get(role, [])]
+
+    def engine(self, *, model, role, host, port, kv_config, device, engine_args):
+        real = super().engine(model=model, role=role, host=host, port=port, kv_config=kv_config,
+                              device=device, engine_args=engine_args)
+        return self._fake(role, port) + ["--real"] + real[1:]
+
+    def proxy(self, *, host, port, prefillers, decoders, multi_turn, api_key=None):
+        real = super().proxy(host=host, port=port, prefillers=prefillers, decoders=decoders,
+                             multi_turn=multi_turn, api_key=api_key)
+        return self._fake("proxy", port) + ["--real"] + real[1:]
+
+
+def _record(record_dir: Path, name: str) -> dict:
+    return json.loads((record_dir / f"{name}.json").read_text())
+
+
+def _events(record_dir: Path, name: str) -> list[str]:
+    path = record_dir / f"{name}.events"
+    return path.read_text().split() if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _status(log_dir: Path) -> dict | None:
+    path = log_dir / launcher.STATUS_FILE_NAME
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _signal_when_ready(log_dir: Path, sig: int = signal.SIGTERM) -> threading.Thread:
+    """Sends ``sig`` to this process (the in-process launcher) once the status says ready."""
+
+    def run():
+        _wait_for(lambda: (_status(log_dir) or {}).get("state") == "ready", what="ready")
+        os.kill(os.getpid(), sig)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _proxy_port() -> int:
+    return allocate_free_ports(1)[0]
+
+
+# ------------------------------------------------------------------ argument parsing / plan
+
+
+def test_parse_args_defaults_and_passthrough():
+    opts = parse_args([])
+    assert opts.model == "smollm2-135m-instruct"
+    assert (opts.num_prefillers, opts.num_decoders, opts.port) == (1, 1, 8000)
+    assert not opts.multi_turn and opts.engine_args == []
+
+    opts = parse_args(["--dtype", "float32", "my-model", "--num-decoders", "2",
+                       "--max-model-len=512", "--multi-turn", "--", "--enforce-eager", "--x", "1"])
+    assert opts.model == "my-model"
+    assert opts.num_decoders == 2 and opts.multi_turn
+    assert opts.engine_args == ["--dtype", "float32", "--max-model-len=512", "--enforce-eager",
+                                "--x", "1"]
+
+
+def test_parse_args_knows_which_engine_options_take_values():
+    opts = parse_args(["--enforce-eager", "my-model", "--dtype", "float16",
+                       "--kv-transfer-config.kv_connector_extra_config.kv_lease_duration", "60"])
+    assert opts.model == "my-model"
+    assert opts.engine_args == ["--enforce-eager", "--dtype", "float16",
+                                "--kv-transfer-config.kv_connector_extra_config.kv_lease_duration",
+                                "60"]
+
+
+def test_parse_args_port_lists():
+    opts = parse_args(["--prefill-ports", "9001,9002", "--decode-ports", "9003",
+                       "--num-prefillers", "2"])
+    assert opts.prefill_ports == [9001, 9002] and opts.decode_ports == [9003]
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill-ports", "abc"])
+
+
+def test_kv_transfer_config_roles():
+    assert kv_transfer_config("kv_producer", False) == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    both = kv_transfer_config("kv_consumer", True)
+    assert both["kv_role"] == "kv_consumer"
+    assert both["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True}
+
+
+def _plan(argv, gpus=()):
+    return build_plan(parse_args(argv), ChildCommands(python="py"), gpus=list(gpus))
+
+
+def test_plan_ports_are_free_and_distinct():
+    proxy_port = _proxy_port()
+    specs = _plan(["--num-prefillers", "2", "--num-decoders", "3", "--port", str(proxy_port)])
+    assert [s.name for s in specs] == ["prefill-0", "prefill-1", "decode-0", "decode-1",
+                                       "decode-2", "proxy"]
+    ports = [s.port for s in specs] + [s.side_channel_port for s in specs[:-1]]
+    assert len(set(ports)) == len(ports) == 11
+    assert specs[-1].port == proxy_port
+    for spec in specs[:-1]:
+        assert spec.env["PDSERVE_NIXL_SIDE_CHANNEL_PORT"] == str(spec.side_channel_port)
+        assert spec.env["PDSERVE_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        launcher.ensure_port_free("127.0.0.1", spec.port, "test")
+
+
+def test_plan_engine_and_proxy_commands():
+    specs = _plan(["tiny", "--multi-turn", "--device", "cpu", "--port", str(_proxy_port()),
+                   "--", "--dtype", "float32"])
+    prefill, decode, proxy = specs
+    assert prefill.argv[:5] == ["py", "-m", "pdserve.cli", "serve", "tiny"]
+    for spec, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
+        argv = spec.argv
+        cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert cfg["kv_role"] == role and cfg["kv_connector"] == "NixlConnector"
+        assert cfg["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+        assert argv[argv.index("--port") + 1] == str(spec.port)
+        assert argv[argv.index("--device") + 1] == "cpu"
+        assert argv[-2:] == ["--dtype", "float32"]
+    argv = proxy.argv
+    assert argv[:4] == ["py", "-m", "pdserve.cli", "proxy"]
+    assert argv[argv.index("--prefiller-ports") + 1] == str(prefill.port)
+    assert argv[argv.index("--decoder-ports") + 1] == str(decode.port)
+    assert "--multi-turn" in argv
+
+
+def test_plan_passes_the_api_key_to_the_proxy():
+    *_, proxy = _plan(["--port", str(_proxy_port()), "--", "--api-key=sk-1"])
+    assert proxy.argv[-2:] == ["--api-key", "sk-1"]
+
+
+def test_plan_without_multi_turn_has_no_bidirectional():
+    prefill, _, proxy = _plan(["--port", str(_proxy_port())])
+    cfg = json.loads(prefill.argv[prefill.argv.index("--kv-transfer-config") + 1])
+    assert "kv_connector_extra_config" not in cfg
+    assert "--multi-turn" not in proxy.argv
+
+
+def test_plan_given_ports_are_used_and_checked():
+    p, d, s1, s2, proxy = allocate_free_ports(5)
+    specs = _plan(["--port", str(proxy), "--prefill-ports", str(p), "--decode-ports", str(d),
+                   "--prefill-side-channel-ports", str(s1), "--decode-side-channel-ports", str(s2)])
+    assert [(s.port, s.side_channel_port) for s in specs] == [(p, s1), (d, s2), (proxy, None)]
+
+    with pytest.raises(LaunchError, match="needs 2 port"):
+        _plan(["--num-prefillers", "2", "--prefill-ports", str(p), "--port", str(proxy)])
+    with pytest.raises(LaunchError, match="given twice"):
+        _plan(["--prefill-ports", str(p), "--decode-ports", str(p), "--port", str(proxy)])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(LaunchError, match="not free"):
+            _plan(["--port", str(busy.getsockname()[1])])
+
+
+def test_plan_rejects_options_the_launcher_owns():
+    with pytest.raises(LaunchError, match="kv-transfer-config"):
+        _plan(["--port", str(_proxy_port()), "--", "--kv-transfer-config", "{}"])
+    with pytest.raises(LaunchError, match="kv_role and kv_connector"):
+        _plan(["--port", str(_proxy_port()), "--", "--kv-transfer-config.kv_role", "kv_both"])
+    with pytest.raises(LaunchError, match="--host/--port"):
+        _plan(["--port", str(_proxy_port()), "--", "--port", "1234"])
+    with pytest.raises(LaunchError, match="at least 1"):
+        _plan(["--port", str(_proxy_port()), "--num-decoders", "0"])
+
+
+def test_assign_gpus_separates_prefill_and_decode():
+    assert assign_gpus(1, 1, []) == ([None], [None])
+    assert assign_gpus(1, 1, ["0"]) == (["0"], ["0"])
+    assert assign_gpus(1, 1, ["0", "1"]) == (["0"], ["1"])
+    assert assign_gpus(2, 2, ["0", "1"]) == (["0", "0"], ["1", "1"])
+    assert assign_gpus(1, 3, ["0", "1", "2", "3"]) == (["0"], ["1", "2", "3"])
+    assert assign_gpus(2, 2, ["a", "b", "c", "d"]) == (["a", "b"], ["c", "d"])
+    p, d = assign_gpus(3, 1, ["0", "1"])
+    assert set(p).isdisjoint(d)
+
+
+def test_plan_sets_cuda_visible_devices():
+    port = str(_proxy_port())
+    prefill, decode, proxy = _plan(["--port", port], gpus=["2", "5"])
+    assert (prefill.env["CUDA_VISIBLE_DEVICES"], decode.env["CUDA_VISIBLE_DEVICES"]) == ("2", "5")
+    assert "--gpu-memory-utilization" not in prefill.argv
+    assert proxy.env["CUDA_VISIBLE_DEVICES"] == ""
+    # one GPU shared by P and D: each engine gets half of the memory budget
+    prefill, decode, _ = _plan(["--port", port], gpus=["0"])
+    for spec in (prefill, decode):
+        assert spec.env["CUDA_VISIBLE_DEVICES"] == "0"
+        assert float(spec.argv[spec.argv.index("--gpu-memory-utilization") + 1]) == pytest.approx(
+            launcher.SHARED_GPU_MEMORY_FRACTION / 2)
+    # --device cpu: no GPU at all
+    prefill, decode, _ = _plan(["--port", port, "--device", "cpu"], gpus=["0", "1"])
+    assert "CUDA_VISIBLE_DEVICES" not in prefill.env and prefill.gpu is None
+
+
+def test_detect_gpus_honours_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1,-1,2")
+    assert launcher.detect_gpus() == ["3", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert launcher.detect_gpus() == []
+
+
+def test_main_reports_bad_ports(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        rc = launcher.main(["--port", str(busy.getsockname()[1])], gpus=[])
+    assert rc == 2
+    assert "not free" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ supervising fake children
+
+
+def test_sigterm_is_forwarded_to_every_child(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    cmds = FakeCommands(tmp_path)
+    thread = _signal_when_ready(log_dir)
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port()), "--num-decoders",
+                        "2", "--", "--dtype", "float32"], commands=cmds, gpus=[])
+    thread.join(5)
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "pdserve is up" in out and "from openai import OpenAI" in out and "curl" in out
+    status = _status(log_dir)
+    assert status["state"] == "stopped"
+    names = [c["name"] for c in status["children"]]
+    assert names == ["prefill-0", "decode-0", "decode-1", "proxy"]
+    for child in status["children"]:
+        assert _events(tmp_path, child["name"]) == ["SIGTERM"]
+        assert not _alive(child["pid"])
+        assert Path(child["log"]).read_text().count(f"fake {child['name']} listening") == 1
+    # the real engine options reached the (fake) engine, and its side-channel port is its own
+    record = _record(tmp_path, "decode-1")
+    assert record["argv"][-2:] == ["--dtype", "float32"]
+    side = [c for c in status["children"] if c["name"] == "decode-1"][0]["side_channel_port"]
+    assert record["env"]["PDSERVE_NIXL_SIDE_CHANNEL_PORT"] == str(side)
+
+
+def test_ctrl_c_is_forwarded_as_sigint(tmp_path):
+    log_dir = tmp_path / "logs"
+    thread = _signal_when_ready(log_dir, signal.SIGINT)
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port())],
+                       commands=FakeCommands(tmp_path), gpus=[])
+    thread.join(5)
+    assert rc == 0
+    for name in ("prefill-0", "decode-0", "proxy"):
+        assert _events(tmp_path, name) == ["SIGINT"]
+
+
+def test_child_death_stops_the_rest_and_prints_its_log(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    cmds = FakeCommands(tmp_path, {"decode": ["--exit-after", "1.0", "--exit-code", "7"]})
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port())], commands=cmds,
+                       gpus=[])
+    assert rc == 1
+    out = capsys.readouterr().out
+    assert "decode-0" in out and "exited with code 7" in out
+    assert "fake decode-0 dying with code 7" in out  # the child's last log lines
+    for name in ("prefill-0", "proxy"):
+        assert _events(tmp_path, name) == ["SIGTERM"]
+    for child in _status(log_dir)["children"]:
+        assert not _alive(child["pid"])
+
+
+def test_child_ignoring_sigterm_is_killed(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    cmds = FakeCommands(tmp_path, {"prefill": ["--ignore-term"]})
+    thread = _signal_when_ready(log_dir)
+    t0 = time.monotonic()
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port()),
+                        "--shutdown-timeout", "1"], commands=cmds, gpus=[])
+    thread.join(5)
+    assert rc == 0 and time.monotonic() - t0 < 30
+    assert _events(tmp_path, "prefill-0") == ["SIGTERM"]  # got it, ignored it, was killed
+    assert "killed (no exit after 1 s): prefill-0" in capsys.readouterr().out
+    for child in _status(log_dir)["children"]:
+        assert not _alive(child["pid"])
+
+
+def test_grandchildren_are_stopped_with_their_parent(tmp_path):
+    log_dir = tmp_path / "logs"
+    cmds = FakeCommands(tmp_path, {"decode": ["--grandchild"]})
+    thread = _signal_when_ready(log_dir)
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port())], commands=cmds,
+                       gpus=[])
+    thread.join(5)
+    assert rc == 0
+    grandchild = int((tmp_path / "decode-0.grandchild").read_text())
+    assert not _alive(grandchild)
+
+
+def test_startup_timeout_fails_and_cleans_up(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    cmds = FakeCommands(tmp_path, {"proxy": ["--never-healthy"]})
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port()),
+                        "--startup-timeout", "2"], commands=cmds, gpus=[])
+    assert rc == 1
+    out = capsys.readouterr().out
+    assert "not ready after 2 s: proxy" in out and "fake proxy listening" in out
+    status = _status(log_dir)
+    assert status["state"] == "stopped"
+    for child in status["children"]:
+        assert not _alive(child["pid"])
+
+
+_LAUNCHER_SUBPROCESS = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("fake_launcher_test", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+from pdserve.launcher import main
+sys.exit(main(sys.argv[3:], commands=mod.FakeCommands(sys.argv[2]), gpus=[]))
+"""
+
+
+def test_children_die_when_the_launcher_is_sigkilled(tmp_path):
+    log_dir = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER_SUBPROCESS, __file__, str(tmp_path), "--log-dir",
+         str(log_dir), "--port", str(_proxy_port())],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: (_status(log_dir) or {}).get("state") == "ready" or
+                  proc.poll() is not None, what="launcher ready")
+        assert proc.poll() is None
+        pids = [c["pid"] for c in _status(log_dir)["children"]]
+        assert all(_alive(pid) for pid in pids)
+        proc.kill()
+        proc.wait()
+        _wait_for(lambda: not any(_alive(pid) for pid in pids), timeout=10,
+                  what="children to die with the launcher")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for child in (_status(log_dir) or {}).get("children", []):
+            if child["pid"] and _alive(child["pid"]):
+                os.kill(child["pid"], signal.SIGKILL)
+
+
+class _UnstartableProxy(FakeCommands):
+    def proxy(self, **kwargs):
+        return [str(Path(self.record_dir) / "no-such-program")]
+
+
+def test_unstartable_child_is_a_clear_error(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port())],
+                       commands=_UnstartableProxy(tmp_path), gpus=[])
+    assert rc == 1
+    assert "error: cannot start proxy" in capsys.readouterr().out
+    engines = [c for c in _status(log_dir)["children"] if c["role"] != "proxy"]
+    assert len(engines) == 2
+    for child in engines:  # started before the proxy failed, then stopped
+        assert child["pid"] is not None and not _alive(child["pid"])
