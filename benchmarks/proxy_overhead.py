@@ -159,6 +159,13 @@ async def throughput(fn, concurrency: int, duration: float) -> float:
     return done / (time.perf_counter() - t)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by process ``pid`` (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
@@ -173,7 +180,8 @@ async def proxy_histogram_mean(session: aiohttp.ClientSession, base: str) -> flo
     return total / count if count else float("nan")
 
 
-async def run(args: argparse.Namespace, p_port: str, d_port: str, proxy_url: str) -> dict:
+async def run(args: argparse.Namespace, p_port: str, d_port: str, proxy_url: str,
+              proxy_pid: int) -> dict:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         client = Client(session, f"http://127.0.0.1:{p_port}/v1/completions",
@@ -184,7 +192,9 @@ async def run(args: argparse.Namespace, p_port: str, d_port: str, proxy_url: str
             await client.proxied()
         direct, proxied = await latencies(client, args.requests)
         rps_direct = await throughput(client.direct, args.concurrency, args.duration)
+        cpu0, t0 = cpu_seconds(proxy_pid), time.perf_counter()
         rps_proxy = await throughput(client.proxied, args.concurrency, args.duration)
+        cpu_per_request = (cpu_seconds(proxy_pid) - cpu0) / (rps_proxy * (time.perf_counter() - t0))
         own_mean = await proxy_histogram_mean(session, proxy_url)
     res = {
         "stream": args.stream, "requests": len(proxied), "concurrency": args.concurrency,
@@ -193,6 +203,8 @@ async def run(args: argparse.Namespace, p_port: str, d_port: str, proxy_url: str
         "direct_mean_ms": statistics.fmean(direct) * 1e3, "proxy_mean_ms": statistics.fmean(proxied) * 1e3,
         "direct_rps": rps_direct, "proxy_rps": rps_proxy,
         "proxy_own_added_mean_ms": own_mean * 1e3,
+        "proxy_cpu_us_per_request": cpu_per_request * 1e6,
+        "load_average_1min": os.getloadavg()[0],
     }
     res["added_p50_ms"] = res["proxy_p50_ms"] - res["direct_p50_ms"]
     res["added_p99_ms"] = res["proxy_p99_ms"] - res["direct_p99_ms"]
@@ -210,6 +222,9 @@ def report(res: dict) -> None:
         print(f"{label:24}{d:19.3f}{p:12.3f}{p - d:10.3f}")
     print(f"{'requests/s':24}{res['direct_rps']:19.0f}{res['proxy_rps']:12.0f}")
     print(f"proxy's own added-latency histogram: mean {res['proxy_own_added_mean_ms']:.3f} ms")
+    print(f"proxy CPU per request: {res['proxy_cpu_us_per_request']:.0f} us "
+          f"(one free core would serve about {1e6 / res['proxy_cpu_us_per_request']:.0f} req/s); "
+          f"machine load average during the run: {res['load_average_1min']:.2f}")
     ok_lat = res["added_p50_ms"] < 1.0
     ok_rps = res["proxy_rps"] >= 1000
     print(f"targets: p50 added < 1 ms: {'met' if ok_lat else 'MISSED'} ({res['added_p50_ms']:.3f} ms); "
@@ -239,7 +254,7 @@ def main() -> int:
             [sys.executable, "-m", "pdserve.cli", "proxy", "--port", "0", "--prefiller-port", p_port,
              "--decoder-port", d_port], r"listening on (\S+)")
         procs.append(x_proc)
-        res = (uvloop.run if uvloop else asyncio.run)(run(args, p_port, d_port, proxy_url))
+        res = (uvloop.run if uvloop else asyncio.run)(run(args, p_port, d_port, proxy_url, x_proc.pid))
     finally:
         for proc in procs:
             proc.terminate()

@@ -7,7 +7,13 @@ Each subcommand owns its own argument parser in its module; this file only dispa
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+# torch's OpenMP threads spin-wait between parallel regions by default; on a small shared CPU box
+# (P, D and the proxy on two cores) that spinning starves the other processes. Passive waiting must
+# be chosen before torch is imported, and spawned engine processes inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _COMMANDS = {
     "serve": ("pdserve.entrypoints.server", "OpenAI-compatible engine server (P, D or single instance)"),

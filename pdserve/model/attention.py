@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -65,9 +67,9 @@ class AttentionMetadata:
         num_prefill_tokens: tokens ``0 .. num_prefill_tokens - 1`` belong to ``prefills``.
         prefills: the prefill requests, in batch order.
         num_decodes: requests with one token each, at ``num_prefill_tokens ..  T - 1``.
-        decode_block_tables: ``[num_decodes, max_blocks]`` int64, padded with block 0 (padding is
+        decode_block_tables: ``[num_decodes, max_blocks]`` int32, padded with block 0 (padding is
             masked out), or None without decodes.
-        decode_seq_lens: ``[num_decodes]`` int64, context length of each decode request including
+        decode_seq_lens: ``[num_decodes]`` int32, context length of each decode request including
             its new token, or None.
         decode_mask: ``[1, num_decodes, 1, max_blocks * block_size]`` bool (True = attend), or None.
         max_decode_seq_len: the largest entry of ``decode_seq_lens`` (0 without decodes).
@@ -149,9 +151,9 @@ def build_attention_metadata(
             rows.append(row + [0] * (max_blocks - len(row)))
             dslots.append(block_ids[n // block_size] * block_size + n % block_size)
         slots.append(torch.tensor(dslots, dtype=torch.int64))
-        decode_tables = torch.tensor(rows, dtype=torch.int64, device=device)
-        decode_lens = torch.tensor(lens, dtype=torch.int64, device=device)
-        key_pos = torch.arange(max_blocks * block_size, dtype=torch.int64, device=device)
+        decode_tables = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
+        decode_lens = torch.tensor(lens, dtype=torch.int32).to(device, non_blocking=True)
+        key_pos = torch.arange(max_blocks * block_size, dtype=torch.int32, device=device)
         decode_mask = (key_pos[None, :] < decode_lens[:, None])[None, :, None, :]
 
     slot_mapping = (
@@ -290,3 +292,45 @@ class TorchAttentionBackend:
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=self.scale)
         return o.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
+
+
+class TritonAttentionBackend(TorchAttentionBackend):
+    """CUDA backend: KV writes and batched decode attention with the Triton kernels of
+    :mod:`pdserve.model.triton_attention` (split-K paged decode); prefill stays on torch SDPA
+    (flash / memory-efficient kernels)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from pdserve.model import triton_attention
+
+        self._ta = triton_attention
+
+    def forward(self, layer, query, key, value, kv_cache, meta):
+        """Same contract as :meth:`TorchAttentionBackend.forward`."""
+        self._ta.store_kv_cache(key, value, kv_cache, layer, meta.slot_mapping)
+        out = torch.empty_like(query)
+        for span in meta.prefills:
+            sl = slice(span.query_start, span.query_start + span.query_len)
+            out[sl] = self._prefill(layer, query[sl], key[sl], value[sl], kv_cache, span)
+        if meta.num_decodes:
+            p = meta.num_prefill_tokens
+            self._ta.paged_decode_attention(
+                query[p:], kv_cache, layer, meta.decode_block_tables, meta.decode_seq_lens,
+                self.scale, out=out[p:], max_context_len=meta.max_decode_seq_len)
+        return out
+
+
+def make_attention_backend(device: torch.device, num_heads: int, num_kv_heads: int,
+                           head_dim: int, block_size: int, scale: float
+                           ) -> TorchAttentionBackend:
+    """The attention backend for ``device``: Triton on CUDA when ``triton`` is importable,
+    torch SDPA otherwise. ``PDSERVE_ATTENTION_BACKEND=torch`` forces the SDPA backend."""
+    args = (num_heads, num_kv_heads, head_dim, block_size, scale)
+    choice = os.environ.get("PDSERVE_ATTENTION_BACKEND", "auto").lower()
+    if device.type == "cuda" and choice in ("auto", "triton"):
+        try:
+            return TritonAttentionBackend(*args)
+        except ImportError:
+            if choice == "triton":
+                raise
+    return TorchAttentionBackend(*args)

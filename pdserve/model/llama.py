@@ -23,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend
+from pdserve.model.attention import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    make_attention_backend,
+)
 
 
 @dataclass
@@ -238,8 +242,8 @@ class CausalLM(nn.Module):
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings else
                         nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw),
                                      requires_grad=False))
-        self.attn = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                          block_size, cfg.head_dim ** -0.5)
+        self.attn = make_attention_backend(device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                           block_size, cfg.head_dim ** -0.5)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None]
         self.register_buffer("rope_cos", freqs.cos().to(device), persistent=False)
         self.register_buffer("rope_sin", freqs.sin().to(device), persistent=False)

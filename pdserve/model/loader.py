@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -316,7 +315,3 @@ def load_model(config: EngineConfig) -> LoadedModel:
     )
     return LoadedModel(model=model, arch=arch, info=info, path=str(path))
 
-
-def is_gguf(path: str) -> bool:
-    """True for an existing ``.gguf`` file."""
-    return os.path.isfile(path) and path.endswith(".gguf")

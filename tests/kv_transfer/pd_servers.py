@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -114,9 +115,45 @@ class Server:
         self._log.close()
 
     def kill(self) -> None:
-        """SIGKILL the API server; its engine core notices the dead parent and exits."""
+        """SIGKILL the API server and its engine core (the whole instance dies at once)."""
+        children = _children(self.proc.pid)
         self.proc.kill()
         self.proc.wait(10)
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") and _state(pid) not in ("Z", None)
+                  for pid in children):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"processes {children} survived SIGKILL")
+            time.sleep(0.05)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            out.append(int(entry))
+    return out
 
 
 def start_all(servers: list[Server]) -> None:

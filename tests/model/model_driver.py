@@ -40,7 +40,8 @@ class MiniScheduler:
         self.block_size = runner.block_size
         self.free = list(range(num_blocks))
 
-    def _ensure_blocks(self, req: DrivenRequest, num_tokens: int) -> None:
+    def ensure_blocks(self, req: DrivenRequest, num_tokens: int) -> None:
+        """Grow the block table of ``req`` to hold ``num_tokens`` tokens."""
         need = -(-num_tokens // self.block_size)
         while len(req.block_ids) < need:
             req.block_ids.append(self.free.pop(0))
@@ -64,7 +65,7 @@ class MiniScheduler:
                 else:
                     tokens = [r.output[-1]]
                     sample = True
-                self._ensure_blocks(r, r.num_computed + len(tokens))
+                self.ensure_blocks(r, r.num_computed + len(tokens))
                 scheduled.append(ScheduledRequest(
                     req_id=r.req_id, token_ids=tokens, num_computed_tokens=r.num_computed,
                     block_ids=list(r.block_ids), sample=sample, sampling_params=r.params,

@@ -80,7 +80,7 @@ def test_sharded_safetensors_equal_single_file(tiny_llama_path, tmp_path):
      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
     {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
 ])
-def test_rope_scaling_matches_transformers(scaling, tmp_path, smollm2_path):
+def test_rope_scaling_matches_transformers(scaling, tmp_path):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -90,12 +90,12 @@ def test_rope_scaling_matches_transformers(scaling, tmp_path, smollm2_path):
     ours = rope_inv_freq(arch_config_from_hf(hf_cfg.to_dict()))
     torch.testing.assert_close(ours, ref.float())
     # end to end on a tiny model with this scaling (positions beyond the original length)
-    path = str(make_tiny_model(tmp_path / "m", "llama", tokenizer_dir=smollm2_path,
+    path = str(make_tiny_model(tmp_path / "m", "llama",
                                rope_parameters=dict(scaling)))
     assert _greedy_tokens(path) == _hf_greedy(path, list(range(500, 537)), 5)
 
 
-def test_legacy_rope_keys_and_mistral_config(tmp_path, smollm2_path):
+def test_legacy_rope_keys_and_mistral_config(tmp_path):
     from transformers import MistralConfig, MistralForCausalLM
 
     cfg = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,

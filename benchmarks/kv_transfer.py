@@ -1,0 +1,295 @@
+"""KV transfer time and bandwidth of pdserve's NIXL connector, next to a plain memory copy.
+
+Two processes, as in a real deployment: the *owner* (a prefiller's worker side, P) keeps the
+blocks of a finished prompt under a lease, and the *reader* (a decoder's worker side, D) loads
+them with the real connector path (side-channel handshake once, lease claim, one asynchronous
+NIXL READ, "done" notification). For each prompt length the script reports:
+
+* ``load ms``: wall time from handing the load to D's worker until D reports it finished
+  (claim round trip + READ + polling), the latency a request sees;
+* ``xfer ms`` / ``GB/s``: NIXL's own transfer time of the READ (telemetry) and the bandwidth
+  ``bytes / xfer``;
+* ``descs``: descriptors after merging runs of consecutive blocks;
+* ``copy ms`` / ``copy GB/s``: ``torch.Tensor.copy_`` of the same number of bytes, measured in
+  the reader process in the same run (host to host on CPU; GPU0 to GPU1 with two GPUs, else
+  within one GPU). With ``--layout fragmented`` the baseline is the same block gather done by
+  ``index_copy_``.
+
+The KV geometry is SmolLM2-135M's (30 layers, 3 KV heads, head size 64) by default, an 8B
+Llama-class one with ``--geometry llama-8b``, or anything with ``--num-layers`` etc. Blocks are
+taken contiguously (``--layout contiguous``: one descriptor per request) or as a random
+permutation (``--layout fragmented``: about one descriptor per block, DESIGN §5's worst case).
+
+Examples::
+
+    python benchmarks/kv_transfer.py                          # CPU, 128 .. 32k tokens
+    python benchmarks/kv_transfer.py --lengths 128,1024 --repeats 3
+    python benchmarks/kv_transfer.py --device cuda --geometry llama-8b --layout fragmented
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+GEOMETRIES = {
+    "smollm2": {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64},
+    "llama-8b": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128},
+}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blocks: int):
+    """A NIXL worker side with a registered KV cache ``[num_blocks, L, 2, H, B, D]``."""
+    os.environ["PDSERVE_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    os.environ["PDSERVE_NIXL_SIDE_CHANNEL_PORT"] = str(port)
+    import torch
+
+    from pdserve.kv_transfer.base import KVCacheSpec
+    from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.kv_transfer.factory import create_connector
+
+    dtype = getattr(torch, geo["dtype"])
+    spec = KVCacheSpec(num_blocks=num_blocks, block_size=geo["block_size"],
+                       num_layers=geo["num_layers"], num_kv_heads=geo["num_kv_heads"],
+                       head_dim=geo["head_dim"], dtype=geo["dtype"],
+                       element_size=DTYPE_BYTES[geo["dtype"]], model_name="bench")
+    kv = torch.empty((num_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_size,
+                      spec.head_dim), dtype=dtype, device=device)
+    if role == "owner":
+        kv.view(num_blocks, -1).copy_(
+            torch.arange(num_blocks, device=device, dtype=torch.float32).to(dtype)[:, None]
+            .expand(num_blocks, kv[0].numel()))
+    else:
+        kv.zero_()
+    cfg = KVTransferConfig.from_dict({
+        "kv_role": "kv_producer" if role == "owner" else "kv_consumer",
+        "kv_connector_extra_config": {"kv_lease_duration": 600, "kv_metrics_log_interval": 1e9},
+    })
+    worker = create_connector(cfg, "worker")
+    worker.register_kv_cache(kv, spec)
+    return worker, kv, spec, cfg.engine_id
+
+
+def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: int) -> None:
+    from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, SendSpec
+
+    worker, _, _, engine_id = _make_worker("owner", port, device, geo, num_blocks)
+    conn.send(engine_id)
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "lease":
+            req_id, block_ids = arg
+            worker.bind_connector_metadata(NixlConnectorMetadata(
+                reqs_to_send={req_id: SendSpec(req_id, block_ids, 600.0)}))
+            worker.get_finished(set())
+            conn.send(None)
+        elif cmd == "wait_released":
+            deadline = time.monotonic() + 60
+            while arg not in worker.get_finished(set()).finished_sending:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"lease {arg} not released")
+                time.sleep(0.0005)
+            conn.send(None)
+        elif cmd == "stop":
+            worker.shutdown()
+            conn.send(None)
+            return
+
+
+def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, Any],
+                 num_blocks: int) -> None:
+    import torch
+
+    from pdserve.kv_transfer.nixl.metadata import (
+        NixlConnectorMetadata, RecvSpec, RemoteEndpoint, RemoteKVRef)
+
+    worker, kv, spec, _ = _make_worker("reader", port, device, geo, num_blocks)
+    conn.send(None)
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(copy_device)
+
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "read":
+            owner_id, owner_port, req_id, remote_ids, local_ids = arg
+            ref = RemoteKVRef(RemoteEndpoint(owner_id, "127.0.0.1", owner_port), req_id, remote_ids)
+            meta = NixlConnectorMetadata(reqs_to_recv={
+                "r-" + req_id: RecvSpec("r-" + req_id, ref, local_ids, remote_ids,
+                                        num_tokens=len(local_ids) * spec.block_size)})
+            t0 = time.perf_counter()
+            worker.bind_connector_metadata(meta)
+            stats = None
+            while True:
+                worker.start_load_kv()
+                out = worker.get_finished(set())
+                if out.stats:
+                    stats = out.stats
+                if "r-" + req_id in out.finished_recving:
+                    break
+            load_s = time.perf_counter() - t0
+            if out.invalid_block_ids or not stats or not stats["xfer_time_s"]:
+                raise RuntimeError(f"transfer failed: {out}")
+            # spot-check the data: block i of the owner holds the value i
+            for lid, rid in list(zip(local_ids, remote_ids))[:: max(1, len(local_ids) // 8)]:
+                if float(kv[lid].flatten()[0]) != float(torch.tensor(rid).to(kv.dtype)):
+                    raise RuntimeError(f"block {lid} does not hold remote block {rid}")
+            conn.send({"load_s": load_s, "xfer_s": stats["xfer_time_s"][0],
+                       "post_s": stats["post_time_s"][0], "bytes": stats["bytes"][0],
+                       "descs": stats["num_descriptors"][0]})
+        elif cmd == "copy":
+            n_blocks, fragmented, repeats = arg
+            block_elems = kv[0].numel()
+            src = torch.empty((n_blocks if not fragmented else num_blocks, block_elems),
+                              dtype=kv.dtype, device=copy_device)
+            dst = torch.empty((n_blocks if not fragmented else num_blocks, block_elems),
+                              dtype=kv.dtype, device=device)
+            src_ids = torch.randperm(src.shape[0], device=copy_device)[:n_blocks]
+            dst_ids = torch.randperm(dst.shape[0], device=device)[:n_blocks]
+            times = []
+            for _ in range(repeats + 1):  # the first one warms up
+                sync()
+                t0 = time.perf_counter()
+                if fragmented:
+                    dst.index_copy_(0, dst_ids, src.index_select(0, src_ids).to(device))
+                else:
+                    dst.copy_(src)
+                sync()
+                times.append(time.perf_counter() - t0)
+            del src, dst
+            conn.send(statistics.median(times[1:]))
+        elif cmd == "stop":
+            worker.shutdown()
+            conn.send(None)
+            return
+
+
+def _pick_devices(device: str) -> tuple[str, str, str]:
+    """(owner device, reader device, baseline-copy source device)."""
+    if device == "cpu":
+        return "cpu", "cpu", "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
+    if torch.cuda.device_count() >= 2:
+        return "cuda:0", "cuda:1", "cuda:0"
+    return "cuda:0", "cuda:0", "cuda:0"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="smollm2")
+    ap.add_argument("--num-layers", type=int)
+    ap.add_argument("--num-kv-heads", type=int)
+    ap.add_argument("--head-dim", type=int)
+    ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    ap.add_argument("--lengths", default="128,512,2048,8192,32768",
+                    help="comma-separated prompt lengths in tokens")
+    ap.add_argument("--layout", choices=["contiguous", "fragmented"], default="contiguous")
+    ap.add_argument("--repeats", type=int, default=5, help="transfers per length (median)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    owner_dev, reader_dev, copy_dev = _pick_devices(device)
+    geo = dict(GEOMETRIES[args.geometry], dtype=args.dtype, block_size=args.block_size)
+    for key in ("num_layers", "num_kv_heads", "head_dim"):
+        if getattr(args, key) is not None:
+            geo[key] = getattr(args, key)
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    max_blocks = math.ceil(max(lengths) / args.block_size)
+    num_blocks = max_blocks * (2 if args.layout == "fragmented" else 1) + 1
+    block_bytes = (geo["num_layers"] * 2 * geo["num_kv_heads"] * args.block_size
+                   * geo["head_dim"] * DTYPE_BYTES[args.dtype])
+    print(f"# KV geometry: {geo} -> {block_bytes / 1024:.1f} KiB per block, "
+          f"{block_bytes / args.block_size / 1024:.1f} KiB per token")
+    print(f"# owner on {owner_dev}, reader on {reader_dev}; {num_blocks} blocks per side "
+          f"({num_blocks * block_bytes / 2**30:.2f} GiB); layout {args.layout}; "
+          f"median of {args.repeats}")
+
+    ctx = mp.get_context("spawn")
+    owner_conn, owner_child = ctx.Pipe()
+    reader_conn, reader_child = ctx.Pipe()
+    owner_port, reader_port = _free_port(), _free_port()
+    owner = ctx.Process(target=_owner_main,
+                        args=(owner_child, owner_port, owner_dev, geo, num_blocks))
+    reader = ctx.Process(target=_reader_main,
+                         args=(reader_child, reader_port, reader_dev, copy_dev, geo, num_blocks))
+    owner.start()
+    reader.start()
+    rng = random.Random(args.seed)
+    try:
+        owner_id = owner_conn.recv()
+        reader_conn.recv()
+        header = (f"{'tokens':>7} {'MiB':>9} {'descs':>6} {'load ms':>9} {'xfer ms':>9} "
+                  f"{'GB/s':>7} {'post ms':>8} {'copy ms':>9} {'copy GB/s':>9}")
+        print(header)
+        counter = 0
+        for length in lengths:
+            n = math.ceil(length / args.block_size)
+            rows = []
+            for rep in range(args.repeats + 1):  # the first one includes the handshake
+                if args.layout == "contiguous":
+                    remote_ids, local_ids = list(range(n)), list(range(1, n + 1))
+                else:
+                    remote_ids = rng.sample(range(num_blocks), n)
+                    local_ids = rng.sample(range(num_blocks), n)
+                counter += 1
+                req_id = f"bench-{counter}"
+                owner_conn.send(("lease", (req_id, remote_ids)))
+                owner_conn.recv()
+                reader_conn.send(("read", (owner_id, owner_port, req_id, remote_ids, local_ids)))
+                row = reader_conn.recv()
+                owner_conn.send(("wait_released", req_id))
+                owner_conn.recv()
+                if rep > 0 or args.repeats == 0:
+                    rows.append(row)
+            reader_conn.send(("copy", (n, args.layout == "fragmented", args.repeats)))
+            copy_s = reader_conn.recv()
+            nbytes = rows[0]["bytes"]
+            med = {k: statistics.median(r[k] for r in rows) for k in ("load_s", "xfer_s", "post_s")}
+            descs = statistics.median(r["descs"] for r in rows)
+            print(f"{length:>7} {nbytes / 2**20:>9.2f} {descs:>6.0f} {1e3 * med['load_s']:>9.3f} "
+                  f"{1e3 * med['xfer_s']:>9.3f} {nbytes / med['xfer_s'] / 1e9:>7.2f} "
+                  f"{1e3 * med['post_s']:>8.3f} {1e3 * copy_s:>9.3f} "
+                  f"{nbytes / copy_s / 1e9:>9.2f}", flush=True)
+    finally:
+        for conn in (owner_conn, reader_conn):
+            try:
+                conn.send(("stop", None))
+                conn.recv()
+            except (OSError, EOFError):
+                pass
+        for proc in (owner, reader):
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

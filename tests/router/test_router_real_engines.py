@@ -1,0 +1,99 @@
+"""End to end: the official ``openai`` client through ``pdserve proxy`` in front of two real
+prefillers and two real decoders (separate processes, tiny model, CPU, NIXL between them) gets the
+same greedy output as from a single instance, streaming and not, and every instance is used."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from .real_servers import STARTUP_TIMEOUT_S, EngineServer, ProxyServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+COMMON = ["--block-size", "16", "--num-gpu-blocks-override", "256", "--max-model-len", "512"]
+PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz",
+    "A recipe for bread needs flour, water, salt and yeast; the dough is kneaded until it is smooth",
+    "In the morning the fishing boats leave the harbour and return in the evening with their catch",
+    "The theory of evolution explains how species change over many generations through selection",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_path, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("proxy-e2e-logs")
+    roles = {"single": None, "p0": "kv_producer", "p1": "kv_producer",
+             "d0": "kv_consumer", "d1": "kv_consumer"}
+    servers: dict[str, EngineServer] = {}
+    proxy = None
+    try:
+        for name, role in roles.items():
+            servers[name] = EngineServer(tiny_llama_path, logs / f"{name}.log", role, COMMON)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for s in servers.values():
+            s.wait_ready(deadline)
+        proxy = ProxyServer([servers["p0"], servers["p1"]], [servers["d0"], servers["d1"]],
+                            logs / "proxy.log")
+        proxy.wait_ready()
+        yield {"servers": servers, "proxy": proxy, "model": tiny_llama_path}
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for s in servers.values():
+            s.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def complete(c: openai.OpenAI, model: str, prompt: str, stream: bool) -> str:
+    kwargs = dict(model=model, prompt=prompt, max_tokens=12, temperature=0.0)
+    if not stream:
+        return c.completions.create(**kwargs).choices[0].text
+    return "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kwargs)
+                   if ch.choices)
+
+
+def chat(c: openai.OpenAI, model: str, prompt: str, stream: bool) -> str:
+    kwargs = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=12,
+                  temperature=0.0)
+    if not stream:
+        return c.chat.completions.create(**kwargs).choices[0].message.content
+    return "".join(ch.choices[0].delta.content or "" for ch in
+                   c.chat.completions.create(stream=True, **kwargs) if ch.choices)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_proxy_output_equals_single_instance(cluster, stream):
+    model, servers = cluster["model"], cluster["servers"]
+    single, via_proxy = client(servers["single"].url), client(cluster["proxy"].url)
+    before = {name: servers[name].metrics() for name in ("p0", "p1", "d0", "d1")}
+    for prompt in PROMPTS:
+        expected = complete(single, model, prompt, stream)
+        assert expected, "the single instance generated nothing"
+        assert complete(via_proxy, model, prompt, stream) == expected, prompt
+    for prompt in PROMPTS[:2]:
+        assert chat(via_proxy, model, prompt, stream) == chat(single, model, prompt, stream)
+    after = {name: servers[name].metrics() for name in before}
+
+    def grew(name, metric):
+        return after[name].get(metric, 0.0) - before[name].get(metric, 0.0)
+
+    for p in ("p0", "p1"):  # each prefiller computed prompts and finished requests
+        assert grew(p, "pdserve:prompt_tokens_computed_total") > 0, p
+        assert grew(p, "pdserve:request_success_total") >= 3, p
+    for d in ("d0", "d1"):  # each decoder got its prompt KV from a prefiller over NIXL
+        assert grew(d, "pdserve:prompt_tokens_transferred_total") > 0, d
+        assert grew(d, "pdserve:request_success_total") >= 3, d
+
+
+def test_proxy_relays_engine_errors(cluster):
+    via_proxy = client(cluster["proxy"].url)
+    with pytest.raises(openai.BadRequestError) as e:
+        via_proxy.completions.create(model=cluster["model"], prompt="x", max_tokens=12,
+                                     temperature=-1.0)
+    assert e.value.status_code == 400 and e.value.body is not None
