@@ -297,7 +297,11 @@ class TorchAttentionBackend:
 class TritonAttentionBackend(TorchAttentionBackend):
     """CUDA backend: KV writes and batched decode attention with the Triton kernels of
     :mod:`pdserve.model.triton_attention` (split-K paged decode); prefill stays on torch SDPA
-    (flash / memory-efficient kernels)."""
+    (flash / memory-efficient kernels).
+
+    The decode split count depends on the batch size alone (no context-length hint), as in the
+    CUDA-graph decode path, so eager and graph-replayed decode steps of the same batch size
+    compute the same bits."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -316,7 +320,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
             p = meta.num_prefill_tokens
             self._ta.paged_decode_attention(
                 query[p:], kv_cache, layer, meta.decode_block_tables, meta.decode_seq_lens,
-                self.scale, out=out[p:], max_context_len=meta.max_decode_seq_len)
+                self.scale, out=out[p:])
         return out
 
 

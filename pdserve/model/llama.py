@@ -26,6 +26,7 @@ from torch import nn
 from pdserve.model.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
+    TritonAttentionBackend,
     make_attention_backend,
 )
 
@@ -185,6 +186,46 @@ class DecoderLayer(nn.Module):
         gate, up = gate_up.split([self.intermediate_size, self.intermediate_size], dim=-1)
         return hidden + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
 
+    def forward_fused(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                      positions: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                      attend, kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CUDA path of :meth:`forward` with the Triton kernels of
+        :mod:`pdserve.model.triton_attention` (``kernels``): RMSNorm fused with the residual
+        add, Qwen3's q/k norm fused with the rotary embedding (in place on the QKV output),
+        SwiGLU in one pass. Launch shapes depend only on ``T``; nothing synchronises with the
+        host, so it can be captured in a CUDA graph.
+
+        Args:
+            hidden: ``[T, hidden_size]``: this layer's input delta (the embeddings for layer 0).
+            residual: ``[T, hidden_size]`` residual stream, or None for layer 0 (then ``hidden``
+                is the stream). Updated in place.
+            positions: ``[T]`` int64 positions.
+            rope_cos, rope_sin: ``[max_positions, head_dim // 2]`` float32 tables.
+            attend: ``attend(layer_idx, q, k, v) -> [T, num_heads, head_dim]``; writes K/V into
+                the cache and attends (q, k, v are views into the QKV projection output).
+            kernels: the :mod:`pdserve.model.triton_attention` module.
+
+        Returns:
+            ``(mlp_out, residual)``; the layer's output is their sum (added by the next norm).
+        """
+        t = hidden.shape[0]
+        if residual is None:
+            residual = hidden
+            x = kernels.rms_norm(hidden, self.input_layernorm, self.eps)
+        else:
+            x = kernels.rms_norm(hidden, self.input_layernorm, self.eps, residual=residual)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        kernels.rotary_embedding(q, positions, rope_cos, rope_sin, self.q_norm, self.eps)
+        kernels.rotary_embedding(k, positions, rope_cos, rope_sin, self.k_norm, self.eps)
+        o = attend(self.layer_idx, q, k, v)
+        attn_out = F.linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        x = kernels.rms_norm(attn_out, self.post_attention_layernorm, self.eps, residual=residual)
+        gate_up = F.linear(x, self.gate_up_proj, self.gate_up_bias)
+        return F.linear(kernels.silu_and_mul(gate_up), self.down_proj, self.down_bias), residual
+
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 # HF name inside a layer -> (our parameter, index of the shard inside the fused tensor or None)
@@ -244,6 +285,12 @@ class CausalLM(nn.Module):
                                      requires_grad=False))
         self.attn = make_attention_backend(device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                            block_size, cfg.head_dim ** -0.5)
+        # CUDA with the Triton attention backend: the fused-kernel path (forward_fused).
+        self.kernels = None
+        if isinstance(self.attn, TritonAttentionBackend):
+            from pdserve.model import triton_attention
+
+            self.kernels = triton_attention
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None]
         self.register_buffer("rope_cos", freqs.cos().to(device), persistent=False)
         self.register_buffer("rope_sin", freqs.sin().to(device), persistent=False)
@@ -263,6 +310,11 @@ class CausalLM(nn.Module):
         Returns:
             ``[S, vocab_size]`` float32 logits.
         """
+        if self.kernels is not None:
+            def attend(layer_idx, q, k, v):
+                return self.attn.forward(layer_idx, q, k, v, kv_cache, meta)
+
+            return self._forward_fused(input_ids, positions, attend, logits_indices)
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)
@@ -270,6 +322,61 @@ class CausalLM(nn.Module):
             hidden = layer(hidden, cos, sin, kv_cache, meta, self.attn)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.cfg.rms_norm_eps)
         return F.linear(hidden, self.lm_head).float()
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, attend,
+                       logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """Embedding, the layers' :meth:`DecoderLayer.forward_fused` and the LM head (rows
+        ``logits_indices``, all rows when None) -> ``[S, vocab]`` float32 logits."""
+        kernels = self.kernels
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer.forward_fused(hidden, residual, positions, self.rope_cos,
+                                                   self.rope_sin, attend, kernels)
+        if logits_indices is not None:
+            hidden, residual = hidden[logits_indices], residual[logits_indices]
+        x = kernels.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual=residual)
+        return F.linear(x, self.lm_head).float()
+
+    @property
+    def supports_decode_graphs(self) -> bool:
+        """True when :meth:`decode_forward` can run (CUDA with the Triton backend)."""
+        return self.kernels is not None
+
+    @torch.inference_mode()
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """A pure-decode step (one token per sequence) that CUDA graphs can capture: fixed
+        launch shapes for a batch size, no host synchronisation, every input a tensor.
+
+        Args:
+            input_ids: ``[B]`` int64 token ids.
+            positions: ``[B]`` int64 positions of the new tokens.
+            slot_mapping: ``[B]`` int64 KV cache slots of the new tokens (negative = padding row:
+                its K/V is not written).
+            block_tables: ``[B, max_blocks]`` int32 block ids.
+            context_lens: ``[B]`` int32 tokens to attend to, the new one included (0 = padding
+                row: attention output zeros).
+            kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``.
+
+        Returns:
+            ``[B, vocab_size]`` float32 logits (padding rows hold garbage).
+
+        Raises:
+            RuntimeError: the model is not on the fused CUDA path.
+        """
+        if self.kernels is None:
+            raise RuntimeError("decode_forward needs CUDA with the Triton attention backend")
+        kernels = self.kernels
+        scale = self.attn.scale
+
+        def attend(layer_idx, q, k, v):
+            kernels.store_kv_cache(k, v, kv_cache, layer_idx, slot_mapping)
+            return kernels.paged_decode_attention(q, kv_cache, layer_idx, block_tables,
+                                                  context_lens, scale)
+
+        return self._forward_fused(input_ids, positions, attend, None)
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

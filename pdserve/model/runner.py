@@ -16,6 +16,8 @@ import ctypes.util
 import logging
 import math
 import sys
+import time
+from itertools import chain
 
 import torch
 
@@ -23,6 +25,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.model.attention import build_attention_metadata
+from pdserve.model.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
 from pdserve.model.loader import ModelInfo, load_model, model_max_len
 from pdserve.model.sampler import Sampler
 
@@ -89,6 +92,10 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_spec: KVCacheSpec | None = None
         self._connector: KVConnectorWorkerSide | None = None
+        # CUDA graphs of pure-decode steps (built by allocate_kv_cache; None = eager).
+        self.decode_graphs: CUDAGraphRunner | None = None
+        self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                                and getattr(self.model, "supports_decode_graphs", False))
         if self.device.type == "cpu":
             tune_cpu_malloc()
 
@@ -184,11 +191,43 @@ class ModelRunner:
             num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
             dtype=str(self.dtype).removeprefix("torch."),
             element_size=self.kv_cache.element_size(), model_name=self.model_info.name)
+        if self.use_cuda_graphs:
+            self._capture_decode_graphs(num_blocks)
         total = num_blocks * self.block_bytes
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB on %s "
                     "(%.1f sequences of max_model_len=%d)", num_blocks, self.block_size,
                     num_blocks * self.block_size, total / GiB, self.device,
                     num_blocks * self.block_size / self.max_model_len, self.max_model_len)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of a block table row: blocks of a ``max_model_len``-token sequence."""
+        return -(-self.max_model_len // self.block_size)
+
+    def _capture_decode_graphs(self, num_blocks: int) -> None:
+        """Capture :meth:`CausalLM.decode_forward` for padded batch sizes up to
+        ``min(max_num_seqs, num_blocks)`` (a running sequence holds at least one block)."""
+        max_bs = max(1, min(self.config.max_num_seqs, num_blocks))
+        specs = {
+            "input_ids": StaticInputSpec((), torch.int64, 0),
+            "positions": StaticInputSpec((), torch.int64, 0),
+            "slot_mapping": StaticInputSpec((), torch.int64, -1),  # padding rows write nothing
+            "block_tables": StaticInputSpec((self.max_blocks_per_seq,), torch.int32, 0),
+            "context_lens": StaticInputSpec((), torch.int32, 0),  # padding rows attend to nothing
+        }
+        kv_cache = self.kv_cache
+        model = self.model
+
+        def forward(inp: dict[str, torch.Tensor]) -> torch.Tensor:
+            return model.decode_forward(inp["input_ids"], inp["positions"], inp["slot_mapping"],
+                                        inp["block_tables"], inp["context_lens"], kv_cache)
+
+        t0 = time.perf_counter()
+        graphs = CUDAGraphRunner(forward, specs, default_capture_sizes(max_bs), self.device)
+        graphs.capture()
+        self.decode_graphs = graphs
+        logger.info("captured CUDA graphs of decode steps for batch sizes %s in %.1f s",
+                    graphs.capture_sizes, time.perf_counter() - t0)
 
     def set_kv_connector_worker(self, worker: KVConnectorWorkerSide | None) -> None:
         """Attach (or detach with None) the KV connector's worker side.
@@ -239,6 +278,10 @@ class ModelRunner:
         if len(prefills) + len(decodes) != len(scheduled):
             bad = next(r.req_id for r in scheduled if not r.token_ids)
             raise ValueError(f"request {bad} was scheduled with no tokens")
+        graphs = self.decode_graphs
+        if (graphs is not None and not prefills and kv_cache is self.kv_cache
+                and len(decodes) <= graphs.max_batch_size):
+            return self._decode_with_graph(decodes, graphs)
         input_ids: list[int] = []
         positions: list[int] = []
         logits_idx: list[int] = []
@@ -274,9 +317,58 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits, sampled)
         return sampled, tokens, logprobs
 
+    def _decode_with_graph(self, decodes: list[ScheduledRequest], graphs: CUDAGraphRunner):
+        """A pure-decode step replayed from the captured graph of the next padded batch size,
+        then sampled outside the graph. Same return value as :meth:`_forward_and_sample`.
+
+        Raises:
+            ValueError: a position beyond ``max_model_len`` or a block table too short.
+        """
+        bs = self.block_size
+        width = self.max_blocks_per_seq
+        ids, positions, slots, lens, num_blocks = [], [], [], [], []
+        for r in decodes:
+            n = r.num_computed_tokens
+            if n >= self.max_model_len:
+                raise ValueError(f"a scheduled request reaches {n + 1} tokens, beyond "
+                                 f"max_model_len={self.max_model_len}")
+            need = n // bs + 1
+            if len(r.block_ids) < need:
+                raise ValueError(f"block table of {len(r.block_ids)} blocks cannot hold {n + 1} "
+                                 f"tokens (block_size {bs})")
+            ids.append(r.token_ids[0])
+            positions.append(n)
+            slots.append(r.block_ids[n // bs] * bs + n % bs)
+            lens.append(n + 1)
+            num_blocks.append(min(len(r.block_ids), width))
+        # Block tables: one flat host list scattered into a [B, widest row] tensor.
+        rows = max(num_blocks)
+        flat = torch.tensor(list(chain.from_iterable(
+            r.block_ids if len(r.block_ids) <= width else r.block_ids[:width] for r in decodes)),
+            dtype=torch.int32)
+        counts = torch.tensor(num_blocks, dtype=torch.int64)
+        table = torch.zeros((len(decodes), rows), dtype=torch.int32)
+        table[torch.arange(rows)[None, :] < counts[:, None]] = flat
+        logits = graphs.run({
+            "input_ids": torch.tensor(ids, dtype=torch.int64),
+            "positions": torch.tensor(positions, dtype=torch.int64),
+            "slot_mapping": torch.tensor(slots, dtype=torch.int64),
+            "block_tables": table,
+            "context_lens": torch.tensor(lens, dtype=torch.int32),
+        })
+        sampled = [r for r in decodes if r.sample]
+        if not sampled:
+            return [], [], []
+        if len(sampled) != len(decodes):
+            rows_idx = [i for i, r in enumerate(decodes) if r.sample]
+            logits = logits[torch.tensor(rows_idx, device=logits.device)]
+        tokens, logprobs = self.sampler.sample(logits, sampled)
+        return sampled, tokens, logprobs
+
     def shutdown(self) -> None:
         """Release the KV cache and the weights (the connector is shut down by its owner)."""
         self._connector = None
+        self.decode_graphs = None
         self.kv_cache = None
         self.kv_cache_spec = None
         self.model = None  # type: ignore[assignment]

@@ -287,7 +287,9 @@ class DisaggProxy:
             raise ProxyError(400, f"request body is not valid JSON: {e}", INVALID_REQUEST) from None
         check_client_body(body)
         store = self.conversations
-        conv_id = conversation_key(body, request.headers.get("X-Session-ID")) if store is not None else None
+        conv_id = None
+        if store is not None:
+            conv_id = conversation_key(body, request.headers.get("X-Session-ID"))
         state = store.get(conv_id) if conv_id else None
         headers = self._upstream_headers(request, turn.request_id)
         path = request.path
@@ -319,11 +321,11 @@ class DisaggProxy:
             try:
                 d_answer = json.loads(d_raw)
             except ValueError:
-                raise self._invalid_response(d_up, "body is not JSON") from None
+                d_answer = None  # relayed as it is; there is just nothing to remember
             d_params = d_answer.get("kv_transfer_params") if isinstance(d_answer, dict) else None
             self._record_turn(conv_id, p_up, d_up, d_params if isinstance(d_params, dict) else None)
-        turn.status = 200
-        resp = web.Response(body=d_raw, status=200, headers={
+        turn.status = d_resp.status
+        resp = web.Response(body=d_raw, status=d_resp.status, headers={
             "Content-Type": d_resp.headers.get("Content-Type", _JSON),
             "X-Request-Id": turn.request_id})
         self.metrics.added_latency.observe(perf_counter() - turn.t0 - turn.upstream_wait)
@@ -357,16 +359,22 @@ class DisaggProxy:
                     err = self._failure(d_up, e)
                     d_resp.close()
                     sep = b"" if last.endswith(b"\n\n") else b"\n\n"
-                    await out.write(sep + b"data: " + err.body() + b"\n\n" + _SSE_DONE)
+                    await out.write_eof(sep + b"data: " + err.body() + b"\n\n" + _SSE_DONE)
                     break
                 if not chunk:
                     finished = True
+                    await out.write_eof()
                     break
-                await out.write(chunk)
+                if content.at_eof():  # D's last chunk: send it with the end of the response
+                    finished = True
+                    await out.write_eof(chunk)
+                else:
+                    await out.write(chunk)
                 last = chunk
                 if watcher is not None:
                     watcher.feed(chunk)
-            await out.write_eof()
+                if finished:
+                    break
         except ConnectionResetError:
             turn.status = 499  # the client went away; the finally clause aborts the decode
         finally:

@@ -37,7 +37,8 @@ REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out64, ref64 = out.double(), ref.double()
+    # The references are built on the CPU (float64); compare there.
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
     return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
 
 
@@ -262,6 +263,93 @@ def test_rotary_embedding_in_place_on_qkv_view(with_norm):
     assert rel_err(q, torch_rope(q_in, positions, cos, sin)) < 1e-5
     assert rel_err(k, torch_rope(k_in, positions, cos, sin)) < 1e-5
     assert torch.equal(qkv[:, (hq + hk) * dim :], v_in), "v must be left alone"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_torch(dtype):
+    gen = torch.Generator().manual_seed(8)
+    x = (3 * torch.randn(5, 2 * 80, generator=gen)).to(DEVICE, dtype)
+    out = torch.full((5, 80), float("nan"), dtype=dtype, device=DEVICE)
+    ta.silu_and_mul(x, out=out)
+    ref = torch.nn.functional.silu(x[:, :80].float()) * x[:, 80:].float()
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    with pytest.raises(ValueError):
+        ta.silu_and_mul(x[:, :79])
+
+
+def _tiny_model(qk_norm: bool, block_size: int = 4):
+    from pdserve.model.llama import ArchConfig, CausalLM
+
+    cfg = ArchConfig(architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM",
+                     hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=32, vocab_size=97, max_position_embeddings=128,
+                     qk_norm=qk_norm, rope_theta=1000.0)
+    model = CausalLM(cfg, torch.float32, DEVICE, block_size, 128)
+    model.init_dummy_weights(seed=3)
+    with torch.no_grad():  # non-trivial norm weights, so a skipped norm shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
+    return model
+
+
+def _use_kernels(model, enabled: bool):
+    """Switch a model between the plain torch path and the fused Triton path."""
+    from pdserve.model import attention
+
+    a = model.attn
+    args = (a.num_heads, a.num_kv_heads, a.head_dim, a.block_size, a.scale)
+    if enabled:
+        model.attn = attention.TritonAttentionBackend(*args)
+        model.attn._ta = ta
+        model.kernels = ta
+    else:
+        model.attn = attention.TorchAttentionBackend(*args)
+        model.kernels = None
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_model_path_matches_torch_path(qk_norm):
+    """Fused forward (mixed batch) and the graph-safe decode_forward equal the torch path."""
+    from pdserve.model.attention import build_attention_metadata
+
+    model = _tiny_model(qk_norm)
+    bs = 4
+    gen = torch.Generator().manual_seed(10)
+    prefills = [(0, [3, 5], 6), (5, [0, 1, 2], 3)]  # (num_computed, block_ids, query_len)
+    decodes = [([7, 8, 9], 9), ([10], 0), ([11, 12, 13, 14], 13)]  # (block_ids, num_computed)
+    meta = build_attention_metadata(prefills, decodes, bs, DEVICE)
+    t = meta.num_tokens
+    ids = torch.randint(0, 97, (t,), generator=gen).to(DEVICE)
+    pos = torch.tensor([0, 1, 2, 3, 4, 5, 5, 6, 7, 9, 0, 13], device=DEVICE)
+    idx = torch.tensor([5, 8, 9, 10, 11], device=DEVICE)
+    kv0 = torch.randn(16, 2, 2, 2, bs, 32, generator=gen).to(DEVICE)
+    logits, caches = {}, {}
+    for fused in (False, True):
+        _use_kernels(model, fused)
+        caches[fused] = kv0.clone()
+        logits[fused] = model(ids, pos, caches[fused], meta, idx)
+    assert rel_err(logits[True], logits[False]) < 1e-4
+    assert rel_err(caches[True], caches[False]) < 1e-5
+
+    # Pure decode: decode_forward (with one padding row) against the torch path.
+    dmeta = build_attention_metadata([], decodes, bs, DEVICE)
+    d_ids, d_pos = ids[-3:], pos[-3:]
+    _use_kernels(model, False)
+    kv_ref = kv0.clone()
+    ref = model(d_ids, d_pos, kv_ref, dmeta, torch.arange(3, device=DEVICE))
+    _use_kernels(model, True)
+    kv_got = kv0.clone()
+    tables = torch.zeros(4, 6, dtype=torch.int32, device=DEVICE)
+    tables[:3, :4] = dmeta.decode_block_tables
+    got = model.decode_forward(
+        torch.cat([d_ids, d_ids.new_zeros(1)]), torch.cat([d_pos, d_pos.new_zeros(1)]),
+        torch.cat([dmeta.slot_mapping, dmeta.slot_mapping.new_full((1,), -1)]), tables,
+        torch.cat([dmeta.decode_seq_lens, dmeta.decode_seq_lens.new_zeros(1)]), kv_got)
+    assert got.shape == (4, 97)
+    assert rel_err(got[:3], ref) < 1e-4
+    assert rel_err(kv_got, kv_ref) < 1e-5, "the padding row must not write the cache"
 
 
 def test_capture_sizes_and_padding_choice():
