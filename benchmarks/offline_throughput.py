@@ -152,6 +152,45 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+class StepTimer:
+    """Wraps ``runner.execute`` to split the engine's wall time into model-runner steps with a
+    prefill (or chunk), pure-decode steps, and the rest (scheduler, detokenising, bookkeeping).
+    ``execute`` returns host lists, so each call's time includes its GPU work."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.inner = runner.execute
+        self.times = {"prefill": [], "decode": []}
+        self.decode_batch: list[int] = []
+        runner.execute = self._execute
+
+    def _execute(self, sched):
+        t = time.perf_counter()
+        out = self.inner(sched)
+        kind = "prefill" if any(len(r.token_ids) > 1 for r in sched.scheduled) else "decode"
+        self.times[kind].append(time.perf_counter() - t)
+        if kind == "decode":
+            self.decode_batch.append(len(sched.scheduled))
+        return out
+
+    def report(self, total_s: float) -> None:
+        """Print the split (seconds, steps, mean step time)."""
+        self.runner.execute = self.inner
+        inside = 0.0
+        for kind, ts in self.times.items():
+            inside += sum(ts)
+            mean = sum(ts) / len(ts) * 1e3 if ts else 0.0
+            median = sorted(ts)[len(ts) // 2] * 1e3 if ts else 0.0
+            longest = max(ts) * 1e3 if ts else 0.0
+            extra = (f", mean batch {sum(self.decode_batch) / len(self.decode_batch):.0f}"
+                     if kind == "decode" and self.decode_batch else "")
+            print(f"[pdserve] {kind} steps: {len(ts)}, {sum(ts):.2f} s in the runner, "
+                  f"{mean:.2f} ms/step (median {median:.2f}, max {longest:.2f}){extra}",
+                  flush=True)
+        print(f"[pdserve] outside the runner (scheduler, engine): {total_s - inside:.2f} s",
+              flush=True)
+
+
 def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Result:
     """Generate the workload with :class:`pdserve.engine.llm_engine.LLMEngine`."""
     from pdserve.config import EngineConfig
@@ -184,10 +223,12 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Re
         engine.generate(work.prompts[: min(4, len(work.prompts))],
                         SamplingParams(max_tokens=4, ignore_eos=True))
         _sync(args.device)
+        stats = StepTimer(engine.core.runner)
         t0 = time.perf_counter()
         outputs = engine.generate(work.prompts, params)
         _sync(args.device)
         seconds = time.perf_counter() - t0
+        stats.report(seconds)
     finally:
         engine.shutdown()
         del engine

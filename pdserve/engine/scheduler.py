@@ -497,7 +497,9 @@ class Scheduler:
         self.kv_cache_manager.uncache_blocks(req, bad_block)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        if self.kv_load_failure_policy == "fail":
+        hook = getattr(self.connector, "load_failure_policy", None)  # per-request override
+        policy = hook(req) if hook is not None else None
+        if (policy or self.kv_load_failure_policy) == "fail":
             logger.warning("request %s: KV load failed at block index %d; failing it", rid, bad_block)
             return [
                 self._finish(

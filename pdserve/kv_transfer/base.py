@@ -139,6 +139,12 @@ class KVConnectorSchedulerSide(abc.ABC):
         keeping the remote's lease alive while the request waits). Default: nothing.
         """
 
+    def load_failure_policy(self, request: "Request") -> str | None:
+        """Optional hook: the ``kv_load_failure_policy`` (``"fail"`` or ``"recompute"``) for
+        this request's failed load, overriding the configured one; None keeps the configured
+        policy. (A bidirectional pull on a prefiller is always recomputed.) Default: None."""
+        return None
+
     def has_pending_work(self) -> bool:
         """True while the connector needs engine steps even with nothing to compute
         (transfers in flight, leases to expire, notifications to send). Default: False."""

@@ -34,6 +34,7 @@ Import this module only where Triton is installed (the CUDA path of the model ru
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import torch
@@ -86,7 +87,20 @@ def choose_num_splits(
     return min(splits, MAX_NUM_SPLITS)
 
 
-@triton.jit
+# Arguments that change from step to step outside CUDA graphs (the block-table width follows the
+# longest context of the batch; the split count follows the batch size). Triton would otherwise
+# compile a new variant whenever one of them turns divisible by 16 or equal to 1, which cost
+# seconds inside timed eager steps on an H200; none of them feeds a vectorised access.
+_PER_STEP_ARGS = ("num_splits", "stride_bt_s", "stride_pm_s", "stride_pm_h")
+
+
+def _jit_without_specialising(fn):
+    """``triton.jit`` with :data:`_PER_STEP_ARGS` unspecialised (given as argument indices, which
+    every Triton 3 release accepts)."""
+    names = list(inspect.signature(fn).parameters)
+    return triton.jit(fn, do_not_specialize=[names.index(a) for a in _PER_STEP_ARGS if a in names])
+
+
 def _paged_decode_split_kernel(
     out_ptr,  # [S, Hq, D] final output (used when not SPLIT)
     part_out_ptr,  # [S, Hq, P, D] fp32 normalised partial outputs (SPLIT)
@@ -194,7 +208,6 @@ def _paged_decode_split_kernel(
         tl.store(o, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
 def _paged_decode_reduce_kernel(
     out_ptr,
     part_out_ptr,
@@ -239,6 +252,10 @@ def _paged_decode_reduce_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=d_mask,
     )
+
+
+_paged_decode_split_kernel = _jit_without_specialising(_paged_decode_split_kernel)
+_paged_decode_reduce_kernel = _jit_without_specialising(_paged_decode_reduce_kernel)
 
 
 def paged_decode_attention(

@@ -95,3 +95,25 @@ def test_cuda_sizing_by_memory_utilisation(tiny_llama_path):
     assert 0 < n * runner.block_bytes <= 0.05 * total
     cfg.gpu_memory_utilization = 0.10
     assert runner.determine_num_blocks() > n
+
+
+def test_cuda_graph_decode_matches_eager_bf16(tiny_qwen3_path):
+    """bf16 greedy tokens with decode steps replayed from CUDA graphs equal the eager ones
+    (batch sizes that are capture sizes: the same kernels on the same shapes)."""
+    outputs = {}
+    for eager in (True, False):
+        runner = ModelRunner(EngineConfig(model=tiny_qwen3_path, device="cuda", max_model_len=256,
+                                          max_num_seqs=8, num_gpu_blocks_override=NUM_BLOCKS,
+                                          enforce_eager=eager))
+        runner.allocate_kv_cache(NUM_BLOCKS)
+        assert (runner.decode_graphs is None) == eager
+        if not eager:
+            assert runner.decode_graphs.capture_sizes == [1, 2, 4, 8]
+        reqs = [DrivenRequest(f"r{i}", _prompt(n, 10 + i), 12, greedy(12))
+                for i, n in enumerate([3, B, B + 5, 2 * B + 3])]
+        MiniScheduler(runner, NUM_BLOCKS).run(reqs)
+        one = [DrivenRequest("solo", _prompt(B - 1, 20), 12, greedy(12))]
+        MiniScheduler(runner, NUM_BLOCKS).run(one)
+        outputs[eager] = [r.output for r in reqs + one]
+        runner.shutdown()
+    assert outputs[False] == outputs[True]

@@ -108,6 +108,7 @@ class NixlAgent:
         self.name = name
         self.backends = list(backends)
         self._reg_descs = None
+        self._kv_cache = None
         self._local_dlist = None
         self.mem_type = "DRAM"
         self.device_id = 0
@@ -136,6 +137,8 @@ class NixlAgent:
         self.device_id = 0 if kv_cache.device.type == "cpu" else int(kv_cache.device.index or 0)
         self.base_addr = int(kv_cache.data_ptr())
         self._reg_descs = self._agent.register_memory(kv_cache)
+        # keep the tensor alive while registered: remote readers hold its addresses
+        self._kv_cache = kv_cache
         descs = _block_descs(self.base_addr, self.block_bytes, self.num_blocks, self.device_id)
         self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self.mem_type)
 
@@ -249,3 +252,4 @@ class NixlAgent:
             except Exception:
                 pass
             self._reg_descs = None
+            self._kv_cache = None

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.kv_transfer.nixl.prefix_match import BlockHashError, parse_block_hashes
+
 
 class KVTransferParamsError(ValueError):
     """``kv_transfer_params`` that name a remote instance but lack or mistype a field."""
@@ -43,7 +45,9 @@ class RemoteKVRef:
         block_ids: the remote block table covering the remote request's computed tokens.
         num_tokens: tokens whose KV the remote holds (``remote_num_tokens``), or None when the
             params do not say (P→D: the whole prompt).
-        block_hashes: chained per-block token hashes of the remote's full blocks, when given.
+        block_hashes: chained per-block token hashes of the remote's full blocks, when given
+            (parsed from hex strings or integers, see
+            :mod:`pdserve.kv_transfer.nixl.prefix_match`).
         expiry_time: the remote's wall-clock time (``time.time()`` seconds) at which its blocks
             are freed, when given.
     """
@@ -52,7 +56,7 @@ class RemoteKVRef:
     request_id: str
     block_ids: list[int]
     num_tokens: int | None = None
-    block_hashes: list[str] | None = None
+    block_hashes: list[int] | None = None
     expiry_time: float | None = None
 
     @classmethod
@@ -87,12 +91,11 @@ class RemoteKVRef:
         if num_tokens is not None and (not isinstance(num_tokens, int) or num_tokens < 0):
             raise KVTransferParamsError("kv_transfer_params.remote_num_tokens must be an integer")
         hashes = params.get("remote_block_hashes")
-        if hashes is not None and (
-            not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes)
-        ):
-            raise KVTransferParamsError(
-                "kv_transfer_params.remote_block_hashes must be a list of strings"
-            )
+        if hashes is not None:
+            try:
+                hashes = parse_block_hashes(hashes)
+            except BlockHashError as e:
+                raise KVTransferParamsError(str(e)) from None
         expiry = params.get("remote_blocks_expiry_time")
         if expiry is not None and (not isinstance(expiry, (int, float)) or isinstance(expiry, bool)):
             raise KVTransferParamsError(
@@ -120,6 +123,9 @@ class RecvSpec:
         num_tokens: tokens this load makes computed (for logs).
         error: set when the load is known to fail before any I/O (bad params); the worker
             reports it as a failed load.
+        min_lease_left_s: the READ is posted only when the owner's claim answer says its blocks
+            live at least this many more seconds (bidirectional pulls from D's TTL blocks);
+            0 for no check.
     """
 
     req_id: str
@@ -128,6 +134,7 @@ class RecvSpec:
     remote_read_block_ids: list[int]
     num_tokens: int
     error: str | None = None
+    min_lease_left_s: float = 0.0
 
 
 @dataclass
@@ -175,6 +182,8 @@ class NixlConnectorMetadata:
             the worker reports each in ``finished_recving`` once no READ writes its blocks.
         release_sends: leases to drop now (the local side decided the blocks are not needed).
         handshakes: remote instances to handshake with ahead of time.
+        expired_pulls: bidirectional pulls skipped because the decoder's blocks expire too soon
+            (counted by the worker as expired requests).
     """
 
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
@@ -185,9 +194,11 @@ class NixlConnectorMetadata:
     aborted_recvs: set[str] = field(default_factory=set)
     release_sends: set[str] = field(default_factory=set)
     handshakes: list[RemoteEndpoint] = field(default_factory=list)
+    expired_pulls: int = 0
 
     def is_empty(self) -> bool:
         return not (
             self.reqs_to_recv or self.reqs_to_send or self.notices or self.heartbeat_start
             or self.heartbeat_stop or self.aborted_recvs or self.release_sends or self.handshakes
+            or self.expired_pulls
         )

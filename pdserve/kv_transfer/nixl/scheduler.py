@@ -1,7 +1,7 @@
 """Scheduler side of the NIXL connector: decides which blocks move (pure bookkeeping, no torch,
 no I/O).
 
-Protocol (DESIGN §2):
+Prefill → decode (DESIGN §2):
 
 * **Prefiller (P)**, request with ``kv_transfer_params.do_remote_decode``: when it finishes
   normally, :meth:`request_finished` keeps its blocks (``delay_free``) under a lease and returns
@@ -16,6 +16,12 @@ Protocol (DESIGN §2):
   its READ is in flight keeps its blocks until the READ is over (it appears in
   ``finished_recving``).
 
+Decode → prefill, multi-turn (DESIGN §3, both sides with ``bidirectional_kv_xfer``): the
+decisions live in :mod:`pdserve.kv_transfer.nixl.bidirectional` (D keeps a finished turn's
+blocks for ``decoder_kv_blocks_ttl``; P pulls the hash-verified prefix it lacks when worth it and
+not about to expire, else recomputes and tells D to drop the blocks). A failed pull is
+recomputed (:meth:`NixlConnectorScheduler.load_failure_policy`), never an error.
+
 Unknown extra fields in ``kv_transfer_params`` are ignored.
 """
 
@@ -28,6 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.kv_transfer.base import KVConnectorSchedulerSide
 from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.nixl.bidirectional import (
+    PULL_SAFETY_MARGIN_S,
+    decoder_keep_blocks,
+    names_decoder_kv,
+    plan_pull,
+)
 from pdserve.kv_transfer.nixl.metadata import (
     KVTransferParamsError,
     NixlConnectorMetadata,
@@ -45,11 +57,15 @@ logger = logging.getLogger(__name__)
 
 _NORMAL_FINISH = ("stop", "length")
 
+PREFILL = "prefill"  # D reads P's prompt KV
+PULL = "pull"  # P reads back the KV of the previous turn from D
+
 
 @dataclass
 class _LoadPlan:
     """What :meth:`get_num_new_matched_tokens` offered, until the blocks are allocated."""
 
+    kind: str
     remote: RemoteKVRef | None
     num_local_tokens: int
     num_tokens: int
@@ -79,68 +95,85 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self.side_channel_host = config.side_channel_host
         self.side_channel_port = config.side_channel_port_for(data_parallel_rank)
         self._plans: dict[str, _LoadPlan] = {}
-        self._waiting: dict[str, RemoteKVRef] = {}  # heartbeated, blocks not allocated yet
-        self._inflight: dict[str, RemoteKVRef] = {}  # load handed to the worker
-        self._aborted_inflight: set[str] = set()  # finished while loading; blocks held
+        self._waiting: dict[str, RemoteKVRef] = {}  # remote known, blocks not allocated yet
+        self._inflight: dict[str, str] = {}  # req_id -> kind, load handed to the worker
+        self._aborted_inflight: set[str] = set()  # finished while loading
+        self._consumed: set[str] = set()  # remote KV already used or declined
+        self._from_prefiller: set[str] = set()  # decoder requests of a P/D flow
+        self._pulls: set[str] = set()  # prefiller requests that pull the decoder's KV
+        # remote clock minus local clock per remote endpoint key, from the worker's handshakes
+        self._clock_offsets: dict[tuple[str, str, int], float] = {}
         self._leased: set[str] = set()  # blocks held for a remote reader
         self._meta = NixlConnectorMetadata()
 
-    # ------------------------------------------------------------------------------- arrivals
-    def request_added(self, request: "Request") -> None:
-        """Optional hook when a request enters the queue: starts the handshake with the remote
-        engine and the heartbeats that keep its lease alive while the request waits."""
-        ref = self._remote_prefill_ref(request)
-        if ref is not None and request.request_id not in self._waiting:
-            self._start_waiting(request.request_id, ref)
+    # ------------------------------------------------------------------------------- params
+    def _source(self, request: "Request") -> tuple[str | None, RemoteKVRef | None, str | None]:
+        """``(kind, remote, error)`` of the remote KV a request's params point at.
 
-    def _remote_prefill_ref(self, request: "Request") -> RemoteKVRef | None:
+        ``kind`` is :data:`PREFILL`, :data:`PULL` or None (nothing to load). ``error`` is set
+        when the params name remote KV but are malformed.
+        """
         params = request.kv_transfer_params
-        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-            return None
+        if not isinstance(params, dict) or request.request_id in self._consumed:
+            return None, None, None
+        if params.get("do_remote_prefill"):
+            kind = PREFILL
+        elif self.config.bidirectional_kv_xfer and names_decoder_kv(params):
+            kind = PULL
+        else:
+            return None, None, None
         try:
-            return RemoteKVRef.from_params(params)
-        except KVTransferParamsError:
-            return None
+            return kind, RemoteKVRef.from_params(params), None
+        except KVTransferParamsError as e:
+            return kind, None, str(e)
 
-    def _start_waiting(self, req_id: str, ref: RemoteKVRef) -> None:
+    def _start_waiting(self, req_id: str, ref: RemoteKVRef, heartbeat: bool) -> None:
         self._waiting[req_id] = ref
-        self._meta.heartbeat_start[req_id] = ref
+        if heartbeat:
+            self._meta.heartbeat_start[req_id] = ref
         self._meta.handshakes.append(ref.endpoint)
 
-    def _consume_params(self, request: "Request") -> None:
-        """Mark the remote-prefill params used, so a preempted request never loads twice."""
-        params = dict(request.kv_transfer_params or {})
-        params["do_remote_prefill"] = False
-        request.kv_transfer_params = params
+    def _decline(self, req_id: str, ref: RemoteKVRef | None) -> None:
+        """The remote KV will not be read: tell its owner to drop the blocks."""
+        self._consumed.add(req_id)
+        if ref is not None:
+            self._meta.notices.append(RemoteNotice(ref, "abort"))
+        if self._waiting.pop(req_id, None) is not None:
+            self._meta.heartbeat_stop.add(req_id)
+
+    # ------------------------------------------------------------------------------- arrivals
+    def request_added(self, request: "Request") -> None:
+        """A request entered the queue: start the handshake with the remote engine now, and
+        (decoder side) the heartbeats that keep P's lease alive while the request waits."""
+        kind, ref, _ = self._source(request)
+        if ref is not None and request.request_id not in self._waiting:
+            self._start_waiting(request.request_id, ref, heartbeat=kind == PREFILL)
 
     # ---------------------------------------------------------------------------- the contract
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """Tokens that D can load from P: ``prompt_len - 1 - num_computed_tokens`` (the last
-        prompt token is recomputed for its logits), loaded asynchronously.
+        """Tokens beyond the local prefix-cache hit that can be loaded from another instance.
 
-        Bad params are not silently ignored: the load is planned and then reported as failed,
-        so ``kv_load_failure_policy`` applies.
+        Decoder: ``prompt_len - 1 - num_computed_tokens`` (the last prompt token is recomputed
+        for its logits). Bad params are not silently ignored: the load is planned and reported
+        as failed, so ``kv_load_failure_policy`` applies.
+
+        Prefiller (bidirectional): the hash-verified prefix of D's previous-turn KV beyond the
+        local hit, or 0 when below ``kv_recompute_threshold``, expiring, or malformed.
         """
-        params = request.kv_transfer_params
-        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        kind, ref, error = self._source(request)
+        if kind is None:
             return 0, False
+        if kind == PULL:
+            return self._plan_pull(request, num_computed_tokens, ref, error)
         req_id = request.request_id
+        self._from_prefiller.add(req_id)
         prompt_len = len(request.prompt_token_ids)
         num_tokens = prompt_len - 1 - num_computed_tokens
-        error = None
-        try:
-            ref: RemoteKVRef | None = RemoteKVRef.from_params(params)
-        except KVTransferParamsError as e:
-            ref, error = None, str(e)
         if num_tokens <= 0:
             # nothing to read (one-token prompt, or the local prefix cache has it all)
-            if ref is not None:
-                self._meta.notices.append(RemoteNotice(ref, "abort"))
-                if self._waiting.pop(req_id, None) is not None:
-                    self._meta.heartbeat_stop.add(req_id)
-            self._consume_params(request)
+            self._decline(req_id, ref)
             return 0, False
         if ref is not None:
             needed = math.ceil((prompt_len - 1) / self.block_size)
@@ -149,15 +182,31 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
                     f"kv_transfer_params.remote_block_ids has {len(ref.block_ids)} blocks but "
                     f"the prompt needs {needed}"
                 )
-            if ref.num_tokens is not None and ref.num_tokens < prompt_len - 1:
-                error = (
-                    f"the remote holds KV for {ref.num_tokens} tokens, the prompt needs "
-                    f"{prompt_len - 1}"
-                )
             if req_id not in self._waiting:
-                self._start_waiting(req_id, ref)
-        self._plans[req_id] = _LoadPlan(ref, num_computed_tokens, num_tokens, error)
+                self._start_waiting(req_id, ref, heartbeat=True)
+        self._plans[req_id] = _LoadPlan(PREFILL, ref, num_computed_tokens, num_tokens, error)
         return num_tokens, True
+
+    def _plan_pull(self, request: "Request", num_local: int, ref: RemoteKVRef | None,
+                   error: str | None) -> tuple[int, bool]:
+        req_id = request.request_id
+        offset = self._clock_offsets.get(ref.endpoint.key) if ref is not None else None
+        decision = plan_pull(
+            request.kv_transfer_params, request.prompt_token_ids, num_local, self.block_size,
+            self.config.kv_recompute_threshold, self.engine_id, clock_offset_s=offset,
+        )
+        if decision.num_tokens <= 0:
+            logger.info("request %s: not pulling the decoder's KV (%s); recomputing", req_id,
+                        decision.reason)
+            self._decline(req_id, decision.ref)
+            if decision.expired:
+                self._meta.expired_pulls += 1
+            return 0, False
+        if req_id not in self._waiting:
+            self._start_waiting(req_id, decision.ref, heartbeat=False)
+        self._pulls.add(req_id)
+        self._plans[req_id] = _LoadPlan(PULL, decision.ref, num_local, decision.num_tokens)
+        return decision.num_tokens, True
 
     def update_state_after_alloc(
         self, request: "Request", block_ids: list[int], num_external_tokens: int
@@ -175,11 +224,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             return
         ref = plan.remote
         if num_external_tokens <= 0:
-            if ref is not None:
-                self._meta.notices.append(RemoteNotice(ref, "abort"))
-            if self._waiting.pop(req_id, None) is not None:
-                self._meta.heartbeat_stop.add(req_id)
-            self._consume_params(request)
+            self._decline(req_id, ref)
             return
         bs = self.block_size
         first = plan.num_local_tokens // bs
@@ -205,13 +250,11 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             remote_read_block_ids=remote_ids,
             num_tokens=num_external_tokens,
             error=error,
+            min_lease_left_s=PULL_SAFETY_MARGIN_S if plan.kind == PULL else 0.0,
         )
         self._waiting.pop(req_id, None)
-        if ref is not None:
-            self._inflight[req_id] = ref
-        else:
-            self._inflight[req_id] = None  # type: ignore[assignment]
-        self._consume_params(request)
+        self._inflight[req_id] = plan.kind
+        self._consumed.add(req_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> NixlConnectorMetadata:
         meta, self._meta = self._meta, NixlConnectorMetadata()
@@ -223,6 +266,16 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             self._aborted_inflight.discard(req_id)
         for req_id in output.finished_sending:
             self._leased.discard(req_id)
+        offsets = (output.stats or {}).get("remote_clock_offsets")
+        if offsets:  # measured by the worker at handshakes: "engine_id|host|port" -> seconds
+            for key, offset in offsets.items():
+                engine_id, host, port = key.rsplit("|", 2)
+                self._clock_offsets[(engine_id, host, int(port))] = float(offset)
+
+    def load_failure_policy(self, request: "Request") -> str | None:
+        """``"recompute"`` for a failed pull of the decoder's KV (it must never fail the user's
+        request); None (the configured policy) otherwise."""
+        return "recompute" if request.request_id in self._pulls else None
 
     def request_finished(
         self, request: "Request", block_ids: list[int]
@@ -230,59 +283,76 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         """Decide whether the finished request's blocks stay allocated, and what to return.
 
         Returns:
-            ``(True, P's params)`` on a prefiller for a normally finished request that asked for
-            ``do_remote_decode``; ``(False, None)`` otherwise. A decoder request finished while
-            its load is in flight is reported in ``finished_recving`` once no READ writes its
-            blocks; the scheduler keeps the blocks until then.
+            ``(True, params)`` when the blocks are kept for a remote reader: on a prefiller for
+            a normally finished ``do_remote_decode`` request, and (bidirectional) on a decoder
+            for a normally finished turn whose prompt came from a prefiller. ``(False, None)``
+            otherwise. A request finished while its load is in flight is reported in
+            ``finished_recving`` once no READ writes its blocks; the scheduler keeps the blocks
+            until then.
         """
         req_id = request.request_id
         self._plans.pop(req_id, None)
+        from_prefiller = req_id in self._from_prefiller
+        self._from_prefiller.discard(req_id)
+        self._pulls.discard(req_id)
         # --- reader side: the request ends before or during its load
         if req_id in self._inflight:
-            # the READ may still write the blocks: the scheduler keeps them until the request
-            # appears in finished_recving (the worker reports it once no READ is in flight)
             self._inflight.pop(req_id)
             self._aborted_inflight.add(req_id)
             self._meta.aborted_recvs.add(req_id)
+            self._consumed.discard(req_id)
             return False, None
-        ref = self._waiting.pop(req_id, None)
-        if ref is not None:
+        kind, ref, _ = self._source(request)
+        waiting_ref = self._waiting.pop(req_id, None)
+        if waiting_ref is not None:
             self._meta.heartbeat_stop.add(req_id)
-        elif (request.kv_transfer_params or {}).get("do_remote_prefill"):
-            ref = self._remote_prefill_ref(request)
-        if ref is not None:
+            ref = waiting_ref
+        self._consumed.discard(req_id)
+        if ref is not None and (kind is not None or waiting_ref is not None):
             self._meta.notices.append(RemoteNotice(ref, "abort"))
-            self._consume_params(request)
-            return False, None
+        normal = _finish_reason(request) in _NORMAL_FINISH
+        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         # --- owner side: keep the prompt's blocks for the decoder
-        params = request.kv_transfer_params
-        if (
-            isinstance(params, dict)
-            and params.get("do_remote_decode")
-            and _finish_reason(request) in _NORMAL_FINISH
-        ):
-            prompt_len = len(request.prompt_token_ids)
-            remote_ids = list(block_ids[: math.ceil(prompt_len / self.block_size)])
-            if not remote_ids or len(remote_ids) * self.block_size < prompt_len:
-                return False, None
-            self._meta.reqs_to_send[req_id] = SendSpec(
-                req_id=req_id,
-                block_ids=remote_ids,
-                lease_duration=self.config.kv_lease_duration,
-                renew_on_heartbeat=True,
-            )
-            self._leased.add(req_id)
-            return True, {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_engine_id": self.engine_id,
-                "remote_block_ids": remote_ids,
-                "remote_host": self.side_channel_host,
-                "remote_port": self.side_channel_port,
-                "remote_request_id": req_id,
-                "tp_size": 1,
-            }
+        if normal and params.get("do_remote_decode"):
+            return self._keep_for_decoder(request, block_ids)
+        # --- decoder side, multi-turn: keep the turn's blocks for the next prefill
+        if normal and self.config.bidirectional_kv_xfer and (from_prefiller or params):
+            return self._keep_for_next_turn(request, block_ids)
         return False, None
+
+    def _keep_for_decoder(self, request: "Request", block_ids: list[int]):
+        req_id = request.request_id
+        prompt_len = len(request.prompt_token_ids)
+        remote_ids = list(block_ids[: math.ceil(prompt_len / self.block_size)])
+        if not remote_ids or len(remote_ids) * self.block_size < prompt_len:
+            return False, None
+        self._meta.reqs_to_send[req_id] = SendSpec(
+            req_id=req_id, block_ids=remote_ids, lease_duration=self.config.kv_lease_duration,
+            renew_on_heartbeat=True,
+        )
+        self._leased.add(req_id)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": remote_ids,
+            "remote_host": self.side_channel_host,
+            "remote_port": self.side_channel_port,
+            "remote_request_id": req_id,
+            "tp_size": 1,
+        }
+
+    def _keep_for_next_turn(self, request: "Request", block_ids: list[int]):
+        kept = decoder_keep_blocks(
+            request, block_ids, self.block_size, self.config.decoder_kv_blocks_ttl,
+            self.engine_id, self.side_channel_host, self.side_channel_port,
+        )
+        if kept is None:
+            return False, None
+        spec, params = kept
+        self._meta.reqs_to_send[spec.req_id] = spec
+        self._leased.add(spec.req_id)
+        return True, params
 
     def has_pending_work(self) -> bool:
         """True while loads, leases, waiting (heartbeated) requests or undelivered metadata

@@ -46,7 +46,7 @@ from pdserve.kv_transfer.nixl.side_channel import (
     compat_mismatch,
     side_channel_request,
 )
-from pdserve.kv_transfer.nixl.stats import StatsRecorder
+from pdserve.kv_transfer.nixl.stats import StatsRecorder, TransferStats
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._bg_notices: list[cf.Future] = []
         self._metadata: NixlConnectorMetadata | None = None
         self._out = KVConnectorOutput()
+        # "engine_id|host|port" -> clock offset, measured since the last report to the scheduler
+        self._new_clock_offsets: dict[str, float] = {}
         self.stats = StatsRecorder(config.kv_metrics_log_interval)
         # (kind, req_id) notices received by the side-channel thread, applied on the engine thread
         self._side_notices: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
@@ -211,6 +213,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         for req_id in metadata.heartbeat_stop:
             self._heartbeats.pop(req_id, None)
         self._pending_notices.extend(metadata.notices)
+        if metadata.expired_pulls:
+            self.stats.current.num_kv_expired_reqs += metadata.expired_pulls
         for req_id, spec in metadata.reqs_to_recv.items():
             self._heartbeats.pop(req_id, None)
             self._loads[req_id] = _Load(spec)
@@ -247,6 +251,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._send_notices()
         out, self._out = self._out, KVConnectorOutput()
         out.stats = self.stats.take_delta()
+        if self._new_clock_offsets:  # for the scheduler side's expiry checks (bidirectional)
+            out.stats = dict(out.stats or TransferStats().to_dict(),
+                             remote_clock_offsets=self._new_clock_offsets)
+            self._new_clock_offsets = {}
         self.stats.maybe_log()
         self._metadata = None
         return out
@@ -305,6 +313,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 )
                 remote.info = info
                 remote.clock_offset_s = offset
+                ep = remote.endpoint
+                self._new_clock_offsets[f"{ep.engine_id}|{ep.host}|{ep.port}"] = offset
                 logger.info(
                     "NIXL: handshake with engine %s at %s:%d done (%d remote blocks)",
                     remote.endpoint.engine_id, remote.endpoint.host, remote.endpoint.port,
@@ -375,6 +385,12 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 if not reply.get("ok"):
                     self._fail_load(req_id, f"remote refused the read: {reply.get('reason')}",
                                     notify_remote=True)
+                    continue
+                left = float(reply.get("lease_expiry_in") or 0.0)
+                if spec.min_lease_left_s > 0 and left < spec.min_lease_left_s:
+                    self._fail_load(
+                        req_id, f"the remote frees the blocks in {left:.1f} s, less than the "
+                        f"{spec.min_lease_left_s:g} s a read may need", notify_remote=True)
                     continue
                 if load.aborted:
                     self._drop_aborted(req_id, load)

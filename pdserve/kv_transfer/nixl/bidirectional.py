@@ -1,0 +1,187 @@
+"""Bidirectional KV transfer for multi-turn conversations (DESIGN §3): the scheduler-side
+decisions, as pure functions (no torch, no I/O).
+
+With ``kv_connector_extra_config.bidirectional_kv_xfer: true`` on both instances:
+
+* **Decoder (D)** — :func:`decoder_keep_blocks`: a request that arrived through P/D
+  (``kv_transfer_params`` present) and finished normally keeps its blocks for
+  ``decoder_kv_blocks_ttl`` seconds (a lease that heartbeats and claims do NOT renew) and returns
+  ``{do_remote_decode: true, do_remote_prefill: false, remote_engine_id, remote_block_ids,
+  remote_num_tokens, remote_block_hashes, remote_blocks_expiry_time, remote_host, remote_port,
+  remote_request_id, tp_size}``. ``remote_num_tokens`` = prompt + output - 1 (the last sampled
+  token has no KV yet); ``remote_block_hashes`` are the chained hashes of the full blocks among
+  those tokens. The blocks are freed early by the next turn's reader: its "done" notification
+  after the READ, or an "abort" when it decides not to read (the conversation moved on).
+* **Prefiller (P)** — :func:`plan_pull`: a P-leg request (``do_remote_decode``) that also
+  carries D's fields (the multi-turn proxy merges them in) may load the longest block prefix of
+  D's KV that equals the new prompt, beyond P's own prefix-cache hit, when that is at least
+  ``kv_recompute_threshold`` tokens and D's blocks will still exist ``PULL_SAFETY_MARGIN_S``
+  seconds from now (D's expiry time converted to P's clock with the offset measured at the
+  handshake). Otherwise P recomputes. A pull that fails never fails the request: the scheduler
+  recomputes (per-request ``kv_load_failure_policy`` override).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pdserve.engine.block_manager import block_hashes
+from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError, RemoteKVRef, SendSpec
+from pdserve.kv_transfer.nixl.prefix_match import (
+    encode_block_hashes,
+    matched_prefix_tokens,
+    seconds_left,
+    tokens_to_pull,
+)
+
+if TYPE_CHECKING:
+    from pdserve.engine.request import Request
+
+# Seconds D's blocks must still live, on P's clock, for P to start a pull: covers the handshake
+# and claim round trips and the READ itself with room to spare (a READ of a few MB takes
+# milliseconds; DESIGN §5). The claim right before the READ checks it again, clock-free.
+PULL_SAFETY_MARGIN_S = 5.0
+
+_D_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_request_id")
+
+
+@dataclass
+class PullDecision:
+    """What P does with a previous turn's KV on D.
+
+    Attributes:
+        ref: D's KV reference, or None when the params name no D (first turn) or are malformed.
+        num_tokens: tokens to load from D (0: recompute; D is told to free its blocks).
+        num_matched_tokens: leading prompt tokens D holds (block-aligned hash match).
+        reason: a short explanation, for logs.
+        expired: the pull was skipped because D's blocks expire too soon (or already did).
+    """
+
+    ref: RemoteKVRef | None
+    num_tokens: int
+    num_matched_tokens: int
+    reason: str
+    expired: bool = False
+
+
+def names_decoder_kv(params: Any) -> bool:
+    """True when a P-leg's ``kv_transfer_params`` carry a previous turn's D fields."""
+    return (
+        isinstance(params, dict)
+        and bool(params.get("do_remote_decode"))
+        and not params.get("do_remote_prefill")
+        and all(params.get(k) is not None for k in _D_FIELDS)
+    )
+
+
+def plan_pull(
+    params: dict[str, Any],
+    prompt_token_ids: list[int],
+    num_local_tokens: int,
+    block_size: int,
+    threshold: int,
+    own_engine_id: str,
+    clock_offset_s: float | None = None,
+    now: float | None = None,
+    safety_margin_s: float = PULL_SAFETY_MARGIN_S,
+) -> PullDecision:
+    """Decide whether P pulls D's KV for this prompt.
+
+    Args:
+        params: the request's ``kv_transfer_params`` (see :func:`names_decoder_kv`).
+        prompt_token_ids: the new prompt.
+        num_local_tokens: P's own prefix-cache hit, in tokens.
+        block_size: tokens per block (the handshake guarantees both sides use the same).
+        threshold: ``kv_recompute_threshold``: fewer tokens to load than this -> recompute.
+        own_engine_id: this instance's engine id (a reference to itself is never pulled).
+        clock_offset_s: D's clock minus P's clock, or None when not measured yet (0 assumed).
+        now: P's ``time.time()`` (default: now).
+        safety_margin_s: seconds D's blocks must still live.
+
+    Returns:
+        A :class:`PullDecision`; ``num_tokens > 0`` means load that many tokens, starting at
+        ``num_local_tokens``, from D's blocks with the same indices.
+    """
+    if not names_decoder_kv(params):
+        return PullDecision(None, 0, 0, "no previous turn on a decoder")
+    try:
+        ref = RemoteKVRef.from_params(params)
+    except KVTransferParamsError as e:
+        return PullDecision(None, 0, 0, f"malformed decoder fields: {e}")
+    if ref.endpoint.engine_id == own_engine_id:
+        return PullDecision(None, 0, 0, "the previous turn's KV is on this instance")
+    if not ref.block_hashes:
+        return PullDecision(ref, 0, 0, "the decoder sent no block hashes (prefix unverifiable)")
+    matched = matched_prefix_tokens(prompt_token_ids, block_size, ref.block_hashes, ref.num_tokens)
+    matched = min(matched, len(ref.block_ids) * block_size)
+    n = tokens_to_pull(len(prompt_token_ids), num_local_tokens, matched)
+    if n <= 0 or n < threshold:
+        return PullDecision(
+            ref, 0, matched,
+            f"{n} tokens to load (matched {matched}, local {num_local_tokens}) < threshold "
+            f"{threshold}" if n > 0 else
+            f"nothing to load (matched {matched}, local {num_local_tokens})",
+        )
+    if ref.expiry_time is not None:
+        now = time.time() if now is None else now
+        left = seconds_left(ref.expiry_time, clock_offset_s or 0.0, now)
+        if left < safety_margin_s:
+            return PullDecision(
+                ref, 0, matched,
+                f"the decoder's blocks expire in {left:.1f} s (< {safety_margin_s:g} s margin)",
+                expired=True,
+            )
+    return PullDecision(ref, n, matched, f"pull {n} tokens (matched {matched})")
+
+
+def decoder_keep_blocks(
+    request: "Request",
+    block_ids: list[int],
+    block_size: int,
+    ttl_s: float,
+    engine_id: str,
+    host: str,
+    port: int,
+    now: float | None = None,
+) -> tuple[SendSpec, dict[str, Any]] | None:
+    """D's side at the end of a turn: the lease to register and the params to return.
+
+    Args:
+        request: the finished request (normal finish).
+        block_ids: its block table, in token order.
+        block_size: tokens per block.
+        ttl_s: ``decoder_kv_blocks_ttl``.
+        engine_id, host, port: this instance's engine id and side channel.
+        now: ``time.time()`` (default: now).
+
+    Returns:
+        ``(SendSpec, kv_transfer_params)``, or None when no token has KV (nothing to keep).
+    """
+    num_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+    if num_tokens <= 0:
+        return None
+    num_blocks = math.ceil(num_tokens / block_size)
+    if len(block_ids) < num_blocks:
+        return None
+    kept = list(block_ids[:num_blocks])
+    now = time.time() if now is None else now
+    hashes = block_hashes(request.all_token_ids[:num_tokens], block_size)
+    spec = SendSpec(req_id=request.request_id, block_ids=kept, lease_duration=ttl_s,
+                    renew_on_heartbeat=False)
+    params = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": engine_id,
+        "remote_block_ids": kept,
+        "remote_num_tokens": num_tokens,
+        "remote_block_hashes": encode_block_hashes(hashes),
+        "remote_blocks_expiry_time": now + ttl_s,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_request_id": request.request_id,
+        "tp_size": 1,
+    }
+    return spec, params

@@ -1,0 +1,237 @@
+"""End to end: bidirectional KV transfer (DESIGN §3) through ``pdserve proxy --multi-turn``.
+
+Processes: a single instance (the oracle), a prefiller P and a decoder D (both with
+``bidirectional_kv_xfer``) and the multi-turn proxy. P runs without its own prefix cache, so every
+history token it does not compute must have been pulled from D (its
+``pdserve:prompt_tokens_transferred_total``). The tiny random model's answers do not survive a
+detokenize/retokenize round trip, so D's reusable prefix ends inside the previous answer: P
+pulls at least every full block of the previous prompt and computes the rest.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pd_servers import Server, nixl_config, start_all
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+B = 16
+COMMON = ["--block-size", str(B), "--num-gpu-blocks-override", "512", "--max-model-len", "1024"]
+TTL_S = 15.0  # D's decoder_kv_blocks_ttl: above P's 5 s pull safety margin
+THRESHOLD = 64  # kv_recompute_threshold (the default)
+MAX_TOKENS = 12
+
+SYSTEM = ("You are a careful assistant. Answer every question about the history of the old "
+          "harbour town, its ships, its lighthouse keepers and its fishing families in detail.")
+
+
+class Proxy:
+    """``pdserve proxy --multi-turn --port 0`` in front of one P and one D."""
+
+    def __init__(self, p: Server, d: Server, log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "proxy", "--port", "0", "--multi-turn",
+             "--prefiller-ports", str(p.port), "--decoder-ports", str(d.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(log_path.read_text(errors="replace"))
+            m = re.search(r"listening on (\S+)", log_path.read_text(errors="replace"))
+            if m:
+                self.url = m.group(1)
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(log_path.read_text(errors="replace"))
+            time.sleep(0.1)
+        self.client = httpx.Client(base_url=self.url, timeout=300)
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_path, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("bidir-logs")
+    bidir = {"bidirectional_kv_xfer": True}
+    servers: dict[str, Server] = {}
+    proxy = None
+    try:
+        servers["single"] = Server(tiny_llama_path, logs / "single.log", None, COMMON)
+        servers["p"] = Server(tiny_llama_path, logs / "p.log", nixl_config("kv_producer", **bidir),
+                              COMMON + ["--no-enable-prefix-caching"])
+        servers["d"] = Server(tiny_llama_path, logs / "d.log",
+                              nixl_config("kv_consumer", decoder_kv_blocks_ttl=TTL_S, **bidir),
+                              COMMON)
+        start_all(list(servers.values()))
+        proxy = Proxy(servers["p"], servers["d"], logs / "proxy.log")
+        yield {"model": tiny_llama_path, "proxy": proxy, **servers}
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for s in servers.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_path):
+    from pdserve.bench.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_llama_path)
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt tokens the server builds for ``messages`` (template, then encode)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def body(cluster, messages: list[dict], conversation_id: str | None = None) -> dict:
+    out = {"model": cluster["model"], "messages": messages, "max_tokens": MAX_TOKENS,
+           "temperature": 0, "ignore_eos": True}
+    if conversation_id is not None:
+        out["conversation_id"] = conversation_id
+    return out
+
+
+def single_answer(cluster, messages: list[dict]) -> str:
+    r = cluster["single"].client.post("/v1/chat/completions", json=body(cluster, messages))
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+PROMPT_KEYS = ("pdserve:prompt_tokens_total", "pdserve:prompt_tokens_computed_total",
+               "pdserve:prompt_tokens_transferred_total", "pdserve:nixl_num_kv_expired_reqs",
+               "pdserve:nixl_num_failed_transfers")
+
+
+def p_counters(cluster) -> dict[str, float]:
+    m = cluster["p"].metrics()
+    return {k: m.get(k, 0.0) for k in PROMPT_KEYS}
+
+
+def turn(cluster, messages: list[dict], conversation_id: str) -> tuple[str, dict[str, float]]:
+    """One turn through the proxy; returns D's answer and the change of P's counters."""
+    before = p_counters(cluster)
+    r = cluster["proxy"].client.post("/v1/chat/completions",
+                                     json=body(cluster, messages, conversation_id))
+    assert r.status_code == 200, r.text
+    data = r.json()
+    n_prompt = data["usage"]["prompt_tokens"]
+    # P's counters are published with its last output; wait until the prompt is counted
+    after = cluster["p"].wait_metrics(
+        lambda m: m.get("pdserve:prompt_tokens_total", 0.0) >= before["pdserve:prompt_tokens_total"]
+        + n_prompt)
+    delta = {k: after.get(k, 0.0) - before[k] for k in PROMPT_KEYS}
+    assert delta["pdserve:prompt_tokens_total"] == n_prompt
+    return data["choices"][0]["message"]["content"], delta
+
+
+def user_message(i: int) -> dict:
+    return {"role": "user", "content": f"Question {i}: what happened in the harbour in year "
+                                       f"{1800 + 7 * i}, and who kept the lighthouse then?"}
+
+
+def test_six_turn_chat_pulls_history_from_decoder(cluster, tokenizer):
+    messages = [{"role": "system", "content": SYSTEM}]
+    prev_prompt: list[int] | None = None
+    for k in range(1, 7):
+        messages.append(user_message(k))
+        ids = prompt_ids(tokenizer, messages)
+        answer, delta = turn(cluster, messages, "six-turns")
+        assert len(ids) == delta["pdserve:prompt_tokens_total"]
+        assert answer == single_answer(cluster, messages), f"turn {k}"
+        pulled = delta["pdserve:prompt_tokens_transferred_total"]
+        computed = delta["pdserve:prompt_tokens_computed_total"]
+        assert pulled + computed == len(ids)
+        if k == 1:
+            assert pulled == 0
+        else:
+            # D holds the previous prompt and answer; at least the previous prompt's full
+            # blocks match, and P computes only the new tokens (plus < 1 block)
+            reusable = common_prefix(prev_prompt, ids) // B * B
+            assert reusable >= THRESHOLD
+            assert pulled >= reusable, f"turn {k}: pulled {pulled} < {reusable}"
+            assert computed < len(ids) - len(prev_prompt) + B, f"turn {k}"
+        assert delta["pdserve:nixl_num_failed_transfers"] == 0
+        messages.append({"role": "assistant", "content": answer})
+        prev_prompt = ids
+
+
+def test_rewritten_history_reuses_only_the_matching_prefix(cluster, tokenizer):
+    messages = [{"role": "system", "content": SYSTEM}, user_message(1)]
+    answers = []
+    for k in (1, 2):
+        answer, _ = turn(cluster, messages, "rewritten")
+        answers.append(answer)
+        messages += [{"role": "assistant", "content": answer}, user_message(k + 1)]
+    turn2_prompt = prompt_ids(tokenizer, messages[:4])
+    # the client rewrites the middle user message (turn 2's question) before turn 3
+    messages[3] = {"role": "user", "content": messages[3]["content"].replace("lighthouse", "mill")}
+    ids = prompt_ids(tokenizer, messages)
+    first_diff = common_prefix(turn2_prompt, ids)
+    assert 0 < first_diff < len(turn2_prompt)
+    answer, delta = turn(cluster, messages, "rewritten")
+    assert answer == single_answer(cluster, messages)
+    expected = first_diff // B * B  # every block up to the first changed one, none after it
+    if expected < THRESHOLD:
+        expected = 0
+    assert delta["pdserve:prompt_tokens_transferred_total"] == expected
+    assert delta["pdserve:prompt_tokens_computed_total"] == len(ids) - expected
+
+
+def test_short_history_below_threshold_is_recomputed(cluster, tokenizer):
+    messages = [{"role": "user", "content": "Hi there."}]
+    answer, _ = turn(cluster, messages, "short")
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    assert common_prefix(prompt_ids(tokenizer, messages[:1]),
+                         prompt_ids(tokenizer, messages)) < THRESHOLD
+    answer, delta = turn(cluster, messages, "short")
+    assert answer == single_answer(cluster, messages)
+    assert delta["pdserve:prompt_tokens_transferred_total"] == 0
+    assert delta["pdserve:prompt_tokens_computed_total"] == delta["pdserve:prompt_tokens_total"]
+
+
+def test_expired_decoder_blocks_are_recomputed(cluster, tokenizer):
+    messages = [{"role": "system", "content": SYSTEM}, user_message(40)]
+    expired0 = cluster["d"].metrics().get("pdserve:nixl_num_kv_expired_reqs", 0.0)
+    answer, _ = turn(cluster, messages, "expiring")
+    # wait until D's TTL freed the turn's blocks (and counted it)
+    cluster["d"].wait_metrics(
+        lambda m: m.get("pdserve:nixl_num_kv_expired_reqs", 0.0) > expired0, TTL_S + 20)
+    messages += [{"role": "assistant", "content": answer}, user_message(41)]
+    answer, delta = turn(cluster, messages, "expiring")
+    assert answer == single_answer(cluster, messages)
+    assert delta["pdserve:prompt_tokens_transferred_total"] == 0
+    assert delta["pdserve:prompt_tokens_computed_total"] == delta["pdserve:prompt_tokens_total"]
+
+
+def test_all_blocks_free_after_conversations_and_ttl(cluster):
+    # run last in this module: every conversation above is over
+    cluster["p"].wait_all_blocks_free(timeout_s=TTL_S + 20)
+    cluster["d"].wait_all_blocks_free(timeout_s=TTL_S + 20)
