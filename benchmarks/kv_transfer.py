@@ -6,7 +6,8 @@ them with the real connector path (side-channel handshake once, lease claim, one
 NIXL READ, "done" notification). For each prompt length the script reports:
 
 * ``load ms``: wall time from handing the load to D's worker until D reports it finished
-  (claim round trip + READ + polling), the latency a request sees;
+  (lease-claim round trip over the side channel + READ + polling every 0.2 ms), the latency a
+  request sees;
 * ``xfer ms`` / ``GB/s``: NIXL's own transfer time of the READ (telemetry) and the bandwidth
   ``bytes / xfer``;
 * ``descs``: descriptors after merging runs of consecutive blocks;
@@ -45,6 +46,7 @@ GEOMETRIES = {
     "llama-8b": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128},
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+POLL_INTERVAL_S = 0.0002  # reader's pause between connector polls
 
 
 def _free_port() -> int:
@@ -144,6 +146,9 @@ def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, 
                     stats = out.stats
                 if "r-" + req_id in out.finished_recving:
                     break
+                # like the engine loop, wait a little between polls: a busy loop would starve
+                # the side-channel thread of the GIL and inflate the claim round trip
+                time.sleep(POLL_INTERVAL_S)
             load_s = time.perf_counter() - t0
             if out.invalid_block_ids or not stats or not stats["xfer_time_s"]:
                 raise RuntimeError(f"transfer failed: {out}")

@@ -17,7 +17,7 @@ Examples::
 
     python benchmarks/pd_multi_turn.py                               # CPU, embedded SmolLM2
     python benchmarks/pd_multi_turn.py --model /path/llama8b-dummy --device cuda \\
-        --engine-args "--load-format dummy --max-model-len 16384" --spec long_histories.json
+        --engine-args="--load-format dummy --max-model-len 16384" --spec long_histories.json
 
 Raises:
     SystemExit: a deployment failed to start or the benchmark failed (its output is shown).

@@ -2,7 +2,8 @@
 
 Run as ``python nixl_peer.py ADDRESS AUTHKEY_HEX SPEC_JSON``; the process connects back to
 ADDRESS (a ``multiprocessing.connection.Listener`` in the test) and serves commands until
-``shutdown``. The KV cache is ``[num_blocks, L, 2, H, B, D]`` float32 on CPU, and block ``i``
+``shutdown``. The KV cache is ``[num_blocks, L, 2, H, B, D]`` float32 (on CPU unless
+``device`` says otherwise), and block ``i``
 initially holds ``i * 1000 + arange`` (or zeros with ``"zeros": true``), so a test can tell
 which remote block landed where.
 
@@ -55,11 +56,12 @@ def _serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
     )
     shape = (kv_spec.num_blocks, kv_spec.num_layers, 2, kv_spec.num_kv_heads,
              kv_spec.block_size, kv_spec.head_dim)
-    kv = torch.zeros(shape, dtype=torch.float32)
+    device = spec.get("device", "cpu")
+    kv = torch.zeros(shape, dtype=torch.float32, device=device)
     per_block = kv[0].numel()
     if not spec.get("zeros"):
         for i in range(kv_spec.num_blocks):
-            kv[i].view(-1).copy_(block_pattern(i, per_block))
+            kv[i].view(-1).copy_(block_pattern(i, per_block).to(device))
     worker.register_kv_cache(kv, kv_spec)
     conn.send({"ok": True, "engine_id": config.engine_id, "port": worker.side_channel_port,
                "num_blocks": kv_spec.num_blocks})
@@ -80,7 +82,7 @@ def _serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
                 "num_leases": len(worker.leases),
             })
         elif cmd == "blocks":
-            conn.send([kv[i].reshape(-1).numpy().copy() for i in arg])  # numpy: plain pickling
+            conn.send([kv[i].reshape(-1).cpu().numpy().copy() for i in arg])  # plain pickling
         elif cmd == "shutdown":
             worker.shutdown()
             conn.send(None)
@@ -95,13 +97,15 @@ class PeerProcess:
         port: its side-channel port.
         geometry: ``num_blocks, block_size, num_layers, num_kv_heads, head_dim`` (+ ``model``).
         zeros: start with an all-zero KV cache.
+        device: torch device of the KV cache (``"cpu"``, ``"cuda:1"``, ...).
     """
 
     def __init__(self, config: dict[str, Any], port: int, geometry: dict[str, Any],
-                 zeros: bool = False, timeout_s: float = 60.0):
+                 zeros: bool = False, timeout_s: float = 60.0, device: str = "cpu"):
         authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        spec = {"config": config, "port": port, "geometry": geometry, "zeros": zeros}
+        spec = {"config": config, "port": port, "geometry": geometry, "zeros": zeros,
+                "device": device}
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE), repr(self._listener.address), authkey.hex(),
              json.dumps(spec)],

@@ -227,3 +227,32 @@ def test_missing_backend_is_a_clear_startup_error():
         assert "NO_SUCH_BACKEND" in bad.hello["error"]
     finally:
         bad.kill()
+
+
+@pytest.mark.gpu
+def test_vram_read_between_processes_on_gpus():
+    """KV caches registered as VRAM (P on GPU 0, D on GPU 1 when there are two)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    d_dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    p = PeerProcess(make_config("kv_producer"), free_port(), GEOMETRY, device="cuda:0")
+    d = None
+    try:
+        assert p.hello.get("ok"), p.hello
+        d = PeerProcess(make_config("kv_consumer"), free_port(), GEOMETRY, zeros=True,
+                        device=d_dev)
+        assert d.hello.get("ok"), d.hello
+        remote_ids, local_ids = [2, 3, 4, 5, 30], [7, 8, 9, 10, 1]
+        lease(p, "gpu-1", remote_ids)
+        d.bind(recv_meta("d-gpu-1", ref_to(p, "gpu-1", remote_ids), local_ids, remote_ids))
+        acc = d.step_until(lambda a: "d-gpu-1" in a["finished_recving"])
+        assert not acc["invalid_block_ids"]
+        got = d.blocks(local_ids)
+        for rid, block in zip(remote_ids, got):
+            assert torch.equal(block, block_pattern(rid, block.numel()))
+        assert [s for s in acc["stats"] if s["xfer_time_s"]][-1]["num_descriptors"] == [2]
+        p.step_until(lambda a: "gpu-1" in a["finished_sending"], timeout_s=10)
+    finally:
+        if d is not None:
+            d.shutdown()
+        p.shutdown()

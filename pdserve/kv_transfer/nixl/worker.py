@@ -132,7 +132,6 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._heartbeats: dict[str, _Heartbeat] = {}
         self._pending_notices: list[RemoteNotice] = []
         self._bg_notices: list[cf.Future] = []
-        self._metadata: NixlConnectorMetadata | None = None
         self._out = KVConnectorOutput()
         # "engine_id|host|port" -> clock offset, measured since the last report to the scheduler
         self._new_clock_offsets: dict[str, float] = {}
@@ -227,7 +226,6 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 self._out.finished_recving.add(req_id)
             else:
                 load.aborted = True
-        self._metadata = metadata
 
     def start_load_kv(self) -> None:
         """Advance handshakes and claims and post the READs that are ready (never blocks)."""
@@ -256,7 +254,6 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                              remote_clock_offsets=self._new_clock_offsets)
             self._new_clock_offsets = {}
         self.stats.maybe_log()
-        self._metadata = None
         return out
 
     def has_pending_work(self) -> bool:

@@ -1,0 +1,54 @@
+"""``pdserve serve`` refuses unusable KV transfer settings at start-up with a clear message and a
+non-zero exit code (no server left running)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def serve(model: str, kv_args: list[str], side_channel_port: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PDSERVE_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+               PDSERVE_NIXL_SIDE_CHANNEL_PORT=str(side_channel_port))
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", model, "--port", "0",
+         "--num-gpu-blocks-override", "64", *kv_args],
+        env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_bad_config_exits_before_loading_anything(tiny_llama_path, busy_port):
+    r = serve(tiny_llama_path, ["--kv-transfer-config.kv_role", "kv_prefill"], busy_port)
+    assert r.returncode != 0
+    assert "unknown kv_role 'kv_prefill'" in r.stderr
+
+
+def test_side_channel_port_in_use(tiny_llama_path, busy_port):
+    r = serve(tiny_llama_path, ["--kv-transfer-config", '{"kv_role":"kv_producer"}'], busy_port)
+    assert r.returncode != 0
+    assert f"127.0.0.1:{busy_port}" in r.stderr and "already in use" in r.stderr
+
+
+def test_missing_nixl_backend(tiny_llama_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    r = serve(tiny_llama_path, ["--kv-transfer-config.kv_role", "kv_consumer",
+                                "--kv-transfer-config.kv_connector_extra_config.backends+",
+                                "NO_SUCH_BACKEND"], free)
+    assert r.returncode != 0
+    assert "NO_SUCH_BACKEND" in r.stderr and "not available" in r.stderr
