@@ -229,6 +229,9 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Re
         _sync(args.device)
         seconds = time.perf_counter() - t0
         stats.report(seconds)
+        attn = getattr(engine.core.runner.model, "attn", None)
+        print(f"[pdserve] prefill attention: {getattr(attn, 'last_prefill_impl', '?')}",
+              flush=True)
     finally:
         engine.shutdown()
         del engine

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import time
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.entrypoints.errors import OpenAIError
 from pdserve.entrypoints.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -18,20 +15,16 @@ from pdserve.entrypoints.protocol import (
     CompletionResponse,
 )
 from pdserve.entrypoints.serving import (
-    OK_FINISH_REASONS,
     ChoiceState,
     EngineJob,
     OpenAIServing,
     cancel_on_disconnect,
-    failed_request_error,
     first_kv_transfer_params,
     new_request_id,
     usage_of,
 )
-from pdserve.entrypoints.sse import DONE, EventStreamResponse, sse_event
+from pdserve.entrypoints.sse import EventStreamResponse
 from pdserve.entrypoints.tokens import TokenText
-
-logger = logging.getLogger(__name__)
 
 
 def completion_logprobs(tokens: TokenText, entries: list[Any], num: int,
@@ -98,59 +91,23 @@ class CompletionsHandler:
             kv_transfer_params=first_kv_transfer_params(states),
         )
 
-    async def _stream(self, req: CompletionRequest, response_id: str, jobs: list[EngineJob],
-                      prompt_indices: list[int], arrival: float) -> AsyncIterator[str]:
-        created = int(time.time())
-        model = self.serving.model_name
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        states = {j.index: ChoiceState(j.index, prompt_indices[k]) for k, j in enumerate(jobs)}
+    def _stream(self, req: CompletionRequest, response_id: str, jobs: list[EngineJob],
+                prompt_indices: list[int], arrival: float) -> AsyncIterator[str]:
         text_offsets = {j.index: 0 for j in jobs}
-        remaining = len(jobs)
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            body: dict[str, Any] = {"id": response_id, "object": "text_completion",
-                                    "created": created, "model": model, "choices": choices}
-            if include_usage:
-                body["usage"] = None
-            body.update(extra)
-            return sse_event(body)
+        def choice_of(index: int, out: Any, finish_reason: str | None) -> dict[str, Any]:
+            logprobs = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(self.tokens, out.new_logprobs or [], req.logprobs,
+                                         text_offsets[index])
+                text_offsets[index] += sum(len(t) for t in lp.tokens)
+                logprobs = lp.model_dump()
+            return {"index": index, "text": out.new_text or "", "logprobs": logprobs,
+                    "finish_reason": finish_reason}
 
-        try:
-            runner = self.serving.run(jobs, arrival)
-            async with contextlib.aclosing(runner):
-                async for index, out in runner:
-                    st = states[index]
-                    st.update(out)
-                    if out.finished and st.finish_reason not in OK_FINISH_REASONS:
-                        yield sse_event(failed_request_error(st).body())
-                        yield DONE
-                        return
-                    if not (out.new_text or out.new_logprobs or out.finished):
-                        continue
-                    logprobs = None
-                    if req.logprobs is not None:
-                        lp = completion_logprobs(self.tokens, out.new_logprobs or [], req.logprobs,
-                                                 text_offsets[index])
-                        text_offsets[index] += sum(len(t) for t in lp.tokens)
-                        logprobs = lp.model_dump()
-                    extra: dict[str, Any] = {}
-                    if out.finished:
-                        remaining -= 1
-                        if remaining == 0 and not include_usage:
-                            extra["kv_transfer_params"] = first_kv_transfer_params(
-                                list(states.values()))
-                    yield chunk([{"index": index, "text": out.new_text or "", "logprobs": logprobs,
-                                  "finish_reason": st.finish_reason if out.finished else None}],
-                                **extra)
-            if include_usage:
-                all_states = [states[i] for i in sorted(states)]
-                yield chunk([], usage=usage_of(all_states).model_dump(),
-                            kv_transfer_params=first_kv_transfer_params(all_states))
-            yield DONE
-        except OpenAIError as e:
-            yield sse_event(e.body())
-            yield DONE
-        except Exception as e:  # noqa: BLE001 - the stream has started; report in-band
-            logger.exception("error while streaming %s", response_id)
-            yield sse_event(OpenAIError(f"Internal server error: {e}", 500).body())
-            yield DONE
+        return self.serving.stream(
+            jobs, arrival, response_id=response_id, object_name="text_completion",
+            prompt_indices=prompt_indices,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            choice_of=choice_of,
+        )

@@ -16,7 +16,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from fastapi import Request
 
@@ -28,6 +28,7 @@ from pdserve.entrypoints.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from pdserve.entrypoints.sse import DONE, sse_event
 from pdserve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -441,6 +442,71 @@ class OpenAIServing:
                 if out.finished and st.finish_reason not in OK_FINISH_REASONS:
                     raise failed_request_error(st)
         return [states[i] for i in sorted(states)]
+
+    async def stream(self, jobs: list[EngineJob], arrival: float, *, response_id: str,
+                     object_name: str, prompt_indices: list[int], include_usage: bool,
+                     choice_of: Callable[[int, Any, str | None], dict[str, Any]],
+                     opening_choices: Sequence[dict[str, Any]] = ()) -> AsyncIterator[str]:
+        """The SSE events of a streamed completions / chat response, ending with ``[DONE]``.
+
+        Each chunk is ``{"id", "object": object_name, "created", "model", "choices"}``, plus
+        ``"usage": null`` when ``include_usage``. First one chunk per ``opening_choices`` entry,
+        then one chunk per engine output that carries text, logprobs or the finish, whose single
+        choice is ``choice_of(index, output, finish_reason or None)``. The chunk that finishes the
+        last choice carries ``kv_transfer_params`` unless ``include_usage``, in which case a final
+        chunk with no choices carries ``usage`` and ``kv_transfer_params``.
+
+        A choice that finishes with ``error``/``abort``, an :class:`OpenAIError`, or any other
+        exception is reported in-band as an OpenAI error event followed by ``[DONE]`` (the HTTP
+        status has already been sent).
+        """
+        created = int(time.time())
+        states = {j.index: ChoiceState(j.index, prompt_indices[k]) for k, j in enumerate(jobs)}
+        remaining = len(jobs)
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body: dict[str, Any] = {"id": response_id, "object": object_name,
+                                    "created": created, "model": self.model_name,
+                                    "choices": choices}
+            if include_usage:
+                body["usage"] = None
+            body.update(extra)
+            return sse_event(body)
+
+        try:
+            for choice in opening_choices:
+                yield chunk([choice])
+            runner = self.run(jobs, arrival)
+            async with contextlib.aclosing(runner):
+                async for index, out in runner:
+                    st = states[index]
+                    st.update(out)
+                    if out.finished and st.finish_reason not in OK_FINISH_REASONS:
+                        yield sse_event(failed_request_error(st).body())
+                        yield DONE
+                        return
+                    if not (out.new_text or out.new_logprobs or out.finished):
+                        continue
+                    extra: dict[str, Any] = {}
+                    if out.finished:
+                        remaining -= 1
+                        if remaining == 0 and not include_usage:
+                            extra["kv_transfer_params"] = first_kv_transfer_params(
+                                list(states.values()))
+                    yield chunk([choice_of(index, out,
+                                           st.finish_reason if out.finished else None)], **extra)
+            if include_usage:
+                all_states = [states[i] for i in sorted(states)]
+                yield chunk([], usage=usage_of(all_states).model_dump(),
+                            kv_transfer_params=first_kv_transfer_params(all_states))
+            yield DONE
+        except OpenAIError as e:
+            yield sse_event(e.body())
+            yield DONE
+        except Exception as e:  # noqa: BLE001 - the stream has started; report in-band
+            logger.exception("error while streaming %s", response_id)
+            yield sse_event(OpenAIError(f"Internal server error: {e}", 500).body())
+            yield DONE
 
 
 def new_request_id(prefix: str) -> str:

@@ -6,26 +6,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import httpx
 
-STARTUP_TIMEOUT_S = 300
+from servers import EngineServer, free_port, nixl_config, start_all
+
+__all__ = ["Server", "decode_leg", "free_port", "generate", "nixl_config", "prefill_leg",
+           "start_all"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One ``pdserve serve`` process (an API server plus its engine core).
+class Server(EngineServer):
+    """One ``pdserve serve`` process (an API server plus its engine core), with an HTTP
+    ``client`` on its URL.
 
     Args:
         model: model directory.
@@ -36,53 +31,8 @@ class Server:
 
     def __init__(self, model: str, log_path: Path, kv_config: dict | None = None,
                  args: list[str] | None = None):
-        self.port = free_port()
-        self.side_channel_port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", model, "--port", str(self.port),
-               *(args or [])]
-        if kv_config is not None:
-            cmd += ["--kv-transfer-config", json.dumps(kv_config)]
-        env = dict(os.environ, PDSERVE_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-                   PDSERVE_NIXL_SIDE_CHANNEL_PORT=str(self.side_channel_port),
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL)
+        super().__init__(model, log_path, kv_config, args)
         self.client = httpx.Client(base_url=self.url, timeout=120)
-
-    def wait_ready(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if self.client.get("/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"server not ready in time:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def metrics(self) -> dict[str, float]:
-        """``/metrics`` as name -> value (label sets summed)."""
-        values: dict[str, float] = {}
-        for line in self.client.get("/metrics").text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name_part, _, value = line.rpartition(" ")
-            name = name_part.split("{", 1)[0]
-            try:
-                values[name] = values.get(name, 0.0) + float(value)
-            except ValueError:
-                continue
-        return values
 
     def wait_metrics(self, predicate: Callable[[dict[str, float]], bool],
                      timeout_s: float = 20.0) -> dict[str, float]:
@@ -104,15 +54,8 @@ class Server:
         )
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        super().stop()
         self.client.close()
-        self._log.close()
 
     def kill(self) -> None:
         """SIGKILL the API server and its engine core (the whole instance dies at once)."""
@@ -154,22 +97,6 @@ def _children(pid: int) -> list[int]:
         if ppid == pid:
             out.append(int(entry))
     return out
-
-
-def start_all(servers: list[Server]) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    for s in servers:
-        s.wait_ready(deadline)
-
-
-def nixl_config(role: str, **extra: Any) -> dict:
-    cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
-    policy = extra.pop("kv_load_failure_policy", None)
-    if policy:
-        cfg["kv_load_failure_policy"] = policy
-    if extra:
-        cfg["kv_connector_extra_config"] = extra
-    return cfg
 
 
 # ---------------------------------------------------------------------------------- requests

@@ -10,16 +10,13 @@ pulls at least every full block of the previous prompt and computes the rest.
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from pd_servers import Server, nixl_config, start_all
+from servers import ProxyServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -33,39 +30,22 @@ SYSTEM = ("You are a careful assistant. Answer every question about the history 
           "harbour town, its ships, its lighthouse keepers and its fishing families in detail.")
 
 
-class Proxy:
-    """``pdserve proxy --multi-turn --port 0`` in front of one P and one D."""
+class Proxy(ProxyServer):
+    """``pdserve proxy --multi-turn --port 0`` in front of one P and one D, with an HTTP
+    ``client`` on its URL once :meth:`wait_ready` returned."""
 
     def __init__(self, p: Server, d: Server, log_path: Path):
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "proxy", "--port", "0", "--multi-turn",
-             "--prefiller-ports", str(p.port), "--decoder-ports", str(d.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(log_path.read_text(errors="replace"))
-            m = re.search(r"listening on (\S+)", log_path.read_text(errors="replace"))
-            if m:
-                self.url = m.group(1)
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(log_path.read_text(errors="replace"))
-            time.sleep(0.1)
+        super().__init__([p], [d], log_path, ["--multi-turn"])
+        self.client: httpx.Client | None = None
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        super().wait_ready(timeout)
         self.client = httpx.Client(base_url=self.url, timeout=300)
 
     def stop(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+        if self.client is not None:
+            self.client.close()
+        super().stop()
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +63,7 @@ def cluster(tiny_llama_path, tmp_path_factory):
                               COMMON)
         start_all(list(servers.values()))
         proxy = Proxy(servers["p"], servers["d"], logs / "proxy.log")
+        proxy.wait_ready()
         yield {"model": tiny_llama_path, "proxy": proxy, **servers}
     finally:
         if proxy is not None:

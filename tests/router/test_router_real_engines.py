@@ -4,12 +4,10 @@ same greedy output as from a single instance, streaming and not, and every insta
 
 from __future__ import annotations
 
-import time
-
 import openai
 import pytest
 
-from .real_servers import STARTUP_TIMEOUT_S, EngineServer, ProxyServer
+from servers import EngineServer, ProxyServer, nixl_config, start_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -31,10 +29,9 @@ def cluster(tiny_llama_path, tmp_path_factory):
     proxy = None
     try:
         for name, role in roles.items():
-            servers[name] = EngineServer(tiny_llama_path, logs / f"{name}.log", role, COMMON)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for s in servers.values():
-            s.wait_ready(deadline)
+            servers[name] = EngineServer(tiny_llama_path, logs / f"{name}.log",
+                                         None if role is None else nixl_config(role), COMMON)
+        start_all(list(servers.values()))
         proxy = ProxyServer([servers["p0"], servers["p1"]], [servers["d0"], servers["d1"]],
                             logs / "proxy.log")
         proxy.wait_ready()

@@ -1,4 +1,10 @@
-"""Real ``pdserve serve`` and ``pdserve proxy`` subprocesses for end-to-end proxy tests."""
+"""Real ``pdserve serve`` and ``pdserve proxy`` subprocesses for end-to-end tests.
+
+Each process gets free localhost ports, logs stdout+stderr to a file, is polled until ready (an
+engine's ``/health`` answers 200; a proxy prints ``listening on URL``) and is stopped by
+:meth:`Process.stop` (SIGTERM, then SIGKILL after 30 s). Callers stop every process they start,
+in a ``finally``.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +16,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+#: Seconds an engine instance may take to load the model and answer ``/health``.
 STARTUP_TIMEOUT_S = 300.0
 
 
@@ -23,8 +31,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def nixl_config(role: str, **extra: Any) -> dict:
+    """A ``--kv-transfer-config`` dict for the NIXL connector in ``role`` (``kv_producer`` /
+    ``kv_consumer``); ``kv_load_failure_policy`` goes at the top level, any other keyword into
+    ``kv_connector_extra_config``."""
+    cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
+    policy = extra.pop("kv_load_failure_policy", None)
+    if policy:
+        cfg["kv_load_failure_policy"] = policy
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
+    return cfg
+
+
 class Process:
-    """A child process whose stdout+stderr go to ``log_path``; stopped by :meth:`stop`."""
+    """A child process whose stdout+stderr go to ``log_path``; stopped by :meth:`stop`.
+
+    Args:
+        cmd: the command line.
+        log_path: file receiving the process's output.
+        env: variables added to this process's environment.
+    """
 
     def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.log_path = log_path
@@ -33,17 +60,20 @@ class Process:
                                      stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
 
     def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of the log ("" when it cannot be read)."""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
 
     def check_alive(self) -> None:
+        """Raises RuntimeError (with the log tail) when the process has exited."""
         if self.proc.poll() is not None:
             raise RuntimeError(f"{self.log_path.name} exited with {self.proc.returncode}:\n"
                                f"{self.log_tail()}")
 
     def stop(self) -> None:
+        """SIGTERM; SIGKILL if still running after 30 s; closes the log."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -55,20 +85,36 @@ class Process:
 
 
 class EngineServer(Process):
-    """``pdserve serve MODEL`` on a free port, with its own NIXL side-channel port."""
+    """``pdserve serve MODEL`` on a free port, with its own NIXL side-channel port.
 
-    def __init__(self, model: str, log_path: Path, kv_role: str | None, args: list[str]):
+    Args:
+        model: model directory.
+        log_path: file receiving the process's output.
+        kv_config: ``--kv-transfer-config`` dict (e.g. :func:`nixl_config`), or None for a plain
+            instance.
+        args: extra CLI arguments.
+    """
+
+    def __init__(self, model: str, log_path: Path, kv_config: dict | None = None,
+                 args: list[str] | None = None):
         self.port = free_port()
+        self.side_channel_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", model, "--port", str(self.port), *args]
-        if kv_role is not None:
-            cmd += ["--kv-transfer-config",
-                    json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role})]
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", model, "--port", str(self.port),
+               *(args or [])]
+        if kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_config)]
         super().__init__(cmd, log_path, {"PDSERVE_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                                         "PDSERVE_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                                         "PDSERVE_NIXL_SIDE_CHANNEL_PORT":
+                                             str(self.side_channel_port),
                                          "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
     def wait_ready(self, deadline: float) -> None:
+        """Polls ``/health`` until 200, until ``time.monotonic()`` passes ``deadline``.
+
+        Raises:
+            RuntimeError: the process exited. TimeoutError: not ready by ``deadline``.
+        """
         while time.monotonic() < deadline:
             self.check_alive()
             try:
@@ -93,8 +139,21 @@ class EngineServer(Process):
         return values
 
 
+def start_all(servers: list[EngineServer], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Waits until every server is ready, all within one ``timeout_s`` deadline."""
+    deadline = time.monotonic() + timeout_s
+    for s in servers:
+        s.wait_ready(deadline)
+
+
 class ProxyServer(Process):
-    """``pdserve proxy --port 0`` in front of the given instances; ``url`` once it listens."""
+    """``pdserve proxy --port 0`` in front of the given instances; ``url`` once it listens.
+
+    Args:
+        prefillers, decoders: the instances (on this host).
+        log_path: file receiving the proxy's output.
+        extra: extra CLI arguments (e.g. ``["--multi-turn"]``).
+    """
 
     def __init__(self, prefillers: list[EngineServer], decoders: list[EngineServer], log_path: Path,
                  extra: list[str] | None = None):
@@ -105,6 +164,11 @@ class ProxyServer(Process):
         self.url = ""
 
     def wait_ready(self, timeout: float = 60.0) -> None:
+        """Waits for the ``listening on URL`` line and sets ``url``.
+
+        Raises:
+            RuntimeError: the process exited. TimeoutError: no such line within ``timeout`` s.
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
