@@ -717,9 +717,12 @@ class Launcher:
                 rc = 0 if self.stop_signal is not None and self.dead_child() is None else 1
                 self.write_status("failed" if rc else "stopping")
                 return rc
-            self.write_status("ready", ready_after_s=round(time.monotonic() - self.started_at, 2))
+            ready_after_s = round(time.monotonic() - self.started_at, 2)
             if on_ready is not None:
                 on_ready(self)
+            # Written after the banner, so a reader that sees "ready" also finds the endpoint
+            # lines in the output.
+            self.write_status("ready", ready_after_s=ready_after_s)
             rc = self.supervise()
             self.write_status("stopping")
             return rc
@@ -754,7 +757,8 @@ def usage_banner(endpoint: str, model: str, api_key: str | None = None) -> str:
     """The ready-to-paste ``curl`` and ``openai`` examples for a running deployment."""
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     body = json.dumps({"model": model, "messages": [
-        {"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
+        {"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
+        "temperature": 0})
     key = api_key or "EMPTY"
     return f"""\
 Try it:
@@ -769,6 +773,7 @@ Try it:
       model="{model}",
       messages=[{{"role": "user", "content": "What is the capital of France?"}}],
       max_tokens=32,
+      temperature=0,  # greedy: the small default model rambles when sampled
   )
   print(reply.choices[0].message.content)
   EOF

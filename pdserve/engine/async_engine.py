@@ -40,6 +40,7 @@ from pdserve.engine.messages import (
 )
 from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.factory import validate_kv_transfer_params
 
 logger = logging.getLogger(__name__)
 
@@ -370,12 +371,17 @@ class AsyncEngine:
         request and frees its blocks.
 
         Raises:
-            ValueError: invalid input (duplicate id, empty or too long prompt, bad parameters).
+            ValueError: invalid input (duplicate id, empty or too long prompt, bad parameters,
+                ``kv_transfer_params`` of a KV transfer that lack or mistype a field).
             EngineDeadError: the core died before or while the request ran.
         """
         await self.check_health()
         prompt_token_ids = list(prompt_token_ids)
         self._validate(request_id, prompt_token_ids, sampling_params)
+        if self.config.kv_transfer_config is not None:
+            # malformed params of a transfer this instance would perform are a client error,
+            # not a failed KV load (without a connector the params are ignored)
+            validate_kv_transfer_params(self.config.kv_transfer_config, kv_transfer_params)
         st = _RequestState(self.tokenizer, prompt_token_ids, sampling_params)
         self._requests[request_id] = st
         try:

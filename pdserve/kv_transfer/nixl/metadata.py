@@ -111,6 +111,53 @@ class RemoteKVRef:
         )
 
 
+#: The remote fields a previous turn's decoder returns (and P reads for a bidirectional pull).
+REMOTE_REF_FIELDS = (
+    "remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
+)
+
+
+def validate_transfer_params(params: Any, bidirectional: bool) -> None:
+    """Reject ``kv_transfer_params`` that ask this instance for a KV load it cannot parse.
+
+    Checks exactly what the scheduler side would later parse with
+    :meth:`RemoteKVRef.from_params`, so a client mistake is reported up front instead of as a
+    failed KV load:
+
+    * ``do_remote_prefill`` / ``do_remote_decode``, when given and not null, must be booleans;
+    * ``do_remote_prefill: true`` (decoder leg): all remote fields must be valid;
+    * ``do_remote_decode: true`` with any of :data:`REMOTE_REF_FIELDS` not null, on an instance
+      with ``bidirectional_kv_xfer`` (P pulling a previous turn's KV from D): all remote fields
+      must be valid. The stateless prefill leg, whose remote fields are null, stays valid.
+
+    Unknown extra fields are accepted. Params that are not a dict are left to the caller.
+
+    Args:
+        params: the request's ``kv_transfer_params``.
+        bidirectional: this instance's ``bidirectional_kv_xfer``.
+
+    Raises:
+        KVTransferParamsError: a flag is not a boolean, or a remote field the requested transfer
+            needs is missing or has the wrong type / range (the message names the field).
+    """
+    if not isinstance(params, dict):
+        return
+    for flag in ("do_remote_prefill", "do_remote_decode"):
+        value = params.get(flag)
+        if value is not None and not isinstance(value, bool):
+            raise KVTransferParamsError(
+                f"kv_transfer_params.{flag} must be true or false, got {type(value).__name__}"
+            )
+    if params.get("do_remote_prefill"):
+        RemoteKVRef.from_params(params)
+    elif (
+        bidirectional
+        and params.get("do_remote_decode")
+        and any(params.get(k) is not None for k in REMOTE_REF_FIELDS)
+    ):
+        RemoteKVRef.from_params(params)
+
+
 @dataclass
 class RecvSpec:
     """One asynchronous KV load: read ``remote_block_ids[i]`` into ``local_block_ids[i]``.
