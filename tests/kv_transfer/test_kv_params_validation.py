@@ -1,0 +1,190 @@
+"""Front-end validation of ``kv_transfer_params``: a transfer this instance would perform with a
+missing or mistyped field is a client error (ValueError -> HTTP 400 naming the field), while the
+valid shapes of every P/D leg and unknown extra fields are accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.factory import validate_kv_transfer_params
+from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError
+from pdserve.router.bodies import PREFILL_KV_PARAMS
+
+CONSUMER = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
+PRODUCER = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
+PRODUCER_BIDI = KVTransferConfig.from_dict({
+    "kv_connector": "NixlConnector", "kv_role": "kv_producer",
+    "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
+})
+
+
+def p_returned_params() -> dict:
+    """What P returns for the D leg (the shape the NIXL scheduler side builds)."""
+    return {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-engine",
+        "remote_block_ids": [3, 4, 5], "remote_host": "127.0.0.1", "remote_port": 5600,
+        "remote_request_id": "cmpl-1", "tp_size": 1,
+    }
+
+
+def d_returned_params() -> dict:
+    """What a bidirectional D returns at the end of a turn (sent back to P by the router)."""
+    return {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "d-engine",
+        "remote_block_ids": [7, 8], "remote_num_tokens": 20,
+        "remote_block_hashes": ["00000000000000ff", "0000000000000a0b"],
+        "remote_blocks_expiry_time": 1_700_000_000.5, "remote_host": "127.0.0.1",
+        "remote_port": 5601, "remote_request_id": "d-req", "tp_size": 1,
+    }
+
+
+# ------------------------------------------------------------------------------ valid shapes
+@pytest.mark.parametrize("config", [CONSUMER, PRODUCER, PRODUCER_BIDI])
+@pytest.mark.parametrize("params", [
+    None,
+    {},
+    dict(PREFILL_KV_PARAMS),  # the router's stateless P leg: remote fields are null
+    {"do_remote_decode": True, "do_remote_prefill": False},
+    p_returned_params(),
+    dict(p_returned_params(), unknown_extra=[1, {"a": 2}], remote_num_tokens=None),
+    {"unknown_extra": "x", "remote_engine_id": 5},  # asks for no transfer: nothing to check
+], ids=["none", "empty", "router-p-leg", "plain-p-leg", "d-leg", "d-leg-extra", "no-transfer"])
+def test_valid_params_are_accepted(config, params):
+    validate_kv_transfer_params(config, params)
+
+
+def test_p_leg_with_decoder_fields_is_accepted():
+    params = dict(PREFILL_KV_PARAMS)
+    params.update(d_returned_params())
+    params["another_unknown_field"] = {"nested": True}
+    validate_kv_transfer_params(PRODUCER_BIDI, params)
+
+
+def test_decoder_fields_are_not_checked_without_bidirectional():
+    # this P never pulls, so it ignores D's fields however they look
+    params = dict(d_returned_params(), remote_port="x", remote_request_id=None)
+    validate_kv_transfer_params(PRODUCER, params)
+
+
+# ------------------------------------------------------------------------- decoder leg (D)
+REQUIRED = ["remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
+            "remote_request_id"]
+
+
+@pytest.mark.parametrize("field", REQUIRED)
+@pytest.mark.parametrize("how", ["missing", "null"])
+def test_d_leg_missing_field_names_it(field, how):
+    params = p_returned_params()
+    if how == "missing":
+        del params[field]
+    else:
+        params[field] = None
+    with pytest.raises(ValueError, match=field):
+        validate_kv_transfer_params(CONSUMER, params)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("remote_engine_id", 5),
+    ("remote_host", ["127.0.0.1"]),
+    ("remote_port", "x"),
+    ("remote_port", True),
+    ("remote_port", 5600.0),
+    ("remote_port", 0),
+    ("remote_port", 65536),
+    ("remote_request_id", 17),
+    ("remote_block_ids", "3,4,5"),
+    ("remote_block_ids", [3, -1]),
+    ("remote_block_ids", [3, "4"]),
+    ("remote_block_ids", [3, 4.0]),
+    ("remote_num_tokens", "20"),
+    ("remote_block_hashes", "ff"),
+    ("remote_blocks_expiry_time", "soon"),
+])
+def test_d_leg_wrong_type_names_it(field, value):
+    params = dict(p_returned_params(), **{field: value})
+    with pytest.raises(KVTransferParamsError, match=field):
+        validate_kv_transfer_params(CONSUMER, params)
+
+
+def test_user_reported_request_is_rejected():
+    params = {"do_remote_prefill": True, "remote_block_ids": [999999], "remote_engine_id": "x",
+              "remote_host": "127.0.0.1", "remote_port": 1}
+    with pytest.raises(ValueError, match="remote_request_id"):
+        validate_kv_transfer_params(CONSUMER, params)
+
+
+@pytest.mark.parametrize("flag", ["do_remote_prefill", "do_remote_decode"])
+@pytest.mark.parametrize("value", ["true", 1, "false"])
+def test_non_boolean_flags_are_rejected(flag, value):
+    with pytest.raises(KVTransferParamsError, match=flag):
+        validate_kv_transfer_params(CONSUMER, {flag: value})
+
+
+# ----------------------------------------------------------- bidirectional pull on P (P leg)
+@pytest.mark.parametrize("field", REQUIRED)
+def test_p_leg_partial_decoder_fields_name_the_missing_one(field):
+    params = dict(PREFILL_KV_PARAMS)
+    params.update(d_returned_params())
+    params[field] = None
+    with pytest.raises(ValueError, match=field):
+        validate_kv_transfer_params(PRODUCER_BIDI, params)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("remote_engine_id", 5), ("remote_port", "x"), ("remote_block_ids", [-2]),
+    ("remote_block_hashes", ["not-hex"]), ("remote_blocks_expiry_time", "later"),
+])
+def test_p_leg_mistyped_decoder_field_names_it(field, value):
+    params = dict(d_returned_params(), **{field: value})
+    with pytest.raises(ValueError, match=field):
+        validate_kv_transfer_params(PRODUCER_BIDI, params)
+
+
+# ------------------------------------------------------------------- through a real server
+@pytest.fixture(scope="module")
+def decoder(tiny_llama_path, tmp_path_factory):
+    from pd_servers import Server, nixl_config, start_all
+
+    server = Server(tiny_llama_path, tmp_path_factory.mktemp("kv-params") / "d.log",
+                    nixl_config("kv_consumer"),
+                    ["--block-size", "16", "--num-gpu-blocks-override", "64",
+                     "--max-model-len", "256"])
+    try:
+        start_all([server])
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("bad,field", [
+    ({}, "remote_request_id"),  # the user-reported request
+    ({"remote_request_id": "r", "remote_engine_id": 5}, "remote_engine_id"),
+    ({"remote_request_id": "r", "remote_port": "x"}, "remote_port"),
+])
+def test_server_answers_400_naming_the_field(decoder, endpoint, stream, bad, field):
+    params = {"do_remote_prefill": True, "remote_block_ids": [999999], "remote_engine_id": "x",
+              "remote_host": "127.0.0.1", "remote_port": 1, **bad}
+    body = {"model": decoder_model(decoder), "max_tokens": 4, "stream": stream,
+            "kv_transfer_params": params}
+    if endpoint == "completions":
+        body["prompt"] = "hello there"
+    else:
+        body["messages"] = [{"role": "user", "content": "hello there"}]
+    r = decoder.client.post(f"/v1/{endpoint}", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert field in err["message"] and err["type"] == "BadRequestError", err
+    # nothing reached the core: no failed KV load, and a valid request still works
+    assert decoder.metrics().get("pdserve:nixl_num_failed_transfers", 0.0) == 0.0
+    ok = decoder.client.post(f"/v1/{endpoint}", json=dict(
+        body, stream=False, kv_transfer_params={"unknown_extra": {"a": [1]}}))
+    assert ok.status_code == 200, ok.text
+
+
+def decoder_model(server) -> str:
+    return server.client.get("/v1/models").json()["data"][0]["id"]
