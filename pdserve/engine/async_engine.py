@@ -357,6 +357,18 @@ class AsyncEngine:
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
 
+    def check_kv_transfer_params(self, kv_transfer_params: dict[str, Any] | None) -> None:
+        """Reject ``kv_transfer_params`` of a KV transfer this instance would perform that lack
+        or mistype a field, so a client mistake is a 400 instead of a failed KV load. Without a
+        connector the params are ignored; unknown extra fields are accepted. ``generate`` calls
+        it; the server may call it earlier (before a streamed response's status is sent).
+
+        Raises:
+            ValueError: the message names the missing or mistyped field.
+        """
+        if self.config.kv_transfer_config is not None:
+            validate_kv_transfer_params(self.config.kv_transfer_config, kv_transfer_params)
+
     async def generate(
         self,
         request_id: str,
@@ -378,10 +390,7 @@ class AsyncEngine:
         await self.check_health()
         prompt_token_ids = list(prompt_token_ids)
         self._validate(request_id, prompt_token_ids, sampling_params)
-        if self.config.kv_transfer_config is not None:
-            # malformed params of a transfer this instance would perform are a client error,
-            # not a failed KV load (without a connector the params are ignored)
-            validate_kv_transfer_params(self.config.kv_transfer_config, kv_transfer_params)
+        self.check_kv_transfer_params(kv_transfer_params)
         st = _RequestState(self.tokenizer, prompt_token_ids, sampling_params)
         self._requests[request_id] = st
         try:

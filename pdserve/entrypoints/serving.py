@@ -347,7 +347,16 @@ class OpenAIServing:
                   prompts: list[list[int]], requested_max_tokens: int | None,
                   logprobs: int | None, prompt_param: str) -> list[EngineJob]:
         """One job per (prompt, choice); engine ids are ``base_id`` for a single job, else
-        ``f"{base_id}-{index}"``."""
+        ``f"{base_id}-{index}"``.
+
+        Raises:
+            OpenAIError: 400 when ``kv_transfer_params`` is malformed for this instance's KV
+                connector (checked here so that streaming requests fail before the stream starts).
+        """
+        try:
+            self.engine.check_kv_transfer_params(req.kv_transfer_params)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="kv_transfer_params") from exc
         total = len(prompts) * req.n
         jobs = []
         for p, ids in enumerate(prompts):

@@ -163,6 +163,9 @@ class FakeEngine:
             return None
         return {"received": kv_in, "remote_engine_id": "fake-engine"}
 
+    def check_kv_transfer_params(self, params) -> None:
+        """No KV connector here: like the real engine without one, any params are accepted."""
+
     async def abort(self, request_id: str) -> None:
         ev = self._abort_events.get(request_id)
         if ev is not None:
