@@ -25,8 +25,9 @@ The kernels also run on CPU tensors under Triton's interpreter (``TRITON_INTERPR
 ``triton`` is imported), which is how the CPU test suite checks them; this is slow and meant for
 tests only.
 
-:class:`TritonAttentionBackend` packages the decode kernel and the KV write behind the interface of
-:class:`pdserve.model.attention.TorchAttentionBackend`, so the model can switch backends on CUDA.
+:class:`pdserve.model.attention.TritonAttentionBackend` puts the decode kernel and the KV write
+behind the interface of :class:`pdserve.model.attention.TorchAttentionBackend`, so the model can
+switch backends on CUDA.
 
 Import this module only where Triton is installed (the CUDA path of the model runner).
 """
@@ -41,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend
 
 _LOG2_E = 1.4426950408889634
 
@@ -705,62 +705,6 @@ def rotary_embedding(
         num_warps=4,
     )
     return x
-
-
-class TritonAttentionBackend(TorchAttentionBackend):
-    """Drop-in replacement for :class:`pdserve.model.attention.TorchAttentionBackend` on CUDA.
-
-    Same ``forward(layer, query, key, value, kv_cache, meta)``: K/V are written with
-    :func:`store_kv_cache` (negative slots skipped), decode tokens use
-    :func:`paged_decode_attention`, prefill spans keep the torch SDPA path of the parent class.
-
-    Args:
-        num_heads, num_kv_heads, head_dim, block_size, scale: as for the parent class.
-        cuda_graph_mode: True while the forward pass is captured in / replayed from a CUDA graph:
-            the split count then depends on the batch size only (``max_decode_seq_len`` of the
-            capture-time metadata would be stale).
-    """
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 scale: float, cuda_graph_mode: bool = False):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale)
-        self.cuda_graph_mode = cuda_graph_mode
-
-    def forward(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend.
-
-        Args:
-            layer: layer index into ``kv_cache``.
-            query: ``[T, num_heads, head_dim]`` (rotary embedding applied).
-            key, value: ``[T, num_kv_heads, head_dim]``.
-            kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``.
-            meta: the step's metadata (prefill tokens first, then one token per decode).
-
-        Returns:
-            ``[T, num_heads, head_dim]`` attention output.
-        """
-        store_kv_cache(key, value, kv_cache, layer, meta.slot_mapping)
-        out = torch.empty_like(query)
-        for span in meta.prefills:
-            sl = slice(span.query_start, span.query_start + span.query_len)
-            out[sl] = self._prefill(layer, query[sl], key[sl], value[sl], kv_cache, span)
-        if meta.num_decodes:
-            p = meta.num_prefill_tokens
-            assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-            paged_decode_attention(
-                query[p:], kv_cache, layer, meta.decode_block_tables, meta.decode_seq_lens,
-                self.scale, out=out[p:],
-                max_context_len=None if self.cuda_graph_mode else meta.max_decode_seq_len,
-            )
-        return out
 
 
 @triton.jit

@@ -483,7 +483,8 @@ def test_paged_decode_long_context_on_gpu():
 
 def test_triton_backend_matches_torch_backend_on_mixed_batch():
     """Prefill (fresh and with cached context) plus decodes through both backends."""
-    from pdserve.model.attention import TorchAttentionBackend, build_attention_metadata
+    from pdserve.model.attention import (
+        TorchAttentionBackend, TritonAttentionBackend, build_attention_metadata)
 
     gen = torch.Generator().manual_seed(7)
     hq, hkv, dim, bs = 4, 2, 64, 4
@@ -497,7 +498,7 @@ def test_triton_backend_matches_torch_backend_on_mixed_batch():
     v = torch.randn(t, hkv, dim, generator=gen).to(DEVICE)
     kv_ref, kv_tri = kv.clone(), kv.clone()
     ref = TorchAttentionBackend(hq, hkv, dim, bs, dim**-0.5).forward(1, q, k, v, kv_ref, meta)
-    got = ta.TritonAttentionBackend(hq, hkv, dim, bs, dim**-0.5).forward(1, q, k, v, kv_tri, meta)
+    got = TritonAttentionBackend(hq, hkv, dim, bs, dim**-0.5).forward(1, q, k, v, kv_tri, meta)
     assert torch.equal(kv_tri, kv_ref), "both backends must write the same KV"
     assert rel_err(got, ref) < 1e-5
 
