@@ -17,9 +17,13 @@ The decode-attention kernel follows the split-K ("flash-decoding") scheme of Dao
 Decoding for long-context inference* (2023): the context of each sequence is cut into
 ``num_splits`` pieces that run as separate programs, each keeping an online softmax (Milakov &
 Gimelshein, *Online normalizer calculation for softmax*, 2018), and a second kernel merges the
-pieces with their log-sum-exp weights. Unlike a fixed partition size, the piece length is derived
-inside the kernel from each sequence's context length, so the grid is the same for every step of a
-given batch size (what CUDA graphs need) and long and short contexts both use every split.
+pieces with their log-sum-exp weights. All pieces of one launch have the same length,
+``ceil(max_context_len / num_splits)`` tokens, where the kernel reads the batch's longest context
+from ``context_lens`` itself; so the grid is the same for every step of a given batch size (what
+CUDA graphs need), and a long context is cut into more pieces than a short one (whose last pieces
+are empty and return at once). Cutting every context into the same number of pieces instead leaves
+the programs of the longest sequences running alone at the end of the launch: with contexts spread
+over 100-2,000 tokens that tail halved the bandwidth the kernel reached on an H200.
 
 The kernels also run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
 ``triton`` is imported), which is how the CPU test suite checks them; this is slow and meant for
@@ -34,9 +38,12 @@ Import this module only where Triton is installed (the CUDA path of the model ru
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import json
 import math
+import os
 
 import torch
 import triton
@@ -45,13 +52,57 @@ import triton.language as tl
 
 _LOG2_E = 1.4426950408889634
 
-# Programs per streaming multiprocessor that the split heuristic aims for: enough resident
-# programs to hide memory latency in a memory-bound kernel.
-_PROGRAMS_PER_SM = 2
 # Smallest number of context tokens worth a separate split (below this the merge costs more than
 # the parallelism gains).
 _MIN_TOKENS_PER_SPLIT = 64
 MAX_NUM_SPLITS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeKernelConfig:
+    """Launch parameters of :func:`paged_decode_attention` when the caller gives none.
+
+    Attributes:
+        block_n: context tokens per inner-loop iteration (power of two, at least 16).
+        num_warps: Triton warps per program.
+        num_stages: Triton software-pipelining depth of the context loop.
+        programs_per_sm: programs per streaming multiprocessor that the split count aims for.
+        min_splits: fewest context splits per (sequence, kv head), whatever the batch size; it
+            bounds the longest program to ``1 / min_splits`` of the longest context.
+
+    The defaults come from ``benchmarks/decode_attention.py`` on an H200 (docs/benchmarks.md);
+    ``PDSERVE_DECODE_KERNEL_CONFIG`` (JSON with any of these keys) overrides them, for tuning on
+    other GPUs.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 2
+    min_splits: int = 4
+
+
+@functools.lru_cache(maxsize=1)
+def decode_kernel_config() -> DecodeKernelConfig:
+    """The :class:`DecodeKernelConfig` in force: defaults, updated from the JSON object in
+    ``PDSERVE_DECODE_KERNEL_CONFIG`` when set.
+
+    Raises:
+        ValueError: the variable is not a JSON object of known keys with positive int values.
+    """
+    raw = os.environ.get("PDSERVE_DECODE_KERNEL_CONFIG", "").strip()
+    if not raw:
+        return DecodeKernelConfig()
+    try:
+        values = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"PDSERVE_DECODE_KERNEL_CONFIG is not JSON: {e}") from None
+    fields = {f.name for f in dataclasses.fields(DecodeKernelConfig)}
+    if not isinstance(values, dict) or set(values) - fields:
+        raise ValueError(f"PDSERVE_DECODE_KERNEL_CONFIG must be a JSON object with keys from {sorted(fields)}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values.values()):
+        raise ValueError("PDSERVE_DECODE_KERNEL_CONFIG values must be positive ints")
+    return DecodeKernelConfig(**values)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -73,25 +124,27 @@ def choose_num_splits(
 ) -> int:
     """Number of context splits per (sequence, kv head) for :func:`paged_decode_attention`.
 
-    Aims at ``2 x multiprocessor count`` programs in all. When ``max_context_len`` (tokens) is
-    given, no split gets fewer than 64 tokens on average; leave it ``None`` under CUDA graphs so the
-    answer depends on the batch size alone.
+    Aims at ``programs_per_sm x multiprocessor count`` programs in all, and at least
+    ``min_splits`` (:func:`decode_kernel_config`). When ``max_context_len`` (tokens) is given, no
+    split gets fewer than 64 tokens on average; leave it ``None`` under CUDA graphs so the answer
+    depends on the batch size alone.
 
     Returns:
         An int in ``[1, MAX_NUM_SPLITS]``.
     """
-    target = _PROGRAMS_PER_SM * _num_sms(device)
-    splits = max(1, math.ceil(target / max(1, num_seqs * num_kv_heads)))
+    cfg = decode_kernel_config()
+    target = cfg.programs_per_sm * _num_sms(device)
+    splits = max(cfg.min_splits, math.ceil(target / max(1, num_seqs * num_kv_heads)))
     if max_context_len is not None:
         splits = min(splits, max(1, math.ceil(max_context_len / _MIN_TOKENS_PER_SPLIT)))
     return min(splits, MAX_NUM_SPLITS)
 
 
 # Arguments that change from step to step outside CUDA graphs (the block-table width follows the
-# longest context of the batch; the split count follows the batch size). Triton would otherwise
+# longest context of the batch; the split count and the number of sequences follow the batch size). Triton would otherwise
 # compile a new variant whenever one of them turns divisible by 16 or equal to 1, which cost
 # seconds inside timed eager steps on an H200; none of them feeds a vectorised access.
-_PER_STEP_ARGS = ("num_splits", "stride_bt_s", "stride_pm_s", "stride_pm_h")
+_PER_STEP_ARGS = ("num_seqs", "num_splits", "stride_bt_s", "stride_pm_s", "stride_pm_h")
 
 
 def _jit_without_specialising(fn):
@@ -111,6 +164,7 @@ def _paged_decode_split_kernel(
     block_tables_ptr,
     context_lens_ptr,
     scale_log2,
+    num_seqs,
     num_splits,
     stride_q_s,
     stride_q_h,
@@ -141,7 +195,13 @@ def _paged_decode_split_kernel(
     split = tl.program_id(2)
 
     ctx = tl.load(context_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    # The batch's longest context fixes the piece length of every sequence (module docstring).
+    max_ctx = 0
+    for s0 in range(0, num_seqs, 256):
+        offs_s = s0 + tl.arange(0, 256)
+        lens = tl.load(context_lens_ptr + offs_s, mask=offs_s < num_seqs, other=0)
+        max_ctx = tl.maximum(max_ctx, tl.max(lens, 0))
+    tokens_per_split = tl.cdiv(tl.cdiv(max_ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, ctx)
 
@@ -199,7 +259,8 @@ def _paged_decode_split_kernel(
             + split * stride_po_p
             + offs_d[None, :]
         )
-        tl.store(po, out, mask=out_mask)
+        # An empty piece writes only its zero weight (l == 0), which the merge reads first.
+        tl.store(po, out, mask=out_mask & (start < end))
         pm = seq * stride_pm_s + heads * stride_pm_h + split
         tl.store(part_max_ptr + pm, m_i, mask=g_mask)
         tl.store(part_sum_ptr + pm, l_i, mask=g_mask)
@@ -240,9 +301,10 @@ def _paged_decode_reduce_kernel(
     # Empty splits have l == 0 and m == -inf: their weight is 0.
     w = tl.exp2(m - m_max) * l
     po = part_out_ptr + seq * stride_po_s + head * stride_po_h
+    # Empty pieces left their partial output unwritten: never read it (0 * NaN would be NaN).
     parts = tl.load(
         po + offs_p[:, None] * stride_po_p + offs_d[None, :],
-        mask=p_mask[:, None] & d_mask[None, :],
+        mask=(p_mask & (l > 0))[:, None] & d_mask[None, :],
         other=0.0,
     )
     total = tl.sum(w, 0)
@@ -269,8 +331,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_context_len: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache (decode step).
 
@@ -291,10 +353,11 @@ def paged_decode_attention(
             :func:`choose_num_splits`.
         max_context_len: optional upper bound of ``context_lens`` known on the host, used only to
             avoid pointless splits; leave None under CUDA graphs.
-        block_n: tokens per inner iteration (power of two, at least 16); default 32 for
-            ``head_dim`` up to 128, else 16.
-        num_warps: Triton warps per program.
-        num_stages: Triton software-pipelining depth of the context loop.
+        block_n: tokens per inner iteration (power of two, at least 16); default
+            :func:`decode_kernel_config` (at most 16 for ``head_dim`` over 128).
+        num_warps: Triton warps per program; default :func:`decode_kernel_config`.
+        num_stages: Triton software-pipelining depth of the context loop; default
+            :func:`decode_kernel_config`.
 
     Returns:
         ``out``: ``[num_seqs, num_q_heads, head_dim]`` in ``q``'s dtype.
@@ -340,8 +403,11 @@ def paged_decode_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, q.device, max_context_len)
     if not 1 <= num_splits <= MAX_NUM_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_NUM_SPLITS}], got {num_splits}")
+    cfg = decode_kernel_config()
     if block_n is None:
-        block_n = 32 if head_dim <= 128 else 16
+        block_n = cfg.block_n if head_dim <= 128 else 16
+    num_warps = cfg.num_warps if num_warps is None else num_warps
+    num_stages = cfg.num_stages if num_stages is None else num_stages
 
     group = num_q_heads // num_kv_heads
     kv_layer = kv_cache[:, layer]  # [num_blocks, 2, Hkv, block_size, D]
@@ -367,6 +433,7 @@ def paged_decode_attention(
         block_tables,
         context_lens,
         scale * _LOG2_E,
+        num_seqs,
         num_splits,
         q.stride(0),
         q.stride(1),

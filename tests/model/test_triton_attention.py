@@ -122,6 +122,48 @@ def test_paged_decode_matches_reference(dtype, num_q_heads, num_kv_heads, head_d
         assert rel_err(out[i], ref[i]) < REL_TOL[dtype], f"sequence with context {n}"
 
 
+def test_paged_decode_short_sequence_next_to_long_one_never_reads_empty_pieces(monkeypatch):
+    """Pieces are cut from the batch's longest context, so a short sequence's later pieces are
+    empty and leave their partial output unwritten; the merge must not read it. Scratch buffers
+    start as NaN here so that any such read shows."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    context_lens = [1, 300, 17, 0]
+    q, kv, bt, ctx = make_paged_case(context_lens, 4, 2, 64, 16, torch.float32, seed=3)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = ta.paged_decode_attention(q, kv, 0, bt, ctx, 0.125, num_splits=8, block_n=16)
+    monkeypatch.undo()
+    ref = reference_decode(q, kv, 0, bt, ctx, 0.125)
+    assert not out.isnan().any()
+    for i, n in enumerate(context_lens):
+        assert rel_err(out[i], ref[i]) < 1e-5 or n == 0, f"sequence with context {n}"
+    assert (out[-1] == 0).all()
+
+
+def test_decode_kernel_config_from_environment(monkeypatch):
+    monkeypatch.setenv("PDSERVE_DECODE_KERNEL_CONFIG", '{"block_n": 64, "min_splits": 4}')
+    ta.decode_kernel_config.cache_clear()
+    try:
+        cfg = ta.decode_kernel_config()
+        assert (cfg.block_n, cfg.min_splits, cfg.num_warps) == (64, 4, ta.DecodeKernelConfig().num_warps)
+        assert ta.choose_num_splits(4096, 8, torch.device("cpu")) == 4
+        monkeypatch.setenv("PDSERVE_DECODE_KERNEL_CONFIG", '{"min_splits": 1}')
+        ta.decode_kernel_config.cache_clear()
+        assert ta.choose_num_splits(4096, 8, torch.device("cpu")) == 1
+        for bad in ("{", '{"blockn": 1}', '{"block_n": 0}', "[1]", '{"num_warps": true}'):
+            monkeypatch.setenv("PDSERVE_DECODE_KERNEL_CONFIG", bad)
+            ta.decode_kernel_config.cache_clear()
+            with pytest.raises(ValueError, match="PDSERVE_DECODE_KERNEL_CONFIG"):
+                ta.decode_kernel_config()
+    finally:
+        monkeypatch.delenv("PDSERVE_DECODE_KERNEL_CONFIG")
+        ta.decode_kernel_config.cache_clear()
+
+
 def test_paged_decode_default_splits_and_layer_selection():
     q, kv, bt, ctx = make_paged_case([33, 7], 4, 2, 64, 16, torch.float32, num_layers=3, seed=1)
     for layer in range(3):
@@ -145,7 +187,7 @@ def test_choose_num_splits_depends_on_batch_only_without_context_hint():
     dev = torch.device("cpu")
     assert ta.choose_num_splits(1, 8, dev) == ta.choose_num_splits(1, 8, dev, None)
     many = ta.choose_num_splits(4096, 8, dev)
-    assert many == 1
+    assert many == ta.decode_kernel_config().min_splits
     assert 1 <= ta.choose_num_splits(1, 1, dev) <= ta.MAX_NUM_SPLITS
     assert ta.choose_num_splits(1, 1, dev, max_context_len=10) == 1
 

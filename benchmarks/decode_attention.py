@@ -1,0 +1,170 @@
+"""Paged decode attention bandwidth on a mixed-length batch, next to the GPU's copy and read
+bandwidth measured in the same run.
+
+The batch imitates a decode step of ``benchmarks/offline_throughput.py``: every sequence has an
+input length and an output length uniform in ``[--min-len, --max-len]`` (seed 0) and has generated
+a uniform fraction of its output, so contexts spread over about 100-2,000 tokens. Blocks are
+scattered over a KV cache with the real layer count (``[num_blocks, num_layers, 2, Hkv, 16, D]``),
+so one layer's K/V rows are as far apart as in the engine.
+
+For each batch size it times :func:`pdserve.model.triton_attention.paged_decode_attention` on one
+layer, for the default launch (:func:`~pdserve.model.triton_attention.decode_kernel_config`) and
+for a sweep of ``block_n`` x ``num_warps`` x ``num_stages`` x split counts, each call replayed in a
+CUDA graph (``triton.testing.do_bench_cudagraph``, median). Bandwidth counts the K and V bytes the
+kernel must read (context tokens x Hkv x head_dim x 2 x 2 bytes). Baselines, same run, same bytes:
+
+* ``read``: ``torch.sum`` over a contiguous bf16 buffer (bytes read / time);
+* ``copy``: ``Tensor.copy_`` between two contiguous buffers (bytes read + written / time).
+
+``--json`` writes all rows and the best launch found; ``--best-config-out`` writes that launch as
+the JSON object ``PDSERVE_DECODE_KERNEL_CONFIG`` takes. Needs CUDA.
+
+Example::
+
+    python benchmarks/decode_attention.py --batch-sizes 32,136,256 --json attn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+
+import torch
+
+
+def make_batch(batch: int, min_len: int, max_len: int, gen: torch.Generator) -> list[int]:
+    """Context lengths (tokens) of one decode step of the offline-throughput workload."""
+    lens = []
+    for _ in range(batch):
+        inp = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
+        out = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
+        lens.append(inp + 1 + int(torch.rand(1, generator=gen) * out))
+    return lens
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-sizes", default="32,136,256")
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--num-layers", type=int, default=28)
+    p.add_argument("--num-q-heads", type=int, default=16)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-n", default="16,32,64")
+    p.add_argument("--num-warps", default="2,4,8")
+    p.add_argument("--num-stages", default="2,3,4")
+    p.add_argument("--splits", default="auto,1,2,4,8,16")
+    p.add_argument("--json", default=None)
+    p.add_argument("--best-config-out", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_attention.py needs CUDA", file=sys.stderr)
+        return 2
+    import triton.testing
+
+    from pdserve.model import triton_attention as ta
+
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    cases = {b: make_batch(b, args.min_len, args.max_len, gen) for b in batches}
+    total_blocks = max(sum(-(-n // bs) for n in lens) for lens in cases.values()) + 8
+    kv = torch.empty(total_blocks, args.num_layers, 2, hkv, bs, d, device=dev, dtype=dt)
+    kv.normal_()
+    layer = args.num_layers // 2
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | KV cache "
+          f"{kv.numel() * 2 / 2**30:.1f} GiB, {args.num_layers} layers, Hq={hq} Hkv={hkv} D={d} "
+          f"block {bs} | default launch {ta.decode_kernel_config()}", flush=True)
+
+    def bench_us(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+
+    def sweep_points():
+        for bn, w, st in itertools.product(
+                [int(x) for x in args.block_n.split(",")], [int(x) for x in args.num_warps.split(",")],
+                [int(x) for x in args.num_stages.split(",")]):
+            for sp in args.splits.split(","):
+                yield bn, w, st, sp
+
+    rows: list[dict] = []
+    scores: dict[tuple, list[float]] = {}
+    for batch, lens in cases.items():
+        gb = sum(lens) * hkv * d * 2 * 2 / 1e9
+        src = torch.empty(int(gb * 1e9) // 2, device=dev, dtype=dt).normal_()
+        dst = torch.empty_like(src)
+        read_us = bench_us(lambda: src.sum(dtype=torch.float32))
+        copy_us = bench_us(lambda: dst.copy_(src))
+        read_bw, copy_bw = gb / (read_us * 1e-6), 2 * gb / (copy_us * 1e-6)
+        del src, dst
+        perm = torch.randperm(total_blocks, generator=gen)
+        nblk = [-(-n // bs) for n in lens]
+        tables = torch.zeros(batch, max(nblk), dtype=torch.int32)
+        used = 0
+        for i, nb in enumerate(nblk):
+            tables[i, :nb] = perm[used:used + nb].to(torch.int32)
+            used += nb
+        tables = tables.to(dev)
+        ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
+        q = torch.randn(batch, hq, d, device=dev, dtype=dt)
+        out = torch.empty_like(q)
+        print(f"\nbatch {batch}: contexts {min(lens)}-{max(lens)} (mean {sum(lens) / batch:.0f}) "
+              f"tokens, {gb * 1e3:.1f} MB of K/V per layer | read {read_bw / 1e3:.2f} TB/s, "
+              f"copy {copy_bw / 1e3:.2f} TB/s", flush=True)
+        ref = ta.paged_decode_attention(q, kv, layer, tables, ctx, d**-0.5, num_splits=1).float()
+
+        def run(label: str, key: tuple | None, **kw) -> None:
+            fn = lambda: ta.paged_decode_attention(q, kv, layer, tables, ctx, d**-0.5, out=out, **kw)  # noqa: E731
+            us = bench_us(fn)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if not err < 2e-2:
+                raise RuntimeError(f"{label}: result differs from the 1-split launch ({err:.2e})")
+            bw = gb / (us * 1e-6)
+            rows.append({"batch": batch, "launch": label, "us": round(us, 2), "TB/s": round(bw / 1e3, 3),
+                         "of_read": round(bw / read_bw, 3), "read_TB/s": round(read_bw / 1e3, 3),
+                         "copy_TB/s": round(copy_bw / 1e3, 3)})
+            if key is not None:
+                scores.setdefault(key, []).append(bw / read_bw)
+            print(f"  {label:<46} {us:8.1f} us  {bw / 1e3:5.2f} TB/s  {bw / read_bw:5.0%} of read",
+                  flush=True)
+
+        run(f"default (splits={ta.choose_num_splits(batch, hkv, dev)})", None)
+        for bn, w, st, sp in sweep_points():
+            splits = None if sp == "auto" else int(sp)
+            label = f"block_n={bn} warps={w} stages={st} splits={sp}"
+            try:
+                run(label, (bn, w, st, sp), block_n=bn, num_warps=w, num_stages=st, num_splits=splits)
+            except triton.runtime.errors.OutOfResources as e:
+                print(f"  {label:<46} skipped: {e}", flush=True)
+
+    # Best launch: highest geometric mean of (bandwidth / read bandwidth) over the batch sizes.
+    full = {k: v for k, v in scores.items() if len(v) == len(batches)}
+    best_key = max(full, key=lambda k: math.prod(full[k]) ** (1 / len(batches)))
+    bn, w, st, sp = best_key
+    gmean = math.prod(full[best_key]) ** (1 / len(batches))
+    print(f"\nbest launch over batch sizes {batches}: block_n={bn} warps={w} stages={st} "
+          f"splits={sp} ({gmean:.0%} of read bandwidth, geometric mean)", flush=True)
+    best = {"block_n": bn, "num_warps": w, "num_stages": st}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "best": best | {"splits": sp}, "best_of_read": gmean}, f, indent=1)
+    if args.best_config_out:
+        with open(args.best_config_out, "w") as f:
+            json.dump(best, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
