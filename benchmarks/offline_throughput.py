@@ -155,7 +155,8 @@ def _free_device_memory() -> None:
 class StepTimer:
     """Wraps ``runner.execute`` to split the engine's wall time into model-runner steps with a
     prefill (or chunk), pure-decode steps, and the rest (scheduler, detokenising, bookkeeping).
-    ``execute`` returns host lists, so each call's time includes its GPU work."""
+    ``execute`` returns host lists, so each call's time includes its GPU work; a multi-step
+    round counts as ``num_steps`` steps of equal length."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -168,9 +169,12 @@ class StepTimer:
         t = time.perf_counter()
         out = self.inner(sched)
         kind = "prefill" if any(len(r.token_ids) > 1 for r in sched.scheduled) else "decode"
-        self.times[kind].append(time.perf_counter() - t)
-        if kind == "decode":
-            self.decode_batch.append(len(sched.scheduled))
+        elapsed = time.perf_counter() - t
+        if kind == "decode":  # a multi-step round counts as its num_steps steps
+            self.times[kind].extend([elapsed / sched.num_steps] * sched.num_steps)
+            self.decode_batch.extend([len(sched.scheduled)] * sched.num_steps)
+        else:
+            self.times[kind].append(elapsed)
         return out
 
     def report(self, total_s: float) -> None:
@@ -189,6 +193,68 @@ class StepTimer:
                   flush=True)
         print(f"[pdserve] outside the runner (scheduler, engine): {total_s - inside:.2f} s",
               flush=True)
+
+
+def profile_decode_steps(engine, work: Workload, args: argparse.Namespace) -> None:
+    """Untimed extra run: ``torch.profiler`` over ``--profile-decode`` decode runner calls (from
+    the 100th, fewer on short workloads; a multi-step round is one call) of a batch of the workload's first ``--max-num-seqs``
+    requests.
+
+    Prints the wall time per step, the device (kernel) time per step, their ratio (how busy the
+    GPU was), and the kernels with the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdserve.engine.sampling_params import SamplingParams
+
+    runner = engine.core.runner
+    inner = runner.execute
+    longest = max(work.output_lens)  # max_model_len leaves room for this many after any prompt
+    calls = longest // args.num_scheduler_steps  # decode runner calls of the longest request
+    count = min(args.profile_decode, max(1, calls // 2))
+    first = max(1, min(100 // args.num_scheduler_steps, calls - count - 1))
+    state = {"n": 0, "prof": None, "t0": 0.0, "wall": 0.0, "batch": 0, "steps": 0}
+
+    def execute(sched):
+        decode = all(len(r.token_ids) == 1 for r in sched.scheduled) and sched.scheduled
+        if decode:
+            state["n"] += 1
+            if state["n"] == first:
+                _sync(args.device)
+                state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                state["prof"].__enter__()
+                state["t0"] = time.perf_counter()
+            if first <= state["n"] < first + count:
+                state["batch"] += len(sched.scheduled) * sched.num_steps
+                state["steps"] += sched.num_steps
+        out = inner(sched)
+        if decode and state["n"] == first + count - 1:
+            _sync(args.device)
+            state["wall"] = time.perf_counter() - state["t0"]
+            state["prof"].__exit__(None, None, None)
+        return out
+
+    runner.execute = execute
+    try:
+        n = min(args.max_num_seqs, len(work.prompts))
+        max_tokens = min(longest, (first + count + 2) * args.num_scheduler_steps + 20)
+        engine.generate(work.prompts[:n], SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                         temperature=1.0))
+    finally:
+        runner.execute = inner
+    prof = state["prof"]
+    if prof is None or not state["wall"]:
+        print("[profile] too few decode steps to profile", flush=True)
+        return
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
+    steps = state["steps"]
+    wall_ms = state["wall"] / steps * 1e3
+    print(f"\n[profile] {steps} decode steps in {count} runner calls, mean batch "
+          f"{state['batch'] / steps:.0f}: wall {wall_ms:.2f} ms/step, GPU kernels "
+          f"{device_us / 1e3 / steps:.2f} ms/step ({device_us / 1e3 / steps / wall_ms:.0%} busy; "
+          "the profiler itself adds host time)", flush=True)
+    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60),
+          flush=True)
 
 
 def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Result:
@@ -210,6 +276,7 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Re
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,
         enforce_eager=args.enforce_eager,
+        num_scheduler_steps=args.num_scheduler_steps,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(config)
@@ -232,6 +299,8 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Re
         attn = getattr(engine.core.runner.model, "attn", None)
         print(f"[pdserve] prefill attention: {getattr(attn, 'last_prefill_impl', '?')}",
               flush=True)
+        if args.profile_decode:
+            profile_decode_steps(engine, work, args)
     finally:
         engine.shutdown()
         del engine
@@ -322,9 +391,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="pdserve without CUDA graphs")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="pdserve decode steps per scheduling round (multi-step scheduling)")
     p.add_argument("--hf-batch-size", type=int, default=128)
     p.add_argument("--hf-max-prompts", type=int, default=0,
                    help="run transformers on only the N longest-output requests (0 = all)")
+    p.add_argument("--profile-decode", type=int, default=0, metavar="N",
+                   help="after the timed run, profile N decode steps of an extra untimed run")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-pdserve", action="store_true")
     p.add_argument("--output-json", default=None, help="also write the results here")

@@ -32,6 +32,12 @@ class EngineConfig:
         kv_cache_memory: bytes reserved for the KV cache (CPU; on CUDA overrides the fraction).
         num_gpu_blocks_override: fixed number of KV blocks (tests).
         enforce_eager: disable CUDA graphs.
+        num_scheduler_steps: decode steps run back to back per scheduling round when every
+            running request is decoding (multi-step scheduling, as vLLM's option of that name):
+            the sampled tokens stay on the GPU and feed the next step, and the host schedules
+            and reads tokens back once per round, so its per-step work overlaps the GPU. Tokens
+            then reach clients in bursts of up to this many, and new requests wait up to one
+            round. 1 (the default) schedules every step.
         kv_transfer_config: parsed ``--kv-transfer-config`` (None: no connector).
         trust_remote_code: passed to transformers when reading configs/tokenizers.
     """
@@ -52,6 +58,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
+    num_scheduler_steps: int = 1
     kv_transfer_config: Any = None
     trust_remote_code: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

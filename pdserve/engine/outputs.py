@@ -62,13 +62,19 @@ class SchedulerOutput:
             drops its per-request state (RNG generators) for them.
         kv_connector_metadata: opaque object built by the connector's scheduler side for its
             worker side (None without a connector).
-        total_num_scheduled_tokens: sum of ``len(r.token_ids)``.
+        total_num_scheduled_tokens: sum of ``len(r.token_ids)`` over the round's steps.
+        num_steps: decode steps to run back to back (multi-step scheduling): every scheduled
+            request is a decode with one token and ``sample=True``, its blocks have room for
+            ``num_steps`` new tokens, and the runner feeds each step's sampled token to the
+            next, reporting ``num_steps`` tokens per request in
+            :attr:`ModelRunnerOutput.sampled_token_id_lists`. 1 for an ordinary step.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
     total_num_scheduled_tokens: int = 0
+    num_steps: int = 1
 
 
 @dataclass
@@ -111,11 +117,14 @@ class ModelRunnerOutput:
 
     Attributes:
         sampled_token_ids: req_id -> sampled token, only for requests with ``sample=True``.
+        sampled_token_id_lists: req_id -> the ``num_steps`` tokens of a multi-step round, in
+            order (instead of ``sampled_token_ids``).
         logprobs: req_id -> logprobs of that token, only when the request asked for logprobs.
         kv_connector_output: the connector's report, or None without a connector.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    sampled_token_id_lists: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
 

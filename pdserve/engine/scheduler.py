@@ -112,6 +112,9 @@ class Scheduler:
         self.max_model_len = min(config.max_model_len or capacity, capacity)
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
+        self.num_scheduler_steps = getattr(config, "num_scheduler_steps", 1)
+        if self.num_scheduler_steps < 1:
+            raise ValueError("num_scheduler_steps must be at least 1")
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -194,7 +197,12 @@ class Scheduler:
 
     # ================================================================ scheduling
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work (see the module docstring for the policy)."""
+        """Pick this step's work (see the module docstring for the policy), or a multi-step
+        decode round (:meth:`_schedule_multi_step`) when ``num_scheduler_steps > 1`` allows."""
+        if self.num_scheduler_steps > 1:
+            multi = self._schedule_multi_step()
+            if multi is not None:
+                return multi
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self._sync_loads = {}
@@ -249,6 +257,51 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        out.finished_req_ids = self.finished_req_ids
+        self.finished_req_ids = set()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _schedule_multi_step(self) -> SchedulerOutput | None:
+        """A round of up to ``num_scheduler_steps`` decode steps for every running request, or
+        None when this step must be scheduled normally.
+
+        Only when every running request is a plain decode (one token to compute, nothing
+        waiting that could be admitted, no KV transfer or lease pending, and no request whose
+        next tokens depend on host-side state: penalties, logprobs, ``min_tokens`` not yet
+        reached). The round is shortened so that no position passes ``max_model_len``; each
+        request gets blocks for all its tokens up front (none are preempted for this: if the
+        blocks are short, the step is scheduled normally). A request that stops inside the
+        round keeps only the tokens up to its stop (see :meth:`update_from_output`); the rest
+        of its round was wasted GPU work.
+        """
+        running = self.running
+        if not running or len(running) > self.max_num_batched_tokens:
+            return None
+        if self.waiting and len(running) < self.max_num_seqs:
+            return None
+        if self.waiting_for_remote or self.has_pending_kv_work():
+            return None
+        steps = self.num_scheduler_steps
+        for req in running:
+            if req.num_computed_tokens != req.num_tokens - 1 or req.num_computed_tokens < req.num_prompt_tokens:
+                return None
+            sp = req.sampling_params
+            if (sp.logprobs is not None or sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
+                    or sp.frequency_penalty != 0.0 or req.num_output_tokens < sp.min_tokens):
+                return None
+            steps = min(steps, self.max_model_len - req.num_computed_tokens)
+        if steps <= 1:
+            return None
+        kvm = self.kv_cache_manager
+        for req in running:
+            if kvm.allocate_slots(req, steps) is None:
+                return None  # blocks given to earlier requests stay theirs, for later steps
+        out = SchedulerOutput(num_steps=steps)
+        for req in running:
+            self._add_scheduled(out, req, 1)
+        out.total_num_scheduled_tokens = len(running) * steps
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
         if self.connector is not None:
@@ -384,6 +437,9 @@ class Scheduler:
                     # The forward pass read missing KV: its token is worthless.
                     outputs.extend(self._apply_load_failure(req, bad, self._sync_loads[sr.req_id][0]))
                     continue
+            if sched.num_steps > 1:
+                outputs.append(self._commit_multi_step(req, out.sampled_token_id_lists.get(sr.req_id)))
+                continue
             num_new = len(sr.token_ids)
             start = req.num_computed_tokens
             req.num_computed_tokens = start + num_new
@@ -412,29 +468,53 @@ class Scheduler:
             outputs.extend(self._process_kv_output(kv_out, invalid))
         return outputs
 
+    def _commit_multi_step(self, req: Request, tokens: list[int] | None) -> EngineCoreOutput:
+        """Commit a multi-step round of one request: its tokens in order up to the first that
+        stops it; every kept token but a final stopping one had its KV computed."""
+        if not tokens:
+            self.running.remove(req)
+            return self._finish(req, RequestStatus.FINISHED_ERROR, "the model runner sampled no token")
+        kept: list[int] = []
+        for token in tokens:
+            req.num_computed_tokens += 1
+            kept.append(token)
+            status, stop_reason = self._accept_token(req, token)
+            if status is not None:
+                self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+                return self._finish_with_tokens(req, status, stop_reason, kept, [])
+        self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+        return self._output(req, kept, None)
+
     def _append_token(self, req: Request, token: int, logprobs: Any) -> EngineCoreOutput:
+        status, stop_reason = self._accept_token(req, token)
+        if status is None:
+            return self._output(req, [token], logprobs)
+        return self._finish_with_tokens(req, status, stop_reason, [token],
+                                        [logprobs] if logprobs is not None else [])
+
+    def _accept_token(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        """Append a sampled token; returns ``(finish status or None, stop token or None)``."""
         req.output_token_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         self.generation_tokens_total += 1
         sp = req.sampling_params
         n_out = req.num_output_tokens
-        status: RequestStatus | None = None
-        stop_reason: int | None = None
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and (token == req.eos_token_id or token in self.eos_token_ids):
-                status = RequestStatus.FINISHED_STOPPED
-            elif token in sp.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                stop_reason = token
-        if status is None and (n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        if status is None:
-            return self._output(req, [token], logprobs)
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in sp.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _finish_with_tokens(self, req: Request, status: RequestStatus, stop_reason: int | None,
+                            tokens: list[int], logprobs: list[Any]) -> EngineCoreOutput:
         self.running.remove(req)
         o = self._finish(req, status)
-        o.new_token_ids = [token]
-        o.new_logprobs = [logprobs] if logprobs is not None else []
+        o.new_token_ids = tokens
+        o.new_logprobs = logprobs
         o.stop_reason = stop_reason
         return o
 

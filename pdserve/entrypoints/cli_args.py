@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None,
                    help="fixed number of KV cache blocks")
     p.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    p.add_argument("--num-scheduler-steps", type=_positive_int, default=None,
+                   help="decode steps per scheduling round when all running requests decode "
+                        "(multi-step scheduling; tokens stream in bursts of this many; default 1)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* "
                         "(default: $PDSERVE_API_KEY if set)")
@@ -136,7 +139,8 @@ def engine_config_from_args(args: argparse.Namespace, kv_transfer_config: Any) -
         kv_transfer_config=kv_transfer_config,
         trust_remote_code=args.trust_remote_code,
     )
-    for name in ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization"):
+    for name in ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization",
+                 "num_scheduler_steps"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value

@@ -197,5 +197,20 @@ class CUDAGraphRunner:
             raise ValueError(f"batch of {n} is outside the captured sizes 1..{self.max_batch_size}")
         for name in self.specs:
             self._fill(name, inputs[name], n, bs)
+        return self.replay(n)
+
+    @torch.inference_mode()
+    def replay(self, num_seqs: int) -> Any:
+        """Replay the graph of ``num_seqs``' padded size on the inputs already in
+        :attr:`buffers` (after :meth:`run`, updated in place on the device, e.g. by a
+        multi-step decode round); returns the output's first ``num_seqs`` rows, as :meth:`run`.
+
+        Raises:
+            ValueError: ``num_seqs`` is outside the captured sizes.
+        """
+        bs = self.padded_size(num_seqs)
+        if bs is None or num_seqs < 1 or bs not in self._graphs:
+            raise ValueError(f"batch of {num_seqs} is outside the captured sizes 1..{self.max_batch_size}")
         self._graphs[bs].replay()
-        return pytree.tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) else t, self._outputs[bs])
+        return pytree.tree_map(lambda t: t[:num_seqs] if isinstance(t, torch.Tensor) else t,
+                               self._outputs[bs])

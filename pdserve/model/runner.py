@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import logging
 import math
 import sys
@@ -258,7 +259,11 @@ class ModelRunner:
             worker.bind_connector_metadata(sched.kv_connector_metadata)
             worker.start_load_kv()
         out = ModelRunnerOutput()
-        if sched.scheduled:
+        if sched.scheduled and sched.num_steps > 1:
+            if self.kv_cache is None:
+                raise RuntimeError("allocate_kv_cache() must be called before execute()")
+            out.sampled_token_id_lists = self._multi_step_decode(sched.scheduled, sched.num_steps)
+        elif sched.scheduled:
             if self.kv_cache is None:
                 raise RuntimeError("allocate_kv_cache() must be called before execute()")
             sampled, tokens, logprobs = self._forward_and_sample(sched.scheduled, self.kv_cache)
@@ -317,9 +322,71 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits, sampled)
         return sampled, tokens, logprobs
 
-    def _decode_with_graph(self, decodes: list[ScheduledRequest], graphs: CUDAGraphRunner):
-        """A pure-decode step replayed from the captured graph of the next padded batch size,
-        then sampled outside the graph. Same return value as :meth:`_forward_and_sample`.
+    def _multi_step_decode(self, decodes: list[ScheduledRequest], num_steps: int
+                           ) -> dict[str, list[int]]:
+        """A multi-step round (:attr:`SchedulerOutput.num_steps`): ``num_steps`` decode steps in
+        which each step's sampled tokens are the next step's inputs, read back to the host once
+        at the end. With CUDA graphs the steps after the first only update the graph's static
+        inputs on the device (token, position, slot, context length) and replay, so the host
+        never waits for the GPU inside the round; without them each step is an ordinary step.
+
+        Returns:
+            req_id -> its ``num_steps`` sampled tokens, in order.
+
+        Raises:
+            ValueError: a request that is not a sampled single-token decode, or positions
+                beyond ``max_model_len``.
+        """
+        if any(len(r.token_ids) != 1 or not r.sample for r in decodes):
+            raise ValueError("a multi-step round takes only sampled single-token decodes")
+        last = max(r.num_computed_tokens for r in decodes) + num_steps
+        if last > self.max_model_len:
+            raise ValueError(f"a multi-step round reaches {last} tokens, beyond max_model_len="
+                             f"{self.max_model_len}")
+        graphs = self.decode_graphs
+        if graphs is None or len(decodes) > graphs.max_batch_size:
+            return self._multi_step_eager(decodes, num_steps)
+        n = len(decodes)
+        plan = self.sampler.plan(decodes)
+        tokens = torch.empty((num_steps, n), dtype=torch.int64, device=self.device)
+        logits = self._replay_decode_graph(decodes, graphs)
+        buf = graphs.buffers
+        bs = self.block_size
+        for step in range(num_steps):
+            if step:
+                positions = buf["positions"][:n]
+                positions.add_(1)
+                buf["context_lens"][:n].add_(1)
+                buf["input_ids"][:n].copy_(tokens[step - 1])
+                blocks = buf["block_tables"][:n].gather(1, (positions // bs).unsqueeze(1)).squeeze(1)
+                torch.add(positions % bs, blocks.to(torch.int64), alpha=bs,
+                          out=buf["slot_mapping"][:n])
+                logits = graphs.replay(n)
+            tokens[step] = self.sampler.draw(logits, plan, step)
+        rows = tokens.t().tolist()
+        return {r.req_id: row for r, row in zip(decodes, rows)}
+
+    def _multi_step_eager(self, decodes: list[ScheduledRequest], num_steps: int
+                          ) -> dict[str, list[int]]:
+        """:meth:`_multi_step_decode` as ordinary steps (CPU, ``enforce_eager``, or a batch
+        larger than the captured graphs); the host sees every step's tokens."""
+        out: dict[str, list[int]] = {r.req_id: [] for r in decodes}
+        for step in range(num_steps):
+            batch = [dataclasses.replace(
+                r, token_ids=[out[r.req_id][-1]] if step else r.token_ids,
+                num_computed_tokens=r.num_computed_tokens + step,
+                output_token_ids=r.output_token_ids + out[r.req_id]) for r in decodes]
+            sampled, tokens, _ = self._forward_and_sample(batch, self.kv_cache)
+            for r, tok in zip(sampled, tokens):
+                out[r.req_id].append(tok)
+        return out
+
+    def _replay_decode_graph(self, decodes: list[ScheduledRequest], graphs: CUDAGraphRunner
+                             ) -> torch.Tensor:
+        """Fill the graph's static inputs for a pure-decode batch and replay it.
+
+        Returns:
+            ``[len(decodes), vocab]`` float32 logits (a view of the graph's output buffer).
 
         Raises:
             ValueError: a position beyond ``max_model_len`` or a block table too short.
@@ -349,13 +416,22 @@ class ModelRunner:
         counts = torch.tensor(num_blocks, dtype=torch.int64)
         table = torch.zeros((len(decodes), rows), dtype=torch.int32)
         table[torch.arange(rows)[None, :] < counts[:, None]] = flat
-        logits = graphs.run({
+        return graphs.run({
             "input_ids": torch.tensor(ids, dtype=torch.int64),
             "positions": torch.tensor(positions, dtype=torch.int64),
             "slot_mapping": torch.tensor(slots, dtype=torch.int64),
             "block_tables": table,
             "context_lens": torch.tensor(lens, dtype=torch.int32),
         })
+
+    def _decode_with_graph(self, decodes: list[ScheduledRequest], graphs: CUDAGraphRunner):
+        """A pure-decode step replayed from the captured graph of the next padded batch size,
+        then sampled outside the graph. Same return value as :meth:`_forward_and_sample`.
+
+        Raises:
+            ValueError: a position beyond ``max_model_len`` or a block table too short.
+        """
+        logits = self._replay_decode_graph(decodes, graphs)
         sampled = [r for r in decodes if r.sample]
         if not sampled:
             return [], [], []

@@ -19,7 +19,9 @@ Order of operations per row (as in vLLM):
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,26 +32,51 @@ from pdserve.engine.sampling_params import SamplingParams
 class Sampler:
     """Samples one token per row of a logits batch.
 
+    On CUDA (with Triton) the draw is one fused kernel
+    (:func:`pdserve.model.triton_sampling.gumbel_argmax`) whose noise for a request depends
+    only on its seed and the output position of the token; requests without a seed get one
+    from a host RNG seeded with ``seed``. Elsewhere the draw is the torch exponential race with a
+    ``torch.Generator`` per seeded request. Either way a seeded request's tokens do not depend
+    on the rest of the batch.
+
     Args:
         device: where logits live (the per-request generators are created there).
-        seed: seed of the shared generator used by requests without their own seed.
+        seed: seed of the shared generator (or host RNG) used for requests without their own.
+        fused: use the fused CUDA draw; default: on CUDA when Triton is importable.
     """
 
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, fused: bool | None = None):
         self.device = device
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._row_seeds: dict[str, int] = {}
+        self._seed_rng = random.Random(seed)
+        self._gumbel_argmax = None
+        if fused is None:
+            fused = device.type == "cuda"
+        if fused:
+            try:
+                from pdserve.model.triton_sampling import gumbel_argmax
+            except ImportError:
+                gumbel_argmax = None
+            self._gumbel_argmax = gumbel_argmax
+
+    @property
+    def fused(self) -> bool:
+        """True when draws use the fused CUDA kernel."""
+        return self._gumbel_argmax is not None
 
     def drop(self, req_ids: Iterable[str]) -> None:
-        """Forget the per-request generators of finished requests."""
+        """Forget the per-request generators (and drawn seeds) of finished requests."""
         for rid in req_ids:
             self._generators.pop(rid, None)
+            self._row_seeds.pop(rid, None)
 
     @property
     def num_generators(self) -> int:
-        """Per-request generators currently held (for tests and leak checks)."""
-        return len(self._generators)
+        """Per-request generators and seeds currently held (for tests and leak checks)."""
+        return len(self._generators) + len(self._row_seeds)
 
     def _generator(self, req_id: str, seed: int) -> torch.Generator:
         gen = self._generators.get(req_id)
@@ -78,16 +105,7 @@ class Sampler:
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs_rows = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
 
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
-        random = [i for i, p in enumerate(params) if p.temperature != 0.0]
-        if greedy:
-            if len(greedy) == len(params):
-                tokens = logits.argmax(dim=-1)
-            else:
-                tokens[greedy] = logits[greedy].argmax(dim=-1)
-        if random:
-            tokens[random] = self._sample_random(logits[random], [reqs[i] for i in random])
+        tokens = self.draw(logits, self.plan(reqs))
 
         token_list = tokens.tolist()
         out_lp: list[TokenLogprobs | None] = [None] * len(params)
@@ -106,29 +124,159 @@ class Sampler:
                 out_lp[i] = TokenLogprobs(token_id=token_list[i], logprob=chosen[j], top=top)
         return token_list, out_lp
 
-    def _sample_random(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]
-                       ) -> torch.Tensor:
-        """Temperature, top-k/top-p/min-p, then a draw per row: ``[R, V]`` -> ``[R]``."""
+    def plan(self, reqs: Sequence[ScheduledRequest]) -> "SamplingPlan":
+        """The per-row drawing parameters of ``reqs`` as device tensors, built once so that
+        :meth:`draw` can run several times (one per decode step of a multi-step round) without
+        host-to-device copies, which would wait for the GPU."""
+        if self.fused:
+            return self._fused_plan(reqs)
         params = [r.sampling_params for r in reqs]
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
-                             device=logits.device)
-        logits = logits / temps[:, None]
-        apply_top_k_top_p(logits, params)
-        apply_min_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)
+        dev = self.device
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+        sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
+        plan = SamplingPlan(num_rows=len(params))
+        if greedy and sampled:
+            plan.greedy_rows = torch.tensor(greedy, dtype=torch.int64, device=dev)
+            plan.random_rows = torch.tensor(sampled, dtype=torch.int64, device=dev)
+        plan.any_greedy, plan.any_random = bool(greedy), bool(sampled)
+        if not sampled:
+            return plan
+        rp = [params[i] for i in sampled]
+        plan.temperatures = torch.tensor([p.temperature for p in rp], dtype=torch.float32,
+                                         device=dev)[:, None]
+        vocab_unbounded = [p.top_k <= 0 for p in rp]
+        if not all(vocab_unbounded):
+            plan.top_k = torch.tensor([p.top_k if p.top_k > 0 else 2**62 for p in rp],
+                                      dtype=torch.int64, device=dev)[:, None]
+        if any(p.top_p < 1.0 for p in rp):
+            plan.top_p = torch.tensor([p.top_p for p in rp], dtype=torch.float32, device=dev)[:, None]
+        if any(p.min_p > 0.0 for p in rp):
+            plan.min_p = torch.tensor([p.min_p for p in rp], dtype=torch.float32, device=dev)[:, None]
+        unseeded = [j for j, p in enumerate(rp) if p.seed is None]
+        plan.seeded = [(j, self._generator(reqs[i].req_id, params[i].seed))
+                       for j, i in enumerate(sampled) if params[i].seed is not None]
+        if plan.seeded and unseeded:
+            plan.unseeded_rows = torch.tensor(unseeded, dtype=torch.int64, device=dev)
+        plan.any_unseeded = bool(unseeded)
+        return plan
+
+    def _fused_plan(self, reqs: Sequence[ScheduledRequest]) -> "SamplingPlan":
+        """:meth:`plan` for the fused draw: per-row temperature (0 = greedy), Philox seed and
+        output position for every row, and the masks' limits for every row when any uses one."""
+        dev = self.device
+        params = [r.sampling_params for r in reqs]
+        plan = SamplingPlan(num_rows=len(params), fused=True)
+        plan.any_random = any(p.temperature != 0.0 for p in params)
+        plan.any_greedy = not all(p.temperature != 0.0 for p in params)
+        if not plan.any_random:
+            return plan  # plain argmax: nothing to copy to the device
+        seeds = []
+        for r, p in zip(reqs, params):
+            if p.seed is not None:
+                seeds.append(p.seed & 0x7FFFFFFF)
+                continue
+            seed = self._row_seeds.get(r.req_id)
+            if seed is None:
+                seed = self._row_seeds[r.req_id] = self._seed_rng.getrandbits(31)
+            seeds.append(seed)
+        host = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32)
+        ints = torch.tensor([[s, len(r.output_token_ids), p.top_k if p.top_k > 0 else 2**62]
+                             for s, r, p in zip(seeds, reqs, params)], dtype=torch.int64)
+        host, ints = host.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
+        plan.temperatures = host[:, 0].contiguous()
+        plan.seeds, plan.positions = ints[:, 0].contiguous(), ints[:, 1].contiguous()
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params if p.temperature):
+            plan.top_k = ints[:, 2:3] if any(p.top_k > 0 for p in params) else None
+            plan.top_p = host[:, 1:2] if any(p.top_p < 1.0 for p in params) else None
+            plan.min_p = host[:, 2:3] if any(p.min_p > 0.0 for p in params) else None
+            plan.scale = torch.where(plan.temperatures > 0, plan.temperatures, 1.0)[:, None]
+            plan.unit_temperatures = (plan.temperatures > 0).to(torch.float32)
+        return plan
+
+    def draw(self, logits: torch.Tensor, plan: "SamplingPlan", step: int = 0) -> torch.Tensor:
+        """One token per row of ``logits`` ``[S, V]`` (float32, left unmodified) as described
+        by ``plan``: argmax for greedy rows; for the others temperature, top-k / top-p / min-p
+        masks and a random draw (the fused Gumbel-max kernel on CUDA, the exponential race
+        elsewhere). ``step`` is the step inside a multi-step round (the fused draw's noise
+        follows the output position). Returns ``[S]`` int64 on the device, without waiting for
+        the GPU."""
+        if plan.fused and plan.any_random:
+            if plan.scale is None:
+                return self._gumbel_argmax(logits, plan.temperatures, plan.seeds, plan.positions, step)
+            scaled = logits / plan.scale
+            if plan.top_k is not None or plan.top_p is not None:
+                mask_top_k_top_p(scaled, plan.top_k, plan.top_p)
+            if plan.min_p is not None:
+                mask_min_p(scaled, plan.min_p)
+            return self._gumbel_argmax(scaled, plan.unit_temperatures, plan.seeds, plan.positions, step)
+        if not plan.any_random:
+            return logits.argmax(dim=-1)
+        rows = logits if plan.random_rows is None else logits[plan.random_rows]
+        scaled = rows / plan.temperatures
+        if plan.top_k is not None or plan.top_p is not None:
+            mask_top_k_top_p(scaled, plan.top_k, plan.top_p)
+        if plan.min_p is not None:
+            mask_min_p(scaled, plan.min_p)
+        probs = torch.softmax(scaled, dim=-1)
         noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if len(unseeded) == len(params):
+        if not plan.seeded:
             noise.exponential_(generator=self._shared)
         else:
-            if unseeded:
-                shared = torch.empty((len(unseeded), probs.shape[1]), dtype=probs.dtype,
+            if plan.any_unseeded:
+                shared = torch.empty((plan.unseeded_rows.numel(), probs.shape[1]), dtype=probs.dtype,
                                      device=probs.device).exponential_(generator=self._shared)
-                noise[unseeded] = shared
-            for i, (r, p) in enumerate(zip(reqs, params)):
-                if p.seed is not None:
-                    noise[i].exponential_(generator=self._generator(r.req_id, p.seed))
-        return (probs / noise).argmax(dim=-1)
+                noise[plan.unseeded_rows] = shared
+            for j, gen in plan.seeded:
+                noise[j].exponential_(generator=gen)
+        drawn = (probs / noise).argmax(dim=-1)
+        if plan.random_rows is None:
+            return drawn
+        tokens = torch.empty(plan.num_rows, dtype=torch.int64, device=logits.device)
+        tokens[plan.greedy_rows] = logits[plan.greedy_rows].argmax(dim=-1)
+        tokens[plan.random_rows] = drawn
+        return tokens
+
+
+@dataclass
+class SamplingPlan:
+    """How :meth:`Sampler.draw` picks the token of each row, with per-row parameters on the
+    device.
+
+    Attributes:
+        num_rows: rows of the batch.
+        any_greedy, any_random: whether some rows are greedy (temperature 0) / sampled.
+        greedy_rows, random_rows: ``[G]`` / ``[R]`` int64 row indices, only for mixed batches.
+        temperatures: ``[R, 1]`` float32 temperatures of the sampled rows.
+        top_k: ``[R, 1]`` int64 (``2**62`` = no limit), None when no row uses top-k.
+        top_p, min_p: ``[R, 1]`` float32, None when no row uses them.
+        seeded: ``(index among the sampled rows, generator)`` of requests with a seed.
+        unseeded_rows: ``[U]`` int64 indices among the sampled rows of the unseeded ones, only
+            when seeded and unseeded rows are mixed.
+        any_unseeded: whether some sampled rows draw from the shared generator.
+        fused: the plan is for the fused CUDA draw; then ``temperatures`` is ``[S]`` for every
+            row (0 = greedy), ``seeds`` / ``positions`` are ``[S]`` int64 Philox seeds and output
+            positions, the masks' limits cover every row, and when any row is masked ``scale``
+            ``[S, 1]`` (temperature, 1 for greedy rows) and ``unit_temperatures`` ``[S]`` (1 or 0)
+            are set.
+    """
+
+    num_rows: int
+    fused: bool = False
+    any_greedy: bool = False
+    any_random: bool = False
+    greedy_rows: torch.Tensor | None = None
+    random_rows: torch.Tensor | None = None
+    temperatures: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)
+    unseeded_rows: torch.Tensor | None = None
+    any_unseeded: bool = True
+    seeds: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    unit_temperatures: torch.Tensor | None = None
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> None:
@@ -191,21 +339,31 @@ def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     The most likely token always survives. Rows with ``top_k <= 0`` and ``top_p == 1`` are
     left alone.
     """
-    vocab = logits.shape[1]
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    ps = [p.top_p for p in params]
-    if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
+    dev = logits.device
+    top_k = top_p = None
+    if any(p.top_k > 0 for p in params):
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else 2**62 for p in params], device=dev)[:, None]
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)[:, None]
+    mask_top_k_top_p(logits, top_k, top_p)
+
+
+def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                     top_p: torch.Tensor | None) -> None:
+    """:func:`apply_top_k_top_p` with the limits as device tensors: ``top_k`` ``[R, 1]`` int64
+    (values at or above the vocabulary size keep everything) and ``top_p`` ``[R, 1]``, either
+    None when unused. In place on ``logits`` ``[R, V]``."""
+    if top_k is None and top_p is None:
         return
+    vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k_t = torch.tensor(ks, device=logits.device)[:, None]
-    remove = ranks >= k_t
-    if any(p < 1.0 for p in ps):
-        p_t = torch.tensor(ps, dtype=logits.dtype, device=logits.device)[:, None]
+    remove = ranks >= top_k if top_k is not None else torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_p is not None:
         probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
         # mass strictly before this token; drop tokens once the kept mass reaches top_p
         before = probs.cumsum(dim=-1) - probs
-        remove |= before >= p_t
+        remove |= before >= top_p
     remove[:, 0] = False
     logits.scatter_(1, order, sorted_logits.masked_fill(remove, float("-inf")))
 
@@ -214,7 +372,12 @@ def apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     """Mask tokens with probability below ``min_p * max_prob``, in place on ``[R, V]``."""
     if all(p.min_p <= 0.0 for p in params):
         return
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+    mask_min_p(logits, torch.tensor([p.min_p for p in params], dtype=logits.dtype,
+                                    device=logits.device)[:, None])
+
+
+def mask_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """:func:`apply_min_p` with ``min_p`` ``[R, 1]`` on the device, in place on ``[R, V]``."""
     probs = torch.softmax(logits, dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p
     logits.masked_fill_(probs < threshold, float("-inf"))

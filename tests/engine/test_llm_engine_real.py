@@ -108,3 +108,65 @@ def test_preemption_keeps_tokens_identical(tiny_llama_path, one_at_a_time):
         assert_all_free(engine)
     finally:
         engine.shutdown()
+
+
+def _count_rounds(engine: LLMEngine) -> list[int]:
+    """Wraps the runner so the test sees each step's ``num_steps``."""
+    steps: list[int] = []
+    runner = engine.core.runner
+    inner = runner.execute
+
+    def execute(sched):
+        steps.append(sched.num_steps)
+        return inner(sched)
+
+    runner.execute = execute
+    return steps
+
+
+def test_multi_step_rounds_give_the_same_tokens(tiny_llama_path, one_at_a_time):
+    """Rounds of 4 decode steps: same greedy tokens, requests that stop inside a round (by
+    length or a stop token) keep only the tokens up to the stop, and all blocks come back."""
+    stop_tok = one_at_a_time[-1][5]
+    params = [SamplingParams(temperature=0.0, max_tokens=10 - i % 3, ignore_eos=True)
+              for i in range(len(PROMPTS) - 1)]
+    params.append(SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop_tok]))
+    engine = make_engine(tiny_llama_path, num_scheduler_steps=4)
+    try:
+        rounds = _count_rounds(engine)
+        outs = engine.generate(PROMPTS, params)
+        assert 4 in rounds, f"no multi-step round was scheduled: {rounds}"
+        for i, o in enumerate(outs[:-1]):
+            assert o.token_ids == one_at_a_time[i][: 10 - i % 3], f"prompt length {LENGTHS[i]}"
+            assert o.finish_reason == "length"
+        last = outs[-1]
+        cut = one_at_a_time[-1].index(stop_tok) + 1
+        assert last.token_ids == one_at_a_time[-1][:cut]
+        assert (last.finish_reason, last.stop_reason) == ("stop", stop_tok)
+        assert engine.stats()["generation_tokens_total"] == sum(len(o.token_ids) for o in outs)
+        assert_all_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_multi_step_rounds_stop_at_max_model_len_and_keep_seeded_sampling(tiny_llama_path):
+    """A round is cut short at ``max_model_len``; seeded sampling draws the same tokens with
+    and without rounds (each request's generator advances once per step either way)."""
+    long_prompt = prompt(60, salt=3)
+    sampled = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in (1, 2)]
+    results = []
+    for steps in (1, 8):
+        engine = make_engine(tiny_llama_path, max_model_len=70, num_scheduler_steps=steps)
+        try:
+            rounds = _count_rounds(engine)
+            greedy_long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+            out = engine.generate([long_prompt, PROMPTS[2], PROMPTS[5]], [greedy_long] + sampled)
+            results.append(([o.token_ids for o in out], [o.finish_reason for o in out]))
+            if steps > 1:
+                assert max(rounds) > 1
+            assert_all_free(engine)
+        finally:
+            engine.shutdown()
+    (single, single_reasons), (multi, multi_reasons) = results
+    assert len(single[0]) == 70 - 60 and single_reasons[0] == "length"
+    assert multi == single and multi_reasons == single_reasons
