@@ -206,6 +206,45 @@ class EngineCore:
             self._connector_stats.append(kv_out.stats)
         return outputs, bool(sched.scheduled)
 
+    def wait_timeout_s(self, progressed: bool) -> float:
+        """Seconds the core loop may block waiting for input or a connector wake-up before it
+        must step again.
+
+        0 after a step that computed tokens, or while finished requests or connector metadata
+        wait to be delivered; :data:`KV_POLL_INTERVAL_S` while requests wait for blocks or a
+        batch slot; while only KV work is pending, the connector worker's ``next_poll_in()``
+        (it wakes the loop itself through :meth:`wakeup_handles` for everything else), or
+        :data:`KV_POLL_INTERVAL_S` for a worker without that hook; otherwise
+        :data:`IDLE_POLL_INTERVAL_S`.
+        """
+        sched = self.scheduler
+        if progressed or sched.finished_req_ids:
+            return 0.0
+        pending_meta = getattr(self.connector, "has_pending_metadata", None)
+        if pending_meta is not None and pending_meta():
+            return 0.0
+        if sched.waiting or sched.running:
+            return KV_POLL_INTERVAL_S
+        if not self.has_work():
+            return IDLE_POLL_INTERVAL_S
+        next_poll_in = getattr(self.connector_worker, "next_poll_in", None)
+        if next_poll_in is None:
+            return KV_POLL_INTERVAL_S
+        wait = next_poll_in()
+        return IDLE_POLL_INTERVAL_S if wait is None else max(0.0, min(wait, IDLE_POLL_INTERVAL_S))
+
+    def wakeup_handles(self) -> list[Any]:
+        """ZMQ sockets / file descriptors the core loop polls besides its input socket (the
+        connector worker's ``wakeup_handles()``; empty without one)."""
+        handles = getattr(self.connector_worker, "wakeup_handles", None)
+        return list(handles()) if handles is not None else []
+
+    def handle_wakeup(self) -> None:
+        """One of :meth:`wakeup_handles` became readable: let the worker consume it."""
+        handle = getattr(self.connector_worker, "handle_wakeup", None)
+        if handle is not None:
+            handle()
+
     def take_connector_stats(self) -> list[dict[str, Any]]:
         """Connector stats deltas collected since the last call."""
         stats, self._connector_stats = self._connector_stats, []
@@ -290,27 +329,47 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses) -> None:
             os._exit(exit_code)
 
 
+def _sync_wakeup_handles(poller: Any, registered: list[Any], handles: list[Any]) -> list[Any]:
+    """(Un)register the connector's wake-up handles that changed; returns the new list."""
+    import zmq
+
+    if handles == registered:
+        return registered
+    for h in registered:
+        if not any(h is x for x in handles):
+            poller.unregister(h)
+    for h in handles:
+        if not any(h is x for x in registered):
+            poller.register(h, zmq.POLLIN)
+    return list(handles)
+
+
 def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, decoder: Any, parent: int) -> None:
     import zmq
 
     poller = zmq.Poller()
     poller.register(in_sock, zmq.POLLIN)
+    wakeups: list[Any] = []
     last_stats: dict[str, Any] | None = None
     last_stats_time = 0.0
+    last_parent_check = time.monotonic()
+    stats_stale = False  # a changed snapshot waits for STATS_INTERVAL_S to pass
     progressed = False
     sched = core.scheduler
     while True:
-        # Wait for input: not at all while the last step computed tokens, briefly while other
-        # work (transfers, leases) is pending, long (but bounded, to notice a dead parent) when
-        # idle. Never spins a core when nothing can progress.
-        if progressed:
-            timeout_ms = 0
-        elif core.has_work():
-            timeout_ms = KV_POLL_INTERVAL_S * 1000
-        else:
-            timeout_ms = IDLE_POLL_INTERVAL_S * 1000
+        # Wait for input or a connector wake-up (side-channel answer or notice, finished
+        # handshake): not at all while the last step computed tokens, until the connector's
+        # next deadline while only KV work is pending, long (but bounded, to notice a dead
+        # parent) when idle. Never spins a core when nothing can progress.
+        timeout_s = core.wait_timeout_s(progressed)
+        if stats_stale:
+            timeout_s = min(timeout_s, max(0.0, last_stats_time + STATS_INTERVAL_S - time.monotonic()))
+        wakeups = _sync_wakeup_handles(poller, wakeups, core.wakeup_handles())
         early_outputs: list[EngineCoreOutput] = []
-        if poller.poll(timeout_ms):
+        events = dict(poller.poll(timeout_s * 1000))
+        if len(events) > (in_sock in events):
+            core.handle_wakeup()
+        if in_sock in events:
             while True:
                 try:
                     raw = in_sock.recv(zmq.NOBLOCK)
@@ -326,20 +385,31 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
                 elif isinstance(msg, Shutdown):
                     logger.info("engine core shutting down")
                     return
-        elif os.getppid() != parent:
-            logger.warning("front-end process died; engine core exiting")
-            return
+        now = time.monotonic()
+        if not events or now - last_parent_check >= IDLE_POLL_INTERVAL_S:
+            last_parent_check = now
+            if os.getppid() != parent:
+                logger.warning("front-end process died; engine core exiting")
+                return
 
-        outputs, progressed = core.step() if core.has_work() or sched.finished_req_ids else ([], False)
+        stepping = core.has_work() or bool(sched.finished_req_ids)
+        outputs, progressed = core.step() if stepping else ([], False)
         outputs = early_outputs + outputs
         conn_stats = core.take_connector_stats()
         now = time.monotonic()
         stats = None
-        if outputs or conn_stats or now - last_stats_time >= STATS_INTERVAL_S:
+        interval_over = now - last_stats_time >= STATS_INTERVAL_S
+        if outputs or conn_stats or stepping or stats_stale or interval_over:
+            # Snapshots without token output go out at most every STATS_INTERVAL_S; a changed
+            # one held back makes the loop wake up when the interval is over.
             snapshot = core.stats()
-            if outputs or conn_stats or snapshot != last_stats:
+            changed = snapshot != last_stats
+            if outputs or conn_stats or (changed and interval_over):
                 stats = snapshot
                 last_stats = snapshot
                 last_stats_time = now
+                stats_stale = False
+            else:
+                stats_stale = changed
         if outputs or conn_stats or stats is not None:
             out_sock.send(encoder.encode(StepOutputs(outputs=outputs, stats=stats, connector_stats=conn_stats)))

@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
+from array import array
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
@@ -21,6 +24,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 from fastapi import Request
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import prompt_handoff
 from pdserve.entrypoints.errors import OpenAIError, bad_request, model_not_found
 from pdserve.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -56,6 +60,155 @@ class EngineJob:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_digest: str | None = None
+
+
+class PromptIds(list):
+    """A prompt's token ids plus the digest of the rendered text they were computed from
+    (:func:`pdserve.kv_transfer.prompt_handoff.text_digest`; None when not computed)."""
+
+    text_digest: str | None = None
+
+
+def _remote_role(params: Any) -> str | None:
+    """``"prefill"`` for a P leg (``do_remote_decode``), ``"decode"`` for a D leg
+    (``do_remote_prefill``), else None."""
+    if not isinstance(params, dict):
+        return None
+    if params.get("do_remote_prefill"):
+        return "decode"
+    if params.get("do_remote_decode"):
+        return "prefill"
+    return None
+
+
+class SegmentCachedEncoder:
+    """Tokenizes rendered chat prompts piece by piece, caching each piece's ids, so that a
+    conversation's history is tokenized once instead of again on every turn.
+
+    A fast (Rust) tokenizer cuts its input at added tokens before normalizing or
+    pre-tokenizing anything, so for a text cut right before a special added token that does
+    not strip whitespace on its left, ``encode(a + b) == encode(a) + encode(b)``. Prompts are
+    cut before every such token (in a chat template: every message starts with one) and each
+    piece is looked up in an LRU cache by its text. The equivalence is checked against a
+    plain ``encode`` on the first ``verify_first`` prompts and then every ``verify_every``-th;
+    any difference turns the cache off for good (with a warning).
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer; a slow one, or one without such special
+            tokens, is simply used as is.
+        max_tokens: cache bound (tokens over all cached pieces; ids are stored as int32).
+        verify_first / verify_every: see above.
+    """
+
+    def __init__(self, tokenizer: Any, max_tokens: int = 1 << 22, verify_first: int = 8,
+                 verify_every: int = 100):
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.verify_first = verify_first
+        self.verify_every = verify_every
+        self._cache: OrderedDict[str, array] = OrderedDict()
+        self._tokens = 0
+        self._count = 0
+        self._lock = threading.Lock()
+        self.boundaries = self._boundary_tokens(tokenizer)
+        self.enabled = bool(self.boundaries)
+
+    @staticmethod
+    def _boundary_tokens(tokenizer: Any) -> list[str]:
+        if not getattr(tokenizer, "is_fast", False):
+            return []
+        found = []
+        for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+            content = getattr(tok, "content", None)
+            if content and getattr(tok, "special", False) and getattr(tok, "lstrip", True) is False:
+                found.append(content)
+        return found
+
+    def _pieces(self, text: str) -> list[str]:
+        cuts = {0, len(text)}
+        for b in self.boundaries:
+            at = text.find(b, 1)
+            while at != -1:
+                cuts.add(at)
+                at = text.find(b, at + 1)
+        points = sorted(cuts)
+        return [text[i:j] for i, j in zip(points, points[1:])]
+
+    def self_check(self, texts: Sequence[str]) -> bool:
+        """Compare the piece-by-piece encoding of ``texts`` with plain ``encode`` (without
+        touching the cache); any difference turns the cache off. Returns whether it is on."""
+        for text in texts:
+            if not self.enabled:
+                break
+            pieces = self._pieces(text)
+            ids = [i for piece in self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
+                   for i in piece] if pieces else []
+            if ids != list(self.tokenizer.encode(text, add_special_tokens=False)):
+                logger.warning("tokenizing chat prompts piece by piece differs from tokenizing "
+                               "them whole for this tokenizer; the piece cache is off")
+                self.enabled = False
+        return self.enabled
+
+    def encode(self, text: str) -> list[int]:
+        """``tokenizer.encode(text, add_special_tokens=False)``, from cached pieces where
+        possible."""
+        if not self.enabled:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        pieces = self._pieces(text)
+        with self._lock:
+            found = [self._cache.get(p) for p in pieces]
+            for p, ids in zip(pieces, found):
+                if ids is not None:
+                    self._cache.move_to_end(p)
+        todo = list(dict.fromkeys(p for p, ids in zip(pieces, found) if ids is None))
+        if todo:
+            encoded = self.tokenizer(todo, add_special_tokens=False)["input_ids"]
+            new = {p: array("i", ids) for p, ids in zip(todo, encoded)}
+            with self._lock:
+                for p, ids in new.items():
+                    if p not in self._cache:
+                        self._cache[p] = ids
+                        self._tokens += len(ids)
+                while self._tokens > self.max_tokens and self._cache:
+                    self._tokens -= len(self._cache.popitem(last=False)[1])
+            found = [ids if ids is not None else new[p] for p, ids in zip(pieces, found)]
+        out: list[int] = []
+        for ids in found:
+            out.extend(ids)
+        self._count += 1
+        if self._count <= self.verify_first or self._count % self.verify_every == 0:
+            plain = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if plain != out:
+                logger.warning("tokenizing chat prompts piece by piece differs from tokenizing "
+                               "them whole for this tokenizer; the piece cache is off")
+                self.enabled = False
+                with self._lock:
+                    self._cache.clear()
+                return plain
+        return out
+
+
+def _sample_chats(tokenizer: Any) -> list[str]:
+    """Chats rendered with the tokenizer's template for :meth:`SegmentCachedEncoder.self_check`:
+    text next to message boundaries with leading and trailing spaces, newlines, tabs, digits,
+    code, accents, CJK and emoji. Empty when there is no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    contents = [" leading space", "trailing space ", "\n\nnew lines\n", "\tx = [1, 2, 3]\n",
+                "12345 67.89", "déjà vu — ünïcödé", "中文字符和日本語", "emoji 🙂🚀 end", "  ", "a"]
+    chats = []
+    for shift in range(3):
+        turns = contents[shift:] + contents[:shift]
+        messages = [{"role": "system", "content": "You are a helpful assistant."}]
+        messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": c}
+                     for i, c in enumerate(turns)]
+        try:
+            chats.append(tokenizer.apply_chat_template(messages, tokenize=False,
+                                                       add_generation_prompt=True))
+        except Exception:  # a template that refuses these roles: nothing to check against
+            return []
+    return chats
 
 
 @dataclass
@@ -212,6 +365,11 @@ class OpenAIServing:
         # is enough to keep long prompts off the event loop.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1,
                                                   thread_name_prefix="pdserve-tokenize")
+        # Multi-turn histories repeat every earlier message: tokenize each message once. The
+        # piece split is checked on rendered sample chats here, so live prompts are checked only
+        # every 100th (a full encode on the request path costs milliseconds).
+        self._chat_encoder = SegmentCachedEncoder(self.tokenizer, verify_first=0)
+        self._chat_encoder.self_check(_sample_chats(self.tokenizer))
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -267,13 +425,24 @@ class OpenAIServing:
             d["content"] = m.text() or ""
             messages.append(d)
         kwargs = dict(req.chat_template_kwargs or {})
+        params = req.kv_transfer_params
+        role = _remote_role(params)
 
         def render() -> list[int]:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
                 **kwargs,
             )
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            if role is None:
+                return self._chat_encoder.encode(text)
+            # P/D: a decoder reuses the prefiller's ids for the same text; a prefiller
+            # remembers the digest to hand its ids on.
+            digest = prompt_handoff.text_digest(text, self.vocab_size)
+            handed = (prompt_handoff.decode(params.get(prompt_handoff.KEY), digest)
+                      if role == "decode" else None)
+            out = PromptIds(handed if handed is not None else self._chat_encoder.encode(text))
+            out.text_digest = digest
+            return out
 
         try:
             ids = await self._in_tokenizer_thread(render)
@@ -357,6 +526,11 @@ class OpenAIServing:
             self.engine.check_kv_transfer_params(req.kv_transfer_params)
         except ValueError as exc:
             raise bad_request(str(exc), param="kv_transfer_params") from exc
+        kv_params = req.kv_transfer_params
+        if isinstance(kv_params, dict) and prompt_handoff.KEY in kv_params:
+            # consumed by the front end (chat_prompt); the engine does not need the ids twice
+            kv_params = {k: v for k, v in kv_params.items() if k != prompt_handoff.KEY}
+        hand_on = _remote_role(kv_params) == "prefill"
         total = len(prompts) * req.n
         jobs = []
         for p, ids in enumerate(prompts):
@@ -368,7 +542,8 @@ class OpenAIServing:
                     request_id=base_id if total == 1 else f"{base_id}-{index}",
                     prompt_token_ids=ids,
                     sampling_params=self.sampling_params(req, max_tokens, logprobs, i),
-                    kv_transfer_params=req.kv_transfer_params,
+                    kv_transfer_params=kv_params,
+                    prompt_digest=getattr(ids, "text_digest", None) if hand_on else None,
                 ))
         return jobs
 
@@ -394,6 +569,8 @@ class OpenAIServing:
                                            job.sampling_params, job.kv_transfer_params)
                 async with contextlib.aclosing(gen):
                     async for out in gen:
+                        if out.finished and job.prompt_digest is not None:
+                            _hand_on_prompt(out, job)
                         queue.put_nowait((job.index, out))
             except asyncio.CancelledError:
                 raise
@@ -516,6 +693,19 @@ class OpenAIServing:
             logger.exception("error while streaming %s", response_id)
             yield sse_event(OpenAIError(f"Internal server error: {e}", 500).body())
             yield DONE
+
+
+def _hand_on_prompt(out: Any, job: EngineJob) -> None:
+    """A prefiller's finished output: add the prompt's token ids to the ``kv_transfer_params``
+    that send the decoder here (:mod:`pdserve.kv_transfer.prompt_handoff`)."""
+    params = out.kv_transfer_params
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return
+    try:
+        handed = prompt_handoff.encode(job.prompt_token_ids, job.prompt_digest)
+    except OverflowError:
+        return
+    out.kv_transfer_params = dict(params, **{prompt_handoff.KEY: handed})
 
 
 def new_request_id(prefix: str) -> str:

@@ -150,6 +150,11 @@ class KVConnectorSchedulerSide(abc.ABC):
         (transfers in flight, leases to expire, notifications to send). Default: False."""
         return False
 
+    def has_pending_metadata(self) -> bool:
+        """Optional hook: True when :meth:`build_connector_meta` has something for the worker
+        side, so the engine loop steps at once instead of waiting. Default: False."""
+        return False
+
     def shutdown(self) -> None:
         """Release resources (threads, sockets)."""
 
@@ -176,6 +181,25 @@ class KVConnectorWorkerSide(abc.ABC):
         Args:
             finished_req_ids: requests the scheduler finished this step.
         """
+
+    # Optional hooks for an event-driven engine loop. Without them the loop polls the worker
+    # every KV_POLL_INTERVAL_S (pdserve/engine/core.py) while KV work is pending.
+    def wakeup_handles(self) -> list[Any]:
+        """ZMQ sockets or file descriptors that become readable when the worker has work for
+        the engine thread (for example a side-channel answer); the engine loop polls them with
+        its input socket. Default: none."""
+        return []
+
+    def handle_wakeup(self) -> None:
+        """Consume what made :meth:`wakeup_handles` readable (must not block); the engine's
+        next step acts on it. Default: nothing."""
+
+    def next_poll_in(self) -> float | None:
+        """Seconds until the worker needs a step although no wake-up came (transfers that
+        cannot signal, lease deadlines), or None when it only needs steps after wake-ups.
+        A worker that does not override this is polled every engine loop tick while KV work
+        is pending. Default: 0.001 (that tick)."""
+        return 0.001
 
     def shutdown(self) -> None:
         """Release the agent and registered memory."""

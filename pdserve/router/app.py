@@ -345,6 +345,7 @@ class DisaggProxy:
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.request_id})
         watcher = KVParamsWatcher() if conv_id else None
+        recorded = False
         content = d_resp.content
         finished = False
         try:
@@ -365,14 +366,20 @@ class DisaggProxy:
                     finished = True
                     await out.write_eof()
                     break
+                if watcher is not None and not recorded:
+                    # Record D's params before the client can see the end of the turn: a
+                    # client that sends its next turn as soon as it reads the final event
+                    # must find them (else P would try the blocks it already pulled).
+                    watcher.feed(chunk)
+                    if watcher.kv_transfer_params is not None:
+                        self._record_turn(conv_id, p_up, d_up, watcher.kv_transfer_params)
+                        recorded = True
                 if content.at_eof():  # D's last chunk: send it with the end of the response
                     finished = True
                     await out.write_eof(chunk)
                 else:
                     await out.write(chunk)
                 last = chunk
-                if watcher is not None:
-                    watcher.feed(chunk)
                 if finished:
                     break
         except ConnectionResetError:
@@ -383,8 +390,8 @@ class DisaggProxy:
             else:
                 d_resp.close()  # D's server sees the disconnect and aborts the request
             self._leave(d_up)
-        if finished and conv_id:
-            self._record_turn(conv_id, p_up, d_up, watcher.kv_transfer_params)
+        if finished and conv_id and not recorded:
+            self._record_turn(conv_id, p_up, d_up, None)  # keeps the routing stickiness
         return out
 
     # ------------------------------------------------------------------ other routes

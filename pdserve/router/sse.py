@@ -1,8 +1,10 @@
 """Watching a Server-Sent-Events stream for ``kv_transfer_params`` while it passes through.
 
-The proxy forwards each chunk of D's stream to the client first and only then feeds it here, so
-watching never delays a token. Only ``data:`` lines that contain the text ``kv_transfer_params``
-are JSON-decoded; the last non-null value wins (the engine puts it on the final chunk).
+The proxy feeds each chunk of D's stream here just before forwarding it, until the params are
+found (the engine puts them on the final chunk), so that it records them before the client can
+see the end of the turn. Scanning a chunk that lacks the text ``kv_transfer_params`` is one
+substring search; only ``data:`` lines that contain it are JSON-decoded, and the last non-null
+value wins.
 """
 
 from __future__ import annotations

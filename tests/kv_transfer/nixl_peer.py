@@ -80,7 +80,18 @@ def _serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
                 "stats": out.stats,
                 "pending": worker.has_pending_work(),
                 "num_leases": len(worker.leases),
+                "next_poll_in": worker.next_poll_in(),
             })
+        elif cmd == "wait_wakeup":  # block until a wake-up handle is readable (or timeout)
+            import zmq
+
+            poller = zmq.Poller()
+            for h in worker.wakeup_handles():
+                poller.register(h, zmq.POLLIN)
+            woke = bool(poller.poll(int(arg * 1000)))
+            if woke:
+                worker.handle_wakeup()
+            conn.send({"woke": woke, "next_poll_in": worker.next_poll_in()})
         elif cmd == "blocks":
             conn.send([kv[i].reshape(-1).cpu().numpy().copy() for i in arg])  # plain pickling
         elif cmd == "shutdown":
@@ -159,6 +170,11 @@ class PeerProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"condition not met within {timeout_s} s; got {acc}")
             time.sleep(0.005)
+
+    def wait_wakeup(self, timeout_s: float) -> dict[str, Any]:
+        """Block until one of the worker's wake-up handles is readable (then consume it), at
+        most ``timeout_s``; returns ``{"woke": bool, "next_poll_in": seconds or None}``."""
+        return self.call("wait_wakeup", timeout_s, timeout_s=timeout_s + 60)
 
     def blocks(self, ids: list[int]):
         """The content of local blocks ``ids`` as flat float32 tensors."""

@@ -6,6 +6,7 @@ the scheduler sides by handing each worker its per-step metadata.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import socket
 
 import pytest
@@ -93,6 +94,34 @@ def test_read_moves_blocks_merges_descriptors_and_notifies_owner(pair):
     p_acc = p.step_until(lambda a: "p-read" in a["finished_sending"], timeout_s=10)
     assert p_acc["last"]["num_leases"] == 0
     assert not any(s["num_kv_expired_reqs"] for s in p_acc["stats"])
+
+
+def test_claim_answer_wakes_the_reader_and_side_channel_notice_wakes_the_owner(pair):
+    """The engine loop sleeps until a wake-up handle is readable: the lease claim's answer
+    must make the reader's readable, and a side-channel notice the owner's."""
+    from pdserve.kv_transfer.nixl.side_channel import side_channel_request
+
+    p, d = pair  # handshaken by the earlier tests of this module
+    d.wait_wakeup(0.0)  # consume wake-ups left over from earlier tests
+    # D claims blocks P does not hold yet: P holds the claim back until the lease appears
+    d.bind(recv_meta("d-wake", ref_to(p, "p-wake", [2, 3]), [5, 6], [2, 3]))
+    out = d.step()
+    assert "d-wake" not in out["finished_recving"]
+    assert out["next_poll_in"] is None or out["next_poll_in"] > 1.0  # nothing to poll for
+    with cf.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(d.wait_wakeup, 30.0)
+        lease(p, "p-wake", [2, 3])  # P answers the claim now
+        assert waiting.result()["woke"]
+    acc = d.step_until(lambda a: "d-wake" in a["finished_recving"])
+    assert not acc["invalid_block_ids"]
+    p.step_until(lambda a: "p-wake" in a["finished_sending"], timeout_s=10)
+    # a notice over the side channel (readers that cannot use NIXL notifications) wakes P
+    lease(p, "p-wake2", [4])
+    reply = side_channel_request("127.0.0.1", p.port, {"type": "notify", "kind": "abort",
+                                                      "request_id": "p-wake2"}, 10.0)
+    assert reply.get("ok"), reply
+    assert p.wait_wakeup(20.0)["woke"]
+    assert "p-wake2" in p.step()["finished_sending"]
 
 
 def test_lease_expiry_frees_blocks_and_is_counted_for_every_entry(pair):

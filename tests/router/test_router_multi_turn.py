@@ -122,3 +122,53 @@ async def test_failed_turn_keeps_previous_params(make_cluster):
     await run_turns(c, stream=False, n=1, conversation_id="c")
     bodies = [r.body["kv_transfer_params"] for r in c.prefillers[0].received]
     assert bodies[1]["remote_request_id"] == bodies[2]["remote_request_id"] == "d0-turn1"
+
+
+async def test_params_recorded_before_the_client_sees_the_end_of_the_turn(make_cluster):
+    """A client that sends turn 2 as soon as it reads turn 1's final event (while D's response
+    is still open) must find D's turn-1 params in P's request."""
+    import asyncio
+
+    from aiohttp import web
+
+    from .fakes import sse
+
+    c = await make_cluster(multi_turn=True)
+    d = c.decoders[0]
+    d.decoder_params = decoder_params("d0")
+    turn2_at_p = asyncio.Event()
+    seen_by_p = []
+
+    async def prefill(inst, request, rec):
+        seen_by_p.append(rec.body.get("kv_transfer_params"))
+        if len(seen_by_p) == 2:
+            turn2_at_p.set()
+        return await inst._prefill(rec)
+
+    async def decode_then_linger(inst, request, rec):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        event = {"id": "x", "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}],
+                 "kv_transfer_params": inst._params()}
+        await resp.write(sse(event) + b"data: [DONE]\n\n")
+        if len(inst.received) == 1:
+            try:  # keep turn 1's response open until turn 2 reached P (bounded)
+                await asyncio.wait_for(turn2_at_p.wait(), 10)
+            except asyncio.TimeoutError:
+                pass
+        await resp.write_eof()
+        return resp
+
+    c.prefillers[0].handler = prefill
+    d.handler = decode_then_linger
+    async with c.session.post(c.url + "/v1/chat/completions",
+                              json=chat(1, stream=True, conversation_id="c")) as r1:
+        buf = b""
+        while b"[DONE]" not in buf:
+            buf += await r1.content.readany()
+        status, _, raw = await c.post("/v1/chat/completions",
+                                      chat(2, stream=True, conversation_id="c"))
+        assert status == 200, raw
+        await r1.read()
+    assert seen_by_p[0] == STATELESS
+    assert seen_by_p[1]["remote_request_id"] == "d0-turn1"

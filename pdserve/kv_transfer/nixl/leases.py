@@ -130,6 +130,14 @@ class LeaseTable:
                 lease.expiry = max(lease.expiry, now + lease.duration_s)
             return "ok", "", lease.expiry - now
 
+    def next_expiry(self) -> float | None:
+        """The earliest ``time.monotonic()`` deadline among the open leases (and remembered
+        early notices), or None when there is none."""
+        with self._lock:
+            times = [lease.expiry for lease in self._leases.values()]
+            times.extend(t for _, t in self._early.values())
+        return min(times, default=None)
+
     def expire(self, now: float | None = None) -> list[str]:
         """Close every lease whose deadline passed (all entries are scanned).
 

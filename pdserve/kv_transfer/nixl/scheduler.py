@@ -354,6 +354,11 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self._leased.add(spec.req_id)
         return True, params
 
+    def has_pending_metadata(self) -> bool:
+        """True when metadata for the worker side is waiting for the next step (the engine
+        loop then steps at once instead of waiting for input)."""
+        return not self._meta.is_empty()
+
     def has_pending_work(self) -> bool:
         """True while loads, leases, waiting (heartbeated) requests or undelivered metadata
         need engine steps."""

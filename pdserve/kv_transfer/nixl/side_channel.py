@@ -18,8 +18,10 @@ instances' ``REQ`` sockets:
     -> ``{"ok": True}``: the same control messages as the NIXL notifications, for readers
     that could not load this agent's metadata (for example after a compatibility mismatch).
 
-The reader side (:func:`side_channel_request`) runs in background threads only, never on the
-engine loop.
+Clients: :func:`side_channel_request` (one blocking request on a fresh ``REQ`` socket) runs in
+background threads only, never on the engine loop; :class:`SideChannelClient` sends requests
+tagged with a ``seq`` (echoed in the answer) without blocking over one persistent ``DEALER``
+connection per remote, for the engine thread.
 """
 
 from __future__ import annotations
@@ -190,15 +192,17 @@ class SideChannelServer:
                 f"cannot listen for the NIXL side channel on {address} ({e}): {hint}"
             ) from e
         self._stop = threading.Event()
-        # (identity, request_id, block_ids, deadline) of claims answered "wait"
-        self._pending_claims: list[tuple[bytes, str, list[int], float]] = []
+        # (identity, request_id, block_ids, deadline, seq) of claims answered "wait"
+        self._pending_claims: list[tuple[bytes, str, list[int], float, Any]] = []
         self._thread = threading.Thread(
             target=self._serve, name=f"nixl-side-channel-{port}", daemon=True
         )
         self._thread.start()
         logger.info("NIXL side channel listening on %s", address)
 
-    def _reply(self, ident: bytes, payload: dict[str, Any]) -> None:
+    def _reply(self, ident: bytes, payload: dict[str, Any], seq: Any = None) -> None:
+        if seq is not None:
+            payload = dict(payload, seq=seq)
         self._sock.send_multipart([ident, b"", _encoder.encode(payload)])
 
     def _handle(self, ident: bytes, raw: bytes) -> None:
@@ -207,36 +211,39 @@ class SideChannelServer:
             kind = msg.get("type") if isinstance(msg, dict) else None
         except msgspec.DecodeError:
             kind = None
+        # A client that multiplexes requests on one socket tags them with "seq"; echo it.
+        seq = msg.get("seq") if kind is not None else None
         if kind == "get_info":
             info = self._get_info()
             if info is None:
-                self._reply(ident, {"ok": False, "reason": "KV cache not registered yet"})
+                self._reply(ident, {"ok": False, "reason": "KV cache not registered yet"}, seq)
             else:
-                self._reply(ident, {"ok": True, "info": dict(info, time=time.time())})
+                self._reply(ident, {"ok": True, "info": dict(info, time=time.time())}, seq)
         elif kind == "claim":
             req_id, block_ids = msg.get("request_id"), msg.get("block_ids")
             if not isinstance(req_id, str) or not isinstance(block_ids, list):
-                self._reply(ident, {"ok": False, "reason": "malformed claim"})
+                self._reply(ident, {"ok": False, "reason": "malformed claim"}, seq)
                 return
-            self._try_claim(ident, req_id, block_ids, time.monotonic() + self._claim_wait_s)
+            self._try_claim(ident, req_id, block_ids, time.monotonic() + self._claim_wait_s, seq)
         elif kind == "notify":
             req_id, note = msg.get("request_id"), msg.get("kind")
             if isinstance(req_id, str) and isinstance(note, str):
                 self._notify(note, req_id)
-                self._reply(ident, {"ok": True})
+                self._reply(ident, {"ok": True}, seq)
             else:
-                self._reply(ident, {"ok": False, "reason": "malformed notify"})
+                self._reply(ident, {"ok": False, "reason": "malformed notify"}, seq)
         else:
-            self._reply(ident, {"ok": False, "reason": f"unknown request type {kind!r}"})
+            self._reply(ident, {"ok": False, "reason": f"unknown request type {kind!r}"}, seq)
 
-    def _try_claim(self, ident: bytes, req_id: str, block_ids: list[int], deadline: float) -> None:
+    def _try_claim(self, ident: bytes, req_id: str, block_ids: list[int], deadline: float,
+                   seq: Any = None) -> None:
         status, reason, left = self._claim(req_id, block_ids)
         if status == "wait" and time.monotonic() < deadline:
-            self._pending_claims.append((ident, req_id, block_ids, deadline))
+            self._pending_claims.append((ident, req_id, block_ids, deadline, seq))
             return
         if status == "wait":
             status = "reject"
-        self._reply(ident, {"ok": status == "ok", "reason": reason, "lease_expiry_in": left})
+        self._reply(ident, {"ok": status == "ok", "reason": reason, "lease_expiry_in": left}, seq)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -259,8 +266,8 @@ class SideChannelServer:
                         logger.exception("NIXL side channel: error while handling a request")
             if self._pending_claims:
                 pending, self._pending_claims = self._pending_claims, []
-                for ident, req_id, block_ids, deadline in pending:
-                    self._try_claim(ident, req_id, block_ids, deadline)
+                for ident, req_id, block_ids, deadline, seq in pending:
+                    self._try_claim(ident, req_id, block_ids, deadline, seq)
         self._sock.close(linger=0)
 
     def close(self) -> None:
@@ -268,3 +275,131 @@ class SideChannelServer:
         self._stop.set()
         self._thread.join(timeout=5)
         self._ctx.term()
+
+
+class SideChannelClient:
+    """Non-blocking side-channel requests for the engine thread.
+
+    Requests to one remote side channel share one persistent ZMQ ``DEALER`` connection and are
+    matched to their answers by a ``seq`` field the server echoes. Used for the per-request
+    messages on a transfer's critical path (the lease claim before a READ): sending costs no
+    thread hand-off, the TCP connection is reused, and the engine loop polls :meth:`sockets`
+    alongside its input socket, so an answer wakes it at once.
+
+    Not thread-safe: one thread (the engine thread) uses an instance.
+
+    Args:
+        context: a ZMQ context (the global instance by default).
+    """
+
+    def __init__(self, context: zmq.Context | None = None):
+        self._ctx = context or zmq.Context.instance()
+        self._socks: dict[tuple[str, int], zmq.Socket] = {}
+        self._seq = 0
+        # seq -> (address, deadline (time.monotonic()))
+        self._pending: dict[int, tuple[tuple[str, int], float]] = {}
+        self._results: dict[int, dict[str, Any] | SideChannelError] = {}
+
+    def sockets(self) -> list[zmq.Socket]:
+        """The open connections (register them in the engine loop's poller)."""
+        return list(self._socks.values())
+
+    def connect(self, host: str, port: int) -> None:
+        """Open the connection to a side channel ahead of the first request (idempotent)."""
+        self._socket(host, port)
+
+    def _socket(self, host: str, port: int) -> zmq.Socket:
+        key = (host, port)
+        sock = self._socks.get(key)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{host}:{port}")
+            self._socks[key] = sock
+        return sock
+
+    def send(self, host: str, port: int, message: dict[str, Any], timeout_s: float) -> int:
+        """Send one request (never blocks).
+
+        Returns:
+            A ticket for :meth:`result`. A request that cannot be queued fails at once (its
+            result is a :class:`SideChannelError`).
+        """
+        self._seq += 1
+        seq = self._seq
+        sock = self._socket(host, port)
+        try:
+            sock.send_multipart([b"", _encoder.encode(dict(message, seq=seq))], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self._results[seq] = SideChannelError(f"side channel tcp://{host}:{port}: {e}")
+            return seq
+        self._pending[seq] = ((host, port), time.monotonic() + timeout_s)
+        return seq
+
+    def poll(self, now: float | None = None) -> None:
+        """Collect the answers that arrived and time out overdue requests (never blocks)."""
+        for key, sock in list(self._socks.items()):
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    break
+                self._accept(key, frames[-1])
+        if not self._pending:
+            return
+        now = time.monotonic() if now is None else now
+        for seq, (key, deadline) in list(self._pending.items()):
+            if now >= deadline:
+                del self._pending[seq]
+                host, port = key
+                self._results[seq] = SideChannelTimeout(
+                    f"no answer from the NIXL side channel tcp://{host}:{port} in time "
+                    f"(is the remote instance running with a kv-transfer config?)"
+                )
+                if not any(k == key for k, _ in self._pending.values()):
+                    # drop messages queued for a dead peer; the next request reconnects
+                    self._socks.pop(key).close(linger=0)
+
+    def _accept(self, key: tuple[str, int], raw: bytes) -> None:
+        try:
+            reply = _decoder.decode(raw)
+        except msgspec.DecodeError:
+            logger.warning("NIXL side channel: undecodable answer from %s:%d", *key)
+            return
+        seq = reply.get("seq") if isinstance(reply, dict) else None
+        if not isinstance(seq, int) or seq not in self._pending:
+            return  # an answer to a request that timed out
+        del self._pending[seq]
+        self._results[seq] = reply
+
+    def result(self, ticket: int) -> dict[str, Any] | None:
+        """The answer of a request, or None while it is pending (call :meth:`poll` first).
+        A returned answer is forgotten.
+
+        Raises:
+            SideChannelTimeout: no answer in time.
+            SideChannelError: the request could not be sent.
+        """
+        res = self._results.pop(ticket, None)
+        if isinstance(res, SideChannelError):
+            raise res
+        return res
+
+    def cancel(self, ticket: int) -> None:
+        """Forget a request (its answer is ignored)."""
+        self._pending.pop(ticket, None)
+        self._results.pop(ticket, None)
+
+    def next_deadline(self) -> float | None:
+        """The earliest ``time.monotonic()`` deadline of a pending request, or None."""
+        return min((d for _, d in self._pending.values()), default=None)
+
+    def close(self) -> None:
+        """Close every connection; pending requests are dropped."""
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()
+        self._pending.clear()
+        self._results.clear()

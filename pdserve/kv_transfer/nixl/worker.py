@@ -3,9 +3,16 @@
 One :class:`NixlConnectorWorker` per engine-core process. It owns the NIXL agent (KV cache
 registered once), the side-channel server (so every instance can be read from, in both
 directions), the lease table of blocks kept for remote readers, and the state of this instance's
-own loads. Nothing here blocks the engine loop: handshakes, lease claims and side-channel
-notices run on a small thread pool and only ZMQ happens there; NIXL calls happen on the engine
-thread in :meth:`start_load_kv` / :meth:`get_finished`, which only post and poll.
+own loads. Nothing here blocks the engine loop: handshakes and side-channel notices run on a
+small thread pool (only ZMQ happens there); lease claims, on the transfer's critical path, are
+sent without blocking from the engine thread over one persistent connection per remote
+(:class:`~pdserve.kv_transfer.nixl.side_channel.SideChannelClient`); NIXL calls happen on the
+engine thread in :meth:`start_load_kv` / :meth:`get_finished`, which only post and poll.
+
+The engine loop does not poll on a fixed tick: it sleeps until one of :meth:`wakeup_handles`
+is readable (a claim answer, a side-channel notice, a finished handshake) or until
+:meth:`next_poll_in` says a step is due (a posted READ, which NIXL cannot signal; notifications
+for held blocks; lease and heartbeat deadlines).
 
 Load life cycle (reader side)::
 
@@ -38,6 +45,7 @@ from pdserve.kv_transfer.nixl.metadata import (
     RemoteNotice,
 )
 from pdserve.kv_transfer.nixl.side_channel import (
+    SideChannelClient,
     SideChannelError,
     SideChannelServer,
     SideChannelTimeout,
@@ -47,11 +55,22 @@ from pdserve.kv_transfer.nixl.side_channel import (
     side_channel_request,
 )
 from pdserve.kv_transfer.nixl.stats import StatsRecorder, TransferStats
+from pdserve.kv_transfer.wakeup import Waker
 
 logger = logging.getLogger(__name__)
 
 NOTIF_PREFIX = b"pdserve1|"
 NOTIF_KINDS = ("done", "abort", "heartbeat")
+
+# Engine-loop polling while nothing can wake it (seconds): a posted READ is checked without
+# waiting for XFER_SPIN_S after posting, then every XFER_POLL_INTERVAL_S; NIXL notifications
+# for blocks held for a remote reader ("done", heartbeats) every NOTIF_POLL_INTERVAL_S (they
+# only free blocks or extend leases, nothing waits on them); finished background side-channel
+# notices are collected every BG_NOTICE_POLL_INTERVAL_S.
+XFER_SPIN_S = 0.002
+XFER_POLL_INTERVAL_S = 0.001
+NOTIF_POLL_INTERVAL_S = 0.01
+BG_NOTICE_POLL_INTERVAL_S = 0.05
 
 
 def encode_notif(kind: str, req_id: str) -> bytes:
@@ -90,8 +109,11 @@ class _Load:
 
     spec: RecvSpec
     phase: str = "handshake"  # handshake -> claim -> xfer
-    claim: cf.Future | None = None
+    claim: int | None = None  # SideChannelClient ticket
     handle: Any = None
+    t_start: float = field(default_factory=time.perf_counter)  # handed to the worker
+    t_claim: float = 0.0  # claim sent
+    claim_s: float = 0.0  # claim round trip
     t_post: float = 0.0
     post_s: float = 0.0
     deadline: float = 0.0
@@ -136,6 +158,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         # "engine_id|host|port" -> clock offset, measured since the last report to the scheduler
         self._new_clock_offsets: dict[str, float] = {}
         self.stats = StatsRecorder(config.kv_metrics_log_interval)
+        # Wakes the engine loop when another thread has work for it (see wakeup_handles()).
+        self._waker = Waker()
+        # Lease claims: non-blocking requests from the engine thread over persistent connections.
+        self._client = SideChannelClient()
         # (kind, req_id) notices received by the side-channel thread, applied on the engine thread
         self._side_notices: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self.side_channel = SideChannelServer(
@@ -260,6 +286,53 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         """True while loads, leases, heartbeats or notices need polling."""
         return bool(self._loads or len(self.leases) or self._heartbeats or self._pending_notices)
 
+    # ------------------------------------------------------------------- engine loop wake-ups
+    def wakeup_handles(self) -> list[Any]:
+        """What the engine loop polls besides its input socket: a descriptor other threads
+        make readable (side-channel notices, finished handshakes) and the engine thread's
+        side-channel connections (lease-claim answers). Changes as remotes are added."""
+        return [self._waker.fileno(), *self._client.sockets()]
+
+    def handle_wakeup(self) -> None:
+        """Consume wake-ups (never blocks); the next step acts on them."""
+        self._waker.drain()
+        self._client.poll()
+
+    def next_poll_in(self, now: float | None = None) -> float | None:
+        """Seconds until this worker needs an engine step although nothing woke the loop, or
+        None when only a wake-up can give it work.
+
+        NIXL cannot wake the loop: a posted READ is polled every :data:`XFER_POLL_INTERVAL_S`
+        (not at all for its first :data:`XFER_SPIN_S`, to catch short transfers at once), and
+        notifications for held blocks every :data:`NOTIF_POLL_INTERVAL_S`. Lease expiries,
+        heartbeats and side-channel timeouts are deadlines.
+        """
+        now = time.monotonic() if now is None else now
+        if self._pending_notices or not self._side_notices.empty():
+            return 0.0
+        waits: list[float] = []
+        for load in self._loads.values():
+            if load.phase == "xfer":
+                spinning = time.perf_counter() - load.t_post < XFER_SPIN_S
+                waits.append(0.0 if spinning else XFER_POLL_INTERVAL_S)
+        if len(self.leases):
+            waits.append(NOTIF_POLL_INTERVAL_S)
+            expiry = self.leases.next_expiry()
+            if expiry is not None:
+                waits.append(expiry - now)
+        for hb in self._heartbeats.values():
+            remote = self._remotes.get(hb.remote.endpoint.key)
+            if remote is not None and remote.agent is not None:
+                lease = float((remote.info or {}).get("lease_duration",
+                                                      self.config.kv_lease_duration))
+                waits.append(hb.last_sent + lease / 3 - now)
+        deadline = self._client.next_deadline()
+        if deadline is not None:
+            waits.append(deadline - now)
+        if self._bg_notices:
+            waits.append(BG_NOTICE_POLL_INTERVAL_S)
+        return max(0.0, min(waits)) if waits else None
+
     # ------------------------------------------------------------------------------ handshake
     def _ensure_handshake(self, endpoint: RemoteEndpoint) -> _Remote:
         remote = self._remotes.get(endpoint.key)
@@ -268,6 +341,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self._remotes[endpoint.key] = remote
         if remote.agent is None and remote.future is None:
             remote.future = self._pool.submit(self._fetch_remote_info, endpoint)
+            remote.future.add_done_callback(lambda _: self._waker.wake())
+            self._client.connect(endpoint.host, endpoint.port)  # ready for the first claim
         return remote
 
     def _fetch_remote_info(self, endpoint: RemoteEndpoint) -> tuple[dict[str, Any], float]:
@@ -340,6 +415,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
     def _progress(self) -> None:
         self._finish_handshakes()
         now = time.monotonic()
+        self._client.poll(now)
         for req_id, load in list(self._loads.items()):
             spec = load.spec
             if load.phase == "handshake":
@@ -363,26 +439,28 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                         notify_remote=True,
                     )
                     continue
-                load.claim = self._pool.submit(
-                    side_channel_request, spec.remote.endpoint.host, spec.remote.endpoint.port,
+                load.t_claim = time.perf_counter()
+                load.claim = self._client.send(
+                    spec.remote.endpoint.host, spec.remote.endpoint.port,
                     {"type": "claim", "request_id": spec.remote.request_id,
                      "block_ids": spec.remote.block_ids},
                     self.config.kv_handshake_timeout * 2,
                 )
                 load.phase = "claim"
             if load.phase == "claim":
-                if not load.claim.done():
-                    continue
                 try:
-                    reply = load.claim.result()
+                    reply = self._client.result(load.claim)
                 except Exception as e:
                     self._fail_load(req_id, f"lease claim failed: {e}",
                                     notify_remote=not isinstance(e, SideChannelTimeout))
                     continue
+                if reply is None:
+                    continue  # not answered yet
                 if not reply.get("ok"):
                     self._fail_load(req_id, f"remote refused the read: {reply.get('reason')}",
                                     notify_remote=True)
                     continue
+                load.claim_s = time.perf_counter() - load.t_claim
                 left = float(reply.get("lease_expiry_in") or 0.0)
                 if spec.min_lease_left_s > 0 and left < spec.min_lease_left_s:
                     self._fail_load(
@@ -448,8 +526,13 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)
         del self._loads[req_id]
         self._out.finished_recving.add(req_id)
-        logger.debug("NIXL: request %s loaded %d blocks in %.3f ms", req_id,
-                     len(spec.local_block_ids), 1e3 * xfer_s)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "NIXL: request %s loaded %d blocks in %.2f ms: handshake wait %.2f ms, claim "
+                "%.2f ms, READ post %.2f ms, READ %.2f ms (from post to seen done %.2f ms)",
+                req_id, len(spec.local_block_ids), 1e3 * (time.perf_counter() - load.t_start),
+                1e3 * max(0.0, load.t_claim - load.t_start), 1e3 * load.claim_s,
+                1e3 * load.post_s, 1e3 * xfer_s, 1e3 * elapsed)
 
     def _xfer_failed(self, req_id: str, load: _Load, reason: str) -> None:
         self.agent.release(load.handle)
@@ -459,6 +542,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         load = self._loads.pop(req_id, None)
         if load is None:
             return
+        if load.claim is not None:
+            self._client.cancel(load.claim)
         spec = load.spec
         self.stats.current.num_failed_transfers += 1
         logger.warning("NIXL: KV load of request %s failed: %s", req_id, reason)
@@ -471,14 +556,17 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
     def _drop_aborted(self, req_id: str, load: _Load) -> None:
         """A load aborted before its READ was posted: free locally, tell the owner."""
         del self._loads[req_id]
+        if load.claim is not None:
+            self._client.cancel(load.claim)
         self._out.finished_recving.add(req_id)
         if load.spec.remote is not None:
             self._pending_notices.append(RemoteNotice(load.spec.remote, "abort"))
 
     # -------------------------------------------------------------------------- notifications
     def _on_side_channel_notice(self, kind: str, req_id: str) -> None:
-        """Side-channel thread: queue a notice for the engine thread."""
+        """Side-channel thread: queue a notice for the engine thread and wake it."""
         self._side_notices.put((kind, req_id))
+        self._waker.wake()
 
     def _apply_notice(self, kind: str, req_id: str) -> None:
         if kind == "heartbeat":
@@ -562,6 +650,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         except Exception:
             pass
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+        self._waker.close()
         for load in self._loads.values():
             if load.handle is not None:
                 self.agent.release(load.handle)

@@ -1,0 +1,118 @@
+"""The engine-core loop sleeps while only KV work is pending and wakes when the connector
+worker signals (a finished transfer, a side-channel answer), not at its next poll timeout."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import zmq
+
+from engine_fakes import FakeConnectorWorker, FakeRemote, make_core
+from pdserve.engine import core as core_mod
+from pdserve.engine.messages import AddRequest, Shutdown, StepOutputs, make_encoder, make_output_decoder
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.wakeup import Waker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class SignallingWorker(FakeConnectorWorker):
+    """A fake worker whose loads finish only when the test says so; it then wakes the loop
+    through its :class:`Waker` and asks for no polling in between."""
+
+    def __init__(self, remote: FakeRemote):
+        super().__init__(remote)
+        self.waker = Waker()
+        self.posted = threading.Event()
+        self.done: set[str] = set()
+        self.lock = threading.Lock()
+        self.wakeups = 0
+
+    def wakeup_handles(self):
+        return [self.waker.fileno()]
+
+    def handle_wakeup(self):
+        self.wakeups += 1
+        self.waker.drain()
+
+    def next_poll_in(self):
+        return None  # only a wake-up brings news
+
+    def start_load_kv(self):
+        super().start_load_kv()
+        if self._in_flight:
+            self.posted.set()
+
+    def get_finished(self, finished_req_ids):
+        with self.lock:
+            done, self.done = self.done, set()
+        for entry_id in list(self._in_flight):
+            self._in_flight[entry_id][0] = 1 if entry_id in done else 10**9
+        return super().get_finished(finished_req_ids)
+
+    def complete(self, req_id: str) -> None:
+        """Another thread: the transfer of ``req_id`` is done."""
+        with self.lock:
+            self.done.add(req_id)
+        self.waker.wake()
+
+
+def test_finished_transfer_wakes_the_core_loop(monkeypatch):
+    # Without the wake-up the loop would sleep for an hour: the test's 60 s wait would fail.
+    monkeypatch.setattr(core_mod, "IDLE_POLL_INTERVAL_S", 3600.0)
+    remote = FakeRemote()
+    core, _ = make_core(remote=remote)
+    worker = SignallingWorker(remote)
+    core.connector_worker = worker
+    core.runner.set_kv_connector_worker(worker)
+    worker.register_kv_cache(core.runner.kv_cache, core.runner.kv_cache_spec)
+
+    ctx = zmq.Context()
+    socks = []
+
+    def pair(name):
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.bind(f"inproc://{name}")
+        push.connect(f"inproc://{name}")
+        socks.extend((pull, push))
+        return push, pull
+
+    to_core, core_in = pair("core-input")
+    core_out, from_core = pair("core-output")
+    enc, dec = make_encoder(), make_output_decoder()
+    loop_error: list[BaseException] = []
+
+    def run():
+        try:
+            core_mod._core_loop(core, core_in, core_out, enc, core_mod.make_input_decoder(), os.getppid())
+        except BaseException as e:  # reported by the test
+            loop_error.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        to_core.send(enc.encode(AddRequest(
+            request_id="r", prompt_token_ids=list(range(1, 9)),
+            sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+            kv_transfer_params={"remote": True})))
+        assert worker.posted.wait(60), "the load was never posted"
+        # the load is in flight; the core now waits (for up to IDLE_POLL_INTERVAL_S)
+        worker.complete("r")
+        tokens = []
+        while not tokens:
+            assert from_core.poll(60_000), f"no output after the wake-up ({loop_error})"
+            msg = dec.decode(from_core.recv())
+            if isinstance(msg, StepOutputs):
+                tokens += [t for o in msg.outputs if o.request_id == "r" for t in o.new_token_ids]
+        assert worker.wakeups >= 1
+    finally:
+        to_core.send(enc.encode(Shutdown()))
+        thread.join(30)
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+        worker.waker.close()
+    assert not thread.is_alive()
+    assert not loop_error, loop_error

@@ -1,0 +1,125 @@
+"""The engine thread's non-blocking side-channel client and the wake-up pipe."""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+
+import pytest
+import zmq
+
+from pdserve.kv_transfer.nixl.side_channel import (
+    SideChannelClient,
+    SideChannelServer,
+    SideChannelTimeout,
+)
+from pdserve.kv_transfer.wakeup import Waker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server():
+    held = {"a": [1, 2]}
+    lock = threading.Lock()
+
+    def claim(req_id, block_ids):
+        with lock:
+            blocks = held.get(req_id)
+        if blocks is None:
+            return "wait", f"unknown {req_id}", 0.0
+        return ("ok", "", 9.0) if blocks == block_ids else ("reject", "wrong blocks", 0.0)
+
+    srv = SideChannelServer("127.0.0.1", free_port(), get_info=lambda: {"x": 1}, claim=claim,
+                            notify=lambda kind, req: None, claim_wait_s=10.0)
+    srv.held, srv.lock = held, lock
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def wait_results(client: SideChannelClient, tickets: list[int], timeout_s: float = 20.0) -> dict:
+    """Poll the client's sockets (as the engine loop does) until every ticket is answered."""
+    poller = zmq.Poller()
+    for s in client.sockets():
+        poller.register(s, zmq.POLLIN)
+    out: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) < len(tickets):
+        assert time.monotonic() < deadline, f"answers missing: {out}"
+        poller.poll(1000)
+        client.poll()
+        for t in tickets:
+            if t not in out:
+                res = client.result(t)
+                if res is not None:
+                    out[t] = res
+    return out
+
+
+def test_answers_on_one_connection_are_matched_to_their_requests(server):
+    client = SideChannelClient()
+    try:
+        client.connect("127.0.0.1", server.port)
+        ok = client.send("127.0.0.1", server.port,
+                         {"type": "claim", "request_id": "a", "block_ids": [1, 2]}, 10.0)
+        bad = client.send("127.0.0.1", server.port,
+                          {"type": "claim", "request_id": "a", "block_ids": [7]}, 10.0)
+        # held back by the server until the lease appears
+        later = client.send("127.0.0.1", server.port,
+                            {"type": "claim", "request_id": "b", "block_ids": [3]}, 10.0)
+        info = client.send("127.0.0.1", server.port, {"type": "get_info"}, 10.0)
+        assert len(client.sockets()) == 1  # one persistent connection
+        first = wait_results(client, [ok, bad, info])
+        assert first[ok]["ok"] and first[ok]["lease_expiry_in"] == 9.0
+        assert not first[bad]["ok"] and first[bad]["reason"] == "wrong blocks"
+        assert first[info]["info"]["x"] == 1
+        assert client.result(later) is None
+        with server.lock:
+            server.held["b"] = [3]
+        assert wait_results(client, [later])[later]["ok"]
+        assert client.next_deadline() is None
+    finally:
+        client.close()
+
+
+def test_unanswered_request_times_out_and_drops_the_connection():
+    client = SideChannelClient()
+    try:
+        port = free_port()  # nothing listens here
+        t = client.send("127.0.0.1", port, {"type": "claim", "request_id": "x", "block_ids": []}, 5.0)
+        client.poll()
+        assert client.result(t) is None
+        assert client.next_deadline() is not None
+        client.poll(now=time.monotonic() + 6.0)
+        with pytest.raises(SideChannelTimeout):
+            client.result(t)
+        assert client.sockets() == []
+        assert client.next_deadline() is None
+    finally:
+        client.close()
+
+
+def test_waker_is_readable_from_wake_until_drain():
+    waker = Waker()
+    try:
+        assert not select.select([waker.fileno()], [], [], 0)[0]
+        assert not waker.drain()
+        thread = threading.Thread(target=lambda: [waker.wake() for _ in range(3)])
+        thread.start()
+        thread.join(20)
+        assert select.select([waker.fileno()], [], [], 0)[0]
+        assert waker.drain()
+        assert not select.select([waker.fileno()], [], [], 0)[0]
+    finally:
+        waker.close()
+    waker.wake()  # after close: ignored
