@@ -368,6 +368,11 @@ class AsyncEngine:
         """
         if self.config.kv_transfer_config is not None:
             validate_kv_transfer_params(self.config.kv_transfer_config, kv_transfer_params)
+            first = (kv_transfer_params or {}).get("first_token_id")
+            vocab = getattr(self.model_info, "vocab_size", None)
+            if isinstance(first, int) and vocab is not None and first >= vocab:
+                raise ValueError(f"kv_transfer_params.first_token_id {first} is outside the "
+                                 f"vocabulary [0, {vocab})")
 
     async def generate(
         self,

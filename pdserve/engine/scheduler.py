@@ -30,7 +30,9 @@ KV connector (``pdserve.kv_transfer.base``), as this scheduler drives it:
   after its local prefix-cache hit (again only if the allocation that follows fails);
   ``update_state_after_alloc`` with the whole block table once blocks are allocated.
 * A load reported in ``finished_recving`` marks ``min(local + external, num_tokens - 1)`` tokens
-  computed, so at least the last prompt token is recomputed for its logits.
+  computed, so at least the last prompt token is recomputed for its logits; except when the
+  prefiller's first token can be used (``kv_transfer.base.presampled_first_token``): then the
+  connector loads the whole prompt and that token is emitted at once, without a forward pass.
 * ``invalid_block_ids`` of a pending load apply ``kv_load_failure_policy`` when the load is
   reported finished: ``fail`` ends the request with ``finish_reason="error"``, ``recompute``
   rolls ``num_computed_tokens`` back to the first invalid block.
@@ -56,6 +58,7 @@ from pdserve.engine.outputs import (
     SchedulerOutput,
 )
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.kv_transfer.base import presampled_first_token
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
@@ -623,11 +626,22 @@ class Scheduler:
             if bad is not None:
                 outputs.extend(self._apply_load_failure(req, bad, num_local))
                 continue
-            loaded = min(num_local + num_ext, req.num_tokens - 1)
+            # The whole prompt arrives only with the prefiller's first token, which is then
+            # emitted at once; otherwise the last prompt token is recomputed for its logits.
+            first = presampled_first_token(req) if num_local + num_ext >= req.num_tokens else None
+            loaded = min(num_local + num_ext, req.num_tokens - (first is None))
             req.num_computed_tokens = loaded
             req.num_transferred_tokens = loaded - num_local
             self.prompt_tokens_transferred_total += min(loaded, req.num_prompt_tokens) - min(num_local, req.num_prompt_tokens)
             self.kv_cache_manager.cache_blocks(req, loaded)
+            if first is not None:
+                status, stop_reason = self._accept_token(req, first)
+                if status is not None:
+                    o = self._finish(req, status)
+                    o.new_token_ids, o.stop_reason = [first], stop_reason
+                    outputs.append(o)
+                    continue
+                outputs.append(self._output(req, [first], None))
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
         for rid in kv_out.finished_sending:

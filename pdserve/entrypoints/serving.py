@@ -25,6 +25,7 @@ from fastapi import Request
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import prompt_handoff
+from pdserve.kv_transfer.base import FIRST_TOKEN_KEY
 from pdserve.entrypoints.errors import OpenAIError, bad_request, model_not_found
 from pdserve.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -531,6 +532,10 @@ class OpenAIServing:
             # consumed by the front end (chat_prompt); the engine does not need the ids twice
             kv_params = {k: v for k, v in kv_params.items() if k != prompt_handoff.KEY}
         hand_on = _remote_role(kv_params) == "prefill"
+        # A prefiller's first token belongs to its one choice: other choices draw their own.
+        other_params = kv_params
+        if isinstance(kv_params, dict) and FIRST_TOKEN_KEY in kv_params:
+            other_params = {k: v for k, v in kv_params.items() if k != FIRST_TOKEN_KEY}
         total = len(prompts) * req.n
         jobs = []
         for p, ids in enumerate(prompts):
@@ -542,7 +547,7 @@ class OpenAIServing:
                     request_id=base_id if total == 1 else f"{base_id}-{index}",
                     prompt_token_ids=ids,
                     sampling_params=self.sampling_params(req, max_tokens, logprobs, i),
-                    kv_transfer_params=kv_params,
+                    kv_transfer_params=kv_params if index == 0 else other_params,
                     prompt_digest=getattr(ids, "text_digest", None) if hand_on else None,
                 ))
         return jobs

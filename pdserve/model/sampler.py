@@ -12,9 +12,11 @@ Order of operations per row (as in vLLM):
 5. other rows: divide by temperature, then top-k, top-p (nucleus, Holtzman et al. 2019) and
    min-p (drop tokens with probability below ``min_p * p_max``) masks, then draw one token with
    the exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` (equivalent to sampling from ``p``).
-   A request with a ``seed`` draws its noise from its own ``torch.Generator``, so its tokens
-   do not depend on the other requests in the batch; the others share one generator seeded from
-   the engine seed.
+   A request with a ``seed`` draws the noise of output position ``k`` from a
+   ``torch.Generator`` seeded with ``(seed, k)``, so its tokens do not depend on the other
+   requests in the batch or on where earlier tokens were drawn; the others share one generator
+   seeded from the engine seed. On CUDA a fused kernel draws the same distribution by the
+   Gumbel-max trick (:mod:`pdserve.model.triton_sampling`), keyed the same way.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ class Sampler:
     On CUDA (with Triton) the draw is one fused kernel
     (:func:`pdserve.model.triton_sampling.gumbel_argmax`) whose noise for a request depends
     only on its seed and the output position of the token; requests without a seed get one
-    from a host RNG seeded with ``seed``. Elsewhere the draw is the torch exponential race with a
-    ``torch.Generator`` per seeded request. Either way a seeded request's tokens do not depend
-    on the rest of the batch.
+    from a host RNG seeded with ``seed``. Elsewhere the draw is the torch exponential race, a
+    seeded request's noise coming from a ``torch.Generator`` seeded with its seed and the output
+    position. Either way a seeded request's draw at a position depends only on its seed and
+    that position: not on the batch, on multi-step rounds, or on which instance drew the
+    earlier tokens (a prefiller's first token, then the decoder's).
 
     Args:
         device: where logits live (the per-request generators are created there).
@@ -49,7 +53,6 @@ class Sampler:
         self.device = device
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
         self._row_seeds: dict[str, int] = {}
         self._seed_rng = random.Random(seed)
         self._gumbel_argmax = None
@@ -68,23 +71,14 @@ class Sampler:
         return self._gumbel_argmax is not None
 
     def drop(self, req_ids: Iterable[str]) -> None:
-        """Forget the per-request generators (and drawn seeds) of finished requests."""
+        """Forget the seeds drawn for unseeded finished requests (fused draw)."""
         for rid in req_ids:
-            self._generators.pop(rid, None)
             self._row_seeds.pop(rid, None)
 
     @property
     def num_generators(self) -> int:
-        """Per-request generators and seeds currently held (for tests and leak checks)."""
-        return len(self._generators) + len(self._row_seeds)
-
-    def _generator(self, req_id: str, seed: int) -> torch.Generator:
-        gen = self._generators.get(req_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self._generators[req_id] = gen
-        return gen
+        """Per-request seeds currently held (for tests and leak checks)."""
+        return len(self._row_seeds)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]
@@ -153,7 +147,7 @@ class Sampler:
         if any(p.min_p > 0.0 for p in rp):
             plan.min_p = torch.tensor([p.min_p for p in rp], dtype=torch.float32, device=dev)[:, None]
         unseeded = [j for j, p in enumerate(rp) if p.seed is None]
-        plan.seeded = [(j, self._generator(reqs[i].req_id, params[i].seed))
+        plan.seeded = [(j, params[i].seed, len(reqs[i].output_token_ids))
                        for j, i in enumerate(sampled) if params[i].seed is not None]
         if plan.seeded and unseeded:
             plan.unseeded_rows = torch.tensor(unseeded, dtype=torch.int64, device=dev)
@@ -226,7 +220,9 @@ class Sampler:
                 shared = torch.empty((plan.unseeded_rows.numel(), probs.shape[1]), dtype=probs.dtype,
                                      device=probs.device).exponential_(generator=self._shared)
                 noise[plan.unseeded_rows] = shared
-            for j, gen in plan.seeded:
+            for j, seed, position in plan.seeded:
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed(_mix_seed(seed, position + step))
                 noise[j].exponential_(generator=gen)
         drawn = (probs / noise).argmax(dim=-1)
         if plan.random_rows is None:
@@ -235,6 +231,18 @@ class Sampler:
         tokens[plan.greedy_rows] = logits[plan.greedy_rows].argmax(dim=-1)
         tokens[plan.random_rows] = drawn
         return tokens
+
+
+def _mix_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed from ``(seed, position)``: SplitMix64's finaliser (Steele, Lea &
+    Flood, *Fast splittable pseudorandom number generators*, 2014) over ``seed * 2**32 +
+    position``, so that every bit depends on both (torch's CPU generator keeps only the low 32
+    bits of its seed)."""
+    x = (((seed & 0xFFFFFFFF) << 32) | (position & 0xFFFFFFFF)) + 0x9E3779B97F4A7C15
+    x &= 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 @dataclass
@@ -249,7 +257,8 @@ class SamplingPlan:
         temperatures: ``[R, 1]`` float32 temperatures of the sampled rows.
         top_k: ``[R, 1]`` int64 (``2**62`` = no limit), None when no row uses top-k.
         top_p, min_p: ``[R, 1]`` float32, None when no row uses them.
-        seeded: ``(index among the sampled rows, generator)`` of requests with a seed.
+        seeded: ``(index among the sampled rows, seed, output position)`` of requests with a
+            seed.
         unseeded_rows: ``[U]`` int64 indices among the sampled rows of the unseeded ones, only
             when seeded and unseeded rows are mixed.
         any_unseeded: whether some sampled rows draw from the shared generator.
@@ -270,7 +279,7 @@ class SamplingPlan:
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
-    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)
+    seeded: list[tuple[int, int, int]] = field(default_factory=list)
     unseeded_rows: torch.Tensor | None = None
     any_unseeded: bool = True
     seeds: torch.Tensor | None = None

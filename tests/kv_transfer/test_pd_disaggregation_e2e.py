@@ -94,11 +94,54 @@ def test_completions_equal_single_instance(cluster, length, stream):
     assert out["status"] == 200, out
     assert out["text"] == expected
     after = counters(d.wait_metrics(lambda m: counters(m)["requests"] > before["requests"]))
-    assert after["computed"] - before["computed"] <= 1  # only the last prompt token
-    assert after["transferred"] - before["transferred"] == length - 1
-    if length > 1:
-        assert after["xfers"] > before["xfers"]
+    # P's first token comes with its params: D reads the whole prompt and computes none of it
+    assert isinstance(params["first_token_id"], int)
+    assert after["computed"] - before["computed"] == 0
+    assert after["transferred"] - before["transferred"] == length
+    assert after["xfers"] > before["xfers"]
     p.wait_all_blocks_free(timeout_s=10)  # read done (or released) -> P's lease ends at once
+
+
+@pytest.mark.parametrize("extra", [{"logprobs": 2}, {"min_tokens": 2},
+                                   {"n": 2, "temperature": 1.0, "seed": 11}],
+                         ids=["logprobs", "min_tokens", "n"])
+def test_requests_the_first_token_cannot_serve_recompute_the_last_prompt_token(cluster, extra):
+    """Logprobs and min_tokens are not reproduced by the prefill leg: D reads all but the last
+    prompt token and computes that one. With n > 1 (sampled, seeded) only choice 0 takes P's
+    token. The outputs still equal one instance's."""
+    p, d = cluster["p"], cluster["d_fail"]
+    length = 2 * B + 3
+    seed = 4242 + sum(map(ord, next(iter(extra))))  # a new prompt each case: no prefix-cache hit
+    body = dict(completion_body(cluster, token_prompt(length, seed=seed), False), **extra)
+    expected = generate(cluster["single"], "completions", body)
+    assert expected["status"] == 200, expected
+    before = counters(d.metrics())
+    leg = {k: v for k, v in body.items() if k not in ("min_tokens", "n")}  # as the proxy sends it
+    params = prefill_leg(p, "completions", leg)
+    out = decode_leg(d, "completions", body, params)
+    assert out["status"] == 200, out
+    assert [c["text"] for c in out["body"]["choices"]] == [c["text"] for c in expected["body"]["choices"]]
+    after = counters(d.wait_metrics(lambda m: counters(m)["requests"] > before["requests"]))
+    if "n" in extra:
+        assert len({c["text"] for c in out["body"]["choices"]}) == 2  # really sampled apart
+        assert after["computed"] - before["computed"] >= 1  # choice 1 computed its own token
+    else:
+        assert after["computed"] - before["computed"] == 1
+        assert after["transferred"] - before["transferred"] == length - 1
+    p.wait_all_blocks_free(timeout_s=10)
+
+
+def test_forged_first_token_id_is_a_400(cluster):
+    p, d = cluster["p"], cluster["d_fail"]
+    body = completion_body(cluster, token_prompt(B + 1, seed=99), False)
+    params = prefill_leg(p, "completions", body)
+    for bad in (-1, "7", 10**9):
+        out = decode_leg(d, "completions", body, dict(params, first_token_id=bad))
+        assert out["status"] == 400, out
+        assert "first_token_id" in out["body"]["error"]["message"]
+    out = decode_leg(d, "completions", body, params)  # the lease is still good after the 400s
+    assert out["status"] == 200, out
+    p.wait_all_blocks_free(timeout_s=10)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -113,7 +156,7 @@ def test_chat_equals_single_instance(cluster, stream):
     assert out["text"] == expected
     after = counters(d.wait_metrics(lambda m: counters(m)["requests"] > before["requests"]))
     assert after["xfers"] > before["xfers"]
-    assert after["computed"] - before["computed"] <= 1
+    assert after["computed"] - before["computed"] == 0
     p.wait_all_blocks_free(timeout_s=10)
 
 
@@ -131,8 +174,8 @@ def test_decoder_prefix_cache_hit_reads_only_the_rest(cluster):
     assert out["status"] == 200 and out["text"] == expected
     assert out["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * B
     after = counters(d.wait_metrics(lambda m: counters(m)["requests"] > before["requests"]))
-    assert after["transferred"] - before["transferred"] == len(prompt) - 1 - 3 * B
-    assert after["computed"] - before["computed"] <= 1
+    assert after["transferred"] - before["transferred"] == len(prompt) - 3 * B
+    assert after["computed"] - before["computed"] == 0
     assert after["xfers"] > before["xfers"]
     p.wait_all_blocks_free(timeout_s=10)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -27,9 +29,12 @@ def _req(rid: str, params: SamplingParams, prompt=(), output=(), eos: int | None
 
 
 def _draw(sampler: Sampler, logits: torch.Tensor, reqs, steps: int) -> list[list[int]]:
+    """``steps`` generation steps: each request's drawn tokens become its output tokens."""
     seqs = [[] for _ in reqs]
     for _ in range(steps):
-        toks, _ = sampler.sample(logits.clone(), reqs)
+        batch = [dataclasses.replace(r, output_token_ids=list(r.output_token_ids) + s)
+                 for r, s in zip(reqs, seqs)]
+        toks, _ = sampler.sample(logits.clone(), batch)
         for s, t in zip(seqs, toks):
             s.append(t)
     return seqs
@@ -67,14 +72,17 @@ def test_unseeded_rows_get_different_noise():
     assert a != b
 
 
-def test_drop_releases_generators():
+def test_seeded_draw_depends_on_seed_and_position_only():
+    """The draw at output position k is the same whoever drew positions 0..k-1 (a prefiller's
+    first token, then a decoder; preemption; multi-step rounds); the sampler keeps no state."""
+    logits = torch.zeros(1, 1000)
+    seeded = SamplingParams(temperature=1.0, seed=77)
     s = Sampler(CPU)
-    reqs = [_req("a", SamplingParams(temperature=1.0, seed=1)),
-            _req("b", SamplingParams(temperature=1.0, seed=2))]
-    s.sample(torch.zeros(2, 10), reqs)
-    assert s.num_generators == 2
+    full = _draw(s, logits, [_req("a", seeded)], 6)[0]
+    resumed = _draw(Sampler(CPU, seed=5), logits, [_req("b", seeded, output=full[:4])], 2)[0]
+    assert resumed == full[4:]
+    assert s.num_generators == 0
     s.drop({"a", "unknown"})
-    assert s.num_generators == 1
 
 
 def test_sampling_follows_distribution():

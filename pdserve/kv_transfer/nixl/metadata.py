@@ -125,7 +125,8 @@ def validate_transfer_params(params: Any, bidirectional: bool) -> None:
     failed KV load:
 
     * ``do_remote_prefill`` / ``do_remote_decode``, when given and not null, must be booleans;
-    * ``do_remote_prefill: true`` (decoder leg): all remote fields must be valid;
+    * ``do_remote_prefill: true`` (decoder leg): all remote fields must be valid, and
+      ``first_token_id``, when given, a non-negative integer;
     * ``do_remote_decode: true`` with any of :data:`REMOTE_REF_FIELDS` not null, on an instance
       with ``bidirectional_kv_xfer`` (P pulling a previous turn's KV from D): all remote fields
       must be valid. The stateless prefill leg, whose remote fields are null, stays valid.
@@ -150,6 +151,11 @@ def validate_transfer_params(params: Any, bidirectional: bool) -> None:
             )
     if params.get("do_remote_prefill"):
         RemoteKVRef.from_params(params)
+        first = params.get("first_token_id")
+        if first is not None and (not isinstance(first, int) or isinstance(first, bool) or first < 0):
+            raise KVTransferParamsError(
+                "kv_transfer_params.first_token_id must be a non-negative integer token id"
+            )
     elif (
         bidirectional
         and params.get("do_remote_decode")

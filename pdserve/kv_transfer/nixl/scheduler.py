@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.kv_transfer.base import KVConnectorSchedulerSide
+from pdserve.kv_transfer.base import FIRST_TOKEN_KEY, KVConnectorSchedulerSide, presampled_first_token
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.nixl.bidirectional import (
     PULL_SAFETY_MARGIN_S,
@@ -156,7 +156,8 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         """Tokens beyond the local prefix-cache hit that can be loaded from another instance.
 
         Decoder: ``prompt_len - 1 - num_computed_tokens`` (the last prompt token is recomputed
-        for its logits). Bad params are not silently ignored: the load is planned and reported
+        for its logits), or ``prompt_len - num_computed_tokens`` when the prefiller's first
+        token can be used (:func:`~pdserve.kv_transfer.base.presampled_first_token`). Bad params are not silently ignored: the load is planned and reported
         as failed, so ``kv_load_failure_policy`` applies.
 
         Prefiller (bidirectional): the hash-verified prefix of D's previous-turn KV beyond the
@@ -170,13 +171,16 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         req_id = request.request_id
         self._from_prefiller.add(req_id)
         prompt_len = len(request.prompt_token_ids)
-        num_tokens = prompt_len - 1 - num_computed_tokens
+        # With the prefiller's first token the whole prompt is read; otherwise the last prompt
+        # token is recomputed for its logits.
+        needed_tokens = prompt_len if presampled_first_token(request) is not None else prompt_len - 1
+        num_tokens = needed_tokens - num_computed_tokens
         if num_tokens <= 0:
             # nothing to read (one-token prompt, or the local prefix cache has it all)
             self._decline(req_id, ref)
             return 0, False
         if ref is not None:
-            needed = math.ceil((prompt_len - 1) / self.block_size)
+            needed = math.ceil(needed_tokens / self.block_size)
             if len(ref.block_ids) < needed:
                 error = (
                     f"kv_transfer_params.remote_block_ids has {len(ref.block_ids)} blocks but "
@@ -331,7 +335,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             renew_on_heartbeat=True,
         )
         self._leased.add(req_id)
-        return True, {
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
@@ -341,6 +345,10 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             "remote_request_id": req_id,
             "tp_size": 1,
         }
+        if request.output_token_ids:
+            # the decoder may emit it without recomputing the last prompt token
+            params[FIRST_TOKEN_KEY] = request.output_token_ids[0]
+        return True, params
 
     def _keep_for_next_turn(self, request: "Request", block_ids: list[int]):
         kept = decoder_keep_blocks(
