@@ -260,7 +260,9 @@ def _paged_decode_split_kernel(
             + offs_d[None, :]
         )
         # An empty piece writes only its zero weight (l == 0), which the merge reads first.
-        tl.store(po, out, mask=out_mask & (start < end))
+        # (a tensor comparison: Triton 3.9's interpreter refuses a scalar bool in a mask)
+        nonempty = (offs_d * 0 + start) < end
+        tl.store(po, out, mask=out_mask & nonempty[None, :])
         pm = seq * stride_pm_s + heads * stride_pm_h + split
         tl.store(part_max_ptr + pm, m_i, mask=g_mask)
         tl.store(part_sum_ptr + pm, l_i, mask=g_mask)

@@ -7,28 +7,16 @@ whole module is skipped when Triton is not installed.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_kernels import import_kernels
 
-triton = pytest.importorskip("triton")
-if not HAS_CUDA and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-    # Before 3.7 the interpreter turns scalars into 1-element arrays that numpy >= 2.4 refuses
-    # to convert to int, so loops with run-time bounds fail.
-    pytest.skip("the CPU tests need Triton >= 3.7's interpreter", allow_module_level=True)
+ta, HAS_CUDA = import_kernels("pdserve.model.triton_attention", "_store_kv_kernel")
 
 from pdserve.model import cuda_graphs  # noqa: E402
-from pdserve.model import triton_attention as ta  # noqa: E402
-
-if not HAS_CUDA and type(ta._store_kv_kernel).__name__ != "InterpretedFunction":
-    # Imported earlier in this process without the interpreter switched on.
-    ta = importlib.reload(ta)
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # Relative-error bounds (||out - ref|| / ||ref||) by input dtype; see the module docstring of
@@ -584,6 +572,10 @@ compile_for_hopper(ta._rotary_kernel, {"x_ptr": "*bf16", "positions_ptr": "*i64"
     "cos_ptr": "*fp32", "sin_ptr": "*fp32", "norm_weight_ptr": "*bf16", "eps": "fp32"},
     dict(NUM_HEADS=16, HEADS_PAD=16, HEAD_DIM=128, HALF=64, HALF_PAD=64, HAS_NORM=True),
     num_warps=4)
+from pdserve.model import triton_sampling as ts
+compile_for_hopper(ts._gumbel_argmax_kernel, {"logits_ptr": "*fp32", "temps_ptr": "*fp32",
+    "seeds_ptr": "*i64", "positions_ptr": "*i64", "out_ptr": "*i64"}, dict(BLOCK_V=2048),
+    num_warps=8)
 print("compiled")
 '''
 

@@ -6,28 +6,16 @@ Without CUDA the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``,
 
 from __future__ import annotations
 
-import importlib
-import math
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_kernels import import_kernels
 
-triton = pytest.importorskip("triton")
-if not HAS_CUDA and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-    pytest.skip("the CPU tests need Triton >= 3.7's interpreter", allow_module_level=True)
+ts, HAS_CUDA = import_kernels("pdserve.model.triton_sampling", "_gumbel_argmax_kernel")
 
 from pdserve.engine.outputs import ScheduledRequest  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.model import triton_sampling as ts  # noqa: E402
 from pdserve.model.sampler import Sampler  # noqa: E402
-
-if not HAS_CUDA and type(ts._gumbel_argmax_kernel).__name__ != "InterpretedFunction":
-    ts = importlib.reload(ts)
 
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 
