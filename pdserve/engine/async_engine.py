@@ -489,10 +489,25 @@ class AsyncEngine:
         finished = o.finish_reason is not None
         finish_reason = o.finish_reason
         stop_reason: int | str | None = o.stop_reason
-        text = st.detokenizer.add_tokens(o.new_token_ids) if o.new_token_ids else ""
-        if finished:
-            text += st.detokenizer.flush()
-        emit, stop = st.stop_matcher.feed(text)
+        tokens = o.new_token_ids
+        if len(tokens) > 1 and st.stop_matcher.stop:
+            # Several tokens at once (a multi-step round): match stop strings token by token,
+            # so that tokens after a stop are neither emitted nor counted, as with single steps.
+            emit, stop = "", None
+            for i, tok in enumerate(tokens):
+                part, stop = st.stop_matcher.feed(st.detokenizer.add_tokens([tok]))
+                emit += part
+                if stop is not None:
+                    tokens = tokens[: i + 1]
+                    break
+            if stop is None and finished:
+                part, stop = st.stop_matcher.feed(st.detokenizer.flush())
+                emit += part
+        else:
+            text = st.detokenizer.add_tokens(tokens) if tokens else ""
+            if finished:
+                text += st.detokenizer.flush()
+            emit, stop = st.stop_matcher.feed(text)
         if stop is not None:
             if not finished:
                 self._send_abort([o.request_id])
@@ -501,15 +516,15 @@ class AsyncEngine:
             stop_reason = stop
         elif finished:
             emit += st.stop_matcher.flush()
-        st.num_output_tokens += len(o.new_token_ids)
+        st.num_output_tokens += len(tokens)
         if finished:
             st.finished = True
         st.queue.put_nowait(
             RequestOutput(
                 request_id=o.request_id,
-                new_token_ids=list(o.new_token_ids),
+                new_token_ids=list(tokens),
                 new_text=emit,
-                new_logprobs=list(o.new_logprobs),
+                new_logprobs=list(o.new_logprobs[: len(tokens)]),
                 finished=finished,
                 finish_reason=finish_reason,
                 stop_reason=stop_reason,

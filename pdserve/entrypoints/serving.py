@@ -439,7 +439,7 @@ class OpenAIServing:
             # P/D: a decoder reuses the prefiller's ids for the same text; a prefiller
             # remembers the digest to hand its ids on.
             digest = prompt_handoff.text_digest(text, self.vocab_size)
-            handed = (prompt_handoff.decode(params.get(prompt_handoff.KEY), digest)
+            handed = (prompt_handoff.decode(params.get(prompt_handoff.KEY), digest, self.vocab_size)
                       if role == "decode" else None)
             out = PromptIds(handed if handed is not None else self._chat_encoder.encode(text))
             out.text_digest = digest

@@ -45,9 +45,12 @@ def encode(token_ids: list[int], digest: str) -> dict[str, Any]:
     return {"text_sha256": digest, "ids": base64.b64encode(arr.tobytes()).decode("ascii")}
 
 
-def decode(value: Any, digest: str) -> list[int] | None:
+def decode(value: Any, digest: str, vocab_size: int | None = None) -> list[int] | None:
     """The token ids carried in ``value`` when they were computed from a text with ``digest``;
-    None when ``value`` is absent, malformed or for another text."""
+    None when ``value`` is absent, malformed, for another text, or holds ids outside
+    ``[0, vocab_size)``. The ids are only as trustworthy as the client that relayed them: the
+    KV read that follows is checked against the prefiller's own tokens (the lease claim's token
+    digest), so forged ids fail that read instead of mixing KV of different tokens."""
     if not isinstance(value, dict) or value.get("text_sha256") != digest:
         return None
     raw = value.get("ids")
@@ -65,4 +68,6 @@ def decode(value: Any, digest: str) -> list[int] | None:
     arr.frombytes(data)
     if sys.byteorder != "little":  # pragma: no cover
         arr.byteswap()
+    if vocab_size is not None and max(arr) >= vocab_size:
+        return None
     return arr.tolist()

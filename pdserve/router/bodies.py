@@ -73,8 +73,8 @@ def conversation_key(body: dict[str, Any], session_header: str | None) -> str | 
     if cid is None:
         return session_header or None
     if isinstance(cid, bool) or not isinstance(cid, (str, int)):
-        raise ProxyError(400, f"'conversation_id' must be a string, got {cid!r}", INVALID_REQUEST,
-                         "conversation_id")
+        raise ProxyError(400, f"'conversation_id' must be a string or an integer, got {cid!r}",
+                         INVALID_REQUEST, "conversation_id")
     return str(cid) or None
 
 

@@ -108,6 +108,31 @@ async def test_stop_string_is_removed_and_request_stops(engine, offline_tokens):
     await wait_all_free(engine)
 
 
+async def test_multi_step_bursts_stop_at_a_stop_string_like_single_steps(engine, tiny_llama_path,
+                                                                          offline_tokens):
+    """With rounds of 4 decode steps the engine core sends tokens in bursts; the front end
+    still matches stop strings token by token, so text, tokens and usage equal single steps."""
+    tokens = offline_tokens[30]
+    full = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    head = engine.tokenizer.decode(tokens[:6], skip_special_tokens=True)
+    stop = full[len(head) : len(head) + 3]
+    assert stop and full.find(stop) == len(head)
+    single = await run(engine, "single", prompt(30, 30), greedy(stop=[stop]))
+    multi_engine = await AsyncEngine.start(EngineConfig(model=tiny_llama_path, num_scheduler_steps=4,
+                                                        **ARGS))
+    try:
+        multi = await run(multi_engine, "multi", prompt(30, 30), greedy(stop=[stop]))
+        assert any(len(o.new_token_ids) > 1 for o in multi), "no burst: the test checks nothing"
+        await wait_all_free(multi_engine)
+    finally:
+        await multi_engine.shutdown()
+    for outs in (single, multi):
+        assert "".join(o.new_text for o in outs) == full[: len(head)]
+        assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    assert [t for o in multi for t in o.new_token_ids] == [t for o in single for t in o.new_token_ids]
+    assert multi[-1].num_output_tokens == single[-1].num_output_tokens
+
+
 async def test_abort_and_leaving_the_iterator_free_all_blocks(engine):
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     agen = engine.generate("leave", prompt(20), params)

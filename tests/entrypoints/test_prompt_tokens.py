@@ -107,6 +107,8 @@ def test_handoff_round_trip_and_rejections():
     digest = prompt_handoff.text_digest("hello", 49152)
     value = prompt_handoff.encode(ids, digest)
     assert prompt_handoff.decode(value, digest) == ids
+    assert prompt_handoff.decode(value, digest, vocab_size=2**31 + 6) == ids
+    assert prompt_handoff.decode(value, digest, vocab_size=49152) is None  # 2**31 + 5 is outside
     assert prompt_handoff.decode(value, prompt_handoff.text_digest("hello!", 49152)) is None
     assert prompt_handoff.decode(value, prompt_handoff.text_digest("hello", 100)) is None
     assert prompt_handoff.decode(None, digest) is None

@@ -202,3 +202,24 @@ def test_failed_pull_is_recomputed_even_under_fail_policy():
     assert [(s.req_id, s.num_computed_tokens, len(s.token_ids)) for s in out.scheduled] == \
         [("p1", 0, len(prompt))]
     assert sched.stats()["num_kv_load_failures_total"] == 1
+
+
+def test_lease_claim_checks_the_readers_tokens():
+    """A lease that knows its tokens only answers a claim that carries the digest of the same
+    first ``num_tokens`` tokens."""
+    from pdserve.kv_transfer.nixl.leases import LeaseTable
+    from pdserve.kv_transfer.nixl.metadata import token_digest
+
+    table = LeaseTable()
+    tokens = list(range(100, 140))
+    table.add("r", [3, 4, 5], 30.0, token_ids=tokens)
+    assert table.claim("r", [3, 4, 5], 40, token_digest(tokens))[0] == "ok"
+    assert table.claim("r", [3, 4, 5], 17, token_digest(tokens[:17]))[0] == "ok"
+    other = tokens[:16] + [7] + tokens[17:]
+    for num, digest in ((40, token_digest(other)), (41, token_digest(tokens + [1])),
+                        (0, token_digest([])), (None, None), ("40", token_digest(tokens)),
+                        (40, None), (True, token_digest(tokens[:1]))):
+        status, reason, _ = table.claim("r", [3, 4, 5], num, digest)
+        assert status == "reject" and "tokens differ" in reason, (num, status)
+    table.add("plain", [1], 30.0)  # no tokens known: the block ids alone decide
+    assert table.claim("plain", [1])[0] == "ok"

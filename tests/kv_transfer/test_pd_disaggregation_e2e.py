@@ -251,6 +251,26 @@ def test_forged_block_ids(cluster, decoder, forge):
 
 
 @pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])
+def test_params_of_another_prompt_never_load_its_kv(cluster, decoder):
+    """P's params for prompt X sent with prompt Y (same length): the lease claim carries the
+    digest of D's tokens, P refuses it, and X's KV never enters D's prefix cache under Y's
+    hashes. A later honest request for Y gets Y's answer."""
+    p, d = cluster["p"], cluster[decoder]
+    x = token_prompt(3 * B + 5, seed=900 + len(decoder))
+    y = token_prompt(3 * B + 5, seed=950 + len(decoder))
+    body_x, body_y = completion_body(cluster, x, False), completion_body(cluster, y, False)
+    expected_y = reference(cluster, "completions", body_y)
+    params_x = prefill_leg(p, "completions", body_x)
+    _expect_failure_or_recompute(cluster, d, "completions", body_y, params_x, expected_y)
+    p.wait_all_blocks_free(timeout_s=10)
+    again = decode_leg(d, "completions", body_y, prefill_leg(p, "completions", body_y))
+    assert again["status"] == 200 and again["text"] == expected_y, again
+    plain = generate(d, "completions", body_y)  # served from D's prefix cache
+    assert plain["status"] == 200 and plain["text"] == expected_y, plain
+    p.wait_all_blocks_free(timeout_s=10)
+
+
+@pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])
 def test_failed_handshake_frees_producer_blocks(cluster, decoder):
     p, d = cluster["p"], cluster[decoder]
     body = completion_body(cluster, token_prompt(21, seed=31 + len(decoder)), False)

@@ -31,7 +31,7 @@ def server():
     held = {"a": [1, 2]}
     lock = threading.Lock()
 
-    def claim(req_id, block_ids):
+    def claim(req_id, block_ids, num_tokens=None, digest=None):
         with lock:
             blocks = held.get(req_id)
         if blocks is None:

@@ -170,7 +170,7 @@ def decoder_keep_blocks(
     now = time.time() if now is None else now
     hashes = block_hashes(request.all_token_ids[:num_tokens], block_size)
     spec = SendSpec(req_id=request.request_id, block_ids=kept, lease_duration=ttl_s,
-                    renew_on_heartbeat=False)
+                    renew_on_heartbeat=False, token_ids=list(request.all_token_ids[:num_tokens]))
     params = {
         "do_remote_decode": True,
         "do_remote_prefill": False,

@@ -13,6 +13,9 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
+
+from pdserve.kv_transfer.nixl.metadata import token_digest
 
 _CLOSED_MEMORY = 10_000  # how many closed leases are remembered (to answer late claims clearly)
 _EARLY_NOTICE_TTL_S = 120.0
@@ -27,12 +30,15 @@ class Lease:
         duration_s: lease length in seconds.
         expiry: ``time.monotonic()`` deadline.
         renewable: heartbeats and claims extend the lease.
+        token_ids: the tokens whose KV the blocks hold (None: claims are not checked against
+            them).
     """
 
     block_ids: list[int]
     duration_s: float
     expiry: float
     renewable: bool = True
+    token_ids: list[int] | None = None
 
 
 class LeaseTable:
@@ -61,8 +67,8 @@ class LeaseTable:
             return time.time() + (lease.expiry - time.monotonic())
 
     def add(self, req_id: str, block_ids: list[int], duration_s: float, renewable: bool = True,
-            now: float | None = None) -> str | None:
-        """Start a lease.
+            now: float | None = None, token_ids: list[int] | None = None) -> str | None:
+        """Start a lease (``token_ids``: see :class:`Lease`).
 
         Returns:
             The kind of a notice (``"done"``/``"abort"``) that arrived before the lease; the
@@ -70,7 +76,8 @@ class LeaseTable:
         """
         now = time.monotonic() if now is None else now
         with self._lock:
-            self._leases[req_id] = Lease(list(block_ids), duration_s, now + duration_s, renewable)
+            self._leases[req_id] = Lease(list(block_ids), duration_s, now + duration_s, renewable,
+                                         None if token_ids is None else list(token_ids))
             self._closed.pop(req_id, None)
             early = self._early.pop(req_id, None)
         return early[0] if early else None
@@ -102,14 +109,21 @@ class LeaseTable:
             lease.expiry = max(lease.expiry, now + lease.duration_s)
             return True
 
-    def claim(self, req_id: str, block_ids: list[int],
-              now: float | None = None) -> tuple[str, str, float]:
+    def claim(self, req_id: str, block_ids: list[int], num_tokens: Any = None,
+              digest: Any = None, now: float | None = None) -> tuple[str, str, float]:
         """A reader's check before its READ (side-channel thread).
 
+        When the lease knows its tokens, the reader must send ``num_tokens`` and the
+        :func:`~pdserve.kv_transfer.nixl.metadata.token_digest` of its own first ``num_tokens``
+        tokens, and they must equal the owner's: KV computed for other tokens (forged or stale
+        params, a prompt that differs from the prefiller's) is never read, so it cannot end up
+        in the reader's prefix cache under the wrong hashes.
+
         Returns:
-            ``("ok", "", seconds_left)`` when the lease holds exactly ``block_ids`` (a renewable
-            lease is extended for the read); ``("wait", reason, 0)`` for an unknown request
-            (its lease may not be registered yet); ``("reject", reason, 0)`` otherwise.
+            ``("ok", "", seconds_left)`` when the lease holds exactly ``block_ids`` for the same
+            tokens (a renewable lease is extended for the read); ``("wait", reason, 0)`` for an
+            unknown request (its lease may not be registered yet); ``("reject", reason, 0)``
+            otherwise.
         """
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -126,6 +140,13 @@ class LeaseTable:
                     f"blocks held for request {req_id!r}",
                     0.0,
                 )
+            if lease.token_ids is not None:
+                ok = (isinstance(num_tokens, int) and not isinstance(num_tokens, bool)
+                      and 0 < num_tokens <= len(lease.token_ids) and isinstance(digest, str)
+                      and digest == token_digest(lease.token_ids[:num_tokens]))
+                if not ok:
+                    return ("reject", f"the reader's tokens differ from those whose KV request "
+                            f"{req_id!r} holds", 0.0)
             if lease.renewable:
                 lease.expiry = max(lease.expiry, now + lease.duration_s)
             return "ok", "", lease.expiry - now

@@ -6,8 +6,11 @@ step; the worker side acts on it in ``start_load_kv`` / ``get_finished``.
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from pdserve.kv_transfer.nixl.prefix_match import BlockHashError, parse_block_hashes
 
@@ -164,6 +167,13 @@ def validate_transfer_params(params: Any, bidirectional: bool) -> None:
         RemoteKVRef.from_params(params)
 
 
+def token_digest(token_ids: Sequence[int]) -> str:
+    """SHA-256 (hex) of token ids (as little-endian int64): what a KV reader and the blocks'
+    owner compare in a lease claim, so that KV is only read into a request whose tokens are the
+    ones it was computed from."""
+    return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).hexdigest()
+
+
 @dataclass
 class RecvSpec:
     """One asynchronous KV load: read ``remote_block_ids[i]`` into ``local_block_ids[i]``.
@@ -179,6 +189,9 @@ class RecvSpec:
         min_lease_left_s: the READ is posted only when the owner's claim answer says its blocks
             live at least this many more seconds (bidirectional pulls from D's TTL blocks);
             0 for no check.
+        digest_tokens: the reader's tokens up to the end of what it loads (positions
+            ``0 .. digest_tokens - 1``), whose :func:`token_digest` the claim carries.
+        token_digest: :func:`token_digest` of those tokens ("" for none).
     """
 
     req_id: str
@@ -188,6 +201,8 @@ class RecvSpec:
     num_tokens: int
     error: str | None = None
     min_lease_left_s: float = 0.0
+    digest_tokens: int = 0
+    token_digest: str = ""
 
 
 @dataclass
@@ -199,12 +214,15 @@ class SendSpec:
         block_ids: the blocks kept, in token order.
         lease_duration: seconds to keep them without a heartbeat or read.
         renew_on_heartbeat: heartbeats extend the lease (P→D leases) or not (D's TTL blocks).
+        token_ids: the tokens whose KV the blocks hold, in order; a claim must carry the
+            :func:`token_digest` of a prefix of them (None: no check).
     """
 
     req_id: str
     block_ids: list[int]
     lease_duration: float
     renew_on_heartbeat: bool = True
+    token_ids: list[int] | None = None
 
 
 @dataclass

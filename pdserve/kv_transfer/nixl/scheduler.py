@@ -47,6 +47,7 @@ from pdserve.kv_transfer.nixl.metadata import (
     RemoteKVRef,
     RemoteNotice,
     SendSpec,
+    token_digest,
 )
 
 if TYPE_CHECKING:
@@ -247,6 +248,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         remote_ids = list(ref.block_ids[first : last + 1]) if ref is not None else []
         if ref is not None and len(remote_ids) != len(local) and error is None:
             error = "remote_block_ids is too short for the prompt"
+        end = plan.num_local_tokens + num_external_tokens  # the owner checks tokens 0..end-1
         self._meta.reqs_to_recv[req_id] = RecvSpec(
             req_id=req_id,
             remote=ref,
@@ -255,6 +257,8 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             num_tokens=num_external_tokens,
             error=error,
             min_lease_left_s=PULL_SAFETY_MARGIN_S if plan.kind == PULL else 0.0,
+            digest_tokens=end,
+            token_digest=token_digest(request.all_token_ids[:end]),
         )
         self._waiting.pop(req_id, None)
         self._inflight[req_id] = plan.kind
@@ -332,7 +336,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             return False, None
         self._meta.reqs_to_send[req_id] = SendSpec(
             req_id=req_id, block_ids=remote_ids, lease_duration=self.config.kv_lease_duration,
-            renew_on_heartbeat=True,
+            renew_on_heartbeat=True, token_ids=list(request.prompt_token_ids),
         )
         self._leased.add(req_id)
         params = {

@@ -8,10 +8,11 @@ instances' ``REQ`` sockets:
     -> ``{"ok": True, "info": {...}}``: the NIXL agent name and metadata, the KV cache base
     address, ``block_bytes``, ``num_blocks``, memory type and device id, the compatibility
     fields and their hash, the lease duration and the server's wall clock (for clock offsets).
-``{"type": "claim", "request_id": str, "block_ids": [int]}``
+``{"type": "claim", "request_id": str, "block_ids": [int], "num_tokens": int, "token_digest": str}``
     -> ``{"ok": bool, "reason": str, "lease_expiry_in": float}``: before reading, the reader
-    checks that the owner still holds exactly these blocks for that request, and extends the
-    lease for the read. A claim for a request the owner does not know yet (its lease is
+    checks that the owner still holds exactly these blocks for that request, computed from the
+    same first ``num_tokens`` tokens as the reader's (their SHA-256, ``metadata.token_digest``),
+    and extends the lease for the read. A claim for a request the owner does not know yet (its lease is
     registered one engine step after the request finished) is answered when it appears, or
     rejected after ``claim_wait_s``.
 ``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str}``
@@ -148,7 +149,8 @@ class SideChannelServer:
         port: TCP port.
         get_info: returns the ``get_info`` payload, or None while the KV cache is not
             registered yet.
-        claim: ``claim(request_id, block_ids) -> (status, reason, lease_left_s)`` with status
+        claim: ``claim(request_id, block_ids, num_tokens, token_digest) -> (status, reason,
+            lease_left_s)`` (the last two as the reader sent them, or None) with status
             ``"ok"``, ``"wait"`` (unknown yet, ask again) or ``"reject"``; called on the server
             thread, so it must be thread-safe.
         notify: ``notify(kind, request_id)``; thread-safe.
@@ -163,7 +165,7 @@ class SideChannelServer:
         host: str,
         port: int,
         get_info: Callable[[], dict[str, Any] | None],
-        claim: Callable[[str, list[int]], ClaimResult],
+        claim: Callable[[str, list[int], Any, Any], ClaimResult],
         notify: Callable[[str, str], None],
         claim_wait_s: float = 5.0,
     ):
@@ -193,7 +195,7 @@ class SideChannelServer:
             ) from e
         self._stop = threading.Event()
         # (identity, request_id, block_ids, deadline, seq) of claims answered "wait"
-        self._pending_claims: list[tuple[bytes, str, list[int], float, Any]] = []
+        self._pending_claims: list[tuple[bytes, str, list[int], float, Any, tuple[Any, Any]]] = []
         self._thread = threading.Thread(
             target=self._serve, name=f"nixl-side-channel-{port}", daemon=True
         )
@@ -224,7 +226,9 @@ class SideChannelServer:
             if not isinstance(req_id, str) or not isinstance(block_ids, list):
                 self._reply(ident, {"ok": False, "reason": "malformed claim"}, seq)
                 return
-            self._try_claim(ident, req_id, block_ids, time.monotonic() + self._claim_wait_s, seq)
+            tokens = (msg.get("num_tokens"), msg.get("token_digest"))
+            self._try_claim(ident, req_id, block_ids, time.monotonic() + self._claim_wait_s, seq,
+                            tokens)
         elif kind == "notify":
             req_id, note = msg.get("request_id"), msg.get("kind")
             if isinstance(req_id, str) and isinstance(note, str):
@@ -236,10 +240,10 @@ class SideChannelServer:
             self._reply(ident, {"ok": False, "reason": f"unknown request type {kind!r}"}, seq)
 
     def _try_claim(self, ident: bytes, req_id: str, block_ids: list[int], deadline: float,
-                   seq: Any = None) -> None:
-        status, reason, left = self._claim(req_id, block_ids)
+                   seq: Any = None, tokens: tuple[Any, Any] = (None, None)) -> None:
+        status, reason, left = self._claim(req_id, block_ids, *tokens)
         if status == "wait" and time.monotonic() < deadline:
-            self._pending_claims.append((ident, req_id, block_ids, deadline, seq))
+            self._pending_claims.append((ident, req_id, block_ids, deadline, seq, tokens))
             return
         if status == "wait":
             status = "reject"
@@ -266,8 +270,8 @@ class SideChannelServer:
                         logger.exception("NIXL side channel: error while handling a request")
             if self._pending_claims:
                 pending, self._pending_claims = self._pending_claims, []
-                for ident, req_id, block_ids, deadline, seq in pending:
-                    self._try_claim(ident, req_id, block_ids, deadline, seq)
+                for ident, req_id, block_ids, deadline, seq, tokens in pending:
+                    self._try_claim(ident, req_id, block_ids, deadline, seq, tokens)
         self._sock.close(linger=0)
 
     def close(self) -> None:

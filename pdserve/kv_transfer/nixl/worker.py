@@ -224,7 +224,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         now = time.monotonic()
         for req_id, send in metadata.reqs_to_send.items():
             early = self.leases.add(req_id, send.block_ids, send.lease_duration,
-                                    send.renew_on_heartbeat, now)
+                                    send.renew_on_heartbeat, now, send.token_ids)
             if early is not None and self.leases.close(req_id, f"{early} before lease"):
                 self._out.finished_sending.add(req_id)
         for req_id in metadata.release_sends:
@@ -443,7 +443,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 load.claim = self._client.send(
                     spec.remote.endpoint.host, spec.remote.endpoint.port,
                     {"type": "claim", "request_id": spec.remote.request_id,
-                     "block_ids": spec.remote.block_ids},
+                     "block_ids": spec.remote.block_ids, "num_tokens": spec.digest_tokens,
+                     "token_digest": spec.token_digest},
                     self.config.kv_handshake_timeout * 2,
                 )
                 load.phase = "claim"
