@@ -260,11 +260,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
-        out.finished_req_ids = self.finished_req_ids
-        self.finished_req_ids = set()
-        if self.connector is not None:
-            out.kv_connector_metadata = self.connector.build_connector_meta(out)
-        return out
+        return self._close_step(out)
 
     def _schedule_multi_step(self) -> SchedulerOutput | None:
         """A round of up to ``num_scheduler_steps`` decode steps for every running request, or
@@ -305,6 +301,11 @@ class Scheduler:
         for req in running:
             self._add_scheduled(out, req, 1)
         out.total_num_scheduled_tokens = len(running) * steps
+        return self._close_step(out)
+
+    def _close_step(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Hand the requests finished since the last step to ``out`` and let the connector
+        build its metadata for the step."""
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
         if self.connector is not None:
@@ -514,7 +515,11 @@ class Scheduler:
 
     def _finish_with_tokens(self, req: Request, status: RequestStatus, stop_reason: int | None,
                             tokens: list[int], logprobs: list[Any]) -> EngineCoreOutput:
-        self.running.remove(req)
+        """Finish a request whose last ``tokens`` were just accepted (it leaves ``running``
+        when it was there: a decoder's request may finish on the prefiller's first token
+        before it ever ran)."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
         o = self._finish(req, status)
         o.new_token_ids = tokens
         o.new_logprobs = logprobs
@@ -635,13 +640,9 @@ class Scheduler:
             self.prompt_tokens_transferred_total += min(loaded, req.num_prompt_tokens) - min(num_local, req.num_prompt_tokens)
             self.kv_cache_manager.cache_blocks(req, loaded)
             if first is not None:
-                status, stop_reason = self._accept_token(req, first)
-                if status is not None:
-                    o = self._finish(req, status)
-                    o.new_token_ids, o.stop_reason = [first], stop_reason
-                    outputs.append(o)
+                outputs.append(self._append_token(req, first, None))
+                if outputs[-1].finish_reason is not None:
                     continue
-                outputs.append(self._output(req, [first], None))
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
         for rid in kv_out.finished_sending:

@@ -92,8 +92,9 @@ class SegmentCachedEncoder:
     not strip whitespace on its left, ``encode(a + b) == encode(a) + encode(b)``. Prompts are
     cut before every such token (in a chat template: every message starts with one) and each
     piece is looked up in an LRU cache by its text. The equivalence is checked against a
-    plain ``encode`` on the first ``verify_first`` prompts and then every ``verify_every``-th;
-    any difference turns the cache off for good (with a warning).
+    plain ``encode`` on sample texts (:meth:`self_check`), on the first ``verify_first``
+    prompts and then every ``verify_every``-th; any difference turns the cache off for good
+    (with a warning).
 
     Args:
         tokenizer: a ``transformers`` tokenizer; a slow one, or one without such special
@@ -136,26 +137,38 @@ class SegmentCachedEncoder:
         points = sorted(cuts)
         return [text[i:j] for i, j in zip(points, points[1:])]
 
+    def _plain(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _agrees(self, text: str, ids: list[int]) -> tuple[bool, list[int]]:
+        """``(piece ids == plain ids, plain ids)``; a difference turns the cache off for good."""
+        plain = self._plain(text)
+        if plain == ids:
+            return True, plain
+        logger.warning("tokenizing chat prompts piece by piece differs from tokenizing them "
+                       "whole for this tokenizer; the piece cache is off")
+        self.enabled = False
+        with self._lock:
+            self._cache.clear()
+        return False, plain
+
     def self_check(self, texts: Sequence[str]) -> bool:
         """Compare the piece-by-piece encoding of ``texts`` with plain ``encode`` (without
-        touching the cache); any difference turns the cache off. Returns whether it is on."""
+        filling the cache); any difference turns the cache off. Returns whether it is on."""
         for text in texts:
             if not self.enabled:
                 break
             pieces = self._pieces(text)
             ids = [i for piece in self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
                    for i in piece] if pieces else []
-            if ids != list(self.tokenizer.encode(text, add_special_tokens=False)):
-                logger.warning("tokenizing chat prompts piece by piece differs from tokenizing "
-                               "them whole for this tokenizer; the piece cache is off")
-                self.enabled = False
+            self._agrees(text, ids)
         return self.enabled
 
     def encode(self, text: str) -> list[int]:
         """``tokenizer.encode(text, add_special_tokens=False)``, from cached pieces where
         possible."""
         if not self.enabled:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self._plain(text)
         pieces = self._pieces(text)
         with self._lock:
             found = [self._cache.get(p) for p in pieces]
@@ -179,14 +192,7 @@ class SegmentCachedEncoder:
             out.extend(ids)
         self._count += 1
         if self._count <= self.verify_first or self._count % self.verify_every == 0:
-            plain = list(self.tokenizer.encode(text, add_special_tokens=False))
-            if plain != out:
-                logger.warning("tokenizing chat prompts piece by piece differs from tokenizing "
-                               "them whole for this tokenizer; the piece cache is off")
-                self.enabled = False
-                with self._lock:
-                    self._cache.clear()
-                return plain
+            return self._agrees(text, out)[1]
         return out
 
 
