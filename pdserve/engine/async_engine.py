@@ -17,7 +17,6 @@ import logging
 import multiprocessing
 import shutil
 import tempfile
-import types
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -41,6 +40,7 @@ from pdserve.engine.messages import (
 from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.factory import validate_kv_transfer_params
+from pdserve.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -135,16 +135,6 @@ class _RequestState:
         self.finished = False
 
 
-def _model_info_from_dict(d: dict[str, Any]) -> Any:
-    try:
-        from pdserve.model.loader import ModelInfo
-
-        names = {f.name for f in dataclasses.fields(ModelInfo)}
-        return ModelInfo(**{k: v for k, v in d.items() if k in names})
-    except (ImportError, TypeError):
-        return types.SimpleNamespace(**d)
-
-
 class AsyncEngine:
     """Asynchronous client of one engine-core process (create with :meth:`start`).
 
@@ -224,7 +214,7 @@ class AsyncEngine:
         except BaseException:
             await self._close(kill=True)
             raise
-        self.model_info = _model_info_from_dict(ready.model_info)
+        self.model_info = ModelInfo.from_dict(ready.model_info)
         self.max_model_len = ready.max_model_len
         self.num_blocks = ready.num_blocks
         self.block_size = ready.block_size

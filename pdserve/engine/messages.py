@@ -54,7 +54,7 @@ class Ready(msgspec.Struct, tag="ready"):
     """The core finished starting.
 
     Attributes:
-        model_info: ``dataclasses.asdict`` of :class:`pdserve.model.loader.ModelInfo`.
+        model_info: ``dataclasses.asdict`` of :class:`pdserve.model_info.ModelInfo`.
         num_blocks: KV cache blocks.
         block_size: tokens per block.
         max_model_len: the effective max_model_len (tokens).

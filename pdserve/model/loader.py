@@ -1,8 +1,9 @@
 """Model loading: Hugging Face directories (safetensors, sharded or not), GGUF files (through
 ``transformers``, dequantized) and ``--load-format dummy`` (random weights, real config).
 
-:func:`load_model` is the entry point used by the model runner; :class:`ModelInfo` is the
-summary the rest of the engine (scheduler, front end, connector) sees.
+:func:`load_model` is the entry point used by the model runner; it fills the torch-free
+:class:`pdserve.model_info.ModelInfo` that the rest of the engine (scheduler, front end,
+connector) sees.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.model_info import ModelInfo
 from pdserve.model.llama import ArchConfig, CausalLM
 from pdserve.model.smollm2 import resolve_model_path
 
@@ -31,35 +33,6 @@ _MODEL_TYPE_TO_ARCH = {
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ModelInfo:
-    """What the engine needs to know about the loaded model (plain Python, picklable).
-
-    Attributes:
-        name: served model name.
-        architecture: HF architecture name, e.g. ``LlamaForCausalLM``.
-        num_layers: decoder layers.
-        num_kv_heads: KV heads.
-        head_dim: head size.
-        vocab_size: logits width.
-        max_position_embeddings: the model's context length in tokens.
-        eos_token_ids: end-of-sequence token ids (config and generation config, in that order).
-        dtype: torch dtype name of weights and KV cache, e.g. ``"bfloat16"``.
-        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
-    """
-
-    name: str
-    architecture: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: list[int]
-    dtype: str
-    device: str
 
 
 @dataclass

@@ -27,7 +27,8 @@ from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput, Scheduled
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.model.attention import build_attention_metadata
 from pdserve.model.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
-from pdserve.model.loader import ModelInfo, load_model, model_max_len
+from pdserve.model.loader import load_model, model_max_len
+from pdserve.model_info import ModelInfo
 from pdserve.model.sampler import Sampler
 
 logger = logging.getLogger("pdserve.model")
