@@ -7,8 +7,8 @@ a uniform fraction of its output, so contexts spread over about 100-2,000 tokens
 scattered over a KV cache with the real layer count (``[num_blocks, num_layers, 2, Hkv, 16, D]``),
 so one layer's K/V rows are as far apart as in the engine.
 
-For each batch size it times :func:`pdserve.model.triton_attention.paged_decode_attention` on one
-layer, for the default launch (:func:`~pdserve.model.triton_attention.decode_kernel_config`) and
+For each batch size it times :func:`pdserve.kernels.paged_decode.paged_decode_attention` on one
+layer, for the default launch (:func:`~pdserve.kernels.paged_decode.decode_kernel_config`) and
 for a sweep of ``block_n`` x ``num_warps`` x ``num_stages`` x split counts, each call replayed in a
 CUDA graph (``triton.testing.do_bench_cudagraph``, median). Bandwidth counts the K and V bytes the
 kernel must read (context tokens x Hkv x head_dim x 2 x 2 bytes). Baselines, same run, same bytes:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton.testing
 
-    from pdserve.model import triton_attention as ta
+    from pdserve.kernels import paged_decode as ta
 
     dev = torch.device("cuda")
     dt = torch.bfloat16

@@ -105,9 +105,13 @@ def kernel_benchmarks(args: argparse.Namespace) -> list[dict]:
     """GPU time of the Triton kernels against their torch counterparts (CUDA only)."""
     import triton.testing
 
-    from pdserve.model import attention as torch_attn
-    from pdserve.model import llama
-    from pdserve.model import triton_attention as ta
+    from pdserve import attention as torch_attn
+    from pdserve.kernels import kv_cache as kvk
+    from pdserve.kernels import paged_decode as pd
+    from pdserve.kernels import rms_norm as rn
+    from pdserve.kernels import rotary as rot
+    from pdserve.layers import norm as norm_layer
+    from pdserve.layers import rotary as rotary_layer
 
     on_gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if on_gpu else "cpu")
@@ -154,18 +158,18 @@ def kernel_benchmarks(args: argparse.Namespace) -> list[dict]:
         out = torch.empty_like(q)
         kv_bytes = batch * ctx * hkv * d * 2 * 2 / 1e9
         shape = f"b={batch} ctx={ctx}"
-        us = bench(lambda: ta.paged_decode_attention(q, kv, 1, tables, lens, d**-0.5, out=out))
-        add("paged_decode", shape, f"default splits={ta.choose_num_splits(batch, hkv, dev)}", us, kv_bytes)
+        us = bench(lambda: pd.paged_decode_attention(q, kv, 1, tables, lens, d**-0.5, out=out))
+        add("paged_decode", shape, f"default splits={pd.choose_num_splits(batch, hkv, dev)}", us, kv_bytes)
         for block_n in sweep[0]:
             for warps in sweep[1]:
                 for stages in sweep[2]:
-                    us = bench(lambda: ta.paged_decode_attention(
+                    us = bench(lambda: pd.paged_decode_attention(
                         q, kv, 1, tables, lens, d**-0.5, out=out, block_n=block_n,
                         num_warps=warps, num_stages=stages))
                     add("paged_decode", shape, f"block_n={block_n} warps={warps} stages={stages}",
                         us, kv_bytes)
         for splits in ((1, 4, 8, 16, 32, 64) if on_gpu else (1, 3)):
-            us = bench(lambda: ta.paged_decode_attention(q, kv, 1, tables, lens, d**-0.5, out=out,
+            us = bench(lambda: pd.paged_decode_attention(q, kv, 1, tables, lens, d**-0.5, out=out,
                                                          num_splits=splits))
             add("paged_decode", shape, f"splits={splits}", us, kv_bytes)
         meta = torch_attn.build_attention_metadata(
@@ -174,7 +178,7 @@ def kernel_benchmarks(args: argparse.Namespace) -> list[dict]:
         us = bench(lambda: backend._decode(1, q, kv, meta))
         add("paged_decode", shape, "torch SDPA backend", us, kv_bytes)
         ref = backend._decode(1, q, kv, meta).float()
-        got = ta.paged_decode_attention(q, kv, 1, tables, lens, d**-0.5).float()
+        got = pd.paged_decode_attention(q, kv, 1, tables, lens, d**-0.5).float()
         err = ((got - ref).norm() / ref.norm()).item()
         print(f"  {'':<16} {shape:<26} rel. error vs torch: {err:.2e}", flush=True)
         if not err < 2e-2:
@@ -190,7 +194,7 @@ def kernel_benchmarks(args: argparse.Namespace) -> list[dict]:
         meta = torch_attn.AttentionMetadata(slot_mapping=slots, slot_block=slots // bs,
                                             slot_offset=slots % bs, num_prefill_tokens=t)
         gbytes = 2 * 2 * t * hkv * d * 2 / 1e9
-        add("store_kv", f"T={t}", "triton", bench(lambda: ta.store_kv_cache(k, v, kv, 3, slots)), gbytes)
+        add("store_kv", f"T={t}", "triton", bench(lambda: kvk.store_kv_cache(k, v, kv, 3, slots)), gbytes)
         add("store_kv", f"T={t}", "torch index_put",
             bench(lambda: torch_attn.write_kv(kv, 3, k, v, meta)), gbytes)
     del kv
@@ -201,9 +205,9 @@ def kernel_benchmarks(args: argparse.Namespace) -> list[dict]:
         x = torch.randn(t, hidden, device=dev, dtype=dt)
         r = torch.randn(t, hidden, device=dev, dtype=dt)
         add("rms_norm+res", f"T={t}", "triton fused",
-            bench(lambda: ta.rms_norm(x, w, 1e-6, residual=r)))
-        add("rms_norm+res", f"T={t}", "torch (add + llama.rms_norm)",
-            bench(lambda: llama.rms_norm(x + r, w, 1e-6)))
+            bench(lambda: rn.rms_norm(x, w, 1e-6, residual=r)))
+        add("rms_norm+res", f"T={t}", "torch (add + layers.norm.rms_norm)",
+            bench(lambda: norm_layer.rms_norm(x + r, w, 1e-6)))
 
     # --- q/k RMSNorm + rotary
     cos = torch.randn(4096, d // 2, device=dev)
@@ -216,17 +220,17 @@ def kernel_benchmarks(args: argparse.Namespace) -> list[dict]:
         pos = torch.randint(0, 4096, (t,), device=dev)
 
         def fused():
-            ta.rotary_embedding(q, pos, cos, sin, norm_weight=wq)
-            ta.rotary_embedding(k, pos, cos, sin, norm_weight=wq)
+            rot.rotary_embedding(q, pos, cos, sin, norm_weight=wq)
+            rot.rotary_embedding(k, pos, cos, sin, norm_weight=wq)
 
         def torch_version():
             c = cos[pos].to(dt).unsqueeze(1)
             s = sin[pos].to(dt).unsqueeze(1)
-            llama.apply_rotary(llama.rms_norm(q, wq, 1e-6), c, s)
-            llama.apply_rotary(llama.rms_norm(k, wq, 1e-6), c, s)
+            rotary_layer.apply_rotary(norm_layer.rms_norm(q, wq, 1e-6), c, s)
+            rotary_layer.apply_rotary(norm_layer.rms_norm(k, wq, 1e-6), c, s)
 
         add("qk_norm+rope", f"T={t}", "triton fused (q and k)", bench(fused))
-        add("qk_norm+rope", f"T={t}", "torch (llama.py ops)", bench(torch_version))
+        add("qk_norm+rope", f"T={t}", "torch (layer ops)", bench(torch_version))
     return rows
 
 

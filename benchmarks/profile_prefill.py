@@ -1,6 +1,6 @@
 """Prefill-step profile of the model runner: wall time per step and the heaviest operators.
 
-Builds a :class:`pdserve.model.runner.ModelRunner` for the Qwen3-0.6B architecture with dummy
+Builds a :class:`pdserve.runner.model_runner.ModelRunner` for the Qwen3-0.6B architecture with dummy
 weights (bf16, CUDA) -- or a tiny Qwen3 on the CPU with ``--tiny`` -- and runs steps shaped like
 the prefill steps of ``benchmarks/offline_throughput.py``: about ``--tokens`` prompt tokens in
 requests of ``--min-len``..``--max-len`` tokens (fresh random lengths every step, as in the
@@ -39,7 +39,7 @@ from offline_throughput import write_model_config  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.model.runner import ModelRunner  # noqa: E402
+from pdserve.runner.model_runner import ModelRunner  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         runner.allocate_kv_cache(num_blocks)
         print(f"runner ready in {time.perf_counter() - t0:.1f} s ({num_blocks} KV blocks)",
               flush=True)
-        attn = runner.model.attn
+        attn = runner.model.attn_backend
 
         def run(sched: SchedulerOutput) -> float:
             t = time.perf_counter()

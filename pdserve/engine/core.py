@@ -95,7 +95,7 @@ class EngineCore:
     Args:
         config: the engine configuration.
         runner: a model runner to use instead of building
-            :class:`pdserve.model.runner.ModelRunner` (tests inject fakes).
+            :class:`pdserve.runner.model_runner.ModelRunner` (tests inject fakes).
         connectors: ``(scheduler_side, worker_side)`` to use instead of creating them from
             ``config.kv_transfer_config`` (tests inject fakes).
 
@@ -113,7 +113,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, runner: Any = None, connectors: tuple[Any, Any] | None = None):
         if runner is None:
-            from pdserve.model.runner import ModelRunner
+            from pdserve.runner.model_runner import ModelRunner
 
             runner = ModelRunner(config)
         self.runner = runner

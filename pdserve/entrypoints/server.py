@@ -148,7 +148,7 @@ def check_paths(config: EngineConfig) -> None:
         StartupError: ``model`` is neither the built-in name nor an existing path, or
             ``tokenizer`` is given and does not exist.
     """
-    from pdserve.model.smollm2 import is_builtin
+    from pdserve.builtin_models import is_builtin
 
     if not is_builtin(config.model) and not os.path.exists(os.path.expanduser(config.model)):
         raise StartupError(

@@ -76,12 +76,12 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(out))
     if tokenizer_dir is None:
-        from pdserve.model.smollm2 import ensure_converted
+        from pdserve.builtin_models import ensure_converted
 
         try:
             tokenizer_dir = ensure_converted()
         except FileNotFoundError:
-            from pdserve.model.tokenizer import byte_level_tokenizer
+            from pdserve.tokenizer import byte_level_tokenizer
 
             byte_level_tokenizer().save_pretrained(str(out))
             return out

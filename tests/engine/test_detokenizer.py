@@ -20,7 +20,7 @@ TEXTS = [
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from pdserve.model.smollm2 import ensure_converted
+    from pdserve.builtin_models import ensure_converted
 
     return AutoTokenizer.from_pretrained(str(ensure_converted()))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.model.runner import ModelRunner
+from pdserve.runner.model_runner import ModelRunner
 
 from model_driver import DrivenRequest, MiniScheduler, greedy
 
@@ -51,7 +51,7 @@ def test_cuda_float32_greedy_matches_transformers(arch, backend, request, monkey
                                       max_model_len=256, num_gpu_blocks_override=NUM_BLOCKS))
     runner.allocate_kv_cache(NUM_BLOCKS)
     assert runner.kv_cache.is_cuda
-    assert type(runner.model.attn).__name__.lower().startswith(backend)
+    assert type(runner.model.attn_backend).__name__.lower().startswith(backend)
     reqs = _mixed_batch(runner)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     for r in reqs:
@@ -73,7 +73,7 @@ def test_cuda_bf16_backends_agree(tiny_qwen3_path, monkeypatch):
         sched = MiniScheduler(runner, NUM_BLOCKS)
         reqs = _mixed_batch(runner, n_new=2, sched=sched)
         # logits of one more decode step for every request, through the model directly
-        from pdserve.model.attention import build_attention_metadata
+        from pdserve.attention import build_attention_metadata
 
         for r in reqs:
             sched.ensure_blocks(r, r.num_computed + 1)

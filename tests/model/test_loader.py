@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.model.llama import ArchConfig, rope_inv_freq
-from pdserve.model.loader import (
+from pdserve.models.llama import ArchConfig, rope_inv_freq
+from pdserve.models.loader import (
     arch_config_from_hf,
     load_model,
     resolve_device,
     resolve_dtype,
 )
-from pdserve.model.runner import ModelRunner
+from pdserve.runner.model_runner import ModelRunner
 from pdserve.testing.tiny_models import make_tiny_model
 
 from model_driver import DrivenRequest, MiniScheduler, greedy
@@ -56,8 +56,8 @@ def test_dummy_weights_deterministic_and_finite(tiny_qwen3_path, tmp_path):
     pa, pb, pc, pr = (_params(x.model) for x in (a, b, c, real))
     assert pa.keys() == pr.keys()
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
-    assert not torch.equal(pa["layers.0.qkv_proj"], pc["layers.0.qkv_proj"])
-    assert not torch.equal(pa["layers.0.qkv_proj"], pr["layers.0.qkv_proj"])
+    assert not torch.equal(pa["layers.0.self_attn.qkv_proj.weight"], pc["layers.0.self_attn.qkv_proj.weight"])
+    assert not torch.equal(pa["layers.0.self_attn.qkv_proj.weight"], pr["layers.0.self_attn.qkv_proj.weight"])
     tokens = _greedy_tokens(str(config_only), load_format="dummy", dtype="bfloat16")
     assert len(tokens) == 5 and all(0 <= t < 49152 for t in tokens)
 

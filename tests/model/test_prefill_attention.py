@@ -7,12 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.attention import (
-    TorchAttentionBackend,
-    build_attention_metadata,
-    flash_varlen_prefill,
-    packed_prefill_kv,
-)
+from pdserve.attention import TorchAttentionBackend, build_attention_metadata, packed_prefill_kv
+from pdserve.kernels.prefill_attention import flash_varlen_prefill
 
 HQ, HKV, D, BS = 4, 2, 16, 4
 NUM_BLOCKS, NUM_LAYERS = 40, 2
@@ -123,7 +119,7 @@ def test_prefill_mode_is_validated(monkeypatch):
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 def test_cuda_varlen_prefill_matches_per_request_sdpa(backend_name):
     """bf16 on CUDA: the one-call varlen prefill agrees with per-request SDPA (no cuDNN)."""
-    from pdserve.model import attention
+    from pdserve import attention
 
     if backend_name == "triton":
         pytest.importorskip("triton")

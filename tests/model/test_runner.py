@@ -12,7 +12,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.outputs import KVConnectorOutput, ScheduledRequest, SchedulerOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import KVConnectorWorkerSide
-from pdserve.model.runner import ModelRunner
+from pdserve.runner.model_runner import ModelRunner
 
 from model_driver import DrivenRequest, MiniScheduler, greedy
 
@@ -35,7 +35,7 @@ def test_model_info_and_kv_cache_layout(runner):
     spec = runner.kv_cache_spec
     assert (spec.num_blocks, spec.block_size, spec.num_layers, spec.num_kv_heads,
             spec.head_dim, spec.dtype, spec.element_size) == (32, 16, 2, 2, 16, "float32", 4)
-    # one block is one contiguous region of block_bytes (DESIGN §5)
+    # one block is one contiguous region of block_bytes (docs/architecture.md, "KV cache layout")
     assert runner.kv_cache[1].data_ptr() - runner.kv_cache[0].data_ptr() == spec.block_bytes
     assert spec.block_bytes == runner.block_bytes
 

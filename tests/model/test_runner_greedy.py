@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.model.runner import ModelRunner
+from pdserve.runner.model_runner import ModelRunner
 
 from model_driver import DrivenRequest, MiniScheduler, greedy
 

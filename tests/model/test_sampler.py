@@ -11,7 +11,7 @@ import torch
 
 from pdserve.engine.outputs import ScheduledRequest
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.model.sampler import (
+from pdserve.runner.sampler import (
     Sampler,
     apply_min_p,
     apply_min_tokens,

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import pdserve.model.smollm2 as smollm2
+import pdserve.builtin_models as smollm2
 from pdserve.config import EngineConfig
-from pdserve.model.loader import load_model
-from pdserve.model.runner import ModelRunner
-from pdserve.model.tokenizer import load_tokenizer
+from pdserve.models.loader import load_model
+from pdserve.runner.model_runner import ModelRunner
+from pdserve.tokenizer import load_tokenizer
 
 from model_driver import DrivenRequest, MiniScheduler, greedy
 

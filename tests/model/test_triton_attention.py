@@ -14,9 +14,13 @@ import torch
 
 from triton_kernels import import_kernels
 
-ta, HAS_CUDA = import_kernels("pdserve.model.triton_attention", "_store_kv_kernel")
+pd, HAS_CUDA = import_kernels("pdserve.kernels.paged_decode", "_paged_decode_split_kernel")
+kvk, _ = import_kernels("pdserve.kernels.kv_cache", "_store_kv_kernel")
+rn, _ = import_kernels("pdserve.kernels.rms_norm", "_rms_norm_kernel")
+rot, _ = import_kernels("pdserve.kernels.rotary", "_rotary_kernel")
+act, _ = import_kernels("pdserve.kernels.activation", "_silu_and_mul_kernel")
 
-from pdserve.model import cuda_graphs  # noqa: E402
+from pdserve.runner import cuda_graphs  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # Relative-error bounds (||out - ref|| / ||ref||) by input dtype; see the module docstring of
@@ -100,7 +104,7 @@ def test_paged_decode_matches_reference(dtype, num_q_heads, num_kv_heads, head_d
     q, kv, bt, ctx = make_paged_case(context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
-    ta.paged_decode_attention(q, kv, 1, bt, ctx, scale, out=out, num_splits=num_splits)
+    pd.paged_decode_attention(q, kv, 1, bt, ctx, scale, out=out, num_splits=num_splits)
     ref = reference_decode(q, kv, 1, bt, ctx, scale)
     assert not out.isnan().any(), "some outputs were not written"
     assert (out[-1] == 0).all(), "a sequence with no context must give zeros"
@@ -123,7 +127,7 @@ def test_paged_decode_short_sequence_next_to_long_one_never_reads_empty_pieces(m
     context_lens = [1, 300, 17, 0]
     q, kv, bt, ctx = make_paged_case(context_lens, 4, 2, 64, 16, torch.float32, seed=3)
     monkeypatch.setattr(torch, "empty", nan_empty)
-    out = ta.paged_decode_attention(q, kv, 0, bt, ctx, 0.125, num_splits=8, block_n=16)
+    out = pd.paged_decode_attention(q, kv, 0, bt, ctx, 0.125, num_splits=8, block_n=16)
     monkeypatch.undo()
     ref = reference_decode(q, kv, 0, bt, ctx, 0.125)
     assert not out.isnan().any()
@@ -134,50 +138,50 @@ def test_paged_decode_short_sequence_next_to_long_one_never_reads_empty_pieces(m
 
 def test_decode_kernel_config_from_environment(monkeypatch):
     monkeypatch.setenv("PDSERVE_DECODE_KERNEL_CONFIG", '{"block_n": 64, "min_splits": 4}')
-    ta.decode_kernel_config.cache_clear()
+    pd.decode_kernel_config.cache_clear()
     try:
-        cfg = ta.decode_kernel_config()
-        assert (cfg.block_n, cfg.min_splits, cfg.num_warps) == (64, 4, ta.DecodeKernelConfig().num_warps)
-        assert ta.choose_num_splits(4096, 8, torch.device("cpu")) == 4
+        cfg = pd.decode_kernel_config()
+        assert (cfg.block_n, cfg.min_splits, cfg.num_warps) == (64, 4, pd.DecodeKernelConfig().num_warps)
+        assert pd.choose_num_splits(4096, 8, torch.device("cpu")) == 4
         monkeypatch.setenv("PDSERVE_DECODE_KERNEL_CONFIG", '{"min_splits": 1}')
-        ta.decode_kernel_config.cache_clear()
-        assert ta.choose_num_splits(4096, 8, torch.device("cpu")) == 1
+        pd.decode_kernel_config.cache_clear()
+        assert pd.choose_num_splits(4096, 8, torch.device("cpu")) == 1
         for bad in ("{", '{"blockn": 1}', '{"block_n": 0}', "[1]", '{"num_warps": true}'):
             monkeypatch.setenv("PDSERVE_DECODE_KERNEL_CONFIG", bad)
-            ta.decode_kernel_config.cache_clear()
+            pd.decode_kernel_config.cache_clear()
             with pytest.raises(ValueError, match="PDSERVE_DECODE_KERNEL_CONFIG"):
-                ta.decode_kernel_config()
+                pd.decode_kernel_config()
     finally:
         monkeypatch.delenv("PDSERVE_DECODE_KERNEL_CONFIG")
-        ta.decode_kernel_config.cache_clear()
+        pd.decode_kernel_config.cache_clear()
 
 
 def test_paged_decode_default_splits_and_layer_selection():
     q, kv, bt, ctx = make_paged_case([33, 7], 4, 2, 64, 16, torch.float32, num_layers=3, seed=1)
     for layer in range(3):
-        out = ta.paged_decode_attention(q, kv, layer, bt, ctx, 0.2)
+        out = pd.paged_decode_attention(q, kv, layer, bt, ctx, 0.2)
         assert rel_err(out, reference_decode(q, kv, layer, bt, ctx, 0.2)) < 1e-5
 
 
 def test_paged_decode_rejects_bad_shapes():
     q, kv, bt, ctx = make_paged_case([5], 4, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="multiple"):
-        ta.paged_decode_attention(q[:, :3], kv, 0, bt, ctx, 1.0)
+        pd.paged_decode_attention(q[:, :3], kv, 0, bt, ctx, 1.0)
     with pytest.raises(ValueError, match="layer"):
-        ta.paged_decode_attention(q, kv, 2, bt, ctx, 1.0)
+        pd.paged_decode_attention(q, kv, 2, bt, ctx, 1.0)
     with pytest.raises(ValueError, match="dtype"):
-        ta.paged_decode_attention(q.half(), kv, 0, bt, ctx, 1.0)
+        pd.paged_decode_attention(q.half(), kv, 0, bt, ctx, 1.0)
     with pytest.raises(ValueError, match="num_splits"):
-        ta.paged_decode_attention(q, kv, 0, bt, ctx, 1.0, num_splits=0)
+        pd.paged_decode_attention(q, kv, 0, bt, ctx, 1.0, num_splits=0)
 
 
 def test_choose_num_splits_depends_on_batch_only_without_context_hint():
     dev = torch.device("cpu")
-    assert ta.choose_num_splits(1, 8, dev) == ta.choose_num_splits(1, 8, dev, None)
-    many = ta.choose_num_splits(4096, 8, dev)
-    assert many == ta.decode_kernel_config().min_splits
-    assert 1 <= ta.choose_num_splits(1, 1, dev) <= ta.MAX_NUM_SPLITS
-    assert ta.choose_num_splits(1, 1, dev, max_context_len=10) == 1
+    assert pd.choose_num_splits(1, 8, dev) == pd.choose_num_splits(1, 8, dev, None)
+    many = pd.choose_num_splits(4096, 8, dev)
+    assert many == pd.decode_kernel_config().min_splits
+    assert 1 <= pd.choose_num_splits(1, 1, dev) <= pd.MAX_NUM_SPLITS
+    assert pd.choose_num_splits(1, 1, dev, max_context_len=10) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -189,7 +193,7 @@ def test_store_kv_cache_writes_slots_and_skips_negative(dtype):
     k = torch.randn(5, heads, dim, generator=gen).to(DEVICE, dtype)
     v = torch.randn(5, heads, dim, generator=gen).to(DEVICE, dtype)
     slots = torch.tensor([0, 7, 23, -1, 13], dtype=torch.int64, device=DEVICE)
-    ta.store_kv_cache(k, v, kv, 2, slots)
+    kvk.store_kv_cache(k, v, kv, 2, slots)
     expected = before.clone()
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
@@ -207,7 +211,7 @@ def test_store_kv_cache_from_strided_views():
     v = qkv[:, (4 + heads) * dim :].view(4, heads, dim)
     kv = torch.zeros(3, 1, 2, heads, 4, dim, device=DEVICE)
     slots = torch.tensor([4, 5, 6, 11], dtype=torch.int32, device=DEVICE)
-    ta.store_kv_cache(k, v, kv, 0, slots)
+    kvk.store_kv_cache(k, v, kv, 0, slots)
     flat_k = kv[:, 0, 0].permute(0, 2, 1, 3).reshape(-1, heads, dim)
     flat_v = kv[:, 0, 1].permute(0, 2, 1, 3).reshape(-1, heads, dim)
     assert torch.equal(flat_k[slots.long()], k) and torch.equal(flat_v[slots.long()], v)
@@ -224,9 +228,9 @@ def test_store_then_attend_round_trip():
     table = torch.tensor([[4, 0, 2]], dtype=torch.int32, device=DEVICE)
     pos = torch.arange(n)
     slots = (table[0].cpu().long()[pos // bs] * bs + pos % bs).to(DEVICE)
-    ta.store_kv_cache(k, v, kv, 0, slots)
+    kvk.store_kv_cache(k, v, kv, 0, slots)
     lens = torch.tensor([n], dtype=torch.int32, device=DEVICE)
-    out = ta.paged_decode_attention(q, kv, 0, table, lens, dim**-0.5, num_splits=2)
+    out = pd.paged_decode_attention(q, kv, 0, table, lens, dim**-0.5, num_splits=2)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, Hq, 1, D]
         k.repeat_interleave(2, 1).transpose(0, 1).unsqueeze(0),
@@ -246,10 +250,10 @@ def test_rms_norm_with_and_without_residual(dtype):
     x = torch.randn(3, 96, generator=gen).to(DEVICE, dtype)
     r = torch.randn(3, 96, generator=gen).to(DEVICE, dtype)
     w = torch.randn(96, generator=gen).to(DEVICE, dtype)
-    out = ta.rms_norm(x, w, 1e-6)
+    out = rn.rms_norm(x, w, 1e-6)
     assert rel_err(out, torch_rms_norm(x, w, 1e-6)) < REL_TOL[dtype]
     r_in = r.clone()
-    out = ta.rms_norm(x, w, 1e-6, residual=r)
+    out = rn.rms_norm(x, w, 1e-6, residual=r)
     summed = x + r_in
     if HAS_CUDA:
         assert torch.equal(r, summed), "residual must hold x + residual afterwards"
@@ -288,8 +292,8 @@ def test_rotary_embedding_in_place_on_qkv_view(with_norm):
     q_in, k_in, v_in = q.clone(), k.clone(), qkv[:, (hq + hk) * dim :].clone()
     if with_norm:
         q_in, k_in = torch_rms_norm(q_in, w, 1e-6), torch_rms_norm(k_in, w, 1e-6)
-    ta.rotary_embedding(q, positions, cos, sin, norm_weight=w)
-    ta.rotary_embedding(k, positions, cos, sin, norm_weight=w)
+    rot.rotary_embedding(q, positions, cos, sin, norm_weight=w)
+    rot.rotary_embedding(k, positions, cos, sin, norm_weight=w)
     assert rel_err(q, torch_rope(q_in, positions, cos, sin)) < 1e-5
     assert rel_err(k, torch_rope(k_in, positions, cos, sin)) < 1e-5
     assert torch.equal(qkv[:, (hq + hk) * dim :], v_in), "v must be left alone"
@@ -300,16 +304,16 @@ def test_silu_and_mul_matches_torch(dtype):
     gen = torch.Generator().manual_seed(8)
     x = (3 * torch.randn(5, 2 * 80, generator=gen)).to(DEVICE, dtype)
     out = torch.full((5, 80), float("nan"), dtype=dtype, device=DEVICE)
-    ta.silu_and_mul(x, out=out)
+    act.silu_and_mul(x, out=out)
     ref = torch.nn.functional.silu(x[:, :80].float()) * x[:, 80:].float()
     assert not out.isnan().any()
     assert rel_err(out, ref) < REL_TOL[dtype]
     with pytest.raises(ValueError):
-        ta.silu_and_mul(x[:, :79])
+        act.silu_and_mul(x[:, :79])
 
 
 def _tiny_model(qk_norm: bool, block_size: int = 4):
-    from pdserve.model.llama import ArchConfig, CausalLM
+    from pdserve.models.llama import ArchConfig, CausalLM
 
     cfg = ArchConfig(architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM",
                      hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -326,23 +330,20 @@ def _tiny_model(qk_norm: bool, block_size: int = 4):
 
 def _use_kernels(model, enabled: bool):
     """Switch a model between the plain torch path and the fused Triton path."""
-    from pdserve.model import attention
+    from pdserve import attention
 
-    a = model.attn
+    a = model.attn_backend
     args = (a.num_heads, a.num_kv_heads, a.head_dim, a.block_size, a.scale)
     if enabled:
-        model.attn = attention.TritonAttentionBackend(*args)
-        model.attn._ta = ta
-        model.kernels = ta
+        model.set_attention_backend(attention.TritonAttentionBackend(*args))
     else:
-        model.attn = attention.TorchAttentionBackend(*args)
-        model.kernels = None
+        model.set_attention_backend(attention.TorchAttentionBackend(*args))
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_fused_model_path_matches_torch_path(qk_norm):
-    """Fused forward (mixed batch) and the graph-safe decode_forward equal the torch path."""
-    from pdserve.model.attention import build_attention_metadata
+    """Fused forward (mixed batch) and the graph-safe decode step equal the torch path."""
+    from pdserve.attention import build_attention_metadata, decode_metadata
 
     model = _tiny_model(qk_norm)
     bs = 4
@@ -363,7 +364,7 @@ def test_fused_model_path_matches_torch_path(qk_norm):
     assert rel_err(logits[True], logits[False]) < 1e-4
     assert rel_err(caches[True], caches[False]) < 1e-5
 
-    # Pure decode: decode_forward (with one padding row) against the torch path.
+    # Pure decode: the graph-safe decode step (with one padding row) against the torch path.
     dmeta = build_attention_metadata([], decodes, bs, DEVICE)
     d_ids, d_pos = ids[-3:], pos[-3:]
     _use_kernels(model, False)
@@ -373,10 +374,11 @@ def test_fused_model_path_matches_torch_path(qk_norm):
     kv_got = kv0.clone()
     tables = torch.zeros(4, 6, dtype=torch.int32, device=DEVICE)
     tables[:3, :4] = dmeta.decode_block_tables
-    got = model.decode_forward(
-        torch.cat([d_ids, d_ids.new_zeros(1)]), torch.cat([d_pos, d_pos.new_zeros(1)]),
-        torch.cat([dmeta.slot_mapping, dmeta.slot_mapping.new_full((1,), -1)]), tables,
-        torch.cat([dmeta.decode_seq_lens, dmeta.decode_seq_lens.new_zeros(1)]), kv_got)
+    got = model(
+        torch.cat([d_ids, d_ids.new_zeros(1)]), torch.cat([d_pos, d_pos.new_zeros(1)]), kv_got,
+        decode_metadata(torch.cat([dmeta.slot_mapping, dmeta.slot_mapping.new_full((1,), -1)]),
+                        tables,
+                        torch.cat([dmeta.decode_seq_lens, dmeta.decode_seq_lens.new_zeros(1)])))
     assert got.shape == (4, 97)
     assert rel_err(got[:3], ref) < 1e-4
     assert rel_err(kv_got, kv_ref) < 1e-5, "the padding row must not write the cache"
@@ -417,7 +419,7 @@ def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch):
 
     from model_driver import DrivenRequest, MiniScheduler, greedy
     from pdserve.config import EngineConfig
-    from pdserve.model import runner as runner_mod
+    from pdserve.runner import model_runner as runner_mod
 
     if not HAS_CUDA:  # on a GPU the real graphs are captured and replayed
         monkeypatch.setattr(runner_mod, "CUDAGraphRunner", _EagerGraphRunner)
@@ -468,8 +470,8 @@ def test_graph_replay_of_decode_attention_matches_eager():
 
     def forward(inp):
         q = inp["q"]
-        ta.store_kv_cache(inp["k"], inp["v"], kv, 1, inp["slot_mapping"])
-        return ta.paged_decode_attention(q, kv, 1, inp["block_tables"], inp["context_lens"], dim**-0.5)
+        kvk.store_kv_cache(inp["k"], inp["v"], kv, 1, inp["slot_mapping"])
+        return pd.paged_decode_attention(q, kv, 1, inp["block_tables"], inp["context_lens"], dim**-0.5)
 
     specs = {
         "q": cuda_graphs.StaticInputSpec((hq, dim), torch.bfloat16, 0),
@@ -507,13 +509,13 @@ def test_graph_replay_of_decode_attention_matches_eager():
 def test_paged_decode_long_context_on_gpu():
     """Long contexts through the default split heuristic on the GPU."""
     q, kv, bt, ctx = make_paged_case([4000, 1, 2500, 16], 16, 8, 128, 16, torch.bfloat16, num_layers=1)
-    out = ta.paged_decode_attention(q, kv, 0, bt, ctx, 128**-0.5)
+    out = pd.paged_decode_attention(q, kv, 0, bt, ctx, 128**-0.5)
     assert rel_err(out, reference_decode(q, kv, 0, bt, ctx, 128**-0.5)) < REL_TOL[torch.bfloat16]
 
 
 def test_triton_backend_matches_torch_backend_on_mixed_batch():
     """Prefill (fresh and with cached context) plus decodes through both backends."""
-    from pdserve.model.attention import (
+    from pdserve.attention import (
         TorchAttentionBackend, TritonAttentionBackend, build_attention_metadata)
 
     gen = torch.Generator().manual_seed(7)
@@ -537,7 +539,8 @@ _COMPILE_SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pdserve.model import triton_attention as ta
+from pdserve.kernels import activation as act, kv_cache as kvk, paged_decode as pd
+from pdserve.kernels import rms_norm as rn, rotary as rot
 
 def compile_for_hopper(fn, types, consts, **opts):
     names = fn.arg_names
@@ -555,24 +558,24 @@ for dt, splits in (("bf16", (False, True)), ("fp32", (True,))):
              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "block_tables_ptr": "*i32",
              "context_lens_ptr": "*i32", "scale_log2": "fp32"}
     for split in splits:
-        compile_for_hopper(ta._paged_decode_split_kernel, types, dict(
+        compile_for_hopper(pd._paged_decode_split_kernel, types, dict(
             QUERY_GROUP=2, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
             BLOCK_N=32, SPLIT=split, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
             DOT_IN_FP32=False), num_warps=4, num_stages=2)
-compile_for_hopper(ta._paged_decode_reduce_kernel, {"out_ptr": "*bf16", "part_out_ptr": "*fp32",
+compile_for_hopper(pd._paged_decode_reduce_kernel, {"out_ptr": "*bf16", "part_out_ptr": "*fp32",
     "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}, dict(HEAD_DIM=128, HEAD_DIM_PAD=128,
     SPLITS_PAD=64), num_warps=4)
-compile_for_hopper(ta._store_kv_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kv_ptr": "*bf16",
+compile_for_hopper(kvk._store_kv_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kv_ptr": "*bf16",
     "slot_mapping_ptr": "*i64"}, dict(NUM_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128,
     BLOCK_SIZE=16), num_warps=4)
-compile_for_hopper(ta._rms_norm_kernel, {"x_ptr": "*bf16", "residual_ptr": "*bf16",
+compile_for_hopper(rn._rms_norm_kernel, {"x_ptr": "*bf16", "residual_ptr": "*bf16",
     "weight_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}, dict(HAS_RESIDUAL=True,
     BLOCK=1024), num_warps=4)
-compile_for_hopper(ta._rotary_kernel, {"x_ptr": "*bf16", "positions_ptr": "*i64",
+compile_for_hopper(rot._rotary_kernel, {"x_ptr": "*bf16", "positions_ptr": "*i64",
     "cos_ptr": "*fp32", "sin_ptr": "*fp32", "norm_weight_ptr": "*bf16", "eps": "fp32"},
     dict(NUM_HEADS=16, HEADS_PAD=16, HEAD_DIM=128, HALF=64, HALF_PAD=64, HAS_NORM=True),
     num_warps=4)
-from pdserve.model import triton_sampling as ts
+from pdserve.kernels import sampling as ts
 compile_for_hopper(ts._gumbel_argmax_kernel, {"logits_ptr": "*fp32", "temps_ptr": "*fp32",
     "seeds_ptr": "*i64", "positions_ptr": "*i64", "out_ptr": "*i64"}, dict(BLOCK_V=2048),
     num_warps=8)

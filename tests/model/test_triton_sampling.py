@@ -11,11 +11,11 @@ import torch
 
 from triton_kernels import import_kernels
 
-ts, HAS_CUDA = import_kernels("pdserve.model.triton_sampling", "_gumbel_argmax_kernel")
+ts, HAS_CUDA = import_kernels("pdserve.kernels.sampling", "_gumbel_argmax_kernel")
 
 from pdserve.engine.outputs import ScheduledRequest  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.model.sampler import Sampler  # noqa: E402
+from pdserve.runner.sampler import Sampler  # noqa: E402
 
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.builtin_models import resolve_model_path
 from pdserve.model_info import ModelInfo
-from pdserve.model.llama import ArchConfig, CausalLM
-from pdserve.model.smollm2 import resolve_model_path
+from pdserve.models.llama import ArchConfig, CausalLM
+from pdserve.models.registry import SUPPORTED_ARCHITECTURES, model_class
 
 logger = logging.getLogger("pdserve.model")
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -263,7 +263,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
                          "directory, a .gguf file, or the built-in 'smollm2-135m-instruct')")
     arch = arch_config_from_hf(hf, gen_cfg)
     max_len = model_max_len(config, arch)
-    model = CausalLM(arch, dtype, device, config.block_size, max_positions=max_len)
+    model = model_class(arch.architecture)(arch, dtype, device, config.block_size,
+                                           max_positions=max_len)
     if fmt == "dummy":
         model.init_dummy_weights(config.seed)
     elif state is not None:

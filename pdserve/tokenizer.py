@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from pdserve.config import EngineConfig
-from pdserve.model.smollm2 import resolve_model_path
+from pdserve.builtin_models import resolve_model_path
 
 logger = logging.getLogger("pdserve.model")
 

@@ -2,7 +2,8 @@
 :class:`SchedulerOutput` into one :class:`ModelRunnerOutput` (docs/architecture.md).
 
 The KV cache is one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``
-(DESIGN §5: a block is contiguous across layers, one NIXL descriptor per block). The engine core
+(docs/architecture.md, "KV cache layout": a block is contiguous across layers, one NIXL
+descriptor per block). The engine core
 registers it with the KV connector's worker side itself
 (``worker.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)``) and hands the worker to
 :meth:`ModelRunner.set_kv_connector_worker`; the runner then drives the worker around every
@@ -25,11 +26,11 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
-from pdserve.model.attention import build_attention_metadata
-from pdserve.model.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
-from pdserve.model.loader import load_model, model_max_len
+from pdserve.attention.metadata import decode_metadata
 from pdserve.model_info import ModelInfo
-from pdserve.model.sampler import Sampler
+from pdserve.models.loader import load_model, model_max_len
+from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
+from pdserve.runner.sampler import Sampler
 
 logger = logging.getLogger("pdserve.model")
 
@@ -97,7 +98,7 @@ class ModelRunner:
         # CUDA graphs of pure-decode steps (built by allocate_kv_cache; None = eager).
         self.decode_graphs: CUDAGraphRunner | None = None
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                                and getattr(self.model, "supports_decode_graphs", False))
+                                and self.model.attn_backend.supports_cuda_graphs)
         if self.device.type == "cpu":
             tune_cpu_malloc()
 
@@ -207,8 +208,10 @@ class ModelRunner:
         return -(-self.max_model_len // self.block_size)
 
     def _capture_decode_graphs(self, num_blocks: int) -> None:
-        """Capture :meth:`CausalLM.decode_forward` for padded batch sizes up to
-        ``min(max_num_seqs, num_blocks)`` (a running sequence holds at least one block)."""
+        """Capture the model's forward pass of a pure-decode step (one token per sequence, on
+        :func:`~pdserve.attention.metadata.decode_metadata` of the static buffers) for padded
+        batch sizes up to ``min(max_num_seqs, num_blocks)`` (a running sequence holds at least
+        one block)."""
         max_bs = max(1, min(self.config.max_num_seqs, num_blocks))
         specs = {
             "input_ids": StaticInputSpec((), torch.int64, 0),
@@ -221,8 +224,8 @@ class ModelRunner:
         model = self.model
 
         def forward(inp: dict[str, torch.Tensor]) -> torch.Tensor:
-            return model.decode_forward(inp["input_ids"], inp["positions"], inp["slot_mapping"],
-                                        inp["block_tables"], inp["context_lens"], kv_cache)
+            meta = decode_metadata(inp["slot_mapping"], inp["block_tables"], inp["context_lens"])
+            return model(inp["input_ids"], inp["positions"], kv_cache, meta)
 
         t0 = time.perf_counter()
         graphs = CUDAGraphRunner(forward, specs, default_capture_sizes(max_bs), self.device)
@@ -309,10 +312,9 @@ class ModelRunner:
         if last > self.max_model_len:
             raise ValueError(f"a scheduled request reaches {last} tokens, beyond max_model_len="
                              f"{self.max_model_len}")
-        meta = build_attention_metadata(
+        meta = self.model.attn_backend.build_metadata(
             [(r.num_computed_tokens, r.block_ids, len(r.token_ids)) for r in prefills],
-            [(r.block_ids, r.num_computed_tokens) for r in decodes],
-            self.block_size, self.device)
+            [(r.block_ids, r.num_computed_tokens) for r in decodes], self.device)
         dev = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)

@@ -1,0 +1,77 @@
+"""The abstract attention backend: paged attention of one model over the shared KV cache.
+
+A backend writes a step's keys and values into the paged cache and attends every token of the
+flattened batch (prefill tokens first, then one token per decode; see
+:mod:`pdserve.attention.metadata`). The model calls :meth:`AttentionBackend.forward` once per
+layer and never asks which backend it holds; :func:`pdserve.attention.selector.select_attention_backend`
+picks one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from pdserve.attention.metadata import AttentionMetadata, build_attention_metadata
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one model geometry.
+
+    Args:
+        num_heads: query heads.
+        num_kv_heads: KV heads (``num_heads`` must be a multiple: grouped-query attention).
+        head_dim: head size.
+        block_size: tokens per KV cache block.
+        scale: softmax scale (``head_dim ** -0.5`` for Llama and Qwen3).
+
+    Raises:
+        ValueError: ``num_heads`` is not a multiple of ``num_kv_heads``.
+
+    Class attributes:
+        uses_triton_kernels: the model's layers run their Triton ops with this backend (one
+            switch, ``PDSERVE_ATTENTION_BACKEND``, picks the whole CUDA path).
+        supports_cuda_graphs: a pure-decode :meth:`forward` on :func:`decode_metadata
+            <pdserve.attention.metadata.decode_metadata>` launches fixed shapes without host
+            synchronisation, so the runner may capture it in a CUDA graph.
+    """
+
+    uses_triton_kernels: ClassVar[bool] = False
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 scale: float):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.scale = scale
+
+    def build_metadata(self, prefills: list[tuple[int, list[int], int]],
+                       decodes: list[tuple[list[int], int]], device: torch.device
+                       ) -> AttentionMetadata:
+        """The metadata of one step (arguments and errors of
+        :func:`pdserve.attention.metadata.build_attention_metadata`)."""
+        return build_attention_metadata(prefills, decodes, self.block_size, device)
+
+    @abstractmethod
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Write this step's K/V of layer ``layer`` into the cache, then attend.
+
+        Args:
+            layer: layer index into ``kv_cache`` (dim 1).
+            query: ``[T, num_heads, head_dim]`` (rotary embedding applied; last dim contiguous).
+            key, value: ``[T, num_kv_heads, head_dim]`` (last dim contiguous).
+            kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``.
+            meta: the step's metadata.
+
+        Returns:
+            ``[T, num_heads, head_dim]`` attention output.
+        """

@@ -1,0 +1,39 @@
+"""Picks the attention backend for a device (``PDSERVE_ATTENTION_BACKEND``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pdserve.attention.base import AttentionBackend
+from pdserve.attention.torch_backend import TorchAttentionBackend
+from pdserve.attention.triton_backend import TritonAttentionBackend
+
+BACKEND_CHOICES = ("auto", "torch", "triton")
+
+
+def select_attention_backend(device: torch.device, num_heads: int, num_kv_heads: int,
+                             head_dim: int, block_size: int, scale: float) -> AttentionBackend:
+    """The attention backend for ``device``: Triton on CUDA when ``triton`` is importable, torch
+    SDPA otherwise. ``PDSERVE_ATTENTION_BACKEND=torch`` forces the SDPA backend (and with it the
+    layers' torch ops); ``triton`` makes a missing Triton an error on CUDA.
+
+    Args:
+        device: the model device.
+        num_heads, num_kv_heads, head_dim, block_size, scale: see
+            :class:`pdserve.attention.base.AttentionBackend`.
+
+    Raises:
+        ImportError: ``PDSERVE_ATTENTION_BACKEND=triton`` on CUDA without Triton.
+        ValueError: a bad head geometry (see :class:`AttentionBackend`).
+    """
+    args = (num_heads, num_kv_heads, head_dim, block_size, scale)
+    choice = os.environ.get("PDSERVE_ATTENTION_BACKEND", "auto").lower()
+    if device.type == "cuda" and choice in ("auto", "triton"):
+        try:
+            return TritonAttentionBackend(*args)
+        except ImportError:
+            if choice == "triton":
+                raise
+    return TorchAttentionBackend(*args)

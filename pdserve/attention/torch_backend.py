@@ -1,0 +1,235 @@
+"""Paged attention with torch SDPA (CPU and CUDA): the KV write, per-request or packed prefill
+attention, and batched decode attention.
+
+Each prefill request attends over its gathered context (causal, offset by the tokens already in
+the cache, grouped-query attention), and all decode requests run in one padded, batched call.
+
+On CUDA with 16-bit activations every prefill of a step runs in one variable-length FlashAttention
+call per layer (:func:`pdserve.kernels.prefill_attention.flash_varlen_prefill`): queries packed as
+``[T_prefill, H, D]``, keys and values packed per request, cumulative sequence lengths from the
+metadata, causal masking aligned to the bottom right so a chunk attends to its cached context.
+Going through ``scaled_dot_product_attention`` request by request instead lets recent torch
+releases dispatch to cuDNN attention first on sm90/sm100 GPUs with a recent cuDNN; cuDNN builds and
+caches an execution plan per ``(batch, seq_len_q, seq_len_kv, strides)``, so every new prompt
+length costs tens of milliseconds of host time (``benchmarks/profile_prefill.py`` compares the
+modes). Where the varlen kernel cannot run (float32, CPU) prefill stays per request on SDPA, with
+cuDNN excluded on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pdserve.attention.base import AttentionBackend
+from pdserve.attention.metadata import AttentionMetadata, PrefillSpan
+from pdserve.kernels.prefill_attention import flash_varlen_prefill
+
+logger = logging.getLogger("pdserve.model")
+
+# SDPA backends allowed for the per-request prefill on CUDA: everything but cuDNN attention, whose
+# per-shape plan build costs tens of milliseconds for every new prompt length.
+_SDPA_BACKENDS_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                           SDPBackend.MATH]
+
+
+def write_kv(
+    kv_cache: torch.Tensor,
+    layer: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """Store this step's keys and values of one layer in their slots.
+
+    Args:
+        kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``.
+        layer: layer index.
+        key, value: ``[T, num_kv_heads, head_dim]``.
+        meta: gives ``slot_block`` and ``slot_offset`` of each token.
+    """
+    # Advanced indices separated by a slice: the indexed view is [T, num_kv_heads, head_dim].
+    kv_cache[meta.slot_block, layer, 0, :, meta.slot_offset] = key
+    kv_cache[meta.slot_block, layer, 1, :, meta.slot_offset] = value
+
+
+def packed_prefill_kv(
+    layer: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of every prefill, packed request after request, for a varlen kernel.
+
+    Without cached context (no prefill has ``num_computed > 0``) they are this step's own prefill
+    keys and values (views, no copy). Otherwise every prefill's whole context is gathered from
+    the cache (this step's tokens must already be written there).
+
+    Args:
+        layer: layer index into ``kv_cache``.
+        key, value: ``[T, num_kv_heads, head_dim]`` of the step (prefill tokens first).
+        kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``.
+        meta: the step's metadata.
+
+    Returns:
+        ``(k, v)``, each ``[meta.prefill_cu_seqlens_k[-1], num_kv_heads, head_dim]``.
+    """
+    if meta.prefill_kv_block is None:
+        p = meta.num_prefill_tokens
+        return key[:p], value[:p]
+    blk, off = meta.prefill_kv_block, meta.prefill_kv_offset
+    # Advanced indices separated by a slice: [sum of context lengths, num_kv_heads, head_dim].
+    return kv_cache[blk, layer, 0, :, off], kv_cache[blk, layer, 1, :, off]
+
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+PREFILL_MODES = ("auto", "sdpa", "sdpa-default")
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention with torch SDPA (CPU and CUDA).
+
+    Args: those of :class:`pdserve.attention.base.AttentionBackend`.
+
+    Raises:
+        ValueError: a bad head geometry, or a bad ``PDSERVE_PREFILL_ATTENTION``.
+
+    Attributes:
+        prefill_mode: how prefills are attended (``PDSERVE_PREFILL_ATTENTION``, default
+            ``auto``): ``auto`` = one FlashAttention varlen call for all prefills of a step where
+            it runs (CUDA, fp16/bf16, head_dim <= 256), else per-request SDPA without cuDNN;
+            ``sdpa`` = always per-request SDPA without cuDNN; ``sdpa-default`` = per-request SDPA
+            with torch's own backend choice (for measurements).
+        last_prefill_impl: ``varlen``, ``sdpa`` or ``sdpa-default``: what the last prefill used.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 scale: float):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale)
+        mode = os.environ.get("PDSERVE_PREFILL_ATTENTION", "auto").lower()
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"PDSERVE_PREFILL_ATTENTION must be one of {PREFILL_MODES}, "
+                             f"got {mode!r}")
+        self.prefill_mode = mode
+        self.last_prefill_impl = ""
+        self._varlen_ok: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+    def forward(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend (contract of
+        :meth:`pdserve.attention.base.AttentionBackend.forward`)."""
+        value = value.contiguous()
+        write_kv(kv_cache, layer, key, value, meta)
+        out = torch.empty_like(query)
+        self._prefill_into(layer, query, key, value, kv_cache, meta, out)
+        if meta.num_decodes:
+            p = meta.num_prefill_tokens
+            out[p:] = self._decode(layer, query[p:], kv_cache, meta)
+        return out
+
+    # ------------------------------------------------------------------ prefill
+    def _can_use_varlen(self, query: torch.Tensor) -> bool:
+        if self.prefill_mode != "auto" or not query.is_cuda or query.dtype not in _FLASH_DTYPES:
+            return False
+        key = (query.device, query.dtype)
+        ok = self._varlen_ok.get(key)
+        if ok is None:
+            ok = (self.head_dim <= 256 and self.head_dim % 8 == 0
+                  and hasattr(torch.ops.aten, "_flash_attention_forward")
+                  and torch.cuda.get_device_capability(query.device)[0] >= 8)
+            self._varlen_ok[key] = ok
+        return ok
+
+    def _prefill_into(self, layer: int, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      out: torch.Tensor) -> None:
+        """Attention of every prefill token (rows ``0 .. num_prefill_tokens - 1`` of ``query``,
+        ``[T, H, D]``) into the same rows of ``out``; this step's K/V must be in the cache."""
+        if not meta.prefills:
+            return
+        p = meta.num_prefill_tokens
+        if self._can_use_varlen(query):
+            k, v = packed_prefill_kv(layer, key, value, kv_cache, meta)
+            try:
+                out[:p] = flash_varlen_prefill(
+                    query[:p], k, v, meta.prefill_cu_seqlens_q, meta.prefill_cu_seqlens_k,
+                    meta.max_prefill_query_len, meta.max_prefill_context_len, self.scale)
+                self.last_prefill_impl = "varlen"
+                return
+            except RuntimeError as exc:  # an unsupported GPU / build: keep serving on SDPA
+                logger.warning("FlashAttention varlen prefill failed (%s); prefill falls back to "
+                               "per-request SDPA", exc)
+                self._varlen_ok[(query.device, query.dtype)] = False
+        if query.is_cuda and self.prefill_mode != "sdpa-default":
+            with sdpa_kernel(_SDPA_BACKENDS_NO_CUDNN):
+                self._prefill_per_request(layer, query, key, value, kv_cache, meta, out)
+            self.last_prefill_impl = "sdpa"
+        else:
+            self._prefill_per_request(layer, query, key, value, kv_cache, meta, out)
+            self.last_prefill_impl = "sdpa" if not query.is_cuda else "sdpa-default"
+
+    def _prefill_per_request(self, layer: int, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, kv_cache: torch.Tensor,
+                             meta: AttentionMetadata, out: torch.Tensor) -> None:
+        for span in meta.prefills:
+            sl = slice(span.query_start, span.query_start + span.query_len)
+            out[sl] = self._prefill(layer, query[sl], key[sl], value[sl], kv_cache, span)
+
+    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+        """Causal attention of one request's new tokens ``q`` ``[n, H, D]`` over its context."""
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if span.num_computed == 0:
+            # No earlier context: attend over the new tokens themselves (same values as the cache).
+            k = k.transpose(0, 1).unsqueeze(0)
+            v = v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.group > 1)
+        else:
+            ctx = span.context_len
+            # [nb, 2, Hkv, bs, D] -> [2, Hkv, nb * bs, D] -> first ctx tokens
+            blocks = kv_cache[:, layer].index_select(0, span.block_table)
+            kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, self.num_kv_heads, -1, self.head_dim)
+            k_ctx = kv[0, :, :ctx].unsqueeze(0)
+            v_ctx = kv[1, :, :ctx].unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=span.mask,
+                                               scale=self.scale, enable_gqa=self.group > 1)
+        return o.squeeze(0).transpose(0, 1)
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """One new token per request, batched: ``q`` ``[B, H, D]`` -> ``[B, H, D]``.
+
+        The padded gather produces ``[2, Hkv, B, max_blocks, bs, D]``; viewed as
+        ``[Hkv, B, S, D]`` it is contiguous, and the ``group`` query heads that share a KV head
+        play the role of ``group`` query positions, so SDPA needs no GQA expansion.
+        """
+        b = q.shape[0]
+        tables = meta.decode_block_tables
+        assert tables is not None and meta.decode_mask is not None
+        m = tables.shape[1]
+        s = m * self.block_size
+        # index_select on the block dim copies whole [2, Hkv, bs, D] blocks (fast memcpy; advanced
+        # indexing on an inner dim is several times slower on CPU), then one permute-copy.
+        blocks = kv_cache[:, layer].index_select(0, tables.flatten())  # [B*M, 2, Hkv, bs, D]
+        gathered = (blocks.view(b, m, 2, self.num_kv_heads, self.block_size, self.head_dim)
+                    .permute(2, 3, 0, 1, 4, 5).contiguous())  # [2, Hkv, B, M, bs, D]
+        k = gathered[0].view(self.num_kv_heads, b, s, self.head_dim)
+        v = gathered[1].view(self.num_kv_heads, b, s, self.head_dim)
+        # [B, H, D] -> [B, Hkv, G, D] -> [Hkv, B, G, D]
+        qg = q.view(b, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=self.scale)
+        return o.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)

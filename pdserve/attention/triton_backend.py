@@ -1,0 +1,48 @@
+"""The CUDA attention backend: Triton KV writes and split-K paged decode; prefill as the torch
+backend (one FlashAttention varlen call per layer)."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.attention.metadata import AttentionMetadata
+from pdserve.attention.torch_backend import TorchAttentionBackend
+
+
+class TritonAttentionBackend(TorchAttentionBackend):
+    """CUDA backend: KV writes (:mod:`pdserve.kernels.kv_cache`) and batched decode attention
+    (:mod:`pdserve.kernels.paged_decode`, split-K) with Triton kernels; prefill as in
+    :class:`TorchAttentionBackend`.
+
+    The decode split count depends on the batch size alone (no context-length hint), so eager and
+    graph-replayed decode steps of the same batch size compute the same bits.
+
+    Raises:
+        ImportError: Triton is not installed (at construction).
+    """
+
+    uses_triton_kernels = True
+    supports_cuda_graphs = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 scale: float):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale)
+        # Module references (not functions): a test may reload them under Triton's interpreter.
+        from pdserve.kernels import kv_cache, paged_decode
+
+        self._kv_cache_kernels = kv_cache
+        self._decode_kernels = paged_decode
+
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Same contract as :meth:`pdserve.attention.base.AttentionBackend.forward`; ``key`` and
+        ``value`` may be strided views (e.g. into a fused QKV projection)."""
+        self._kv_cache_kernels.store_kv_cache(key, value, kv_cache, layer, meta.slot_mapping)
+        out = torch.empty_like(query)
+        self._prefill_into(layer, query, key, value, kv_cache, meta, out)
+        if meta.num_decodes:
+            p = meta.num_prefill_tokens
+            self._decode_kernels.paged_decode_attention(
+                query[p:], kv_cache, layer, meta.decode_block_tables, meta.decode_seq_lens,
+                self.scale, out=out[p:])
+        return out

@@ -1,0 +1,114 @@
+"""KV cache write (Triton): this step's keys and values of one layer into their paged slots.
+
+Layout of ``kv_cache``: docs/architecture.md ("KV cache layout"). Tokens with a negative slot
+(padding rows of a CUDA-graph batch) are skipped. Import only where Triton is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels.common import next_power_of_2
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kv_ptr,  # the layer's view: [num_blocks, 2, Hkv, block_size, D]
+    slot_mapping_ptr,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_kv_b,
+    stride_kv_kv,
+    stride_kv_h,
+    stride_kv_t,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    # Broadcast the slot before comparing: Triton 3.9's interpreter mistypes scalar comparisons.
+    slot_tile = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], dtype=tl.int64) + slot
+    mask = (slot_tile >= 0) & (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    src = offs_h[:, None] * stride_k_h + offs_d[None, :]
+    k = tl.load(k_ptr + token * stride_k_t + src, mask=mask)
+    v = tl.load(v_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
+    dst = (
+        kv_ptr
+        + (slot // BLOCK_SIZE) * stride_kv_b
+        + (slot % BLOCK_SIZE) * stride_kv_t
+        + offs_h[:, None] * stride_kv_h
+        + offs_d[None, :]
+    )
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + stride_kv_kv, v, mask=mask)
+
+
+def store_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new keys and values into the paged KV cache of one layer.
+
+    Args:
+        k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype (last dim contiguous).
+        kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``, written in
+            place.
+        layer: index into dim 1 of ``kv_cache``.
+        slot_mapping: ``[num_tokens]`` int32/int64 slots (``block_id * block_size + offset``);
+            tokens with a negative slot are skipped (padding of CUDA graph batches).
+
+    Raises:
+        ValueError: on shape or dtype mismatches.
+    """
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError("k and v must both be [num_tokens, num_kv_heads, head_dim], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if (kv_cache.dim() != 6 or kv_cache.shape[2] != 2 or kv_cache.shape[3] != num_kv_heads
+            or kv_cache.shape[5] != head_dim):
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not match k/v {tuple(k.shape)}")
+    if not 0 <= layer < kv_cache.shape[1]:
+        raise ValueError(f"layer {layer} out of range for {kv_cache.shape[1]} layers")
+    if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype:
+        raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [num_tokens], got {tuple(slot_mapping.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("k, v and kv_cache need a contiguous last dimension")
+    if num_tokens == 0:
+        return
+    kv_layer = kv_cache[:, layer]
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        kv_layer,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_layer.stride(0),
+        kv_layer.stride(1),
+        kv_layer.stride(2),
+        kv_layer.stride(3),
+        NUM_HEADS=num_kv_heads,
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[4],
+        num_warps=4,
+    )

@@ -1,0 +1,324 @@
+"""Llama-family decoder (Llama, Mistral-like, SmolLM2) and Qwen3, built from the layers of
+:mod:`pdserve.layers` and an attention backend of :mod:`pdserve.attention`, over a paged KV cache.
+
+The math follows the Hugging Face ``transformers`` implementations of ``LlamaForCausalLM`` and
+``Qwen3ForCausalLM`` (RMSNorm in float32, rotate-half rotary embedding, SwiGLU MLP); Qwen3 adds
+an RMSNorm over ``head_dim`` on each query and key head before the rotary embedding. Weights are
+stored fused (``qkv_proj`` = q|k|v, ``gate_up_proj`` = gate|up) so that one matmul replaces
+three (two); :meth:`CausalLM.load_weights` maps Hugging Face parameter names onto the fused
+tensors through each parameter's ``weight_loader``.
+
+There is one forward path, :meth:`CausalLM.forward`: the flattened tokens of a mixed batch
+(prefill chunks and decodes), their positions, the KV cache and an
+:class:`~pdserve.attention.metadata.AttentionMetadata`, returning logits for the tokens that are
+sampled. Whether it runs eagerly or is captured in a CUDA graph is the runner's choice; which
+ops run (torch or Triton) follows the attention backend, set in one place
+(:meth:`CausalLM.set_attention_backend`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pdserve.attention.base import AttentionBackend
+from pdserve.attention.metadata import AttentionMetadata
+from pdserve.attention.selector import select_attention_backend
+from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.custom_op import CustomOp
+from pdserve.layers.embedding import LMHead, VocabEmbedding
+from pdserve.layers.linear import Linear, MergedLinear, QKVLinear
+from pdserve.layers.norm import RMSNorm
+from pdserve.layers import rotary
+from pdserve.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class ArchConfig:
+    """The architecture hyper-parameters the model needs (parsed from a HF ``config.json``).
+
+    Attributes:
+        architecture: ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Qwen3ForCausalLM``.
+        hidden_size, intermediate_size: widths.
+        num_layers: decoder layers.
+        num_heads, num_kv_heads, head_dim: attention geometry (grouped-query when
+            ``num_kv_heads < num_heads``).
+        vocab_size: rows of the embedding / LM head.
+        max_position_embeddings: the model's context length in tokens.
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: rotary base.
+        rope_scaling: ``None`` (default rotary) or a dict with ``rope_type`` ``linear`` or
+            ``llama3`` and its parameters.
+        tie_word_embeddings: the LM head reuses the embedding matrix.
+        attention_bias, mlp_bias: linear layers carry biases.
+        qk_norm: per-head RMSNorm on queries and keys (Qwen3).
+        initializer_range: std of random weights (dummy load format).
+        eos_token_ids: end-of-sequence ids from the config and generation config.
+    """
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    initializer_range: float = 0.02
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def rope_inv_freq(cfg: ArchConfig) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim // 2]`` (float32) of ``cfg``
+    (:func:`pdserve.layers.rotary.rope_inv_freq`).
+
+    Raises:
+        ValueError: an unsupported ``rope_type``.
+    """
+    return rotary.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention: fused QKV projection, optional q/k norm, rotary embedding,
+    paged attention through the model's backend, output projection."""
+
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        d = cfg.head_dim
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d,
+                                  cfg.attention_bias, dtype, device)
+        self.o_proj = Linear(self.qkv_proj.q_size, cfg.hidden_size, cfg.attention_bias, dtype,
+                             device)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
+        self.rotary_emb = rotary_emb
+        self.backend: AttentionBackend | None = None  # set by CausalLM.set_attention_backend
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``hidden`` ``[T, hidden_size]`` (normalised) -> ``[T, hidden_size]``; writes this
+        layer's K/V of the step into ``kv_cache``."""
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = self.rotary_emb(positions, q.view(t, self.num_heads, self.head_dim), self.q_norm)
+        k = self.rotary_emb(positions, k.view(t, self.num_kv_heads, self.head_dim), self.k_norm)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta)
+        return self.o_proj(o.reshape(t, self.qkv_proj.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP: fused gate|up projection, ``silu(gate) * up``, down projection."""
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        i, h = cfg.intermediate_size, cfg.hidden_size
+        self.gate_up_proj = MergedLinear(h, [i, i], cfg.mlp_bias, dtype, device)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(i, h, cfg.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden_size]`` -> ``[T, hidden_size]``."""
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer: attention then MLP, each after an RMSNorm that also adds the
+    previous block's output to the residual stream."""
+
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                                device)
+        self.mlp = LlamaMLP(cfg, dtype, device)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer.
+
+        Args:
+            positions: ``[T]`` int64 positions.
+            hidden: ``[T, hidden_size]``: the previous layer's MLP output (the embeddings for
+                layer 0).
+            residual: ``[T, hidden_size]`` residual stream, or None for layer 0 (then ``hidden``
+                is the stream).
+            kv_cache, meta: as :meth:`CausalLM.forward`.
+
+        Returns:
+            ``(mlp_out, residual)``; the layer's output is their sum (added by the next norm).
+        """
+        if residual is None:
+            residual = hidden
+            x = self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm(hidden, residual)
+        attn_out = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(x), residual
+
+
+# HF projection names stored stacked in one of our parameters -> (our name, shard index).
+_STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+# Buffers some checkpoints carry that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CausalLM(nn.Module):
+    """Llama / Mistral / Qwen3 causal language model over a paged KV cache.
+
+    Args:
+        cfg: architecture.
+        dtype: parameter and activation dtype.
+        device: where parameters live.
+        block_size: KV cache block size in tokens.
+        max_positions: size of the rotary table (positions ``0 .. max_positions - 1``).
+
+    Parameters are allocated uninitialised; fill them with :meth:`load_weights` or
+    :meth:`init_dummy_weights`. The attention backend comes from
+    :func:`pdserve.attention.selector.select_attention_backend`.
+
+    Attributes:
+        attn_backend: the attention backend every layer uses.
+    """
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
+                 block_size: int, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        rotary_emb = RotaryEmbedding(max_positions, rope_inv_freq(cfg), device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, rotary_emb, dtype, device) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device,
+                              tie_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+        self.set_attention_backend(select_attention_backend(
+            device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
+            cfg.head_dim ** -0.5))
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Use ``backend`` in every layer, and the layers' Triton ops exactly when the backend
+        says so (``backend.uses_triton_kernels``): the one place where the op choice is made."""
+        self.attn_backend = backend
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+        for module in self.modules():
+            if isinstance(module, CustomOp):
+                module.use_triton = backend.uses_triton_kernels
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids (prefill tokens first, then decode tokens).
+            positions: ``[T]`` int64 absolute positions.
+            kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``; this
+                step's K/V are written into it.
+            attn_metadata: attention metadata of the step.
+            logits_indices: ``[S]`` int64 indices into the batch of the tokens to sample; None =
+                every token (a CUDA-graph decode step).
+
+        Returns:
+            ``[S, vocab_size]`` float32 logits (``S = T`` without ``logits_indices``).
+        """
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        if logits_indices is not None:
+            hidden, residual = hidden[logits_indices], residual[logits_indices]
+        x, _ = self.norm(hidden, residual)
+        return self.lm_head(x)
+
+    # ---------------------------------------------------------------- weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters, each through its
+        parameter's ``weight_loader``.
+
+        Accepts names with or without the ``model.`` prefix (``lm_head.weight`` stays as is).
+
+        Raises:
+            ValueError: an unknown tensor name, a shape mismatch, or parameters left unloaded.
+        """
+        cfg = self.cfg
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int | None]] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            short = name[len("model."):] if name.startswith("model.") else name
+            if short == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy; the embedding is the source
+            target, shard = self._param_name(short)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} for {cfg.architecture}")
+            try:
+                param.weight_loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"weight {name!r} has {e}") from None
+            loaded.add((target, shard))
+        expected = [(n, s if p.num_shards > 1 else None) for n, p in params.items()
+                    for s in range(p.num_shards)]
+        missing = [k for k in expected if k not in loaded]
+        if missing:
+            shown = ", ".join(f"{a}[{b}]" if b is not None else a for a, b in missing[:8])
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {shown}")
+
+    @staticmethod
+    def _param_name(short: str) -> tuple[str, int | None]:
+        """Our parameter name and shard index of a Hugging Face name without ``model.``."""
+        parts = short.split(".")
+        if len(parts) >= 2 and parts[-2] in _STACKED:
+            fused, shard = _STACKED[parts[-2]]
+            return ".".join(parts[:-2] + [fused, parts[-1]]), shard
+        return short, None
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int) -> None:
+        """Fill every parameter with deterministic random values (``--load-format dummy``).
+
+        Matrices get ``N(0, initializer_range)`` (the HF initialisation), norm weights 1 and
+        biases 0, so activations stay finite at any depth. The same seed gives the same weights
+        on the same device type.
+        """
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        std = self.cfg.initializer_range
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                if name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)

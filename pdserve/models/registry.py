@@ -1,0 +1,26 @@
+"""The supported model architectures: Hugging Face ``architectures`` name -> model class."""
+
+from __future__ import annotations
+
+from pdserve.models.llama import CausalLM
+
+# One class serves the Llama family and Qwen3 (ArchConfig.qk_norm marks Qwen3's q/k norm).
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": CausalLM,
+    "MistralForCausalLM": CausalLM,
+    "Qwen3ForCausalLM": CausalLM,
+}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
+
+
+def model_class(architecture: str) -> type[CausalLM]:
+    """The model class of a Hugging Face architecture name.
+
+    Raises:
+        ValueError: the architecture is not supported.
+    """
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported model architecture {architecture!r}; supported: "
+                         + ", ".join(SUPPORTED_ARCHITECTURES)) from None
