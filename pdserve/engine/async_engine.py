@@ -6,7 +6,8 @@ event loop never stall the decoding loop. The two talk over ZMQ ``ipc://`` socke
 temporary directory with the messages of :mod:`pdserve.engine.messages`.
 
 Per request the front end detokenises incrementally and applies stop strings (the stop string
-is cut from the text, the request is aborted in the core, ``finish_reason`` is ``"stop"``).
+is cut from the text, the request is aborted in the core, ``finish_reason`` is ``"stop"``); as in
+vLLM, no stop string may end in the text of the first ``min_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -124,12 +125,14 @@ class EngineStats:
 
 
 class _RequestState:
-    __slots__ = ("queue", "detokenizer", "stop_matcher", "num_prompt_tokens", "num_output_tokens", "finished")
+    __slots__ = ("queue", "detokenizer", "stop_matcher", "min_tokens", "num_prompt_tokens",
+                 "num_output_tokens", "finished")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self.stop_matcher = StopStringMatcher(params.stop)
+        self.min_tokens = params.min_tokens  # no stop string ends in the first min_tokens tokens
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_output_tokens = 0
         self.finished = False
@@ -485,19 +488,21 @@ class AsyncEngine:
             # so that tokens after a stop are neither emitted nor counted, as with single steps.
             emit, stop = "", None
             for i, tok in enumerate(tokens):
-                part, stop = st.stop_matcher.feed(st.detokenizer.add_tokens([tok]))
+                part, stop = st.stop_matcher.feed(st.detokenizer.add_tokens([tok]),
+                                                  st.num_output_tokens + i + 1 > st.min_tokens)
                 emit += part
                 if stop is not None:
                     tokens = tokens[: i + 1]
                     break
             if stop is None and finished:
-                part, stop = st.stop_matcher.feed(st.detokenizer.flush())
+                part, stop = st.stop_matcher.feed(st.detokenizer.flush(),
+                                                  st.num_output_tokens + len(tokens) > st.min_tokens)
                 emit += part
         else:
             text = st.detokenizer.add_tokens(tokens) if tokens else ""
             if finished:
                 text += st.detokenizer.flush()
-            emit, stop = st.stop_matcher.feed(text)
+            emit, stop = st.stop_matcher.feed(text, st.num_output_tokens + len(tokens) > st.min_tokens)
         if stop is not None:
             if not finished:
                 self._send_abort([o.request_id])

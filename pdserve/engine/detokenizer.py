@@ -82,31 +82,42 @@ class IncrementalDetokenizer:
 class StopStringMatcher:
     """Finds stop strings in streamed text and holds back text that may be the start of one.
 
+    Text fed with ``search=False`` (the text of a request's first ``min_tokens`` tokens) is kept
+    and held back like any other, but no stop string may end in it; one may still begin there
+    and end in later text. This is vLLM's rule for ``min_tokens`` with stop strings
+    (``vllm/v1/engine/detokenizer.py``: stop strings are checked only once more than
+    ``min_tokens`` tokens exist, in the text those later tokens added).
+
     Args:
         stop: the stop strings (empty strings are ignored).
     """
 
     def __init__(self, stop: Sequence[str]):
         self.stop = [s for s in stop if s]
-        self._max_len = max((len(s) for s in self.stop), default=0)
         self._text = ""  # all text seen
         self._emitted = 0  # characters of _text already returned
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
+    def feed(self, delta: str, search: bool = True) -> tuple[str, str | None]:
         """Add a text delta.
 
+        Args:
+            delta: the new text.
+            search: False while the text belongs to the first ``min_tokens`` tokens: no stop
+                string may end in ``delta``.
+
         Returns:
-            ``(text_to_emit, matched_stop)``: when a stop string is found, the text up to (not
-            including) it and the stop string; otherwise the text that can no longer be part of
-            a stop string, and None.
+            ``(text_to_emit, matched_stop)``: when a stop string ends in ``delta``, the text up
+            to (not including) the earliest such stop string and that string; otherwise the
+            text that can no longer be part of a stop string, and None.
         """
         if not self.stop:
             return delta, None
-        start = max(0, len(self._text) - self._max_len + 1)
+        old_len = len(self._text)
         self._text += delta
         best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = self._text.find(s, start)
+        for s in self.stop if search and delta else ():
+            # Only matches that end in the new text (earlier text was searched, or not searchable).
+            i = self._text.find(s, max(0, old_len - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:

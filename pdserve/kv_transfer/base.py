@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
     from pdserve.engine.request import Request
+    from pdserve.kv_transfer.config import KVLoadFailurePolicy
 
 
 @dataclass(frozen=True)
@@ -170,8 +171,8 @@ class KVConnectorSchedulerSide(abc.ABC):
         keeping the remote's lease alive while the request waits). Default: nothing.
         """
 
-    def load_failure_policy(self, request: "Request") -> str | None:
-        """Optional hook: the ``kv_load_failure_policy`` (``"fail"`` or ``"recompute"``) for
+    def load_failure_policy(self, request: "Request") -> "KVLoadFailurePolicy | None":
+        """Optional hook: the ``kv_load_failure_policy`` (``FAIL`` or ``RECOMPUTE``) for
         this request's failed load, overriding the configured one; None keeps the configured
         policy. (A bidirectional pull on a prefiller is always recomputed.) Default: None."""
         return None

@@ -51,6 +51,7 @@ Environment: ``PDSERVE_NIXL_SIDE_CHANNEL_HOST`` (default ``localhost``) and
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import logging
 import os
@@ -64,7 +65,19 @@ CLI_FLAG = "--kv-transfer-config"
 
 CONNECTORS = ("NixlConnector",)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-FAILURE_POLICIES = ("fail", "recompute")
+
+
+class KVLoadFailurePolicy(str, enum.Enum):
+    """What a decoder does with a request whose KV load failed (``kv_load_failure_policy``).
+
+    A ``str`` enum so that the configuration's JSON strings compare equal to its members.
+    """
+
+    FAIL = "fail"  # the request ends with finish_reason "error"
+    RECOMPUTE = "recompute"  # the tokens from the first invalid block on are computed locally
+
+
+FAILURE_POLICIES = tuple(p.value for p in KVLoadFailurePolicy)
 BUFFER_DEVICES = ("auto", "cpu", "cuda")
 
 DEFAULT_SIDE_CHANNEL_HOST = "localhost"
@@ -183,7 +196,7 @@ class KVTransferConfig:
 
     kv_connector: str = "NixlConnector"
     kv_role: str | None = None
-    kv_load_failure_policy: str = "fail"
+    kv_load_failure_policy: KVLoadFailurePolicy = KVLoadFailurePolicy.FAIL
     enable_permute_local_kv: bool = False
     kv_buffer_device: str = "auto"
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
@@ -215,6 +228,7 @@ class KVTransferConfig:
                 f"unknown kv_load_failure_policy {self.kv_load_failure_policy!r}; "
                 f"supported: {list(FAILURE_POLICIES)}"
             )
+        self.kv_load_failure_policy = KVLoadFailurePolicy(self.kv_load_failure_policy)
         if not isinstance(self.enable_permute_local_kv, bool):
             raise KVTransferConfigError(
                 f"enable_permute_local_kv must be true or false, got "
@@ -273,7 +287,7 @@ class KVTransferConfig:
         return {
             "kv_connector": self.kv_connector,
             "kv_role": self.kv_role,
-            "kv_load_failure_policy": self.kv_load_failure_policy,
+            "kv_load_failure_policy": self.kv_load_failure_policy.value,
             "enable_permute_local_kv": self.enable_permute_local_kv,
             "kv_buffer_device": self.kv_buffer_device,
             "engine_id": self.engine_id,

@@ -133,6 +133,44 @@ async def test_multi_step_bursts_stop_at_a_stop_string_like_single_steps(engine,
     assert multi[-1].num_output_tokens == single[-1].num_output_tokens
 
 
+def min_tokens_reference(tokenizer, tokens: list[int], stop: list[str], min_tokens: int) -> str:
+    """The text vLLM returns: the greedy text cut before the earliest stop string that ends
+    after the text of the first ``min_tokens`` tokens."""
+    full = tokenizer.decode(tokens, skip_special_tokens=True)
+    head = tokenizer.decode(tokens[:min_tokens], skip_special_tokens=True)
+    hits = [i for s in stop if (i := full.find(s, max(0, len(head) - len(s) + 1))) >= 0]
+    return full[: min(hits)] if hits else full
+
+
+@pytest.mark.parametrize("steps", [1, 4], ids=["single-step", "multi-step"])
+async def test_stop_strings_wait_for_min_tokens(engine, tiny_llama_path, offline_tokens, steps):
+    """A stop string that the first token's text matches is ignored while fewer than
+    ``min_tokens`` tokens exist; a later one stops the request (with bursts of 4 decode steps
+    after ``min_tokens`` too)."""
+    tokens = offline_tokens[30]
+    first = engine.tokenizer.decode(tokens[:1], skip_special_tokens=True)
+    seventh = engine.tokenizer.decode(tokens[6:7], skip_special_tokens=True)
+    assert first.strip() and seventh.strip(), "pick tokens with text"
+    stop = [first, seventh]
+    expected = min_tokens_reference(engine.tokenizer, tokens, stop, 5)
+    params = greedy(stop=stop, min_tokens=5)
+    if steps == 1:
+        outs = await run(engine, "min-stop", prompt(30, 30), params)
+    else:
+        multi_engine = await AsyncEngine.start(EngineConfig(model=tiny_llama_path,
+                                                            num_scheduler_steps=steps, **ARGS))
+        try:
+            outs = await run(multi_engine, "min-stop-multi", prompt(30, 30), params)
+            assert any(len(o.new_token_ids) > 1 for o in outs), "no burst: the test checks nothing"
+            await wait_all_free(multi_engine)
+        finally:
+            await multi_engine.shutdown()
+    assert "".join(o.new_text for o in outs) == expected
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == seventh
+    assert 5 < outs[-1].num_output_tokens == sum(len(o.new_token_ids) for o in outs) <= 7
+    await wait_all_free(engine)
+
+
 async def test_abort_and_leaving_the_iterator_free_all_blocks(engine):
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     agen = engine.generate("leave", prompt(20), params)

@@ -99,3 +99,17 @@ def test_no_stop_strings_passes_text_through():
     m = StopStringMatcher([])
     assert m.feed("abc") == ("abc", None)
     assert m.flush() == ""
+
+
+def test_no_stop_string_ends_in_text_that_is_not_searched():
+    """The text of the first ``min_tokens`` tokens (``search=False``) never ends a stop string,
+    but one may begin there and end in later text (vLLM's rule)."""
+    m = StopStringMatcher(["ab", "xyz"])
+    assert m.feed("ab", search=False) == ("ab", None)  # a whole stop string, not searched
+    assert m.feed("c") == ("c", None)  # ... and not found later either
+    assert m.feed("xy", search=False) == ("", None)  # a possible start of "xyz" is held back
+    assert m.feed("z!") == ("", "xyz")  # begins in unsearched text, ends in searched text
+    m = StopStringMatcher(["ab"])
+    assert m.feed("ab", search=False) == ("ab", None)
+    assert m.feed("", search=True) == ("", None)
+    assert feed_all(m, ["a", "b"]) == ("", "ab")

@@ -141,7 +141,7 @@ def test_abort_while_waiting_for_remote_kvs_frees_after_the_load_ends():
     core.step()
     assert core.scheduler.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     core.abort_requests(["d"])
-    assert remote.finished_calls == [("d", core.scheduler._held["d"].request.block_ids)]
+    assert remote.finished_calls == [("d", core.scheduler.remote_kv.held["d"].request.block_ids)]
     kvm = core.scheduler.kv_cache_manager
     assert kvm.num_free_blocks < kvm.num_blocks  # the load may still write into them
     assert core.scheduler.has_pending_kv_work()

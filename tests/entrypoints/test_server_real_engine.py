@@ -179,6 +179,34 @@ def test_chat_greedy_matches_offline(client: openai.OpenAI, offline: dict) -> No
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
 
 
+def test_stop_strings_wait_for_min_tokens(client: openai.OpenAI, offline: dict,
+                                          tiny_llama_path: str) -> None:
+    """A stop string that the first token's text matches is ignored while fewer than
+    ``min_tokens`` tokens exist (as in vLLM); a later one stops the request. Plain and
+    streamed alike."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    _, tokens = offline[17]
+    first, seventh = (tokenizer.decode(tokens[i : i + 1], skip_special_tokens=True) for i in (0, 6))
+    assert first.strip() and seventh.strip(), "pick tokens with text"
+    full = tokenizer.decode(tokens, skip_special_tokens=True)
+    head = tokenizer.decode(tokens[:5], skip_special_tokens=True)
+    assert full.find(seventh, len(head) - len(seventh) + 1) == len(
+        tokenizer.decode(tokens[:6], skip_special_tokens=True)), "pick a later stop string"
+    expected = full[: full.find(seventh, len(head) - len(seventh) + 1)]
+    kw = dict(GREEDY, stop=[first, seventh], extra_body={"ignore_eos": True, "min_tokens": 5})
+    r = client.completions.create(model=SERVED_NAME, prompt=_prompt_ids(17), **kw)
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 7
+    stream = client.completions.create(model=SERVED_NAME, prompt=_prompt_ids(17), stream=True,
+                                       stream_options={"include_usage": True}, **kw)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == 7
+
+
 def test_repeated_prompt_hits_prefix_cache(client: openai.OpenAI, offline: dict) -> None:
     ids = _prompt_ids(33)
     client.completions.create(model=SERVED_NAME, prompt=ids, **GREEDY)

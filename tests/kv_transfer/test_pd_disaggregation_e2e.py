@@ -131,6 +131,28 @@ def test_requests_the_first_token_cannot_serve_recompute_the_last_prompt_token(c
     p.wait_all_blocks_free(timeout_s=10)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_stop_string_waits_for_min_tokens_on_the_decoder(cluster, stream):
+    """A stop string that the first token's text matches is ignored until ``min_tokens``
+    tokens exist, through P/D as on one instance (P's leg drops ``min_tokens``)."""
+    p, d = cluster["p"], cluster["d_fail"]
+    body = completion_body(cluster, token_prompt(B + 5, seed=5150 + stream), stream, max_tokens=10)
+    free = reference(cluster, "completions", body)
+    assert free, "the prompt must produce text"
+    body.update(stop=[free[0]], min_tokens=5)
+    single = generate(cluster["single"], "completions", dict(body, stream=False))
+    assert single["status"] == 200, single
+    assert single["body"]["usage"]["completion_tokens"] > 5  # the stop string waited
+    params = prefill_leg(p, "completions", body)
+    out = decode_leg(d, "completions", body, params)
+    assert out["status"] == 200, out
+    assert out["text"] and out["text"] == single["text"]
+    if not stream:
+        assert out["body"]["usage"]["completion_tokens"] == single["body"]["usage"]["completion_tokens"]
+        assert out["body"]["choices"][0]["finish_reason"] == single["body"]["choices"][0]["finish_reason"]
+    p.wait_all_blocks_free(timeout_s=10)
+
+
 def test_forged_first_token_id_is_a_400(cluster):
     p, d = cluster["p"], cluster["d_fail"]
     body = completion_body(cluster, token_prompt(B + 1, seed=99), False)

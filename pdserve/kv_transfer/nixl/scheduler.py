@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.kv_transfer.base import FIRST_TOKEN_KEY, KVConnectorSchedulerSide, presampled_first_token
-from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.config import KVLoadFailurePolicy, KVTransferConfig
 from pdserve.kv_transfer.nixl.bidirectional import (
     PULL_SAFETY_MARGIN_S,
     decoder_keep_blocks,
@@ -280,10 +280,10 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
                 engine_id, host, port = key.rsplit("|", 2)
                 self._clock_offsets[(engine_id, host, int(port))] = float(offset)
 
-    def load_failure_policy(self, request: "Request") -> str | None:
-        """``"recompute"`` for a failed pull of the decoder's KV (it must never fail the user's
+    def load_failure_policy(self, request: "Request") -> KVLoadFailurePolicy | None:
+        """``RECOMPUTE`` for a failed pull of the decoder's KV (it must never fail the user's
         request); None (the configured policy) otherwise."""
-        return "recompute" if request.request_id in self._pulls else None
+        return KVLoadFailurePolicy.RECOMPUTE if request.request_id in self._pulls else None
 
     def request_finished(
         self, request: "Request", block_ids: list[int]

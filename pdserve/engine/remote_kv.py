@@ -1,0 +1,273 @@
+"""Remote-KV bookkeeping of the scheduler: KV loaded from other instances (synchronously in a
+step, or asynchronously while the request waits), failed loads, and finished requests whose
+blocks must outlive them. Pure bookkeeping: no torch.
+
+The :class:`~pdserve.engine.scheduler.Scheduler` owns one :class:`RemoteKV` and drives the KV
+connector (``pdserve.kv_transfer.base``) through it:
+
+* ``request_added`` when a request is queued; ``get_num_new_matched_tokens`` once per request,
+  after its local prefix-cache hit (again only if the allocation that follows fails);
+  ``update_state_after_alloc`` with the whole block table once blocks are allocated.
+* A load reported in ``finished_recving`` marks ``min(local + external, num_tokens - 1)`` tokens
+  computed, so at least the last prompt token is recomputed for its logits; except when the
+  prefiller's first token can be used (``kv_transfer.base.presampled_first_token``): then the
+  connector loads the whole prompt and that token is emitted at once, without a forward pass.
+* ``invalid_block_ids`` of a pending load apply ``kv_load_failure_policy`` when the load is
+  reported finished: ``FAIL`` ends the request with ``finish_reason="error"``, ``RECOMPUTE``
+  rolls ``num_computed_tokens`` back to the first invalid block. Invalid blocks read by a
+  synchronous load of this step do the same at once (the step's token is worthless).
+* ``request_finished`` is called exactly once per request (finish, abort, error). With
+  ``delay_free`` the blocks stay until the id appears in ``finished_sending``. A request
+  finished while its load is in flight (``WAITING_FOR_REMOTE_KVS``) keeps its blocks until the
+  id appears in ``finished_recving``, so no transfer writes into blocks reused by others.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from pdserve.engine.outputs import EngineCoreOutput, KVConnectorOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.kv_transfer.base import presampled_first_token
+from pdserve.kv_transfer.config import FAILURE_POLICIES, KVLoadFailurePolicy
+
+if TYPE_CHECKING:
+    from pdserve.engine.scheduler import Scheduler
+    from pdserve.kv_transfer.base import KVConnectorSchedulerSide
+
+logger = logging.getLogger(__name__)
+
+
+def parse_load_failure_policy(kv_transfer_config: Any) -> KVLoadFailurePolicy:
+    """The configured ``kv_load_failure_policy`` (``FAIL`` without a KV transfer config).
+
+    Args:
+        kv_transfer_config: the engine's ``kv_transfer_config`` (its policy as a member or as
+            its configuration string), or None.
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+    policy = kv_transfer_config.kv_load_failure_policy if kv_transfer_config is not None else None
+    policy = policy or KVLoadFailurePolicy.FAIL
+    try:
+        return KVLoadFailurePolicy(policy)
+    except ValueError:
+        raise ValueError(
+            f"kv_load_failure_policy must be one of {FAILURE_POLICIES}, got {policy!r}"
+        ) from None
+
+
+class _Held:
+    """A finished request whose blocks must outlive it (KV being read by another instance, or a
+    load into its blocks still in flight)."""
+
+    __slots__ = ("request", "until_sent", "until_recved")
+
+    def __init__(self, request: Request, until_sent: bool, until_recved: bool):
+        self.request = request
+        self.until_sent = until_sent
+        self.until_recved = until_recved
+
+
+class RemoteKV:
+    """The scheduler's state about KV that crosses instances (see the module docstring).
+
+    Args:
+        sched: the owning scheduler (its queues, block manager and finish path are used).
+        connector: the KV connector's scheduler side, or None (then nothing is ever loaded,
+            held or reported).
+        policy: the configured ``kv_load_failure_policy``.
+
+    Attributes:
+        pending_load: req id -> ``(num_local, num_external)`` tokens while its KV loads
+            asynchronously.
+        failed_load: req id -> index in its block table of the first invalid block reported
+            for its pending load.
+        sync_loads: req id -> ``(num_local, num_external)`` tokens for synchronous loads of the
+            step being scheduled.
+        held: finished requests whose blocks are kept for a transfer.
+        prompt_tokens_transferred_total / num_kv_load_failures_total: counters for metrics.
+    """
+
+    def __init__(self, sched: "Scheduler", connector: "KVConnectorSchedulerSide | None",
+                 policy: KVLoadFailurePolicy):
+        self.sched = sched
+        self.connector = connector
+        self.policy = policy
+        self.pending_load: dict[str, tuple[int, int]] = {}
+        self.failed_load: dict[str, int] = {}
+        self.sync_loads: dict[str, tuple[int, int]] = {}
+        self.held: dict[str, _Held] = {}
+        # requests whose connector lookup already happened (never ask twice).
+        self._consulted: set[str] = set()
+        self.prompt_tokens_transferred_total = 0
+        self.num_kv_load_failures_total = 0
+
+    # ================================================================ admission
+    def num_matched_tokens(self, req: Request, num_local: int) -> tuple[int, bool]:
+        """The connector's external hit beyond the local one: ``(num_external, load_async)``,
+        ``(0, False)`` without a connector or once the connector was asked for this request."""
+        if self.connector is None or req.request_id in self._consulted:
+            return 0, False
+        num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+        num_external = max(0, min(num_external, req.num_tokens - num_local))
+        return num_external, load_async and num_external > 0
+
+    def start_async_load(self, req: Request, num_local: int, num_external: int) -> None:
+        """The request's blocks for ``num_local + num_external`` tokens are allocated: tell the
+        connector and wait for the load (the caller parks the request)."""
+        self._consulted.add(req.request_id)
+        self.connector.update_state_after_alloc(req, list(req.block_ids), num_external)
+        self.pending_load[req.request_id] = (num_local, num_external)
+
+    def blocks_allocated(self, req: Request, num_local: int, num_external: int, start: int) -> None:
+        """A fresh request got its blocks and starts computing at token ``start``: tell the
+        connector (once) and note the tokens loaded synchronously during this step."""
+        rid = req.request_id
+        if self.connector is not None and rid not in self._consulted:
+            self._consulted.add(rid)
+            self.connector.update_state_after_alloc(req, list(req.block_ids), num_external)
+        if start > num_local:
+            self.sync_loads[rid] = (num_local, start - num_local)
+
+    # ================================================================ step results
+    def sync_load_failed(self, req: Request, invalid: set[int]) -> list[EngineCoreOutput] | None:
+        """When this step's synchronous load of ``req`` left an invalid block, apply the
+        failure policy and return its outputs; None when the load was good (or there was none)."""
+        load = self.sync_loads.get(req.request_id)
+        if load is None:
+            return None
+        bad = self.first_invalid_block(req, load, invalid)
+        if bad is None:
+            return None
+        # The forward pass read missing KV: its token is worthless.
+        return self.apply_load_failure(req, bad, load[0])
+
+    def commit_sync_load(self, req: Request) -> None:
+        """Count the tokens this step loaded synchronously for ``req`` (if any)."""
+        load = self.sync_loads.get(req.request_id)
+        if load is not None:
+            num_local, num_ext = load
+            req.num_transferred_tokens = num_ext
+            self.prompt_tokens_transferred_total += min(num_ext, req.num_prompt_tokens - num_local)
+
+    def request_finished(self, req: Request) -> dict[str, Any] | None:
+        """Forget the request's loads, tell the connector, and free its blocks or hold them for
+        a transfer. Returns the connector's ``kv_transfer_params`` for the client, or None."""
+        rid = req.request_id
+        was_loading = self.pending_load.pop(rid, None) is not None
+        self.failed_load.pop(rid, None)
+        self._consulted.discard(rid)
+        delay_free, params = False, None
+        if self.connector is not None:
+            delay_free, params = self.connector.request_finished(req, list(req.block_ids))
+        if (delay_free or was_loading) and req.block_ids:
+            self.held[rid] = _Held(req, until_sent=bool(delay_free), until_recved=was_loading)
+        else:
+            self.sched.kv_cache_manager.free(req)
+        return params
+
+    # ---------------------------------------------------------------- connector
+    def first_invalid_block(
+        self, req: Request, load: tuple[int, int], invalid: set[int]
+    ) -> int | None:
+        """Index in the block table of the first invalid block among the loaded ones."""
+        num_local, num_ext = load
+        block_size = self.sched.block_size
+        first = num_local // block_size
+        last = -(-(num_local + num_ext) // block_size)
+        for i in range(first, min(last, len(req.block_ids))):
+            if req.block_ids[i] in invalid:
+                return i
+        return None
+
+    def apply_load_failure(self, req: Request, bad_block: int, num_local: int) -> list[EngineCoreOutput]:
+        """Apply ``kv_load_failure_policy`` to a request whose KV load left block index
+        ``bad_block`` (and possibly later ones) invalid."""
+        sched = self.sched
+        self.num_kv_load_failures_total += 1
+        rid = req.request_id
+        sched.kv_cache_manager.uncache_blocks(req, bad_block)
+        if req.status == RequestStatus.RUNNING:
+            sched.running.remove(req)
+        hook = getattr(self.connector, "load_failure_policy", None)  # per-request override
+        policy = hook(req) if hook is not None else None
+        if (policy or self.policy) == KVLoadFailurePolicy.FAIL:
+            logger.warning("request %s: KV load failed at block index %d; failing it", rid, bad_block)
+            return [
+                sched.finish(
+                    req,
+                    RequestStatus.FINISHED_ERROR,
+                    f"KV cache load from the remote instance failed (block {req.block_ids[bad_block]}"
+                    f" of request {rid}); kv_load_failure_policy is 'fail'",
+                )
+            ]
+        good = max(num_local, bad_block * sched.block_size)
+        good = min(good, req.num_tokens - 1)
+        logger.warning(
+            "request %s: KV load failed at block index %d; recomputing from token %d", rid, bad_block, good
+        )
+        req.num_computed_tokens = good
+        req.num_transferred_tokens = good - num_local
+        self.prompt_tokens_transferred_total += min(good, req.num_prompt_tokens) - min(num_local, req.num_prompt_tokens)
+        req.status = RequestStatus.WAITING
+        sched.waiting.appendleft(req)
+        return []
+
+    def process_kv_output(self, kv_out: KVConnectorOutput, invalid: set[int]) -> list[EngineCoreOutput]:
+        """Consume the worker side's report of a step: hand it to the connector, then finish
+        loads (their requests go back to the waiting front, or emit the prefiller's first
+        token) and release held blocks whose transfers are over."""
+        sched = self.sched
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_out)
+        outputs: list[EngineCoreOutput] = []
+        if invalid:
+            for rid, load in self.pending_load.items():
+                bad = self.first_invalid_block(sched.waiting_for_remote[rid], load, invalid)
+                if bad is not None:
+                    prev = self.failed_load.get(rid)
+                    self.failed_load[rid] = bad if prev is None else min(prev, bad)
+        for rid in kv_out.finished_recving:
+            held = self.held.get(rid)
+            if held is not None:
+                held.until_recved = False
+                self.maybe_release(rid)
+                continue
+            req = sched.waiting_for_remote.pop(rid, None)
+            if req is None:
+                continue
+            num_local, num_ext = self.pending_load.pop(rid)
+            bad = self.failed_load.pop(rid, None)
+            if bad is not None:
+                outputs.extend(self.apply_load_failure(req, bad, num_local))
+                continue
+            # The whole prompt arrives only with the prefiller's first token, which is then
+            # emitted at once; otherwise the last prompt token is recomputed for its logits.
+            first = presampled_first_token(req) if num_local + num_ext >= req.num_tokens else None
+            loaded = min(num_local + num_ext, req.num_tokens - (first is None))
+            req.num_computed_tokens = loaded
+            req.num_transferred_tokens = loaded - num_local
+            self.prompt_tokens_transferred_total += min(loaded, req.num_prompt_tokens) - min(num_local, req.num_prompt_tokens)
+            sched.kv_cache_manager.cache_blocks(req, loaded)
+            if first is not None:
+                outputs.append(sched.append_token(req, first, None))
+                if outputs[-1].finish_reason is not None:
+                    continue
+            req.status = RequestStatus.WAITING
+            sched.waiting.appendleft(req)
+        for rid in kv_out.finished_sending:
+            held = self.held.get(rid)
+            if held is not None:
+                held.until_sent = False
+                self.maybe_release(rid)
+        return outputs
+
+    def maybe_release(self, rid: str) -> None:
+        """Free a held request's blocks once no transfer needs them any more."""
+        held = self.held[rid]
+        if not held.until_sent and not held.until_recved:
+            del self.held[rid]
+            self.sched.kv_cache_manager.free(held.request)
