@@ -1,4 +1,4 @@
-"""Unit tests of ``pdserve up`` (pdserve/launcher.py) with fake child processes.
+"""Unit tests of ``pdserve up`` (pdserve/launcher/) with fake child processes.
 
 The fakes are tiny HTTP servers (``FAKE_CHILD`` below) that answer ``/health``, record the signals
 they receive, and can be told to die, ignore SIGTERM, never become healthy or spawn a grandchild.
