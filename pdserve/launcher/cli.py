@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -39,8 +41,25 @@ def _served_model_name(url: str, fallback: str, api_key: str | None = None) -> s
         return fallback
 
 
-def usage_banner(endpoint: str, model: str, api_key: str | None = None) -> str:
-    """The ready-to-paste ``curl`` and ``openai`` examples for a running deployment."""
+def usage_banner(endpoint: str, model: str, api_key: str | None = None,
+                 python: str | None = None, openai_installed: bool | None = None) -> str:
+    """The ready-to-paste ``curl`` and ``openai`` examples for a running deployment (the Python
+    example's here-document starts at the line start, so it runs as pasted into a shell).
+
+    Args:
+        python: the interpreter the Python example runs with (default: this one, that is the
+            virtual environment pdserve runs in).
+        openai_installed: whether ``openai`` is importable there (default: looked up).
+    """
+    python = python or sys.executable
+    if openai_installed is None:
+        openai_installed = importlib.util.find_spec("openai") is not None
+    if openai_installed:
+        needs = ("# Python: run with the virtual environment's interpreter, where the openai "
+                 "package is installed")
+    else:
+        needs = ("# Python: needs the openai package in the virtual environment "
+                 "('pip install openai' there first)")
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     body = json.dumps({"model": model, "messages": [
         {"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
@@ -52,17 +71,18 @@ Try it:
   curl -s {endpoint}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{body}'
 
-  python - <<'EOF'
-  from openai import OpenAI
-  client = OpenAI(base_url="{endpoint}/v1", api_key="{key}")
-  reply = client.chat.completions.create(
-      model="{model}",
-      messages=[{{"role": "user", "content": "What is the capital of France?"}}],
-      max_tokens=32,
-      temperature=0,  # greedy: the small default model rambles when sampled
-  )
-  print(reply.choices[0].message.content)
-  EOF
+  {needs}
+  {shlex.quote(python)} - <<'EOF'
+from openai import OpenAI
+client = OpenAI(base_url="{endpoint}/v1", api_key="{key}")
+reply = client.chat.completions.create(
+    model="{model}",
+    messages=[{{"role": "user", "content": "What is the capital of France?"}}],
+    max_tokens=32,
+    temperature=0,  # greedy: the small default model rambles when sampled
+)
+print(reply.choices[0].message.content)
+EOF
 
   pdserve chat --url {endpoint}{" --api-key " + api_key if api_key else ""}
 """

@@ -35,10 +35,24 @@ DEFAULT_STARTUP_TIMEOUT_S = 900.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 STATUS_FILE_NAME = "pdserve-up.json"
 LOG_TAIL_LINES = 40
-# Seconds processes left behind in a stopped child's process group get between SIGTERM and SIGKILL.
+# Seconds the processes still in a stopped child's process group get to exit by themselves;
+# those still running then were left behind, and get SIGTERM, then SIGKILL after
+# LEFTOVER_GRACE_S seconds.
+LEFTOVER_EXIT_S = 2.0
 LEFTOVER_GRACE_S = 5.0
 # Seconds between "still waiting" lines while starting, when stderr is not a terminal.
 PROGRESS_LINE_INTERVAL_S = 15.0
+
+# What a starting engine is busy with, recognised in its log: (text in a log line, words for
+# the progress line); the last matching line of the log tail wins, and an empty phase (the model
+# is loaded) ends the one before. The texts are the log lines of pdserve's model cache and loader.
+STARTUP_PHASES: tuple[tuple[str, str | None], ...] = (
+    ("to safetensors in", "converting the built-in model to safetensors (one time: later starts "
+                          "skip this; about a minute on a small CPU)"),
+    ("load_format=", None),
+)
+PHASE_LOG_LINES = 200
+PHASE_CHECK_INTERVAL_S = 1.0
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -72,6 +86,25 @@ def tail_lines(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
 
 
 def _group_alive(pgid: int) -> bool:
+    """True while a process of group ``pgid`` runs. Zombies do not count: a process that has
+    exited but that nobody reaped yet (an orphan waiting for init) has left nothing behind.
+    Uses ``/proc`` where there is one, else ``killpg(pgid, 0)`` (which counts zombies)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        entries = None
+    if entries is not None:
+        for entry in entries:
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # exited meanwhile
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                return True
+        return False
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -171,6 +204,9 @@ class Launcher:
         self._signal_count = 0
         self._old_handlers: dict[int, object] = {}
         self.started_at = time.monotonic()
+        self._phase: str | None = None
+        self._phases_noted: set[tuple[str, str]] = set()
+        self._next_phase_check = 0.0
 
     # ---- messages -----------------------------------------------------------------------
     def say(self, msg: str = "") -> None:
@@ -269,7 +305,9 @@ class Launcher:
                         note(f"  {child.spec.name} ready at {child.spec.url} after "
                              f"{time.monotonic() - self.started_at:.1f} s")
                 waiting = [c.spec.name for c in self.children if not c.ready]
-                bar.set_description_str("waiting for " + ", ".join(waiting) if waiting else "")
+                phase = self._startup_phase(note)
+                bar.set_description_str(("waiting for " + ", ".join(waiting) if waiting else "")
+                                        + (f": {phase}" if phase and waiting else ""))
                 if not waiting:
                     return True
                 if self.stop_signal is not None:
@@ -291,11 +329,35 @@ class Launcher:
                     return False
                 if not interactive and now >= next_line:
                     self.say(f"  waiting for {', '.join(waiting)} "
-                             f"({now - self.started_at:.0f} s)")
+                             f"({now - self.started_at:.0f} s)" + (f": {phase}" if phase else ""))
                     next_line = now + PROGRESS_LINE_INTERVAL_S
                 time.sleep(self.poll_interval)
         finally:
             bar.close()
+
+    def _startup_phase(self, note: Callable[[str], None]) -> str | None:
+        """What the starting children are busy with, as far as their logs tell (see
+        :data:`STARTUP_PHASES`), or None. A phase seen for the first time is also printed once
+        as a line of its own."""
+        now = time.monotonic()
+        if now < self._next_phase_check:
+            return self._phase
+        self._next_phase_check = now + PHASE_CHECK_INTERVAL_S
+        self._phase = None
+        for child in self.children:
+            if child.ready:
+                continue
+            phase = None
+            for line in tail_lines(child.log_path, PHASE_LOG_LINES):
+                for marker, words in STARTUP_PHASES:
+                    if marker in line:
+                        phase = words
+            if phase is not None:
+                self._phase = phase
+                if (child.spec.name, phase) not in self._phases_noted:
+                    self._phases_noted.add((child.spec.name, phase))
+                    note(f"  {child.spec.name}: {phase}")
+        return self._phase
 
     def supervise(self) -> int:
         """After startup: sleeps until a stop signal (returns 0) or a child's death (returns 1)."""
@@ -328,8 +390,9 @@ class Launcher:
 
         ``sig`` goes to each child itself first, so that a server can shut down its own
         processes in order. Children still running after ``shutdown_timeout`` get SIGKILL, with
-        their whole process group. Processes a child left behind in its group after it exited
-        get SIGTERM, then SIGKILL after :data:`LEFTOVER_GRACE_S`.
+        their whole process group. Processes still running in a child's group
+        :data:`LEFTOVER_EXIT_S` after it exited were left behind: they get SIGTERM, then SIGKILL
+        after :data:`LEFTOVER_GRACE_S`, and are reported.
 
         Returns:
             The names of the children that had to be killed.
@@ -347,6 +410,12 @@ class Launcher:
         for child in self.children:
             if child.proc is not None:
                 child.proc.wait()
+        # Helpers a child started may need a moment to notice that it is gone and exit by
+        # themselves (multiprocessing's resource tracker ignores SIGTERM and waits for its
+        # pipe to close): only what is still running after that was left behind.
+        deadline = time.monotonic() + LEFTOVER_EXIT_S
+        while time.monotonic() < deadline and any(c.group_alive() for c in self.children):
+            time.sleep(0.05)
         leftovers = [c for c in self.children if c.group_alive()]
         for child in leftovers:
             child.signal_group(signal.SIGTERM)
