@@ -6,7 +6,8 @@ until every part answers ``GET /health`` with a progress display, prints the end
 ready-to-paste examples, and supervises the children until Ctrl-C.
 
 * :mod:`~pdserve.launcher.plan`: ports, GPUs, environment and command line of each part.
-* :mod:`~pdserve.launcher.supervisor`: starting processes, health, death and shutdown.
+* :mod:`~pdserve.launcher.supervisor`: starting the parts, health, death and shutdown.
+* :mod:`~pdserve.launcher.children`: one child process, its process group and its log.
 * :mod:`~pdserve.launcher.cli`: argparse, pass-through of engine options, progress and banner.
 """
 
@@ -26,7 +27,8 @@ from pdserve.launcher.plan import (
     kv_transfer_config,
     option_value,
 )
-from pdserve.launcher.supervisor import STATUS_FILE_NAME, Child, Launcher, tail_lines
+from pdserve.launcher.children import Child, tail_lines
+from pdserve.launcher.supervisor import STATUS_FILE_NAME, Launcher
 
 __all__ = [
     "ENGINE_HOST", "SHARED_GPU_MEMORY_FRACTION", "STATUS_FILE_NAME", "Child", "ChildCommands",
