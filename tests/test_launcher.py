@@ -1,4 +1,4 @@
-"""Unit tests of ``pdserve up`` (pdserve/launcher.py) with fake child processes.
+"""Unit tests of ``pdserve up`` (pdserve/launcher/) with fake child processes.
 
 The fakes are tiny HTTP servers (``FAKE_CHILD`` below) that answer ``/health``, record the signals
 they receive, and can be told to die, ignore SIGTERM, never become healthy or spawn a grandchild.
@@ -33,12 +33,23 @@ from pdserve.launcher import (
 
 FAKE_CHILD = r"""
 import argparse, http.server, json, os, signal, subprocess, sys, time, threading
+HELPER = '''
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_IGN)
+parent = os.getppid()
+while os.getppid() == parent:
+    time.sleep(0.05)
+time.sleep(0.3)
+'''
 p = argparse.ArgumentParser()
 p.add_argument("--name"); p.add_argument("--port", type=int); p.add_argument("--record")
 p.add_argument("--exit-after", type=float); p.add_argument("--exit-code", type=int, default=3)
 p.add_argument("--ignore-term", action="store_true"); p.add_argument("--never-healthy", action="store_true")
 p.add_argument("--grandchild", action="store_true")
+p.add_argument("--helper", action="store_true")  # like multiprocessing's resource tracker
+p.add_argument("--say", action="append", default=[]); p.add_argument("--healthy-after", type=float)
 a, rest = p.parse_known_args()
+started = time.monotonic()
 rec = os.path.join(a.record, a.name)
 def note(what):
     with open(rec + ".events", "a") as f:
@@ -49,6 +60,11 @@ with open(rec + ".json", "w") as f:
 if a.grandchild:
     g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     open(rec + ".grandchild", "w").write(str(g.pid))
+if a.helper:  # ignores SIGTERM/SIGINT and exits on its own shortly after its parent is gone
+    h = subprocess.Popen([sys.executable, "-c", HELPER])
+    open(rec + ".helper", "w").write(str(h.pid))
+for line in a.say:
+    print(line, flush=True)
 def on_signal(sig, frame):
     note(signal.Signals(sig).name)
     if not a.ignore_term:
@@ -56,7 +72,8 @@ def on_signal(sig, frame):
 signal.signal(signal.SIGTERM, on_signal); signal.signal(signal.SIGINT, on_signal)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        ok = self.path == "/health" and not a.never_healthy
+        ok = self.path == "/health" and not a.never_healthy and (
+            a.healthy_after is None or time.monotonic() - started >= a.healthy_after)
         self.send_response(200 if ok else 503); self.end_headers()
     def log_message(self, *args):
         pass
@@ -463,3 +480,62 @@ def test_unstartable_child_is_a_clear_error(tmp_path, capsys):
     assert len(engines) == 2
     for child in engines:  # started before the proxy failed, then stopped
         assert child["pid"] is not None and not _alive(child["pid"])
+
+
+def test_ctrl_c_reports_nothing_left_behind_when_helpers_exit_by_themselves(tmp_path, capsys):
+    # a server's helper process (multiprocessing's resource tracker) ignores SIGTERM and exits
+    # on its own a moment after the server: nothing was left behind
+    log_dir = tmp_path / "logs"
+    cmds = FakeCommands(tmp_path, {"decode": ["--helper"]})
+    thread = _signal_when_ready(log_dir, signal.SIGINT)
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port())], commands=cmds,
+                       gpus=[])
+    thread.join(5)
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "left behind" not in out, out
+    assert not _alive(int((tmp_path / "decode-0.helper").read_text()))
+
+
+def test_processes_really_left_behind_are_reported(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    cmds = FakeCommands(tmp_path, {"decode": ["--grandchild"]})
+    thread = _signal_when_ready(log_dir, signal.SIGINT)
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port())], commands=cmds,
+                       gpus=[])
+    thread.join(5)
+    assert rc == 0
+    assert "stopped processes left behind by decode-0" in capsys.readouterr().out
+    assert not _alive(int((tmp_path / "decode-0.grandchild").read_text()))
+
+
+def test_progress_says_when_the_model_is_being_converted(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    converting = ("INFO [engine-core] pdserve.model: converting /x/SmolLM2.gguf to safetensors in "
+                  "/cache/smollm2-135m-instruct (one time)")
+    cmds = FakeCommands(tmp_path, {"prefill": ["--say", converting, "--healthy-after", "2"]})
+    thread = _signal_when_ready(log_dir)
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port())], commands=cmds,
+                       gpus=[])
+    thread.join(5)
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "prefill-0: converting the built-in model to safetensors (one time" in out, out
+    assert out.count("converting the built-in model") == 1  # said once, not on every poll
+
+
+def test_banner_python_example_runs_as_pasted(tmp_path):
+    banner = launcher.usage_banner("http://127.0.0.1:8000", "m", python="/venv/bin/python",
+                                   openai_installed=True)
+    lines = banner.splitlines()
+    start = next(i for i, line in enumerate(lines) if "<<'EOF'" in line)
+    assert "virtual environment" in lines[start - 1] and "openai" in lines[start - 1]
+    assert lines[start].split()[0] == "/venv/bin/python"
+    end = lines.index("EOF", start)  # the here-document ends: its delimiter starts the line
+    compile("\n".join(lines[start + 1:end]), "example", "exec")  # no indentation error
+    script = tmp_path / "example.sh"
+    script.write_text("\n".join(lines[start:end + 1]) + "\n")
+    check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert check.returncode == 0 and not check.stderr, check.stderr
+    missing = launcher.usage_banner("http://127.0.0.1:8000", "m", openai_installed=False)
+    assert "pip install openai" in missing

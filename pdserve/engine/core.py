@@ -112,6 +112,22 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, runner: Any = None, connectors: tuple[Any, Any] | None = None):
+        # The connector sides come first: a missing NIXL backend or a side-channel port in use
+        # is then reported in a second, not after the model has loaded. Neither side needs the
+        # runner until register_kv_cache below.
+        if connectors is None and config.kv_transfer_config is not None:
+            connectors = _create_connectors(config.kv_transfer_config, config)
+        try:
+            self._build(config, runner, connectors)
+        except BaseException:
+            for part in connectors or ():
+                try:
+                    part.shutdown()
+                except Exception:  # already failing: keep the first error
+                    logger.exception("error while shutting down %s", type(part).__name__)
+            raise
+
+    def _build(self, config: EngineConfig, runner: Any, connectors: tuple[Any, Any] | None) -> None:
         if runner is None:
             from pdserve.runner.model_runner import ModelRunner
 
@@ -132,8 +148,6 @@ class EngineCore:
         )
         self.connector = None
         self.connector_worker = None
-        if connectors is None and config.kv_transfer_config is not None:
-            connectors = _create_connectors(config.kv_transfer_config, self.config)
         if connectors is not None:
             self.connector, self.connector_worker = connectors
             self.connector_worker.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)
@@ -215,8 +229,17 @@ class EngineCore:
         batch slot; while only KV work is pending, the connector worker's ``next_poll_in()``
         (it wakes the loop itself through :meth:`wakeup_handles` for everything else), or
         :data:`KV_POLL_INTERVAL_S` for a worker without that hook; otherwise
-        :data:`IDLE_POLL_INTERVAL_S`.
+        :data:`IDLE_POLL_INTERVAL_S`. Never later than the connector worker's periodic summary
+        line (``next_stats_log_in()``), which the loop writes whether or not it steps.
         """
+        wait = self._step_wait_s(progressed)
+        if self.connector_worker is not None:
+            log_in = self.connector_worker.next_stats_log_in()
+            if log_in is not None:
+                wait = min(wait, max(0.0, log_in))
+        return wait
+
+    def _step_wait_s(self, progressed: bool) -> float:
         sched = self.scheduler
         if progressed or sched.finished_req_ids:
             return 0.0
@@ -244,6 +267,12 @@ class EngineCore:
         handle = getattr(self.connector_worker, "handle_wakeup", None)
         if handle is not None:
             handle()
+
+    def log_connector_stats(self) -> None:
+        """Let the connector worker write its periodic summary line if it is due (called every
+        loop iteration, also when the engine is idle)."""
+        if self.connector_worker is not None:
+            self.connector_worker.log_stats()
 
     def take_connector_stats(self) -> list[dict[str, Any]]:
         """Connector stats deltas collected since the last call."""
@@ -395,6 +424,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
         stepping = core.has_work() or bool(sched.finished_req_ids)
         outputs, progressed = core.step() if stepping else ([], False)
         outputs = early_outputs + outputs
+        core.log_connector_stats()
         conn_stats = core.take_connector_stats()
         now = time.monotonic()
         stats = None

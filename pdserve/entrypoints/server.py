@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     """``pdserve serve [MODEL] [options]``; returns the process exit code (2: bad arguments,
     1: startup or runtime failure, 0: clean shutdown)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    from pdserve.kv_transfer.config import KVTransferConfigError, extract_kv_transfer_args
+    from pdserve.kv_transfer.config import KVTransferConfigError
+    from pdserve.kv_transfer.config_cli import extract_kv_transfer_args
 
     try:
         kv_transfer_config, rest = extract_kv_transfer_args(argv)

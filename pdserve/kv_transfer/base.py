@@ -233,5 +233,14 @@ class KVConnectorWorkerSide(abc.ABC):
         is pending. Default: 0.001 (that tick)."""
         return 0.001
 
+    def next_stats_log_in(self) -> float | None:
+        """Seconds until the worker's periodic summary log line is due, or None when none is
+        pending. The engine loop then calls :meth:`log_stats` whether or not it steps, so the
+        line is not held back while the engine is idle. Default: None."""
+        return None
+
+    def log_stats(self) -> None:
+        """Write the periodic summary log line if it is due (must not block). Default: nothing."""
+
     def shutdown(self) -> None:
         """Release the agent and registered memory."""

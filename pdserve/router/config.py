@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pdserve import cli_types
+
 #: Default lifetime of a multi-turn entry in seconds; equals the decoder's default
 #: ``decoder_kv_blocks_ttl`` (DESIGN.md §4), after which D has freed the blocks anyway.
 DEFAULT_CONVERSATION_TTL_S = 480.0
@@ -48,36 +50,6 @@ class ProxyConfig:
     max_conversations: int = DEFAULT_MAX_CONVERSATIONS
     conversation_ttl: float = DEFAULT_CONVERSATION_TTL_S
     timeout: float = DEFAULT_TIMEOUT_S
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}: not an integer") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"invalid port {value}: must be 1..65535")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
 
 
 def base_url(host: str, port: int) -> str:
@@ -133,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"hosts of the {what} instances (default 127.0.0.1); one per port, or "
                             "one for all ports; repeatable")
         p.add_argument(f"--{role}-ports", f"--{role}-port", dest=f"{role}_ports", nargs="+",
-                       action="extend", type=_port, metavar="PORT",
+                       action="extend", type=cli_types.port, metavar="PORT",
                        help=f"HTTP ports of the {what} instances; repeatable")
     p.add_argument("--routing", choices=("round-robin", "least-loaded"), default="round-robin",
                    help="how to pick an instance per leg (default round-robin; least-loaded = fewest "
@@ -145,13 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upstream-api-key", default=None,
                    help="key sent to the instances as 'Authorization: Bearer KEY' (default: forward "
                         "the client's Authorization header)")
-    p.add_argument("--max-conversations", type=_positive_int, default=DEFAULT_MAX_CONVERSATIONS,
+    p.add_argument("--max-conversations", type=cli_types.positive_int, default=DEFAULT_MAX_CONVERSATIONS,
                    help=f"LRU bound of --multi-turn entries (default {DEFAULT_MAX_CONVERSATIONS})")
-    p.add_argument("--conversation-ttl", type=_positive_float, default=DEFAULT_CONVERSATION_TTL_S,
+    p.add_argument("--conversation-ttl", type=cli_types.positive_float, default=DEFAULT_CONVERSATION_TTL_S,
                    help="seconds a --multi-turn entry lives after its last turn (default 480 = the "
                         "decoder's decoder_kv_blocks_ttl); a sooner remote_blocks_expiry_time from the "
                         "decoder wins")
-    p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S,
+    p.add_argument("--timeout", type=cli_types.positive_float, default=DEFAULT_TIMEOUT_S,
                    help="seconds to wait for an instance's response or next streamed chunk "
                         f"(default {DEFAULT_TIMEOUT_S:g})")
     return p

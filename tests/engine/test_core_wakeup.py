@@ -4,7 +4,9 @@ worker signals (a finished transfer, a side-channel answer), not at its next pol
 from __future__ import annotations
 
 import os
+import queue
 import threading
+import time
 
 import pytest
 import zmq
@@ -13,6 +15,7 @@ from engine_fakes import FakeConnectorWorker, FakeRemote, make_core
 from pdserve.engine import core as core_mod
 from pdserve.engine.messages import AddRequest, Shutdown, StepOutputs, make_encoder, make_output_decoder
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.kv_transfer.wakeup import Waker
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,5 +117,71 @@ def test_finished_transfer_wakes_the_core_loop(monkeypatch):
             sock.close(0)
         ctx.term()
         worker.waker.close()
+    assert not thread.is_alive()
+    assert not loop_error, loop_error
+
+
+class SummaryWorker(FakeConnectorWorker):
+    """A fake worker with the NIXL worker's interval recorder; notes when each summary line
+    is written."""
+
+    def __init__(self, remote: FakeRemote, interval_s: float):
+        super().__init__(remote)
+        self.recorder = StatsRecorder(interval_s)
+        self.lines: queue.SimpleQueue[float] = queue.SimpleQueue()
+
+    def next_stats_log_in(self):
+        return self.recorder.next_log_in()
+
+    def log_stats(self):
+        if self.recorder.maybe_log() is not None:
+            self.lines.put(time.monotonic())
+
+
+def test_transfer_summary_line_is_written_while_the_core_idles(monkeypatch):
+    # Idle, the loop would sleep for an hour: only the summary line's deadline can wake it.
+    monkeypatch.setattr(core_mod, "IDLE_POLL_INTERVAL_S", 3600.0)
+    interval_s = 0.5
+    remote = FakeRemote()
+    core, _ = make_core(remote=remote)
+    worker = SummaryWorker(remote, interval_s)
+    core.connector_worker = worker
+    # one finished transfer, taken by a step, then nothing more to do
+    worker.recorder.current.record_transfer(0.002, 0.0001, 4096, 1)
+    assert worker.recorder.take_delta() is not None
+    t_transfer = time.monotonic()
+    assert not core.has_work()
+
+    ctx = zmq.Context()
+    to_core, core_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    core_in.bind("inproc://summary-input")
+    to_core.connect("inproc://summary-input")
+    core_out, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    from_core.bind("inproc://summary-output")
+    core_out.connect("inproc://summary-output")
+    enc = make_encoder()
+    loop_error: list[BaseException] = []
+
+    def run():
+        try:
+            core_mod._core_loop(core, core_in, core_out, enc, core_mod.make_input_decoder(),
+                                os.getppid())
+        except BaseException as e:  # reported by the test
+            loop_error.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        logged_at = worker.lines.get(timeout=interval_s + 1.0)
+        assert logged_at - t_transfer >= interval_s - 0.05
+        # idle from now on: no further line
+        with pytest.raises(queue.Empty):
+            worker.lines.get(timeout=3 * interval_s)
+    finally:
+        to_core.send(enc.encode(Shutdown()))
+        thread.join(30)
+        for sock in (to_core, core_in, core_out, from_core):
+            sock.close(0)
+        ctx.term()
     assert not thread.is_alive()
     assert not loop_error, loop_error

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from pdserve.config import DEFAULT_MODEL, EngineConfig
-from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args, parse_size
+from pdserve.cli_types import parse_size
+from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
 from pdserve.entrypoints.server import main
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -7,11 +7,8 @@ import logging
 
 import pytest
 
-from pdserve.kv_transfer.config import (
-    KVTransferConfig,
-    KVTransferConfigError,
-    extract_kv_transfer_args,
-)
+from pdserve.kv_transfer.config import KVTransferConfig, KVTransferConfigError
+from pdserve.kv_transfer.config_cli import extract_kv_transfer_args
 
 
 def test_json_form_and_defaults():

@@ -54,3 +54,22 @@ def test_block_runs_merge_only_when_both_sides_are_consecutive():
     assert block_runs([10, 11, 12, 20], [3, 4, 5, 9]) == [(10, 3, 3), (20, 9, 1)]
     assert block_runs([1, 2, 3], [7, 9, 10]) == [(1, 7, 1), (2, 9, 2)]
     assert block_runs([], []) == []
+
+
+def test_line_deadline_one_interval_after_activity_none_while_idle():
+    rec = StatsRecorder(log_interval_s=10.0)
+    t0 = rec._last_log
+    assert rec.next_log_in(now=t0 + 1.0) is None  # nothing happened: no deadline
+    # activity after a quiet stretch opens an interval at that moment
+    rec.current.record_transfer(0.010, 0.001, 1000, 1)
+    rec.take_delta(now=t0 + 25.0)
+    assert rec.next_log_in(now=t0 + 26.0) == 9.0
+    assert rec.maybe_log(now=t0 + 26.0) is None
+    # more activity in the same interval: same deadline, one line for both
+    rec.current.record_transfer(0.010, 0.001, 1000, 1)
+    rec.take_delta(now=t0 + 30.0)
+    assert rec.next_log_in(now=t0 + 30.0) == 5.0
+    line = rec.maybe_log(now=t0 + 35.0)
+    assert line is not None and "Num successful transfers=2," in line
+    assert rec.next_log_in(now=t0 + 35.0) is None
+    assert rec.maybe_log(now=t0 + 60.0) is None

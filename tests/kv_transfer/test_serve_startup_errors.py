@@ -52,3 +52,27 @@ def test_missing_nixl_backend(tiny_llama_path):
                                 "NO_SUCH_BACKEND"], free)
     assert r.returncode != 0
     assert "NO_SUCH_BACKEND" in r.stderr and "not available" in r.stderr
+
+
+@pytest.fixture
+def unloadable_model(tmp_path):
+    """A model directory that exists (so the server starts the engine) but cannot be loaded:
+    an error that comes from it means the KV transfer checks ran after the model load."""
+    path = tmp_path / "not-a-model"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return str(path)
+
+
+def test_side_channel_port_in_use_is_found_before_the_model_loads(unloadable_model, busy_port):
+    r = serve(unloadable_model, ["--kv-transfer-config", '{"kv_role":"kv_consumer"}'], busy_port)
+    assert r.returncode != 0
+    assert f"127.0.0.1:{busy_port}" in r.stderr and "already in use" in r.stderr, r.stderr
+
+
+def test_missing_nixl_backend_is_found_before_the_model_loads(unloadable_model, busy_port):
+    r = serve(unloadable_model, ["--kv-transfer-config.kv_role", "kv_producer",
+                                 "--kv-transfer-config.kv_connector_extra_config.backends+",
+                                 "NO_SUCH_BACKEND"], busy_port)
+    assert r.returncode != 0
+    assert "NO_SUCH_BACKEND" in r.stderr and "not available" in r.stderr, r.stderr

@@ -120,6 +120,11 @@ class TransferStats:
 class StatsRecorder:
     """Collects observations; hands out per-step deltas and logs the interval line.
 
+    One line per interval with activity, none while idle. An interval starts at the previous
+    line, or, after a quiet stretch longer than an interval, at the first new activity; its line
+    is due when it ends (:meth:`next_log_in`), and the engine loop wakes up for it even when it
+    has nothing else to do.
+
     Args:
         log_interval_s: seconds between two log lines (a line is logged only when something
             happened during the interval).
@@ -136,20 +141,35 @@ class StatsRecorder:
         """The observations not yet taken by :meth:`take_delta` (record into this)."""
         return self._delta
 
-    def take_delta(self) -> dict[str, Any] | None:
+    def _interval_end(self) -> float:
+        # compared as a sum (not ``now - last``), so ``now = last + interval`` is exactly due
+        return self._last_log + self.log_interval_s
+
+    def take_delta(self, now: float | None = None) -> dict[str, Any] | None:
         """This step's observations as a stats dict, or None when nothing happened."""
         if self._delta.is_empty():
             return None
+        now = time.monotonic() if now is None else now
+        if self._interval.is_empty() and now >= self._interval_end():
+            self._last_log = now  # activity after a quiet stretch opens a new interval
         delta = self._delta
         self._delta = TransferStats()
         self._interval.merge(delta)
         return delta.to_dict()
 
+    def next_log_in(self, now: float | None = None) -> float | None:
+        """Seconds until the pending interval line is due (0 when overdue), or None when the
+        current interval has no activity (nothing to log)."""
+        if self._interval.is_empty():
+            return None
+        now = time.monotonic() if now is None else now
+        return max(0.0, self._interval_end() - now)
+
     def maybe_log(self, now: float | None = None) -> str | None:
         """Log (INFO) and return the interval line when the interval has passed and there was
         activity; otherwise return None."""
         now = time.monotonic() if now is None else now
-        if now - self._last_log < self.log_interval_s:
+        if now < self._interval_end():
             return None
         self._last_log = now
         if self._interval.is_empty():

@@ -333,6 +333,14 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             waits.append(BG_NOTICE_POLL_INTERVAL_S)
         return max(0.0, min(waits)) if waits else None
 
+    def next_stats_log_in(self) -> float | None:
+        """Seconds until the ``KV Transfer metrics`` line of an interval with activity is due."""
+        return self.stats.next_log_in()
+
+    def log_stats(self) -> None:
+        """Log the ``KV Transfer metrics`` line if its interval is over (engine idle or not)."""
+        self.stats.maybe_log()
+
     # ------------------------------------------------------------------------------ handshake
     def _ensure_handshake(self, endpoint: RemoteEndpoint) -> _Remote:
         remote = self._remotes.get(endpoint.key)

@@ -1,0 +1,129 @@
+"""Argparse value validators shared by every command line (``serve``, ``proxy``, ``up``).
+
+Each function takes the option's text and returns the typed value, or raises
+:class:`argparse.ArgumentTypeError`, which argparse turns into ``prog: error: ...`` and exit
+code 2. Torch-free, so the CLI entry points stay fast to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+# Size suffixes: binary (KiB, MiB, GiB, TiB) and decimal (K/KB, M/MB, G/GB, T/TB), any case.
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6,
+    "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+    "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Parses a byte count such as ``2GiB``, ``512MiB``, ``1.5G``, ``1e9`` or ``4096``.
+
+    Binary suffixes (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (K, KB, M, MB, G, GB,
+    T, TB) powers of 1000.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: not a positive size.
+    """
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use bytes or a number with a suffix such as 512MiB, 2GiB, 4G")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or below 1.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (seconds, for the options that use it).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or not above 0.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1], e.g. a share of GPU memory.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or outside (0, 1].
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _port_in(text: str, lowest: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: not an integer") from None
+    if not lowest <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {value}: must be {lowest}..65535")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port to connect to, 1..65535.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or out of range.
+    """
+    return _port_in(text, 1)
+
+
+def bind_port(text: str) -> int:
+    """A TCP port to listen on, 0..65535 (0 = any free port, chosen by the system).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or out of range.
+    """
+    return _port_in(text, 0)
+
+
+def port_list(text: str) -> list[int]:
+    """Ports separated by commas and/or spaces, e.g. ``8100,8101``; each 1..65535.
+
+    Raises:
+        argparse.ArgumentTypeError: a word that is not a port.
+    """
+    try:
+        return [port(p) for p in text.replace(",", " ").split()]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"not a list of ports: {text!r} ({exc})") from None

@@ -1,0 +1,38 @@
+"""``pdserve up``: a whole disaggregated deployment on one host with one command.
+
+Starts N prefillers (``pdserve serve MODEL`` with ``kv_role=kv_producer``), M decoders
+(``kv_role=kv_consumer``) and the proxy (``pdserve proxy``) as separate child processes, waits
+until every part answers ``GET /health`` with a progress display, prints the endpoint with
+ready-to-paste examples, and supervises the children until Ctrl-C.
+
+* :mod:`~pdserve.launcher.plan`: ports, GPUs, environment and command line of each part.
+* :mod:`~pdserve.launcher.supervisor`: starting the parts, health, death and shutdown.
+* :mod:`~pdserve.launcher.children`: one child process, its process group and its log.
+* :mod:`~pdserve.launcher.cli`: argparse, pass-through of engine options, progress and banner.
+"""
+
+from pdserve.launcher.cli import build_parser, main, parse_args, usage_banner
+from pdserve.launcher.plan import (
+    ENGINE_HOST,
+    SHARED_GPU_MEMORY_FRACTION,
+    ChildCommands,
+    ChildSpec,
+    LaunchError,
+    allocate_free_ports,
+    assign_gpus,
+    build_plan,
+    connect_host,
+    detect_gpus,
+    ensure_port_free,
+    kv_transfer_config,
+    option_value,
+)
+from pdserve.launcher.children import Child, tail_lines
+from pdserve.launcher.supervisor import STATUS_FILE_NAME, Launcher
+
+__all__ = [
+    "ENGINE_HOST", "SHARED_GPU_MEMORY_FRACTION", "STATUS_FILE_NAME", "Child", "ChildCommands",
+    "ChildSpec", "LaunchError", "Launcher", "allocate_free_ports", "assign_gpus", "build_parser",
+    "build_plan", "connect_host", "detect_gpus", "ensure_port_free", "kv_transfer_config", "main",
+    "option_value", "parse_args", "tail_lines", "usage_banner",
+]

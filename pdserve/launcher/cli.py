@@ -1,0 +1,230 @@
+"""The command line of ``pdserve up``: its options, the pass-through of engine options, and the
+"ready" banner with ready-to-paste ``curl`` / ``openai`` examples."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+from pdserve.cli_types import port_list
+from pdserve.config import DEFAULT_MODEL
+from pdserve.launcher.plan import (
+    DEFAULT_PROXY_PORT,
+    ChildCommands,
+    LaunchError,
+    build_plan,
+    option_value,
+)
+from pdserve.launcher.supervisor import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    Launcher,
+)
+
+
+def _served_model_name(url: str, fallback: str, api_key: str | None = None) -> str:
+    """The first model id an engine lists on ``/v1/models`` (``fallback`` if that fails)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        data = httpx.get(url + "/v1/models", timeout=5, headers=headers).json()
+        return data["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return fallback
+
+
+def usage_banner(endpoint: str, model: str, api_key: str | None = None,
+                 python: str | None = None, openai_installed: bool | None = None) -> str:
+    """The ready-to-paste ``curl`` and ``openai`` examples for a running deployment (the Python
+    example's here-document starts at the line start, so it runs as pasted into a shell).
+
+    Args:
+        python: the interpreter the Python example runs with (default: this one, that is the
+            virtual environment pdserve runs in).
+        openai_installed: whether ``openai`` is importable there (default: looked up).
+    """
+    python = python or sys.executable
+    if openai_installed is None:
+        openai_installed = importlib.util.find_spec("openai") is not None
+    if openai_installed:
+        needs = ("# Python: run with the virtual environment's interpreter, where the openai "
+                 "package is installed")
+    else:
+        needs = ("# Python: needs the openai package in the virtual environment "
+                 "('pip install openai' there first)")
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    body = json.dumps({"model": model, "messages": [
+        {"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
+        "temperature": 0})
+    key = api_key or "EMPTY"
+    return f"""\
+Try it:
+
+  curl -s {endpoint}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
+    -d '{body}'
+
+  {needs}
+  {shlex.quote(python)} - <<'EOF'
+from openai import OpenAI
+client = OpenAI(base_url="{endpoint}/v1", api_key="{key}")
+reply = client.chat.completions.create(
+    model="{model}",
+    messages=[{{"role": "user", "content": "What is the capital of France?"}}],
+    max_tokens=32,
+    temperature=0,  # greedy: the small default model rambles when sampled
+)
+print(reply.choices[0].message.content)
+EOF
+
+  pdserve chat --url {endpoint}{" --api-key " + api_key if api_key else ""}
+"""
+
+
+def _print_ready(launcher: Launcher, opts: argparse.Namespace) -> None:
+    proxy = launcher.children[-1].spec
+    first_engine = launcher.children[0].spec
+    api_key = option_value(opts.engine_args, "--api-key")
+    fallback = option_value(opts.engine_args, "--served-model-name") or opts.model
+    model = _served_model_name(first_engine.url, fallback, api_key)
+    elapsed = time.monotonic() - launcher.started_at
+    mode = "multi-turn" if opts.multi_turn else "stateless"
+    launcher.say("")
+    launcher.say(f"pdserve is up in {elapsed:.1f} s: {opts.num_prefillers} prefiller(s), "
+                 f"{opts.num_decoders} decoder(s), {mode} proxy")
+    launcher.say(f"  endpoint  {proxy.url}/v1   (OpenAI-compatible)")
+    launcher.say(f"  model     {model}")
+    launcher.say(f"  logs      {launcher.log_dir}")
+    launcher.say(f"  status    {launcher.status_path()}")
+    launcher.say("")
+    launcher.say(usage_banner(proxy.url, model, api_key))
+    launcher.say("Press Ctrl-C to stop.")
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pdserve up`` argument parser (engine options are not declared: they pass through)."""
+    p = argparse.ArgumentParser(
+        prog="pdserve up", allow_abbrev=False,
+        description="Start prefiller(s), decoder(s) and the proxy on this host, wait until they "
+                    "are healthy, and keep them running until Ctrl-C.",
+        epilog="Options not listed here, and everything after '--', are passed to every "
+               "'pdserve serve' (e.g. 'pdserve up -- --dtype float32 --max-model-len 2048'). "
+               "Put boolean engine flags after '--' or after MODEL.")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"model: built-in name, Hugging Face directory or .gguf (default "
+                        f"{DEFAULT_MODEL})")
+    p.add_argument("--num-prefillers", type=int, default=1, metavar="N",
+                   help="prefiller engines (kv_producer), default 1")
+    p.add_argument("--num-decoders", type=int, default=1, metavar="M",
+                   help="decoder engines (kv_consumer), default 1")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="bidirectional KV transfer on P and D and the multi-turn proxy")
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
+                   help="engine device (default: the engine's own default, auto)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the proxy binds (engines bind 127.0.0.1), default 127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PROXY_PORT,
+                   help=f"proxy port (0 = any free port), default {DEFAULT_PROXY_PORT}")
+    p.add_argument("--prefill-ports", type=port_list, default=None, metavar="P1,P2",
+                   help="HTTP ports of the prefillers (default: free ports)")
+    p.add_argument("--decode-ports", type=port_list, default=None, metavar="P1,P2",
+                   help="HTTP ports of the decoders (default: free ports)")
+    p.add_argument("--prefill-side-channel-ports", type=port_list, default=None,
+                   metavar="P1,P2", help="NIXL side-channel ports of the prefillers "
+                                         "(default: free ports)")
+    p.add_argument("--decode-side-channel-ports", type=port_list, default=None,
+                   metavar="P1,P2", help="NIXL side-channel ports of the decoders "
+                                         "(default: free ports)")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="directory for child logs and pdserve-up.json (default: a new temp dir)")
+    p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
+                   metavar="SECONDS", help="give up if not all parts are healthy by then "
+                                           f"(default {DEFAULT_STARTUP_TIMEOUT_S:.0f})")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   metavar="SECONDS", help="SIGKILL children still running this long after the "
+                                           f"stop signal (default {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})")
+    return p
+
+
+def _engine_option_takes_value(option: str) -> bool | None:
+    """Whether ``pdserve serve`` option ``option`` takes a value (None: not a known option)."""
+    try:
+        from pdserve.entrypoints.cli_args import build_parser as serve_parser
+    except ImportError:  # server not installed in this build: fall back to the word heuristic
+        return None
+    action = serve_parser()._option_string_actions.get(option)
+    if action is None:
+        return None
+    return action.nargs != 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parses ``pdserve up`` options; unknown options and everything after ``--`` end up in
+    ``engine_args``.
+
+    Whether an engine option takes a value is looked up in the ``pdserve serve`` parser, so
+    ``pdserve up --dtype float32 --enforce-eager MODEL`` works; for options it does not know
+    (``--kv-transfer-config.*`` dotted keys) the next word is taken as the value unless it starts
+    with ``-``.
+    """
+    argv = list(argv)
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
+    known = parser._option_string_actions  # option string -> action
+    ours: list[str] = []
+    unknown: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        name = word.split("=", 1)[0]
+        if word.startswith("-") and len(word) > 1 and name not in known:
+            unknown.append(word)
+            takes_value = _engine_option_takes_value(name)
+            if takes_value is None:
+                takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("-")
+            if "=" not in word and takes_value and i + 1 < len(argv):
+                unknown.append(argv[i + 1])
+                i += 1
+        else:
+            ours.append(word)
+        i += 1
+    opts = parser.parse_args(ours)
+    opts.engine_args = unknown + passthrough
+    return opts
+
+
+def main(argv: Sequence[str] | None = None, *, commands: ChildCommands | None = None,
+         gpus: Sequence[str] | None = None) -> int:
+    """Entry point of ``pdserve up``; returns the exit code.
+
+    Args:
+        argv: arguments after ``up``.
+        commands: builder of the child command lines (tests pass fakes).
+        gpus: GPUs to place engines on (default: :func:`detect_gpus`).
+    """
+    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    commands = commands or ChildCommands()
+    try:
+        specs = build_plan(opts, commands, gpus=gpus)
+    except LaunchError as exc:
+        print(f"pdserve up: error: {exc}", file=sys.stderr)
+        return 2
+    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+    print(f"pdserve up: model {opts.model}, logs in {log_dir}", flush=True)
+    launcher = Launcher(specs, log_dir, startup_timeout=opts.startup_timeout,
+                        shutdown_timeout=opts.shutdown_timeout)
+    rc = launcher.run(on_ready=lambda la: _print_ready(la, opts))
+    print(f"pdserve up: stopped (exit code {rc}); logs in {log_dir}", flush=True)
+    return rc
+

@@ -1,0 +1,335 @@
+"""The plan of ``pdserve up``: which children to start, with which ports, GPUs, environment and
+command lines (nothing is started here).
+
+Every engine gets its own free HTTP port and its own free NIXL side-channel port
+(``PDSERVE_NIXL_SIDE_CHANNEL_PORT``); prefillers and decoders are placed on separate GPUs when
+there are several. The child commands come from a :class:`ChildCommands` object, which tests
+replace with fakes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Sequence
+
+DEFAULT_PROXY_PORT = 8000
+ENGINE_HOST = "127.0.0.1"
+# Fraction of a GPU's memory that the engines sharing it may use together (vLLM's default for
+# --gpu-memory-utilization is 0.9 for one engine alone).
+SHARED_GPU_MEMORY_FRACTION = 0.9
+
+
+class LaunchError(Exception):
+    """A configuration problem found before any child starts (bad ports, bad options)."""
+
+
+
+@dataclass
+class ChildSpec:
+    """One child process of the deployment.
+
+    Attributes:
+        name: unique short name, e.g. ``prefill-0``, ``decode-1``, ``proxy``; also the log file
+            stem.
+        role: ``prefill``, ``decode`` or ``proxy``.
+        argv: command line.
+        env: variables added to (or overriding) the launcher's environment.
+        host: address the child's HTTP server binds.
+        port: the child's HTTP port.
+        health_path: path that answers 200 once the child is ready.
+        side_channel_port: NIXL side-channel port (engines only).
+        gpu: the ``CUDA_VISIBLE_DEVICES`` entry given to the child, or None.
+    """
+
+    name: str
+    role: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    host: str = ENGINE_HOST
+    port: int = 0
+    health_path: str = "/health"
+    side_channel_port: int | None = None
+    gpu: str | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL clients on this host use to reach the child."""
+        return f"http://{connect_host(self.host)}:{self.port}"
+
+
+def connect_host(host: str) -> str:
+    """The address to connect to for a server bound to ``host`` (wildcards become loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]"
+    return host
+
+
+def allocate_free_ports(count: int, host: str = ENGINE_HOST,
+                        exclude: Sequence[int] = ()) -> list[int]:
+    """Returns ``count`` distinct TCP ports that are free on ``host`` right now.
+
+    All sockets stay bound until every port is chosen, so the ports are distinct from each other;
+    ports in ``exclude`` are skipped. Another process may still take a port before the child binds
+    it (unavoidable without passing sockets to children).
+    """
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+            if port not in exclude and port not in ports:
+                ports.append(port)
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def ensure_port_free(host: str, port: int, what: str) -> None:
+    """Raises :class:`LaunchError` if ``port`` cannot be bound on ``host``."""
+    if not 0 < port < 65536:
+        raise LaunchError(f"{what}: port {port} is out of range 1..65535")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise LaunchError(f"{what}: port {port} on {host} is not free ({exc.strerror})") from None
+
+
+def detect_gpus() -> list[str]:
+    """GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries (indices or UUIDs).
+
+    Honours an existing ``CUDA_VISIBLE_DEVICES`` (entries up to the first invalid one, as CUDA
+    does); otherwise asks ``nvidia-smi -L``. Returns ``[]`` when there is no NVIDIA GPU. Does not
+    import torch, so ``pdserve up`` starts fast.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = []
+        for entry in visible.split(","):
+            entry = entry.strip()
+            if not entry or entry.startswith("-"):
+                break
+            gpus.append(entry)
+        return gpus
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20,
+                             check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    return [str(i) for i, line in enumerate(l for l in out.stdout.splitlines()
+                                            if l.startswith("GPU "))]
+
+
+def assign_gpus(num_prefillers: int, num_decoders: int,
+                gpus: Sequence[str]) -> tuple[list[str | None], list[str | None]]:
+    """Places engines on GPUs so that prefillers and decoders never share one when possible.
+
+    With two or more GPUs the list is split into a prefill part and a decode part, sized in
+    proportion to the number of engines of each kind (each part at least one GPU); engines take
+    the GPUs of their part round-robin. With one GPU everything shares it; with none every entry is
+    None.
+
+    Returns:
+        (GPU per prefiller, GPU per decoder).
+    """
+    if not gpus:
+        return [None] * num_prefillers, [None] * num_decoders
+    if len(gpus) == 1 or num_prefillers == 0 or num_decoders == 0:
+        pool = list(gpus)
+        return ([pool[i % len(pool)] for i in range(num_prefillers)],
+                [pool[i % len(pool)] for i in range(num_decoders)])
+    total = num_prefillers + num_decoders
+    num_p_gpus = round(len(gpus) * num_prefillers / total)
+    num_p_gpus = min(max(num_p_gpus, 1), len(gpus) - 1)
+    p_pool, d_pool = list(gpus[:num_p_gpus]), list(gpus[num_p_gpus:])
+    return ([p_pool[i % len(p_pool)] for i in range(num_prefillers)],
+            [d_pool[i % len(d_pool)] for i in range(num_decoders)])
+
+
+def kv_transfer_config(role: str, multi_turn: bool) -> dict:
+    """The ``--kv-transfer-config`` of one engine (keys: docs/configuration.md).
+
+    Args:
+        role: ``kv_producer`` (prefiller) or ``kv_consumer`` (decoder).
+        multi_turn: turns on ``bidirectional_kv_xfer`` so the decoder's KV of one turn can be
+            pulled back by a prefiller for the next turn (docs/architecture.md, KV connector).
+    """
+    config: dict = {"kv_connector": "NixlConnector", "kv_role": role}
+    if multi_turn:
+        config["kv_connector_extra_config"] = {"bidirectional_kv_xfer": True}
+    return config
+
+
+class ChildCommands:
+    """Builds the command lines of the children; tests substitute fakes.
+
+    The commands run ``python -m pdserve.cli`` with the launcher's own interpreter, so they work
+    whether or not the ``pdserve`` script is on ``PATH``.
+    """
+
+    def __init__(self, python: str | None = None):
+        self.python = python or sys.executable
+
+    def engine(self, *, model: str, role: str, host: str, port: int, kv_config: dict,
+               device: str | None, engine_args: Sequence[str]) -> list[str]:
+        """``pdserve serve`` for a prefiller (``role="prefill"``) or a decoder (``"decode"``)."""
+        argv = [self.python, "-m", "pdserve.cli", "serve", model, "--host", host,
+                "--port", str(port), "--kv-transfer-config", json.dumps(kv_config)]
+        if device:
+            argv += ["--device", device]
+        return argv + list(engine_args)
+
+    def proxy(self, *, host: str, port: int, prefillers: Sequence[tuple[str, int]],
+              decoders: Sequence[tuple[str, int]], multi_turn: bool,
+              api_key: str | None = None) -> list[str]:
+        """``pdserve proxy`` in front of the given (host, HTTP port) engines.
+
+        With ``api_key`` the proxy requires it from clients and forwards their ``Authorization``
+        header to the engines, which were started with the same key.
+        """
+        argv = [self.python, "-m", "pdserve.cli", "proxy", "--host", host, "--port", str(port),
+                "--prefiller-hosts", *[h for h, _ in prefillers],
+                "--prefiller-ports", *[str(p) for _, p in prefillers],
+                "--decoder-hosts", *[h for h, _ in decoders],
+                "--decoder-ports", *[str(p) for _, p in decoders]]
+        if multi_turn:
+            argv.append("--multi-turn")
+        if api_key:
+            argv += ["--api-key", api_key]
+        return argv
+
+    health_path_engine = "/health"
+    health_path_proxy = "/health"
+
+
+def _option_given(args: Sequence[str], *names: str) -> bool:
+    return any(a == n or a.startswith(n + "=") or a.startswith(n + ".")
+               for a in args for n in names)
+
+
+def option_value(args: Sequence[str], name: str) -> str | None:
+    """The value of ``name`` in an argument list (``--name V`` or ``--name=V``; last one wins)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def build_plan(opts: argparse.Namespace, commands: ChildCommands,
+               gpus: Sequence[str] | None = None) -> list[ChildSpec]:
+    """Chooses ports, GPUs and environment for every child; returns prefillers, decoders, proxy.
+
+    Raises:
+        LaunchError: a given port is busy or repeated, or the numbers of ports do not match.
+    """
+    n_p, n_d = opts.num_prefillers, opts.num_decoders
+    if n_p < 1 or n_d < 1:
+        raise LaunchError("--num-prefillers and --num-decoders must be at least 1")
+    engine_args = list(opts.engine_args)
+    if _option_given(engine_args, "--host", "--port"):
+        raise LaunchError("--host/--port of the engines are chosen by 'pdserve up'; "
+                          "use --prefill-ports/--decode-ports to fix them")
+    if "--kv-transfer-config" in engine_args or any(
+            a.startswith("--kv-transfer-config=") for a in engine_args):
+        raise LaunchError("'pdserve up' sets --kv-transfer-config itself; pass single keys instead, "
+                          "e.g. -- --kv-transfer-config.kv_connector_extra_config.kv_lease_duration 60")
+    if _option_given(engine_args, "--kv-transfer-config.kv_role",
+                     "--kv-transfer-config.kv_connector"):
+        raise LaunchError("kv_role and kv_connector are set by 'pdserve up' (prefillers are "
+                          "kv_producer, decoders kv_consumer)")
+
+    if opts.port == 0:  # any free port for the proxy
+        opts.port = allocate_free_ports(1, opts.host if opts.host not in ("", "::") else ENGINE_HOST)[0]
+    given: list[tuple[str, int]] = []
+    for flag, ports, count in (("--prefill-ports", opts.prefill_ports, n_p),
+                               ("--decode-ports", opts.decode_ports, n_d),
+                               ("--prefill-side-channel-ports", opts.prefill_side_channel_ports, n_p),
+                               ("--decode-side-channel-ports", opts.decode_side_channel_ports, n_d)):
+        if ports is not None:
+            if len(ports) != count:
+                raise LaunchError(f"{flag} needs {count} port(s), got {len(ports)}")
+            given += [(flag, p) for p in ports]
+    given.append(("--port", opts.port))
+    seen: dict[int, str] = {}
+    for flag, port in given:
+        if port in seen:
+            raise LaunchError(f"port {port} is given twice ({seen[port]} and {flag})")
+        seen[port] = flag
+    for flag, port in given:
+        ensure_port_free(opts.host if flag == "--port" else ENGINE_HOST, port, flag)
+
+    missing = sum(n for n, ports in ((n_p, opts.prefill_ports), (n_d, opts.decode_ports),
+                                      (n_p, opts.prefill_side_channel_ports),
+                                      (n_d, opts.decode_side_channel_ports)) if ports is None)
+    free = iter(allocate_free_ports(missing, ENGINE_HOST, exclude=list(seen)))
+
+    def ports_for(given_ports: list[int] | None, count: int) -> list[int]:
+        return list(given_ports) if given_ports is not None else [next(free) for _ in range(count)]
+
+    p_ports, d_ports = ports_for(opts.prefill_ports, n_p), ports_for(opts.decode_ports, n_d)
+    p_side = ports_for(opts.prefill_side_channel_ports, n_p)
+    d_side = ports_for(opts.decode_side_channel_ports, n_d)
+
+    if opts.device == "cpu":
+        gpus = []
+    elif gpus is None:
+        gpus = detect_gpus()
+    p_gpus, d_gpus = assign_gpus(n_p, n_d, gpus)
+    sharing: dict[str, int] = {}
+    for gpu in p_gpus + d_gpus:
+        if gpu is not None:
+            sharing[gpu] = sharing.get(gpu, 0) + 1
+    memory_given = _option_given(engine_args, "--gpu-memory-utilization", "--kv-cache-memory")
+
+    specs: list[ChildSpec] = []
+    for role, kv_role, count, ports, side_ports, gpu_list in (
+            ("prefill", "kv_producer", n_p, p_ports, p_side, p_gpus),
+            ("decode", "kv_consumer", n_d, d_ports, d_side, d_gpus)):
+        for i in range(count):
+            args_i = list(engine_args)
+            gpu = gpu_list[i]
+            env = {"PDSERVE_NIXL_SIDE_CHANNEL_HOST": ENGINE_HOST,
+                   "PDSERVE_NIXL_SIDE_CHANNEL_PORT": str(side_ports[i]),
+                   "PYTHONUNBUFFERED": "1"}
+            if gpu is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+                if sharing[gpu] > 1 and not memory_given:
+                    share = SHARED_GPU_MEMORY_FRACTION / sharing[gpu]
+                    args_i += ["--gpu-memory-utilization", f"{share:.3f}"]
+            argv = commands.engine(model=opts.model, role=role, host=ENGINE_HOST, port=ports[i],
+                                   kv_config=kv_transfer_config(kv_role, opts.multi_turn),
+                                   device=opts.device, engine_args=args_i)
+            specs.append(ChildSpec(name=f"{role}-{i}", role=role, argv=argv, env=env,
+                                   host=ENGINE_HOST, port=ports[i],
+                                   health_path=commands.health_path_engine,
+                                   side_channel_port=side_ports[i], gpu=gpu))
+    proxy_argv = commands.proxy(
+        host=opts.host, port=opts.port,
+        prefillers=[(ENGINE_HOST, p) for p in p_ports], decoders=[(ENGINE_HOST, p) for p in d_ports],
+        multi_turn=opts.multi_turn, api_key=option_value(engine_args, "--api-key"))
+    specs.append(ChildSpec(name="proxy", role="proxy", argv=proxy_argv,
+                           env={"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""},
+                           host=opts.host, port=opts.port, health_path=commands.health_path_proxy))
+    return specs
+
