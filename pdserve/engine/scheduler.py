@@ -31,8 +31,8 @@ KV connector (``pdserve.kv_transfer.base``), as this scheduler drives it:
   ``update_state_after_alloc`` with the whole block table once blocks are allocated.
 * A load reported in ``finished_recving`` marks ``min(local + external, num_tokens - 1)`` tokens
   computed, so at least the last prompt token is recomputed for its logits; except when the
-  prefiller's first token can be used (``kv_transfer.base.presampled_first_token``): then the
-  connector loads the whole prompt and that token is emitted at once, without a forward pass.
+  connector loaded the whole prompt and reports the prefiller's first token in
+  ``KVConnectorOutput.first_tokens``: then that token is appended at once, without a forward pass.
 * ``invalid_block_ids`` of a pending load apply ``kv_load_failure_policy`` when the load is
   reported finished: ``fail`` ends the request with ``finish_reason="error"``, ``recompute``
   rolls ``num_computed_tokens`` back to the first invalid block.
@@ -58,7 +58,6 @@ from pdserve.engine.outputs import (
     SchedulerOutput,
 )
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv_transfer.base import presampled_first_token
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
@@ -122,7 +121,8 @@ class Scheduler:
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.connector = connector
-        policy = getattr(config.kv_transfer_config, "kv_load_failure_policy", "fail") or "fail"
+        kv_cfg = config.kv_transfer_config
+        policy = (kv_cfg.kv_load_failure_policy if kv_cfg is not None else None) or "fail"
         if policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, got {policy!r}"
@@ -585,8 +585,7 @@ class Scheduler:
         self.kv_cache_manager.uncache_blocks(req, bad_block)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        hook = getattr(self.connector, "load_failure_policy", None)  # per-request override
-        policy = hook(req) if hook is not None else None
+        policy = self.connector.load_failure_policy(req)  # per-request override, or None
         if (policy or self.kv_load_failure_policy) == "fail":
             logger.warning("request %s: KV load failed at block index %d; failing it", rid, bad_block)
             return [
@@ -631,9 +630,9 @@ class Scheduler:
             if bad is not None:
                 outputs.extend(self._apply_load_failure(req, bad, num_local))
                 continue
-            # The whole prompt arrives only with the prefiller's first token, which is then
-            # emitted at once; otherwise the last prompt token is recomputed for its logits.
-            first = presampled_first_token(req) if num_local + num_ext >= req.num_tokens else None
+            # With the whole prompt loaded the connector's first token (the prefiller's) is
+            # appended at once; otherwise the last prompt token is recomputed for its logits.
+            first = kv_out.first_tokens.get(rid) if num_local + num_ext >= req.num_tokens else None
             loaded = min(num_local + num_ext, req.num_tokens - (first is None))
             req.num_computed_tokens = loaded
             req.num_transferred_tokens = loaded - num_local

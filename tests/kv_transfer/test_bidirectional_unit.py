@@ -22,6 +22,7 @@ from pdserve.kv_transfer.nixl.prefix_match import (
     parse_block_hashes,
 )
 from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
+from pdserve.kv_transfer.params import KVTransferParams
 
 B = 16
 NOW = 1_000_000.0
@@ -96,7 +97,8 @@ def test_plan_pull_expiry_margin_uses_the_clock_offset():
 
 def _request(rid: str, prompt: list[int], params: dict | None) -> Request:
     return Request(request_id=rid, prompt_token_ids=prompt,
-                   sampling_params=SamplingParams(max_tokens=8), kv_transfer_params=params)
+                   sampling_params=SamplingParams(max_tokens=8),
+                   kv_transfer_params=KVTransferParams.parse(params))
 
 
 def _config(role: str, **extra) -> KVTransferConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.engine.outputs import KVConnectorOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -34,7 +35,8 @@ def make(role: str, **extra) -> NixlConnectorScheduler:
 
 
 def request(req_id: str, n: int, params: dict | None) -> Request:
-    return Request(req_id, list(range(100, 100 + n)), SamplingParams(), kv_transfer_params=params)
+    return Request(req_id, list(range(100, 100 + n)), SamplingParams(),
+                   kv_transfer_params=KVTransferParams.parse(params))
 
 
 def p_params(n_blocks: int, **kw) -> dict:
