@@ -230,9 +230,10 @@ def parse_request_params(raw: Any, kv_transfer_config: Any, vocab_size: int | No
 
 
 # ---------------------------------------------------------------------------- block ids
-def block_id_groups(block_ids: list[int]) -> list[int]:
-    """The returned ``remote_block_ids`` for a model with one KV-cache group."""
-    return list(block_ids)
+def block_id_groups(block_ids: list[int]) -> list[list[int]]:
+    """The returned ``remote_block_ids`` for a model with one KV-cache group: per group, as
+    vLLM's NixlConnector returns them (``[[0, 15, 16]]``)."""
+    return [list(block_ids)]
 
 
 # ---------------------------------------------------------------------------- returned params

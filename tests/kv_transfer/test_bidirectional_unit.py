@@ -115,7 +115,7 @@ def test_decoder_keeps_finished_turn_and_returns_its_params():
     blocks = [4, 5, 6, 9]
     spec, params = decoder_keep_blocks(req, blocks, B, 480.0, "d", "h", 5601, now=NOW)
     assert params["remote_num_tokens"] == 52
-    assert params["remote_block_ids"] == blocks  # ceil(52 / 16) = 4 blocks
+    assert params["remote_block_ids"] == [blocks]  # one KV-cache group; ceil(52 / 16) = 4 blocks
     assert params["remote_blocks_expiry_time"] == NOW + 480.0
     assert parse_block_hashes(params["remote_block_hashes"]) == \
         block_hashes(req.all_token_ids[:52], B)

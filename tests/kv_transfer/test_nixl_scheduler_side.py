@@ -56,7 +56,7 @@ def test_producer_keeps_prompt_blocks_and_returns_params(env):
     assert delay is True
     assert params == {
         "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "eng-kv_producer",
-        "remote_block_ids": [7, 3, 9], "remote_host": "10.1.2.3", "remote_port": 6100,
+        "remote_block_ids": [[7, 3, 9]], "remote_host": "10.1.2.3", "remote_port": 6100,
         "remote_request_id": "r1", "tp_size": 1,
     }
     assert s.has_pending_work()

@@ -89,7 +89,7 @@ def test_completions_equal_single_instance(cluster, length, stream):
     before = counters(d.metrics())
     params = prefill_leg(p, "completions", body)
     assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == p.side_channel_port
-    assert len(params["remote_block_ids"]) == -(-length // B)
+    assert len(params["remote_block_ids"][0]) == -(-length // B)  # one KV-cache group
     out = decode_leg(d, "completions", body, params)
     assert out["status"] == 200, out
     assert out["text"] == expected
@@ -243,7 +243,7 @@ def test_forged_block_ids(cluster, decoder, forge):
     body = completion_body(cluster, token_prompt(45, seed=len(forge) * 7 + len(decoder)), False)
     expected = reference(cluster, "completions", body)
     params = prefill_leg(p, "completions", body)
-    ids = params["remote_block_ids"]
+    (ids,) = params["remote_block_ids"]
     forged = [(b + 100) % 1024 for b in ids] if forge == "shifted" else [10**6 + b for b in ids]
     _expect_failure_or_recompute(cluster, d, "completions", body,
                                  dict(params, remote_block_ids=forged), expected)
