@@ -251,6 +251,22 @@ def test_forged_block_ids(cluster, decoder, forge):
 
 
 @pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])
+def test_relayed_first_token_is_checked_against_the_prefillers(cluster, decoder):
+    """P's params relayed with ``first_token_id`` replaced by another valid vocabulary id: D
+    never answers with the forged token. P's claim answer carries its own first token, the
+    mismatch is a load failure: ``recompute`` answers the model's own text, ``fail`` an error."""
+    p, d = cluster["p"], cluster[decoder]
+    body = completion_body(cluster, token_prompt(2 * B + 7, seed=515 + len(decoder)), False)
+    expected = reference(cluster, "completions", body)
+    params = prefill_leg(p, "completions", body)
+    first = params["first_token_id"]
+    forged = first - 1 if first > 0 else first + 1  # another id inside the vocabulary
+    _expect_failure_or_recompute(cluster, d, "completions", body,
+                                 dict(params, first_token_id=forged), expected)
+    p.wait_all_blocks_free(timeout_s=10)  # D's abort notice released the lease
+
+
+@pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])
 def test_params_of_another_prompt_never_load_its_kv(cluster, decoder):
     """P's params for prompt X sent with prompt Y (same length): the lease claim carries the
     digest of D's tokens, P refuses it, and X's KV never enters D's prefix cache under Y's
