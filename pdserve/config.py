@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.config import KVTransferConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -59,7 +62,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
     num_scheduler_steps: int = 1
-    kv_transfer_config: Any = None
+    kv_transfer_config: KVTransferConfig | None = None
     trust_remote_code: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -6,8 +6,10 @@ event loop never stall the decoding loop. The two talk over ZMQ ``ipc://`` socke
 temporary directory with the messages of :mod:`pdserve.engine.messages`.
 
 Per request the front end detokenises incrementally and applies stop strings (the stop string
-is cut from the text, the request is aborted in the core, ``finish_reason`` is ``"stop"``); as in
-vLLM, no stop string may end in the text of the first ``min_tokens`` tokens.
+is cut from the text, the request is aborted in the core, ``finish_reason`` is ``"stop"``;
+:mod:`pdserve.engine.output_processor`); as in vLLM, no stop string may end in the text of the
+first ``min_tokens`` tokens. A request's ``kv_transfer_params`` arrive parsed
+(:class:`pdserve.kv_transfer.params.KVTransferParams`) and are passed on to the core as they are.
 """
 
 from __future__ import annotations
@@ -18,14 +20,12 @@ import logging
 import multiprocessing
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
 
 from pdserve.config import EngineConfig
-from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -38,10 +38,17 @@ from pdserve.engine.messages import (
     make_encoder,
     make_output_decoder,
 )
-from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
+from pdserve.engine.output_processor import (
+    EngineStats,
+    RequestOutput,
+    RequestState,
+    process_output,
+)
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.factory import validate_kv_transfer_params
+from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.model_info import ModelInfo
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStartupError", "EngineStats", "RequestOutput"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,85 +64,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineStartupError(RuntimeError):
     """The engine-core process could not start (the message carries the core's reason)."""
-
-
-@dataclass
-class RequestOutput:
-    """One delta of a request's output, as yielded by :meth:`AsyncEngine.generate`.
-
-    Attributes:
-        request_id: the request.
-        new_token_ids: tokens generated since the previous delta.
-        new_text: text since the previous delta (stop strings removed; may be empty while a
-            multi-byte character or a possible stop-string prefix is held back).
-        new_logprobs: logprobs of ``new_token_ids`` when requested.
-        finished: True on the last delta.
-        finish_reason: ``stop``, ``length``, ``abort`` or ``error`` on the last delta.
-        stop_reason: the stop string or stop token id that ended the request, if any.
-        num_prompt_tokens: prompt length (tokens).
-        num_output_tokens: tokens generated so far (cumulative).
-        num_cached_tokens: prompt tokens served from the local prefix cache.
-        num_transferred_tokens: prompt tokens whose KV came from another instance.
-        kv_transfer_params: the connector's params for the client (last delta only).
-        error: the reason when ``finish_reason == "error"``.
-    """
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
-    error: str | None = None
-    stop_reason: int | str | None = None
-    num_transferred_tokens: int = 0
-
-
-@dataclass
-class EngineStats:
-    """Engine snapshot for ``/metrics``: queue sizes, KV cache use, cumulative token counters.
-
-    ``kv_cache_usage`` is the fraction of blocks held by requests (0..1); all ``*_total`` fields
-    are cumulative since the engine started (tokens, or events for preemptions).
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_for_remote_kvs: int = 0
-    kv_cache_usage: float = 0.0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    prompt_tokens_total: int = 0
-    prompt_tokens_computed_total: int = 0
-    prompt_tokens_cached_total: int = 0
-    prompt_tokens_transferred_total: int = 0
-    generation_tokens_total: int = 0
-    num_preemptions_total: int = 0
-    num_kv_load_failures_total: int = 0
-    num_held_for_transfer: int = 0
-
-    @classmethod
-    def from_snapshot(cls, snapshot: dict[str, Any]) -> "EngineStats":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in snapshot.items() if k in names})
-
-
-class _RequestState:
-    __slots__ = ("queue", "detokenizer", "stop_matcher", "min_tokens", "num_prompt_tokens",
-                 "num_output_tokens", "finished")
-
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self.stop_matcher = StopStringMatcher(params.stop)
-        self.min_tokens = params.min_tokens  # no stop string ends in the first min_tokens tokens
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_output_tokens = 0
-        self.finished = False
 
 
 class AsyncEngine:
@@ -164,7 +92,7 @@ class AsyncEngine:
         self._out_sock: Any = None
         self._encoder = make_encoder()
         self._decoder = make_output_decoder()
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._stats = EngineStats()
         self._stats_listeners: list[Callable[[dict[str, Any]], None]] = []
         self._output_task: asyncio.Task | None = None
@@ -232,7 +160,7 @@ class AsyncEngine:
 
     @staticmethod
     def _load_tokenizer(config: EngineConfig) -> Any:
-        from pdserve.tokenizer import load_tokenizer
+        from pdserve.model.tokenizer import load_tokenizer
 
         return load_tokenizer(config)
 
@@ -350,29 +278,12 @@ class AsyncEngine:
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
 
-    def check_kv_transfer_params(self, kv_transfer_params: dict[str, Any] | None) -> None:
-        """Reject ``kv_transfer_params`` of a KV transfer this instance would perform that lack
-        or mistype a field, so a client mistake is a 400 instead of a failed KV load. Without a
-        connector the params are ignored; unknown extra fields are accepted. ``generate`` calls
-        it; the server may call it earlier (before a streamed response's status is sent).
-
-        Raises:
-            ValueError: the message names the missing or mistyped field.
-        """
-        if self.config.kv_transfer_config is not None:
-            validate_kv_transfer_params(self.config.kv_transfer_config, kv_transfer_params)
-            first = (kv_transfer_params or {}).get("first_token_id")
-            vocab = getattr(self.model_info, "vocab_size", None)
-            if isinstance(first, int) and vocab is not None and first >= vocab:
-                raise ValueError(f"kv_transfer_params.first_token_id {first} is outside the "
-                                 f"vocabulary [0, {vocab})")
-
     async def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Run one sequence; yield its output deltas until (and including) the finished one.
 
@@ -380,16 +291,18 @@ class AsyncEngine:
         Leaving the iterator early (``break``, client disconnect, cancellation) aborts the
         request and frees its blocks.
 
+        Args:
+            kv_transfer_params: the request's ``kv_transfer_params`` as the front end parsed
+                and checked them (:func:`pdserve.kv_transfer.params.parse_request_params`).
+
         Raises:
-            ValueError: invalid input (duplicate id, empty or too long prompt, bad parameters,
-                ``kv_transfer_params`` of a KV transfer that lack or mistype a field).
+            ValueError: invalid input (duplicate id, empty or too long prompt, bad parameters).
             EngineDeadError: the core died before or while the request ran.
         """
         await self.check_health()
         prompt_token_ids = list(prompt_token_ids)
         self._validate(request_id, prompt_token_ids, sampling_params)
-        self.check_kv_transfer_params(kv_transfer_params)
-        st = _RequestState(self.tokenizer, prompt_token_ids, sampling_params)
+        st = RequestState(self.tokenizer, prompt_token_ids, sampling_params)
         self._requests[request_id] = st
         try:
             self._in_sock.send(
@@ -476,58 +389,7 @@ class AsyncEngine:
         for o in msg.outputs:
             st = self._requests.get(o.request_id)
             if st is not None and not st.finished:
-                self._handle_output(o, st)
-
-    def _handle_output(self, o: EngineCoreOutput, st: _RequestState) -> None:
-        finished = o.finish_reason is not None
-        finish_reason = o.finish_reason
-        stop_reason: int | str | None = o.stop_reason
-        tokens = o.new_token_ids
-        if len(tokens) > 1 and st.stop_matcher.stop:
-            # Several tokens at once (a multi-step round): match stop strings token by token,
-            # so that tokens after a stop are neither emitted nor counted, as with single steps.
-            emit, stop = "", None
-            for i, tok in enumerate(tokens):
-                part, stop = st.stop_matcher.feed(st.detokenizer.add_tokens([tok]),
-                                                  st.num_output_tokens + i + 1 > st.min_tokens)
-                emit += part
-                if stop is not None:
-                    tokens = tokens[: i + 1]
-                    break
-            if stop is None and finished:
-                part, stop = st.stop_matcher.feed(st.detokenizer.flush(),
-                                                  st.num_output_tokens + len(tokens) > st.min_tokens)
-                emit += part
-        else:
-            text = st.detokenizer.add_tokens(tokens) if tokens else ""
-            if finished:
-                text += st.detokenizer.flush()
-            emit, stop = st.stop_matcher.feed(text, st.num_output_tokens + len(tokens) > st.min_tokens)
-        if stop is not None:
-            if not finished:
-                self._send_abort([o.request_id])
-            finished = True
-            finish_reason = "stop"
-            stop_reason = stop
-        elif finished:
-            emit += st.stop_matcher.flush()
-        st.num_output_tokens += len(tokens)
-        if finished:
-            st.finished = True
-        st.queue.put_nowait(
-            RequestOutput(
-                request_id=o.request_id,
-                new_token_ids=list(tokens),
-                new_text=emit,
-                new_logprobs=list(o.new_logprobs[: len(tokens)]),
-                finished=finished,
-                finish_reason=finish_reason,
-                stop_reason=stop_reason,
-                num_prompt_tokens=st.num_prompt_tokens,
-                num_output_tokens=st.num_output_tokens,
-                num_cached_tokens=o.num_cached_tokens,
-                num_transferred_tokens=o.num_transferred_tokens,
-                kv_transfer_params=o.kv_transfer_params,
-                error=o.error,
-            )
-        )
+                out = process_output(o, st)
+                if out.finish_reason == "stop" and o.finish_reason is None:
+                    self._send_abort([o.request_id])  # a stop string ended it in the front end
+                st.queue.put_nowait(out)

@@ -228,7 +228,7 @@ class EngineCore:
         wait to be delivered; :data:`KV_POLL_INTERVAL_S` while requests wait for blocks or a
         batch slot; while only KV work is pending, the connector worker's ``next_poll_in()``
         (it wakes the loop itself through :meth:`wakeup_handles` for everything else), or
-        :data:`KV_POLL_INTERVAL_S` for a worker without that hook; otherwise
+        the base class default of one :data:`KV_POLL_INTERVAL_S` tick; otherwise
         :data:`IDLE_POLL_INTERVAL_S`. Never later than the connector worker's periodic summary
         line (``next_stats_log_in()``), which the loop writes whether or not it steps.
         """
@@ -243,30 +243,28 @@ class EngineCore:
         sched = self.scheduler
         if progressed or sched.finished_req_ids:
             return 0.0
-        pending_meta = getattr(self.connector, "has_pending_metadata", None)
-        if pending_meta is not None and pending_meta():
+        if self.connector is not None and self.connector.has_pending_metadata():
             return 0.0
         if sched.waiting or sched.running:
             return KV_POLL_INTERVAL_S
         if not self.has_work():
             return IDLE_POLL_INTERVAL_S
-        next_poll_in = getattr(self.connector_worker, "next_poll_in", None)
-        if next_poll_in is None:
+        if self.connector_worker is None:
             return KV_POLL_INTERVAL_S
-        wait = next_poll_in()
+        wait = self.connector_worker.next_poll_in()
         return IDLE_POLL_INTERVAL_S if wait is None else max(0.0, min(wait, IDLE_POLL_INTERVAL_S))
 
     def wakeup_handles(self) -> list[Any]:
         """ZMQ sockets / file descriptors the core loop polls besides its input socket (the
         connector worker's ``wakeup_handles()``; empty without one)."""
-        handles = getattr(self.connector_worker, "wakeup_handles", None)
-        return list(handles()) if handles is not None else []
+        if self.connector_worker is None:
+            return []
+        return list(self.connector_worker.wakeup_handles())
 
     def handle_wakeup(self) -> None:
         """One of :meth:`wakeup_handles` became readable: let the worker consume it."""
-        handle = getattr(self.connector_worker, "handle_wakeup", None)
-        if handle is not None:
-            handle()
+        if self.connector_worker is not None:
+            self.connector_worker.handle_wakeup()
 
     def log_connector_stats(self) -> None:
         """Let the connector worker write its periodic summary line if it is due (called every

@@ -11,6 +11,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.messages import AddRequest
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.params import KVTransferParams
 
 
 @dataclass
@@ -76,7 +77,8 @@ class LLMEngine:
             prompts: token id lists.
             sampling_params: one for all prompts, or one per prompt (default:
                 ``SamplingParams()``).
-            kv_transfer_params: per prompt, or None.
+            kv_transfer_params: per prompt, or None (parsed here, unchecked, with
+                :meth:`KVTransferParams.parse <pdserve.kv_transfer.params.KVTransferParams.parse>`).
 
         Raises:
             ValueError: mismatched list lengths.
@@ -99,7 +101,8 @@ class LLMEngine:
             res = GenerationOutput(request_id=rid, prompt_token_ids=list(prompt))
             results[rid] = res
             rejected = self.core.add_request(
-                AddRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp, kv_transfer_params=kv)
+                AddRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp,
+                           kv_transfer_params=KVTransferParams.parse(kv))
             )
             if rejected is not None:
                 res.finish_reason, res.error = rejected.finish_reason, rejected.error

@@ -20,6 +20,7 @@ import msgspec
 
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.params import KVTransferParams
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,13 @@ class CoreAddresses:
 
 
 class AddRequest(msgspec.Struct, tag="add"):
-    """A new request for the core."""
+    """A new request for the core (``kv_transfer_params`` parsed by the front end)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -102,12 +102,21 @@ class KVConnectorOutput:
         finished_recving: request ids whose KV load completed (successfully or not).
         invalid_block_ids: block ids whose load failed; the scheduler applies
             ``kv_load_failure_policy`` to the requests holding them.
+        first_tokens: req_id -> the first output token the remote prefiller sampled, for loads
+            in ``finished_recving`` that brought the whole prompt and whose token the connector
+            vouches for (the scheduler appends it instead of recomputing the last prompt token;
+            a whole-prompt load without an entry recomputes that token).
+        remote_clock_offsets: remote ``time.time()`` minus local ``time.time()`` (seconds) per
+            remote endpoint key ``(engine_id, host, port)``, measured at new handshakes (for the
+            connector's scheduler side; not sent to the front end).
         stats: connector statistics for the front end's metrics (JSON-serialisable).
     """
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    first_tokens: dict[str, int] = field(default_factory=dict)
+    remote_clock_offsets: dict[tuple[str, str, int], float] = field(default_factory=dict)
     stats: dict[str, Any] | None = None
 
 

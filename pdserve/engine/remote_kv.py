@@ -10,8 +10,8 @@ connector (``pdserve.kv_transfer.base``) through it:
   ``update_state_after_alloc`` with the whole block table once blocks are allocated.
 * A load reported in ``finished_recving`` marks ``min(local + external, num_tokens - 1)`` tokens
   computed, so at least the last prompt token is recomputed for its logits; except when the
-  prefiller's first token can be used (``kv_transfer.base.presampled_first_token``): then the
-  connector loads the whole prompt and that token is emitted at once, without a forward pass.
+  connector loaded the whole prompt and reports the prefiller's first token in
+  ``KVConnectorOutput.first_tokens``: then that token is appended at once, without a forward pass.
 * ``invalid_block_ids`` of a pending load apply ``kv_load_failure_policy`` when the load is
   reported finished: ``FAIL`` ends the request with ``finish_reason="error"``, ``RECOMPUTE``
   rolls ``num_computed_tokens`` back to the first invalid block. Invalid blocks read by a
@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.outputs import EngineCoreOutput, KVConnectorOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv_transfer.base import presampled_first_token
 from pdserve.kv_transfer.config import FAILURE_POLICIES, KVLoadFailurePolicy
 
 if TYPE_CHECKING:
@@ -192,9 +191,9 @@ class RemoteKV:
         sched.kv_cache_manager.uncache_blocks(req, bad_block)
         if req.status == RequestStatus.RUNNING:
             sched.running.remove(req)
-        hook = getattr(self.connector, "load_failure_policy", None)  # per-request override
-        policy = hook(req) if hook is not None else None
-        if (policy or self.policy) == KVLoadFailurePolicy.FAIL:
+        override = self.connector.load_failure_policy(req)  # per-request override, or None
+        policy = KVLoadFailurePolicy(override) if override is not None else self.policy
+        if policy == KVLoadFailurePolicy.FAIL:
             logger.warning("request %s: KV load failed at block index %d; failing it", rid, bad_block)
             return [
                 sched.finish(
@@ -244,9 +243,9 @@ class RemoteKV:
             if bad is not None:
                 outputs.extend(self.apply_load_failure(req, bad, num_local))
                 continue
-            # The whole prompt arrives only with the prefiller's first token, which is then
-            # emitted at once; otherwise the last prompt token is recomputed for its logits.
-            first = presampled_first_token(req) if num_local + num_ext >= req.num_tokens else None
+            # With the whole prompt loaded the connector's first token (the prefiller's) is
+            # appended at once; otherwise the last prompt token is recomputed for its logits.
+            first = kv_out.first_tokens.get(rid) if num_local + num_ext >= req.num_tokens else None
             loaded = min(num_local + num_ext, req.num_tokens - (first is None))
             req.num_computed_tokens = loaded
             req.num_transferred_tokens = loaded - num_local

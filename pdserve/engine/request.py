@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.params import KVTransferParams
 
 
 class RequestStatus(enum.Enum):
@@ -46,8 +47,9 @@ class Request:
         request_id: unique id (the front end derives child ids for ``n`` > 1).
         prompt_token_ids: prompt tokens, length ``num_prompt_tokens``.
         sampling_params: how to sample and when to stop.
-        kv_transfer_params: the client's ``kv_transfer_params`` (any JSON object) or None; the
-            connector reads it and may replace it with the params returned to the client.
+        kv_transfer_params: the request's parsed ``kv_transfer_params``
+            (:class:`~pdserve.kv_transfer.params.KVTransferParams`) or None; the connector
+            reads it.
         output_token_ids: generated tokens so far.
         num_computed_tokens: tokens whose KV is in this engine's cache (prefix hits, transferred
             tokens and computed tokens alike).
@@ -63,7 +65,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

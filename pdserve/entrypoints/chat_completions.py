@@ -17,15 +17,9 @@ from pdserve.entrypoints.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
-from pdserve.entrypoints.serving import (
-    ChoiceState,
-    EngineJob,
-    OpenAIServing,
-    cancel_on_disconnect,
-    first_kv_transfer_params,
-    new_request_id,
-    usage_of,
-)
+from pdserve.entrypoints.choices import ChoiceState, first_kv_transfer_params, usage_of
+from pdserve.entrypoints.disconnect import cancel_on_disconnect
+from pdserve.entrypoints.serving import EngineJob, OpenAIServing, new_request_id
 from pdserve.entrypoints.sse import EventStreamResponse
 from pdserve.entrypoints.tokens import TokenText
 
@@ -58,10 +52,11 @@ class ChatCompletionsHandler:
         arrival = time.monotonic()
         s = self.serving
         s.check_model(req.model)
-        prompt = await s.chat_prompt(req)
+        kv = s.kv_params(req)
+        prompt = await s.chat_prompt(req, kv)
         response_id = new_request_id("chatcmpl")
         jobs = s.make_jobs(response_id, req, [prompt], req.requested_max_tokens(),
-                           req.num_logprobs(), prompt_param="messages")
+                           req.num_logprobs(), prompt_param="messages", kv=kv)
         if req.stream:
             return EventStreamResponse(self._stream(req, response_id, jobs, arrival))
         states = await cancel_on_disconnect(raw, s.collect(jobs, arrival, [0] * len(jobs)))

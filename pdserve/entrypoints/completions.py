@@ -14,15 +14,9 @@ from pdserve.entrypoints.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from pdserve.entrypoints.serving import (
-    ChoiceState,
-    EngineJob,
-    OpenAIServing,
-    cancel_on_disconnect,
-    first_kv_transfer_params,
-    new_request_id,
-    usage_of,
-)
+from pdserve.entrypoints.choices import ChoiceState, first_kv_transfer_params, usage_of
+from pdserve.entrypoints.disconnect import cancel_on_disconnect
+from pdserve.entrypoints.serving import EngineJob, OpenAIServing, new_request_id
 from pdserve.entrypoints.sse import EventStreamResponse
 from pdserve.entrypoints.tokens import TokenText
 
@@ -59,10 +53,11 @@ class CompletionsHandler:
         arrival = time.monotonic()
         s = self.serving
         s.check_model(req.model)
+        kv = s.kv_params(req)
         prompts = await s.completion_prompts(req)
         response_id = new_request_id("cmpl")
         jobs = s.make_jobs(response_id, req, prompts, req.max_tokens, req.logprobs,
-                           prompt_param="prompt")
+                           prompt_param="prompt", kv=kv)
         prompt_indices = [j.index // req.n for j in jobs]
         if req.stream:
             return EventStreamResponse(

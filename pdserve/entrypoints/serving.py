@@ -12,33 +12,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 import uuid
-from array import array
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
-
-from fastapi import Request
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.entrypoints.chat_tokenization import SegmentCachedEncoder, _sample_chats
 from pdserve.kv_transfer import prompt_handoff
-from pdserve.kv_transfer.base import FIRST_TOKEN_KEY
-from pdserve.entrypoints.errors import OpenAIError, bad_request, model_not_found
-from pdserve.entrypoints.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    PromptTokensDetails,
-    UsageInfo,
+from pdserve.kv_transfer.params import (
+    KVRole,
+    KVTransferParams,
+    KVTransferParamsError,
+    parse_request_params,
+    with_prompt_handoff,
 )
+from pdserve.entrypoints.errors import OpenAIError, bad_request, model_not_found
+from pdserve.entrypoints.choices import (
+    ChoiceState,
+    failed_request_error,
+    first_kv_transfer_params,
+    usage_of,
+)
+from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.entrypoints.sse import DONE, sse_event
 from pdserve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # Finish reasons that end a request normally; anything else is reported as an error.
 OK_FINISH_REASONS = ("stop", "length")
@@ -53,14 +54,16 @@ class EngineJob:
         request_id: the engine request id.
         prompt_token_ids: the prompt.
         sampling_params: sampling for this choice (``n`` = 1; seed already offset by i).
-        kv_transfer_params: the client's ``kv_transfer_params`` or None.
+        kv_transfer_params: the request's parsed ``kv_transfer_params`` or None.
+        prompt_digest: a prefiller's rendered-prompt digest, to hand its prompt ids on with
+            the returned params (None: nothing to hand on).
     """
 
     index: int
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     prompt_digest: str | None = None
 
 
@@ -69,238 +72,6 @@ class PromptIds(list):
     (:func:`pdserve.kv_transfer.prompt_handoff.text_digest`; None when not computed)."""
 
     text_digest: str | None = None
-
-
-def _remote_role(params: Any) -> str | None:
-    """``"prefill"`` for a P leg (``do_remote_decode``), ``"decode"`` for a D leg
-    (``do_remote_prefill``), else None."""
-    if not isinstance(params, dict):
-        return None
-    if params.get("do_remote_prefill"):
-        return "decode"
-    if params.get("do_remote_decode"):
-        return "prefill"
-    return None
-
-
-class SegmentCachedEncoder:
-    """Tokenizes rendered chat prompts piece by piece, caching each piece's ids, so that a
-    conversation's history is tokenized once instead of again on every turn.
-
-    A fast (Rust) tokenizer cuts its input at added tokens before normalizing or
-    pre-tokenizing anything, so for a text cut right before a special added token that does
-    not strip whitespace on its left, ``encode(a + b) == encode(a) + encode(b)``. Prompts are
-    cut before every such token (in a chat template: every message starts with one) and each
-    piece is looked up in an LRU cache by its text. The equivalence is checked against a
-    plain ``encode`` on sample texts (:meth:`self_check`), on the first ``verify_first``
-    prompts and then every ``verify_every``-th; any difference turns the cache off for good
-    (with a warning).
-
-    Args:
-        tokenizer: a ``transformers`` tokenizer; a slow one, or one without such special
-            tokens, is simply used as is.
-        max_tokens: cache bound (tokens over all cached pieces; ids are stored as int32).
-        verify_first / verify_every: see above.
-    """
-
-    def __init__(self, tokenizer: Any, max_tokens: int = 1 << 22, verify_first: int = 8,
-                 verify_every: int = 100):
-        self.tokenizer = tokenizer
-        self.max_tokens = max_tokens
-        self.verify_first = verify_first
-        self.verify_every = verify_every
-        self._cache: OrderedDict[str, array] = OrderedDict()
-        self._tokens = 0
-        self._count = 0
-        self._lock = threading.Lock()
-        self.boundaries = self._boundary_tokens(tokenizer)
-        self.enabled = bool(self.boundaries)
-
-    @staticmethod
-    def _boundary_tokens(tokenizer: Any) -> list[str]:
-        if not getattr(tokenizer, "is_fast", False):
-            return []
-        found = []
-        for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-            content = getattr(tok, "content", None)
-            if content and getattr(tok, "special", False) and getattr(tok, "lstrip", True) is False:
-                found.append(content)
-        return found
-
-    def _pieces(self, text: str) -> list[str]:
-        cuts = {0, len(text)}
-        for b in self.boundaries:
-            at = text.find(b, 1)
-            while at != -1:
-                cuts.add(at)
-                at = text.find(b, at + 1)
-        points = sorted(cuts)
-        return [text[i:j] for i, j in zip(points, points[1:])]
-
-    def _plain(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _agrees(self, text: str, ids: list[int]) -> tuple[bool, list[int]]:
-        """``(piece ids == plain ids, plain ids)``; a difference turns the cache off for good."""
-        plain = self._plain(text)
-        if plain == ids:
-            return True, plain
-        logger.warning("tokenizing chat prompts piece by piece differs from tokenizing them "
-                       "whole for this tokenizer; the piece cache is off")
-        self.enabled = False
-        with self._lock:
-            self._cache.clear()
-        return False, plain
-
-    def self_check(self, texts: Sequence[str]) -> bool:
-        """Compare the piece-by-piece encoding of ``texts`` with plain ``encode`` (without
-        filling the cache); any difference turns the cache off. Returns whether it is on."""
-        for text in texts:
-            if not self.enabled:
-                break
-            pieces = self._pieces(text)
-            ids = [i for piece in self.tokenizer(pieces, add_special_tokens=False)["input_ids"]
-                   for i in piece] if pieces else []
-            self._agrees(text, ids)
-        return self.enabled
-
-    def encode(self, text: str) -> list[int]:
-        """``tokenizer.encode(text, add_special_tokens=False)``, from cached pieces where
-        possible."""
-        if not self.enabled:
-            return self._plain(text)
-        pieces = self._pieces(text)
-        with self._lock:
-            found = [self._cache.get(p) for p in pieces]
-            for p, ids in zip(pieces, found):
-                if ids is not None:
-                    self._cache.move_to_end(p)
-        todo = list(dict.fromkeys(p for p, ids in zip(pieces, found) if ids is None))
-        if todo:
-            encoded = self.tokenizer(todo, add_special_tokens=False)["input_ids"]
-            new = {p: array("i", ids) for p, ids in zip(todo, encoded)}
-            with self._lock:
-                for p, ids in new.items():
-                    if p not in self._cache:
-                        self._cache[p] = ids
-                        self._tokens += len(ids)
-                while self._tokens > self.max_tokens and self._cache:
-                    self._tokens -= len(self._cache.popitem(last=False)[1])
-            found = [ids if ids is not None else new[p] for p, ids in zip(pieces, found)]
-        out: list[int] = []
-        for ids in found:
-            out.extend(ids)
-        self._count += 1
-        if self._count <= self.verify_first or self._count % self.verify_every == 0:
-            return self._agrees(text, out)[1]
-        return out
-
-
-def _sample_chats(tokenizer: Any) -> list[str]:
-    """Chats rendered with the tokenizer's template for :meth:`SegmentCachedEncoder.self_check`:
-    text next to message boundaries with leading and trailing spaces, newlines, tabs, digits,
-    code, accents, CJK and emoji. Empty when there is no chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return []
-    contents = [" leading space", "trailing space ", "\n\nnew lines\n", "\tx = [1, 2, 3]\n",
-                "12345 67.89", "déjà vu — ünïcödé", "中文字符和日本語", "emoji 🙂🚀 end", "  ", "a"]
-    chats = []
-    for shift in range(3):
-        turns = contents[shift:] + contents[:shift]
-        messages = [{"role": "system", "content": "You are a helpful assistant."}]
-        messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": c}
-                     for i, c in enumerate(turns)]
-        try:
-            chats.append(tokenizer.apply_chat_template(messages, tokenize=False,
-                                                       add_generation_prompt=True))
-        except Exception:  # a template that refuses these roles: nothing to check against
-            return []
-    return chats
-
-
-@dataclass
-class ChoiceState:
-    """What one choice accumulated so far.
-
-    Attributes:
-        text: generated text (deltas joined; stop strings removed by the engine).
-        token_ids: generated tokens.
-        logprobs: one ``TokenLogprobs`` per generated token, when requested.
-        finish_reason / error: from the finishing output.
-        num_prompt_tokens / num_cached_tokens / num_output_tokens: token accounting.
-        kv_transfer_params: the engine's params for the client (on the finishing output).
-    """
-
-    index: int
-    prompt_index: int
-    text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
-
-    def update(self, out: Any) -> None:
-        """Folds one ``RequestOutput`` delta into the state."""
-        if out.new_text:
-            self.text_parts.append(out.new_text)
-        self.token_ids.extend(out.new_token_ids or ())
-        if out.new_logprobs:
-            self.logprobs.extend(out.new_logprobs)
-        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
-        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
-        self.num_output_tokens = out.num_output_tokens or len(self.token_ids)
-        if out.finished:
-            self.finish_reason = out.finish_reason
-            self.error = getattr(out, "error", None)
-            self.kv_transfer_params = out.kv_transfer_params
-
-
-def failed_request_error(state: ChoiceState) -> OpenAIError:
-    """The error to report for a choice that finished with ``error`` or ``abort``."""
-    if state.finish_reason == "abort":
-        return OpenAIError(
-            state.error or "The request was aborted by the engine.", 503,
-            code="request_aborted",
-        )
-    return OpenAIError(
-        state.error or "The engine failed the request.", 500, code="engine_request_failed",
-    )
-
-
-def usage_of(states: Sequence[ChoiceState]) -> UsageInfo:
-    """Token usage: each prompt counted once; its cached tokens = the minimum over its choices
-    (the first choice of a prompt may warm the prefix cache for the others)."""
-    prompt_tokens = 0
-    cached = 0
-    by_prompt: dict[int, list[ChoiceState]] = {}
-    for st in states:
-        by_prompt.setdefault(st.prompt_index, []).append(st)
-    for group in by_prompt.values():
-        prompt_tokens += max(st.num_prompt_tokens for st in group)
-        cached += min(st.num_cached_tokens for st in group)
-    completion = sum(st.num_output_tokens for st in states)
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion,
-        total_tokens=prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-    )
-
-
-def first_kv_transfer_params(states: Sequence[ChoiceState]) -> dict[str, Any] | None:
-    """The engine's ``kv_transfer_params`` of the lowest-index choice that returned some."""
-    for st in sorted(states, key=lambda s: s.index):
-        if st.kv_transfer_params is not None:
-            return st.kv_transfer_params
-    return None
 
 
 def _engine_exception_to_error(exc: BaseException) -> OpenAIError:
@@ -314,42 +85,6 @@ def _engine_exception_to_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(f"The engine is not running: {exc}", 503, code="engine_dead")
     return OpenAIError(f"The engine failed the request: {name}: {exc}", 500,
                        code="engine_request_failed")
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    """Returns when the HTTP client disconnects (its ASGI ``http.disconnect`` message).
-
-    Only valid once the request body has been read (FastAPI reads it before the handler runs).
-    """
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """Runs ``work``; cancels it (aborting its engine requests) if the client disconnects first.
-
-    Returns:
-        the result of ``work``, or None when the client went away.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        logger.info("client disconnected; aborting its request")
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        return None
-    finally:
-        for t in (task, watcher):
-            if not t.done():
-                t.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watcher
 
 
 class OpenAIServing:
@@ -416,8 +151,24 @@ class OpenAIServing:
             self._check_token_ids(ids, "prompt")
         return result
 
-    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """Token ids of the chat prompt rendered by the tokenizer's chat template.
+    def kv_params(self, req: CompletionRequest | ChatCompletionRequest) -> KVTransferParams | None:
+        """The request's ``kv_transfer_params``, parsed and checked once, when it arrives
+        (:func:`pdserve.kv_transfer.params.parse_request_params`).
+
+        Raises:
+            OpenAIError: 400 naming the field when the params are malformed for this
+                instance's KV connector (before a streamed response's status is sent).
+        """
+        try:
+            return parse_request_params(req.kv_transfer_params,
+                                        self.engine.config.kv_transfer_config, self.vocab_size)
+        except KVTransferParamsError as exc:
+            raise bad_request(str(exc), param="kv_transfer_params") from exc
+
+    async def chat_prompt(self, req: ChatCompletionRequest,
+                          kv: KVTransferParams | None = None) -> list[int]:
+        """Token ids of the chat prompt rendered by the tokenizer's chat template (``kv``: the
+        parsed ``kv_transfer_params``; a decoder leg may reuse the prefiller's ids).
 
         Raises:
             OpenAIError: 400 when the model has no chat template or the template rejects the
@@ -432,21 +183,19 @@ class OpenAIServing:
             d["content"] = m.text() or ""
             messages.append(d)
         kwargs = dict(req.chat_template_kwargs or {})
-        params = req.kv_transfer_params
-        role = _remote_role(params)
+        role = kv.role if kv is not None else KVRole.NONE
 
         def render() -> list[int]:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
                 **kwargs,
             )
-            if role is None:
+            if role is KVRole.NONE:
                 return self._chat_encoder.encode(text)
             # P/D: a decoder reuses the prefiller's ids for the same text; a prefiller
             # remembers the digest to hand its ids on.
             digest = prompt_handoff.text_digest(text, self.vocab_size)
-            handed = (prompt_handoff.decode(params.get(prompt_handoff.KEY), digest, self.vocab_size)
-                      if role == "decode" else None)
+            handed = kv.handed_prompt_ids(digest, self.vocab_size)
             out = PromptIds(handed if handed is not None else self._chat_encoder.encode(text))
             out.text_digest = digest
             return out
@@ -521,27 +270,20 @@ class OpenAIServing:
 
     def make_jobs(self, base_id: str, req: CompletionRequest | ChatCompletionRequest,
                   prompts: list[list[int]], requested_max_tokens: int | None,
-                  logprobs: int | None, prompt_param: str) -> list[EngineJob]:
+                  logprobs: int | None, prompt_param: str,
+                  kv: KVTransferParams | None = None) -> list[EngineJob]:
         """One job per (prompt, choice); engine ids are ``base_id`` for a single job, else
-        ``f"{base_id}-{index}"``.
+        ``f"{base_id}-{index}"``. ``kv``: the request's parsed ``kv_transfer_params``
+        (:meth:`kv_params`).
 
         Raises:
-            OpenAIError: 400 when ``kv_transfer_params`` is malformed for this instance's KV
-                connector (checked here so that streaming requests fail before the stream starts).
+            OpenAIError: 400 when a prompt does not fit or a sampling parameter is invalid.
         """
-        try:
-            self.engine.check_kv_transfer_params(req.kv_transfer_params)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="kv_transfer_params") from exc
-        kv_params = req.kv_transfer_params
-        if isinstance(kv_params, dict) and prompt_handoff.KEY in kv_params:
-            # consumed by the front end (chat_prompt); the engine does not need the ids twice
-            kv_params = {k: v for k, v in kv_params.items() if k != prompt_handoff.KEY}
-        hand_on = _remote_role(kv_params) == "prefill"
+        # the prompt-ids hand-off was consumed by chat_prompt; the engine does not need it
+        kv_params = kv.for_engine() if kv is not None else None
+        hand_on = kv is not None and kv.role is KVRole.PREFILL
         # A prefiller's first token belongs to its one choice: other choices draw their own.
-        other_params = kv_params
-        if isinstance(kv_params, dict) and FIRST_TOKEN_KEY in kv_params:
-            other_params = {k: v for k, v in kv_params.items() if k != FIRST_TOKEN_KEY}
+        other_params = kv_params.for_other_choices() if kv_params is not None else None
         total = len(prompts) * req.n
         jobs = []
         for p, ids in enumerate(prompts):
@@ -581,7 +323,8 @@ class OpenAIServing:
                 async with contextlib.aclosing(gen):
                     async for out in gen:
                         if out.finished and job.prompt_digest is not None:
-                            _hand_on_prompt(out, job)
+                            out.kv_transfer_params = with_prompt_handoff(
+                                out.kv_transfer_params, job.prompt_token_ids, job.prompt_digest)
                         queue.put_nowait((job.index, out))
             except asyncio.CancelledError:
                 raise
@@ -704,19 +447,6 @@ class OpenAIServing:
             logger.exception("error while streaming %s", response_id)
             yield sse_event(OpenAIError(f"Internal server error: {e}", 500).body())
             yield DONE
-
-
-def _hand_on_prompt(out: Any, job: EngineJob) -> None:
-    """A prefiller's finished output: add the prompt's token ids to the ``kv_transfer_params``
-    that send the decoder here (:mod:`pdserve.kv_transfer.prompt_handoff`)."""
-    params = out.kv_transfer_params
-    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-        return
-    try:
-        handed = prompt_handoff.encode(job.prompt_token_ids, job.prompt_digest)
-    except OverflowError:
-        return
-    out.kv_transfer_params = dict(params, **{prompt_handoff.KEY: handed})
 
 
 def new_request_id(prefix: str) -> str:

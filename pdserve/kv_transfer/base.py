@@ -82,37 +82,6 @@ class KVCacheSpec:
         return "NLKHBD"  # num_blocks, num_layers, k/v, heads, block_size, head_dim
 
 
-FIRST_TOKEN_KEY = "first_token_id"
-
-
-def presampled_first_token(request: "Request") -> int | None:
-    """The first output token a prefiller already sampled for a decoder's request, when the
-    decoder may use it instead of recomputing the last prompt token for its logits.
-
-    A prefiller adds ``kv_transfer_params["first_token_id"]`` (the token its prefill sampled)
-    next to the remote block ids. The decoder then loads the KV of the whole prompt and emits
-    that token without a forward pass; the token's own KV is computed by the first decode step.
-    This holds the same distribution as sampling on the decoder, since the prefill leg runs the
-    same sampling parameters, except for what the prefill leg cannot reproduce: ``min_tokens``
-    (the proxy drops it there) and logprobs (not transferred); with ``n > 1`` the front end
-    passes the token to the first choice only. Those requests, and requests that already have
-    output tokens, get None and recompute the last prompt token as before.
-
-    Returns:
-        The token id, or None.
-    """
-    params = request.kv_transfer_params
-    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-        return None
-    token = params.get(FIRST_TOKEN_KEY)
-    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-        return None
-    sp = request.sampling_params
-    if sp.n != 1 or sp.logprobs is not None or sp.min_tokens > 0 or request.output_token_ids:
-        return None
-    return token
-
-
 class KVConnectorSchedulerSide(abc.ABC):
     """Decides which blocks move. Pure bookkeeping: no torch, no I/O on the engine loop."""
 

@@ -56,25 +56,22 @@ def create_connector(
 
 
 def validate_kv_transfer_params(kv_transfer_config: KVTransferConfig, params: Any) -> None:
-    """Check a request's ``kv_transfer_params`` before it reaches the engine core.
-
-    Called by the front end so that malformed params of a transfer this instance would perform
-    (a decoder's ``do_remote_prefill`` load, a bidirectional prefiller's pull of the decoder's
-    KV) are a client error instead of a failed KV load. Unknown extra fields are accepted.
+    """Check a request's ``kv_transfer_params`` for this instance (the check of
+    :func:`pdserve.kv_transfer.params.parse_request_params`, without the vocabulary bound).
 
     Args:
         kv_transfer_config: this instance's validated configuration.
         params: the request's ``kv_transfer_params`` (a dict, or None for none).
 
     Raises:
-        ValueError: a field the requested transfer needs is missing or has the wrong type; the
-            message names the field (``KVTransferParamsError`` for the NIXL connector).
+        KVTransferParamsError: a field the requested transfer needs is missing or has the wrong
+            type; the message names the field.
         KVTransferConfigError: unknown connector.
     """
     if params is None:
         return
     if kv_transfer_config.kv_connector != "NixlConnector":
         raise KVTransferConfigError(f"unknown kv_connector {kv_transfer_config.kv_connector!r}")
-    from pdserve.kv_transfer.nixl.metadata import validate_transfer_params
+    from pdserve.kv_transfer.params import parse_request_params
 
-    validate_transfer_params(params, bool(kv_transfer_config.bidirectional_kv_xfer))
+    parse_request_params(params, kv_transfer_config, None)

@@ -175,7 +175,7 @@ class FakeConnectorScheduler(KVConnectorSchedulerSide):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         self.remote.matched_calls.append((request.request_id, num_computed_tokens))
-        params = request.kv_transfer_params or {}
+        params = request.kv_transfer_params.to_dict() if request.kv_transfer_params else {}
         if params.get("remote"):
             return request.num_prompt_tokens - num_computed_tokens, True
         if params.get("remote_sync"):  # loaded by start_load_kv before this step's forward pass
@@ -199,7 +199,7 @@ class FakeConnectorScheduler(KVConnectorSchedulerSide):
 
     def request_finished(self, request, block_ids):
         self.remote.finished_calls.append((request.request_id, list(block_ids)))
-        params = request.kv_transfer_params or {}
+        params = request.kv_transfer_params.to_dict() if request.kv_transfer_params else {}
         if params.get("do_remote_decode") and block_ids:
             return True, {"remote_block_ids": list(block_ids), "remote_request_id": request.request_id}
         return False, None
@@ -292,10 +292,12 @@ def add(core: EngineCore, rid: str, prompt: list[int], kv_transfer_params: dict 
     """Add a request with ``SamplingParams(temperature=0, **sp)``; returns the rejection or None."""
     from pdserve.engine.messages import AddRequest
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.kv_transfer.params import KVTransferParams
 
     sp.setdefault("temperature", 0.0)
     return core.add_request(
-        AddRequest(rid, list(prompt), SamplingParams(**sp), kv_transfer_params=kv_transfer_params)
+        AddRequest(rid, list(prompt), SamplingParams(**sp),
+                   kv_transfer_params=KVTransferParams.parse(kv_transfer_params))
     )
 
 

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from engine_fakes import FakeConnectorWorker, FakeRemote, make_core
+from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.engine import core as core_mod
 from pdserve.engine.messages import AddRequest, Shutdown, StepOutputs, make_encoder, make_output_decoder
 from pdserve.engine.sampling_params import SamplingParams
@@ -99,7 +100,7 @@ def test_finished_transfer_wakes_the_core_loop(monkeypatch):
         to_core.send(enc.encode(AddRequest(
             request_id="r", prompt_token_ids=list(range(1, 9)),
             sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
-            kv_transfer_params={"remote": True})))
+            kv_transfer_params=KVTransferParams.parse({"remote": True}))))
         assert worker.posted.wait(60), "the load was never posted"
         # the load is in flight; the core now waits (for up to IDLE_POLL_INTERVAL_S)
         worker.complete("r")

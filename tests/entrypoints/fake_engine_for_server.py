@@ -97,7 +97,7 @@ class FakeEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         sampling_params.validate()
         self.calls[request_id] = dict(prompt=list(prompt_token_ids), params=sampling_params,
-                                      kv=kv_transfer_params)
+                                      kv=kv_transfer_params.to_dict() if kv_transfer_params else None)
         self.active.add(request_id)
         abort_event = self._abort_events[request_id] = asyncio.Event()
         finished = False
@@ -146,7 +146,9 @@ class FakeEngine:
                     num_prompt_tokens=len(prompt_token_ids),
                     num_output_tokens=i + 1,
                     num_cached_tokens=self.cached_tokens,
-                    kv_transfer_params=self._kv_out(kv_transfer_params) if done else None,
+                    kv_transfer_params=self._kv_out(
+                        kv_transfer_params.to_dict() if kv_transfer_params else None)
+                    if done else None,
                 )
                 if done:
                     return
@@ -162,9 +164,6 @@ class FakeEngine:
         if kv_in is None:
             return None
         return {"received": kv_in, "remote_engine_id": "fake-engine"}
-
-    def check_kv_transfer_params(self, params) -> None:
-        """No KV connector here: like the real engine without one, any params are accepted."""
 
     async def abort(self, request_id: str) -> None:
         ev = self._abort_events.get(request_id)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.entrypoints.serving import SegmentCachedEncoder
+from pdserve.entrypoints.chat_tokenization import SegmentCachedEncoder
 from pdserve.kv_transfer import prompt_handoff
 
 
@@ -89,7 +89,7 @@ def test_verification_turns_the_cache_off_when_pieces_differ():
 def test_self_check_on_sample_chats_decides_before_any_request(tiny_llama_path):
     from transformers import AutoTokenizer
 
-    from pdserve.entrypoints.serving import _sample_chats
+    from pdserve.entrypoints.chat_tokenization import _sample_chats
 
     bad = SegmentCachedEncoder(SplitSensitiveTokenizer(), verify_first=0)
     assert not bad.self_check(["a<s>bc<s>d"])

@@ -22,6 +22,7 @@ from pdserve.kv_transfer.nixl.prefix_match import (
     parse_block_hashes,
 )
 from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
+from pdserve.kv_transfer.params import KVTransferParams
 
 B = 16
 NOW = 1_000_000.0
@@ -96,7 +97,8 @@ def test_plan_pull_expiry_margin_uses_the_clock_offset():
 
 def _request(rid: str, prompt: list[int], params: dict | None) -> Request:
     return Request(request_id=rid, prompt_token_ids=prompt,
-                   sampling_params=SamplingParams(max_tokens=8), kv_transfer_params=params)
+                   sampling_params=SamplingParams(max_tokens=8),
+                   kv_transfer_params=KVTransferParams.parse(params))
 
 
 def _config(role: str, **extra) -> KVTransferConfig:
@@ -113,7 +115,7 @@ def test_decoder_keeps_finished_turn_and_returns_its_params():
     blocks = [4, 5, 6, 9]
     spec, params = decoder_keep_blocks(req, blocks, B, 480.0, "d", "h", 5601, now=NOW)
     assert params["remote_num_tokens"] == 52
-    assert params["remote_block_ids"] == blocks  # ceil(52 / 16) = 4 blocks
+    assert params["remote_block_ids"] == [blocks]  # one KV-cache group; ceil(52 / 16) = 4 blocks
     assert params["remote_blocks_expiry_time"] == NOW + 480.0
     assert parse_block_hashes(params["remote_block_hashes"]) == \
         block_hashes(req.all_token_ids[:52], B)

@@ -10,6 +10,7 @@ import pytest
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.factory import validate_kv_transfer_params
 from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError
+from pdserve.kv_transfer.params import KVTransferParams, prefill_done_params
 from pdserve.router.bodies import PREFILL_KV_PARAMS
 
 CONSUMER = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
@@ -106,6 +107,36 @@ def test_d_leg_wrong_type_names_it(field, value):
     params = dict(p_returned_params(), **{field: value})
     with pytest.raises(KVTransferParamsError, match=field):
         validate_kv_transfer_params(CONSUMER, params)
+
+
+@pytest.mark.parametrize("block_ids", [[3, 4, 5], [[3, 4, 5]], [], [[]]],
+                         ids=["flat", "per-group", "flat-empty", "per-group-empty"])
+def test_block_ids_are_accepted_flat_and_per_kv_cache_group(block_ids):
+    """vLLM's NixlConnector sends ``remote_block_ids`` per KV-cache group (a list of lists);
+    the flat list of one group is accepted too, and both parse to the same blocks."""
+    for config in (CONSUMER, PRODUCER_BIDI):
+        validate_kv_transfer_params(config, dict(p_returned_params(), remote_block_ids=block_ids))
+    parsed = KVTransferParams.parse(dict(p_returned_params(), remote_block_ids=block_ids))
+    assert parsed.remote.block_ids == ([3, 4, 5] if block_ids in ([3, 4, 5], [[3, 4, 5]]) else [])
+
+
+@pytest.mark.parametrize("block_ids", [[[3, -1]], [[3, "4"]], [[3], 4], [[3, True]], [[3.0]],
+                                       [[[3]]]])
+def test_bad_per_group_block_ids_name_the_field(block_ids):
+    with pytest.raises(KVTransferParamsError, match="remote_block_ids"):
+        validate_kv_transfer_params(CONSUMER, dict(p_returned_params(), remote_block_ids=block_ids))
+
+
+def test_several_kv_cache_groups_are_refused_clearly():
+    with pytest.raises(KVTransferParamsError, match="2 KV-cache groups"):
+        validate_kv_transfer_params(CONSUMER, dict(p_returned_params(),
+                                                   remote_block_ids=[[3, 4], [5, 6]]))
+
+
+def test_returned_block_ids_are_per_kv_cache_group():
+    returned = prefill_done_params("p", [7, 3, 9], "h", 1, "r", 5)
+    assert returned["remote_block_ids"] == [[7, 3, 9]]
+    assert KVTransferParams.parse(returned).remote.block_ids == [7, 3, 9]
 
 
 def test_user_reported_request_is_rejected():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.engine.outputs import KVConnectorOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -34,7 +35,8 @@ def make(role: str, **extra) -> NixlConnectorScheduler:
 
 
 def request(req_id: str, n: int, params: dict | None) -> Request:
-    return Request(req_id, list(range(100, 100 + n)), SamplingParams(), kv_transfer_params=params)
+    return Request(req_id, list(range(100, 100 + n)), SamplingParams(),
+                   kv_transfer_params=KVTransferParams.parse(params))
 
 
 def p_params(n_blocks: int, **kw) -> dict:
@@ -54,7 +56,7 @@ def test_producer_keeps_prompt_blocks_and_returns_params(env):
     assert delay is True
     assert params == {
         "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "eng-kv_producer",
-        "remote_block_ids": [7, 3, 9], "remote_host": "10.1.2.3", "remote_port": 6100,
+        "remote_block_ids": [[7, 3, 9]], "remote_host": "10.1.2.3", "remote_port": 6100,
         "remote_request_id": "r1", "tp_size": 1,
     }
     assert s.has_pending_work()

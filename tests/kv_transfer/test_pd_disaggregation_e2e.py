@@ -89,7 +89,7 @@ def test_completions_equal_single_instance(cluster, length, stream):
     before = counters(d.metrics())
     params = prefill_leg(p, "completions", body)
     assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == p.side_channel_port
-    assert len(params["remote_block_ids"]) == -(-length // B)
+    assert len(params["remote_block_ids"][0]) == -(-length // B)  # one KV-cache group
     out = decode_leg(d, "completions", body, params)
     assert out["status"] == 200, out
     assert out["text"] == expected
@@ -265,11 +265,27 @@ def test_forged_block_ids(cluster, decoder, forge):
     body = completion_body(cluster, token_prompt(45, seed=len(forge) * 7 + len(decoder)), False)
     expected = reference(cluster, "completions", body)
     params = prefill_leg(p, "completions", body)
-    ids = params["remote_block_ids"]
+    (ids,) = params["remote_block_ids"]
     forged = [(b + 100) % 1024 for b in ids] if forge == "shifted" else [10**6 + b for b in ids]
     _expect_failure_or_recompute(cluster, d, "completions", body,
                                  dict(params, remote_block_ids=forged), expected)
     p.wait_all_blocks_free(timeout_s=10)  # D's abort notice released the real lease
+
+
+@pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])
+def test_relayed_first_token_is_checked_against_the_prefillers(cluster, decoder):
+    """P's params relayed with ``first_token_id`` replaced by another valid vocabulary id: D
+    never answers with the forged token. P's claim answer carries its own first token, the
+    mismatch is a load failure: ``recompute`` answers the model's own text, ``fail`` an error."""
+    p, d = cluster["p"], cluster[decoder]
+    body = completion_body(cluster, token_prompt(2 * B + 7, seed=515 + len(decoder)), False)
+    expected = reference(cluster, "completions", body)
+    params = prefill_leg(p, "completions", body)
+    first = params["first_token_id"]
+    forged = first - 1 if first > 0 else first + 1  # another id inside the vocabulary
+    _expect_failure_or_recompute(cluster, d, "completions", body,
+                                 dict(params, first_token_id=forged), expected)
+    p.wait_all_blocks_free(timeout_s=10)  # D's abort notice released the lease
 
 
 @pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])

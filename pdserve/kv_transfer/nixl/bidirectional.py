@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.block_manager import block_hashes
-from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError, RemoteKVRef, SendSpec
+from pdserve.kv_transfer.nixl.metadata import RemoteKVRef, SendSpec
 from pdserve.kv_transfer.nixl.prefix_match import (
     encode_block_hashes,
     matched_prefix_tokens,
     seconds_left,
     tokens_to_pull,
 )
+from pdserve.kv_transfer.params import KVRole, KVTransferParams, decoder_turn_params
 
 if TYPE_CHECKING:
     from pdserve.engine.request import Request
@@ -44,9 +45,6 @@ if TYPE_CHECKING:
 # and claim round trips and the READ itself with room to spare (a READ of a few MB takes
 # milliseconds; DESIGN §5). The claim right before the READ checks it again, clock-free.
 PULL_SAFETY_MARGIN_S = 5.0
-
-_D_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_request_id")
-
 
 @dataclass
 class PullDecision:
@@ -67,18 +65,8 @@ class PullDecision:
     expired: bool = False
 
 
-def names_decoder_kv(params: Any) -> bool:
-    """True when a P-leg's ``kv_transfer_params`` carry a previous turn's D fields."""
-    return (
-        isinstance(params, dict)
-        and bool(params.get("do_remote_decode"))
-        and not params.get("do_remote_prefill")
-        and all(params.get(k) is not None for k in _D_FIELDS)
-    )
-
-
 def plan_pull(
-    params: dict[str, Any],
+    params: KVTransferParams | dict[str, Any] | None,
     prompt_token_ids: list[int],
     num_local_tokens: int,
     block_size: int,
@@ -91,7 +79,9 @@ def plan_pull(
     """Decide whether P pulls D's KV for this prompt.
 
     Args:
-        params: the request's ``kv_transfer_params`` (see :func:`names_decoder_kv`).
+        params: the request's parsed ``kv_transfer_params`` (a dict is parsed first); a P leg
+            that names a previous turn's decoder
+            (:attr:`~pdserve.kv_transfer.params.KVTransferParams.pulls_decoder_kv`) may pull.
         prompt_token_ids: the new prompt.
         num_local_tokens: P's own prefix-cache hit, in tokens.
         block_size: tokens per block (the handshake guarantees both sides use the same).
@@ -105,12 +95,12 @@ def plan_pull(
         A :class:`PullDecision`; ``num_tokens > 0`` means load that many tokens, starting at
         ``num_local_tokens``, from D's blocks with the same indices.
     """
-    if not names_decoder_kv(params):
+    params = KVTransferParams.parse(params)
+    if params is None or not params.pulls_decoder_kv:
+        if params is not None and params.role is KVRole.PREFILL and params.remote_error:
+            return PullDecision(None, 0, 0, f"malformed decoder fields: {params.remote_error}")
         return PullDecision(None, 0, 0, "no previous turn on a decoder")
-    try:
-        ref = RemoteKVRef.from_params(params)
-    except KVTransferParamsError as e:
-        return PullDecision(None, 0, 0, f"malformed decoder fields: {e}")
+    ref = params.remote
     if ref.endpoint.engine_id == own_engine_id:
         return PullDecision(None, 0, 0, "the previous turn's KV is on this instance")
     if not ref.block_hashes:
@@ -171,17 +161,6 @@ def decoder_keep_blocks(
     hashes = block_hashes(request.all_token_ids[:num_tokens], block_size)
     spec = SendSpec(req_id=request.request_id, block_ids=kept, lease_duration=ttl_s,
                     renew_on_heartbeat=False, token_ids=list(request.all_token_ids[:num_tokens]))
-    params = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": engine_id,
-        "remote_block_ids": kept,
-        "remote_num_tokens": num_tokens,
-        "remote_block_hashes": encode_block_hashes(hashes),
-        "remote_blocks_expiry_time": now + ttl_s,
-        "remote_host": host,
-        "remote_port": port,
-        "remote_request_id": request.request_id,
-        "tp_size": 1,
-    }
+    params = decoder_turn_params(engine_id, kept, num_tokens, encode_block_hashes(hashes),
+                                 now + ttl_s, host, port, request.request_id)
     return spec, params

@@ -32,6 +32,8 @@ class Lease:
         renewable: heartbeats and claims extend the lease.
         token_ids: the tokens whose KV the blocks hold (None: claims are not checked against
             them).
+        first_token: the first output token sampled after ``token_ids`` (a prefiller's),
+            given to a reader whose claim matches; None when there is none.
     """
 
     block_ids: list[int]
@@ -39,13 +41,14 @@ class Lease:
     expiry: float
     renewable: bool = True
     token_ids: list[int] | None = None
+    first_token: int | None = None
 
 
 class LeaseTable:
     """Request id -> :class:`Lease`, with the reasons of recently closed leases."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._leases: dict[str, Lease] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()
         self._early: dict[str, tuple[str, float]] = {}  # notices seen before their lease
@@ -67,8 +70,9 @@ class LeaseTable:
             return time.time() + (lease.expiry - time.monotonic())
 
     def add(self, req_id: str, block_ids: list[int], duration_s: float, renewable: bool = True,
-            now: float | None = None, token_ids: list[int] | None = None) -> str | None:
-        """Start a lease (``token_ids``: see :class:`Lease`).
+            now: float | None = None, token_ids: list[int] | None = None,
+            first_token: int | None = None) -> str | None:
+        """Start a lease (``token_ids``, ``first_token``: see :class:`Lease`).
 
         Returns:
             The kind of a notice (``"done"``/``"abort"``) that arrived before the lease; the
@@ -77,7 +81,8 @@ class LeaseTable:
         now = time.monotonic() if now is None else now
         with self._lock:
             self._leases[req_id] = Lease(list(block_ids), duration_s, now + duration_s, renewable,
-                                         None if token_ids is None else list(token_ids))
+                                         None if token_ids is None else list(token_ids),
+                                         first_token)
             self._closed.pop(req_id, None)
             early = self._early.pop(req_id, None)
         return early[0] if early else None
@@ -108,6 +113,17 @@ class LeaseTable:
                 return False
             lease.expiry = max(lease.expiry, now + lease.duration_s)
             return True
+
+    def claim_answer(self, req_id: str, block_ids: list[int], num_tokens: Any = None,
+                     digest: Any = None) -> tuple[str, str, float, int | None]:
+        """:meth:`claim`, plus the lease's first output token when the claim is ``"ok"`` (the
+        side channel's claim answer): the token is only told to a reader whose tokens match
+        the lease's, so a decoder gets the prefiller's own first token for exactly the prompt
+        whose KV it reads, whatever a client relayed."""
+        with self._lock:
+            status, reason, left = self.claim(req_id, block_ids, num_tokens, digest)
+            lease = self._leases.get(req_id) if status == "ok" else None
+            return status, reason, left, (lease.first_token if lease is not None else None)
 
     def claim(self, req_id: str, block_ids: list[int], num_tokens: Any = None,
               digest: Any = None, now: float | None = None) -> tuple[str, str, float]:

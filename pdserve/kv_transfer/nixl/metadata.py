@@ -19,6 +19,41 @@ class KVTransferParamsError(ValueError):
     """``kv_transfer_params`` that name a remote instance but lack or mistype a field."""
 
 
+MAX_KV_CACHE_GROUPS = 1  # models served today have one KV-cache group
+
+
+def parse_block_id_groups(value: Any) -> list[list[int]]:
+    """``remote_block_ids`` in either form: flat (``[0, 15, 16]``, one group) or per
+    KV-cache group (``[[0, 15, 16]]``, vLLM's current form).
+
+    Returns:
+        One list of non-negative block ids per group.
+
+    Raises:
+        KVTransferParamsError: not a list of non-negative integers nor a list of such lists,
+            or more groups than :data:`MAX_KV_CACHE_GROUPS` (no served model has several).
+    """
+    def ids(items: Any) -> bool:
+        return isinstance(items, list) and all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in items)
+
+    if isinstance(value, list) and value and all(isinstance(g, list) for g in value):
+        if not all(ids(g) for g in value):
+            raise KVTransferParamsError(
+                "kv_transfer_params.remote_block_ids must be a list of non-negative integers "
+                "or a list of such lists (one per KV-cache group)")
+        if len(value) > MAX_KV_CACHE_GROUPS:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_block_ids names {len(value)} KV-cache groups; this "
+                f"model has {MAX_KV_CACHE_GROUPS}")
+        return [list(g) for g in value]
+    if not ids(value):
+        raise KVTransferParamsError(
+            "kv_transfer_params.remote_block_ids must be a list of non-negative integers "
+            "or a list of such lists (one per KV-cache group)")
+    return [list(value)]
+
+
 @dataclass(frozen=True)
 class RemoteEndpoint:
     """Where a remote engine's side channel listens, and who it claims to be.
@@ -45,7 +80,9 @@ class RemoteKVRef:
     Attributes:
         endpoint: the remote instance.
         request_id: the request id on the remote instance (``remote_request_id``).
-        block_ids: the remote block table covering the remote request's computed tokens.
+        block_ids: the remote block table covering the remote request's computed tokens (of
+            the one KV-cache group; ``remote_block_ids`` in the flat or the per-group form,
+            see :func:`parse_block_id_groups`).
         num_tokens: tokens whose KV the remote holds (``remote_num_tokens``), or None when the
             params do not say (P→D: the whole prompt).
         block_hashes: chained per-block token hashes of the remote's full blocks, when given
@@ -85,11 +122,7 @@ class RemoteKVRef:
         if not 0 < port < 65536:
             raise KVTransferParamsError(f"kv_transfer_params.remote_port {port} is out of range")
         request_id = need("remote_request_id", str)
-        block_ids = need("remote_block_ids", list)
-        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids):
-            raise KVTransferParamsError(
-                "kv_transfer_params.remote_block_ids must be a list of non-negative integers"
-            )
+        (block_ids,) = parse_block_id_groups(need("remote_block_ids", list))
         num_tokens = params.get("remote_num_tokens")
         if num_tokens is not None and (not isinstance(num_tokens, int) or num_tokens < 0):
             raise KVTransferParamsError("kv_transfer_params.remote_num_tokens must be an integer")
@@ -112,59 +145,6 @@ class RemoteKVRef:
             block_hashes=list(hashes) if hashes is not None else None,
             expiry_time=float(expiry) if expiry is not None else None,
         )
-
-
-#: The remote fields a previous turn's decoder returns (and P reads for a bidirectional pull).
-REMOTE_REF_FIELDS = (
-    "remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
-)
-
-
-def validate_transfer_params(params: Any, bidirectional: bool) -> None:
-    """Reject ``kv_transfer_params`` that ask this instance for a KV load it cannot parse.
-
-    Checks exactly what the scheduler side would later parse with
-    :meth:`RemoteKVRef.from_params`, so a client mistake is reported up front instead of as a
-    failed KV load:
-
-    * ``do_remote_prefill`` / ``do_remote_decode``, when given and not null, must be booleans;
-    * ``do_remote_prefill: true`` (decoder leg): all remote fields must be valid, and
-      ``first_token_id``, when given, a non-negative integer;
-    * ``do_remote_decode: true`` with any of :data:`REMOTE_REF_FIELDS` not null, on an instance
-      with ``bidirectional_kv_xfer`` (P pulling a previous turn's KV from D): all remote fields
-      must be valid. The stateless prefill leg, whose remote fields are null, stays valid.
-
-    Unknown extra fields are accepted. Params that are not a dict are left to the caller.
-
-    Args:
-        params: the request's ``kv_transfer_params``.
-        bidirectional: this instance's ``bidirectional_kv_xfer``.
-
-    Raises:
-        KVTransferParamsError: a flag is not a boolean, or a remote field the requested transfer
-            needs is missing or has the wrong type / range (the message names the field).
-    """
-    if not isinstance(params, dict):
-        return
-    for flag in ("do_remote_prefill", "do_remote_decode"):
-        value = params.get(flag)
-        if value is not None and not isinstance(value, bool):
-            raise KVTransferParamsError(
-                f"kv_transfer_params.{flag} must be true or false, got {type(value).__name__}"
-            )
-    if params.get("do_remote_prefill"):
-        RemoteKVRef.from_params(params)
-        first = params.get("first_token_id")
-        if first is not None and (not isinstance(first, int) or isinstance(first, bool) or first < 0):
-            raise KVTransferParamsError(
-                "kv_transfer_params.first_token_id must be a non-negative integer token id"
-            )
-    elif (
-        bidirectional
-        and params.get("do_remote_decode")
-        and any(params.get(k) is not None for k in REMOTE_REF_FIELDS)
-    ):
-        RemoteKVRef.from_params(params)
 
 
 def token_digest(token_ids: Sequence[int]) -> str:
@@ -192,6 +172,10 @@ class RecvSpec:
         digest_tokens: the reader's tokens up to the end of what it loads (positions
             ``0 .. digest_tokens - 1``), whose :func:`token_digest` the claim carries.
         token_digest: :func:`token_digest` of those tokens ("" for none).
+        first_token: the prefiller's first output token as the client relayed it, when the
+            load brings the whole prompt and the request may start with that token; the
+            worker reports the owner's own token (from the claim answer) in
+            ``KVConnectorOutput.first_tokens`` and fails the load when the two differ.
     """
 
     req_id: str
@@ -203,6 +187,7 @@ class RecvSpec:
     min_lease_left_s: float = 0.0
     digest_tokens: int = 0
     token_digest: str = ""
+    first_token: int | None = None
 
 
 @dataclass
@@ -216,6 +201,8 @@ class SendSpec:
         renew_on_heartbeat: heartbeats extend the lease (P→D leases) or not (D's TTL blocks).
         token_ids: the tokens whose KV the blocks hold, in order; a claim must carry the
             :func:`token_digest` of a prefix of them (None: no check).
+        first_token: the first output token sampled after those tokens (a prefiller's), told
+            to the reader in the claim answer; None when there is none.
     """
 
     req_id: str
@@ -223,6 +210,7 @@ class SendSpec:
     lease_duration: float
     renew_on_heartbeat: bool = True
     token_ids: list[int] | None = None
+    first_token: int | None = None
 
 
 @dataclass

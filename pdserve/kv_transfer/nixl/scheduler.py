@@ -22,7 +22,9 @@ blocks for ``decoder_kv_blocks_ttl``; P pulls the hash-verified prefix it lacks 
 not about to expire, else recomputes and tells D to drop the blocks). A failed pull is
 recomputed (:meth:`NixlConnectorScheduler.load_failure_policy`), never an error.
 
-Unknown extra fields in ``kv_transfer_params`` are ignored.
+The scheduler side reads a request's parsed params
+(:class:`~pdserve.kv_transfer.params.KVTransferParams`: role, remote KV reference, relayed
+first token) and builds the params it returns with :mod:`pdserve.kv_transfer.params`.
 """
 
 from __future__ import annotations
@@ -32,16 +34,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.kv_transfer.base import FIRST_TOKEN_KEY, KVConnectorSchedulerSide, presampled_first_token
+from pdserve.kv_transfer.base import KVConnectorSchedulerSide
 from pdserve.kv_transfer.config import KVLoadFailurePolicy, KVTransferConfig
 from pdserve.kv_transfer.nixl.bidirectional import (
     PULL_SAFETY_MARGIN_S,
     decoder_keep_blocks,
-    names_decoder_kv,
     plan_pull,
 )
 from pdserve.kv_transfer.nixl.metadata import (
-    KVTransferParamsError,
     NixlConnectorMetadata,
     RecvSpec,
     RemoteKVRef,
@@ -49,6 +49,7 @@ from pdserve.kv_transfer.nixl.metadata import (
     SendSpec,
     token_digest,
 )
+from pdserve.kv_transfer.params import KVRole, prefill_done_params
 
 if TYPE_CHECKING:
     from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
@@ -76,6 +77,28 @@ class _LoadPlan:
 def _finish_reason(request: "Request") -> str | None:
     status = getattr(request, "status", None)
     return getattr(status, "finish_reason", None)
+
+
+def may_use_first_token(request: "Request") -> bool:
+    """Whether a decoder's request may start with the prefiller's first output token instead
+    of recomputing the last prompt token for its logits.
+
+    The prefiller returns the token its prefill sampled; the decoder then loads the KV of the
+    whole prompt and emits that token without a forward pass (the token's own KV is computed by
+    the first decode step). This holds the same distribution as sampling on the decoder, since
+    the prefill leg runs the same sampling parameters, except for what the prefill leg cannot
+    reproduce: ``min_tokens`` (the proxy drops it there) and logprobs (not transferred); with
+    ``n > 1`` the front end passes the token to the first choice only. Those requests, and
+    requests that already have output tokens, recompute the last prompt token as before. The
+    token itself comes from the prefiller's lease-claim answer (see
+    ``kv_transfer/nixl/leases.py``); the relayed one is only compared with it.
+    """
+    params = request.kv_transfer_params
+    if params is None or params.role is not KVRole.DECODE or params.first_token is None:
+        return False
+    sp = request.sampling_params
+    return not (sp.n != 1 or sp.logprobs is not None or sp.min_tokens > 0
+                or request.output_token_ids)
 
 
 class NixlConnectorScheduler(KVConnectorSchedulerSide):
@@ -115,18 +138,13 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         when the params name remote KV but are malformed.
         """
         params = request.kv_transfer_params
-        if not isinstance(params, dict) or request.request_id in self._consumed:
+        if params is None or request.request_id in self._consumed:
             return None, None, None
-        if params.get("do_remote_prefill"):
-            kind = PREFILL
-        elif self.config.bidirectional_kv_xfer and names_decoder_kv(params):
-            kind = PULL
-        else:
-            return None, None, None
-        try:
-            return kind, RemoteKVRef.from_params(params), None
-        except KVTransferParamsError as e:
-            return kind, None, str(e)
+        if params.role is KVRole.DECODE:
+            return PREFILL, params.remote, params.remote_error
+        if self.config.bidirectional_kv_xfer and params.pulls_decoder_kv:
+            return PULL, params.remote, None
+        return None, None, None
 
     def _start_waiting(self, req_id: str, ref: RemoteKVRef, heartbeat: bool) -> None:
         self._waiting[req_id] = ref
@@ -158,8 +176,8 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
 
         Decoder: ``prompt_len - 1 - num_computed_tokens`` (the last prompt token is recomputed
         for its logits), or ``prompt_len - num_computed_tokens`` when the prefiller's first
-        token can be used (:func:`~pdserve.kv_transfer.base.presampled_first_token`). Bad params are not silently ignored: the load is planned and reported
-        as failed, so ``kv_load_failure_policy`` applies.
+        token can be used (:func:`may_use_first_token`). Bad params are not silently ignored:
+        the load is planned and reported as failed, so ``kv_load_failure_policy`` applies.
 
         Prefiller (bidirectional): the hash-verified prefix of D's previous-turn KV beyond the
         local hit, or 0 when below ``kv_recompute_threshold``, expiring, or malformed.
@@ -174,7 +192,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         prompt_len = len(request.prompt_token_ids)
         # With the prefiller's first token the whole prompt is read; otherwise the last prompt
         # token is recomputed for its logits.
-        needed_tokens = prompt_len if presampled_first_token(request) is not None else prompt_len - 1
+        needed_tokens = prompt_len if may_use_first_token(request) else prompt_len - 1
         num_tokens = needed_tokens - num_computed_tokens
         if num_tokens <= 0:
             # nothing to read (one-token prompt, or the local prefix cache has it all)
@@ -259,6 +277,9 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             min_lease_left_s=PULL_SAFETY_MARGIN_S if plan.kind == PULL else 0.0,
             digest_tokens=end,
             token_digest=token_digest(request.all_token_ids[:end]),
+            first_token=(request.kv_transfer_params.first_token
+                         if plan.kind == PREFILL and end >= request.num_tokens
+                         and may_use_first_token(request) else None),
         )
         self._waiting.pop(req_id, None)
         self._inflight[req_id] = plan.kind
@@ -274,11 +295,8 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             self._aborted_inflight.discard(req_id)
         for req_id in output.finished_sending:
             self._leased.discard(req_id)
-        offsets = (output.stats or {}).get("remote_clock_offsets")
-        if offsets:  # measured by the worker at handshakes: "engine_id|host|port" -> seconds
-            for key, offset in offsets.items():
-                engine_id, host, port = key.rsplit("|", 2)
-                self._clock_offsets[(engine_id, host, int(port))] = float(offset)
+        # measured by the worker at handshakes (for the expiry checks of bidirectional pulls)
+        self._clock_offsets.update(output.remote_clock_offsets)
 
     def load_failure_policy(self, request: "Request") -> KVLoadFailurePolicy | None:
         """``RECOMPUTE`` for a failed pull of the decoder's KV (it must never fail the user's
@@ -319,12 +337,13 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         if ref is not None and (kind is not None or waiting_ref is not None):
             self._meta.notices.append(RemoteNotice(ref, "abort"))
         normal = _finish_reason(request) in _NORMAL_FINISH
-        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
+        params = request.kv_transfer_params
         # --- owner side: keep the prompt's blocks for the decoder
-        if normal and params.get("do_remote_decode"):
+        if normal and params is not None and params.role is KVRole.PREFILL:
             return self._keep_for_decoder(request, block_ids)
         # --- decoder side, multi-turn: keep the turn's blocks for the next prefill
-        if normal and self.config.bidirectional_kv_xfer and (from_prefiller or params):
+        if normal and self.config.bidirectional_kv_xfer and (
+                from_prefiller or (params is not None and not params.is_empty)):
             return self._keep_for_next_turn(request, block_ids)
         return False, None
 
@@ -334,25 +353,15 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         remote_ids = list(block_ids[: math.ceil(prompt_len / self.block_size)])
         if not remote_ids or len(remote_ids) * self.block_size < prompt_len:
             return False, None
+        # the decoder may emit it without recomputing the last prompt token
+        first = request.output_token_ids[0] if request.output_token_ids else None
         self._meta.reqs_to_send[req_id] = SendSpec(
             req_id=req_id, block_ids=remote_ids, lease_duration=self.config.kv_lease_duration,
-            renew_on_heartbeat=True, token_ids=list(request.prompt_token_ids),
+            renew_on_heartbeat=True, token_ids=list(request.prompt_token_ids), first_token=first,
         )
         self._leased.add(req_id)
-        params = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_block_ids": remote_ids,
-            "remote_host": self.side_channel_host,
-            "remote_port": self.side_channel_port,
-            "remote_request_id": req_id,
-            "tp_size": 1,
-        }
-        if request.output_token_ids:
-            # the decoder may emit it without recomputing the last prompt token
-            params[FIRST_TOKEN_KEY] = request.output_token_ids[0]
-        return True, params
+        return True, prefill_done_params(self.engine_id, remote_ids, self.side_channel_host,
+                                         self.side_channel_port, req_id, first)
 
     def _keep_for_next_turn(self, request: "Request", block_ids: list[int]):
         kept = decoder_keep_blocks(

@@ -9,12 +9,14 @@ instances' ``REQ`` sockets:
     address, ``block_bytes``, ``num_blocks``, memory type and device id, the compatibility
     fields and their hash, the lease duration and the server's wall clock (for clock offsets).
 ``{"type": "claim", "request_id": str, "block_ids": [int], "num_tokens": int, "token_digest": str}``
-    -> ``{"ok": bool, "reason": str, "lease_expiry_in": float}``: before reading, the reader
+    -> ``{"ok": bool, "reason": str, "lease_expiry_in": float[, "first_token_id": int]}``:
+    before reading, the reader
     checks that the owner still holds exactly these blocks for that request, computed from the
     same first ``num_tokens`` tokens as the reader's (their SHA-256, ``metadata.token_digest``),
     and extends the lease for the read. A claim for a request the owner does not know yet (its lease is
     registered one engine step after the request finished) is answered when it appears, or
-    rejected after ``claim_wait_s``.
+    rejected after ``claim_wait_s``. A granted claim of a prefiller's prompt carries the first
+    token the prefiller sampled (the decoder uses it, not the one a client relayed).
 ``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str}``
     -> ``{"ok": True}``: the same control messages as the NIXL notifications, for readers
     that could not load this agent's metadata (for example after a compatibility mismatch).
@@ -138,7 +140,8 @@ def side_channel_request(host: str, port: int, message: dict[str, Any], timeout_
     return reply
 
 
-ClaimResult = tuple[str, str, float]  # ("ok"|"wait"|"reject", reason, lease seconds left)
+# ("ok"|"wait"|"reject", reason, lease seconds left[, the owner's first output token or None])
+ClaimResult = tuple
 
 
 class SideChannelServer:
@@ -150,7 +153,7 @@ class SideChannelServer:
         get_info: returns the ``get_info`` payload, or None while the KV cache is not
             registered yet.
         claim: ``claim(request_id, block_ids, num_tokens, token_digest) -> (status, reason,
-            lease_left_s)`` (the last two as the reader sent them, or None) with status
+            lease_left_s[, first_token])`` (the last two as the reader sent them, or None) with status
             ``"ok"``, ``"wait"`` (unknown yet, ask again) or ``"reject"``; called on the server
             thread, so it must be thread-safe.
         notify: ``notify(kind, request_id)``; thread-safe.
@@ -241,13 +244,16 @@ class SideChannelServer:
 
     def _try_claim(self, ident: bytes, req_id: str, block_ids: list[int], deadline: float,
                    seq: Any = None, tokens: tuple[Any, Any] = (None, None)) -> None:
-        status, reason, left = self._claim(req_id, block_ids, *tokens)
+        status, reason, left, *first = self._claim(req_id, block_ids, *tokens)
         if status == "wait" and time.monotonic() < deadline:
             self._pending_claims.append((ident, req_id, block_ids, deadline, seq, tokens))
             return
         if status == "wait":
             status = "reject"
-        self._reply(ident, {"ok": status == "ok", "reason": reason, "lease_expiry_in": left}, seq)
+        answer = {"ok": status == "ok", "reason": reason, "lease_expiry_in": left}
+        if status == "ok" and first and first[0] is not None:
+            answer["first_token_id"] = first[0]
+        self._reply(ident, answer, seq)
 
     def _serve(self) -> None:
         poller = zmq.Poller()

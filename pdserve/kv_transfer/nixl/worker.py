@@ -54,7 +54,7 @@ from pdserve.kv_transfer.nixl.side_channel import (
     compat_mismatch,
     side_channel_request,
 )
-from pdserve.kv_transfer.nixl.stats import StatsRecorder, TransferStats
+from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.kv_transfer.wakeup import Waker
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ class _Load:
     post_s: float = 0.0
     deadline: float = 0.0
     aborted: bool = False
+    first_token: int | None = None  # the owner's first output token, from the claim answer
 
 
 @dataclass
@@ -155,8 +156,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._pending_notices: list[RemoteNotice] = []
         self._bg_notices: list[cf.Future] = []
         self._out = KVConnectorOutput()
-        # "engine_id|host|port" -> clock offset, measured since the last report to the scheduler
-        self._new_clock_offsets: dict[str, float] = {}
+        # endpoint key -> clock offset, measured since the last report to the scheduler
+        self._new_clock_offsets: dict[tuple[str, str, int], float] = {}
         self.stats = StatsRecorder(config.kv_metrics_log_interval)
         # Wakes the engine loop when another thread has work for it (see wakeup_handles()).
         self._waker = Waker()
@@ -168,7 +169,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self.side_channel_host,
             self.side_channel_port,
             get_info=lambda: self._info,
-            claim=self.leases.claim,
+            claim=self.leases.claim_answer,
             notify=self._on_side_channel_notice,
             claim_wait_s=config.kv_handshake_timeout,
         )
@@ -224,7 +225,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         now = time.monotonic()
         for req_id, send in metadata.reqs_to_send.items():
             early = self.leases.add(req_id, send.block_ids, send.lease_duration,
-                                    send.renew_on_heartbeat, now, send.token_ids)
+                                    send.renew_on_heartbeat, now, send.token_ids,
+                                    send.first_token)
             if early is not None and self.leases.close(req_id, f"{early} before lease"):
                 self._out.finished_sending.add(req_id)
         for req_id in metadata.release_sends:
@@ -275,10 +277,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._send_notices()
         out, self._out = self._out, KVConnectorOutput()
         out.stats = self.stats.take_delta()
-        if self._new_clock_offsets:  # for the scheduler side's expiry checks (bidirectional)
-            out.stats = dict(out.stats or TransferStats().to_dict(),
-                             remote_clock_offsets=self._new_clock_offsets)
-            self._new_clock_offsets = {}
+        # for the scheduler side's expiry checks (bidirectional)
+        out.remote_clock_offsets, self._new_clock_offsets = self._new_clock_offsets, {}
         self.stats.maybe_log()
         return out
 
@@ -394,7 +394,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 remote.info = info
                 remote.clock_offset_s = offset
                 ep = remote.endpoint
-                self._new_clock_offsets[f"{ep.engine_id}|{ep.host}|{ep.port}"] = offset
+                self._new_clock_offsets[ep.key] = offset
                 logger.info(
                     "NIXL: handshake with engine %s at %s:%d done (%d remote blocks)",
                     remote.endpoint.engine_id, remote.endpoint.host, remote.endpoint.port,
@@ -476,6 +476,14 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                         req_id, f"the remote frees the blocks in {left:.1f} s, less than the "
                         f"{spec.min_lease_left_s:g} s a read may need", notify_remote=True)
                     continue
+                if spec.first_token is not None:
+                    owner_first = reply.get("first_token_id")
+                    if owner_first != spec.first_token:
+                        self._fail_load(
+                            req_id, f"the first token relayed by the client ({spec.first_token}) "
+                            f"is not the prefiller's ({owner_first})", notify_remote=True)
+                        continue
+                    load.first_token = owner_first
                 if load.aborted:
                     self._drop_aborted(req_id, load)
                     continue
@@ -535,6 +543,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)
         del self._loads[req_id]
         self._out.finished_recving.add(req_id)
+        if load.first_token is not None:
+            self._out.first_tokens[req_id] = load.first_token
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "NIXL: request %s loaded %d blocks in %.2f ms: handshake wait %.2f ms, claim "

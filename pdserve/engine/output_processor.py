@@ -1,0 +1,151 @@
+"""The front end's side of a request's outputs: :class:`RequestOutput` (what
+:meth:`pdserve.engine.async_engine.AsyncEngine.generate` yields), :class:`EngineStats` (the
+engine snapshot for ``/metrics``) and :func:`process_output` (incremental detokenization and
+stop strings for one core delta)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """One delta of a request's output, as yielded by :meth:`AsyncEngine.generate`.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens generated since the previous delta.
+        new_text: text since the previous delta (stop strings removed; may be empty while a
+            multi-byte character or a possible stop-string prefix is held back).
+        new_logprobs: logprobs of ``new_token_ids`` when requested.
+        finished: True on the last delta.
+        finish_reason: ``stop``, ``length``, ``abort`` or ``error`` on the last delta.
+        stop_reason: the stop string or stop token id that ended the request, if any.
+        num_prompt_tokens: prompt length (tokens).
+        num_output_tokens: tokens generated so far (cumulative).
+        num_cached_tokens: prompt tokens served from the local prefix cache.
+        num_transferred_tokens: prompt tokens whose KV came from another instance.
+        kv_transfer_params: the connector's params for the client (last delta only).
+        error: the reason when ``finish_reason == "error"``.
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+    stop_reason: int | str | None = None
+    num_transferred_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Engine snapshot for ``/metrics``: queue sizes, KV cache use, cumulative token counters.
+
+    ``kv_cache_usage`` is the fraction of blocks held by requests (0..1); all ``*_total`` fields
+    are cumulative since the engine started (tokens, or events for preemptions).
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_for_remote_kvs: int = 0
+    kv_cache_usage: float = 0.0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    prompt_tokens_total: int = 0
+    prompt_tokens_computed_total: int = 0
+    prompt_tokens_cached_total: int = 0
+    prompt_tokens_transferred_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    num_kv_load_failures_total: int = 0
+    num_held_for_transfer: int = 0
+
+    @classmethod
+    def from_snapshot(cls, snapshot: dict[str, Any]) -> "EngineStats":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in snapshot.items() if k in names})
+
+
+class RequestState:
+    """A running request's output state in the front end: its output queue, detokenizer
+    and stop-string matcher, and token counts."""
+
+    __slots__ = ("queue", "detokenizer", "stop_matcher", "min_tokens", "num_prompt_tokens",
+                 "num_output_tokens", "finished")
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self.stop_matcher = StopStringMatcher(params.stop)
+        self.min_tokens = params.min_tokens  # no stop string ends in the first min_tokens tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_output_tokens = 0
+        self.finished = False
+
+
+def process_output(o: EngineCoreOutput, st: RequestState) -> RequestOutput:
+    """Turn one core delta into the client's :class:`RequestOutput`: detokenize, match stop
+    strings (a stop string cut from the text finishes the request with ``"stop"``; the caller
+    then aborts it in the core), count tokens. Marks ``st.finished`` on the last delta."""
+    finished = o.finish_reason is not None
+    finish_reason = o.finish_reason
+    stop_reason: int | str | None = o.stop_reason
+    tokens = o.new_token_ids
+    if len(tokens) > 1 and st.stop_matcher.stop:
+        # Several tokens at once (a multi-step round): match stop strings token by token,
+        # so that tokens after a stop are neither emitted nor counted, as with single steps.
+        emit, stop = "", None
+        for i, tok in enumerate(tokens):
+            part, stop = st.stop_matcher.feed(st.detokenizer.add_tokens([tok]),
+                                              st.num_output_tokens + i + 1 > st.min_tokens)
+            emit += part
+            if stop is not None:
+                tokens = tokens[: i + 1]
+                break
+        if stop is None and finished:
+            part, stop = st.stop_matcher.feed(st.detokenizer.flush(),
+                                              st.num_output_tokens + len(tokens) > st.min_tokens)
+            emit += part
+    else:
+        text = st.detokenizer.add_tokens(tokens) if tokens else ""
+        if finished:
+            text += st.detokenizer.flush()
+        emit, stop = st.stop_matcher.feed(text, st.num_output_tokens + len(tokens) > st.min_tokens)
+    if stop is not None:
+        finished = True
+        finish_reason = "stop"
+        stop_reason = stop
+    elif finished:
+        emit += st.stop_matcher.flush()
+    st.num_output_tokens += len(tokens)
+    if finished:
+        st.finished = True
+    return RequestOutput(
+        request_id=o.request_id,
+        new_token_ids=list(tokens),
+        new_text=emit,
+        new_logprobs=list(o.new_logprobs[: len(tokens)]),
+        finished=finished,
+        finish_reason=finish_reason,
+        stop_reason=stop_reason,
+        num_prompt_tokens=st.num_prompt_tokens,
+        num_output_tokens=st.num_output_tokens,
+        num_cached_tokens=o.num_cached_tokens,
+        num_transferred_tokens=o.num_transferred_tokens,
+        kv_transfer_params=o.kv_transfer_params,
+        error=o.error,
+    )

@@ -1,0 +1,291 @@
+"""The P/D wire protocol: a request's ``kv_transfer_params`` parsed once into
+:class:`KVTransferParams`, and the params an instance returns, built here.
+
+``kv_transfer_params`` follow vLLM's NixlConnector contract. A request carries them in; the
+front end parses them once, when the request arrives (:func:`parse_request_params`), into one
+typed :class:`KVTransferParams` that travels with the request (the front end's engine jobs, the
+ZMQ :class:`~pdserve.engine.messages.AddRequest`, the engine's
+:class:`~pdserve.engine.request.Request`). The front end, the engine and the connector ask that
+object (``params.role``, ``params.remote``, ``params.first_token``,
+``params.handed_prompt_ids(...)``); none of them reads the dict.
+
+Fields read (all others are kept in ``wire`` and otherwise ignored):
+
+* ``do_remote_decode: true`` -> :attr:`KVRole.PREFILL` (this instance prefills; a decoder reads
+  the KV). With a bidirectional connector, a previous turn's decoder fields
+  (``remote_engine_id``, ``remote_block_ids``, ``remote_request_id``, ...) name KV to pull back.
+* ``do_remote_prefill: true`` -> :attr:`KVRole.DECODE` (this instance decodes from a prefiller's
+  KV): ``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``,
+  ``remote_request_id`` (+ optional ``remote_num_tokens``, ``remote_block_hashes``,
+  ``remote_blocks_expiry_time``), parsed into a
+  :class:`~pdserve.kv_transfer.nixl.metadata.RemoteKVRef`; ``first_token_id``: the token the
+  prefiller sampled (only a hint: the decoder takes the prefiller's own token from its lease
+  claim answer, see ``kv_transfer/nixl/leases.py``).
+* ``prompt_tokens``: the prefiller's prompt ids for the decoder's front end
+  (:mod:`pdserve.kv_transfer.prompt_handoff`); consumed by the front end, not sent to the engine.
+
+Returned params (the response direction) are built by :func:`prefill_done_params` (P),
+:func:`decoder_turn_params` (a bidirectional D) and :func:`with_prompt_handoff` (P's front end).
+``remote_block_ids`` are returned per KV-cache group (a list of lists, vLLM's current form) and
+accepted in both the flat and the per-group form (:func:`parse_block_id_groups`).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from pdserve.kv_transfer import prompt_handoff
+from pdserve.kv_transfer.nixl.metadata import (
+    MAX_KV_CACHE_GROUPS,
+    KVTransferParamsError,
+    RemoteKVRef,
+    parse_block_id_groups,
+)
+
+__all__ = [
+    "KVRole", "KVTransferParams", "KVTransferParamsError", "MAX_KV_CACHE_GROUPS",
+    "RemoteKVRef", "block_id_groups", "decoder_turn_params", "parse_block_id_groups",
+    "parse_request_params", "prefill_done_params", "with_prompt_handoff",
+]
+
+#: The remote fields a previous turn's decoder returns (and P reads for a bidirectional pull).
+REMOTE_REF_FIELDS = (
+    "remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
+)
+# The fields without which a P leg names no previous turn on a decoder.
+_D_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_request_id")
+_FLAGS = ("do_remote_prefill", "do_remote_decode")
+_FIRST_TOKEN = "first_token_id"
+
+
+class KVRole(enum.Enum):
+    """What a request asks of this instance in a P/D flow."""
+
+    NONE = "none"  # no P/D role (plain request)
+    PREFILL = "prefill"  # ``do_remote_decode``: prefill here, a remote decoder reads the KV
+    DECODE = "decode"  # ``do_remote_prefill``: decode here from a remote prefiller's KV
+
+
+class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A request's ``kv_transfer_params``, parsed (see the module docstring).
+
+    Attributes:
+        role: the request's P/D role.
+        remote: the remote KV the request names: the prefiller's (``DECODE``), or a previous
+            turn's decoder's (``PREFILL`` with decoder fields); None when absent or malformed.
+        remote_error: why the remote fields are unusable (the first problem; None when fine).
+            The front end refuses such params with a 400; an engine that gets them anyway
+            plans a failed load, so ``kv_load_failure_policy`` applies.
+        error: the first problem of any field (flags, remote fields, first token), for the
+            front end's check.
+        first_token: the prefiller's first output token as relayed by the client (``DECODE``
+            only; None when absent or malformed).
+        handoff: the prefiller's prompt-ids hand-off as relayed (None once the front end has
+            consumed it, see :meth:`for_engine`).
+        wire: the params as received, without the hand-off (what is passed through, e.g. to
+            a connector that reads its own fields).
+    """
+
+    role: KVRole = KVRole.NONE
+    remote: RemoteKVRef | None = None
+    remote_error: str | None = None
+    error: str | None = None
+    first_token: int | None = None
+    handoff: Any = None
+    wire: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------ parsing
+    @classmethod
+    def parse(cls, raw: Any) -> "KVTransferParams | None":
+        """Parse ``kv_transfer_params`` as received; never raises (problems are recorded in
+        ``error`` / ``remote_error``; :meth:`check` raises them).
+
+        Args:
+            raw: the request's ``kv_transfer_params`` (a JSON object; parsed params are
+                returned as they are), or None.
+
+        Returns:
+            The parsed params, or None for None.
+        """
+        if raw is None or isinstance(raw, KVTransferParams):
+            return raw
+        if not isinstance(raw, dict):
+            return cls(error="kv_transfer_params must be a JSON object")
+        error: str | None = None
+        for flag in _FLAGS:
+            value = raw.get(flag)
+            if value is not None and not isinstance(value, bool) and error is None:
+                error = f"kv_transfer_params.{flag} must be true or false, got {type(value).__name__}"
+        if raw.get("do_remote_prefill"):
+            role = KVRole.DECODE
+        elif raw.get("do_remote_decode"):
+            role = KVRole.PREFILL
+        else:
+            role = KVRole.NONE
+        remote: RemoteKVRef | None = None
+        remote_error: str | None = None
+        names_remote = role is KVRole.DECODE or (
+            role is KVRole.PREFILL and any(raw.get(k) is not None for k in REMOTE_REF_FIELDS))
+        if names_remote:
+            try:
+                remote = RemoteKVRef.from_params(raw)
+            except KVTransferParamsError as e:
+                remote_error = str(e)
+            if role is KVRole.PREFILL and not all(raw.get(k) is not None for k in _D_FIELDS):
+                remote = None  # a P leg names a previous turn only with all of D's fields
+        first = raw.get(_FIRST_TOKEN)
+        first_token: int | None = None
+        first_error: str | None = None
+        if role is KVRole.DECODE and first is not None:
+            if isinstance(first, int) and not isinstance(first, bool) and first >= 0:
+                first_token = first
+            else:
+                first_error = ("kv_transfer_params.first_token_id must be a non-negative integer "
+                               "token id")
+        wire = {k: v for k, v in raw.items() if k != prompt_handoff.KEY}
+        return cls(role=role, remote=remote, remote_error=remote_error,
+                   error=error or remote_error or first_error, first_token=first_token,
+                   handoff=raw.get(prompt_handoff.KEY), wire=wire)
+
+    def check(self, bidirectional: bool, vocab_size: int | None = None) -> None:
+        """Refuse params of a KV transfer this instance would perform that lack or mistype a
+        field, so that a client mistake is a 400 instead of a failed KV load.
+
+        Checked: the role flags (booleans when given); on a decoder leg all remote fields and
+        ``first_token_id`` (a token id in ``[0, vocab_size)``); on a prefill leg that names a
+        previous turn's decoder, with ``bidirectional``, the remote fields. A prefill leg's
+        decoder fields are not checked without ``bidirectional`` (they are ignored).
+
+        Raises:
+            KVTransferParamsError: the message names the field.
+        """
+        error = self.error
+        if error is not None and error == self.remote_error and self.role is KVRole.PREFILL \
+                and not bidirectional:
+            error = None
+        if error is not None:
+            raise KVTransferParamsError(error)
+        if self.first_token is not None and vocab_size is not None and self.first_token >= vocab_size:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.first_token_id {self.first_token} is outside the "
+                f"vocabulary [0, {vocab_size})")
+
+    # ------------------------------------------------------------------------ questions
+    @property
+    def is_empty(self) -> bool:
+        """No field at all (``{}``)."""
+        return not self.wire and self.handoff is None
+
+    @property
+    def pulls_decoder_kv(self) -> bool:
+        """A prefill leg that names a previous turn's KV on a decoder (bidirectional pull)."""
+        return self.role is KVRole.PREFILL and self.remote is not None
+
+    def handed_prompt_ids(self, digest: str, vocab_size: int | None) -> list[int] | None:
+        """The prefiller's prompt ids relayed with a decoder leg, when they were computed from
+        a text with ``digest`` (:func:`pdserve.kv_transfer.prompt_handoff.decode`); else None."""
+        if self.role is not KVRole.DECODE or self.handoff is None:
+            return None
+        return prompt_handoff.decode(self.handoff, digest, vocab_size)
+
+    def for_engine(self) -> "KVTransferParams":
+        """These params without the prompt-ids hand-off (the front end consumed it)."""
+        return self if self.handoff is None else msgspec.structs.replace(self, handoff=None)
+
+    def for_other_choices(self) -> "KVTransferParams":
+        """These params for choices after the first: the prefiller's first token belongs to its
+        one choice; the others draw their own."""
+        if self.first_token is None and _FIRST_TOKEN not in self.wire:
+            return self
+        wire = {k: v for k, v in self.wire.items() if k != _FIRST_TOKEN}
+        return msgspec.structs.replace(self, first_token=None, wire=wire)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The params as received (without the prompt-ids hand-off)."""
+        return dict(self.wire)
+
+
+def parse_request_params(raw: Any, kv_transfer_config: Any, vocab_size: int | None
+                         ) -> KVTransferParams | None:
+    """The front end's one parse of a request's ``kv_transfer_params``.
+
+    Args:
+        raw: the request's ``kv_transfer_params``.
+        kv_transfer_config: this instance's
+            :class:`~pdserve.kv_transfer.config.KVTransferConfig`, or None without a connector
+            (then the params are not checked: nothing here performs a transfer).
+        vocab_size: the model's vocabulary size (bounds ``first_token_id``), or None.
+
+    Raises:
+        KVTransferParamsError: with a connector, a field the requested transfer needs is
+            missing or mistyped (the message names it).
+    """
+    params = KVTransferParams.parse(raw)
+    if params is not None and kv_transfer_config is not None:
+        params.check(bool(kv_transfer_config.bidirectional_kv_xfer), vocab_size)
+    return params
+
+
+# ---------------------------------------------------------------------------- block ids
+def block_id_groups(block_ids: list[int]) -> list[list[int]]:
+    """The returned ``remote_block_ids`` for a model with one KV-cache group: per group, as
+    vLLM's NixlConnector returns them (``[[0, 15, 16]]``)."""
+    return [list(block_ids)]
+
+
+# ---------------------------------------------------------------------------- returned params
+def prefill_done_params(engine_id: str, block_ids: list[int], host: str, port: int,
+                        req_id: str, first_token: int | None) -> dict[str, Any]:
+    """What a prefiller returns for the decoder leg: where its prompt KV is (kept under a
+    lease), and the first token it sampled (None: not sampled)."""
+    params: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_block_ids": block_id_groups(block_ids),
+        "remote_host": host,
+        "remote_port": port,
+        "remote_request_id": req_id,
+        "tp_size": 1,
+    }
+    if first_token is not None:
+        params[_FIRST_TOKEN] = first_token
+    return params
+
+
+def decoder_turn_params(engine_id: str, block_ids: list[int], num_tokens: int,
+                        block_hashes: list[str], expiry_time: float, host: str, port: int,
+                        req_id: str) -> dict[str, Any]:
+    """What a bidirectional decoder returns at the end of a turn: where the turn's KV is kept
+    (``expiry_time``: ``time.time()`` seconds at which the blocks are freed) for the next
+    turn's prefiller to pull."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": engine_id,
+        "remote_block_ids": block_id_groups(block_ids),
+        "remote_num_tokens": num_tokens,
+        "remote_block_hashes": block_hashes,
+        "remote_blocks_expiry_time": expiry_time,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_request_id": req_id,
+        "tp_size": 1,
+    }
+
+
+def with_prompt_handoff(returned: dict[str, Any] | None, prompt_ids: list[int],
+                        digest: str) -> dict[str, Any] | None:
+    """A prefiller's returned params plus its prompt ids for the decoder's front end
+    (:mod:`pdserve.kv_transfer.prompt_handoff`); unchanged when they send no decoder here or
+    an id does not fit the wire format."""
+    if not isinstance(returned, dict) or not returned.get("do_remote_prefill"):
+        return returned
+    try:
+        handed = prompt_handoff.encode(prompt_ids, digest)
+    except OverflowError:
+        return returned
+    return dict(returned, **{prompt_handoff.KEY: handed})
