@@ -1,10 +1,12 @@
 """The disaggregation proxy's HTTP application (aiohttp server + pooled aiohttp client).
 
 One generation request (``POST /v1/completions`` or ``/v1/chat/completions``) becomes two legs
-(DESIGN.md §2): a prefill leg to a P instance (``max_tokens=1``, non-streaming; its answer carries
+(docs/proxy.md): a prefill leg to a P instance (``max_tokens=1``, non-streaming; its answer carries
 ``kv_transfer_params``) and a decode leg to a D instance (the client's body plus P's params), whose
 answer goes back to the client byte for byte; a streamed answer is forwarded chunk by chunk as it
-arrives. Both legs carry the same ``X-Request-Id``.
+arrives. Both legs carry the same ``X-Request-Id``. Which instance serves each leg is decided in
+:mod:`pdserve.router.kv_routing` (round-robin, least-loaded, KV-cache-aware, session affinity);
+multi-turn state lives in a :mod:`pdserve.router.state_store` (memory or Redis).
 
 Why aiohttp on both sides: on the 2-core development machine the same pass-through written with
 FastAPI/uvicorn (h11) + httpx reached about 270 requests/s, FastAPI + an aiohttp client about
@@ -38,7 +40,10 @@ from pdserve.router.conversations import ConversationStore
 from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, NOT_FOUND,
                                    UPSTREAM_UNAVAILABLE, ProxyError, error_bytes,
                                    normalize_upstream_error)
+from pdserve.router.kv_routing import (KVAwareRouter, PromptTokenizer, RoutingDecision,
+                                       RoutingReason, affinity_allows, route_plain)
 from pdserve.router.metrics import ProxyMetrics
+from pdserve.router.state_store import MemoryStateStore, RedisStateStore
 from pdserve.router.sse import KVParamsWatcher
 from pdserve.router.upstream_client import Turn, UpstreamClient, UpstreamHTTPError, connect_reason
 from pdserve.router.upstreams import Upstream, UpstreamPool
@@ -61,17 +66,34 @@ class DisaggProxy:
 
     Attributes:
         prefillers, decoders: the instance pools (in-flight counts, routing).
-        conversations: multi-turn state, or None without ``--multi-turn``.
+        conversations: the in-process multi-turn table, or None (no ``--multi-turn``, or
+            ``--state-store redis://...``).
+        state_store: where multi-turn state is loaded from and recorded, or None.
+        kv_router: KV-aware routing (``--routing kv-aware``), or None.
         metrics: the Prometheus metrics served at ``/metrics``.
+
+    Raises:
+        pdserve.bench.tokenizer.TokenizerLoadError: kv-aware routing cannot load ``--tokenizer``.
     """
 
     def __init__(self, config: ProxyConfig):
         self.config = config
         self.prefillers = UpstreamPool("prefill", config.prefillers, config.routing)
         self.decoders = UpstreamPool("decode", config.decoders, config.routing)
-        self.conversations = (ConversationStore(config.max_conversations, config.conversation_ttl)
-                              if config.multi_turn else None)
         self.metrics = ProxyMetrics(config.prefillers, config.decoders)
+        self.conversations: ConversationStore | None = None
+        self.state_store: MemoryStateStore | RedisStateStore | None = None
+        if config.multi_turn and config.state_store == "memory":
+            self.conversations = ConversationStore(config.max_conversations, config.conversation_ttl)
+            self.state_store = MemoryStateStore(self.conversations)
+        elif config.multi_turn:
+            self.state_store = RedisStateStore(config.state_store, config.conversation_ttl,
+                                               self.metrics.count_state_store_error)
+        self.kv_router: KVAwareRouter | None = None
+        if config.routing == "kv-aware":
+            self.kv_router = KVAwareRouter(config.prefillers + config.decoders,
+                                           PromptTokenizer(config.tokenizer),
+                                           config.kv_load_weight, config.kv_events_stale_after)
         self._api_key = (f"Bearer {config.api_key}".encode() if config.api_key else None)
         self._upstream_auth = (f"Bearer {config.upstream_api_key}" if config.upstream_api_key else None)
         self.client = UpstreamClient(config.timeout, (self.prefillers, self.decoders),
@@ -93,8 +115,14 @@ class DisaggProxy:
 
     async def _start_client(self, app: web.Application) -> None:
         await self.client.start()
+        if self.kv_router is not None:
+            self.kv_router.start(self.client.session, self._upstream_auth)
 
     async def _close_client(self, app: web.Application) -> None:
+        if self.kv_router is not None:
+            await self.kv_router.close()
+        if self.state_store is not None:
+            await self.state_store.close()
         await self.client.close()
 
     # ------------------------------------------------------------------ helpers
@@ -113,10 +141,33 @@ class DisaggProxy:
             headers["Authorization"] = auth
         return headers
 
-    async def _open_leg(self, pool: UpstreamPool, path: str, data: bytes, headers: dict[str, str],
-                        preferred: Upstream | None, turn: Turn) -> tuple[Upstream, aiohttp.ClientResponse]:
-        """Route one leg and open its request (see :meth:`UpstreamClient.open`)."""
-        return await self.client.open(pool.order(preferred), pool, path, data, headers, turn)
+    def _route(self, pool: UpstreamPool, previous_url: str | None, token_ids: list[int] | None,
+               turn: Turn) -> list[Upstream]:
+        """Decide one leg's instance (order to try, best first); count and log the decision.
+
+        ``previous_url``: the instance of the conversation's previous turn, if any.
+        """
+        previous = pool.get(previous_url)
+        kv = self.kv_router
+        if self.config.session_affinity and pool is self.decoders and previous is not None:
+            if affinity_allows(pool, previous):
+                order = pool.order(previous)
+                decision = (RoutingDecision(order, RoutingReason.AFFINITY) if order[0] is previous
+                            else route_plain(pool, None))
+            else:  # too busy: routed as a new conversation would be
+                decision = kv.route(pool, token_ids) if kv is not None else route_plain(pool, None)
+        elif kv is not None:
+            decision = kv.route(pool, token_ids)
+        else:
+            decision = route_plain(pool, previous)
+        self.metrics.count_decision(pool.leg, decision.reason.value,
+                                    decision.hit_blocks if kv is not None else None)
+        if logger.isEnabledFor(logging.DEBUG):
+            up = decision.order[0]
+            logger.debug("request %s: %s leg -> %s (%s; %d/%d prompt blocks cached there; "
+                         "%d in flight)", turn.request_id, pool.leg, up.url, decision.reason.value,
+                         decision.hit_blocks, decision.prompt_blocks, up.in_flight)
+        return decision.order
 
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: web.Request) -> web.StreamResponse:
@@ -150,19 +201,22 @@ class DisaggProxy:
         except ValueError as e:
             raise ProxyError(400, f"request body is not valid JSON: {e}", INVALID_REQUEST) from None
         check_client_body(body)
-        store = self.conversations
+        store = self.state_store
         conv_id = None
         if store is not None:
             conv_id = conversation_key(body, request.headers.get("X-Session-ID"))
-        state = store.get(conv_id) if conv_id else None
+        state = await store.load(conv_id) if conv_id else None
         headers = self._upstream_headers(request, turn.request_id)
         path = request.path
+        token_ids = None
+        if self.kv_router is not None:
+            token_ids = await self.kv_router.tokenizer.token_ids_async(_ENDPOINTS[path], body)
 
         # Prefill leg.
         p_body = prefill_leg_body(body, state.kv_transfer_params if state else None)
-        p_up, p_resp = await self._open_leg(self.prefillers, path, _encode(p_body).encode(), headers,
-                                        self.prefillers.get(state.prefiller_url) if state else None,
-                                        turn)
+        p_order = self._route(self.prefillers, state.prefiller_url if state else None, token_ids, turn)
+        p_up, p_resp = await self.client.open(p_order, self.prefillers, path,
+                                              _encode(p_body).encode(), headers, turn)
         p_raw = await self.client.read_body(p_up, p_resp, turn)
         self.client.check_status(p_up, p_resp, p_raw)
         try:
@@ -175,8 +229,8 @@ class DisaggProxy:
 
         # Decode leg.
         d_data = _encode(decode_leg_body(body, p_params)).encode()
-        d_up, d_resp = await self._open_leg(self.decoders, path, d_data, headers,
-                                        self.decoders.get(state.decoder_url) if state else None, turn)
+        d_order = self._route(self.decoders, state.decoder_url if state else None, token_ids, turn)
+        d_up, d_resp = await self.client.open(d_order, self.decoders, path, d_data, headers, turn)
         if body.get("stream") is True and d_resp.status == 200:
             return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id)
         d_raw = await self.client.read_body(d_up, d_resp, turn)
@@ -187,7 +241,8 @@ class DisaggProxy:
             except ValueError:
                 d_answer = None  # relayed as it is; there is just nothing to remember
             d_params = d_answer.get("kv_transfer_params") if isinstance(d_answer, dict) else None
-            self._record_turn(conv_id, p_up, d_up, d_params if isinstance(d_params, dict) else None)
+            await self._record_turn(conv_id, p_up, d_up,
+                                    d_params if isinstance(d_params, dict) else None)
         turn.status = d_resp.status
         resp = web.Response(body=d_raw, status=d_resp.status, headers={
             "Content-Type": d_resp.headers.get("Content-Type", _JSON),
@@ -195,10 +250,11 @@ class DisaggProxy:
         self.metrics.added_latency.observe(perf_counter() - turn.t0 - turn.upstream_wait)
         return resp
 
-    def _record_turn(self, conv_id: str, p_up: Upstream, d_up: Upstream,
-                     d_params: dict[str, Any] | None) -> None:
-        self.conversations.record_turn(conv_id, p_up.url, d_up.url, d_params)
-        self.metrics.conversations.set(len(self.conversations))
+    async def _record_turn(self, conv_id: str, p_up: Upstream, d_up: Upstream,
+                           d_params: dict[str, Any] | None) -> None:
+        await self.state_store.record_turn(conv_id, p_up.url, d_up.url, d_params)
+        if self.conversations is not None:
+            self.metrics.conversations.set(len(self.conversations))
 
     async def _relay_stream(self, request: web.Request, turn: Turn, d_up: Upstream,
                             d_resp: aiohttp.ClientResponse, p_up: Upstream,
@@ -236,7 +292,7 @@ class DisaggProxy:
                     # must find them (else P would try the blocks it already pulled).
                     watcher.feed(chunk)
                     if watcher.kv_transfer_params is not None:
-                        self._record_turn(conv_id, p_up, d_up, watcher.kv_transfer_params)
+                        await self._record_turn(conv_id, p_up, d_up, watcher.kv_transfer_params)
                         recorded = True
                 if content.at_eof():  # D's last chunk: send it with the end of the response
                     finished = True
@@ -255,7 +311,7 @@ class DisaggProxy:
                 d_resp.close()  # D's server sees the disconnect and aborts the request
             self.client.leave(d_up)
         if finished and conv_id and not recorded:
-            self._record_turn(conv_id, p_up, d_up, None)  # keeps the routing stickiness
+            await self._record_turn(conv_id, p_up, d_up, None)  # keeps the routing stickiness
         return out
 
     # ------------------------------------------------------------------ other routes
