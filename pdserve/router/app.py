@@ -214,6 +214,8 @@ class DisaggProxy:
 
         # Prefill leg.
         p_body = prefill_leg_body(body, state.kv_transfer_params if state else None)
+        if state is not None and state.kv_transfer_params:
+            self.metrics.kv_params_forwarded.inc()
         p_order = self._route(self.prefillers, state.prefiller_url if state else None, token_ids, turn)
         p_up, p_resp = await self.client.open(p_order, self.prefillers, path,
                                               _encode(p_body).encode(), headers, turn)

@@ -17,6 +17,8 @@ Names (kept here until the project-wide ``pdserve/metrics.py`` takes them over):
   :class:`pdserve.router.kv_routing.RoutingReason` value.
 * ``pdserve:proxy_routing_cache_hit_blocks{leg}``: kv-aware: prompt blocks already cached on the
   chosen instance, per decision.
+* ``pdserve:proxy_kv_params_forwarded_total``: multi-turn turns whose prefill leg carried the
+  decoder's ``kv_transfer_params`` of the previous turn (P may pull the history from D).
 * ``pdserve:proxy_state_store_errors_total{op}``: state store operations (``load`` /
   ``record``) that failed or were skipped after a failure; those turns were served as recompute.
 """
@@ -64,6 +66,9 @@ class ProxyMetrics:
         self.state_store_errors = Counter("pdserve:proxy_state_store_errors",
                                           "State store operations that failed or were skipped",
                                           ["op"], registry=self.registry)
+        self.kv_params_forwarded = Counter("pdserve:proxy_kv_params_forwarded",
+                                           "Turns whose prefill leg carried D's previous params",
+                                           registry=self.registry)
         for op in ("load", "record"):
             self.state_store_errors.labels(op=op)
         self._decision_children: dict[tuple[str, str], Counter] = {}
