@@ -463,3 +463,19 @@ def test_unstartable_child_is_a_clear_error(tmp_path, capsys):
     assert len(engines) == 2
     for child in engines:  # started before the proxy failed, then stopped
         assert child["pid"] is not None and not _alive(child["pid"])
+
+
+def test_plan_turns_kv_events_on_with_distinct_ports():
+    specs = _plan(["--num-prefillers", "2", "--num-decoders", "2", "--port", str(_proxy_port()),
+                   "--", "--dtype", "float32"])
+    endpoints = []
+    for spec in specs[:-1]:
+        argv = spec.argv
+        endpoints += [argv[argv.index("--kv-events-endpoint") + 1],
+                      argv[argv.index("--kv-events-snapshot-endpoint") + 1]]
+        assert argv[-2:] == ["--dtype", "float32"]
+    ports = [int(e.rpartition(":")[2]) for e in endpoints]
+    others = [s.port for s in specs] + [s.side_channel_port for s in specs[:-1]]
+    assert len(set(ports)) == 8 and not set(ports) & set(others)
+    given = _plan(["--port", str(_proxy_port()), "--", "--kv-events-endpoint", "tcp://*:7000"])
+    assert given[0].argv.count("--kv-events-endpoint") == 1

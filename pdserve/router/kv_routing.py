@@ -192,11 +192,15 @@ class KVAwareRouter:
             sub.start()
             self._subscribers.append(sub)
 
-    async def close(self) -> None:
-        """Stop the subscribers (routing falls back to least-loaded) and the tokenizer thread."""
+    async def stop_events(self) -> None:
+        """Stop the event subscribers: no index is live any more, routing is least-loaded."""
         subs, self._subscribers = self._subscribers, []
         for sub in subs:
             await sub.close()
+
+    async def close(self) -> None:
+        """Stop the subscribers and the tokenizer thread."""
+        await self.stop_events()
         self.tokenizer.close()
 
     def live(self, urls: Sequence[str]) -> bool:
