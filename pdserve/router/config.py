@@ -47,6 +47,7 @@ class ProxyConfig:
         kv_events_stale_after: seconds without KV events after which an instance's cache view
             is ignored (kv-aware falls back to least-loaded).
         state_store: ``"memory"`` or ``"redis://HOST:PORT/DB"`` (the multi-turn table).
+        log_level: ``critical`` .. ``debug`` (``debug`` logs every routing decision).
         session_affinity: a conversation's next turn prefers its previous decoder while that
             decoder's load allows (``pdserve.router.kv_routing.AFFINITY_MAX_EXTRA_IN_FLIGHT``).
     """
@@ -67,6 +68,7 @@ class ProxyConfig:
     kv_events_stale_after: float = DEFAULT_STALE_AFTER_S
     state_store: str = "memory"
     session_affinity: bool = False
+    log_level: str = "info"
 
 
 def _port(text: str) -> int:
@@ -190,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S,
                    help="seconds to wait for an instance's response or next streamed chunk "
                         f"(default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level (default info; debug logs every routing decision)")
     return p
 
 
@@ -222,5 +227,5 @@ def parse_args(argv: list[str]) -> ProxyConfig:
         upstream_api_key=ns.upstream_api_key or None, max_conversations=ns.max_conversations,
         conversation_ttl=ns.conversation_ttl, timeout=ns.timeout, tokenizer=ns.tokenizer,
         kv_load_weight=ns.kv_load_weight, kv_events_stale_after=ns.kv_events_stale_after,
-        state_store=ns.state_store, session_affinity=ns.session_affinity,
+        state_store=ns.state_store, session_affinity=ns.session_affinity, log_level=ns.log_level,
     )
