@@ -153,6 +153,8 @@ async def test_kv_aware_routes_a_shared_prefix_to_the_prefiller_that_cached_it(c
         before = counters(cluster)
         first = await post(kv_proxy.url, path, body)
         assert answer(first) == answer(single(cluster, path, body))
+        await wait_until(lambda: any(v > before[n] for n, v in counters(cluster).items()),
+                         timeout=20)
         grew = {n: v - before[n] for n, v in counters(cluster).items()}
         (served,) = [n for n, v in grew.items() if v > 0]
         # the proxy's hashes of the prompt are the engine's: all its full blocks show up cached
