@@ -43,6 +43,10 @@ class EngineConfig:
             round. 1 (the default) schedules every step.
         kv_transfer_config: parsed ``--kv-transfer-config`` (None: no connector).
         trust_remote_code: passed to transformers when reading configs/tokenizers.
+        kv_events_endpoint: ZMQ endpoint on which the engine core publishes its prefix-cache
+            changes (:mod:`pdserve.engine.kv_events`); None (the default) publishes nothing.
+        kv_events_snapshot_endpoint: ZMQ endpoint answering snapshot requests (default: the
+            events endpoint's host, port + 1).
     """
 
     model: str = DEFAULT_MODEL
@@ -64,6 +68,8 @@ class EngineConfig:
     num_scheduler_steps: int = 1
     kv_transfer_config: KVTransferConfig | None = None
     trust_remote_code: bool = False
+    kv_events_endpoint: str | None = None
+    kv_events_snapshot_endpoint: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

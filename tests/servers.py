@@ -178,3 +178,43 @@ class ProxyServer(Process):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"proxy not listening in time:\n{self.log_tail()}")
+
+
+class RedisServer(Process):
+    """``redis-server`` on a free localhost port, without persistence (for the proxy's
+    ``--state-store``); ``url`` is ``redis://127.0.0.1:PORT/0``. Skips the test when
+    ``redis-server`` is not installed (``.ci/run`` installs it).
+
+    Args:
+        log_path: file receiving the server's output.
+        port: the port to listen on (default: a free one; give the old one to restart).
+    """
+
+    def __init__(self, log_path: Path, port: int | None = None):
+        import shutil
+
+        import pytest
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed")
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        super().__init__([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no"], log_path)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Waits until the port accepts connections.
+
+        Raises:
+            RuntimeError: the process exited. TimeoutError: not ready within ``timeout`` s.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"redis-server not ready in time:\n{self.log_tail()}")

@@ -539,3 +539,17 @@ def test_banner_python_example_runs_as_pasted(tmp_path):
     assert check.returncode == 0 and not check.stderr, check.stderr
     missing = launcher.usage_banner("http://127.0.0.1:8000", "m", openai_installed=False)
     assert "pip install openai" in missing
+def test_plan_turns_kv_events_on_with_distinct_ports():
+    specs = _plan(["--num-prefillers", "2", "--num-decoders", "2", "--port", str(_proxy_port()),
+                   "--", "--dtype", "float32"])
+    endpoints = []
+    for spec in specs[:-1]:
+        argv = spec.argv
+        endpoints += [argv[argv.index("--kv-events-endpoint") + 1],
+                      argv[argv.index("--kv-events-snapshot-endpoint") + 1]]
+        assert argv[-2:] == ["--dtype", "float32"]
+    ports = [int(e.rpartition(":")[2]) for e in endpoints]
+    others = [s.port for s in specs] + [s.side_channel_port for s in specs[:-1]]
+    assert len(set(ports)) == 8 and not set(ports) & set(others)
+    given = _plan(["--port", str(_proxy_port()), "--", "--kv-events-endpoint", "tcp://*:7000"])
+    assert given[0].argv.count("--kv-events-endpoint") == 1

@@ -20,6 +20,12 @@ Hash choice: the first 8 bytes of ``sha256(parent_hash as 8 little-endian bytes 
 little-endian int64)``, as an unsigned int. It is stable across processes, machines and Python
 versions (Python's ``hash()`` is not guaranteed to be), so the KV connector can compare the block
 hashes of two engine instances to find the longest common prefix. The root parent hash is 0.
+:func:`block_hashes` is the one implementation: the KV connector and the proxy's KV-aware routing
+(``pdserve/router/kv_routing.py``) import it.
+
+KV events (:meth:`KVCacheManager.enable_events`): every hash that enters or leaves the prefix cache
+is recorded as a :mod:`pdserve.engine.kv_events` event; the engine core takes them once per step
+(:meth:`KVCacheManager.take_events`) and publishes them.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import hashlib
 import struct
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Sequence
+
+from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:
     from pdserve.engine.request import Request
@@ -108,6 +116,33 @@ class KVCacheManager:
         self._req_num_cached: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # tokens found
+        self._events: list[KVEvent] | None = None  # None: KV events off
+
+    # ---------------------------------------------------------------- KV events
+    def enable_events(self) -> None:
+        """Start recording prefix-cache changes as KV events (see :meth:`take_events`)."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, in order (empty when events are off)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every hash registered in the prefix cache now (a KV events snapshot)."""
+        return list(self._cached)
+
+    def _removed(self, h: int) -> None:
+        events = self._events
+        if events is not None:
+            if events and type(events[-1]) is BlockRemoved:
+                events[-1].block_hashes.append(h)
+            else:
+                events.append(BlockRemoved([h]))
 
     # ---------------------------------------------------------------- accounting
     @property
@@ -197,6 +232,7 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = self._request_hashes(request, num_full * self.block_size)
+        stored: list[int] = []
         for i in range(done, num_full):
             block_id = blocks[i]
             h = hashes[i]
@@ -206,7 +242,10 @@ class KVCacheManager:
                 continue  # another block holds the same tokens; keep that one
             self._block_hash[block_id] = h
             self._cached[h] = block_id
+            stored.append(h)
         self._req_num_cached[rid] = num_full
+        if stored and self._events is not None:
+            self._events.append(BlockStored(stored))
 
     def uncache_blocks(self, request: "Request", first_block_index: int) -> None:
         """Drop blocks ``first_block_index ..`` of the request from the prefix cache (their KV is
@@ -217,6 +256,7 @@ class KVCacheManager:
             h = self._block_hash[block_id]
             if h is not None and self._cached.get(h) == block_id:
                 del self._cached[h]
+                self._removed(h)
             self._block_hash[block_id] = None
         if self._req_num_cached.get(rid, 0) > first_block_index:
             self._req_num_cached[rid] = first_block_index
@@ -231,6 +271,8 @@ class KVCacheManager:
             return False
         self._cached.clear()
         self._block_hash = [None] * self.num_blocks
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return True
 
     # ---------------------------------------------------------------- allocation
@@ -299,6 +341,7 @@ class KVCacheManager:
         if h is not None:  # evict from the prefix cache
             if self._cached.get(h) == block_id:
                 del self._cached[h]
+                self._removed(h)
             self._block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

@@ -29,6 +29,7 @@ from pdserve.engine.messages import (
     make_encoder,
     make_input_decoder,
 )
+from pdserve.engine.kv_events import KVEventPublisher, default_snapshot_endpoint
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
@@ -157,6 +158,15 @@ class EngineCore:
             self.config, self.num_blocks, self.connector, eos_token_ids=self.eos_token_ids
         )
         self._connector_stats: list[dict[str, Any]] = []
+        # KV events (--kv-events-endpoint): the block manager records, the publisher sends.
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events_endpoint:
+            self.kv_events = KVEventPublisher(
+                config.kv_events_endpoint,
+                config.kv_events_snapshot_endpoint
+                or default_snapshot_endpoint(config.kv_events_endpoint),
+                config.block_size)
+            self.scheduler.kv_cache_manager.enable_events()
 
     # ---------------------------------------------------------------- requests
     def add_request(self, msg: AddRequest) -> EngineCoreOutput | None:
@@ -272,6 +282,17 @@ class EngineCore:
         if self.connector_worker is not None:
             self.connector_worker.log_stats()
 
+    def publish_kv_events(self) -> None:
+        """Publish the prefix-cache changes of the last step as one batch (a heartbeat when
+        there were none and one is due); no-op without ``--kv-events-endpoint``."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv_cache_manager.take_events())
+
+    def serve_kv_snapshot(self) -> None:
+        """Answer a pending KV events snapshot request (its socket is readable)."""
+        if self.kv_events is not None:
+            self.kv_events.serve_snapshot(self.scheduler.kv_cache_manager.cached_block_hashes())
+
     def take_connector_stats(self) -> list[dict[str, Any]]:
         """Connector stats deltas collected since the last call."""
         stats, self._connector_stats = self._connector_stats, []
@@ -282,6 +303,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the connector and release the runner (idempotent)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         for part in (self.connector, self.connector_worker, self.runner):
             if part is None:
                 continue
@@ -376,6 +400,9 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
 
     poller = zmq.Poller()
     poller.register(in_sock, zmq.POLLIN)
+    snapshot_sock = core.kv_events.snapshot_socket if core.kv_events is not None else None
+    if snapshot_sock is not None:
+        poller.register(snapshot_sock, zmq.POLLIN)
     wakeups: list[Any] = []
     last_stats: dict[str, Any] | None = None
     last_stats_time = 0.0
@@ -394,6 +421,8 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
         wakeups = _sync_wakeup_handles(poller, wakeups, core.wakeup_handles())
         early_outputs: list[EngineCoreOutput] = []
         events = dict(poller.poll(timeout_s * 1000))
+        if snapshot_sock is not None and events.pop(snapshot_sock, None):
+            core.serve_kv_snapshot()
         if len(events) > (in_sock in events):
             core.handle_wakeup()
         if in_sock in events:
@@ -421,6 +450,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
 
         stepping = core.has_work() or bool(sched.finished_req_ids)
         outputs, progressed = core.step() if stepping else ([], False)
+        core.publish_kv_events()
         outputs = early_outputs + outputs
         core.log_connector_stats()
         conn_stats = core.take_connector_stats()

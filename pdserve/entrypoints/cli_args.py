@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+                   help="publish prefix-cache changes (KV events, for the proxy's --routing "
+                        "kv-aware) on this ZMQ PUB endpoint, e.g. tcp://*:5557 (default: off)")
+    p.add_argument("--kv-events-snapshot-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+                   help="ZMQ REP endpoint serving KV event snapshots (default: the events "
+                        "endpoint's port + 1)")
     return p
 
 
@@ -77,6 +83,8 @@ def engine_config_from_args(args: argparse.Namespace, kv_transfer_config: Any) -
         enforce_eager=args.enforce_eager,
         kv_transfer_config=kv_transfer_config,
         trust_remote_code=args.trust_remote_code,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_snapshot_endpoint=args.kv_events_snapshot_endpoint,
     )
     for name in ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization",
                  "num_scheduler_steps"):

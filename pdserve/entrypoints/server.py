@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
 from pdserve.config import DEFAULT_MODEL, EngineConfig
+from pdserve.engine.kv_events import default_snapshot_endpoint
 from pdserve.entrypoints.auth import APIKeyMiddleware
 from pdserve.entrypoints.chat_completions import ChatCompletionsHandler
 from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
@@ -98,6 +99,19 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
             return OpenAIError(f"The engine is not running: {e}", 503,
                                code="engine_dead").response()
         return JSONResponse({"status": "ok"})
+
+    @app.get("/kv_events")
+    async def kv_events_info() -> Response:
+        """Where this instance publishes KV events (``pdserve/engine/kv_events.py``); 404 when
+        ``--kv-events-endpoint`` is off. The proxy's ``--routing kv-aware`` reads it."""
+        config = engine.config
+        if not config.kv_events_endpoint:
+            return OpenAIError("KV events are off (start with --kv-events-endpoint)", 404,
+                               code="not_found").response()
+        snapshot = (config.kv_events_snapshot_endpoint
+                    or default_snapshot_endpoint(config.kv_events_endpoint))
+        return JSONResponse({"endpoint": config.kv_events_endpoint,
+                             "snapshot_endpoint": snapshot, "block_size": config.block_size})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

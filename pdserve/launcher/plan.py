@@ -302,12 +302,23 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
             sharing[gpu] = sharing.get(gpu, 0) + 1
     memory_given = _option_given(engine_args, "--gpu-memory-utilization", "--kv-cache-memory")
 
+    # KV events: every engine publishes its prefix-cache changes for the proxy's
+    # --routing kv-aware, on two free ports (events, snapshots) unless the user set the option.
+    events_on = not _option_given(engine_args, "--kv-events-endpoint")
+    taken = [*seen, *p_ports, *d_ports, *p_side, *d_side]
+    event_ports = iter(allocate_free_ports(2 * (n_p + n_d), ENGINE_HOST, exclude=taken)
+                       if events_on else ())
+
     specs: list[ChildSpec] = []
     for role, kv_role, count, ports, side_ports, gpu_list in (
             ("prefill", "kv_producer", n_p, p_ports, p_side, p_gpus),
             ("decode", "kv_consumer", n_d, d_ports, d_side, d_gpus)):
         for i in range(count):
             args_i = list(engine_args)
+            if events_on:
+                args_i[:0] = ["--kv-events-endpoint", f"tcp://{ENGINE_HOST}:{next(event_ports)}",
+                              "--kv-events-snapshot-endpoint",
+                              f"tcp://{ENGINE_HOST}:{next(event_ports)}"]
             gpu = gpu_list[i]
             env = {"PDSERVE_NIXL_SIDE_CHANNEL_HOST": ENGINE_HOST,
                    "PDSERVE_NIXL_SIDE_CHANNEL_PORT": str(side_ports[i]),

@@ -12,9 +12,13 @@ import argparse
 from dataclasses import dataclass
 
 from pdserve import cli_types
+from pdserve.router.kv_index import DEFAULT_STALE_AFTER_S
+from pdserve.router.kv_routing import DEFAULT_KV_LOAD_WEIGHT
+from pdserve.router.state_store import check_state_store_url
+from pdserve.router.upstreams import ROUTING_POLICIES
 
 #: Default lifetime of a multi-turn entry in seconds; equals the decoder's default
-#: ``decoder_kv_blocks_ttl`` (DESIGN.md §4), after which D has freed the blocks anyway.
+#: ``decoder_kv_blocks_ttl`` (docs/proxy.md), after which D has freed the blocks anyway.
 DEFAULT_CONVERSATION_TTL_S = 480.0
 #: Default bound on the number of remembered conversations (least recently used are dropped).
 DEFAULT_MAX_CONVERSATIONS = 100_000
@@ -29,14 +33,24 @@ class ProxyConfig:
     Attributes:
         host, port: where the proxy listens (port 0 = any free port; the bound one is printed).
         prefillers, decoders: base URLs of the instances, e.g. ``"http://127.0.0.1:8100"``.
-        routing: ``"round-robin"`` or ``"least-loaded"`` (fewest requests in flight).
-        multi_turn: remember D's ``kv_transfer_params`` per ``conversation_id`` (DESIGN.md §3).
+        routing: ``"round-robin"``, ``"least-loaded"`` (fewest requests in flight) or
+            ``"kv-aware"`` (prompt blocks cached per instance against load; docs/proxy.md).
+        multi_turn: remember D's ``kv_transfer_params`` per ``conversation_id`` (docs/proxy.md).
         api_key: key clients must send as ``Authorization: Bearer <key>``; None = open.
         upstream_api_key: key sent to P and D as ``Authorization: Bearer <key>``; None = forward
             the client's ``Authorization`` header unchanged (if any).
         max_conversations: LRU bound on remembered conversations.
         conversation_ttl: seconds a conversation entry lives after its last turn.
         timeout: seconds to wait for an upstream's response, and between streamed chunks.
+        tokenizer: the served model (built-in name, directory or ``.gguf``) whose tokenizer
+            kv-aware routing uses; required with ``routing="kv-aware"``.
+        kv_load_weight: kv-aware cost of one request in flight against a whole cached prompt.
+        kv_events_stale_after: seconds without KV events after which an instance's cache view
+            is ignored (kv-aware falls back to least-loaded).
+        state_store: ``"memory"`` or ``"redis://HOST:PORT/DB"`` (the multi-turn table).
+        log_level: ``critical`` .. ``debug`` (``debug`` logs every routing decision).
+        session_affinity: a conversation's next turn prefers its previous decoder while that
+            decoder's load allows (``pdserve.router.kv_routing.AFFINITY_MAX_EXTRA_IN_FLIGHT``).
     """
 
     host: str = "127.0.0.1"
@@ -50,6 +64,12 @@ class ProxyConfig:
     max_conversations: int = DEFAULT_MAX_CONVERSATIONS
     conversation_ttl: float = DEFAULT_CONVERSATION_TTL_S
     timeout: float = DEFAULT_TIMEOUT_S
+    tokenizer: str | None = None
+    kv_load_weight: float = DEFAULT_KV_LOAD_WEIGHT
+    kv_events_stale_after: float = DEFAULT_STALE_AFTER_S
+    state_store: str = "memory"
+    session_affinity: bool = False
+    log_level: str = "info"
 
 
 def base_url(host: str, port: int) -> str:
@@ -107,9 +127,26 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{role}-ports", f"--{role}-port", dest=f"{role}_ports", nargs="+",
                        action="extend", type=cli_types.port, metavar="PORT",
                        help=f"HTTP ports of the {what} instances; repeatable")
-    p.add_argument("--routing", choices=("round-robin", "least-loaded"), default="round-robin",
+    p.add_argument("--routing", choices=ROUTING_POLICIES, default="round-robin",
                    help="how to pick an instance per leg (default round-robin; least-loaded = fewest "
-                        "requests in flight)")
+                        "requests in flight; kv-aware = most prompt blocks already cached, from the "
+                        "instances' KV events, against load: needs --tokenizer and instances started "
+                        "with --kv-events-endpoint)")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="the served model (built-in name, directory or .gguf) whose tokenizer and "
+                        "chat template --routing kv-aware uses to hash prompts")
+    p.add_argument("--kv-load-weight", type=cli_types.positive_float, default=DEFAULT_KV_LOAD_WEIGHT,
+                   help="kv-aware: cost of one request in flight, against a whole prompt found in "
+                        f"an instance's cache (default {DEFAULT_KV_LOAD_WEIGHT:g})")
+    p.add_argument("--kv-events-stale-after", type=cli_types.positive_float, default=DEFAULT_STALE_AFTER_S,
+                   help="kv-aware: seconds without KV events after which an instance's cache view is "
+                        f"ignored (default {DEFAULT_STALE_AFTER_S:g})")
+    p.add_argument("--state-store", default="memory", metavar="URL",
+                   help="where --multi-turn keeps its conversation table: 'memory' (default, this "
+                        "process) or redis://HOST:PORT/DB (shared by proxy replicas)")
+    p.add_argument("--session-affinity", action="store_true",
+                   help="--multi-turn: a conversation's next turn goes to the decoder of its previous "
+                        "turn while that decoder's load allows")
     p.add_argument("--multi-turn", action="store_true",
                    help="remember the decoder's kv_transfer_params per conversation_id (body field or "
                         "X-Session-ID header) and send them to the prefiller with the next turn")
@@ -126,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=cli_types.positive_float, default=DEFAULT_TIMEOUT_S,
                    help="seconds to wait for an instance's response or next streamed chunk "
                         f"(default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level (default info; debug logs every routing decision)")
     return p
 
 
@@ -142,11 +182,21 @@ def parse_args(argv: list[str]) -> ProxyConfig:
     try:
         prefillers = pair_instances(ns.prefiller_hosts, ns.prefiller_ports, "prefiller")
         decoders = pair_instances(ns.decoder_hosts, ns.decoder_ports, "decoder")
+        check_state_store_url(ns.state_store)
     except ValueError as e:
         parser.error(str(e))
+    if ns.routing == "kv-aware" and not ns.tokenizer:
+        parser.error("--routing kv-aware needs --tokenizer MODEL (the served model's built-in name, "
+                     "directory or .gguf file) to hash prompts as the instances do")
+    if ns.state_store != "memory" and not ns.multi_turn:
+        parser.error("--state-store keeps the --multi-turn table: give --multi-turn too")
+    if ns.session_affinity and not ns.multi_turn:
+        parser.error("--session-affinity applies to --multi-turn conversations: give --multi-turn too")
     return ProxyConfig(
         host=ns.host, port=ns.port, prefillers=prefillers, decoders=decoders, routing=ns.routing,
         multi_turn=ns.multi_turn, api_key=ns.api_key or None,
         upstream_api_key=ns.upstream_api_key or None, max_conversations=ns.max_conversations,
-        conversation_ttl=ns.conversation_ttl, timeout=ns.timeout,
+        conversation_ttl=ns.conversation_ttl, timeout=ns.timeout, tokenizer=ns.tokenizer,
+        kv_load_weight=ns.kv_load_weight, kv_events_stale_after=ns.kv_events_stale_after,
+        state_store=ns.state_store, session_affinity=ns.session_affinity, log_level=ns.log_level,
     )

@@ -12,7 +12,15 @@ Names (kept here until the project-wide ``pdserve/metrics.py`` takes them over):
   minus the time spent waiting on the prefill leg and on the decode leg's response headers
   (non-streaming: its whole body).
 * ``pdserve:proxy_in_flight_requests{upstream, leg}``: requests this proxy has open per instance.
-* ``pdserve:proxy_conversations``: remembered multi-turn conversations.
+* ``pdserve:proxy_conversations``: remembered multi-turn conversations (in-process store).
+* ``pdserve:proxy_routing_decisions_total{leg, reason}``: routing decisions per leg, by
+  :class:`pdserve.router.kv_routing.RoutingReason` value.
+* ``pdserve:proxy_routing_cache_hit_blocks{leg}``: kv-aware: prompt blocks already cached on the
+  chosen instance, per decision.
+* ``pdserve:proxy_kv_params_forwarded_total``: multi-turn turns whose prefill leg carried the
+  decoder's ``kv_transfer_params`` of the previous turn (P may pull the history from D).
+* ``pdserve:proxy_state_store_errors_total{op}``: state store operations (``load`` /
+  ``record``) that failed or were skipped after a failure; those turns were served as recompute.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+#: Buckets of the cache-hit-blocks histogram (blocks).
+HIT_BLOCKS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 #: Buckets of the added-latency histogram, in seconds (50 µs .. 1 s).
 ADDED_LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
                          0.1, 0.25, 1.0)
@@ -46,6 +56,22 @@ class ProxyMetrics:
                                ["upstream", "leg"], registry=self.registry)
         self.conversations = Gauge("pdserve:proxy_conversations",
                                    "Remembered multi-turn conversations", registry=self.registry)
+        self.routing_decisions = Counter("pdserve:proxy_routing_decisions",
+                                         "Routing decisions per leg, by reason",
+                                         ["leg", "reason"], registry=self.registry)
+        self.cache_hit_blocks = Histogram("pdserve:proxy_routing_cache_hit_blocks",
+                                          "kv-aware: prompt blocks cached on the chosen instance",
+                                          ["leg"], buckets=HIT_BLOCKS_BUCKETS,
+                                          registry=self.registry)
+        self.state_store_errors = Counter("pdserve:proxy_state_store_errors",
+                                          "State store operations that failed or were skipped",
+                                          ["op"], registry=self.registry)
+        self.kv_params_forwarded = Counter("pdserve:proxy_kv_params_forwarded",
+                                           "Turns whose prefill leg carried D's previous params",
+                                           registry=self.registry)
+        for op in ("load", "record"):
+            self.state_store_errors.labels(op=op)
+        self._decision_children: dict[tuple[str, str], Counter] = {}
         self.in_flight_child = {}
         for leg, urls in (("prefill", prefillers), ("decode", decoders)):
             for url in urls:
@@ -60,6 +86,20 @@ class ProxyMetrics:
             child = self.requests.labels(endpoint=endpoint, status=str(status))
             self._request_children[(endpoint, status)] = child
         child.inc()
+
+    def count_decision(self, leg: str, reason: str, hit_blocks: int | None) -> None:
+        """Count one routing decision; ``hit_blocks`` (kv-aware only) goes to the histogram."""
+        child = self._decision_children.get((leg, reason))
+        if child is None:
+            child = self.routing_decisions.labels(leg=leg, reason=reason)
+            self._decision_children[(leg, reason)] = child
+        child.inc()
+        if hit_blocks is not None:
+            self.cache_hit_blocks.labels(leg=leg).observe(hit_blocks)
+
+    def count_state_store_error(self, op: str) -> None:
+        """Count one failed or skipped state store operation."""
+        self.state_store_errors.labels(op=op).inc()
 
     def count_error(self, upstream: str, leg: str) -> None:
         """Count one upstream failure."""

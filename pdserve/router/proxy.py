@@ -78,7 +78,8 @@ async def _serve(config: ProxyConfig) -> int:
     mode = "multi-turn" if config.multi_turn else "stateless"
     logger.info("prefill instances: %s", ", ".join(config.prefillers))
     logger.info("decode instances: %s", ", ".join(config.decoders))
-    logger.info("routing %s, %s mode", config.routing, mode)
+    store = f", state in {config.state_store}" if config.multi_turn else ""
+    logger.info("routing %s, %s mode%s", config.routing, mode, store)
     print(f"pdserve proxy listening on {running.url}", flush=True)
     try:
         await stop.wait()
@@ -90,7 +91,7 @@ async def _serve(config: ProxyConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pdserve proxy``; returns the process exit code (2 for bad flags)."""
     config = parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop
     except ImportError:

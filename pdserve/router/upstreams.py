@@ -5,6 +5,8 @@ Routing policies:
 * ``round-robin``: instances take turns, in the order given on the command line.
 * ``least-loaded``: the instance with the fewest requests in flight *through this proxy*; ties
   go to the round-robin order, so equal load still spreads evenly.
+* ``kv-aware``: the pool orders least-loaded; :mod:`pdserve.router.kv_routing` then puts the
+  instance with the best cache-hit-vs-load score first.
 
 An instance whose last connection attempt failed is "cooling down" for :data:`COOL_DOWN_S`
 seconds and is tried after all other instances (never skipped entirely: it is still tried when
@@ -19,6 +21,8 @@ from typing import Callable
 #: Seconds an instance that refused a connection is tried last (cheap protection against paying a
 #: connect attempt per request for a dead instance; it is retried as soon as this passes).
 COOL_DOWN_S = 2.0
+#: Values of ``--routing``.
+ROUTING_POLICIES = ("round-robin", "least-loaded", "kv-aware")
 
 
 class Upstream:
@@ -49,7 +53,7 @@ class UpstreamPool:
     Args:
         leg: ``"prefill"`` or ``"decode"``.
         urls: base URLs (at least one).
-        routing: ``"round-robin"`` or ``"least-loaded"``.
+        routing: ``"round-robin"``, ``"least-loaded"`` or ``"kv-aware"`` (ordered least-loaded).
         clock: monotonic clock in seconds (injectable for tests).
 
     Raises:
@@ -60,14 +64,23 @@ class UpstreamPool:
                  clock: Callable[[], float] = time.monotonic):
         if not urls:
             raise ValueError(f"no {leg} instances")
-        if routing not in ("round-robin", "least-loaded"):
+        if routing not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing policy {routing!r}")
         self.leg = leg
         self.upstreams = [Upstream(u, leg) for u in urls]
         self._by_url = {u.url: u for u in self.upstreams}
-        self._least_loaded = routing == "least-loaded"
+        self._least_loaded = routing != "round-robin"
         self._next = 0
         self._clock = clock
+
+    @property
+    def least_loaded(self) -> bool:
+        """True when :meth:`order` sorts by requests in flight."""
+        return self._least_loaded
+
+    def is_down(self, upstream: Upstream) -> bool:
+        """True while ``upstream`` is cooling down after a refused connection."""
+        return upstream.down_until > self._clock()
 
     def get(self, url: str | None) -> Upstream | None:
         """The upstream with base URL ``url``, or None."""

@@ -1,0 +1,240 @@
+"""Routing decisions of the proxy: KV-cache-aware scoring, session affinity, and their reasons.
+
+``--routing kv-aware`` scores each instance of a leg by the prompt blocks already in its prefix
+cache (from its KV events, :mod:`pdserve.router.kv_index`) against its load, and picks the
+lowest cost::
+
+    cost(instance) = (prompt_blocks - hit_blocks) / prompt_blocks + load_weight * in_flight
+
+``hit_blocks``: leading full blocks of the prompt the instance holds; ``in_flight``: requests
+this proxy has open on it; ``load_weight`` (``--kv-load-weight``, default
+:data:`DEFAULT_KV_LOAD_WEIGHT`): a whole prompt found in the cache is worth that many fewer
+requests in flight (1 / 0.5 = 2). Ties go to the round-robin order. The prompt's hashes are
+the engines' own (:func:`pdserve.engine.block_manager.block_hashes`) over the token ids the
+engines would build (:class:`PromptTokenizer`). When no instance of the leg has live events, or
+the prompt cannot be tokenized, the leg is routed least-loaded. The scheme follows the
+overlap-vs-load cost of SGLang's and NVIDIA Dynamo's KV routers.
+
+Every decision has a :class:`RoutingReason`; it is counted per leg and logged at debug level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Sequence
+
+import aiohttp
+
+from pdserve.engine.block_manager import block_hashes
+from pdserve.router.kv_index import InstanceKVIndex, KVEventSubscriber
+from pdserve.router.upstreams import Upstream, UpstreamPool
+
+logger = logging.getLogger("pdserve.router")
+
+#: Default weight of one request in flight against a whole prompt found in an instance's cache.
+DEFAULT_KV_LOAD_WEIGHT = 0.5
+#: Session affinity (``--session-affinity``): a conversation's decoder is kept while it has at
+#: most this many requests in flight more than the least-loaded decoder.
+AFFINITY_MAX_EXTRA_IN_FLIGHT = 2
+
+
+class RoutingReason(str, Enum):
+    """Why an instance was chosen for a leg (label value of the decisions metric)."""
+
+    ROUND_ROBIN = "round_robin"      # --routing round-robin
+    LEAST_LOADED = "least_loaded"    # --routing least-loaded, or kv-aware with no block cached
+    KV_HIT = "kv_hit"                # kv-aware: the chosen instance holds some prompt blocks
+    NO_EVENTS = "no_events"          # kv-aware without live events: least-loaded fallback
+    CONVERSATION = "conversation"    # --multi-turn: the conversation's previous instance
+    AFFINITY = "affinity"            # --session-affinity: the conversation's decoder
+
+
+@dataclass
+class RoutingDecision:
+    """One leg's routing decision.
+
+    Attributes:
+        order: instances to try, the chosen one first (fallbacks when it cannot be connected to).
+        reason: why the first one.
+        hit_blocks: prompt blocks cached on the chosen instance (kv-aware; else 0).
+        prompt_blocks: full blocks of the prompt (kv-aware; else 0).
+    """
+
+    order: list[Upstream]
+    reason: RoutingReason
+    hit_blocks: int = 0
+    prompt_blocks: int = 0
+
+
+def route_plain(pool: UpstreamPool, preferred: Upstream | None) -> RoutingDecision:
+    """Round-robin / least-loaded routing, the conversation's previous instance first."""
+    order = pool.order(preferred)
+    if preferred is not None and order[0] is preferred:
+        reason = RoutingReason.CONVERSATION
+    else:
+        reason = RoutingReason.LEAST_LOADED if pool.least_loaded else RoutingReason.ROUND_ROBIN
+    return RoutingDecision(order, reason)
+
+
+def affinity_allows(pool: UpstreamPool, up: Upstream | None) -> bool:
+    """True when ``up`` is at most :data:`AFFINITY_MAX_EXTRA_IN_FLIGHT` requests busier than
+    the least-loaded instance of ``pool``."""
+    if up is None:
+        return False
+    least = min(u.in_flight for u in pool.upstreams)
+    return up.in_flight <= least + AFFINITY_MAX_EXTRA_IN_FLIGHT
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages as the engine front end hands them to the chat template: fields that are
+    null dropped, text parts joined into one ``content`` string (``pdserve/entrypoints/serving.py``).
+
+    Raises:
+        TypeError / AttributeError: malformed messages (the instances reject them anyway).
+    """
+    out = []
+    for m in body["messages"]:
+        d = {k: v for k, v in m.items() if v is not None}
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(part.get("text") or "" for part in content)
+        d["content"] = content or ""
+        out.append(d)
+    return out
+
+
+class PromptTokenizer:
+    """The served model's tokenizer in the proxy, loaded once, used in one worker thread.
+
+    Args:
+        source: the built-in model name, a model/tokenizer directory, or a ``.gguf`` file.
+
+    Raises:
+        pdserve.bench.tokenizer.TokenizerLoadError: the tokenizer cannot be loaded.
+    """
+
+    def __init__(self, source: str):
+        from pdserve.bench.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(source)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-proxy-tok")
+
+    def token_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt token ids an instance builds for ``body``, as ``pdserve serve`` does:
+        completions encode the (first) prompt with special tokens; chat renders the template
+        (``add_generation_prompt``, ``chat_template_kwargs``) and encodes without. None when
+        the body has no usable prompt.
+
+        Raises:
+            Exception: whatever the tokenizer or the template raises on bad input.
+        """
+        tok = self.tokenizer
+        if endpoint == "completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt:
+                if all(isinstance(t, int) for t in prompt):
+                    return list(prompt)
+                prompt = prompt[0]
+                if isinstance(prompt, list):
+                    return list(prompt)
+            if isinstance(prompt, str) and prompt:
+                return list(tok.encode(prompt, add_special_tokens=True))
+            return None
+        text = tok.apply_chat_template(
+            chat_messages(body), tokenize=False,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            **(body.get("chat_template_kwargs") or {}))
+        return list(tok.encode(text, add_special_tokens=False))
+
+    async def token_ids_async(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """:meth:`token_ids` in the worker thread; None (and a debug log) when it fails."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, self.token_ids, endpoint, body)
+        except Exception as e:  # noqa: BLE001 - routing falls back; the instance reports errors
+            logger.debug("cannot tokenize the prompt for routing: %s", e)
+            return None
+
+    def close(self) -> None:
+        """Stop the worker thread."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class KVAwareRouter:
+    """KV-aware routing over both legs' instances (see the module docstring).
+
+    Args:
+        urls: base URLs of every instance (both legs).
+        tokenizer: the served model's :class:`PromptTokenizer`.
+        load_weight: ``--kv-load-weight``.
+        stale_after: seconds without KV events after which an instance's index is ignored.
+
+    Attributes:
+        indexes: per instance URL, its :class:`InstanceKVIndex`.
+    """
+
+    def __init__(self, urls: Sequence[str], tokenizer: PromptTokenizer, load_weight: float,
+                 stale_after: float):
+        self.tokenizer = tokenizer
+        self.load_weight = load_weight
+        self.stale_after = stale_after
+        self.indexes = {u: InstanceKVIndex(u) for u in urls}
+        self._subscribers: list[KVEventSubscriber] = []
+
+    def start(self, session: aiohttp.ClientSession, auth: str | None) -> None:
+        """Start one event subscriber per instance (in the running event loop)."""
+        for index in self.indexes.values():
+            sub = KVEventSubscriber(index, session, auth)
+            sub.start()
+            self._subscribers.append(sub)
+
+    async def stop_events(self) -> None:
+        """Stop the event subscribers: no index is live any more, routing is least-loaded."""
+        subs, self._subscribers = self._subscribers, []
+        for sub in subs:
+            await sub.close()
+
+    async def close(self) -> None:
+        """Stop the subscribers and the tokenizer thread."""
+        await self.stop_events()
+        self.tokenizer.close()
+
+    def live(self, urls: Sequence[str]) -> bool:
+        """True when every instance in ``urls`` has a live index (tests wait on this)."""
+        return all(self.indexes[u].live(self.stale_after) for u in urls)
+
+    def route(self, pool: UpstreamPool, token_ids: list[int] | None) -> RoutingDecision:
+        """Score ``pool``'s instances for a prompt of ``token_ids`` and order them, best first."""
+        live = [(u, self.indexes[u.url]) for u in pool.upstreams]
+        live = [(u, ix) for u, ix in live if ix.live(self.stale_after)]
+        if not live or not token_ids:
+            reason = RoutingReason.NO_EVENTS if not live else RoutingReason.LEAST_LOADED
+            return RoutingDecision(pool.order(None), reason)
+        hashes_by_size: dict[int, list[int]] = {}
+        order = pool.order(None)  # least-loaded, ties in round-robin order
+        best: Upstream | None = None
+        best_cost = best_hits = best_blocks = 0
+        for up in order:
+            index = self.indexes[up.url]
+            hits = blocks = 0
+            if index.live(self.stale_after):
+                hashes = hashes_by_size.get(index.block_size)
+                if hashes is None:
+                    hashes = hashes_by_size[index.block_size] = block_hashes(token_ids,
+                                                                             index.block_size)
+                blocks = len(hashes)
+                hits = index.hit_blocks(hashes)
+            cost = (1.0 - hits / blocks if blocks else 1.0) + self.load_weight * up.in_flight
+            if best is None or cost < best_cost:
+                best, best_cost, best_hits, best_blocks = up, cost, hits, blocks
+        if best is not order[0] and not pool.is_down(best):
+            order.remove(best)
+            order.insert(0, best)
+        if order[0] is not best:  # the best one is cooling down: least-loaded order stands
+            return RoutingDecision(order, RoutingReason.LEAST_LOADED, 0, best_blocks)
+        reason = RoutingReason.KV_HIT if best_hits else RoutingReason.LEAST_LOADED
+        return RoutingDecision(order, reason, best_hits, best_blocks)
