@@ -35,6 +35,7 @@ from typing import Any
 from pdserve.engine.outputs import KVConnectorOutput
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.nixl import cuda_ipc
 from pdserve.kv_transfer.nixl.agent import NixlAgent, RemoteAgent, block_runs
 from pdserve.kv_transfer.nixl.leases import LeaseTable
 from pdserve.kv_transfer.nixl.metadata import (
@@ -55,6 +56,7 @@ from pdserve.kv_transfer.nixl.side_channel import (
     side_channel_request,
 )
 from pdserve.kv_transfer.nixl.stats import StatsRecorder, TransferStats
+from pdserve.kv_transfer.nixl.transfer_path import SameHostTransport, TransferPaths
 from pdserve.kv_transfer.wakeup import Waker
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class _Remote:
     agent: RemoteAgent | None = None  # ready
     info: dict[str, Any] | None = None
     clock_offset_s: float = 0.0  # remote time.time() - local time.time()
+    ipc: cuda_ipc.CudaIpcPeer | None = None  # same GPU: reads are CUDA IPC copies (cuda_ipc.py)
 
 
 @dataclass
@@ -111,6 +114,7 @@ class _Load:
     phase: str = "handshake"  # handshake -> claim -> xfer
     claim: int | None = None  # SideChannelClient ticket
     handle: Any = None
+    mover: Any = None  # what posted the read: the NixlAgent or a CudaIpcPeer (same interface)
     t_start: float = field(default_factory=time.perf_counter)  # handed to the worker
     t_claim: float = 0.0  # claim sent
     claim_s: float = 0.0  # claim round trip
@@ -158,6 +162,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         # "engine_id|host|port" -> clock offset, measured since the last report to the scheduler
         self._new_clock_offsets: dict[str, float] = {}
         self.stats = StatsRecorder(config.kv_metrics_log_interval)
+        # Same-GPU reads by CUDA IPC (cuda_ipc.py); the path of every peer, for logs and metrics
+        self._same_host = SameHostTransport(config.same_host_transport)
+        self.paths = TransferPaths()
+        self._kv_cache: Any = None
         # Wakes the engine loop when another thread has work for it (see wakeup_handles()).
         self._waker = Waker()
         # Lease claims: non-blocking requests from the engine thread over persistent connections.
@@ -193,6 +201,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} != spec {expected}")
         self.agent.register_kv_cache(kv_cache, spec.block_bytes)
         self.spec = spec
+        self._kv_cache = kv_cache
         self._compat = compat_fields(spec)
         info = {
             "engine_id": self.engine_id,
@@ -206,6 +215,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             "compat": self._compat,
             "compat_hash": compat_hash(self._compat),
             "lease_duration": self.config.kv_lease_duration,
+            **cuda_ipc.handshake_fields(kv_cache),  # host_id, pid, gpu_uuid, cuda_ipc
         }
         self._info = info
         logger.info(
@@ -275,6 +285,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._send_notices()
         out, self._out = self._out, KVConnectorOutput()
         out.stats = self.stats.take_delta()
+        paths = self.paths.take_delta()
+        if paths:  # each peer's read path, for the front end's /metrics
+            out.stats = dict(out.stats or TransferStats().to_dict(), transfer_paths=paths)
         if self._new_clock_offsets:  # for the scheduler side's expiry checks (bidirectional)
             out.stats = dict(out.stats or TransferStats().to_dict(),
                              remote_clock_offsets=self._new_clock_offsets)
@@ -385,6 +398,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 )
                 remote.info = info
                 remote.clock_offset_s = offset
+                remote.ipc = cuda_ipc.connect_peer(self._same_host, self._kv_cache, info,
+                                                   remote.endpoint.engine_id, self.paths,
+                                                   self.agent.mem_type)
                 ep = remote.endpoint
                 self._new_clock_offsets[f"{ep.engine_id}|{ep.host}|{ep.port}"] = offset
                 logger.info(
@@ -477,13 +493,19 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         spec = load.spec
         remote = self._remotes[spec.remote.endpoint.key]
         t0 = time.perf_counter()
+        load.mover = remote.ipc or self.agent
         try:
-            handle, state = self.agent.post_read(
-                remote.agent, spec.local_block_ids, spec.remote_read_block_ids,
-                encode_notif("done", spec.remote.request_id),
-            )
+            if remote.ipc is not None:  # same GPU: CUDA IPC copy, "done" sent when it finishes
+                handle, state = remote.ipc.post_read(spec.local_block_ids,
+                                                     spec.remote_read_block_ids)
+            else:
+                handle, state = self.agent.post_read(
+                    remote.agent, spec.local_block_ids, spec.remote_read_block_ids,
+                    encode_notif("done", spec.remote.request_id),
+                )
         except Exception as e:
-            self._fail_load(req_id, f"posting the NIXL READ failed: {e}", notify_remote=True)
+            what = "CUDA IPC copy" if remote.ipc is not None else "NIXL READ"
+            self._fail_load(req_id, f"posting the {what} failed: {e}", notify_remote=True)
             return
         load.post_s = time.perf_counter() - t0
         load.t_post = t0
@@ -500,7 +522,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         for req_id, load in list(self._loads.items()):
             if load.phase != "xfer":
                 continue
-            state = self.agent.check(load.handle)
+            state = load.mover.check(load.handle)
             if state == "DONE":
                 self._xfer_done(req_id, load)
             elif state == "ERR":
@@ -514,8 +536,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
     def _xfer_done(self, req_id: str, load: _Load) -> None:
         spec = load.spec
         elapsed = time.perf_counter() - load.t_post
-        tele = self.agent.telemetry(load.handle)
-        self.agent.release(load.handle)
+        tele = load.mover.telemetry(load.handle)
+        load.mover.release(load.handle)
         nbytes = len(spec.local_block_ids) * self.agent.block_bytes
         ndesc = len(block_runs(spec.local_block_ids, spec.remote_read_block_ids))
         xfer_s = elapsed
@@ -525,6 +547,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             if tele[3] > 0:
                 ndesc = tele[3]
         self.stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)
+        self.paths.observe(spec.remote.endpoint.engine_id, nbytes, xfer_s)
+        if load.mover is not self.agent:  # a CUDA IPC copy: tell the owner as NIXL would
+            self._pending_notices.append(RemoteNotice(spec.remote, "done"))
         del self._loads[req_id]
         self._out.finished_recving.add(req_id)
         if logger.isEnabledFor(logging.DEBUG):
@@ -536,7 +561,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 1e3 * load.post_s, 1e3 * xfer_s, 1e3 * elapsed)
 
     def _xfer_failed(self, req_id: str, load: _Load, reason: str) -> None:
-        self.agent.release(load.handle)
+        load.mover.release(load.handle)
         self._fail_load(req_id, reason, notify_remote=True)
 
     def _fail_load(self, req_id: str, reason: str, notify_remote: bool) -> None:
@@ -655,6 +680,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._waker.close()
         for load in self._loads.values():
             if load.handle is not None:
-                self.agent.release(load.handle)
+                load.mover.release(load.handle)
         self._loads.clear()
+        for remote in self._remotes.values():
+            if remote.ipc is not None:
+                remote.ipc.close()
         self.agent.close()
