@@ -258,3 +258,58 @@ def test_worker_reads_through_the_same_host_peer_and_notifies_the_owner(monkeypa
     finally:
         reader.shutdown()
         owner.shutdown()
+
+
+# ------------------------------------------------------------------------- on one GPU (device)
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting, transport", [("auto", "cuda_ipc"), ("nixl", "nixl")])
+def test_two_processes_on_one_gpu_read_by_the_chosen_path(setting, transport):
+    """P and D as two processes on cuda:0: with ``auto`` reads are CUDA IPC copies, with
+    ``nixl`` NIXL READs; both move the right blocks, contiguous runs and a fragmented gather
+    (more than MAX_RUN_COPIES runs), and free the owner's lease."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from nixl_peer import PeerProcess, block_pattern
+
+    from pdserve.kv_transfer.nixl.metadata import (
+        NixlConnectorMetadata, RecvSpec, RemoteEndpoint, RemoteKVRef, SendSpec)
+
+    geometry = {"num_blocks": 256, "block_size": 4, "num_layers": 2, "num_kv_heads": 2,
+                "head_dim": 8, "model": "tiny"}
+
+    def config(role):
+        return {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": {
+            "kv_handshake_timeout": 5.0, "same_host_transport": setting}}
+
+    p = PeerProcess(config("kv_producer"), _free_port(), geometry, device="cuda:0")
+    d = None
+    try:
+        assert p.hello.get("ok"), p.hello
+        d = PeerProcess(config("kv_consumer"), _free_port(), geometry, zeros=True,
+                        device="cuda:0")
+        assert d.hello.get("ok"), d.hello
+        g = torch.Generator().manual_seed(1)
+        cases = [([2, 3, 4, 5, 30], [7, 8, 9, 10, 1]),
+                 (torch.randperm(256, generator=g)[:100].tolist(),
+                  torch.randperm(256, generator=g)[:100].tolist())]
+        paths = []
+        for i, (remote_ids, local_ids) in enumerate(cases):
+            p.bind(NixlConnectorMetadata(reqs_to_send={
+                f"p{i}": SendSpec(f"p{i}", remote_ids, 30.0)}))
+            p.step()
+            ref = RemoteKVRef(RemoteEndpoint(p.engine_id, "127.0.0.1", p.port), f"p{i}",
+                              remote_ids)
+            d.bind(NixlConnectorMetadata(reqs_to_recv={f"d{i}": RecvSpec(
+                f"d{i}", ref, local_ids, remote_ids, num_tokens=4 * len(local_ids))}))
+            acc = d.step_until(lambda a: f"d{i}" in a["finished_recving"])
+            assert not acc["invalid_block_ids"]
+            for rid, block in zip(remote_ids, d.blocks(local_ids)):
+                assert torch.equal(block, block_pattern(rid, block.numel())), (rid, transport)
+            paths += [s["transfer_paths"] for s in acc["stats"] if "transfer_paths" in s]
+            p.step_until(lambda a: f"p{i}" in a["finished_sending"], timeout_s=10)
+        assert paths and paths[0][p.engine_id]["transport"] == transport
+        assert paths[0][p.engine_id]["mem"] == "VRAM->VRAM"
+    finally:
+        if d is not None:
+            d.shutdown()
+        p.shutdown()
