@@ -4,7 +4,7 @@ device to device on a side CUDA stream.
 
 Why: with two engines on one GPU, UCX may not select its ``cuda_ipc`` transport and then moves
 GPU memory by TCP emulation (0.54 GB/s measured on one H200 against about 2,000 GB/s for a
-device copy, docs/benchmarks.md), while CUDA IPC between the two processes works. The lease
+device copy in the same run), while CUDA IPC between the two processes works. The lease
 protocol is unchanged (docs/architecture.md): the reader claims the blocks over the side
 channel first, then copies, then tells the owner "done" like a NIXL READ's notification would;
 completion is polled with a CUDA event, so the engine loop never waits for the copy.
@@ -65,10 +65,14 @@ def host_identity() -> str:
 
 
 def gpu_uuid(device: torch.device) -> str | None:
-    """The UUID of a CUDA device (None for CPU)."""
+    """The UUID of a CUDA device, e.g. ``"6f2a...-..."`` (None for CPU, or when this torch
+    build cannot tell: then reads use NIXL)."""
     if device.type != "cuda":
         return None
-    return str(torch.cuda.get_device_properties(device).uuid)
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -277,13 +281,15 @@ class CudaIpcPeer:
         t0 = time.perf_counter()
         nbytes = len(local_ids) * self.block_bytes
         if self._stream is None:
-            ops = copy_blocks(self.local, self.remote, local_ids, remote_ids)
+            with torch.inference_mode():
+                ops = copy_blocks(self.local, self.remote, local_ids, remote_ids)
             wall = time.perf_counter() - t0
             return _Copy(nbytes, ops, post_s=wall, wall_s=wall), "DONE"
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         self._stream.wait_stream(torch.cuda.current_stream(self.local.device))
-        with torch.cuda.stream(self._stream):
+        # inference mode like the opened tensor (open_peer) and the engine's own KV writes
+        with torch.inference_mode(), torch.cuda.stream(self._stream):
             start.record()
             ops = copy_blocks(self.local, self.remote, local_ids, remote_ids)
             end.record()
@@ -324,11 +330,12 @@ def open_peer(export: IpcExport, local: torch.Tensor) -> CudaIpcPeer:
 
     if local.device.type != "cuda":
         raise ValueError("CUDA IPC needs a CUDA KV cache")
-    remote = rebuild_cuda_tensor(
-        tensor_cls=torch.Tensor, tensor_size=torch.Size(export.shape),
-        tensor_stride=export.stride, storage_cls=torch.UntypedStorage,
-        dtype=getattr(torch, export.dtype), storage_device=local.device.index or 0,
-        requires_grad=False, **export.fields)
+    with torch.inference_mode():  # the same mode whatever the caller's (post_read copies in it)
+        remote = rebuild_cuda_tensor(
+            tensor_cls=torch.Tensor, tensor_size=torch.Size(export.shape),
+            tensor_stride=export.stride, storage_cls=torch.UntypedStorage,
+            dtype=getattr(torch, export.dtype), storage_device=local.device.index or 0,
+            requires_grad=False, **export.fields)
     return CudaIpcPeer(local, remote)
 
 

@@ -12,7 +12,7 @@ the connector stats (key ``transfer_paths``, shown on ``/metrics`` as
 least :data:`PROBE_MIN_BYTES` from a peer gives that path's bandwidth; a NIXL read of GPU memory
 slower than :data:`SLOW_GPU_READ_GBPS` is logged as a warning: UCX then moves GPU memory by TCP
 emulation (``UCX_PROTO_INFO=y`` on the engines prints the protocol it chose), measured at about
-0.5 GB/s where ``cuda_ipc`` reaches well over 1,000 GB/s (docs/benchmarks.md).
+0.5 GB/s on one H200 where a device copy reaches about 1,900 GB/s.
 """
 
 from __future__ import annotations
