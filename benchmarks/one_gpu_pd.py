@@ -17,7 +17,8 @@ skipped and said so):
    on cuda:0, CUDA IPC and forced NIXL, contiguous and fragmented blocks),
    tests/test_memory_budget.py, the VRAM test of tests/kv_transfer/test_nixl_worker_processes.py
    and tests/model/test_cuda_runner.py; then, as a diagnosis, NIXL forced with
-   ``UCX_TLS=cuda_ipc,cuda_copy,sm,self`` (no TCP: does UCX reach the peer by cuda_ipc at all?).
+   ``UCX_TLS=cuda_ipc,cuda_copy,tcp`` (is cuda_ipc in this UCX build, and does UCX pick it for
+   GPU memory when shared memory is out of the way?).
 5. ``multi_turn`` (only when enough time is left): benchmarks/pd_multi_turn.py on one GPU with
    the 8B dummy model, ~4k-token histories, 1 client.
 
@@ -152,9 +153,9 @@ def stage_kv_transfer(run: Run) -> None:
         env = dict(run.env)
         if transport == "nixl":
             env["UCX_PROTO_INFO"] = "y"
-        cmd = [PY, "benchmarks/kv_transfer.py", "--device", "cuda", "--same-gpu", "--geometry",
-               geometry, "--lengths", "4096", "--repeats", "3", "--same-host-transport",
-               transport]
+        cmd = [PY, "benchmarks/kv_transfer.py", "--device", run.device, "--same-gpu",
+               "--geometry", geometry, "--lengths", str(run.prompt_len), "--repeats", "3",
+               "--same-host-transport", transport]
         rc, text = run.sh(cmd, "kv_transfer.log", 75, env=env,
                           title=f"kv_transfer {geometry} {transport}")
         rows = [l for l in text.splitlines() if _ROW.match(l)]
@@ -165,29 +166,44 @@ def stage_kv_transfer(run: Run) -> None:
         for row in rows:
             run.note("  " + row.strip())
         if transport == "nixl":
-            proto = [l.strip() for l in text.splitlines()
-                     if re.search(r"cuda_ipc|cuda_copy|tcp|emulation|rndv|zcopy", l)
-                     and "|" in l][:12]
-            for line in proto:
-                run.note("  UCX: " + line[:200])
+            for line in _ucx_lines(text):
+                run.note("  UCX: " + line)
+
+
+def _ucx_lines(text: str, limit: int = 30) -> list[str]:
+    """UCX's warnings and its ``UCX_PROTO_INFO`` protocol tables (the lines that name GPU
+    memory, a transport or TCP emulation), without timestamps, each once."""
+    seen: list[str] = []
+    for line in text.splitlines():
+        if not (("|" in line and re.search(r"cuda|tcp|emulat|ipc|rndv|rdma|copy", line, re.I))
+                or "UCX  WARN" in line or "UCX  ERROR" in line):
+            continue
+        line = re.sub(r"^\s*\[[0-9.]+\]\s*\[[^\]]*\]\s*", "", line).strip()[:220]
+        if line not in seen:
+            seen.append(line)
+        if len(seen) >= limit:
+            break
+    return seen
 
 
 def stage_ucx_diagnosis(run: Run) -> None:
-    if run.left() >= 70:
-        env = dict(run.env, UCX_PROTO_INFO="y", UCX_TLS="cuda_ipc,cuda_copy,sm,self")
-        cmd = [PY, "benchmarks/kv_transfer.py", "--device", "cuda", "--same-gpu", "--geometry",
-               "qwen3-0.6b", "--lengths", "4096", "--repeats", "1", "--same-host-transport",
-               "nixl"]
-        rc, text = run.sh(cmd, "kv_transfer.log", 50, env=env,
-                          title="kv_transfer qwen3-0.6b nixl UCX_TLS=cuda_ipc,cuda_copy,sm,self")
-        run.note(f"diagnosis: NIXL with UCX_TLS=cuda_ipc,cuda_copy,sm,self: exit {rc}")
+    if run.left() >= 60:
+        env = dict(run.env, UCX_PROTO_INFO="y", UCX_TLS="cuda_ipc,cuda_copy,tcp")
+        cmd = [PY, "benchmarks/kv_transfer.py", "--device", run.device, "--same-gpu",
+               "--geometry", "qwen3-0.6b", "--lengths", str(run.prompt_len), "--repeats", "1",
+               "--same-host-transport", "nixl"]
+        rc, text = run.sh(cmd, "kv_transfer.log", 45, env=env,
+                          title="kv_transfer qwen3-0.6b nixl UCX_TLS=cuda_ipc,cuda_copy,tcp")
+        run.note(f"diagnosis: NIXL with UCX_TLS=cuda_ipc,cuda_copy,tcp: exit {rc}")
         for row in [l for l in text.splitlines() if _ROW.match(l)]:
             run.note("  " + row.strip())
+        for line in _ucx_lines(text, 16):
+            run.note("  UCX: " + line)
         for line in [l.strip() for l in text.splitlines()
-                     if re.search(r"cuda_ipc|unreachable|no transport|error", l, re.I)][:8]:
+                     if re.search(r"unreachable|Error:|NIXL_ERR", l)][:6]:
             run.note("  " + line[:200])
     else:
-        run.note("diagnosis UCX_TLS without tcp: skipped (time)")
+        run.note("diagnosis UCX_TLS=cuda_ipc,cuda_copy,tcp: skipped (time)")
 
 
 def _metric_lines(url: str, names: tuple[str, ...]) -> list[str]:
@@ -303,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="engines' --device (cpu: a smoke run)")
     ap.add_argument("--up-models", default="qwen3-0.6b,llama-8b",
                     help="pdserve up models: the dummy presets, or model names/directories")
-    ap.add_argument("--prompt-len", type=int, default=4096, help="tokens of the up requests")
+    ap.add_argument("--prompt-len", type=int, default=4096,
+                    help="tokens of the up requests and of the kv_transfer reads")
     ap.add_argument("--up-engine-args",
                     default="--load-format dummy --gpu-memory-utilization 0.8 "
                             "--max-model-len 16384 --max-num-seqs 32",
