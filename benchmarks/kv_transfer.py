@@ -16,8 +16,10 @@ NIXL READ, "done" notification). For each prompt length the script reports:
   within one GPU). With ``--layout fragmented`` the baseline is the same block gather done by
   ``index_copy_``.
 
-* ``path``: what carried the reads (``cuda_ipc``: pdserve's same-GPU copy; ``nixl``: a NIXL
-  READ, UCX choosing the transport; ``--same-host-transport`` picks, default ``auto``).
+* ``path``: what carried the reads and the memory read into (``cuda_ipc/VRAM``: pdserve's
+  same-GPU copy; ``nixl/VRAM``: a NIXL READ, UCX choosing the transport; ``nixl/DRAM``: a NIXL
+  READ of host memory, e.g. host-buffer mode); ``--same-host-transport`` and
+  ``--kv-buffer-device cpu`` choose.
 
 The KV geometry is SmolLM2-135M's (30 layers, 3 KV heads, head size 64) by default, an 8B
 Llama-class one with ``--geometry llama-8b``, Qwen3-0.6B's with ``--geometry qwen3-0.6b``, or
@@ -64,7 +66,7 @@ def _free_port() -> int:
 
 
 def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blocks: int,
-                 same_host_transport: str = "auto"):
+                 same_host_transport: str = "auto", kv_buffer_device: str = "auto"):
     """A NIXL worker side with a registered KV cache ``[num_blocks, L, 2, H, B, D]``."""
     os.environ["PDSERVE_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     os.environ["PDSERVE_NIXL_SIDE_CHANNEL_PORT"] = str(port)
@@ -89,6 +91,7 @@ def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blo
         kv.zero_()
     cfg = KVTransferConfig.from_dict({
         "kv_role": "kv_producer" if role == "owner" else "kv_consumer",
+        "kv_buffer_device": kv_buffer_device,
         "kv_connector_extra_config": {"kv_lease_duration": 600, "kv_metrics_log_interval": 1e9,
                                       "same_host_transport": same_host_transport},
     })
@@ -98,11 +101,11 @@ def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blo
 
 
 def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: int,
-                same_host_transport: str) -> None:
+                same_host_transport: str, kv_buffer_device: str) -> None:
     from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, SendSpec
 
     worker, _, _, engine_id = _make_worker("owner", port, device, geo, num_blocks,
-                                           same_host_transport)
+                                           same_host_transport, kv_buffer_device)
     conn.send(engine_id)
     while True:
         cmd, arg = conn.recv()
@@ -111,6 +114,9 @@ def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: i
             worker.bind_connector_metadata(NixlConnectorMetadata(
                 reqs_to_send={req_id: SendSpec(req_id, block_ids, 600.0)}))
             worker.get_finished(set())
+            while req_id not in worker.leases:  # host-buffer mode: leased once staged
+                time.sleep(0.0002)
+                worker.get_finished(set())
             conn.send(None)
         elif cmd == "wait_released":
             deadline = time.monotonic() + 60
@@ -126,14 +132,14 @@ def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: i
 
 
 def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, Any],
-                 num_blocks: int, same_host_transport: str) -> None:
+                 num_blocks: int, same_host_transport: str, kv_buffer_device: str) -> None:
     import torch
 
     from pdserve.kv_transfer.nixl.metadata import (
         NixlConnectorMetadata, RecvSpec, RemoteEndpoint, RemoteKVRef)
 
     worker, kv, spec, _ = _make_worker("reader", port, device, geo, num_blocks,
-                                       same_host_transport)
+                                       same_host_transport, kv_buffer_device)
     conn.send(None)
     path = "?"  # the read path of the owner, reported once after the handshake
 
@@ -159,7 +165,7 @@ def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, 
                 if out.stats:
                     stats = out.stats
                     for entry in (out.stats.get("transfer_paths") or {}).values():
-                        path = entry["transport"]
+                        path = f"{entry['transport']}/{entry['mem'].split('->')[-1]}"
                 if "r-" + req_id in out.finished_recving:
                     break
                 # like the engine loop, wait a little between polls: a busy loop would starve
@@ -233,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="owner and reader both on cuda:0 (P and D sharing one GPU)")
     ap.add_argument("--same-host-transport", choices=["auto", "cuda_ipc", "nixl"],
                     default="auto", help="kv_connector_extra_config.same_host_transport")
+    ap.add_argument("--kv-buffer-device", choices=["auto", "cpu"], default="auto",
+                    help="cpu with CUDA caches: host-buffer mode (NIXL moves pinned host "
+                         "mirrors; the time includes the copy to the GPU)")
     args = ap.parse_args(argv)
 
     device = args.device
@@ -254,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{block_bytes / args.block_size / 1024:.1f} KiB per token")
     print(f"# owner on {owner_dev}, reader on {reader_dev}; {num_blocks} blocks per side "
           f"({num_blocks * block_bytes / 2**30:.2f} GiB); layout {args.layout}; "
-          f"median of {args.repeats}; same_host_transport {args.same_host_transport}")
+          f"median of {args.repeats}; same_host_transport {args.same_host_transport}, "
+          f"kv_buffer_device {args.kv_buffer_device}")
 
     ctx = mp.get_context("spawn")
     owner_conn, owner_child = ctx.Pipe()
@@ -262,10 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     owner_port, reader_port = _free_port(), _free_port()
     owner = ctx.Process(target=_owner_main,
                         args=(owner_child, owner_port, owner_dev, geo, num_blocks,
-                              args.same_host_transport))
+                              args.same_host_transport, args.kv_buffer_device))
     reader = ctx.Process(target=_reader_main,
                          args=(reader_child, reader_port, reader_dev, copy_dev, geo, num_blocks,
-                               args.same_host_transport))
+                               args.same_host_transport, args.kv_buffer_device))
     owner.start()
     reader.start()
     rng = random.Random(args.seed)
@@ -274,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         reader_conn.recv()
         header = (f"{'tokens':>7} {'MiB':>9} {'descs':>6} {'load ms':>9} {'xfer ms':>9} "
                   f"{'GB/s':>7} {'post ms':>8} {'copy ms':>9} {'copy GB/s':>9} {'of copy':>8} "
-                  f"{'path':>8}")
+                  f"{'path':>13}")
         print(header)
         counter = 0
         for length in lengths:
@@ -305,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{1e3 * med['xfer_s']:>9.3f} {nbytes / med['xfer_s'] / 1e9:>7.2f} "
                   f"{1e3 * med['post_s']:>8.3f} {1e3 * copy_s:>9.3f} "
                   f"{nbytes / copy_s / 1e9:>9.2f} {copy_s / med['xfer_s']:>8.1%} "
-                  f"{rows[-1]['path']:>8}", flush=True)
+                  f"{rows[-1]['path']:>13}", flush=True)
     finally:
         for conn in (owner_conn, reader_conn):
             try:

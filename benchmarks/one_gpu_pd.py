@@ -8,13 +8,15 @@ skipped and said so):
 1. ``preflight``: the GPU, and the packages pdserve needs (a missing one is named).
 2. ``kv_transfer``: benchmarks/kv_transfer.py with owner and reader on cuda:0, 4,096 tokens,
    Qwen3-0.6B and 8B Llama geometry, on the default path (``auto``) and with NIXL forced
-   (``UCX_PROTO_INFO=y``, so UCX prints the protocol it picked); the table gives GB/s next to a
-   device copy of the same bytes in the same run, and the path.
+   (``UCX_PROTO_INFO=y``, so UCX prints the protocol it picked), then in host-buffer mode
+   (``kv_buffer_device: cpu``); the table gives GB/s next to a device copy of the same bytes in
+   the same run, and the path.
 3. ``pdserve_up``: ``pdserve up`` with ``--gpu-memory-utilization 0.8`` (so 0.4 per engine)
    for each dummy model, a 4,096-token request through the proxy (twice: the first pays the
    handshake), then the decoder's transfer metrics and the engines' memory lines.
 4. ``tests``: tests/kv_transfer/test_same_host_path.py (its GPU test: P and D as two processes
    on cuda:0, CUDA IPC and forced NIXL, contiguous and fragmented blocks),
+   tests/kv_transfer/test_host_buffer.py (its GPU test: host-buffer mode on cuda:0),
    tests/test_memory_budget.py, the VRAM test of tests/kv_transfer/test_nixl_worker_processes.py
    and tests/model/test_cuda_runner.py; then, as a diagnosis, NIXL forced with
    ``UCX_TLS=cuda_ipc,cuda_copy,tcp`` (is cuda_ipc in this UCX build, and does UCX pick it for
@@ -127,7 +129,8 @@ def stage_preflight(run: Run) -> None:
 
 def stage_tests(run: Run) -> None:
     cases = [
-        (["tests/kv_transfer/test_same_host_path.py", "tests/test_memory_budget.py"], 120),
+        (["tests/kv_transfer/test_same_host_path.py", "tests/kv_transfer/test_host_buffer.py",
+          "tests/test_memory_budget.py"], 150),
         (["tests/kv_transfer/test_nixl_worker_processes.py", "-k", "vram"], 60),
         (["tests/model/test_cuda_runner.py"], 120),
     ]
@@ -146,6 +149,7 @@ _ROW = re.compile(r"^\s*\d+\s+\d")
 
 def stage_kv_transfer(run: Run) -> None:
     runs = [(g, t) for g in ("qwen3-0.6b", "llama-8b") for t in ("auto", "nixl")]
+    runs += [("qwen3-0.6b", "host"), ("llama-8b", "host")]
     for geometry, transport in runs:
         if run.left() < 300:  # keep time for pdserve up
             run.note(f"kv_transfer {geometry} {transport}: skipped (time)")
@@ -154,12 +158,15 @@ def stage_kv_transfer(run: Run) -> None:
         if transport == "nixl":
             env["UCX_PROTO_INFO"] = "y"
         cmd = [PY, "benchmarks/kv_transfer.py", "--device", run.device, "--same-gpu",
-               "--geometry", geometry, "--lengths", str(run.prompt_len), "--repeats", "3",
-               "--same-host-transport", transport]
+               "--geometry", geometry, "--lengths", str(run.prompt_len), "--repeats", "3"]
+        cmd += (["--kv-buffer-device", "cpu"] if transport == "host"
+                else ["--same-host-transport", transport])
         rc, text = run.sh(cmd, "kv_transfer.log", 75, env=env,
                           title=f"kv_transfer {geometry} {transport}")
         rows = [l for l in text.splitlines() if _ROW.match(l)]
-        run.note(f"kv_transfer {geometry} same_host_transport={transport}: exit {rc}")
+        run.note(f"kv_transfer {geometry} "
+                 + ("kv_buffer_device=cpu (host buffer)" if transport == "host"
+                    else f"same_host_transport={transport}") + f": exit {rc}")
         for line in text.splitlines():
             if line.startswith(" tokens") or line.startswith("# KV geometry"):
                 run.note("  " + line.strip())

@@ -24,7 +24,8 @@ Top-level keys:
     flag asks for, so nothing needs permuting.
 ``kv_buffer_device``
     Where transfers read and write: ``"auto"`` (default: the KV cache's own device), ``"cpu"`` or
-    ``"cuda"``. It must match the KV cache device (no staging buffer).
+    ``"cuda"``. ``"cpu"`` with a CUDA KV cache is host-buffer mode (a pinned host mirror of the
+    cache, ``nixl/host_buffer.py``); otherwise it must match the KV cache device.
 ``engine_id``
     This instance's identity in ``kv_transfer_params`` (default: a random UUID).
 ``kv_connector_extra_config``

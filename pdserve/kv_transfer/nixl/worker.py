@@ -35,7 +35,7 @@ from typing import Any
 from pdserve.engine.outputs import KVConnectorOutput
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.kv_transfer.nixl import cuda_ipc
+from pdserve.kv_transfer.nixl import cuda_ipc, host_buffer
 from pdserve.kv_transfer.nixl.agent import NixlAgent, RemoteAgent, block_runs
 from pdserve.kv_transfer.nixl.leases import LeaseTable
 from pdserve.kv_transfer.nixl.metadata import (
@@ -115,6 +115,7 @@ class _Load:
     claim: int | None = None  # SideChannelClient ticket
     handle: Any = None
     mover: Any = None  # what posted the read: the NixlAgent or a CudaIpcPeer (same interface)
+    unstage: Any = None  # host-buffer mode: the mirror -> GPU copy after the READ
     t_start: float = field(default_factory=time.perf_counter)  # handed to the worker
     t_claim: float = 0.0  # claim sent
     claim_s: float = 0.0  # claim round trip
@@ -166,6 +167,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._same_host = SameHostTransport(config.same_host_transport)
         self.paths = TransferPaths()
         self._kv_cache: Any = None
+        self._mirror: host_buffer.HostMirror | None = None  # kv_buffer_device "cpu" on CUDA
         # Wakes the engine loop when another thread has work for it (see wakeup_handles()).
         self._waker = Waker()
         # Lease claims: non-blocking requests from the engine thread over persistent connections.
@@ -190,16 +192,21 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 not match ``spec``.
         """
         want = self.config.kv_buffer_device
-        if want != "auto" and want != kv_cache.device.type:
+        mirrored = host_buffer.wanted(want, kv_cache.device.type)
+        if want != "auto" and want != kv_cache.device.type and not mirrored:
             raise ValueError(
                 f"kv_buffer_device={want!r} but the KV cache lives on {kv_cache.device.type!r}; "
-                "pdserve transfers directly from the KV cache (use 'auto')"
+                "pdserve transfers from the KV cache, or from a host mirror of a CUDA cache "
+                "('cpu'), so use 'auto' or 'cpu'"
             )
         expected = (spec.num_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_size,
                     spec.head_dim)
         if tuple(kv_cache.shape) != expected:
             raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} != spec {expected}")
-        self.agent.register_kv_cache(kv_cache, spec.block_bytes)
+        if mirrored:  # host-buffer mode (host_buffer.py): NIXL moves the pinned host mirror
+            self._mirror = host_buffer.HostMirror(kv_cache)
+            self._same_host = SameHostTransport.NIXL
+        self.agent.register_kv_cache(self._mirror.host if mirrored else kv_cache, spec.block_bytes)
         self.spec = spec
         self._kv_cache = kv_cache
         self._compat = compat_fields(spec)
@@ -233,12 +240,14 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             raise TypeError(f"expected NixlConnectorMetadata, got {type(metadata).__name__}")
         now = time.monotonic()
         for req_id, send in metadata.reqs_to_send.items():
-            early = self.leases.add(req_id, send.block_ids, send.lease_duration,
-                                    send.renew_on_heartbeat, now, send.token_ids)
-            if early is not None and self.leases.close(req_id, f"{early} before lease"):
-                self._out.finished_sending.add(req_id)
+            if self._mirror is not None:  # host-buffer mode: the lease starts once staged
+                self._mirror.stage(req_id, send.block_ids, send)
+                continue
+            self._add_lease(req_id, send, now)
         for req_id in metadata.release_sends:
-            if self.leases.close(req_id, "released"):
+            if self._mirror is not None and self._mirror.cancel(req_id):
+                self._out.finished_sending.add(req_id)  # released while being staged
+            elif self.leases.close(req_id, "released"):
                 self._out.finished_sending.add(req_id)
         for endpoint in metadata.handshakes:
             self._ensure_handshake(endpoint)
@@ -263,6 +272,13 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             else:
                 load.aborted = True
 
+    def _add_lease(self, req_id: str, send: Any, now: float) -> None:
+        """Keep a finished request's blocks (``send``: its ``SendSpec``) for a remote reader."""
+        early = self.leases.add(req_id, send.block_ids, send.lease_duration,
+                                send.renew_on_heartbeat, now, send.token_ids)
+        if early is not None and self.leases.close(req_id, f"{early} before lease"):
+            self._out.finished_sending.add(req_id)
+
     def start_load_kv(self) -> None:
         """Advance handshakes and claims and post the READs that are ready (never blocks)."""
         self._progress()
@@ -276,6 +292,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         """
         self._progress()
         self._poll_transfers()
+        if self._mirror is not None:
+            for req_id, (send,) in self._mirror.take_staged():
+                self._add_lease(req_id, send, time.monotonic())
         self._process_notifications()
         for req_id in self.leases.expire():
             self._out.finished_sending.add(req_id)
@@ -297,7 +316,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
 
     def has_pending_work(self) -> bool:
         """True while loads, leases, heartbeats or notices need polling."""
-        return bool(self._loads or len(self.leases) or self._heartbeats or self._pending_notices)
+        return bool(self._loads or len(self.leases) or self._heartbeats or self._pending_notices
+                    or (self._mirror is not None and self._mirror.pending()))
 
     # ------------------------------------------------------------------- engine loop wake-ups
     def wakeup_handles(self) -> list[Any]:
@@ -324,8 +344,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         if self._pending_notices or not self._side_notices.empty():
             return 0.0
         waits: list[float] = []
+        if self._mirror is not None and self._mirror.pending():
+            waits.append(XFER_POLL_INTERVAL_S)
         for load in self._loads.values():
-            if load.phase == "xfer":
+            if load.phase in ("xfer", "unstage"):
                 spinning = time.perf_counter() - load.t_post < XFER_SPIN_S
                 waits.append(0.0 if spinning else XFER_POLL_INTERVAL_S)
         if len(self.leases):
@@ -520,6 +542,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
     def _poll_transfers(self) -> None:
         now = time.monotonic()
         for req_id, load in list(self._loads.items()):
+            if load.phase == "unstage":  # host-buffer mode: mirror -> GPU copy in flight
+                if host_buffer.HostMirror.done(load.unstage):
+                    self._xfer_done(req_id, load)
+                continue
             if load.phase != "xfer":
                 continue
             state = load.mover.check(load.handle)
@@ -535,6 +561,11 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
 
     def _xfer_done(self, req_id: str, load: _Load) -> None:
         spec = load.spec
+        if self._mirror is not None and load.phase == "xfer":  # the READ filled the mirror
+            load.phase = "unstage"
+            load.unstage = self._mirror.to_device(spec.local_block_ids)
+            if not host_buffer.HostMirror.done(load.unstage):
+                return  # finished by _poll_transfers
         elapsed = time.perf_counter() - load.t_post
         tele = load.mover.telemetry(load.handle)
         load.mover.release(load.handle)
@@ -546,6 +577,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 xfer_s = tele[1]
             if tele[3] > 0:
                 ndesc = tele[3]
+        if self._mirror is not None:  # host-buffer mode: the READ and the copy to the GPU
+            xfer_s = elapsed
         self.stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)
         self.paths.observe(spec.remote.endpoint.engine_id, nbytes, xfer_s)
         if load.mover is not self.agent:  # a CUDA IPC copy: tell the owner as NIXL would
