@@ -111,7 +111,7 @@ class _Load:
     """One request's load in progress."""
 
     spec: RecvSpec
-    phase: str = "handshake"  # handshake -> claim -> xfer
+    phase: str = "handshake"  # handshake -> claim -> xfer (-> unstage: host-buffer mode)
     claim: int | None = None  # SideChannelClient ticket
     handle: Any = None
     mover: Any = None  # what posted the read: the NixlAgent or a CudaIpcPeer (same interface)
@@ -561,7 +561,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
 
     def _xfer_done(self, req_id: str, load: _Load) -> None:
         spec = load.spec
-        if self._mirror is not None and load.phase == "xfer":  # the READ filled the mirror
+        if self._mirror is not None and load.phase == "xfer" and load.mover is self.agent:
+            # host-buffer mode: the READ filled the mirror; copy its blocks to the GPU
             load.phase = "unstage"
             load.unstage = self._mirror.to_device(spec.local_block_ids)
             if not host_buffer.HostMirror.done(load.unstage):
