@@ -168,7 +168,7 @@ def stage_kv_transfer(run: Run) -> None:
                  + ("kv_buffer_device=cpu (host buffer)" if transport == "host"
                     else f"same_host_transport={transport}") + f": exit {rc}")
         for line in text.splitlines():
-            if line.startswith(" tokens") or line.startswith("# KV geometry"):
+            if line.startswith((" tokens", "# KV geometry", "# owner")):
                 run.note("  " + line.strip())
         for row in rows:
             run.note("  " + row.strip())
