@@ -283,40 +283,49 @@ def _up_case(run: Run, name: str, model_dir: Path, work: Path) -> None:
                         run.note(f"  {log.stem}: {line.strip()[:240]}")
 
 
-def stage_pdserve_up(run: Run, work: Path, names: list[str]) -> dict[str, Path]:
-    models = {}
-    for name in names:
-        if name not in ("qwen3-0.6b", "llama-8b"):  # a model name or directory, used as is
-            models[name] = Path(name)
-            continue
-        d = work / f"{name}-dummy"
-        rc, text = run.sh([PY, "benchmarks/make_llama8b_dummy.py", "--preset", name, str(d)],
-                          "pdserve_up.log", 60)
-        if rc == 0:
-            models[name] = d
-        else:
-            run.note(f"dummy model {name}: failed ({text[-300:]})")
+def _model(run: Run, work: Path, name: str) -> Path | None:
+    """A dummy preset's directory (made once under ``work``), or a model name/path as is."""
+    if name not in ("qwen3-0.6b", "llama-8b"):
+        return Path(name)
+    d = work / f"{name}-dummy"
+    if (d / "config.json").exists():
+        return d
+    rc, text = run.sh([PY, "benchmarks/make_llama8b_dummy.py", "--preset", name, str(d)],
+                      "pdserve_up.log", 60)
+    if rc != 0:
+        run.note(f"dummy model {name}: failed ({text[-300:]})")
+        return None
+    return d
+
+
+def stage_pdserve_up(run: Run, work: Path, names: list[str]) -> None:
+    models = {name: _model(run, work, name) for name in names}
     for name, d in models.items():
+        if d is None:
+            continue
         if run.left() < 110:
             run.note(f"pdserve up {name}: skipped (time)")
             continue
         _up_case(run, name, d, work)
-    return models
 
 
-def stage_multi_turn(run: Run, models: dict[str, Path]) -> None:
-    if "llama-8b" not in models or run.left() < 200:
-        run.note("multi_turn: skipped (time)")
-        return
-    cmd = [PY, "benchmarks/pd_multi_turn.py", "--model", str(models["llama-8b"]), "--device",
-           "cuda", "--engine-args", "--load-format dummy --max-model-len 16384 --max-num-seqs 32",
-           "--spec", "benchmarks/pd_multi_turn_long_spec.json", "--num-clients", "1",
-           "--startup-timeout", "150"]
-    rc, text = run.sh(cmd, "multi_turn.log", run.left() - 10)
-    run.note(f"multi_turn (8B dummy, one GPU, 1 client): exit {rc}")
-    for line in text.splitlines():
-        if re.match(r"^(case|recompute|bidirectional|turns 2\+|model )", line):
-            run.note("  " + line)
+def stage_multi_turn(run: Run, work: Path, clients: list[int]) -> None:
+    """benchmarks/pd_multi_turn.py with the 8B dummy model on one GPU, for each client count
+    that still fits (about 200 s each)."""
+    model = _model(run, work, "llama-8b")
+    for n in clients:
+        if model is None or run.left() < 200:
+            run.note(f"multi_turn {n} client(s): skipped (time)")
+            continue
+        cmd = [PY, "benchmarks/pd_multi_turn.py", "--model", str(model), "--device", run.device,
+               "--engine-args", "--load-format dummy --max-model-len 16384 --max-num-seqs 32",
+               "--spec", "benchmarks/pd_multi_turn_long_spec.json", "--num-clients", str(n),
+               "--startup-timeout", "150"]
+        rc, text = run.sh(cmd, "multi_turn.log", run.left() - 10)
+        run.note(f"multi_turn (8B dummy, one GPU, {n} client(s)): exit {rc}")
+        for line in text.splitlines():
+            if re.match(r"^(case|recompute|bidirectional|turns 2\+|model )", line):
+                run.note("  " + line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                     default="--load-format dummy --gpu-memory-utilization 0.8 "
                             "--max-model-len 16384 --max-num-seqs 32",
                     help="engine options given to pdserve up (0.8 is split: 0.4 per engine)")
+    ap.add_argument("--multi-turn-clients", default="1,4",
+                    help="client counts of the multi_turn stage, while time is left")
     ap.add_argument("--stages",
                     default="preflight,kv_transfer,pdserve_up,tests,ucx_diagnosis,multi_turn")
     args = ap.parse_args(argv)
@@ -340,16 +351,16 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(out, args.budget_s, args.device, args.prompt_len, args.up_engine_args)
     stages = set(args.stages.split(","))
     run.note(f"one_gpu_pd: stages {sorted(stages)}, budget {args.budget_s:.0f} s")
-    models: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(prefix="one-gpu-pd-") as tmp:
         work = Path(tmp)
         for name, fn in (("preflight", lambda: stage_preflight(run)),
                          ("kv_transfer", lambda: stage_kv_transfer(run)),
-                         ("pdserve_up", lambda: models.update(
-                             stage_pdserve_up(run, work, args.up_models.split(",")))),
+                         ("pdserve_up",
+                          lambda: stage_pdserve_up(run, work, args.up_models.split(","))),
                          ("tests", lambda: stage_tests(run)),
                          ("ucx_diagnosis", lambda: stage_ucx_diagnosis(run)),
-                         ("multi_turn", lambda: stage_multi_turn(run, models))):
+                         ("multi_turn", lambda: stage_multi_turn(
+                             run, work, [int(n) for n in args.multi_turn_clients.split(",")]))):
             if name not in stages:
                 continue
             try:
