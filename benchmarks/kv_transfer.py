@@ -16,8 +16,15 @@ NIXL READ, "done" notification). For each prompt length the script reports:
   within one GPU). With ``--layout fragmented`` the baseline is the same block gather done by
   ``index_copy_``.
 
+* ``path``: what carried the reads and the memory read into (``cuda_ipc/VRAM``: pdserve's
+  same-GPU copy; ``nixl/VRAM``: a NIXL READ, UCX choosing the transport; ``nixl/DRAM``: a NIXL
+  READ of host memory, e.g. host-buffer mode); ``--same-host-transport`` and
+  ``--kv-buffer-device cpu`` choose.
+
 The KV geometry is SmolLM2-135M's (30 layers, 3 KV heads, head size 64) by default, an 8B
-Llama-class one with ``--geometry llama-8b``, or anything with ``--num-layers`` etc. Blocks are
+Llama-class one with ``--geometry llama-8b``, Qwen3-0.6B's with ``--geometry qwen3-0.6b``, or
+anything with ``--num-layers`` etc. With ``--same-gpu`` both processes use ``cuda:0`` even when
+there are more GPUs (the one-GPU P/D case). Blocks are
 taken contiguously (``--layout contiguous``: one descriptor per request) or as a random
 permutation (``--layout fragmented``: about one descriptor per block, DESIGN §5's worst case).
 
@@ -26,6 +33,8 @@ Examples::
     python benchmarks/kv_transfer.py                          # CPU, 128 .. 32k tokens
     python benchmarks/kv_transfer.py --lengths 128,1024 --repeats 3
     python benchmarks/kv_transfer.py --device cuda --geometry llama-8b --layout fragmented
+    python benchmarks/kv_transfer.py --device cuda --same-gpu --geometry qwen3-0.6b \
+        --lengths 4096 --same-host-transport nixl       # force NIXL between two processes
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from typing import Any
 GEOMETRIES = {
     "smollm2": {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64},
     "llama-8b": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128},
+    "qwen3-0.6b": {"num_layers": 28, "num_kv_heads": 8, "head_dim": 128},
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 POLL_INTERVAL_S = 0.0002  # reader's pause between connector polls
@@ -55,7 +65,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blocks: int):
+def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blocks: int,
+                 same_host_transport: str = "auto", kv_buffer_device: str = "auto"):
     """A NIXL worker side with a registered KV cache ``[num_blocks, L, 2, H, B, D]``."""
     os.environ["PDSERVE_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     os.environ["PDSERVE_NIXL_SIDE_CHANNEL_PORT"] = str(port)
@@ -80,17 +91,21 @@ def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blo
         kv.zero_()
     cfg = KVTransferConfig.from_dict({
         "kv_role": "kv_producer" if role == "owner" else "kv_consumer",
-        "kv_connector_extra_config": {"kv_lease_duration": 600, "kv_metrics_log_interval": 1e9},
+        "kv_buffer_device": kv_buffer_device,
+        "kv_connector_extra_config": {"kv_lease_duration": 600, "kv_metrics_log_interval": 1e9,
+                                      "same_host_transport": same_host_transport},
     })
     worker = create_connector(cfg, "worker")
     worker.register_kv_cache(kv, spec)
     return worker, kv, spec, cfg.engine_id
 
 
-def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: int) -> None:
+def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: int,
+                same_host_transport: str, kv_buffer_device: str) -> None:
     from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, SendSpec
 
-    worker, _, _, engine_id = _make_worker("owner", port, device, geo, num_blocks)
+    worker, _, _, engine_id = _make_worker("owner", port, device, geo, num_blocks,
+                                           same_host_transport, kv_buffer_device)
     conn.send(engine_id)
     while True:
         cmd, arg = conn.recv()
@@ -99,6 +114,9 @@ def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: i
             worker.bind_connector_metadata(NixlConnectorMetadata(
                 reqs_to_send={req_id: SendSpec(req_id, block_ids, 600.0)}))
             worker.get_finished(set())
+            while req_id not in worker.leases:  # host-buffer mode: leased once staged
+                time.sleep(0.0002)
+                worker.get_finished(set())
             conn.send(None)
         elif cmd == "wait_released":
             deadline = time.monotonic() + 60
@@ -114,14 +132,16 @@ def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: i
 
 
 def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, Any],
-                 num_blocks: int) -> None:
+                 num_blocks: int, same_host_transport: str, kv_buffer_device: str) -> None:
     import torch
 
     from pdserve.kv_transfer.nixl.metadata import (
         NixlConnectorMetadata, RecvSpec, RemoteEndpoint, RemoteKVRef)
 
-    worker, kv, spec, _ = _make_worker("reader", port, device, geo, num_blocks)
+    worker, kv, spec, _ = _make_worker("reader", port, device, geo, num_blocks,
+                                       same_host_transport, kv_buffer_device)
     conn.send(None)
+    path = "?"  # the read path of the owner, reported once after the handshake
 
     def sync() -> None:
         if device.startswith("cuda"):
@@ -144,6 +164,8 @@ def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, 
                 out = worker.get_finished(set())
                 if out.stats:
                     stats = out.stats
+                    for entry in (out.stats.get("transfer_paths") or {}).values():
+                        path = f"{entry['transport']}/{entry['mem'].split('->')[-1]}"
                 if "r-" + req_id in out.finished_recving:
                     break
                 # like the engine loop, wait a little between polls: a busy loop would starve
@@ -158,7 +180,7 @@ def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, 
                     raise RuntimeError(f"block {lid} does not hold remote block {rid}")
             conn.send({"load_s": load_s, "xfer_s": stats["xfer_time_s"][0],
                        "post_s": stats["post_time_s"][0], "bytes": stats["bytes"][0],
-                       "descs": stats["num_descriptors"][0]})
+                       "descs": stats["num_descriptors"][0], "path": path})
         elif cmd == "copy":
             n_blocks, fragmented, repeats = arg
             block_elems = kv[0].numel()
@@ -186,7 +208,7 @@ def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, 
             return
 
 
-def _pick_devices(device: str) -> tuple[str, str, str]:
+def _pick_devices(device: str, same_gpu: bool = False) -> tuple[str, str, str]:
     """(owner device, reader device, baseline-copy source device)."""
     if device == "cpu":
         return "cpu", "cpu", "cpu"
@@ -194,7 +216,7 @@ def _pick_devices(device: str) -> tuple[str, str, str]:
 
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device")
-    if torch.cuda.device_count() >= 2:
+    if torch.cuda.device_count() >= 2 and not same_gpu:
         return "cuda:0", "cuda:1", "cuda:0"
     return "cuda:0", "cuda:0", "cuda:0"
 
@@ -213,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", choices=["contiguous", "fragmented"], default="contiguous")
     ap.add_argument("--repeats", type=int, default=5, help="transfers per length (median)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--same-gpu", action="store_true",
+                    help="owner and reader both on cuda:0 (P and D sharing one GPU)")
+    ap.add_argument("--same-host-transport", choices=["auto", "cuda_ipc", "nixl"],
+                    default="auto", help="kv_connector_extra_config.same_host_transport")
+    ap.add_argument("--kv-buffer-device", choices=["auto", "cpu"], default="auto",
+                    help="cpu with CUDA caches: host-buffer mode (NIXL moves pinned host "
+                         "mirrors; the time includes the copy to the GPU)")
     args = ap.parse_args(argv)
 
     device = args.device
@@ -220,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    owner_dev, reader_dev, copy_dev = _pick_devices(device)
+    owner_dev, reader_dev, copy_dev = _pick_devices(device, args.same_gpu)
     geo = dict(GEOMETRIES[args.geometry], dtype=args.dtype, block_size=args.block_size)
     for key in ("num_layers", "num_kv_heads", "head_dim"):
         if getattr(args, key) is not None:
@@ -234,16 +263,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{block_bytes / args.block_size / 1024:.1f} KiB per token")
     print(f"# owner on {owner_dev}, reader on {reader_dev}; {num_blocks} blocks per side "
           f"({num_blocks * block_bytes / 2**30:.2f} GiB); layout {args.layout}; "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}; same_host_transport {args.same_host_transport}, "
+          f"kv_buffer_device {args.kv_buffer_device}")
 
     ctx = mp.get_context("spawn")
     owner_conn, owner_child = ctx.Pipe()
     reader_conn, reader_child = ctx.Pipe()
     owner_port, reader_port = _free_port(), _free_port()
     owner = ctx.Process(target=_owner_main,
-                        args=(owner_child, owner_port, owner_dev, geo, num_blocks))
+                        args=(owner_child, owner_port, owner_dev, geo, num_blocks,
+                              args.same_host_transport, args.kv_buffer_device))
     reader = ctx.Process(target=_reader_main,
-                         args=(reader_child, reader_port, reader_dev, copy_dev, geo, num_blocks))
+                         args=(reader_child, reader_port, reader_dev, copy_dev, geo, num_blocks,
+                               args.same_host_transport, args.kv_buffer_device))
     owner.start()
     reader.start()
     rng = random.Random(args.seed)
@@ -251,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         owner_id = owner_conn.recv()
         reader_conn.recv()
         header = (f"{'tokens':>7} {'MiB':>9} {'descs':>6} {'load ms':>9} {'xfer ms':>9} "
-                  f"{'GB/s':>7} {'post ms':>8} {'copy ms':>9} {'copy GB/s':>9}")
+                  f"{'GB/s':>7} {'post ms':>8} {'copy ms':>9} {'copy GB/s':>9} {'of copy':>8} "
+                  f"{'path':>13}")
         print(header)
         counter = 0
         for length in lengths:
@@ -281,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{length:>7} {nbytes / 2**20:>9.2f} {descs:>6.0f} {1e3 * med['load_s']:>9.3f} "
                   f"{1e3 * med['xfer_s']:>9.3f} {nbytes / med['xfer_s'] / 1e9:>7.2f} "
                   f"{1e3 * med['post_s']:>8.3f} {1e3 * copy_s:>9.3f} "
-                  f"{nbytes / copy_s / 1e9:>9.2f}", flush=True)
+                  f"{nbytes / copy_s / 1e9:>9.2f} {copy_s / med['xfer_s']:>8.1%} "
+                  f"{rows[-1]['path']:>13}", flush=True)
     finally:
         for conn in (owner_conn, reader_conn):
             try:

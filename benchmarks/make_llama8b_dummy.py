@@ -1,14 +1,18 @@
-"""Write an 8B Llama-class model directory for ``--load-format dummy`` runs.
+"""Write an 8B Llama-class (or Qwen3-0.6B-shaped) model directory for ``--load-format dummy``
+runs.
 
 The directory holds ``config.json`` (hidden 4096, 32 layers, 32 heads, 8 KV heads, head size 128,
 intermediate 14336, rope theta 500000, 16k positions; vocabulary 49,152 so that the embedded
 SmolLM2 tokenizer and chat template fit) and the tokenizer files of the converted SmolLM2 model.
 No weights: engines started with ``--load-format dummy`` fill them with random values, which is
-enough for speed work (DESIGN §6).
+enough for speed work (DESIGN §6). ``--preset qwen3-0.6b`` writes Qwen3-0.6B's configuration
+instead (``benchmarks/offline_throughput.py``'s ``QWEN3_0_6B_CONFIG``: 28 layers, 8 KV heads,
+head size 128, vocabulary 151,936, which the SmolLM2 tokenizer's ids fit in).
 
 Usage::
 
     python benchmarks/make_llama8b_dummy.py OUT_DIR
+    python benchmarks/make_llama8b_dummy.py --preset qwen3-0.6b OUT_DIR
 
 Raises:
     SystemExit: the embedded model package is missing (see README).
@@ -33,9 +37,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "generation_config.json")
 
 
+def _config(preset: str) -> dict:
+    if preset == "llama-8b":
+        return CONFIG
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from offline_throughput import QWEN3_0_6B_CONFIG
+
+    return dict(QWEN3_0_6B_CONFIG, max_position_embeddings=16384)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Create the directory given as the only argument; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Create the directory given as the only argument (after an optional ``--preset NAME``);
+    returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    preset = "llama-8b"
+    if len(argv) == 3 and argv[0] == "--preset" and argv[1] in ("llama-8b", "qwen3-0.6b"):
+        preset, argv = argv[1], argv[2:]
     if len(argv) != 1:
         print(__doc__)
         return 2
@@ -47,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy(src / name, out / name)
-    (out / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    (out / "config.json").write_text(json.dumps(_config(preset), indent=1))
     print(f"wrote {out}")
     return 0
 

@@ -58,8 +58,10 @@ def _read_counters(url: str) -> dict[str, float]:
     return out
 
 
-def _start_up(args: argparse.Namespace, multi_turn: bool, log_dir: Path) -> tuple[subprocess.Popen, dict]:
-    """Start ``pdserve up`` and wait until its status file says ready.
+def _start_up(args: argparse.Namespace, multi_turn: bool, log_dir: Path,
+              output: Path | None = None) -> tuple[subprocess.Popen, dict]:
+    """Start ``pdserve up`` and wait until its status file says ready (its own output goes to
+    ``output`` when given, else nowhere).
 
     Returns:
         The launcher process and its parsed ``pdserve-up.json`` status.
@@ -70,7 +72,12 @@ def _start_up(args: argparse.Namespace, multi_turn: bool, log_dir: Path) -> tupl
         cmd.append("--multi-turn")
     if args.engine_args:
         cmd += ["--", *shlex.split(args.engine_args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    sink = open(output, "ab") if output is not None else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+    finally:
+        if output is not None:
+            sink.close()
     status_file = log_dir / "pdserve-up.json"
     deadline = time.monotonic() + args.startup_timeout
     while time.monotonic() < deadline:

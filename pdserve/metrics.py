@@ -72,6 +72,10 @@ NIXL_NUM_DESCRIPTORS = "pdserve:nixl_num_descriptors"
 NIXL_NUM_FAILED_TRANSFERS = "pdserve:nixl_num_failed_transfers"
 NIXL_NUM_FAILED_NOTIFICATIONS = "pdserve:nixl_num_failed_notifications"
 NIXL_NUM_KV_EXPIRED_REQS = "pdserve:nixl_num_kv_expired_reqs"
+# The path that carries reads from each peer (kv_transfer/nixl/transfer_path.py): 1 for the
+# current {peer_engine_id, transport, mem}; and the first sizable read's bandwidth.
+KV_TRANSFER_PATH_INFO = "pdserve:kv_transfer_path_info"
+KV_TRANSFER_READ_GBPS = "pdserve:kv_transfer_read_gbps"
 
 # Bucket bounds. Latencies: roughly x2-x2.5 steps from 1 ms to 10 min, wide enough for a CPU
 # engine under load and fine enough for a GPU decode step. Sizes: powers of two.
@@ -190,6 +194,53 @@ class EngineStatsCollector:
             yield cls(m.family, m.doc, value=float(value))
 
 
+class TransferPathCollector:
+    """The path that carries KV reads from each peer engine (connector stats key
+    ``transfer_paths``, see kv_transfer/nixl/transfer_path.py), rendered at scrape time:
+    ``pdserve:kv_transfer_path_info{peer_engine_id, transport, mem} 1`` and, once a read of at
+    least 16 MiB was measured, ``pdserve:kv_transfer_read_gbps{peer_engine_id, transport}``.
+    Nothing is rendered before the first handshake."""
+
+    def __init__(self) -> None:
+        self._peers: dict[str, tuple[str, str, float | None]] = {}
+        self._lock = threading.Lock()
+
+    def update(self, paths: Mapping[str, Any]) -> None:
+        """``{peer: {"transport": str, "mem": str, "read_gbps": float | None}}``; a peer's new
+        entry replaces its old one. May be called from any thread."""
+        with self._lock:
+            for peer, entry in paths.items():
+                if not isinstance(entry, Mapping):
+                    continue
+                gbps = entry.get("read_gbps")
+                ok = isinstance(gbps, (int, float)) and math.isfinite(gbps)
+                self._peers[str(peer)] = (str(entry.get("transport")), str(entry.get("mem")),
+                                          float(gbps) if ok else None)
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            peers = dict(self._peers)
+        if not peers:
+            return
+        info = GaugeMetricFamily(KV_TRANSFER_PATH_INFO,
+                                 "1 for the path that carries KV reads from a peer engine "
+                                 "(transport cuda_ipc or nixl; mem source->destination).",
+                                 labels=["peer_engine_id", "transport", "mem"])
+        gbps = GaugeMetricFamily(KV_TRANSFER_READ_GBPS,
+                                 "Bandwidth of the first KV read of at least 16 MiB from a "
+                                 "peer engine (GB/s).", labels=["peer_engine_id", "transport"])
+        for peer, (transport, mem, rate) in sorted(peers.items()):
+            info.add_metric([peer, transport, mem], 1.0)
+            if rate is not None:
+                gbps.add_metric([peer, transport], rate)
+        yield info
+        if gbps.samples:
+            yield gbps
+
+
 class ServerMetrics:
     """All Prometheus metrics of one API server instance.
 
@@ -238,6 +289,8 @@ class ServerMetrics:
                 buckets=DESCRIPTOR_BUCKETS, registry=self.registry),
         }
         self._connector_counts = {name: 0 for name in CONNECTOR_COUNTER_KEYS.values()}
+        self.transfer_paths = TransferPathCollector()
+        self.registry.register(self.transfer_paths)
         self._lock = threading.Lock()
         add_listener = getattr(engine, "add_stats_listener", None)
         if add_listener is not None:
@@ -266,7 +319,9 @@ class ServerMetrics:
 
         Keys (all optional): ``xfer_time_s``, ``post_time_s`` (lists of seconds), ``bytes``,
         ``num_descriptors`` (lists of ints), ``num_failed_transfers``,
-        ``num_failed_notifications``, ``num_kv_expired_reqs`` (ints, increments). Unknown keys
+        ``num_failed_notifications``, ``num_kv_expired_reqs`` (ints, increments),
+        ``transfer_paths`` (each peer's read path, see
+        :meth:`~pdserve.kv_transfer.nixl.transfer_path.TransferPaths.take_delta`). Unknown keys
         are ignored. May be called from any thread.
         """
         for key, name in CONNECTOR_HISTOGRAM_KEYS.items():
@@ -279,6 +334,9 @@ class ServerMetrics:
                 inc = delta.get(key)
                 if inc:
                     self._connector_counts[name] += int(inc)
+        paths = delta.get("transfer_paths")
+        if isinstance(paths, Mapping):
+            self.transfer_paths.update(paths)
 
     def connector_counts(self) -> dict[str, int]:
         """Cumulative connector counters, by exposed name."""

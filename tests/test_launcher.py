@@ -315,6 +315,18 @@ def test_plan_sets_cuda_visible_devices():
         assert spec.env["CUDA_VISIBLE_DEVICES"] == "0"
         assert float(spec.argv[spec.argv.index("--gpu-memory-utilization") + 1]) == pytest.approx(
             launcher.SHARED_GPU_MEMORY_FRACTION / 2)
+    # a given --gpu-memory-utilization is split too (each engine's flag is its own share)
+    prefill, decode, _ = _plan(["--port", port, "--", "--gpu-memory-utilization", "0.8"],
+                               gpus=["0"])
+    for spec in (prefill, decode):
+        assert float(spec.argv[len(spec.argv) - 1 - spec.argv[::-1].index(
+            "--gpu-memory-utilization") + 1]) == pytest.approx(0.4)
+        assert spec.gpu_memory_share == pytest.approx(0.4)
+    # --kv-cache-memory sizes the cache instead: nothing to split
+    prefill, _, _ = _plan(["--port", port, "--", "--kv-cache-memory", "1000000"], gpus=["0"])
+    assert "--gpu-memory-utilization" not in prefill.argv and prefill.gpu_memory_share is None
+    with pytest.raises(LaunchError, match="must be a number"):
+        _plan(["--port", port, "--", "--gpu-memory-utilization", "lots"], gpus=["0"])
     # --device cpu: no GPU at all
     prefill, decode, _ = _plan(["--port", port, "--device", "cpu"], gpus=["0", "1"])
     assert "CUDA_VISIBLE_DEVICES" not in prefill.env and prefill.gpu is None

@@ -133,3 +133,25 @@ def test_registries_are_per_instance() -> None:
     b = m.ServerMetrics(_Engine(EngineStats()))
     a.observe_first_token(0.1)
     assert _sample_lines(b.render()[0].decode())["pdserve:time_to_first_token_seconds_count"] == 0
+
+
+def test_transfer_path_of_each_peer_is_an_info_metric() -> None:
+    engine = _Engine(EngineStats())
+    sm = m.ServerMetrics(engine)
+    (listener,) = engine.listeners
+    assert "kv_transfer_path_info" not in sm.render()[0].decode()  # before any handshake
+    listener({"transfer_paths": {"p1": {"transport": "nixl", "mem": "VRAM->VRAM",
+                                        "read_gbps": None}}})
+    listener({"transfer_paths": {"p2": {"transport": "cuda_ipc", "mem": "VRAM->VRAM",
+                                        "read_gbps": 1500.5}}})
+    listener({"transfer_paths": {"p1": {"transport": "nixl", "mem": "VRAM->VRAM",
+                                        "read_gbps": 0.54}}})
+    text = sm.render()[0].decode()
+    lines = _sample_lines(text)
+    assert lines['pdserve:kv_transfer_path_info{mem="VRAM->VRAM",peer_engine_id="p1",'
+                 'transport="nixl"}'] == 1
+    assert lines['pdserve:kv_transfer_read_gbps{peer_engine_id="p1",transport="nixl"}'] == 0.54
+    assert lines['pdserve:kv_transfer_read_gbps{peer_engine_id="p2",transport="cuda_ipc"}'] \
+        == 1500.5
+    for fam in text_string_to_metric_families(text):
+        assert fam.samples, fam.name

@@ -160,7 +160,7 @@ class AsyncEngine:
 
     @staticmethod
     def _load_tokenizer(config: EngineConfig) -> Any:
-        from pdserve.model.tokenizer import load_tokenizer
+        from pdserve.tokenizer import load_tokenizer
 
         return load_tokenizer(config)
 

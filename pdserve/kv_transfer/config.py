@@ -25,7 +25,8 @@ Top-level keys:
     flag asks for, so nothing needs permuting.
 ``kv_buffer_device``
     Where transfers read and write: ``"auto"`` (default: the KV cache's own device), ``"cpu"`` or
-    ``"cuda"``. It must match the KV cache device (no staging buffer).
+    ``"cuda"``. ``"cpu"`` with a CUDA KV cache is host-buffer mode (a pinned host mirror of the
+    cache, ``nixl/host_buffer.py``); otherwise it must match the KV cache device.
 ``engine_id``
     This instance's identity in ``kv_transfer_params`` (default: a random UUID).
 ``kv_connector_extra_config``
@@ -42,6 +43,9 @@ Top-level keys:
     ``kv_metrics_log_interval``  10          seconds between ``KV Transfer metrics`` log lines
     ``kv_handshake_timeout``     5           seconds to wait for a remote side channel's answer
     ``kv_transfer_timeout``      120         seconds a posted READ may take before it fails
+    ``same_host_transport``      ``auto``    reads from a peer on the same GPU: ``auto`` (CUDA
+                                             IPC copy when possible, else NIXL), ``cuda_ipc``
+                                             (the same, warning when not possible) or ``nixl``
     ============================ =========== ===================================================
 
 Environment: ``PDSERVE_NIXL_SIDE_CHANNEL_HOST`` (default ``localhost``) and
@@ -92,7 +96,9 @@ EXTRA_DEFAULTS: dict[str, Any] = {
     "kv_metrics_log_interval": 10.0,
     "kv_handshake_timeout": 5.0,
     "kv_transfer_timeout": 120.0,
+    "same_host_transport": "auto",
 }
+SAME_HOST_TRANSPORTS = ("auto", "cuda_ipc", "nixl")
 _EXTRA_POSITIVE_SECONDS = (
     "kv_lease_duration",
     "decoder_kv_blocks_ttl",
@@ -169,6 +175,11 @@ def _validate_extra(extra: Any) -> dict[str, Any]:
         raise KVTransferConfigError(
             "kv_connector_extra_config.kv_recompute_threshold must be a non-negative integer "
             f"number of tokens, got {thr!r}"
+        )
+    if out["same_host_transport"] not in SAME_HOST_TRANSPORTS:
+        raise KVTransferConfigError(
+            f"kv_connector_extra_config.same_host_transport must be one of "
+            f"{list(SAME_HOST_TRANSPORTS)}, got {out['same_host_transport']!r}"
         )
     return out
 
@@ -341,6 +352,12 @@ class KVTransferConfig:
     def kv_transfer_timeout(self) -> float:
         """Seconds a posted READ may stay in progress before it counts as failed."""
         return self.kv_connector_extra_config["kv_transfer_timeout"]
+
+    @property
+    def same_host_transport(self) -> str:
+        """How reads from a peer on the same GPU travel: ``auto``, ``cuda_ipc`` or ``nixl``
+        (kv_transfer/nixl/transfer_path.py)."""
+        return self.kv_connector_extra_config["same_host_transport"]
 
     @property
     def side_channel_host(self) -> str:

@@ -20,8 +20,9 @@ from typing import Sequence
 
 DEFAULT_PROXY_PORT = 8000
 ENGINE_HOST = "127.0.0.1"
-# Fraction of a GPU's memory that the engines sharing it may use together (vLLM's default for
-# --gpu-memory-utilization is 0.9 for one engine alone).
+# Fraction of a GPU's memory that the engines sharing it may use together when
+# --gpu-memory-utilization is not given (vLLM's default for one engine alone); a given value is
+# likewise split between the engines sharing a GPU.
 SHARED_GPU_MEMORY_FRACTION = 0.9
 
 
@@ -45,6 +46,8 @@ class ChildSpec:
         health_path: path that answers 200 once the child is ready.
         side_channel_port: NIXL side-channel port (engines only).
         gpu: the ``CUDA_VISIBLE_DEVICES`` entry given to the child, or None.
+        gpu_memory_share: the ``--gpu-memory-utilization`` given to an engine that shares its
+            GPU with others (None: not shared, or sized by ``--kv-cache-memory``).
     """
 
     name: str
@@ -56,6 +59,7 @@ class ChildSpec:
     health_path: str = "/health"
     side_channel_port: int | None = None
     gpu: str | None = None
+    gpu_memory_share: float | None = None
 
     @property
     def url(self) -> str:
@@ -300,7 +304,15 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
     for gpu in p_gpus + d_gpus:
         if gpu is not None:
             sharing[gpu] = sharing.get(gpu, 0) + 1
-    memory_given = _option_given(engine_args, "--gpu-memory-utilization", "--kv-cache-memory")
+    # One GPU shared by several engines: each gets an equal part of --gpu-memory-utilization
+    # (each engine's flag is its own share of the total, see pdserve/memory_budget.py).
+    kv_memory_given = _option_given(engine_args, "--kv-cache-memory")
+    util_text = option_value(engine_args, "--gpu-memory-utilization")
+    try:
+        util_total = SHARED_GPU_MEMORY_FRACTION if util_text is None else float(util_text)
+    except ValueError:
+        raise LaunchError(f"--gpu-memory-utilization must be a number, got {util_text!r}") \
+            from None
 
     # KV events: every engine publishes its prefix-cache changes for the proxy's
     # --routing kv-aware, on two free ports (events, snapshots) unless the user set the option.
@@ -323,18 +335,20 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
             env = {"PDSERVE_NIXL_SIDE_CHANNEL_HOST": ENGINE_HOST,
                    "PDSERVE_NIXL_SIDE_CHANNEL_PORT": str(side_ports[i]),
                    "PYTHONUNBUFFERED": "1"}
+            share = None
             if gpu is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpu
-                if sharing[gpu] > 1 and not memory_given:
-                    share = SHARED_GPU_MEMORY_FRACTION / sharing[gpu]
-                    args_i += ["--gpu-memory-utilization", f"{share:.3f}"]
+                if sharing[gpu] > 1 and not kv_memory_given:
+                    share = round(util_total / sharing[gpu], 3)
+                    args_i += ["--gpu-memory-utilization", f"{share:.3f}"]  # the last one wins
             argv = commands.engine(model=opts.model, role=role, host=ENGINE_HOST, port=ports[i],
                                    kv_config=kv_transfer_config(kv_role, opts.multi_turn),
                                    device=opts.device, engine_args=args_i)
             specs.append(ChildSpec(name=f"{role}-{i}", role=role, argv=argv, env=env,
                                    host=ENGINE_HOST, port=ports[i],
                                    health_path=commands.health_path_engine,
-                                   side_channel_port=side_ports[i], gpu=gpu))
+                                   side_channel_port=side_ports[i], gpu=gpu,
+                                   gpu_memory_share=share))
     proxy_argv = commands.proxy(
         host=opts.host, port=opts.port,
         prefillers=[(ENGINE_HOST, p) for p in p_ports], decoders=[(ENGINE_HOST, p) for p in d_ports],

@@ -331,6 +331,9 @@ class Launcher:
                 extra = f", side channel {child.spec.side_channel_port}" \
                     if child.spec.side_channel_port else ""
                 gpu = f", GPU {child.spec.gpu}" if child.spec.gpu is not None else ""
+                if child.spec.gpu_memory_share is not None:
+                    gpu += (f" (shared: --gpu-memory-utilization "
+                            f"{child.spec.gpu_memory_share:.3f} of its total memory)")
                 self.say(f"  started {child.spec.name:<10} pid {child.pid}, port "
                          f"{child.spec.port}{extra}{gpu}, log {child.log_path}")
             if not self.wait_until_ready():

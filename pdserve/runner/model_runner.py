@@ -28,7 +28,8 @@ from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput, Scheduled
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.attention.metadata import decode_metadata
 from pdserve.model_info import ModelInfo
-from pdserve.models.loader import load_model, model_max_len
+from pdserve.memory_budget import kv_cache_budget, requested_bytes
+from pdserve.models.loader import load_model, model_max_len, resolve_device
 from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
 from pdserve.runner.sampler import Sampler
 
@@ -64,6 +65,23 @@ def tune_cpu_malloc() -> bool:
         return False
 
 
+def _cuda_memory_at_start(config: EngineConfig) -> tuple[int, int] | None:
+    """``(total, free)`` bytes of the engine's CUDA device before it loads anything, after
+    checking that its ``gpu_memory_utilization`` share is free (None on CPU or when
+    ``kv_cache_memory`` / ``num_gpu_blocks_override`` size the cache instead).
+
+    Raises:
+        GpuMemoryBudgetError: the share is not free (the message has the numbers).
+    """
+    device = resolve_device(config.device)
+    if device.type != "cuda" or config.kv_cache_memory is not None \
+            or config.num_gpu_blocks_override:
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    requested_bytes(total, free, config.gpu_memory_utilization)
+    return total, free
+
+
 class ModelRunner:
     """Runs the model for the scheduler.
 
@@ -82,6 +100,8 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        # CUDA: (total, free) before this instance's weights, for its memory budget
+        self._cuda_mem_at_start = _cuda_memory_at_start(config)
         loaded = load_model(config)
         self.model = loaded.model
         self.arch = loaded.arch
@@ -101,6 +121,8 @@ class ModelRunner:
                                 and self.model.attn_backend.supports_cuda_graphs)
         if self.device.type == "cpu":
             tune_cpu_malloc()
+        self._weights_bytes = (torch.cuda.memory_allocated(self.device)
+                               if self.device.type == "cuda" else 0)
 
     # ------------------------------------------------------------------ KV cache sizing
     @property
@@ -135,24 +157,35 @@ class ModelRunner:
         return int(budget // self.block_bytes)
 
     def _profile_cuda_budget(self) -> int:
-        """Bytes left for the KV cache on CUDA after a profiling forward pass."""
+        """Bytes left for the KV cache on CUDA: this instance's share of the GPU
+        (``gpu_memory_utilization`` of the total, see :mod:`pdserve.memory_budget`) minus its
+        weights and a profiling forward pass's activation peak.
+
+        Raises:
+            GpuMemoryBudgetError: the share was not free at start or leaves nothing for the KV
+                cache (the message has the numbers).
+        """
         cfg = self.config
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        free0, total = torch.cuda.mem_get_info(self.device)
+        non_torch0 = (total - free0) - torch.cuda.memory_reserved(self.device)
         num_tokens = max(1, min(cfg.max_num_batched_tokens, self.max_model_len))
         num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
         self._profile_run(num_tokens, num_seqs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
-        budget = int(total * cfg.gpu_memory_utilization) - peak - non_torch
-        logger.info("CUDA memory: total %.2f GiB, weights+activations peak %.2f GiB, other "
-                    "%.2f GiB, KV cache budget %.2f GiB", total / GiB, peak / GiB,
-                    non_torch / GiB, budget / GiB)
+        non_torch1 = (total - free) - torch.cuda.memory_reserved(self.device)
         torch.cuda.empty_cache()
-        return max(0, budget)
+        total_start, free_start = self._cuda_mem_at_start or (total, total)
+        budget = kv_cache_budget(
+            total_start, free_start, self._weights_bytes, peak - self._weights_bytes,
+            cfg.gpu_memory_utilization, non_torch_growth_bytes=non_torch1 - non_torch0,
+            free_now_bytes=torch.cuda.mem_get_info(self.device)[0])
+        logger.info("%s", budget.describe())
+        return budget.kv_cache
 
     def _profile_run(self, num_tokens: int, num_seqs: int) -> None:
         """A forward pass of ``num_tokens`` prompt tokens in ``num_seqs`` requests (sampled with

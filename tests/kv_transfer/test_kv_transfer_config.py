@@ -25,6 +25,7 @@ def test_json_form_and_defaults():
     assert cfg.kv_recompute_threshold == 64
     assert cfg.decoder_kv_blocks_ttl == 480.0
     assert cfg.kv_metrics_log_interval == 10.0
+    assert cfg.same_host_transport == "auto"
     assert cfg.engine_id  # random default
     assert KVTransferConfig(kv_role="kv_consumer").engine_id != cfg.engine_id
 
@@ -140,11 +141,21 @@ def test_round_trip():
         (["--kv-transfer-config.kv_role", "kv_producer",
           "--kv-transfer-config.kv_role+", "x"], "cannot append"),
         (["--kv-transfer-config..kv_role", "kv_producer"], "malformed option"),
+        (["--kv-transfer-config.kv_role", "kv_producer",
+          "--kv-transfer-config.kv_connector_extra_config.same_host_transport", "shm"],
+         "same_host_transport must be one of"),
     ],
 )
 def test_invalid_configs_raise_clear_errors(argv, match):
     with pytest.raises(KVTransferConfigError, match=match):
         extract_kv_transfer_args(argv)
+
+
+def test_same_host_transport_override():
+    cfg, _ = extract_kv_transfer_args(
+        ["--kv-transfer-config.kv_role", "kv_consumer",
+         "--kv-transfer-config.kv_connector_extra_config.same_host_transport", "nixl"])
+    assert cfg.same_host_transport == "nixl"
 
 
 def test_error_is_a_value_error():

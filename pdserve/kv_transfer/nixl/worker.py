@@ -35,6 +35,7 @@ from typing import Any
 from pdserve.engine.outputs import KVConnectorOutput
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.nixl import cuda_ipc, host_buffer
 from pdserve.kv_transfer.nixl.agent import NixlAgent, RemoteAgent, block_runs
 from pdserve.kv_transfer.nixl.leases import LeaseTable
 from pdserve.kv_transfer.nixl.metadata import (
@@ -54,7 +55,8 @@ from pdserve.kv_transfer.nixl.side_channel import (
     compat_mismatch,
     side_channel_request,
 )
-from pdserve.kv_transfer.nixl.stats import StatsRecorder
+from pdserve.kv_transfer.nixl.stats import StatsRecorder, TransferStats
+from pdserve.kv_transfer.nixl.transfer_path import SameHostTransport, TransferPaths
 from pdserve.kv_transfer.wakeup import Waker
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class _Remote:
     agent: RemoteAgent | None = None  # ready
     info: dict[str, Any] | None = None
     clock_offset_s: float = 0.0  # remote time.time() - local time.time()
+    ipc: cuda_ipc.CudaIpcPeer | None = None  # same GPU: reads are CUDA IPC copies (cuda_ipc.py)
 
 
 @dataclass
@@ -108,9 +111,11 @@ class _Load:
     """One request's load in progress."""
 
     spec: RecvSpec
-    phase: str = "handshake"  # handshake -> claim -> xfer
+    phase: str = "handshake"  # handshake -> claim -> xfer (-> unstage: host-buffer mode)
     claim: int | None = None  # SideChannelClient ticket
     handle: Any = None
+    mover: Any = None  # what posted the read: the NixlAgent or a CudaIpcPeer (same interface)
+    unstage: Any = None  # host-buffer mode: the mirror -> GPU copy after the READ
     t_start: float = field(default_factory=time.perf_counter)  # handed to the worker
     t_claim: float = 0.0  # claim sent
     claim_s: float = 0.0  # claim round trip
@@ -159,6 +164,11 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         # endpoint key -> clock offset, measured since the last report to the scheduler
         self._new_clock_offsets: dict[tuple[str, str, int], float] = {}
         self.stats = StatsRecorder(config.kv_metrics_log_interval)
+        # Same-GPU reads by CUDA IPC (cuda_ipc.py); the path of every peer, for logs and metrics
+        self._same_host = SameHostTransport(config.same_host_transport)
+        self.paths = TransferPaths()
+        self._kv_cache: Any = None
+        self._mirror: host_buffer.HostMirror | None = None  # kv_buffer_device "cpu" on CUDA
         # Wakes the engine loop when another thread has work for it (see wakeup_handles()).
         self._waker = Waker()
         # Lease claims: non-blocking requests from the engine thread over persistent connections.
@@ -183,17 +193,23 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 not match ``spec``.
         """
         want = self.config.kv_buffer_device
-        if want != "auto" and want != kv_cache.device.type:
+        mirrored = host_buffer.wanted(want, kv_cache.device.type)
+        if want != "auto" and want != kv_cache.device.type and not mirrored:
             raise ValueError(
                 f"kv_buffer_device={want!r} but the KV cache lives on {kv_cache.device.type!r}; "
-                "pdserve transfers directly from the KV cache (use 'auto')"
+                "pdserve transfers from the KV cache, or from a host mirror of a CUDA cache "
+                "('cpu'), so use 'auto' or 'cpu'"
             )
         expected = (spec.num_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_size,
                     spec.head_dim)
         if tuple(kv_cache.shape) != expected:
             raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} != spec {expected}")
-        self.agent.register_kv_cache(kv_cache, spec.block_bytes)
+        if mirrored:  # host-buffer mode (host_buffer.py): NIXL moves the pinned host mirror
+            self._mirror = host_buffer.HostMirror(kv_cache)
+            self._same_host = SameHostTransport.NIXL
+        self.agent.register_kv_cache(self._mirror.host if mirrored else kv_cache, spec.block_bytes)
         self.spec = spec
+        self._kv_cache = kv_cache
         self._compat = compat_fields(spec)
         info = {
             "engine_id": self.engine_id,
@@ -207,6 +223,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             "compat": self._compat,
             "compat_hash": compat_hash(self._compat),
             "lease_duration": self.config.kv_lease_duration,
+            **cuda_ipc.handshake_fields(kv_cache),  # host_id, pid, gpu_uuid, cuda_ipc
         }
         self._info = info
         logger.info(
@@ -224,13 +241,14 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             raise TypeError(f"expected NixlConnectorMetadata, got {type(metadata).__name__}")
         now = time.monotonic()
         for req_id, send in metadata.reqs_to_send.items():
-            early = self.leases.add(req_id, send.block_ids, send.lease_duration,
-                                    send.renew_on_heartbeat, now, send.token_ids,
-                                    send.first_token)
-            if early is not None and self.leases.close(req_id, f"{early} before lease"):
-                self._out.finished_sending.add(req_id)
+            if self._mirror is not None:  # host-buffer mode: the lease starts once staged
+                self._mirror.stage(req_id, send.block_ids, send)
+                continue
+            self._add_lease(req_id, send, now)
         for req_id in metadata.release_sends:
-            if self.leases.close(req_id, "released"):
+            if self._mirror is not None and self._mirror.cancel(req_id):
+                self._out.finished_sending.add(req_id)  # released while being staged
+            elif self.leases.close(req_id, "released"):
                 self._out.finished_sending.add(req_id)
         for endpoint in metadata.handshakes:
             self._ensure_handshake(endpoint)
@@ -255,6 +273,14 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             else:
                 load.aborted = True
 
+    def _add_lease(self, req_id: str, send: Any, now: float) -> None:
+        """Keep a finished request's blocks (``send``: its ``SendSpec``) for a remote reader."""
+        early = self.leases.add(req_id, send.block_ids, send.lease_duration,
+                                send.renew_on_heartbeat, now, send.token_ids,
+                                send.first_token)
+        if early is not None and self.leases.close(req_id, f"{early} before lease"):
+            self._out.finished_sending.add(req_id)
+
     def start_load_kv(self) -> None:
         """Advance handshakes and claims and post the READs that are ready (never blocks)."""
         self._progress()
@@ -268,6 +294,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         """
         self._progress()
         self._poll_transfers()
+        if self._mirror is not None:
+            for req_id, (send,) in self._mirror.take_staged():
+                self._add_lease(req_id, send, time.monotonic())
         self._process_notifications()
         for req_id in self.leases.expire():
             self._out.finished_sending.add(req_id)
@@ -277,6 +306,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._send_notices()
         out, self._out = self._out, KVConnectorOutput()
         out.stats = self.stats.take_delta()
+        paths = self.paths.take_delta()
+        if paths:  # each peer's read path, for the front end's /metrics
+            out.stats = dict(out.stats or TransferStats().to_dict(), transfer_paths=paths)
         # for the scheduler side's expiry checks (bidirectional)
         out.remote_clock_offsets, self._new_clock_offsets = self._new_clock_offsets, {}
         self.stats.maybe_log()
@@ -284,7 +316,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
 
     def has_pending_work(self) -> bool:
         """True while loads, leases, heartbeats or notices need polling."""
-        return bool(self._loads or len(self.leases) or self._heartbeats or self._pending_notices)
+        return bool(self._loads or len(self.leases) or self._heartbeats or self._pending_notices
+                    or (self._mirror is not None and self._mirror.pending()))
 
     # ------------------------------------------------------------------- engine loop wake-ups
     def wakeup_handles(self) -> list[Any]:
@@ -311,8 +344,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         if self._pending_notices or not self._side_notices.empty():
             return 0.0
         waits: list[float] = []
+        if self._mirror is not None and self._mirror.pending():
+            waits.append(XFER_POLL_INTERVAL_S)
         for load in self._loads.values():
-            if load.phase == "xfer":
+            if load.phase in ("xfer", "unstage"):
                 spinning = time.perf_counter() - load.t_post < XFER_SPIN_S
                 waits.append(0.0 if spinning else XFER_POLL_INTERVAL_S)
         if len(self.leases):
@@ -393,6 +428,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 )
                 remote.info = info
                 remote.clock_offset_s = offset
+                remote.ipc = cuda_ipc.connect_peer(self._same_host, self._kv_cache, info,
+                                                   remote.endpoint.engine_id, self.paths,
+                                                   self.agent.mem_type)
                 ep = remote.endpoint
                 self._new_clock_offsets[ep.key] = offset
                 logger.info(
@@ -493,13 +531,19 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         spec = load.spec
         remote = self._remotes[spec.remote.endpoint.key]
         t0 = time.perf_counter()
+        load.mover = remote.ipc or self.agent
         try:
-            handle, state = self.agent.post_read(
-                remote.agent, spec.local_block_ids, spec.remote_read_block_ids,
-                encode_notif("done", spec.remote.request_id),
-            )
+            if remote.ipc is not None:  # same GPU: CUDA IPC copy, "done" sent when it finishes
+                handle, state = remote.ipc.post_read(spec.local_block_ids,
+                                                     spec.remote_read_block_ids)
+            else:
+                handle, state = self.agent.post_read(
+                    remote.agent, spec.local_block_ids, spec.remote_read_block_ids,
+                    encode_notif("done", spec.remote.request_id),
+                )
         except Exception as e:
-            self._fail_load(req_id, f"posting the NIXL READ failed: {e}", notify_remote=True)
+            what = "CUDA IPC copy" if remote.ipc is not None else "NIXL READ"
+            self._fail_load(req_id, f"posting the {what} failed: {e}", notify_remote=True)
             return
         load.post_s = time.perf_counter() - t0
         load.t_post = t0
@@ -514,9 +558,13 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
     def _poll_transfers(self) -> None:
         now = time.monotonic()
         for req_id, load in list(self._loads.items()):
+            if load.phase == "unstage":  # host-buffer mode: mirror -> GPU copy in flight
+                if host_buffer.HostMirror.done(load.unstage):
+                    self._xfer_done(req_id, load)
+                continue
             if load.phase != "xfer":
                 continue
-            state = self.agent.check(load.handle)
+            state = load.mover.check(load.handle)
             if state == "DONE":
                 self._xfer_done(req_id, load)
             elif state == "ERR":
@@ -529,9 +577,15 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
 
     def _xfer_done(self, req_id: str, load: _Load) -> None:
         spec = load.spec
+        if self._mirror is not None and load.phase == "xfer" and load.mover is self.agent:
+            # host-buffer mode: the READ filled the mirror; copy its blocks to the GPU
+            load.phase = "unstage"
+            load.unstage = self._mirror.to_device(spec.local_block_ids)
+            if not host_buffer.HostMirror.done(load.unstage):
+                return  # finished by _poll_transfers
         elapsed = time.perf_counter() - load.t_post
-        tele = self.agent.telemetry(load.handle)
-        self.agent.release(load.handle)
+        tele = load.mover.telemetry(load.handle)
+        load.mover.release(load.handle)
         nbytes = len(spec.local_block_ids) * self.agent.block_bytes
         ndesc = len(block_runs(spec.local_block_ids, spec.remote_read_block_ids))
         xfer_s = elapsed
@@ -540,7 +594,12 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 xfer_s = tele[1]
             if tele[3] > 0:
                 ndesc = tele[3]
+        if self._mirror is not None:  # host-buffer mode: the READ and the copy to the GPU
+            xfer_s = elapsed
         self.stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)
+        self.paths.observe(spec.remote.endpoint.engine_id, nbytes, xfer_s)
+        if load.mover is not self.agent:  # a CUDA IPC copy: tell the owner as NIXL would
+            self._pending_notices.append(RemoteNotice(spec.remote, "done"))
         del self._loads[req_id]
         self._out.finished_recving.add(req_id)
         if load.first_token is not None:
@@ -554,7 +613,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 1e3 * load.post_s, 1e3 * xfer_s, 1e3 * elapsed)
 
     def _xfer_failed(self, req_id: str, load: _Load, reason: str) -> None:
-        self.agent.release(load.handle)
+        load.mover.release(load.handle)
         self._fail_load(req_id, reason, notify_remote=True)
 
     def _fail_load(self, req_id: str, reason: str, notify_remote: bool) -> None:
@@ -673,6 +732,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._waker.close()
         for load in self._loads.values():
             if load.handle is not None:
-                self.agent.release(load.handle)
+                load.mover.release(load.handle)
         self._loads.clear()
+        for remote in self._remotes.values():
+            if remote.ipc is not None:
+                remote.ipc.close()
         self.agent.close()
