@@ -19,6 +19,10 @@ Load life cycle (reader side)::
     handshake (once per remote engine, cached) -> claim (per request, checks and extends the
     owner's lease) -> READ posted (notification "done" rides on it) -> polled until DONE/ERR
 
+A peer whose KV cache is on this instance's GPU is read by a CUDA IPC copy instead of the READ
+("done" sent when it completes; ``cuda_ipc.py``); in host-buffer mode the READ moves pinned host
+mirrors of the caches and a copy to the GPU follows it (``host_buffer.py``).
+
 Any failure ends the load with the request id in ``finished_recving`` and its destination blocks
 in ``invalid_block_ids``; the owner is told to drop its lease ("abort") when it can be reached.
 """
