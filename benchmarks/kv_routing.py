@@ -193,7 +193,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         model = str(make_tiny_model(log_dir / "tiny-llama", "llama"))
     args.model_name = model
     common = ["--block-size", "16", "--num-gpu-blocks-override", str(args.num_blocks),
-              "--max-model-len", "2048"]
+              "--max-model-len", "1024"]
     engines = [Engine(model, f"p{i}", "kv_producer", log_dir, common) for i in range(2)]
     engines += [Engine(model, f"d{i}", "kv_consumer", log_dir, common) for i in range(2)]
     redis = None
