@@ -171,6 +171,17 @@ async def run_phase(session, engines, args, phase: int, config: ProxyConfig) -> 
         reg = running.proxy.metrics.registry
         added = (reg.get_sample_value("pdserve:proxy_added_latency_seconds_sum")
                  / max(1.0, reg.get_sample_value("pdserve:proxy_added_latency_seconds_count")))
+        # p50 bound from the histogram: the smallest bucket bound holding half the requests
+        count = reg.get_sample_value("pdserve:proxy_added_latency_seconds_count") or 0.0
+        p50_bound = None
+        for metric in reg.collect():
+            if metric.name == "pdserve:proxy_added_latency_seconds":
+                for smp in metric.samples:
+                    if (smp.name.endswith("_bucket") and p50_bound is None
+                            and smp.value >= count / 2):
+                        p50_bound = float(smp.labels["le"])
+        store_errors = sum(reg.get_sample_value("pdserve:proxy_state_store_errors_total",
+                                                {"op": op}) or 0.0 for op in ("load", "record"))
         decisions = {f"{s.labels['leg']}/{s.labels['reason']}": s.value
                      for metric in reg.collect() if metric.name == "pdserve:proxy_routing_decisions"
                      for s in metric.samples if s.name.endswith("_total")}
@@ -179,6 +190,8 @@ async def run_phase(session, engines, args, phase: int, config: ProxyConfig) -> 
                 "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2],
                 "ttft_p90_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
                 "p_computed_tokens": computed, "proxy_added_ms_mean": 1e3 * added,
+                "proxy_added_ms_p50_at_most": None if p50_bound is None else 1e3 * p50_bound,
+                "state_store_errors": store_errors,
                 "decisions": decisions}
     finally:
         await running.close()
@@ -193,7 +206,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         model = str(make_tiny_model(log_dir / "tiny-llama", "llama"))
     args.model_name = model
     common = ["--block-size", "16", "--num-gpu-blocks-override", str(args.num_blocks),
-              "--max-model-len", "2048"]
+              "--max-model-len", "1024"]
     engines = [Engine(model, f"p{i}", "kv_producer", log_dir, common) for i in range(2)]
     engines += [Engine(model, f"d{i}", "kv_consumer", log_dir, common) for i in range(2)]
     redis = None

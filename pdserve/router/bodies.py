@@ -1,4 +1,4 @@
-"""Request bodies of the two legs (DESIGN.md §2) and the proxy's own checks on client bodies.
+"""Request bodies of the two legs (docs/proxy.md) and the proxy's own checks on client bodies.
 
 Prefill leg (to P): the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1`` when
 the client sent that field), ``stream=false``, without ``min_tokens``, ``stream_options``, ``n``

@@ -1,4 +1,4 @@
-"""Per-conversation state of the multi-turn proxy (DESIGN.md §3), bounded by LRU and TTL.
+"""Per-conversation state of the multi-turn proxy (docs/proxy.md), bounded by LRU and TTL.
 
 After each turn the proxy remembers, per ``conversation_id``:
 

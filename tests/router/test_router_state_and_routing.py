@@ -197,3 +197,18 @@ def test_new_flags_parse():
                       "--session-affinity", "--kv-load-weight", "0.25"])
     assert (cfg.routing, cfg.tokenizer, cfg.state_store, cfg.session_affinity,
             cfg.kv_load_weight) == ("kv-aware", "m", "redis://h:6379/2", True, 0.25)
+
+
+async def test_every_decision_is_counted_and_logged_at_debug(make_cluster, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="pdserve.router")
+    c = await make_cluster(n_prefill=2, routing="least-loaded")
+    status, headers, _ = await c.post("/v1/completions", {"model": "m", "prompt": "x"})
+    assert status == 200
+    rid = headers["X-Request-Id"]
+    assert f"request {rid}: prefill leg -> {c.prefillers[0].url} (least_loaded" in caplog.text
+    assert f"request {rid}: decode leg -> {c.decoders[0].url} (least_loaded" in caplog.text
+    for leg in ("prefill", "decode"):
+        assert counter(c.proxy.proxy, "pdserve:proxy_routing_decisions_total", leg=leg,
+                       reason="least_loaded") == 1
