@@ -64,7 +64,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(CustomOp):
-    """Rotary embedding of queries or keys at their positions (Su et al., RoFormer, 2021).
+    """Rotary embedding of queries and keys at their positions (Su et al., RoFormer, 2021).
 
     Args:
         max_positions: size of the table (positions ``0 .. max_positions - 1``).
@@ -81,23 +81,29 @@ class RotaryEmbedding(CustomOp):
         self.register_buffer("cos_cache", freqs.cos().to(device), persistent=False)
         self.register_buffer("sin_cache", freqs.sin().to(device), persistent=False)
 
-    def forward_torch(self, positions: torch.Tensor, x: torch.Tensor,
-                      norm: RMSNorm | None = None) -> torch.Tensor:
-        """``x`` ``[T, heads, head_dim]`` (after ``norm`` over each head when given) rotated by
-        ``positions`` ``[T]``; returns a new tensor."""
-        if norm is not None:
-            x = norm(x)
-        cos = self.cos_cache[positions].to(x.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(x.dtype).unsqueeze(1)
-        return apply_rotary(x, cos, sin)
+    def forward_torch(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries ``q`` ``[T, heads, head_dim]`` and keys ``k`` ``[T, kv_heads, head_dim]``
+        (each after its per-head norm when given) rotated by ``positions`` ``[T]``; returns new
+        tensors."""
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-    def forward_triton(self, positions: torch.Tensor, x: torch.Tensor,
-                       norm: RMSNorm | None = None) -> torch.Tensor:
-        """As :meth:`forward_torch`, in place on ``x`` (which may be a strided view into a fused
-        QKV projection) with :func:`pdserve.kernels.rotary.rotary_embedding`; returns ``x``."""
+    def forward_triton(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`forward_torch`, in place on ``q`` and ``k`` (which may be strided views into
+        a fused QKV projection) with :func:`pdserve.kernels.rotary.rotary_embedding`; returns
+        ``(q, k)``."""
         from pdserve.kernels import rotary as kernels
 
-        if norm is None:
-            return kernels.rotary_embedding(x, positions, self.cos_cache, self.sin_cache)
-        return kernels.rotary_embedding(x, positions, self.cos_cache, self.sin_cache,
-                                        norm.weight, norm.eps)
+        cos, sin = self.cos_cache, self.sin_cache
+        if q_norm is None:
+            return (kernels.rotary_embedding(q, positions, cos, sin),
+                    kernels.rotary_embedding(k, positions, cos, sin))
+        return (kernels.rotary_embedding(q, positions, cos, sin, q_norm.weight, q_norm.eps),
+                kernels.rotary_embedding(k, positions, cos, sin, k_norm.weight, k_norm.eps))

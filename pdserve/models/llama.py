@@ -116,8 +116,9 @@ class LlamaAttention(nn.Module):
         layer's K/V of the step into ``kv_cache``."""
         t = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = self.rotary_emb(positions, q.view(t, self.num_heads, self.head_dim), self.q_norm)
-        k = self.rotary_emb(positions, k.view(t, self.num_kv_heads, self.head_dim), self.k_norm)
+        q, k = self.rotary_emb(positions, q.view(t, self.num_heads, self.head_dim),
+                               k.view(t, self.num_kv_heads, self.head_dim), self.q_norm,
+                               self.k_norm)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta)
         return self.o_proj(o.reshape(t, self.qkv_proj.q_size))

@@ -24,7 +24,7 @@ from pdserve.runner import cuda_graphs  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # Relative-error bounds (||out - ref|| / ||ref||) by input dtype; see the module docstring of
-# triton_attention for what is computed in fp32.
+# pdserve.kernels.paged_decode for what is computed in fp32.
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 

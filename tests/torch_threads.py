@@ -1,4 +1,5 @@
-"""Fixtures for the model-runner tests."""
+"""A session fixture that runs torch single-threaded, shared by the model-side test directories
+(runner, models, attention, kernels) through their conftest.py."""
 
 from __future__ import annotations
 
