@@ -80,12 +80,18 @@ class EngineStats:
         return cls(**{k: v for k, v in snapshot.items() if k in names})
 
 
+@dataclass(slots=True, init=False)
 class RequestState:
     """A running request's output state in the front end: its output queue, detokenizer
     and stop-string matcher, and token counts."""
 
-    __slots__ = ("queue", "detokenizer", "stop_matcher", "min_tokens", "num_prompt_tokens",
-                 "num_output_tokens", "finished")
+    queue: asyncio.Queue
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    min_tokens: int  # no stop string may end in the text of the first min_tokens tokens
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finished: bool
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

@@ -152,3 +152,18 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500).response()
+
+
+def engine_exception_to_error(exc: BaseException) -> OpenAIError:
+    """The client error for an exception raised by ``engine.generate``: an
+    :class:`OpenAIError` as is, a ``ValueError`` (the engine rejected the request's content) a
+    400, ``EngineDeadError`` a 503, anything else a 500."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    name = type(exc).__name__
+    if name == "EngineDeadError":
+        return OpenAIError(f"The engine is not running: {exc}", 503, code="engine_dead")
+    return OpenAIError(f"The engine failed the request: {name}: {exc}", 500,
+                       code="engine_request_failed")

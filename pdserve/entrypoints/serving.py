@@ -28,7 +28,12 @@ from pdserve.kv_transfer.params import (
     parse_request_params,
     with_prompt_handoff,
 )
-from pdserve.entrypoints.errors import OpenAIError, bad_request, model_not_found
+from pdserve.entrypoints.errors import (
+    OpenAIError,
+    bad_request,
+    engine_exception_to_error,
+    model_not_found,
+)
 from pdserve.entrypoints.choices import (
     ChoiceState,
     failed_request_error,
@@ -72,19 +77,6 @@ class PromptIds(list):
     (:func:`pdserve.kv_transfer.prompt_handoff.text_digest`; None when not computed)."""
 
     text_digest: str | None = None
-
-
-def _engine_exception_to_error(exc: BaseException) -> OpenAIError:
-    """Maps an exception raised by ``engine.generate`` to the client error."""
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, ValueError):  # the engine rejected the request's content
-        return bad_request(str(exc))
-    name = type(exc).__name__
-    if name == "EngineDeadError":
-        return OpenAIError(f"The engine is not running: {exc}", 503, code="engine_dead")
-    return OpenAIError(f"The engine failed the request: {name}: {exc}", 500,
-                       code="engine_request_failed")
 
 
 class OpenAIServing:
@@ -342,7 +334,7 @@ class OpenAIServing:
                     remaining -= 1
                     continue
                 if isinstance(item, BaseException):
-                    raise _engine_exception_to_error(item) from item
+                    raise engine_exception_to_error(item) from item
                 now = time.monotonic()
                 if item.new_token_ids and index not in first_token_at:
                     first_token_at[index] = now

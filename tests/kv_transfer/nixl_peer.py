@@ -77,6 +77,7 @@ def _serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
                 "finished_sending": sorted(out.finished_sending),
                 "finished_recving": sorted(out.finished_recving),
                 "invalid_block_ids": sorted(out.invalid_block_ids),
+                "first_tokens": dict(out.first_tokens),
                 "stats": out.stats,
                 "pending": worker.has_pending_work(),
                 "num_leases": len(worker.leases),
@@ -155,12 +156,13 @@ class PeerProcess:
         (sets of ids and the list of stats dicts)."""
         acc = acc if acc is not None else {
             "finished_sending": set(), "finished_recving": set(), "invalid_block_ids": set(),
-            "stats": [],
+            "stats": [], "first_tokens": {},
         }
         deadline = time.monotonic() + timeout_s
         while True:
             out = self.step()
-            for key in ("finished_sending", "finished_recving", "invalid_block_ids"):
+            for key in ("finished_sending", "finished_recving", "invalid_block_ids",
+                        "first_tokens"):
                 acc[key].update(out[key])
             if out["stats"]:
                 acc["stats"].append(out["stats"])

@@ -138,6 +138,62 @@ def user_message(i: int) -> dict:
                                        f"{1800 + 7 * i}, and who kept the lighthouse then?"}
 
 
+class VllmContractRouter:
+    """A minimal multi-turn P/D router written against vLLM's NixlConnector contract, as
+    third-party routers are: it sizes every ``kv_transfer_params`` it gets by
+    ``remote_block_ids[0]`` (the blocks of the first KV-cache group), and sends D's params of
+    the previous turn with the next P leg."""
+
+    def __init__(self, cluster):
+        self.p, self.d = cluster["p"], cluster["d"]
+        self.decoder_params: dict | None = None
+        self.block_counts: list[tuple[int, int]] = []  # (P's, D's) first-group block counts
+
+    def chat(self, request: dict) -> str:
+        p_kv = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        if self.decoder_params:
+            p_kv.update(self.decoder_params, do_remote_decode=True, do_remote_prefill=False)
+        r = self.p.client.post("/v1/chat/completions", json=dict(
+            request, max_tokens=1, stream=False, kv_transfer_params=p_kv))
+        assert r.status_code == 200, r.text
+        p_params = r.json()["kv_transfer_params"]
+        p_blocks = len(p_params["remote_block_ids"][0])
+        r = self.d.client.post("/v1/chat/completions",
+                               json=dict(request, kv_transfer_params=p_params))
+        assert r.status_code == 200, r.text
+        self.decoder_params = r.json()["kv_transfer_params"]
+        self.block_counts.append((p_blocks, len(self.decoder_params["remote_block_ids"][0])))
+        return r.json()["choices"][0]["message"]["content"]
+
+
+def test_router_on_vllms_per_group_block_ids(cluster, tokenizer):
+    """Every ``remote_block_ids`` pdserve returns is per KV-cache group (``[[...]]``): a router
+    that reads ``remote_block_ids[0]`` works through a three-turn bidirectional chat, and P
+    pulls the history from D on turns 2 and 3."""
+    router = VllmContractRouter(cluster)
+    messages = [{"role": "system", "content": SYSTEM}]
+    for k in range(1, 4):
+        messages.append(user_message(100 + k))
+        n_prompt = len(prompt_ids(tokenizer, messages))
+        before = p_counters(cluster)
+        answer = router.chat(body(cluster, messages))
+        after = cluster["p"].wait_metrics(
+            lambda m: m.get("pdserve:prompt_tokens_total", 0.0)
+            >= before["pdserve:prompt_tokens_total"] + n_prompt)
+        pulled = (after.get("pdserve:prompt_tokens_transferred_total", 0.0)
+                  - before["pdserve:prompt_tokens_transferred_total"])
+        assert answer == single_answer(cluster, messages), f"turn {k}"
+        p_blocks, d_blocks = router.block_counts[-1]
+        assert p_blocks == -(-n_prompt // B)
+        assert d_blocks >= p_blocks
+        if k == 1:
+            assert pulled == 0
+        else:
+            assert pulled >= THRESHOLD, f"turn {k}: P pulled {pulled} tokens from D"
+        messages.append({"role": "assistant", "content": answer})
+
+
 def test_six_turn_chat_pulls_history_from_decoder(cluster, tokenizer):
     messages = [{"role": "system", "content": SYSTEM}]
     prev_prompt: list[int] | None = None
@@ -216,59 +272,3 @@ def test_all_blocks_free_after_conversations_and_ttl(cluster):
     # run last in this module: every conversation above is over
     cluster["p"].wait_all_blocks_free(timeout_s=TTL_S + 20)
     cluster["d"].wait_all_blocks_free(timeout_s=TTL_S + 20)
-
-
-class VllmContractRouter:
-    """A minimal multi-turn P/D router written against vLLM's NixlConnector contract, as
-    third-party routers are: it sizes every ``kv_transfer_params`` it gets by
-    ``remote_block_ids[0]`` (the blocks of the first KV-cache group), and sends D's params of
-    the previous turn with the next P leg."""
-
-    def __init__(self, cluster):
-        self.p, self.d = cluster["p"], cluster["d"]
-        self.decoder_params: dict | None = None
-        self.block_counts: list[tuple[int, int]] = []  # (P's, D's) first-group block counts
-
-    def chat(self, request: dict) -> str:
-        p_kv = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None}
-        if self.decoder_params:
-            p_kv.update(self.decoder_params, do_remote_decode=True, do_remote_prefill=False)
-        r = self.p.client.post("/v1/chat/completions", json=dict(
-            request, max_tokens=1, stream=False, kv_transfer_params=p_kv))
-        assert r.status_code == 200, r.text
-        p_params = r.json()["kv_transfer_params"]
-        p_blocks = len(p_params["remote_block_ids"][0])
-        r = self.d.client.post("/v1/chat/completions",
-                               json=dict(request, kv_transfer_params=p_params))
-        assert r.status_code == 200, r.text
-        self.decoder_params = r.json()["kv_transfer_params"]
-        self.block_counts.append((p_blocks, len(self.decoder_params["remote_block_ids"][0])))
-        return r.json()["choices"][0]["message"]["content"]
-
-
-def test_router_on_vllms_per_group_block_ids(cluster, tokenizer):
-    """Every ``remote_block_ids`` pdserve returns is per KV-cache group (``[[...]]``): a router
-    that reads ``remote_block_ids[0]`` works through a three-turn bidirectional chat, and P
-    pulls the history from D on turns 2 and 3."""
-    router = VllmContractRouter(cluster)
-    messages = [{"role": "system", "content": SYSTEM}]
-    for k in range(1, 4):
-        messages.append(user_message(100 + k))
-        n_prompt = len(prompt_ids(tokenizer, messages))
-        before = p_counters(cluster)
-        answer = router.chat(body(cluster, messages))
-        after = cluster["p"].wait_metrics(
-            lambda m: m.get("pdserve:prompt_tokens_total", 0.0)
-            >= before["pdserve:prompt_tokens_total"] + n_prompt)
-        pulled = (after.get("pdserve:prompt_tokens_transferred_total", 0.0)
-                  - before["pdserve:prompt_tokens_transferred_total"])
-        assert answer == single_answer(cluster, messages), f"turn {k}"
-        p_blocks, d_blocks = router.block_counts[-1]
-        assert p_blocks == -(-n_prompt // B)
-        assert d_blocks >= p_blocks
-        if k == 1:
-            assert pulled == 0
-        else:
-            assert pulled >= THRESHOLD, f"turn {k}: P pulled {pulled} tokens from D"
-        messages.append({"role": "assistant", "content": answer})

@@ -96,6 +96,27 @@ def test_read_moves_blocks_merges_descriptors_and_notifies_owner(pair):
     assert not any(s["num_kv_expired_reqs"] for s in p_acc["stats"])
 
 
+def test_first_token_comes_from_the_owners_claim_answer(pair):
+    """P's lease keeps the first token its prefill sampled and a granted claim answers it: D
+    reports P's token with the finished load, and a relayed token that differs fails the load
+    (before any READ) and releases P's lease."""
+    p, d = pair
+    for d_req, relayed in (("d-first", 42), ("d-forged", 43)):
+        p_req = "p-" + d_req
+        p.bind(NixlConnectorMetadata(reqs_to_send={
+            p_req: SendSpec(p_req, [7, 8], 30.0, first_token=42)}))
+        p.step()
+        d.bind(NixlConnectorMetadata(reqs_to_recv={d_req: RecvSpec(
+            d_req, ref_to(p, p_req, [7, 8]), [14, 15], [7, 8], num_tokens=8,
+            first_token=relayed)}))
+        acc = d.step_until(lambda a: d_req in a["finished_recving"])
+        if relayed == 42:
+            assert not acc["invalid_block_ids"] and acc["first_tokens"] == {d_req: 42}
+        else:
+            assert acc["invalid_block_ids"] == {14, 15} and not acc["first_tokens"]
+        p.step_until(lambda a: p_req in a["finished_sending"], timeout_s=10)
+
+
 def test_claim_answer_wakes_the_reader_and_side_channel_notice_wakes_the_owner(pair):
     """The engine loop sleeps until a wake-up handle is readable: the lease claim's answer
     must make the reader's readable, and a side-channel notice the owner's."""
