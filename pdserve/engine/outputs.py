@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.base import KVLoadError
 
 
 @dataclass
@@ -102,12 +103,15 @@ class KVConnectorOutput:
         finished_recving: request ids whose KV load completed (successfully or not).
         invalid_block_ids: block ids whose load failed; the scheduler applies
             ``kv_load_failure_policy`` to the requests holding them.
+        load_errors: req_id -> why its load failed (for the error message), for the failed
+            loads among ``finished_recving``.
         stats: connector statistics for the front end's metrics (JSON-serialisable).
     """
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    load_errors: dict[str, KVLoadError] = field(default_factory=dict)
     stats: dict[str, Any] | None = None
 
 

@@ -58,7 +58,7 @@ from pdserve.engine.outputs import (
     SchedulerOutput,
 )
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv_transfer.base import presampled_first_token
+from pdserve.kv_transfer.base import KVLoadError, presampled_first_token
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
@@ -439,7 +439,8 @@ class Scheduler:
                 bad = self._first_invalid_block(req, self._sync_loads[sr.req_id], invalid)
                 if bad is not None:
                     # The forward pass read missing KV: its token is worthless.
-                    outputs.extend(self._apply_load_failure(req, bad, self._sync_loads[sr.req_id][0]))
+                    outputs.extend(self._apply_load_failure(req, bad, self._sync_loads[sr.req_id][0],
+                                                            kv_out.load_errors.get(sr.req_id)))
                     continue
             if sched.num_steps > 1:
                 outputs.append(self._commit_multi_step(req, out.sampled_token_id_lists.get(sr.req_id)))
@@ -577,9 +578,12 @@ class Scheduler:
                 return i
         return None
 
-    def _apply_load_failure(self, req: Request, bad_block: int, num_local: int) -> list[EngineCoreOutput]:
+    def _apply_load_failure(
+        self, req: Request, bad_block: int, num_local: int, error: KVLoadError | None = None
+    ) -> list[EngineCoreOutput]:
         """Apply ``kv_load_failure_policy`` to a request whose KV load left block index
-        ``bad_block`` (and possibly later ones) invalid."""
+        ``bad_block`` (and possibly later ones) invalid; ``error`` (the worker's reason) goes
+        into the request's error message."""
         self.num_kv_load_failures_total += 1
         rid = req.request_id
         self.kv_cache_manager.uncache_blocks(req, bad_block)
@@ -589,12 +593,13 @@ class Scheduler:
         policy = hook(req) if hook is not None else None
         if (policy or self.kv_load_failure_policy) == "fail":
             logger.warning("request %s: KV load failed at block index %d; failing it", rid, bad_block)
+            why = f": {error}" if error is not None else ""
             return [
                 self._finish(
                     req,
                     RequestStatus.FINISHED_ERROR,
-                    f"KV cache load from the remote instance failed (block {req.block_ids[bad_block]}"
-                    f" of request {rid}); kv_load_failure_policy is 'fail'",
+                    f"KV cache load from the remote instance failed{why} (block "
+                    f"{req.block_ids[bad_block]} of request {rid}); kv_load_failure_policy is 'fail'",
                 )
             ]
         good = max(num_local, bad_block * self.block_size)
@@ -629,7 +634,7 @@ class Scheduler:
             num_local, num_ext = self._pending_load.pop(rid)
             bad = self._failed_load.pop(rid, None)
             if bad is not None:
-                outputs.extend(self._apply_load_failure(req, bad, num_local))
+                outputs.extend(self._apply_load_failure(req, bad, num_local, kv_out.load_errors.get(rid)))
                 continue
             # The whole prompt arrives only with the prefiller's first token, which is then
             # emitted at once; otherwise the last prompt token is recomputed for its logits.

@@ -190,9 +190,13 @@ class PeerProcess:
             pass
         self.kill()
 
-    def kill(self) -> None:
+    def kill(self, sig: int | None = None) -> None:
+        """Stop the process (SIGTERM, or ``sig``), SIGKILL if it does not exit in 5 s."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            if sig is None:
+                self.proc.terminate()
+            else:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:

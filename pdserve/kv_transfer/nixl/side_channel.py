@@ -9,12 +9,15 @@ instances' ``REQ`` sockets:
     address, ``block_bytes``, ``num_blocks``, memory type and device id, the compatibility
     fields and their hash, the lease duration and the server's wall clock (for clock offsets).
 ``{"type": "claim", "request_id": str, "block_ids": [int], "num_tokens": int, "token_digest": str}``
-    -> ``{"ok": bool, "reason": str, "lease_expiry_in": float}``: before reading, the reader
+    -> ``{"ok": bool, "reason": str, "lease_expiry_in": float, "instance_id": str}``: before
+    reading, the reader
     checks that the owner still holds exactly these blocks for that request, computed from the
     same first ``num_tokens`` tokens as the reader's (their SHA-256, ``metadata.token_digest``),
     and extends the lease for the read. A claim for a request the owner does not know yet (its lease is
     registered one engine step after the request finished) is answered when it appears, or
-    rejected after ``claim_wait_s``.
+    rejected after ``claim_wait_s``. ``instance_id`` (also in ``get_info``'s info) is new at
+    every process start: a reader whose handshake named another instance knows the remote
+    restarted and handshakes again.
 ``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str}``
     -> ``{"ok": True}``: the same control messages as the NIXL notifications, for readers
     that could not load this agent's metadata (for example after a compatibility mismatch).
@@ -155,6 +158,7 @@ class SideChannelServer:
             thread, so it must be thread-safe.
         notify: ``notify(kind, request_id)``; thread-safe.
         claim_wait_s: how long a ``"wait"`` claim is retried before it is rejected.
+        instance_id: this process's instance id, sent with every claim answer.
 
     Raises:
         SideChannelBindError: the port is in use or the address cannot be bound.
@@ -168,8 +172,10 @@ class SideChannelServer:
         claim: Callable[[str, list[int], Any, Any], ClaimResult],
         notify: Callable[[str, str], None],
         claim_wait_s: float = 5.0,
+        instance_id: str = "",
     ):
         self.host = host
+        self.instance_id = instance_id
         self.port = port
         self._get_info = get_info
         self._claim = claim
@@ -247,7 +253,8 @@ class SideChannelServer:
             return
         if status == "wait":
             status = "reject"
-        self._reply(ident, {"ok": status == "ok", "reason": reason, "lease_expiry_in": left}, seq)
+        self._reply(ident, {"ok": status == "ok", "reason": reason, "lease_expiry_in": left,
+                            "instance_id": self.instance_id}, seq)
 
     def _serve(self) -> None:
         poller = zmq.Poller()

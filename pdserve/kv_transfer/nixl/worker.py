@@ -19,8 +19,16 @@ Load life cycle (reader side)::
     handshake (once per remote engine, cached) -> claim (per request, checks and extends the
     owner's lease) -> READ posted (notification "done" rides on it) -> polled until DONE/ERR
 
-Any failure ends the load with the request id in ``finished_recving`` and its destination blocks
-in ``invalid_block_ids``; the owner is told to drop its lease ("abort") when it can be reached.
+Any failure ends the load with the request id in ``finished_recving``, its destination blocks
+in ``invalid_block_ids`` and its :class:`~pdserve.kv_transfer.base.KVLoadError` in
+``load_errors``; the owner is told to drop its lease ("abort") when it can be reached.
+
+Restarted peers: every worker picks a random ``instance_id`` when its process starts (part of
+its NIXL agent name, in its handshake info, and in every claim answer). A claim answered by
+another instance than the one handshaken with (the remote restarted, with the same engine id
+or on the same host and port) drops the cached remote agent and handshakes afresh before the
+READ; a NIXL transport error (a READ or a notification to a peer that vanished) drops it too,
+so the next load handshakes again instead of reusing a dead agent.
 """
 
 from __future__ import annotations
@@ -28,12 +36,18 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import queue
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.outputs import KVConnectorOutput
-from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
+from pdserve.kv_transfer.base import (
+    KVCacheSpec,
+    KVConnectorWorkerSide,
+    KVLoadError,
+    KVLoadFailure,
+)
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.nixl.agent import NixlAgent, RemoteAgent, block_runs
 from pdserve.kv_transfer.nixl.leases import LeaseTable
@@ -92,6 +106,14 @@ def decode_notif(msg: bytes) -> tuple[str, str] | None:
     return (kind_s, req_s) if kind_s in NOTIF_KINDS else None
 
 
+# How often one load may go back to the handshake because the remote restarted under it.
+MAX_REHANDSHAKES = 2
+
+
+class HandshakeMismatch(SideChannelError):
+    """The remote answered the handshake but is another engine, or its KV cache differs."""
+
+
 @dataclass
 class _Remote:
     """Handshake state of one remote engine."""
@@ -118,6 +140,7 @@ class _Load:
     post_s: float = 0.0
     deadline: float = 0.0
     aborted: bool = False
+    rehandshakes: int = 0  # times the remote turned out to have restarted
 
 
 @dataclass
@@ -143,7 +166,12 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.engine_id = config.engine_id
         self.side_channel_host = config.side_channel_host
         self.side_channel_port = config.side_channel_port_for(data_parallel_rank)
-        self.agent = NixlAgent(f"pdserve-{config.engine_id}-dp{data_parallel_rank}", config.backends)
+        # New per process start: readers tell a restarted peer from the one they handshook with.
+        self.instance_id = secrets.token_hex(8)
+        self.agent = NixlAgent(
+            f"pdserve-{config.engine_id}-dp{data_parallel_rank}-{self.instance_id}",
+            config.backends,
+        )
         self.leases = LeaseTable()
         self.spec: KVCacheSpec | None = None
         self._info: dict[str, Any] | None = None
@@ -171,6 +199,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             claim=self.leases.claim,
             notify=self._on_side_channel_notice,
             claim_wait_s=config.kv_handshake_timeout,
+            instance_id=self.instance_id,
         )
 
     # ------------------------------------------------------------------------- registration
@@ -197,6 +226,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         info = {
             "engine_id": self.engine_id,
             "agent_name": self.agent.name,
+            "instance_id": self.instance_id,
             "agent_metadata": self.agent.metadata(),
             "kv_base_addr": self.agent.base_addr,
             "block_bytes": spec.block_bytes,
@@ -358,13 +388,13 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             )
         info = reply["info"]
         if info.get("engine_id") != endpoint.engine_id:
-            raise SideChannelError(
+            raise HandshakeMismatch(
                 f"the side channel at {endpoint.host}:{endpoint.port} belongs to engine "
                 f"{info.get('engine_id')!r}, not {endpoint.engine_id!r} (restarted or wrong host)"
             )
         local = self._compat or {}
         if info.get("compat_hash") != compat_hash(local):
-            raise SideChannelError(
+            raise HandshakeMismatch(
                 f"KV cache of engine {endpoint.engine_id} is incompatible: "
                 f"{compat_mismatch(local, info.get('compat') or {})}"
             )
@@ -397,13 +427,17 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 logger.warning("%s", reason)
                 del self._remotes[remote.endpoint.key]
                 reachable = not isinstance(e, SideChannelTimeout)
+                kind = (KVLoadFailure.TIMEOUT if not reachable else
+                        KVLoadFailure.ENGINE_MISMATCH
+                        if isinstance(e, (HandshakeMismatch, ValueError)) else
+                        KVLoadFailure.TRANSPORT)
                 for req_id in [r for r, hb in self._heartbeats.items()
                                if hb.remote.endpoint.key == remote.endpoint.key]:
                     del self._heartbeats[req_id]
                 for req_id, load in list(self._loads.items()):
                     if load.phase == "handshake" and load.spec.remote is not None and \
                             load.spec.remote.endpoint.key == remote.endpoint.key:
-                        self._fail_load(req_id, reason, notify_remote=reachable)
+                        self._fail_load(req_id, kind, reason, notify_remote=reachable)
 
     def remote_clock_offset(self, endpoint: RemoteEndpoint) -> float | None:
         """Seconds to add to a local ``time.time()`` to get the remote's clock (None before the
@@ -420,8 +454,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             spec = load.spec
             if load.phase == "handshake":
                 if spec.error is not None or spec.remote is None:
-                    self._fail_load(req_id, spec.error or "no remote KV reference",
-                                    notify_remote=False)
+                    self._fail_load(req_id, KVLoadFailure.INVALID_REFERENCE,
+                                    spec.error or "no remote KV reference", notify_remote=False)
                     continue
                 if load.aborted:
                     self._drop_aborted(req_id, load)
@@ -432,7 +466,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 bad = [b for b in spec.remote_read_block_ids if b >= remote.agent.num_blocks]
                 if bad or len(spec.local_block_ids) != len(spec.remote_read_block_ids):
                     self._fail_load(
-                        req_id,
+                        req_id, KVLoadFailure.INVALID_REFERENCE,
                         f"remote block ids {bad[:8]} out of range (engine "
                         f"{spec.remote.endpoint.engine_id} has {remote.agent.num_blocks} blocks)"
                         if bad else "local/remote block counts differ",
@@ -452,26 +486,75 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 try:
                     reply = self._client.result(load.claim)
                 except Exception as e:
-                    self._fail_load(req_id, f"lease claim failed: {e}",
-                                    notify_remote=not isinstance(e, SideChannelTimeout))
+                    timeout = isinstance(e, SideChannelTimeout)
+                    self._fail_load(req_id, KVLoadFailure.TIMEOUT if timeout else
+                                    KVLoadFailure.TRANSPORT, f"lease claim failed: {e}",
+                                    notify_remote=not timeout)
                     continue
                 if reply is None:
                     continue  # not answered yet
                 if not reply.get("ok"):
-                    self._fail_load(req_id, f"remote refused the read: {reply.get('reason')}",
+                    self._fail_load(req_id, KVLoadFailure.LEASE_REFUSED,
+                                    f"remote refused the read: {reply.get('reason')}",
                                     notify_remote=True)
+                    continue
+                if self._remote_restarted(req_id, load, reply):
                     continue
                 load.claim_s = time.perf_counter() - load.t_claim
                 left = float(reply.get("lease_expiry_in") or 0.0)
                 if spec.min_lease_left_s > 0 and left < spec.min_lease_left_s:
                     self._fail_load(
-                        req_id, f"the remote frees the blocks in {left:.1f} s, less than the "
+                        req_id, KVLoadFailure.LEASE_REFUSED,
+                        f"the remote frees the blocks in {left:.1f} s, less than the "
                         f"{spec.min_lease_left_s:g} s a read may need", notify_remote=True)
                     continue
                 if load.aborted:
                     self._drop_aborted(req_id, load)
                     continue
                 self._post(req_id, load, now)
+
+    def _remote_restarted(self, req_id: str, load: _Load, reply: dict[str, Any]) -> bool:
+        """True when a claim was answered by another instance than the handshaken one: the
+        cached agent is dropped and the load goes back to the handshake (its lease claim,
+        granted by the new instance, is repeated after it)."""
+        endpoint = load.spec.remote.endpoint
+        remote = self._remotes.get(endpoint.key)
+        if remote is None or remote.agent is None:  # forgotten meanwhile (transport error)
+            load.phase, load.claim = "handshake", None
+            self._ensure_handshake(endpoint)
+            return True
+        answered = reply.get("instance_id")
+        known = (remote.info or {}).get("instance_id")
+        if answered is None or known is None or answered == known:
+            return False
+        self._forget_remote(endpoint, f"instance {known} was replaced by {answered}")
+        if load.rehandshakes >= MAX_REHANDSHAKES:
+            self._fail_load(req_id, KVLoadFailure.TRANSPORT,
+                            f"engine {endpoint.engine_id} restarted again during the load",
+                            notify_remote=True)
+            return True
+        load.rehandshakes += 1
+        load.phase, load.claim = "handshake", None
+        if load.aborted:
+            self._drop_aborted(req_id, load)
+        else:
+            self._ensure_handshake(endpoint)
+        return True
+
+    def _forget_remote(self, endpoint: RemoteEndpoint, why: str) -> None:
+        """Drop a remote engine's cached agent (restarted or vanished); the next use of that
+        endpoint handshakes afresh. Loads still reading from that agent fail."""
+        remote = self._remotes.pop(endpoint.key, None)
+        if remote is None or remote.agent is None:
+            return
+        logger.info("NIXL: engine %s at %s:%d is no longer reachable as agent %s (%s); the next "
+                    "transfer handshakes again", endpoint.engine_id, endpoint.host, endpoint.port,
+                    remote.agent.name, why)
+        for req_id, load in list(self._loads.items()):
+            if load.phase == "xfer" and load.spec.remote.endpoint.key == endpoint.key:
+                self._xfer_failed(req_id, load, KVLoadFailure.TRANSPORT,
+                                  f"the NIXL READ's remote went away ({why})")
+        self.agent.remove_remote(remote.agent.name)
 
     def _post(self, req_id: str, load: _Load, now: float) -> None:
         spec = load.spec
@@ -483,7 +566,16 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 encode_notif("done", spec.remote.request_id),
             )
         except Exception as e:
-            self._fail_load(req_id, f"posting the NIXL READ failed: {e}", notify_remote=True)
+            # The remote agent is gone (NIXL_ERR_REMOTE_DISCONNECT: the peer died or
+            # restarted): forget it; this load handshakes afresh once, later loads too.
+            self._forget_remote(spec.remote.endpoint, f"posting a READ failed: {e}")
+            if load.rehandshakes < MAX_REHANDSHAKES and not load.aborted:
+                load.rehandshakes += 1
+                load.phase, load.claim = "handshake", None
+                self._ensure_handshake(spec.remote.endpoint)
+                return
+            self._fail_load(req_id, KVLoadFailure.TRANSPORT,
+                            f"posting the NIXL READ failed: {e}", notify_remote=True)
             return
         load.post_s = time.perf_counter() - t0
         load.t_post = t0
@@ -491,7 +583,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         load.phase = "xfer"
         load.deadline = now + self.config.kv_transfer_timeout
         if state == "ERR":
-            self._xfer_failed(req_id, load, "the NIXL READ failed when posted")
+            self._xfer_failed(req_id, load, KVLoadFailure.TRANSPORT,
+                              "the NIXL READ failed when posted")
         elif state == "DONE":
             self._xfer_done(req_id, load)
 
@@ -504,10 +597,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             if state == "DONE":
                 self._xfer_done(req_id, load)
             elif state == "ERR":
-                self._xfer_failed(req_id, load, "the NIXL READ failed")
+                self._xfer_failed(req_id, load, KVLoadFailure.TRANSPORT, "the NIXL READ failed")
             elif now > load.deadline:
                 self._xfer_failed(
-                    req_id, load,
+                    req_id, load, KVLoadFailure.TIMEOUT,
                     f"the NIXL READ did not finish within {self.config.kv_transfer_timeout:g} s",
                 )
 
@@ -535,11 +628,15 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 1e3 * max(0.0, load.t_claim - load.t_start), 1e3 * load.claim_s,
                 1e3 * load.post_s, 1e3 * xfer_s, 1e3 * elapsed)
 
-    def _xfer_failed(self, req_id: str, load: _Load, reason: str) -> None:
+    def _xfer_failed(self, req_id: str, load: _Load, kind: KVLoadFailure, reason: str) -> None:
         self.agent.release(load.handle)
-        self._fail_load(req_id, reason, notify_remote=True)
+        load.handle = None
+        self._fail_load(req_id, kind, reason, notify_remote=True)
+        if kind is KVLoadFailure.TRANSPORT and load.spec.remote is not None:
+            self._forget_remote(load.spec.remote.endpoint, reason)
 
-    def _fail_load(self, req_id: str, reason: str, notify_remote: bool) -> None:
+    def _fail_load(self, req_id: str, kind: KVLoadFailure, reason: str,
+                   notify_remote: bool) -> None:
         load = self._loads.pop(req_id, None)
         if load is None:
             return
@@ -547,10 +644,11 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self._client.cancel(load.claim)
         spec = load.spec
         self.stats.current.num_failed_transfers += 1
-        logger.warning("NIXL: KV load of request %s failed: %s", req_id, reason)
+        logger.warning("NIXL: KV load of request %s failed (%s): %s", req_id, kind.value, reason)
         self._out.finished_recving.add(req_id)
         if not load.aborted:  # an aborted request's blocks are simply freed
             self._out.invalid_block_ids.update(spec.local_block_ids)
+            self._out.load_errors[req_id] = KVLoadError(kind, reason)
         if notify_remote and spec.remote is not None:
             self._pending_notices.append(RemoteNotice(spec.remote, "abort"))
 
@@ -605,10 +703,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         if remote is not None and remote.agent is not None:
             try:
                 self.agent.send_notif(remote.agent.name, encode_notif(kind, ref.request_id))
-            except Exception as e:
-                self.stats.current.num_failed_notifications += 1
-                logger.warning("NIXL: %s notification for %s failed: %s", kind, ref.request_id, e)
-            return
+                return
+            except Exception as e:  # the peer vanished: forget it, send by the side channel
+                self._forget_remote(ref.endpoint, f"a {kind} notification failed: {e}")
         self._bg_notices.append(self._pool.submit(
             side_channel_request, ref.endpoint.host, ref.endpoint.port,
             {"type": "notify", "kind": kind, "request_id": ref.request_id},
