@@ -26,6 +26,7 @@ from fastapi import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import prompt_handoff
 from pdserve.kv_transfer.base import FIRST_TOKEN_KEY
+from pdserve.entrypoints import decode_leg
 from pdserve.entrypoints.errors import OpenAIError, bad_request, model_not_found
 from pdserve.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -538,6 +539,8 @@ class OpenAIServing:
             # consumed by the front end (chat_prompt); the engine does not need the ids twice
             kv_params = {k: v for k, v in kv_params.items() if k != prompt_handoff.KEY}
         hand_on = _remote_role(kv_params) == "prefill"
+        # A proxied prefill leg: refuse now what the decode leg will refuse (no wasted prefill).
+        d_view = decode_leg.decode_view(req) if hand_on else None
         # A prefiller's first token belongs to its one choice: other choices draw their own.
         other_params = kv_params
         if isinstance(kv_params, dict) and FIRST_TOKEN_KEY in kv_params:
@@ -545,6 +548,10 @@ class OpenAIServing:
         total = len(prompts) * req.n
         jobs = []
         for p, ids in enumerate(prompts):
+            if d_view is not None:
+                d_max = self.max_tokens_for(len(ids), decode_leg.requested_max_tokens(d_view),
+                                            prompt_param)
+                self.sampling_params(d_view, d_max, logprobs, 0)
             max_tokens = self.max_tokens_for(len(ids), requested_max_tokens, prompt_param)
             for i in range(req.n):
                 index = p * req.n + i

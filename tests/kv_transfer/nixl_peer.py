@@ -77,6 +77,7 @@ def _serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
                 "finished_sending": sorted(out.finished_sending),
                 "finished_recving": sorted(out.finished_recving),
                 "invalid_block_ids": sorted(out.invalid_block_ids),
+                "load_errors": {r: e.reason.name for r, e in out.load_errors.items()},
                 "stats": out.stats,
                 "pending": worker.has_pending_work(),
                 "num_leases": len(worker.leases),
@@ -162,6 +163,7 @@ class PeerProcess:
             out = self.step()
             for key in ("finished_sending", "finished_recving", "invalid_block_ids"):
                 acc[key].update(out[key])
+            acc.setdefault("load_errors", {}).update(out.get("load_errors", {}))
             if out["stats"]:
                 acc["stats"].append(out["stats"])
             acc["last"] = out

@@ -165,10 +165,15 @@ class LeaseTable:
         Returns:
             The expired request ids.
         """
+        return [rid for rid, _ in self.expire_leases(now)]
+
+    def expire_leases(self, now: float | None = None) -> list[tuple[str, Lease]]:
+        """:meth:`expire`, returning ``(req_id, lease)`` pairs (a lease that is not renewable
+        is a decoder's multi-turn TTL)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            expired = [rid for rid, lease in self._leases.items() if lease.expiry <= now]
-            for rid in expired:
+            expired = [(rid, lease) for rid, lease in self._leases.items() if lease.expiry <= now]
+            for rid, _ in expired:
                 del self._leases[rid]
                 self._remember(rid, "lease expired")
             for rid in [r for r, (_, t) in self._early.items() if t <= now]:

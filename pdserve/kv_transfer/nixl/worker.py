@@ -297,10 +297,15 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._progress()
         self._poll_transfers()
         self._process_notifications()
-        for req_id in self.leases.expire():
+        for req_id, lease in self.leases.expire_leases():
             self._out.finished_sending.add(req_id)
             self.stats.current.num_kv_expired_reqs += 1
-            logger.warning("NIXL: lease of request %s expired before a read; blocks freed", req_id)
+            if lease.renewable:
+                logger.warning("NIXL: lease of request %s expired before a read; blocks freed",
+                               req_id)
+            else:  # a multi-turn decoder's TTL: nobody pulled this turn, as expected
+                self.stats.current.num_kv_turns_expired += 1
+                logger.debug("NIXL: turn blocks of request %s expired unpulled; freed", req_id)
         self._send_heartbeats()
         self._send_notices()
         out, self._out = self._out, KVConnectorOutput()
