@@ -13,6 +13,10 @@ Names (kept here until the project-wide ``pdserve/metrics.py`` takes them over):
   (non-streaming: its whole body).
 * ``pdserve:proxy_in_flight_requests{upstream, leg}``: requests this proxy has open per instance.
 * ``pdserve:proxy_conversations``: remembered multi-turn conversations.
+* ``pdserve:proxy_kv_leases_released_total{outcome}``: prefill leases the proxy asked P to free
+  because the decode leg will not read them (``released``, ``not_held``, ``failed``).
+* ``pdserve:proxy_prefills_skipped_total``: requests answered 503 before the prefill leg because
+  no decode instance was reachable.
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ class ProxyMetrics:
                                ["upstream", "leg"], registry=self.registry)
         self.conversations = Gauge("pdserve:proxy_conversations",
                                    "Remembered multi-turn conversations", registry=self.registry)
+        self.kv_releases = Counter("pdserve:proxy_kv_leases_released",
+                                   "Prefill leases the proxy asked P to free early",
+                                   ["outcome"], registry=self.registry)
+        self.prefills_skipped = Counter("pdserve:proxy_prefills_skipped",
+                                        "Requests refused before prefill: no decoder reachable",
+                                        registry=self.registry)
         self.in_flight_child = {}
         for leg, urls in (("prefill", prefillers), ("decode", decoders)):
             for url in urls:

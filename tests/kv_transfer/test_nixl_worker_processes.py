@@ -153,6 +153,29 @@ def test_expired_multi_turn_blocks_are_counted_apart(pair):
     assert sum(s["num_kv_turns_expired"] for s in acc["stats"]) == 1
 
 
+def test_release_frees_a_lease_at_once_only_for_its_blocks(pair):
+    """The proxy's early release (the decode leg will not read): exactly the leased blocks."""
+    from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.kv_transfer.nixl.release import parse_release, send_release
+
+    p, _ = pair
+    lease(p, "p-rel", [22, 23])
+    config = KVTransferConfig.from_dict(dict(make_config("kv_producer"), engine_id=p.engine_id))
+    params = {"remote_engine_id": p.engine_id, "remote_host": "127.0.0.1",
+              "remote_port": p.port, "remote_request_id": "p-rel", "remote_block_ids": [22]}
+    assert send_release(config, parse_release(config, params))  # wrong blocks: kept
+    assert p.wait_wakeup(5.0)["woke"]  # the notice reached the engine thread
+    out = p.step()
+    assert "p-rel" not in out["finished_sending"] and out["num_leases"] >= 1
+    params["remote_block_ids"] = [22, 23]
+    assert send_release(config, parse_release(config, params))
+    acc = p.step_until(lambda a: "p-rel" in a["finished_sending"], timeout_s=5)
+    assert sum(s["num_kv_leases_released_early"] for s in acc["stats"]) == 1
+    assert not any(s["num_kv_expired_reqs"] for s in acc["stats"])
+    with pytest.raises(ValueError, match="not this instance"):
+        parse_release(config, dict(params, remote_engine_id="someone-else"))
+
+
 def test_abort_notification_frees_owner_lease(pair):
     p, d = pair
     lease(p, "p-abort", [7, 8])

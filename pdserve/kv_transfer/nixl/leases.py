@@ -91,6 +91,18 @@ class LeaseTable:
             self._remember(req_id, reason)
             return True
 
+    def release_early(self, req_id: str, block_ids: Any) -> bool:
+        """The proxy's release of a lease its decode leg will not read: ends the lease when it
+        holds exactly ``block_ids``. Returns True when it did."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None or not isinstance(block_ids, list) or \
+                    list(block_ids) != lease.block_ids:
+                return False
+            del self._leases[req_id]
+            self._remember(req_id, "released: the decode leg will not read it")
+            return True
+
     def note_unknown(self, req_id: str, kind: str, now: float | None = None) -> None:
         """Remember a done/abort notice for a lease not registered yet."""
         now = time.monotonic() if now is None else now

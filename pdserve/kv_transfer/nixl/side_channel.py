@@ -21,6 +21,8 @@ instances' ``REQ`` sockets:
 ``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str}``
     -> ``{"ok": True}``: the same control messages as the NIXL notifications, for readers
     that could not load this agent's metadata (for example after a compatibility mismatch).
+    ``"kind": "release", "block_ids": [int]`` is the proxy's early release of a lease the
+    decode leg will not read (:mod:`pdserve.kv_transfer.nixl.release`).
 
 Clients: :func:`side_channel_request` (one blocking request on a fresh ``REQ`` socket) runs in
 background threads only, never on the engine loop; :class:`SideChannelClient` sends requests
@@ -156,7 +158,8 @@ class SideChannelServer:
             lease_left_s)`` (the last two as the reader sent them, or None) with status
             ``"ok"``, ``"wait"`` (unknown yet, ask again) or ``"reject"``; called on the server
             thread, so it must be thread-safe.
-        notify: ``notify(kind, request_id)``; thread-safe.
+        notify: ``notify(kind, request_id)``, or ``notify(kind, request_id, block_ids)`` when
+            the notice carries block ids; thread-safe.
         claim_wait_s: how long a ``"wait"`` claim is retried before it is rejected.
         instance_id: this process's instance id, sent with every claim answer.
 
@@ -237,8 +240,13 @@ class SideChannelServer:
                             tokens)
         elif kind == "notify":
             req_id, note = msg.get("request_id"), msg.get("kind")
-            if isinstance(req_id, str) and isinstance(note, str):
+            block_ids = msg.get("block_ids")
+            if isinstance(req_id, str) and isinstance(note, str) and block_ids is None:
                 self._notify(note, req_id)
+                self._reply(ident, {"ok": True}, seq)
+            elif isinstance(req_id, str) and isinstance(note, str) and \
+                    isinstance(block_ids, list):
+                self._notify(note, req_id, block_ids)
                 self._reply(ident, {"ok": True}, seq)
             else:
                 self._reply(ident, {"ok": False, "reason": "malformed notify"}, seq)

@@ -58,6 +58,7 @@ from pdserve.kv_transfer.nixl.metadata import (
     RemoteKVRef,
     RemoteNotice,
 )
+from pdserve.kv_transfer.nixl.release import RELEASE_NOTICE
 from pdserve.kv_transfer.nixl.side_channel import (
     SideChannelClient,
     SideChannelError,
@@ -190,8 +191,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._waker = Waker()
         # Lease claims: non-blocking requests from the engine thread over persistent connections.
         self._client = SideChannelClient()
-        # (kind, req_id) notices received by the side-channel thread, applied on the engine thread
-        self._side_notices: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        # (kind, req_id, block_ids) notices received by the side-channel thread, applied on the
+        # engine thread
+        self._side_notices: queue.SimpleQueue[tuple[str, str, Any]] = queue.SimpleQueue()
         self.side_channel = SideChannelServer(
             self.side_channel_host,
             self.side_channel_port,
@@ -667,13 +669,18 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self._pending_notices.append(RemoteNotice(load.spec.remote, "abort"))
 
     # -------------------------------------------------------------------------- notifications
-    def _on_side_channel_notice(self, kind: str, req_id: str) -> None:
+    def _on_side_channel_notice(self, kind: str, req_id: str, block_ids: Any = None) -> None:
         """Side-channel thread: queue a notice for the engine thread and wake it."""
-        self._side_notices.put((kind, req_id))
+        self._side_notices.put((kind, req_id, block_ids))
         self._waker.wake()
 
-    def _apply_notice(self, kind: str, req_id: str) -> None:
-        if kind == "heartbeat":
+    def _apply_notice(self, kind: str, req_id: str, block_ids: Any = None) -> None:
+        if kind == RELEASE_NOTICE:  # the proxy: the decode leg will not read these blocks
+            if self.leases.release_early(req_id, block_ids):
+                self._out.finished_sending.add(req_id)
+                self.stats.current.num_kv_leases_released_early += 1
+                logger.debug("NIXL: lease of request %s released early", req_id)
+        elif kind == "heartbeat":
             self.leases.renew(req_id)
         elif kind in ("done", "abort"):
             if self.leases.close(req_id, "read done" if kind == "done" else "aborted by reader"):
@@ -696,10 +703,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 self._apply_notice(*parsed)
         while True:
             try:
-                kind, req_id = self._side_notices.get_nowait()
+                kind, req_id, block_ids = self._side_notices.get_nowait()
             except queue.Empty:
                 break
-            self._apply_notice(kind, req_id)
+            self._apply_notice(kind, req_id, block_ids)
 
     def _send_to(self, ref: RemoteKVRef, kind: str) -> None:
         """Send one notification by NIXL if the remote agent is loaded, else by the side channel
