@@ -21,11 +21,9 @@ Failure handling (status codes in docs/proxy.md):
   then ``data: [DONE]``;
 * the client going away -> the open upstream request is closed, which makes the instance's server
   abort it (during the prefill leg: P aborts and frees the blocks, no decode leg is sent);
-* work D will not do is not left to P (:meth:`DisaggProxy._release_prefill`): when every decode
-  instance failed its last connection and none answers a health probe, the request gets 503
-  before any prefill; when the decode leg will not read P's blocks (D answered an error, no
-  decoder could be reached, the client went away between the legs), P is asked to free them at
-  once instead of at the end of its lease.
+* work D will not do is not left to P (:mod:`pdserve.router.decode_guard`): no prefill while
+  no decoder is reachable (503); P's blocks released at once when the decode leg will not read
+  them.
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ from pdserve.router.bodies import (check_client_body, conversation_key, decode_l
                                    prefill_leg_body)
 from pdserve.router.config import ProxyConfig
 from pdserve.router.conversations import ConversationStore
+from pdserve.router.decode_guard import DecodeLegGuard
 from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, UPSTREAM_ERROR,
                                    UPSTREAM_TIMEOUT, UPSTREAM_UNAVAILABLE, ProxyError, error_bytes,
                                    normalize_upstream_error)
@@ -70,8 +69,6 @@ _JSON = "application/json"
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 _SSE_DONE = b"data: [DONE]\n\n"
-#: P's endpoint that frees a prefill lease the decode leg will not read.
-RELEASE_PATH = "/v1/kv_transfer/release"
 
 
 class _UpstreamHTTPError(Exception):
@@ -121,8 +118,9 @@ class DisaggProxy:
         # than the rest of building the request.
         self._urls = {(up.url, path): URL(up.url + path)
                       for pool in (self.prefillers, self.decoders) for up in pool.upstreams
-                      for path in (*_ENDPOINTS, RELEASE_PATH)}
-        self._releases: set[asyncio.Task] = set()  # early lease releases in flight
+                      for path in _ENDPOINTS}
+        self.decode_guard = DecodeLegGuard(self.decoders, self._probe, self.metrics,
+                                           lambda: self.session)
 
     # ------------------------------------------------------------------ application
     def build_app(self) -> web.Application:
@@ -301,8 +299,7 @@ class DisaggProxy:
         headers = self._upstream_headers(request, turn.request_id)
         path = request.path
 
-        if not await self._decoders_reachable():
-            self.metrics.prefills_skipped.inc()
+        if not await self.decode_guard.decoders_reachable():
             raise ProxyError(503, "no decode instance is reachable ("
                              + ", ".join(u.url for u in self.decoders.upstreams)
                              + "); the request was not prefilled", UPSTREAM_UNAVAILABLE)
@@ -329,13 +326,13 @@ class DisaggProxy:
                                             self.decoders.get(state.decoder_url) if state else None,
                                             turn)
         except BaseException:  # no decoder reachable, or the client went away between the legs
-            self._release_prefill(p_up, p_params, headers)
+            self.decode_guard.release(p_up, p_params, headers)
             raise
         if body.get("stream") is True and d_resp.status == 200:
             return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id)
         d_raw = await self._read_body(d_up, d_resp, turn)
         if d_resp.status >= 400:  # D refused the request: it will not read P's blocks
-            self._release_prefill(p_up, p_params, headers)
+            self.decode_guard.release(p_up, p_params, headers)
         self._check_status(d_up, d_resp, d_raw)
         if conv_id:
             try:
@@ -350,43 +347,6 @@ class DisaggProxy:
             "X-Request-Id": turn.request_id})
         self.metrics.added_latency.observe(perf_counter() - turn.t0 - turn.upstream_wait)
         return resp
-
-    async def _decoders_reachable(self) -> bool:
-        """False when every decode instance failed its last connection and none answers a
-        health probe now (then prefilling would be wasted). Costs nothing while any decoder's
-        last connection succeeded."""
-        if not self.decoders.all_failed():
-            return True
-        ups = self.decoders.upstreams
-        results = await asyncio.gather(*(self._probe(u) for u in ups))
-        for up, ok in zip(ups, results):
-            if ok:
-                self.decoders.mark_up(up)
-        return any(results)
-
-    def _release_prefill(self, p_up: Upstream, p_params: dict[str, Any] | None,
-                         headers: dict[str, str]) -> None:
-        """Ask P, in the background, to free the blocks it keeps for a decode leg that will
-        not read them (``POST /v1/kv_transfer/release`` with the params P returned; see
-        pdserve/kv_transfer/nixl/release.py). A failed call only means P's lease runs out."""
-        if not p_params or p_params.get("remote_request_id") is None:
-            return
-        data = _encode({"kv_transfer_params": p_params}).encode()
-        task = asyncio.get_running_loop().create_task(self._post_release(p_up, data, headers))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _post_release(self, p_up: Upstream, data: bytes, headers: dict[str, str]) -> None:
-        outcome = "failed"
-        try:
-            async with self.session.post(self._urls[(p_up.url, RELEASE_PATH)], data=data,
-                                         headers=headers) as resp:
-                answer = await resp.json(content_type=None) if resp.status == 200 else None
-            if isinstance(answer, dict):
-                outcome = "released" if answer.get("released") else "not_held"
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            logger.debug("releasing a prefill lease on %s failed: %s", p_up.url, e)
-        self.metrics.kv_releases.labels(outcome=outcome).inc()
 
     def _record_turn(self, conv_id: str, p_up: Upstream, d_up: Upstream,
                      d_params: dict[str, Any] | None) -> None:
