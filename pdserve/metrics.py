@@ -76,6 +76,8 @@ NIXL_NUM_KV_EXPIRED_REQS = "pdserve:nixl_num_kv_expired_reqs"
 # current {peer_engine_id, transport, mem}; and the first sizable read's bandwidth.
 KV_TRANSFER_PATH_INFO = "pdserve:kv_transfer_path_info"
 KV_TRANSFER_READ_GBPS = "pdserve:kv_transfer_read_gbps"
+NIXL_NUM_KV_TURNS_EXPIRED = "pdserve:nixl_num_kv_turns_expired"
+KV_LEASES_RELEASED_EARLY = "pdserve:kv_leases_released_early_total"
 
 # Bucket bounds. Latencies: roughly x2-x2.5 steps from 1 ms to 10 min, wide enough for a CPU
 # engine under load and fine enough for a GPU decode step. Sizes: powers of two.
@@ -152,11 +154,17 @@ CONNECTOR_COUNTER_KEYS = {
     "num_failed_transfers": NIXL_NUM_FAILED_TRANSFERS,
     "num_failed_notifications": NIXL_NUM_FAILED_NOTIFICATIONS,
     "num_kv_expired_reqs": NIXL_NUM_KV_EXPIRED_REQS,
+    "num_kv_turns_expired": NIXL_NUM_KV_TURNS_EXPIRED,
+    "num_kv_leases_released_early": KV_LEASES_RELEASED_EARLY,
 }
 _CONNECTOR_COUNTER_DOCS = {
     NIXL_NUM_FAILED_TRANSFERS: "KV transfers that failed.",
     NIXL_NUM_FAILED_NOTIFICATIONS: "Transfer-done notifications that could not be sent.",
     NIXL_NUM_KV_EXPIRED_REQS: "Requests whose KV lease expired before the remote read.",
+    NIXL_NUM_KV_TURNS_EXPIRED: ("Multi-turn decoder blocks freed by their TTL without a pull "
+                                "(also counted in nixl_num_kv_expired_reqs; expected traffic)."),
+    KV_LEASES_RELEASED_EARLY: ("Prefill leases released at once because their decode leg will "
+                               "not read them (D refused or unreachable, client gone)."),
 }
 
 
@@ -319,9 +327,10 @@ class ServerMetrics:
 
         Keys (all optional): ``xfer_time_s``, ``post_time_s`` (lists of seconds), ``bytes``,
         ``num_descriptors`` (lists of ints), ``num_failed_transfers``,
-        ``num_failed_notifications``, ``num_kv_expired_reqs`` (ints, increments),
-        ``transfer_paths`` (each peer's read path, see
-        :meth:`~pdserve.kv_transfer.nixl.transfer_path.TransferPaths.take_delta`). Unknown keys
+        ``num_failed_notifications``, ``num_kv_expired_reqs``, ``num_kv_turns_expired``,
+        ``num_kv_leases_released_early`` (ints, increments), ``transfer_paths`` (each peer's read
+        path, see :meth:`~pdserve.kv_transfer.nixl.transfer_path.TransferPaths.take_delta`).
+        Unknown keys
         are ignored. May be called from any thread.
         """
         for key, name in CONNECTOR_HISTOGRAM_KEYS.items():

@@ -55,9 +55,19 @@ class Process:
 
     def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.log_path = log_path
+        self._cmd, self._env = cmd, dict(os.environ, **(env or {}))
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
+                                     stdin=subprocess.DEVNULL, env=self._env)
+
+    def start_again(self) -> None:
+        """Run the same command line again (same ports) after the process ended; the log
+        continues in the same file."""
+        assert self.proc.poll() is not None, "still running"
+        self._log.close()
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self._cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self._env)
 
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of the log ("" when it cannot be read)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.base import KVLoadError
 
 
 @dataclass
@@ -109,6 +110,8 @@ class KVConnectorOutput:
         remote_clock_offsets: remote ``time.time()`` minus local ``time.time()`` (seconds) per
             remote endpoint key ``(engine_id, host, port)``, measured at new handshakes (for the
             connector's scheduler side; not sent to the front end).
+        load_errors: req_id -> why its load failed (for the error message), for the failed
+            loads among ``finished_recving``.
         stats: connector statistics for the front end's metrics (JSON-serialisable).
     """
 
@@ -117,6 +120,7 @@ class KVConnectorOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
     first_tokens: dict[str, int] = field(default_factory=dict)
     remote_clock_offsets: dict[tuple[str, str, int], float] = field(default_factory=dict)
+    load_errors: dict[str, KVLoadError] = field(default_factory=dict)
     stats: dict[str, Any] | None = None
 
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.outputs import EngineCoreOutput, KVConnectorOutput
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.kv_transfer.base import KVLoadError
 from pdserve.kv_transfer.config import FAILURE_POLICIES, KVLoadFailurePolicy
 
 if TYPE_CHECKING:
@@ -132,9 +133,11 @@ class RemoteKV:
             self.sync_loads[rid] = (num_local, start - num_local)
 
     # ================================================================ step results
-    def sync_load_failed(self, req: Request, invalid: set[int]) -> list[EngineCoreOutput] | None:
+    def sync_load_failed(self, req: Request, invalid: set[int],
+                         error: KVLoadError | None = None) -> list[EngineCoreOutput] | None:
         """When this step's synchronous load of ``req`` left an invalid block, apply the
-        failure policy and return its outputs; None when the load was good (or there was none)."""
+        failure policy and return its outputs; None when the load was good (or there was none).
+        ``error`` is the worker's reason, for the error message."""
         load = self.sync_loads.get(req.request_id)
         if load is None:
             return None
@@ -142,7 +145,7 @@ class RemoteKV:
         if bad is None:
             return None
         # The forward pass read missing KV: its token is worthless.
-        return self.apply_load_failure(req, bad, load[0])
+        return self.apply_load_failure(req, bad, load[0], error)
 
     def commit_sync_load(self, req: Request) -> None:
         """Count the tokens this step loaded synchronously for ``req`` (if any)."""
@@ -182,9 +185,11 @@ class RemoteKV:
                 return i
         return None
 
-    def apply_load_failure(self, req: Request, bad_block: int, num_local: int) -> list[EngineCoreOutput]:
+    def apply_load_failure(self, req: Request, bad_block: int, num_local: int,
+                           error: KVLoadError | None = None) -> list[EngineCoreOutput]:
         """Apply ``kv_load_failure_policy`` to a request whose KV load left block index
-        ``bad_block`` (and possibly later ones) invalid."""
+        ``bad_block`` (and possibly later ones) invalid; ``error`` (the worker's reason) goes
+        into the request's error message."""
         sched = self.sched
         self.num_kv_load_failures_total += 1
         rid = req.request_id
@@ -195,12 +200,13 @@ class RemoteKV:
         policy = KVLoadFailurePolicy(override) if override is not None else self.policy
         if policy == KVLoadFailurePolicy.FAIL:
             logger.warning("request %s: KV load failed at block index %d; failing it", rid, bad_block)
+            why = f": {error}" if error is not None else ""
             return [
                 sched.finish(
                     req,
                     RequestStatus.FINISHED_ERROR,
-                    f"KV cache load from the remote instance failed (block {req.block_ids[bad_block]}"
-                    f" of request {rid}); kv_load_failure_policy is 'fail'",
+                    f"KV cache load from the remote instance failed{why} (block "
+                    f"{req.block_ids[bad_block]} of request {rid}); kv_load_failure_policy is 'fail'",
                 )
             ]
         good = max(num_local, bad_block * sched.block_size)
@@ -241,7 +247,7 @@ class RemoteKV:
             num_local, num_ext = self.pending_load.pop(rid)
             bad = self.failed_load.pop(rid, None)
             if bad is not None:
-                outputs.extend(self.apply_load_failure(req, bad, num_local))
+                outputs.extend(self.apply_load_failure(req, bad, num_local, kv_out.load_errors.get(rid)))
                 continue
             # With the whole prompt loaded the connector's first token (the prefiller's) is
             # appended at once; otherwise the last prompt token is recomputed for its logits.

@@ -271,7 +271,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted after scheduling
             if invalid:
-                failed = remote_kv.sync_load_failed(req, invalid)
+                failed = remote_kv.sync_load_failed(req, invalid, kv_out.load_errors.get(sr.req_id))
                 if failed is not None:
                     outputs.extend(failed)
                     continue

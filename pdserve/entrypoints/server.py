@@ -30,7 +30,7 @@ from pdserve.entrypoints.auth import APIKeyMiddleware
 from pdserve.entrypoints.chat_completions import ChatCompletionsHandler
 from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
 from pdserve.entrypoints.completions import CompletionsHandler
-from pdserve.entrypoints.errors import OpenAIError, install_error_handlers
+from pdserve.entrypoints.errors import OpenAIError, bad_request, install_error_handlers
 from pdserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +38,9 @@ from pdserve.entrypoints.protocol import (
     ModelList,
 )
 from pdserve.entrypoints.serving import OpenAIServing
+from pdserve.kv_transfer.nixl import release as kv_release
+from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError
+from pdserve.kv_transfer.nixl.side_channel import SideChannelError
 from pdserve.metrics import ServerMetrics
 
 logger = logging.getLogger("pdserve.server")
@@ -52,7 +55,9 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-    ``GET /health`` (200 while the engine lives, else 503), ``GET /metrics`` (Prometheus text).
+    ``GET /health`` (200 while the engine lives, else 503), ``GET /metrics`` (Prometheus text),
+    ``POST /v1/kv_transfer/release`` (the proxy frees a prefill lease its decode leg will not
+    read: :mod:`pdserve.kv_transfer.nixl.release`).
 
     Args:
         engine: an ``AsyncEngine`` or an object with the same interface.
@@ -112,6 +117,23 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
                     or default_snapshot_endpoint(config.kv_events_endpoint))
         return JSONResponse({"endpoint": config.kv_events_endpoint,
                              "snapshot_endpoint": snapshot, "block_size": config.block_size})
+    @app.post("/v1/kv_transfer/release")
+    async def release_kv(raw_request: Request) -> JSONResponse:
+        try:
+            body = await raw_request.json()
+        except ValueError:
+            body = None
+        config = engine.config.kv_transfer_config
+        try:
+            ref = kv_release.parse_release(
+                config, body.get("kv_transfer_params") if isinstance(body, dict) else None)
+        except KVTransferParamsError as e:
+            raise bad_request(str(e), param="kv_transfer_params") from None
+        try:
+            released = await asyncio.to_thread(kv_release.send_release, config, ref)
+        except SideChannelError as e:
+            raise OpenAIError(f"the KV side channel did not take the release: {e}", 503) from None
+        return JSONResponse({"released": released})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -28,6 +28,7 @@ from pdserve.kv_transfer.params import (
     parse_request_params,
     with_prompt_handoff,
 )
+from pdserve.entrypoints import decode_leg
 from pdserve.entrypoints.errors import (
     OpenAIError,
     bad_request,
@@ -274,11 +275,17 @@ class OpenAIServing:
         # the prompt-ids hand-off was consumed by chat_prompt; the engine does not need it
         kv_params = kv.for_engine() if kv is not None else None
         hand_on = kv is not None and kv.role is KVRole.PREFILL
+        # A proxied prefill leg: refuse now what the decode leg will refuse (no wasted prefill).
+        d_view = decode_leg.decode_view(req) if hand_on else None
         # A prefiller's first token belongs to its one choice: other choices draw their own.
         other_params = kv_params.for_other_choices() if kv_params is not None else None
         total = len(prompts) * req.n
         jobs = []
         for p, ids in enumerate(prompts):
+            if d_view is not None:
+                d_max = self.max_tokens_for(len(ids), decode_leg.requested_max_tokens(d_view),
+                                            prompt_param)
+                self.sampling_params(d_view, d_max, logprobs, 0)
             max_tokens = self.max_tokens_for(len(ids), requested_max_tokens, prompt_param)
             for i in range(req.n):
                 index = p * req.n + i

@@ -32,6 +32,7 @@ The engine keeps stepping (``execute`` with an empty batch if need be) while
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,37 @@ class KVCacheSpec:
     @property
     def layout(self) -> str:
         return "NLKHBD"  # num_blocks, num_layers, k/v, heads, block_size, head_dim
+
+
+class KVLoadFailure(enum.Enum):
+    """Why a KV load failed; its value is the phrase the client's error message starts with."""
+
+    ENGINE_MISMATCH = "engine mismatch"
+    """The remote is another engine than the params name, or its KV cache is incompatible."""
+    LEASE_REFUSED = "lease refused"
+    """The owner no longer holds those blocks for those tokens, or frees them too soon."""
+    TRANSPORT = "transport error"
+    """The side channel or the NIXL READ failed (for example: the owner died)."""
+    TIMEOUT = "timeout"
+    """The owner's side channel did not answer, or the READ did not finish, in time."""
+    INVALID_REFERENCE = "invalid reference"
+    """The params name blocks the owner does not have, or are malformed."""
+
+
+@dataclass(frozen=True)
+class KVLoadError:
+    """One failed KV load, reported by the worker side.
+
+    Attributes:
+        reason: the kind of failure.
+        detail: a sentence for the log and the client.
+    """
+
+    reason: KVLoadFailure
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.detail}"
 
 
 class KVConnectorSchedulerSide(abc.ABC):

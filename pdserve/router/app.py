@@ -16,8 +16,9 @@ Failure handling (status codes in docs/proxy.md): upstream failures as described
 :mod:`pdserve.router.upstream_client`; a failure after the stream to the client has started -> an
 SSE ``data: {"error": ...}`` event, then ``data: [DONE]``; the client going away -> the open
 upstream request is closed, which makes the instance's server abort it (during the prefill leg: P
-aborts and frees the blocks, no decode leg is sent; if P had already answered, its lease expires —
-docs/proxy.md).
+aborts and frees the blocks, no decode leg is sent). Work D will not do is not left to P
+(:mod:`pdserve.router.decode_guard`): no prefill while no decoder is reachable (503); P's blocks
+released at once when the decode leg will not read them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pdserve.router.bodies import (check_client_body, conversation_key, decode_l
                                    prefill_leg_body)
 from pdserve.router.config import ProxyConfig
 from pdserve.router.conversations import ConversationStore
+from pdserve.router.decode_guard import DecodeLegGuard
 from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, NOT_FOUND,
                                    UPSTREAM_UNAVAILABLE, ProxyError, error_bytes,
                                    normalize_upstream_error)
@@ -98,6 +100,9 @@ class DisaggProxy:
         self._upstream_auth = (f"Bearer {config.upstream_api_key}" if config.upstream_api_key else None)
         self.client = UpstreamClient(config.timeout, (self.prefillers, self.decoders),
                                      tuple(_ENDPOINTS), self.metrics)
+        self.decode_guard = DecodeLegGuard(
+            self.decoders, lambda up: self.client.probe(up, self._upstream_auth), self.metrics,
+            lambda: self.client.session)
 
     # ------------------------------------------------------------------ application
     def build_app(self) -> web.Application:
@@ -212,6 +217,11 @@ class DisaggProxy:
         if self.kv_router is not None:
             token_ids = await self.kv_router.tokenizer.token_ids_async(_ENDPOINTS[path], body)
 
+        if not await self.decode_guard.decoders_reachable():
+            raise ProxyError(503, "no decode instance is reachable ("
+                             + ", ".join(u.url for u in self.decoders.upstreams)
+                             + "); the request was not prefilled", UPSTREAM_UNAVAILABLE)
+
         # Prefill leg.
         p_body = prefill_leg_body(body, state.kv_transfer_params if state else None)
         if state is not None and state.kv_transfer_params:
@@ -232,10 +242,17 @@ class DisaggProxy:
         # Decode leg.
         d_data = _encode(decode_leg_body(body, p_params)).encode()
         d_order = self._route(self.decoders, state.decoder_url if state else None, token_ids, turn)
-        d_up, d_resp = await self.client.open(d_order, self.decoders, path, d_data, headers, turn)
+        try:
+            d_up, d_resp = await self.client.open(d_order, self.decoders, path, d_data, headers,
+                                                  turn)
+        except BaseException:  # no decoder reachable, or the client went away between the legs
+            self.decode_guard.release(p_up, p_params, headers)
+            raise
         if body.get("stream") is True and d_resp.status == 200:
             return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id)
         d_raw = await self.client.read_body(d_up, d_resp, turn)
+        if d_resp.status >= 400:  # D refused the request: it will not read P's blocks
+            self.decode_guard.release(p_up, p_params, headers)
         self.client.check_status(d_up, d_resp, d_raw)
         if conv_id:
             try:

@@ -2,7 +2,8 @@
 
 Prefill leg (to P): the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1`` when
 the client sent that field), ``stream=false``, without ``min_tokens``, ``stream_options``, ``n``
-and ``conversation_id``, and with ``kv_transfer_params`` set to :data:`PREFILL_KV_PARAMS`; in
+and ``conversation_id``, with the rewritten limits in :data:`DECODE_LEG_FIELD`, and with
+``kv_transfer_params`` set to :data:`PREFILL_KV_PARAMS`; in
 multi-turn mode the decoder's params from the previous turn are merged in (see
 :func:`prefill_leg_body`).
 
@@ -29,6 +30,11 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 
 #: Body fields the proxy consumes and never forwards.
 PROXY_FIELDS = ("conversation_id",)
+
+#: Prefill-leg field with the limits the proxy rewrote (``max_tokens``,
+#: ``max_completion_tokens``, ``min_tokens`` as the client sent them): P refuses a request its
+#: decode leg would refuse before prefilling it.
+DECODE_LEG_FIELD = "pdserve_decode_leg"
 
 
 def check_client_body(body: Any) -> None:
@@ -94,6 +100,9 @@ def prefill_leg_body(body: dict[str, Any], decoder_params: dict[str, Any] | None
         A new dict (shallow copy; nested values are shared with ``body``).
     """
     out = dict(body)
+    # P checks the request as D will see it (pdserve/entrypoints/decode_leg.py)
+    out[DECODE_LEG_FIELD] = {k: body[k] for k in ("max_tokens", "max_completion_tokens",
+                                                  "min_tokens") if k in body}
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1

@@ -21,6 +21,10 @@ Names (kept here until the project-wide ``pdserve/metrics.py`` takes them over):
   decoder's ``kv_transfer_params`` of the previous turn (P may pull the history from D).
 * ``pdserve:proxy_state_store_errors_total{op}``: state store operations (``load`` /
   ``record``) that failed or were skipped after a failure; those turns were served as recompute.
+* ``pdserve:proxy_kv_leases_released_total{outcome}``: prefill leases the proxy asked P to free
+  because the decode leg will not read them (``released``, ``not_held``, ``failed``).
+* ``pdserve:proxy_prefills_skipped_total``: requests answered 503 before the prefill leg because
+  no decode instance was reachable.
 """
 
 from __future__ import annotations
@@ -72,6 +76,12 @@ class ProxyMetrics:
         for op in ("load", "record"):
             self.state_store_errors.labels(op=op)
         self._decision_children: dict[tuple[str, str], Counter] = {}
+        self.kv_releases = Counter("pdserve:proxy_kv_leases_released",
+                                   "Prefill leases the proxy asked P to free early",
+                                   ["outcome"], registry=self.registry)
+        self.prefills_skipped = Counter("pdserve:proxy_prefills_skipped",
+                                        "Requests refused before prefill: no decoder reachable",
+                                        registry=self.registry)
         self.in_flight_child = {}
         for leg, urls in (("prefill", prefillers), ("decode", decoders)):
             for url in urls:

@@ -114,6 +114,10 @@ class UpstreamPool:
         """Record that ``upstream`` refused a connection (it is tried last for COOL_DOWN_S)."""
         upstream.down_until = self._clock() + COOL_DOWN_S
 
+    def all_failed(self) -> bool:
+        """True when every instance's last connection attempt failed (none answered since)."""
+        return all(u.down_until > 0.0 for u in self.upstreams)
+
     def mark_up(self, upstream: Upstream) -> None:
         """Record that ``upstream`` answered."""
         upstream.down_until = 0.0

@@ -19,7 +19,11 @@ from typing import Any, Callable
 from pdserve.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
-from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
+from pdserve.kv_transfer.base import (
+    KVConnectorSchedulerSide,
+    KVConnectorWorkerSide,
+    KVLoadError,
+)
 
 VOCAB = 1000
 EOS = VOCAB - 1  # never produced by the hash (see reference_next_token); only when forced
@@ -148,10 +152,12 @@ class FakeRemote:
             written there and those block ids are reported in invalid_block_ids.
         release: request ids whose held blocks the "decoder" has read; reported in
             finished_sending on the next poll.
+        load_error: the reason reported with a poisoned load (``load_errors``), or None.
     """
 
     load_delay_steps: int = 2
     poison: dict[str, set[int]] = field(default_factory=dict)
+    load_error: KVLoadError | None = None
     release: set[str] = field(default_factory=set)
     added: list[str] = field(default_factory=list)
     finished_calls: list[tuple[str, list[int]]] = field(default_factory=list)
@@ -241,6 +247,8 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
             if entry[0] <= 0 or rid in finished_req_ids:
                 out.finished_recving.add(rid)
                 out.invalid_block_ids |= entry[1]
+                if entry[1] and self.remote.load_error is not None:
+                    out.load_errors[rid] = self.remote.load_error
                 del self._in_flight[rid]
         out.finished_sending = set(self.remote.release)
         self.remote.release.clear()

@@ -15,6 +15,7 @@ from engine_fakes import (
     run_until_done,
 )
 from pdserve.engine.request import RequestStatus
+from pdserve.kv_transfer.base import KVLoadError, KVLoadFailure
 
 REMOTE = {"remote": True}
 
@@ -86,6 +87,19 @@ def test_invalid_blocks_fail_policy_finishes_with_error(length):
     assert st["num_kv_load_failures_total"] == 1
     assert st["prompt_tokens_computed_total"] == 3
     assert remote.finished_calls[0][0] == "d"
+    drain(core)
+    assert_all_free(core)
+
+
+def test_failed_load_error_names_the_reason():
+    err = KVLoadError(KVLoadFailure.LEASE_REFUSED, "request 'p1' holds no blocks any more")
+    remote = FakeRemote(load_delay_steps=1, poison={"d": {0}}, load_error=err)
+    core, _ = make_core(remote=remote, kv_load_failure_policy="fail")
+    add(core, "d", list(range(200, 210)), kv_transfer_params=REMOTE, max_tokens=4)
+    res = run_until_done(core)
+    assert res["d"].finish_reason == "error"
+    assert "lease refused: request 'p1' holds no blocks any more" in res["d"].error
+    assert "kv_load_failure_policy" in res["d"].error
     drain(core)
     assert_all_free(core)
 

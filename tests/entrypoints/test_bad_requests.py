@@ -176,3 +176,39 @@ async def test_unknown_fields_are_ignored(client: httpx.AsyncClient,
                                       "max_tokens": 2, "response_format": {"type": "text"}})
     assert r.status_code == 200, r.text
     assert len(fake_engine.calls) == 2
+
+
+# A proxied prefill leg: max_tokens 1 and no min_tokens, the client's limits beside them.
+P_LEG = {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+         "max_tokens": 1}
+
+
+@pytest.mark.parametrize("endpoint,limits,param,code", [
+    (COMPLETIONS, {"max_tokens": 60}, "max_tokens", "context_length_exceeded"),
+    (CHAT, {"max_completion_tokens": 60}, "max_tokens", "context_length_exceeded"),
+    (COMPLETIONS, {"max_tokens": 0}, "max_tokens", None),
+    (CHAT, {"max_tokens": 0}, "max_tokens", None),
+    (COMPLETIONS, {"max_tokens": 5, "min_tokens": 6}, None, None),
+    (COMPLETIONS, {"min_tokens": 17}, None, None),  # completions' default max_tokens is 16
+])
+async def test_prefill_leg_is_refused_as_its_decode_leg_would_be(
+        client: httpx.AsyncClient, fake_engine: FakeEngine, endpoint: str, limits: dict,
+        param: str | None, code: str | None) -> None:
+    prompt = {"prompt": "x" * 10} if endpoint == COMPLETIONS else \
+        {"messages": [{"role": "user", "content": "x" * 10}]}
+    decode_leg = {**prompt, **limits}
+    d = await client.post(endpoint, json=decode_leg)  # what D answers
+    assert d.status_code == 400, d.text
+    r = await client.post(endpoint, json={**prompt, **P_LEG, "pdserve_decode_leg": limits})
+    assert_openai_error(r, 400, "BadRequestError", param=param, code=code)
+    assert r.json() == d.json()  # the same 400 as D
+    assert fake_engine.calls == {}  # nothing was prefilled
+
+
+async def test_prefill_leg_within_the_decode_limits_runs(client: httpx.AsyncClient,
+                                                         fake_engine: FakeEngine) -> None:
+    r = await client.post(COMPLETIONS, json={"prompt": "x" * 10, **P_LEG,
+                                             "pdserve_decode_leg": {"max_tokens": 20,
+                                                                    "min_tokens": 3}})
+    assert r.status_code == 200, r.text
+    assert len(fake_engine.calls) == 1

@@ -78,6 +78,7 @@ def _serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
                 "finished_recving": sorted(out.finished_recving),
                 "invalid_block_ids": sorted(out.invalid_block_ids),
                 "first_tokens": dict(out.first_tokens),
+                "load_errors": {r: e.reason.name for r, e in out.load_errors.items()},
                 "stats": out.stats,
                 "pending": worker.has_pending_work(),
                 "num_leases": len(worker.leases),
@@ -164,6 +165,7 @@ class PeerProcess:
             for key in ("finished_sending", "finished_recving", "invalid_block_ids",
                         "first_tokens"):
                 acc[key].update(out[key])
+            acc.setdefault("load_errors", {}).update(out.get("load_errors", {}))
             if out["stats"]:
                 acc["stats"].append(out["stats"])
             acc["last"] = out
@@ -192,9 +194,13 @@ class PeerProcess:
             pass
         self.kill()
 
-    def kill(self) -> None:
+    def kill(self, sig: int | None = None) -> None:
+        """Stop the process (SIGTERM, or ``sig``), SIGKILL if it does not exit in 5 s."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            if sig is None:
+                self.proc.terminate()
+            else:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:

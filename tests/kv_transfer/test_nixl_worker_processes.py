@@ -161,6 +161,42 @@ def test_lease_expiry_frees_blocks_and_is_counted_for_every_entry(pair):
     assert "exp-a" in p.step()["finished_sending"]
 
 
+def test_expired_multi_turn_blocks_are_counted_apart(pair):
+    """A decoder's turn blocks (a lease heartbeats do not renew) that nobody pulls expire by
+    design: counted as turns expired, besides the expired leases."""
+    p, _ = pair
+    p.bind(NixlConnectorMetadata(reqs_to_send={
+        "turn-a": SendSpec("turn-a", [7], 0.2, renew_on_heartbeat=False),
+        "lease-b": SendSpec("lease-b", [8], 0.2),
+    }))
+    acc = p.step_until(lambda a: {"turn-a", "lease-b"} <= a["finished_sending"], timeout_s=10)
+    assert sum(s["num_kv_expired_reqs"] for s in acc["stats"]) == 2
+    assert sum(s["num_kv_turns_expired"] for s in acc["stats"]) == 1
+
+
+def test_release_frees_a_lease_at_once_only_for_its_blocks(pair):
+    """The proxy's early release (the decode leg will not read): exactly the leased blocks."""
+    from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.kv_transfer.nixl.release import parse_release, send_release
+
+    p, _ = pair
+    lease(p, "p-rel", [22, 23])
+    config = KVTransferConfig.from_dict(dict(make_config("kv_producer"), engine_id=p.engine_id))
+    params = {"remote_engine_id": p.engine_id, "remote_host": "127.0.0.1",
+              "remote_port": p.port, "remote_request_id": "p-rel", "remote_block_ids": [22]}
+    assert send_release(config, parse_release(config, params))  # wrong blocks: kept
+    assert p.wait_wakeup(5.0)["woke"]  # the notice reached the engine thread
+    out = p.step()
+    assert "p-rel" not in out["finished_sending"] and out["num_leases"] >= 1
+    params["remote_block_ids"] = [22, 23]
+    assert send_release(config, parse_release(config, params))
+    acc = p.step_until(lambda a: "p-rel" in a["finished_sending"], timeout_s=5)
+    assert sum(s["num_kv_leases_released_early"] for s in acc["stats"]) == 1
+    assert not any(s["num_kv_expired_reqs"] for s in acc["stats"])
+    with pytest.raises(ValueError, match="not this instance"):
+        parse_release(config, dict(params, remote_engine_id="someone-else"))
+
+
 def test_abort_notification_frees_owner_lease(pair):
     p, d = pair
     lease(p, "p-abort", [7, 8])
@@ -212,6 +248,29 @@ def test_unknown_request_id_is_refused_after_the_claim_wait(pair):
     d.bind(recv_meta("d-unknown", ref_to(p, "never-leased", [1]), [28], [1]))
     acc = d.step_until(lambda a: "d-unknown" in a["finished_recving"], timeout_s=15)
     assert acc["invalid_block_ids"] == {28}
+
+
+def test_failed_loads_report_why(pair):
+    """Each failed load names its reason (KVLoadFailure), for the client's error message."""
+    p, d = pair
+    lease(p, "p-why", [13, 14])
+    dead = RemoteKVRef(RemoteEndpoint("nobody", "127.0.0.1", free_port()), "x", [0])
+    wrong = RemoteKVRef(RemoteEndpoint("not-" + p.engine_id, "127.0.0.1", p.port), "p-why", [13])
+    d.bind(NixlConnectorMetadata(reqs_to_recv={
+        "why-refused": RecvSpec("why-refused", ref_to(p, "p-why", [17]), [2], [17],
+                                num_tokens=4),
+        "why-range": RecvSpec("why-range", ref_to(p, "p-why", [10_000]), [3], [10_000],
+                              num_tokens=4),
+        "why-engine": RecvSpec("why-engine", wrong, [4], [13], num_tokens=4),
+        "why-timeout": RecvSpec("why-timeout", dead, [6], [0], num_tokens=4),
+    }))
+    acc = d.step_until(lambda a: len(a.get("load_errors", {})) == 4, timeout_s=20)
+    assert acc["load_errors"] == {
+        "why-refused": "LEASE_REFUSED", "why-range": "INVALID_REFERENCE",
+        "why-engine": "ENGINE_MISMATCH", "why-timeout": "TIMEOUT",
+    }
+    p.bind(NixlConnectorMetadata(release_sends={"p-why"}))
+    p.step()
 
 
 def test_abort_while_waiting_for_claim_reports_finished_recving_and_frees_owner(pair):

@@ -52,6 +52,7 @@ class FakeInstance:
             callable from the turn number); None = return none.
         health_status: status of ``GET /health``.
         chunks: D only, streaming: text pieces sent one per SSE event.
+        released: P only: the ``kv_transfer_params`` of each ``POST /v1/kv_transfer/release``.
     """
 
     name: str
@@ -63,6 +64,7 @@ class FakeInstance:
     health_status: int = 200
     chunks: tuple[str, ...] = ("Hel", "lo", " world")
     url: str = ""
+    released: list[Any] = field(default_factory=list)
     _runner: web.AppRunner | None = None
 
     async def start(self) -> str:
@@ -71,6 +73,7 @@ class FakeInstance:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/kv_transfer/release", self._release)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -81,6 +84,10 @@ class FakeInstance:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _release(self, request: web.Request) -> web.Response:
+        self.released.append((await request.json())["kv_transfer_params"])
+        return web.json_response({"released": True})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status, text="")

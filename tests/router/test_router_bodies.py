@@ -19,6 +19,7 @@ def test_prefill_leg_body_is_one_token_non_streaming_with_stateless_params():
     assert prefill_leg_body(CLIENT) == {
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
         "max_completion_tokens": 1, "stream": False, "temperature": 0.0,
+        "pdserve_decode_leg": {"max_tokens": 50, "max_completion_tokens": 50, "min_tokens": 5},
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
                                "remote_engine_id": None, "remote_block_ids": None,
                                "remote_host": None, "remote_port": None}}

@@ -198,3 +198,61 @@ async def test_unknown_route_and_wrong_method(make_cluster):
         assert r.status == 405 and r.headers["Allow"] == "POST"
         assert await r.json() == err("method GET not allowed on /v1/completions (use POST)",
                                      "invalid_request_error", 405)
+
+
+def _releases(c, outcome):
+    return c.proxy.proxy.metrics.kv_releases.labels(outcome=outcome)._value.get()
+
+
+async def test_decoder_refusal_releases_the_prefill_lease_at_once(make_cluster):
+    c = await make_cluster()
+    c.decoders[0].handler = respond(400, err("bad", "invalid_request_error", 400))
+    for stream in (False, True):
+        status, headers, _ = await c.post("/v1/completions", dict(BODY, stream=stream))
+        assert status == 400
+    await wait_until(lambda: len(c.prefillers[0].released) == 2)
+    ids = [p["remote_request_id"] for p in c.prefillers[0].released]
+    assert ids == [f"p0-{r.request_id}" for r in c.prefillers[0].received]
+    await wait_until(lambda: _releases(c, "released") == 2)
+    # a decoder that answers keeps P's blocks for its read
+    c.decoders[0].handler = None
+    assert (await c.post("/v1/completions", BODY))[0] == 200
+    assert len(c.prefillers[0].released) == 2
+
+
+async def test_unreachable_decoder_releases_the_lease_then_skips_prefills(make_cluster):
+    dead = f"http://127.0.0.1:{unused_port()}"
+    c = await make_cluster(n_decode=0, decode_urls=[dead])
+    status, _, _ = await c.post("/v1/completions", BODY)
+    assert status == 503
+    await wait_until(lambda: len(c.prefillers[0].released) == 1)
+    # now known down and not answering a probe: refused before any prefill
+    status, _, raw = await c.post("/v1/completions", BODY)
+    assert status == 503 and "not prefilled" in json.loads(raw)["error"]["message"]
+    assert len(c.prefillers[0].received) == 1
+    assert c.proxy.proxy.metrics.prefills_skipped._value.get() == 1
+
+
+async def test_decoder_back_after_a_failure_is_probed_and_used(make_cluster):
+    c = await make_cluster()
+    pool = c.proxy.proxy.decoders
+    pool.mark_down(pool.upstreams[0])  # its last connection failed; it is up again
+    assert (await c.post("/v1/completions", BODY))[0] == 200
+    assert not pool.all_failed()
+    assert len(c.decoders[0].received) == 1
+
+
+async def test_client_gone_before_the_decoder_answers_releases_the_lease(make_cluster):
+    from .test_router_disconnect import _send_and_leave
+
+    c = await make_cluster()
+    never = asyncio.Event()
+
+    async def slow_decode(inst, request, rec):
+        await never.wait()
+
+    d = c.decoders[0]
+    d.handler = slow_decode
+    await _send_and_leave(c.url + "/v1/completions", BODY, lambda: len(d.received) == 1)
+    await wait_until(lambda: len(c.prefillers[0].released) == 1)
+    assert c.prefillers[0].released[0]["remote_request_id"] == f"p0-{d.received[0].request_id}"

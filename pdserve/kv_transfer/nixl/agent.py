@@ -169,6 +169,22 @@ class NixlAgent:
         self._remotes[name] = remote
         return remote
 
+    def remove_remote(self, name: str) -> None:
+        """Forget a remote agent (it restarted or vanished): release its descriptor list and
+        unload its metadata, so a later :meth:`add_remote` loads it afresh. Errors are
+        logged (the peer may already be gone)."""
+        remote = self._remotes.pop(name, None)
+        if remote is None:
+            return
+        try:
+            remote.dlist.release()
+        except Exception as e:
+            logger.debug("NIXL: releasing the descriptors of %s failed: %s", name, e)
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as e:
+            logger.debug("NIXL: removing remote agent %s failed: %s", name, e)
+
     # ------------------------------------------------------------------------------ transfers
     def post_read(self, remote: RemoteAgent, local_ids: list[int], remote_ids: list[int],
                   notif: bytes) -> tuple[Any, str]:

@@ -96,6 +96,18 @@ class LeaseTable:
             self._remember(req_id, reason)
             return True
 
+    def release_early(self, req_id: str, block_ids: Any) -> bool:
+        """The proxy's release of a lease its decode leg will not read: ends the lease when it
+        holds exactly ``block_ids``. Returns True when it did."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None or not isinstance(block_ids, list) or \
+                    list(block_ids) != lease.block_ids:
+                return False
+            del self._leases[req_id]
+            self._remember(req_id, "released: the decode leg will not read it")
+            return True
+
     def note_unknown(self, req_id: str, kind: str, now: float | None = None) -> None:
         """Remember a done/abort notice for a lease not registered yet."""
         now = time.monotonic() if now is None else now
@@ -181,10 +193,15 @@ class LeaseTable:
         Returns:
             The expired request ids.
         """
+        return [rid for rid, _ in self.expire_leases(now)]
+
+    def expire_leases(self, now: float | None = None) -> list[tuple[str, Lease]]:
+        """:meth:`expire`, returning ``(req_id, lease)`` pairs (a lease that is not renewable
+        is a decoder's multi-turn TTL)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            expired = [rid for rid, lease in self._leases.items() if lease.expiry <= now]
-            for rid in expired:
+            expired = [(rid, lease) for rid, lease in self._leases.items() if lease.expiry <= now]
+            for rid, _ in expired:
                 del self._leases[rid]
                 self._remember(rid, "lease expired")
             for rid in [r for r, (_, t) in self._early.items() if t <= now]:

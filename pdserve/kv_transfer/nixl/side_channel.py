@@ -9,17 +9,21 @@ instances' ``REQ`` sockets:
     address, ``block_bytes``, ``num_blocks``, memory type and device id, the compatibility
     fields and their hash, the lease duration and the server's wall clock (for clock offsets).
 ``{"type": "claim", "request_id": str, "block_ids": [int], "num_tokens": int, "token_digest": str}``
-    -> ``{"ok": bool, "reason": str, "lease_expiry_in": float[, "first_token_id": int]}``:
-    before reading, the reader
+    -> ``{"ok": bool, "reason": str, "lease_expiry_in": float, "instance_id": str[,
+    "first_token_id": int]}``: before reading, the reader
     checks that the owner still holds exactly these blocks for that request, computed from the
     same first ``num_tokens`` tokens as the reader's (their SHA-256, ``metadata.token_digest``),
     and extends the lease for the read. A claim for a request the owner does not know yet (its lease is
     registered one engine step after the request finished) is answered when it appears, or
     rejected after ``claim_wait_s``. A granted claim of a prefiller's prompt carries the first
     token the prefiller sampled (the decoder uses it, not the one a client relayed).
+    ``instance_id`` (also in ``get_info``'s info) is new at every process start: a reader whose
+    handshake named another instance knows the remote restarted and handshakes again.
 ``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str}``
     -> ``{"ok": True}``: the same control messages as the NIXL notifications, for readers
     that could not load this agent's metadata (for example after a compatibility mismatch).
+    ``"kind": "release", "block_ids": [int]`` is the proxy's early release of a lease the
+    decode leg will not read (:mod:`pdserve.kv_transfer.nixl.release`).
 
 Clients: :func:`side_channel_request` (one blocking request on a fresh ``REQ`` socket) runs in
 background threads only, never on the engine loop; :class:`SideChannelClient` sends requests
@@ -156,8 +160,10 @@ class SideChannelServer:
             lease_left_s[, first_token])`` (the last two as the reader sent them, or None) with status
             ``"ok"``, ``"wait"`` (unknown yet, ask again) or ``"reject"``; called on the server
             thread, so it must be thread-safe.
-        notify: ``notify(kind, request_id)``; thread-safe.
+        notify: ``notify(kind, request_id)``, or ``notify(kind, request_id, block_ids)`` when
+            the notice carries block ids; thread-safe.
         claim_wait_s: how long a ``"wait"`` claim is retried before it is rejected.
+        instance_id: this process's instance id, sent with every claim answer.
 
     Raises:
         SideChannelBindError: the port is in use or the address cannot be bound.
@@ -171,8 +177,10 @@ class SideChannelServer:
         claim: Callable[[str, list[int], Any, Any], ClaimResult],
         notify: Callable[[str, str], None],
         claim_wait_s: float = 5.0,
+        instance_id: str = "",
     ):
         self.host = host
+        self.instance_id = instance_id
         self.port = port
         self._get_info = get_info
         self._claim = claim
@@ -234,8 +242,13 @@ class SideChannelServer:
                             tokens)
         elif kind == "notify":
             req_id, note = msg.get("request_id"), msg.get("kind")
-            if isinstance(req_id, str) and isinstance(note, str):
+            block_ids = msg.get("block_ids")
+            if isinstance(req_id, str) and isinstance(note, str) and block_ids is None:
                 self._notify(note, req_id)
+                self._reply(ident, {"ok": True}, seq)
+            elif isinstance(req_id, str) and isinstance(note, str) and \
+                    isinstance(block_ids, list):
+                self._notify(note, req_id, block_ids)
                 self._reply(ident, {"ok": True}, seq)
             else:
                 self._reply(ident, {"ok": False, "reason": "malformed notify"}, seq)
@@ -250,7 +263,8 @@ class SideChannelServer:
             return
         if status == "wait":
             status = "reject"
-        answer = {"ok": status == "ok", "reason": reason, "lease_expiry_in": left}
+        answer = {"ok": status == "ok", "reason": reason, "lease_expiry_in": left,
+                  "instance_id": self.instance_id}
         if status == "ok" and first and first[0] is not None:
             answer["first_token_id"] = first[0]
         self._reply(ident, answer, seq)

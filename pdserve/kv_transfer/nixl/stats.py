@@ -4,7 +4,8 @@ periodic ``KV Transfer metrics: ...`` log line.
 The delta dict (``KVConnectorOutput.stats``) has exactly these keys::
 
     {"xfer_time_s": [float], "post_time_s": [float], "bytes": [int], "num_descriptors": [int],
-     "num_failed_transfers": int, "num_failed_notifications": int, "num_kv_expired_reqs": int}
+     "num_failed_transfers": int, "num_failed_notifications": int, "num_kv_expired_reqs": int,
+     "num_kv_turns_expired": int, "num_kv_leases_released_early": int}
 
 one list entry per successful transfer; the server turns them into the
 ``pdserve:nixl_*`` histograms and counters.
@@ -48,6 +49,11 @@ class TransferStats:
             claim, invalid block ids).
         num_failed_notifications: control notifications that could not be sent.
         num_kv_expired_reqs: leases that ended without a read (blocks freed by expiry).
+        num_kv_turns_expired: among those, a decoder's multi-turn blocks that no prefiller
+            pulled before their TTL (expected in normal traffic: the conversation ended or
+            moved to another instance).
+        num_kv_leases_released_early: leases the proxy released because their decode leg
+            will not read them (D refused, unreachable, client gone).
     """
 
     xfer_time_s: list[float] = field(default_factory=list)
@@ -57,6 +63,8 @@ class TransferStats:
     num_failed_transfers: int = 0
     num_failed_notifications: int = 0
     num_kv_expired_reqs: int = 0
+    num_kv_turns_expired: int = 0
+    num_kv_leases_released_early: int = 0
 
     def record_transfer(
         self, xfer_time_s: float, post_time_s: float, nbytes: int, num_descriptors: int
@@ -74,11 +82,13 @@ class TransferStats:
         self.num_failed_transfers += other.num_failed_transfers
         self.num_failed_notifications += other.num_failed_notifications
         self.num_kv_expired_reqs += other.num_kv_expired_reqs
+        self.num_kv_turns_expired += other.num_kv_turns_expired
+        self.num_kv_leases_released_early += other.num_kv_leases_released_early
 
     def is_empty(self) -> bool:
         return not (
             self.xfer_time_s or self.num_failed_transfers or self.num_failed_notifications
-            or self.num_kv_expired_reqs
+            or self.num_kv_expired_reqs or self.num_kv_leases_released_early
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -91,6 +101,8 @@ class TransferStats:
             "num_failed_transfers": self.num_failed_transfers,
             "num_failed_notifications": self.num_failed_notifications,
             "num_kv_expired_reqs": self.num_kv_expired_reqs,
+            "num_kv_turns_expired": self.num_kv_turns_expired,
+            "num_kv_leases_released_early": self.num_kv_leases_released_early,
         }
 
     def format_log_line(self) -> str:

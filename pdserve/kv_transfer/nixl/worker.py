@@ -2,9 +2,11 @@
 
 One :class:`NixlConnectorWorker` per engine-core process. It owns the NIXL agent (KV cache
 registered once), the side-channel server (so every instance can be read from, in both
-directions), the lease table of blocks kept for remote readers, and the state of this instance's
-own loads. Nothing here blocks the engine loop: handshakes and side-channel notices run on a
-small thread pool (only ZMQ happens there); lease claims, on the transfer's critical path, are
+directions), the lease table of blocks kept for remote readers (:mod:`.leases`), heartbeats and
+notices to remote owners, and the wake-up and polling schedule of the engine loop. Its own loads
+live in :mod:`.loads` (handshake, claim, READ, failure) and the handshaken remote engines in
+:mod:`.remotes`. Nothing here blocks the engine loop: handshakes and side-channel notices run on
+a small thread pool (only ZMQ happens there); lease claims, on the transfer's critical path, are
 sent without blocking from the engine thread over one persistent connection per remote
 (:class:`~pdserve.kv_transfer.nixl.side_channel.SideChannelClient`); NIXL calls happen on the
 engine thread in :meth:`start_load_kv` / :meth:`get_finished`, which only post and poll.
@@ -14,17 +16,14 @@ is readable (a claim answer, a side-channel notice, a finished handshake) or unt
 :meth:`next_poll_in` says a step is due (a posted READ, which NIXL cannot signal; notifications
 for held blocks; lease and heartbeat deadlines).
 
-Load life cycle (reader side)::
-
-    handshake (once per remote engine, cached) -> claim (per request, checks and extends the
-    owner's lease) -> READ posted (notification "done" rides on it) -> polled until DONE/ERR
-
 A peer whose KV cache is on this instance's GPU is read by a CUDA IPC copy instead of the READ
-("done" sent when it completes; ``cuda_ipc.py``); in host-buffer mode the READ moves pinned host
-mirrors of the caches and a copy to the GPU follows it (``host_buffer.py``).
+("done" sent when it completes; :mod:`.cuda_ipc`); in host-buffer mode the READ moves pinned host
+mirrors of the caches and a copy to the GPU follows it (:mod:`.host_buffer`).
 
-Any failure ends the load with the request id in ``finished_recving`` and its destination blocks
-in ``invalid_block_ids``; the owner is told to drop its lease ("abort") when it can be reached.
+Restarted peers: every worker picks a random ``instance_id`` when its process starts (part of
+its NIXL agent name, in its handshake info, and in every claim answer), so a reader tells a
+restarted owner from the one it handshook with (:mod:`.loads`); a notification that cannot be
+sent over NIXL (the peer vanished) drops the cached agent and goes by the side channel.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import queue
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,94 +40,40 @@ from pdserve.engine.outputs import KVConnectorOutput
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.nixl import cuda_ipc, host_buffer
-from pdserve.kv_transfer.nixl.agent import NixlAgent, RemoteAgent, block_runs
+from pdserve.kv_transfer.nixl.agent import NixlAgent
 from pdserve.kv_transfer.nixl.leases import LeaseTable
+from pdserve.kv_transfer.nixl.loads import XFER_POLL_INTERVAL_S, XFER_SPIN_S, LoadTracker
 from pdserve.kv_transfer.nixl.metadata import (
     NixlConnectorMetadata,
-    RecvSpec,
     RemoteEndpoint,
     RemoteKVRef,
     RemoteNotice,
 )
+from pdserve.kv_transfer.nixl.notifications import decode_notif, encode_notif
+from pdserve.kv_transfer.nixl.release import RELEASE_NOTICE
+from pdserve.kv_transfer.nixl.remotes import RemoteRegistry, RemoteState
 from pdserve.kv_transfer.nixl.side_channel import (
     SideChannelClient,
-    SideChannelError,
     SideChannelServer,
-    SideChannelTimeout,
     compat_fields,
     compat_hash,
-    compat_mismatch,
     side_channel_request,
 )
 from pdserve.kv_transfer.nixl.stats import StatsRecorder, TransferStats
 from pdserve.kv_transfer.nixl.transfer_path import SameHostTransport, TransferPaths
 from pdserve.kv_transfer.wakeup import Waker
 
+__all__ = ["NixlConnectorWorker", "XFER_POLL_INTERVAL_S", "XFER_SPIN_S", "decode_notif",
+           "encode_notif"]
+
 logger = logging.getLogger(__name__)
 
-NOTIF_PREFIX = b"pdserve1|"
-NOTIF_KINDS = ("done", "abort", "heartbeat")
-
-# Engine-loop polling while nothing can wake it (seconds): a posted READ is checked without
-# waiting for XFER_SPIN_S after posting, then every XFER_POLL_INTERVAL_S; NIXL notifications
-# for blocks held for a remote reader ("done", heartbeats) every NOTIF_POLL_INTERVAL_S (they
-# only free blocks or extend leases, nothing waits on them); finished background side-channel
-# notices are collected every BG_NOTICE_POLL_INTERVAL_S.
-XFER_SPIN_S = 0.002
-XFER_POLL_INTERVAL_S = 0.001
+# Engine-loop polling while nothing can wake it (seconds), besides posted READs (.loads):
+# NIXL notifications for blocks held for a remote reader ("done", heartbeats) every
+# NOTIF_POLL_INTERVAL_S (they only free blocks or extend leases, nothing waits on them);
+# finished background side-channel notices every BG_NOTICE_POLL_INTERVAL_S.
 NOTIF_POLL_INTERVAL_S = 0.01
 BG_NOTICE_POLL_INTERVAL_S = 0.05
-
-
-def encode_notif(kind: str, req_id: str) -> bytes:
-    """Notification payload naming one of the owner's requests."""
-    return NOTIF_PREFIX + kind.encode() + b"|" + req_id.encode()
-
-
-def decode_notif(msg: bytes) -> tuple[str, str] | None:
-    """``(kind, req_id)`` of a pdserve notification, or None for anything else."""
-    if not msg.startswith(NOTIF_PREFIX):
-        return None
-    kind, sep, req = msg[len(NOTIF_PREFIX):].partition(b"|")
-    if not sep:
-        return None
-    try:
-        kind_s, req_s = kind.decode(), req.decode()
-    except UnicodeDecodeError:
-        return None
-    return (kind_s, req_s) if kind_s in NOTIF_KINDS else None
-
-
-@dataclass
-class _Remote:
-    """Handshake state of one remote engine."""
-
-    endpoint: RemoteEndpoint
-    future: cf.Future | None = None  # pending handshake
-    agent: RemoteAgent | None = None  # ready
-    info: dict[str, Any] | None = None
-    clock_offset_s: float = 0.0  # remote time.time() - local time.time()
-    ipc: cuda_ipc.CudaIpcPeer | None = None  # same GPU: reads are CUDA IPC copies (cuda_ipc.py)
-
-
-@dataclass
-class _Load:
-    """One request's load in progress."""
-
-    spec: RecvSpec
-    phase: str = "handshake"  # handshake -> claim -> xfer (-> unstage: host-buffer mode)
-    claim: int | None = None  # SideChannelClient ticket
-    handle: Any = None
-    mover: Any = None  # what posted the read: the NixlAgent or a CudaIpcPeer (same interface)
-    unstage: Any = None  # host-buffer mode: the mirror -> GPU copy after the READ
-    t_start: float = field(default_factory=time.perf_counter)  # handed to the worker
-    t_claim: float = 0.0  # claim sent
-    claim_s: float = 0.0  # claim round trip
-    t_post: float = 0.0
-    post_s: float = 0.0
-    deadline: float = 0.0
-    aborted: bool = False
-    first_token: int | None = None  # the owner's first output token, from the claim answer
 
 
 @dataclass
@@ -153,20 +99,21 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.engine_id = config.engine_id
         self.side_channel_host = config.side_channel_host
         self.side_channel_port = config.side_channel_port_for(data_parallel_rank)
-        self.agent = NixlAgent(f"pdserve-{config.engine_id}-dp{data_parallel_rank}", config.backends)
+        # New per process start: readers tell a restarted peer from the one they handshook with.
+        self.instance_id = secrets.token_hex(8)
+        self.agent = NixlAgent(
+            f"pdserve-{config.engine_id}-dp{data_parallel_rank}-{self.instance_id}",
+            config.backends,
+        )
         self.leases = LeaseTable()
         self.spec: KVCacheSpec | None = None
         self._info: dict[str, Any] | None = None
         self._compat: dict[str, Any] | None = None
         self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="nixl-sidechan")
-        self._remotes: dict[tuple[str, str, int], _Remote] = {}
-        self._loads: dict[str, _Load] = {}
         self._heartbeats: dict[str, _Heartbeat] = {}
         self._pending_notices: list[RemoteNotice] = []
         self._bg_notices: list[cf.Future] = []
         self._out = KVConnectorOutput()
-        # endpoint key -> clock offset, measured since the last report to the scheduler
-        self._new_clock_offsets: dict[tuple[str, str, int], float] = {}
         self.stats = StatsRecorder(config.kv_metrics_log_interval)
         # Same-GPU reads by CUDA IPC (cuda_ipc.py); the path of every peer, for logs and metrics
         self._same_host = SameHostTransport(config.same_host_transport)
@@ -177,8 +124,14 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._waker = Waker()
         # Lease claims: non-blocking requests from the engine thread over persistent connections.
         self._client = SideChannelClient()
-        # (kind, req_id) notices received by the side-channel thread, applied on the engine thread
-        self._side_notices: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self.remotes = RemoteRegistry(config, self.agent, self._pool, self._client,
+                                      lambda: self._compat, self._waker.wake, self._connect_ipc)
+        self.loads = LoadTracker(config, self.agent, self.remotes, self._client, self.stats,
+                                 lambda: self._out, lambda n: self._pending_notices.append(n),
+                                 lambda: self._mirror, self.paths)
+        # (kind, req_id, block_ids) notices received by the side-channel thread, applied on the
+        # engine thread
+        self._side_notices: queue.SimpleQueue[tuple[str, str, Any]] = queue.SimpleQueue()
         self.side_channel = SideChannelServer(
             self.side_channel_host,
             self.side_channel_port,
@@ -186,6 +139,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             claim=self.leases.claim_answer,
             notify=self._on_side_channel_notice,
             claim_wait_s=config.kv_handshake_timeout,
+            instance_id=self.instance_id,
         )
 
     # ------------------------------------------------------------------------- registration
@@ -218,6 +172,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         info = {
             "engine_id": self.engine_id,
             "agent_name": self.agent.name,
+            "instance_id": self.instance_id,
             "agent_metadata": self.agent.metadata(),
             "kv_base_addr": self.agent.base_addr,
             "block_bytes": spec.block_bytes,
@@ -255,10 +210,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             elif self.leases.close(req_id, "released"):
                 self._out.finished_sending.add(req_id)
         for endpoint in metadata.handshakes:
-            self._ensure_handshake(endpoint)
+            self.remotes.ensure(endpoint)
         for req_id, ref in metadata.heartbeat_start.items():
             self._heartbeats[req_id] = _Heartbeat(ref)
-            self._ensure_handshake(ref.endpoint)
+            self.remotes.ensure(ref.endpoint)
         for req_id in metadata.heartbeat_stop:
             self._heartbeats.pop(req_id, None)
         self._pending_notices.extend(metadata.notices)
@@ -266,22 +221,15 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self.stats.current.num_kv_expired_reqs += metadata.expired_pulls
         for req_id, spec in metadata.reqs_to_recv.items():
             self._heartbeats.pop(req_id, None)
-            self._loads[req_id] = _Load(spec)
-            if spec.remote is not None and spec.error is None:
-                self._ensure_handshake(spec.remote.endpoint)
+            self.loads.add(req_id, spec)
         for req_id in metadata.aborted_recvs:
             self._heartbeats.pop(req_id, None)
-            load = self._loads.get(req_id)
-            if load is None:  # already reported (or never started): harmless repeat
-                self._out.finished_recving.add(req_id)
-            else:
-                load.aborted = True
+            self.loads.abort(req_id)
 
     def _add_lease(self, req_id: str, send: Any, now: float) -> None:
         """Keep a finished request's blocks (``send``: its ``SendSpec``) for a remote reader."""
         early = self.leases.add(req_id, send.block_ids, send.lease_duration,
-                                send.renew_on_heartbeat, now, send.token_ids,
-                                send.first_token)
+                                send.renew_on_heartbeat, now, send.token_ids, send.first_token)
         if early is not None and self.leases.close(req_id, f"{early} before lease"):
             self._out.finished_sending.add(req_id)
 
@@ -297,15 +245,20 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 through the metadata's ``aborted_recvs``).
         """
         self._progress()
-        self._poll_transfers()
+        self.loads.poll(time.monotonic())
         if self._mirror is not None:
             for req_id, (send,) in self._mirror.take_staged():
                 self._add_lease(req_id, send, time.monotonic())
         self._process_notifications()
-        for req_id in self.leases.expire():
+        for req_id, lease in self.leases.expire_leases():
             self._out.finished_sending.add(req_id)
             self.stats.current.num_kv_expired_reqs += 1
-            logger.warning("NIXL: lease of request %s expired before a read; blocks freed", req_id)
+            if lease.renewable:
+                logger.warning("NIXL: lease of request %s expired before a read; blocks freed",
+                               req_id)
+            else:  # a multi-turn decoder's TTL: nobody pulled this turn, as expected
+                self.stats.current.num_kv_turns_expired += 1
+                logger.debug("NIXL: turn blocks of request %s expired unpulled; freed", req_id)
         self._send_heartbeats()
         self._send_notices()
         out, self._out = self._out, KVConnectorOutput()
@@ -314,13 +267,14 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         if paths:  # each peer's read path, for the front end's /metrics
             out.stats = dict(out.stats or TransferStats().to_dict(), transfer_paths=paths)
         # for the scheduler side's expiry checks (bidirectional)
-        out.remote_clock_offsets, self._new_clock_offsets = self._new_clock_offsets, {}
+        out.remote_clock_offsets = self.remotes.take_clock_offsets()
         self.stats.maybe_log()
         return out
 
     def has_pending_work(self) -> bool:
         """True while loads, leases, heartbeats or notices need polling."""
-        return bool(self._loads or len(self.leases) or self._heartbeats or self._pending_notices
+        return bool(len(self.loads) or len(self.leases) or self._heartbeats
+                    or self._pending_notices
                     or (self._mirror is not None and self._mirror.pending()))
 
     # ------------------------------------------------------------------- engine loop wake-ups
@@ -339,9 +293,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         """Seconds until this worker needs an engine step although nothing woke the loop, or
         None when only a wake-up can give it work.
 
-        NIXL cannot wake the loop: a posted READ is polled every :data:`XFER_POLL_INTERVAL_S`
-        (not at all for its first :data:`XFER_SPIN_S`, to catch short transfers at once), and
-        notifications for held blocks every :data:`NOTIF_POLL_INTERVAL_S`. Lease expiries,
+        NIXL cannot wake the loop: a posted READ is polled every
+        :data:`~pdserve.kv_transfer.nixl.loads.XFER_POLL_INTERVAL_S` (not at all for its first
+        :data:`~pdserve.kv_transfer.nixl.loads.XFER_SPIN_S`, to catch short transfers at once),
+        and notifications for held blocks every :data:`NOTIF_POLL_INTERVAL_S`. Lease expiries,
         heartbeats and side-channel timeouts are deadlines.
         """
         now = time.monotonic() if now is None else now
@@ -350,21 +305,18 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         waits: list[float] = []
         if self._mirror is not None and self._mirror.pending():
             waits.append(XFER_POLL_INTERVAL_S)
-        for load in self._loads.values():
-            if load.phase in ("xfer", "unstage"):
-                spinning = time.perf_counter() - load.t_post < XFER_SPIN_S
-                waits.append(0.0 if spinning else XFER_POLL_INTERVAL_S)
+        xfer = self.loads.next_poll_in()
+        if xfer is not None:
+            waits.append(xfer)
         if len(self.leases):
             waits.append(NOTIF_POLL_INTERVAL_S)
             expiry = self.leases.next_expiry()
             if expiry is not None:
                 waits.append(expiry - now)
         for hb in self._heartbeats.values():
-            remote = self._remotes.get(hb.remote.endpoint.key)
-            if remote is not None and remote.agent is not None:
-                lease = float((remote.info or {}).get("lease_duration",
-                                                      self.config.kv_lease_duration))
-                waits.append(hb.last_sent + lease / 3 - now)
+            remote = self.remotes.get(hb.remote.endpoint)
+            if remote is not None and remote.ready:
+                waits.append(hb.last_sent + self.remotes.lease_duration(remote) / 3 - now)
         deadline = self._client.next_deadline()
         if deadline is not None:
             waits.append(deadline - now)
@@ -380,278 +332,45 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         """Log the ``KV Transfer metrics`` line if its interval is over (engine idle or not)."""
         self.stats.maybe_log()
 
-    # ------------------------------------------------------------------------------ handshake
-    def _ensure_handshake(self, endpoint: RemoteEndpoint) -> _Remote:
-        remote = self._remotes.get(endpoint.key)
-        if remote is None:
-            remote = _Remote(endpoint)
-            self._remotes[endpoint.key] = remote
-        if remote.agent is None and remote.future is None:
-            remote.future = self._pool.submit(self._fetch_remote_info, endpoint)
-            remote.future.add_done_callback(lambda _: self._waker.wake())
-            self._client.connect(endpoint.host, endpoint.port)  # ready for the first claim
-        return remote
-
-    def _fetch_remote_info(self, endpoint: RemoteEndpoint) -> tuple[dict[str, Any], float]:
-        """Background thread: ask the remote side channel for its agent info and check it."""
-        t0 = time.time()
-        reply = side_channel_request(endpoint.host, endpoint.port, {"type": "get_info"},
-                                     self.config.kv_handshake_timeout)
-        t1 = time.time()
-        if not reply.get("ok"):
-            raise SideChannelError(
-                f"remote {endpoint.host}:{endpoint.port} refused the handshake: "
-                f"{reply.get('reason')}"
-            )
-        info = reply["info"]
-        if info.get("engine_id") != endpoint.engine_id:
-            raise SideChannelError(
-                f"the side channel at {endpoint.host}:{endpoint.port} belongs to engine "
-                f"{info.get('engine_id')!r}, not {endpoint.engine_id!r} (restarted or wrong host)"
-            )
-        local = self._compat or {}
-        if info.get("compat_hash") != compat_hash(local):
-            raise SideChannelError(
-                f"KV cache of engine {endpoint.engine_id} is incompatible: "
-                f"{compat_mismatch(local, info.get('compat') or {})}"
-            )
-        offset = float(info.get("time", (t0 + t1) / 2)) - (t0 + t1) / 2
-        return info, offset
+    # ------------------------------------------------------------------- handshakes, loads
+    def _connect_ipc(self, remote: RemoteState, info: dict[str, Any]) -> Any:
+        """At a finished handshake: the CUDA IPC reader of a peer on this GPU, or None
+        (:func:`~pdserve.kv_transfer.nixl.cuda_ipc.connect_peer`)."""
+        return cuda_ipc.connect_peer(self._same_host, self._kv_cache, info,
+                                     remote.endpoint.engine_id, self.paths, self.agent.mem_type)
 
     def _finish_handshakes(self) -> None:
-        for remote in list(self._remotes.values()):
-            fut = remote.future
-            if fut is None or not fut.done():
-                continue
-            remote.future = None
-            try:
-                info, offset = fut.result()
-                remote.agent = self.agent.add_remote(
-                    info["agent_metadata"], int(info["kv_base_addr"]), int(info["block_bytes"]),
-                    int(info["num_blocks"]), str(info["mem_type"]), int(info["device_id"]),
-                )
-                remote.info = info
-                remote.clock_offset_s = offset
-                remote.ipc = cuda_ipc.connect_peer(self._same_host, self._kv_cache, info,
-                                                   remote.endpoint.engine_id, self.paths,
-                                                   self.agent.mem_type)
-                ep = remote.endpoint
-                self._new_clock_offsets[ep.key] = offset
-                logger.info(
-                    "NIXL: handshake with engine %s at %s:%d done (%d remote blocks)",
-                    remote.endpoint.engine_id, remote.endpoint.host, remote.endpoint.port,
-                    remote.agent.num_blocks,
-                )
-            except Exception as e:  # SideChannelError, NIXL errors, malformed info
-                reason = f"NIXL handshake with engine {remote.endpoint.engine_id} failed: {e}"
-                logger.warning("%s", reason)
-                del self._remotes[remote.endpoint.key]
-                reachable = not isinstance(e, SideChannelTimeout)
-                for req_id in [r for r, hb in self._heartbeats.items()
-                               if hb.remote.endpoint.key == remote.endpoint.key]:
-                    del self._heartbeats[req_id]
-                for req_id, load in list(self._loads.items()):
-                    if load.phase == "handshake" and load.spec.remote is not None and \
-                            load.spec.remote.endpoint.key == remote.endpoint.key:
-                        self._fail_load(req_id, reason, notify_remote=reachable)
+        failures = self.remotes.finish()
+        for f in failures:
+            for req_id in [r for r, hb in self._heartbeats.items()
+                           if hb.remote.endpoint.key == f.endpoint.key]:
+                del self._heartbeats[req_id]
+        self.loads.handshakes_failed(failures)
 
     def remote_clock_offset(self, endpoint: RemoteEndpoint) -> float | None:
         """Seconds to add to a local ``time.time()`` to get the remote's clock (None before the
         handshake)."""
-        remote = self._remotes.get(endpoint.key)
-        return remote.clock_offset_s if remote is not None and remote.agent is not None else None
+        return self.remotes.clock_offset(endpoint)
 
-    # ---------------------------------------------------------------------------------- loads
     def _progress(self) -> None:
         self._finish_handshakes()
         now = time.monotonic()
         self._client.poll(now)
-        for req_id, load in list(self._loads.items()):
-            spec = load.spec
-            if load.phase == "handshake":
-                if spec.error is not None or spec.remote is None:
-                    self._fail_load(req_id, spec.error or "no remote KV reference",
-                                    notify_remote=False)
-                    continue
-                if load.aborted:
-                    self._drop_aborted(req_id, load)
-                    continue
-                remote = self._ensure_handshake(spec.remote.endpoint)
-                if remote.agent is None:
-                    continue
-                bad = [b for b in spec.remote_read_block_ids if b >= remote.agent.num_blocks]
-                if bad or len(spec.local_block_ids) != len(spec.remote_read_block_ids):
-                    self._fail_load(
-                        req_id,
-                        f"remote block ids {bad[:8]} out of range (engine "
-                        f"{spec.remote.endpoint.engine_id} has {remote.agent.num_blocks} blocks)"
-                        if bad else "local/remote block counts differ",
-                        notify_remote=True,
-                    )
-                    continue
-                load.t_claim = time.perf_counter()
-                load.claim = self._client.send(
-                    spec.remote.endpoint.host, spec.remote.endpoint.port,
-                    {"type": "claim", "request_id": spec.remote.request_id,
-                     "block_ids": spec.remote.block_ids, "num_tokens": spec.digest_tokens,
-                     "token_digest": spec.token_digest},
-                    self.config.kv_handshake_timeout * 2,
-                )
-                load.phase = "claim"
-            if load.phase == "claim":
-                try:
-                    reply = self._client.result(load.claim)
-                except Exception as e:
-                    self._fail_load(req_id, f"lease claim failed: {e}",
-                                    notify_remote=not isinstance(e, SideChannelTimeout))
-                    continue
-                if reply is None:
-                    continue  # not answered yet
-                if not reply.get("ok"):
-                    self._fail_load(req_id, f"remote refused the read: {reply.get('reason')}",
-                                    notify_remote=True)
-                    continue
-                load.claim_s = time.perf_counter() - load.t_claim
-                left = float(reply.get("lease_expiry_in") or 0.0)
-                if spec.min_lease_left_s > 0 and left < spec.min_lease_left_s:
-                    self._fail_load(
-                        req_id, f"the remote frees the blocks in {left:.1f} s, less than the "
-                        f"{spec.min_lease_left_s:g} s a read may need", notify_remote=True)
-                    continue
-                if spec.first_token is not None:
-                    owner_first = reply.get("first_token_id")
-                    if owner_first != spec.first_token:
-                        self._fail_load(
-                            req_id, f"the first token relayed by the client ({spec.first_token}) "
-                            f"is not the prefiller's ({owner_first})", notify_remote=True)
-                        continue
-                    load.first_token = owner_first
-                if load.aborted:
-                    self._drop_aborted(req_id, load)
-                    continue
-                self._post(req_id, load, now)
-
-    def _post(self, req_id: str, load: _Load, now: float) -> None:
-        spec = load.spec
-        remote = self._remotes[spec.remote.endpoint.key]
-        t0 = time.perf_counter()
-        load.mover = remote.ipc or self.agent
-        try:
-            if remote.ipc is not None:  # same GPU: CUDA IPC copy, "done" sent when it finishes
-                handle, state = remote.ipc.post_read(spec.local_block_ids,
-                                                     spec.remote_read_block_ids)
-            else:
-                handle, state = self.agent.post_read(
-                    remote.agent, spec.local_block_ids, spec.remote_read_block_ids,
-                    encode_notif("done", spec.remote.request_id),
-                )
-        except Exception as e:
-            what = "CUDA IPC copy" if remote.ipc is not None else "NIXL READ"
-            self._fail_load(req_id, f"posting the {what} failed: {e}", notify_remote=True)
-            return
-        load.post_s = time.perf_counter() - t0
-        load.t_post = t0
-        load.handle = handle
-        load.phase = "xfer"
-        load.deadline = now + self.config.kv_transfer_timeout
-        if state == "ERR":
-            self._xfer_failed(req_id, load, "the NIXL READ failed when posted")
-        elif state == "DONE":
-            self._xfer_done(req_id, load)
-
-    def _poll_transfers(self) -> None:
-        now = time.monotonic()
-        for req_id, load in list(self._loads.items()):
-            if load.phase == "unstage":  # host-buffer mode: mirror -> GPU copy in flight
-                if host_buffer.HostMirror.done(load.unstage):
-                    self._xfer_done(req_id, load)
-                continue
-            if load.phase != "xfer":
-                continue
-            state = load.mover.check(load.handle)
-            if state == "DONE":
-                self._xfer_done(req_id, load)
-            elif state == "ERR":
-                self._xfer_failed(req_id, load, "the NIXL READ failed")
-            elif now > load.deadline:
-                self._xfer_failed(
-                    req_id, load,
-                    f"the NIXL READ did not finish within {self.config.kv_transfer_timeout:g} s",
-                )
-
-    def _xfer_done(self, req_id: str, load: _Load) -> None:
-        spec = load.spec
-        if self._mirror is not None and load.phase == "xfer" and load.mover is self.agent:
-            # host-buffer mode: the READ filled the mirror; copy its blocks to the GPU
-            load.phase = "unstage"
-            load.unstage = self._mirror.to_device(spec.local_block_ids)
-            if not host_buffer.HostMirror.done(load.unstage):
-                return  # finished by _poll_transfers
-        elapsed = time.perf_counter() - load.t_post
-        tele = load.mover.telemetry(load.handle)
-        load.mover.release(load.handle)
-        nbytes = len(spec.local_block_ids) * self.agent.block_bytes
-        ndesc = len(block_runs(spec.local_block_ids, spec.remote_read_block_ids))
-        xfer_s = elapsed
-        if tele is not None:
-            if tele[1] > 0:
-                xfer_s = tele[1]
-            if tele[3] > 0:
-                ndesc = tele[3]
-        if self._mirror is not None:  # host-buffer mode: the READ and the copy to the GPU
-            xfer_s = elapsed
-        self.stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)
-        self.paths.observe(spec.remote.endpoint.engine_id, nbytes, xfer_s)
-        if load.mover is not self.agent:  # a CUDA IPC copy: tell the owner as NIXL would
-            self._pending_notices.append(RemoteNotice(spec.remote, "done"))
-        del self._loads[req_id]
-        self._out.finished_recving.add(req_id)
-        if load.first_token is not None:
-            self._out.first_tokens[req_id] = load.first_token
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "NIXL: request %s loaded %d blocks in %.2f ms: handshake wait %.2f ms, claim "
-                "%.2f ms, READ post %.2f ms, READ %.2f ms (from post to seen done %.2f ms)",
-                req_id, len(spec.local_block_ids), 1e3 * (time.perf_counter() - load.t_start),
-                1e3 * max(0.0, load.t_claim - load.t_start), 1e3 * load.claim_s,
-                1e3 * load.post_s, 1e3 * xfer_s, 1e3 * elapsed)
-
-    def _xfer_failed(self, req_id: str, load: _Load, reason: str) -> None:
-        load.mover.release(load.handle)
-        self._fail_load(req_id, reason, notify_remote=True)
-
-    def _fail_load(self, req_id: str, reason: str, notify_remote: bool) -> None:
-        load = self._loads.pop(req_id, None)
-        if load is None:
-            return
-        if load.claim is not None:
-            self._client.cancel(load.claim)
-        spec = load.spec
-        self.stats.current.num_failed_transfers += 1
-        logger.warning("NIXL: KV load of request %s failed: %s", req_id, reason)
-        self._out.finished_recving.add(req_id)
-        if not load.aborted:  # an aborted request's blocks are simply freed
-            self._out.invalid_block_ids.update(spec.local_block_ids)
-        if notify_remote and spec.remote is not None:
-            self._pending_notices.append(RemoteNotice(spec.remote, "abort"))
-
-    def _drop_aborted(self, req_id: str, load: _Load) -> None:
-        """A load aborted before its READ was posted: free locally, tell the owner."""
-        del self._loads[req_id]
-        if load.claim is not None:
-            self._client.cancel(load.claim)
-        self._out.finished_recving.add(req_id)
-        if load.spec.remote is not None:
-            self._pending_notices.append(RemoteNotice(load.spec.remote, "abort"))
+        self.loads.progress(now)
 
     # -------------------------------------------------------------------------- notifications
-    def _on_side_channel_notice(self, kind: str, req_id: str) -> None:
+    def _on_side_channel_notice(self, kind: str, req_id: str, block_ids: Any = None) -> None:
         """Side-channel thread: queue a notice for the engine thread and wake it."""
-        self._side_notices.put((kind, req_id))
+        self._side_notices.put((kind, req_id, block_ids))
         self._waker.wake()
 
-    def _apply_notice(self, kind: str, req_id: str) -> None:
-        if kind == "heartbeat":
+    def _apply_notice(self, kind: str, req_id: str, block_ids: Any = None) -> None:
+        if kind == RELEASE_NOTICE:  # the proxy: the decode leg will not read these blocks
+            if self.leases.release_early(req_id, block_ids):
+                self._out.finished_sending.add(req_id)
+                self.stats.current.num_kv_leases_released_early += 1
+                logger.debug("NIXL: lease of request %s released early", req_id)
+        elif kind == "heartbeat":
             self.leases.renew(req_id)
         elif kind in ("done", "abort"):
             if self.leases.close(req_id, "read done" if kind == "done" else "aborted by reader"):
@@ -674,22 +393,21 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 self._apply_notice(*parsed)
         while True:
             try:
-                kind, req_id = self._side_notices.get_nowait()
+                kind, req_id, block_ids = self._side_notices.get_nowait()
             except queue.Empty:
                 break
-            self._apply_notice(kind, req_id)
+            self._apply_notice(kind, req_id, block_ids)
 
     def _send_to(self, ref: RemoteKVRef, kind: str) -> None:
         """Send one notification by NIXL if the remote agent is loaded, else by the side channel
         in the background (so a notice never waits for a handshake)."""
-        remote = self._remotes.get(ref.endpoint.key)
-        if remote is not None and remote.agent is not None:
+        remote = self.remotes.get(ref.endpoint)
+        if remote is not None and remote.ready:
             try:
                 self.agent.send_notif(remote.agent.name, encode_notif(kind, ref.request_id))
-            except Exception as e:
-                self.stats.current.num_failed_notifications += 1
-                logger.warning("NIXL: %s notification for %s failed: %s", kind, ref.request_id, e)
-            return
+                return
+            except Exception as e:  # the peer vanished: forget it, send by the side channel
+                self.loads.forget_remote(ref.endpoint, f"a {kind} notification failed: {e}")
         self._bg_notices.append(self._pool.submit(
             side_channel_request, ref.endpoint.host, ref.endpoint.port,
             {"type": "notify", "kind": kind, "request_id": ref.request_id},
@@ -715,12 +433,11 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
     def _send_heartbeats(self) -> None:
         now = time.monotonic()
         for hb in self._heartbeats.values():
-            remote = self._remotes.get(hb.remote.endpoint.key)
-            if remote is None or remote.agent is None:
-                self._ensure_handshake(hb.remote.endpoint)
+            remote = self.remotes.get(hb.remote.endpoint)
+            if remote is None or not remote.ready:
+                self.remotes.ensure(hb.remote.endpoint)
                 continue
-            lease = float((remote.info or {}).get("lease_duration", self.config.kv_lease_duration))
-            if now - hb.last_sent >= lease / 3:
+            if now - hb.last_sent >= self.remotes.lease_duration(remote) / 3:
                 hb.last_sent = now
                 self._send_to(hb.remote, "heartbeat")
 
@@ -734,11 +451,6 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
         self._waker.close()
-        for load in self._loads.values():
-            if load.handle is not None:
-                load.mover.release(load.handle)
-        self._loads.clear()
-        for remote in self._remotes.values():
-            if remote.ipc is not None:
-                remote.ipc.close()
+        self.loads.close()
+        self.remotes.close()
         self.agent.close()

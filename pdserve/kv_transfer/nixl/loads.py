@@ -1,0 +1,396 @@
+"""Reader side of the NIXL connector: each request's KV load, from the handshake through the
+lease claim to the READ, and how it ends.
+
+Load life cycle::
+
+    handshake (once per remote engine, cached) -> claim (per request, checks and extends the
+    owner's lease) -> READ posted (notification "done" rides on it) -> polled until DONE/ERR
+
+Any failure ends the load with the request id in ``finished_recving``, its destination blocks in
+``invalid_block_ids`` and its :class:`~pdserve.kv_transfer.base.KVLoadError` in ``load_errors``;
+the owner is told to drop its lease ("abort") when it can be reached.
+
+A peer on this instance's GPU is read by a CUDA IPC copy (:mod:`.cuda_ipc`, "done" sent when it
+completes) instead of the READ; in host-buffer mode (:mod:`.host_buffer`) the READ fills the
+pinned host mirror and a copy to the GPU follows (phase ``unstage``).
+
+Restarted peers: a claim answered by another ``instance_id`` than the handshaken one (the owner
+restarted, with the same engine id or on the same host and port) drops the cached agent and
+sends the load back to the handshake; a READ that cannot be posted (``NIXL_ERR_REMOTE_DISCONNECT``)
+does the same; a READ that fails drops the agent so later loads handshake afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pdserve.engine.outputs import KVConnectorOutput
+from pdserve.kv_transfer.base import KVLoadError, KVLoadFailure
+from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.nixl import host_buffer
+from pdserve.kv_transfer.nixl.agent import NixlAgent, block_runs
+from pdserve.kv_transfer.nixl.metadata import RecvSpec, RemoteEndpoint, RemoteNotice
+from pdserve.kv_transfer.nixl.notifications import encode_notif
+from pdserve.kv_transfer.nixl.remotes import HandshakeFailure, RemoteRegistry
+from pdserve.kv_transfer.nixl.side_channel import SideChannelClient, SideChannelTimeout
+from pdserve.kv_transfer.nixl.stats import StatsRecorder
+from pdserve.kv_transfer.nixl.transfer_path import TransferPaths
+
+logger = logging.getLogger("pdserve.kv_transfer.nixl.worker")
+
+# How often one load may go back to the handshake because the remote restarted under it.
+MAX_REHANDSHAKES = 2
+
+# NIXL cannot wake the engine loop when a READ completes: a posted READ is checked without
+# waiting for XFER_SPIN_S after posting (short transfers are seen at once), then every
+# XFER_POLL_INTERVAL_S.
+XFER_SPIN_S = 0.002
+XFER_POLL_INTERVAL_S = 0.001
+
+
+@dataclass
+class Load:
+    """One request's load in progress."""
+
+    spec: RecvSpec
+    phase: str = "handshake"  # handshake -> claim -> xfer (-> unstage: host-buffer mode)
+    claim: int | None = None  # SideChannelClient ticket
+    handle: Any = None
+    mover: Any = None  # what posted the read: the NixlAgent or a CudaIpcPeer (same interface)
+    unstage: Any = None  # host-buffer mode: the mirror -> GPU copy after the READ
+    t_start: float = field(default_factory=time.perf_counter)  # handed to the worker
+    t_claim: float = 0.0  # claim sent
+    claim_s: float = 0.0  # claim round trip
+    t_post: float = 0.0
+    post_s: float = 0.0
+    deadline: float = 0.0
+    aborted: bool = False
+    rehandshakes: int = 0  # times the remote turned out to have restarted
+    first_token: int | None = None  # the owner's first output token, from the claim answer
+
+
+class LoadTracker:
+    """The loads of one worker (engine thread only).
+
+    Args:
+        config: the transfer configuration (timeouts).
+        agent: the local NIXL agent.
+        remotes: the handshaken remote engines.
+        client: the engine thread's side-channel client (lease claims).
+        stats: where transfers and failures are counted.
+        output: returns the worker's report of the current step (loads add to it).
+        notify: queues a notice ("abort") for a remote owner.
+        mirror: returns the host-buffer mirror (``kv_buffer_device: cpu`` on CUDA), or None.
+        paths: each peer's read path and bandwidth, for logs and metrics.
+    """
+
+    def __init__(self, config: KVTransferConfig, agent: NixlAgent, remotes: RemoteRegistry,
+                 client: SideChannelClient, stats: StatsRecorder,
+                 output: Callable[[], KVConnectorOutput],
+                 notify: Callable[[RemoteNotice], None],
+                 mirror: Callable[[], host_buffer.HostMirror | None] = lambda: None,
+                 paths: TransferPaths | None = None):
+        self.config = config
+        self.agent = agent
+        self.remotes = remotes
+        self._client = client
+        self._stats = stats
+        self._output = output
+        self._notify = notify
+        self._mirror = mirror
+        self._paths = paths if paths is not None else TransferPaths()
+        self._loads: dict[str, Load] = {}
+
+    def __len__(self) -> int:
+        return len(self._loads)
+
+    def add(self, req_id: str, spec: RecvSpec) -> None:
+        """Start a load (its handshake at once when the remote is named)."""
+        self._loads[req_id] = Load(spec)
+        if spec.remote is not None and spec.error is None:
+            self.remotes.ensure(spec.remote.endpoint)
+
+    def abort(self, req_id: str) -> None:
+        """The request was aborted: its load ends at the next step (a READ in flight first
+        finishes, since it writes the blocks)."""
+        load = self._loads.get(req_id)
+        if load is None:  # already reported (or never started): harmless repeat
+            self._output().finished_recving.add(req_id)
+        else:
+            load.aborted = True
+
+    def next_poll_in(self) -> float | None:
+        """0 while a READ was posted less than :data:`XFER_SPIN_S` ago, else
+        :data:`XFER_POLL_INTERVAL_S`; None without a READ in flight."""
+        waits = [0.0 if time.perf_counter() - load.t_post < XFER_SPIN_S else XFER_POLL_INTERVAL_S
+                 for load in self._loads.values() if load.phase in ("xfer", "unstage")]
+        return min(waits, default=None)
+
+    # ----------------------------------------------------------------------------- progress
+    def handshakes_failed(self, failures: list[HandshakeFailure]) -> None:
+        """Fail the loads waiting on handshakes that failed."""
+        for f in failures:
+            for req_id, load in list(self._loads.items()):
+                if load.phase == "handshake" and load.spec.remote is not None and \
+                        load.spec.remote.endpoint.key == f.endpoint.key:
+                    self._fail(req_id, f.kind, f.reason, notify_remote=f.reachable)
+
+    def progress(self, now: float) -> None:
+        """Send claims for loads whose handshake is done and post the READs whose claim was
+        granted (never blocks)."""
+        for req_id, load in list(self._loads.items()):
+            spec = load.spec
+            if load.phase == "handshake":
+                if spec.error is not None or spec.remote is None:
+                    self._fail(req_id, KVLoadFailure.INVALID_REFERENCE,
+                               spec.error or "no remote KV reference", notify_remote=False)
+                    continue
+                if load.aborted:
+                    self._drop_aborted(req_id, load)
+                    continue
+                remote = self.remotes.ensure(spec.remote.endpoint)
+                if remote.agent is None:
+                    continue
+                bad = [b for b in spec.remote_read_block_ids if b >= remote.agent.num_blocks]
+                if bad or len(spec.local_block_ids) != len(spec.remote_read_block_ids):
+                    self._fail(
+                        req_id, KVLoadFailure.INVALID_REFERENCE,
+                        f"remote block ids {bad[:8]} out of range (engine "
+                        f"{spec.remote.endpoint.engine_id} has {remote.agent.num_blocks} blocks)"
+                        if bad else "local/remote block counts differ",
+                        notify_remote=True,
+                    )
+                    continue
+                load.t_claim = time.perf_counter()
+                load.claim = self._client.send(
+                    spec.remote.endpoint.host, spec.remote.endpoint.port,
+                    {"type": "claim", "request_id": spec.remote.request_id,
+                     "block_ids": spec.remote.block_ids, "num_tokens": spec.digest_tokens,
+                     "token_digest": spec.token_digest},
+                    self.config.kv_handshake_timeout * 2,
+                )
+                load.phase = "claim"
+            if load.phase == "claim":
+                try:
+                    reply = self._client.result(load.claim)
+                except Exception as e:
+                    timeout = isinstance(e, SideChannelTimeout)
+                    self._fail(req_id, KVLoadFailure.TIMEOUT if timeout else
+                               KVLoadFailure.TRANSPORT, f"lease claim failed: {e}",
+                               notify_remote=not timeout)
+                    continue
+                if reply is None:
+                    continue  # not answered yet
+                if not reply.get("ok"):
+                    self._fail(req_id, KVLoadFailure.LEASE_REFUSED,
+                               f"remote refused the read: {reply.get('reason')}",
+                               notify_remote=True)
+                    continue
+                if self._remote_restarted(req_id, load, reply):
+                    continue
+                load.claim_s = time.perf_counter() - load.t_claim
+                left = float(reply.get("lease_expiry_in") or 0.0)
+                if spec.min_lease_left_s > 0 and left < spec.min_lease_left_s:
+                    self._fail(
+                        req_id, KVLoadFailure.LEASE_REFUSED,
+                        f"the remote frees the blocks in {left:.1f} s, less than the "
+                        f"{spec.min_lease_left_s:g} s a read may need", notify_remote=True)
+                    continue
+                if spec.first_token is not None:  # the decoder uses the owner's, never the relayed
+                    owner_first = reply.get("first_token_id")
+                    if owner_first != spec.first_token:
+                        self._fail(
+                            req_id, KVLoadFailure.INVALID_REFERENCE,
+                            f"the first token relayed by the client ({spec.first_token}) is not "
+                            f"the prefiller's ({owner_first})", notify_remote=True)
+                        continue
+                    load.first_token = owner_first
+                if load.aborted:
+                    self._drop_aborted(req_id, load)
+                    continue
+                self._post(req_id, load, now)
+
+    def _back_to_handshake(self, load: Load) -> None:
+        load.phase, load.claim = "handshake", None
+        self.remotes.ensure(load.spec.remote.endpoint)
+
+    def _remote_restarted(self, req_id: str, load: Load, reply: dict[str, Any]) -> bool:
+        """True when a claim was answered by another instance than the handshaken one: the
+        cached agent is dropped and the load goes back to the handshake (its lease claim,
+        granted by the new instance, is repeated after it)."""
+        endpoint = load.spec.remote.endpoint
+        remote = self.remotes.get(endpoint)
+        if remote is None or remote.agent is None:  # forgotten meanwhile (transport error)
+            self._back_to_handshake(load)
+            return True
+        answered, known = reply.get("instance_id"), remote.instance_id
+        if answered is None or known is None or answered == known:
+            return False
+        self.forget_remote(endpoint, f"instance {known} was replaced by {answered}")
+        if load.rehandshakes >= MAX_REHANDSHAKES:
+            self._fail(req_id, KVLoadFailure.TRANSPORT,
+                       f"engine {endpoint.engine_id} restarted again during the load",
+                       notify_remote=True)
+            return True
+        load.rehandshakes += 1
+        if load.aborted:
+            self._drop_aborted(req_id, load)
+        else:
+            self._back_to_handshake(load)
+        return True
+
+    def forget_remote(self, endpoint: RemoteEndpoint, why: str) -> None:
+        """Drop a remote engine's cached agent (restarted or vanished); READs still in flight
+        from it fail; the next use of that endpoint handshakes afresh."""
+        remote = self.remotes.get(endpoint)
+        if remote is None or remote.agent is None:
+            return
+        for req_id, load in list(self._loads.items()):
+            if load.phase == "xfer" and load.spec.remote.endpoint.key == endpoint.key:
+                self._xfer_failed(req_id, load, KVLoadFailure.TRANSPORT,
+                                  f"the NIXL READ's remote went away ({why})", forget=False)
+        self.remotes.forget(endpoint, why)
+
+    def _post(self, req_id: str, load: Load, now: float) -> None:
+        spec = load.spec
+        remote = self.remotes.get(spec.remote.endpoint)
+        t0 = time.perf_counter()
+        load.mover = remote.ipc or self.agent
+        try:
+            if remote.ipc is not None:  # same GPU: CUDA IPC copy, "done" sent when it finishes
+                handle, state = remote.ipc.post_read(spec.local_block_ids,
+                                                     spec.remote_read_block_ids)
+            else:
+                handle, state = self.agent.post_read(
+                    remote.agent, spec.local_block_ids, spec.remote_read_block_ids,
+                    encode_notif("done", spec.remote.request_id),
+                )
+        except Exception as e:
+            if remote.ipc is not None:
+                self._fail(req_id, KVLoadFailure.TRANSPORT, f"posting the CUDA IPC copy failed: {e}",
+                           notify_remote=True)
+                return
+            # The remote agent is gone (NIXL_ERR_REMOTE_DISCONNECT: the peer died or
+            # restarted): forget it; this load handshakes afresh once, later loads too.
+            self.forget_remote(spec.remote.endpoint, f"posting a READ failed: {e}")
+            if load.rehandshakes < MAX_REHANDSHAKES and not load.aborted:
+                load.rehandshakes += 1
+                self._back_to_handshake(load)
+                return
+            self._fail(req_id, KVLoadFailure.TRANSPORT, f"posting the NIXL READ failed: {e}",
+                       notify_remote=True)
+            return
+        load.post_s = time.perf_counter() - t0
+        load.t_post = t0
+        load.handle = handle
+        load.phase = "xfer"
+        load.deadline = now + self.config.kv_transfer_timeout
+        if state == "ERR":
+            self._xfer_failed(req_id, load, KVLoadFailure.TRANSPORT,
+                              "the NIXL READ failed when posted")
+        elif state == "DONE":
+            self._xfer_done(req_id, load)
+
+    # ---------------------------------------------------------------------------- polling
+    def poll(self, now: float) -> None:
+        """Check every posted READ: done, failed, or past its deadline."""
+        for req_id, load in list(self._loads.items()):
+            if load.phase == "unstage":  # host-buffer mode: mirror -> GPU copy in flight
+                if host_buffer.HostMirror.done(load.unstage):
+                    self._xfer_done(req_id, load)
+                continue
+            if load.phase != "xfer":
+                continue
+            state = load.mover.check(load.handle)
+            if state == "DONE":
+                self._xfer_done(req_id, load)
+            elif state == "ERR":
+                self._xfer_failed(req_id, load, KVLoadFailure.TRANSPORT, "the NIXL READ failed")
+            elif now > load.deadline:
+                self._xfer_failed(
+                    req_id, load, KVLoadFailure.TIMEOUT,
+                    f"the NIXL READ did not finish within {self.config.kv_transfer_timeout:g} s",
+                )
+
+    def _xfer_done(self, req_id: str, load: Load) -> None:
+        spec = load.spec
+        mirror = self._mirror()
+        if mirror is not None and load.phase == "xfer" and load.mover is self.agent:
+            # host-buffer mode: the READ filled the mirror; copy its blocks to the GPU
+            load.phase = "unstage"
+            load.unstage = mirror.to_device(spec.local_block_ids)
+            if not host_buffer.HostMirror.done(load.unstage):
+                return  # finished by poll()
+        elapsed = time.perf_counter() - load.t_post
+        tele = load.mover.telemetry(load.handle)
+        load.mover.release(load.handle)
+        nbytes = len(spec.local_block_ids) * self.agent.block_bytes
+        ndesc = len(block_runs(spec.local_block_ids, spec.remote_read_block_ids))
+        xfer_s = elapsed
+        if tele is not None:
+            if tele[1] > 0:
+                xfer_s = tele[1]
+            if tele[3] > 0:
+                ndesc = tele[3]
+        if mirror is not None:  # host-buffer mode: the READ and the copy to the GPU
+            xfer_s = elapsed
+        self._stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)
+        self._paths.observe(spec.remote.endpoint.engine_id, nbytes, xfer_s)
+        if load.mover is not self.agent:  # a CUDA IPC copy: tell the owner as NIXL would
+            self._notify(RemoteNotice(spec.remote, "done"))
+        del self._loads[req_id]
+        out = self._output()
+        out.finished_recving.add(req_id)
+        if load.first_token is not None:
+            out.first_tokens[req_id] = load.first_token
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "NIXL: request %s loaded %d blocks in %.2f ms: handshake wait %.2f ms, claim "
+                "%.2f ms, READ post %.2f ms, READ %.2f ms (from post to seen done %.2f ms)",
+                req_id, len(spec.local_block_ids), 1e3 * (time.perf_counter() - load.t_start),
+                1e3 * max(0.0, load.t_claim - load.t_start), 1e3 * load.claim_s,
+                1e3 * load.post_s, 1e3 * xfer_s, 1e3 * elapsed)
+
+    def _xfer_failed(self, req_id: str, load: Load, kind: KVLoadFailure, reason: str,
+                     forget: bool = True) -> None:
+        (load.mover or self.agent).release(load.handle)
+        load.handle = None
+        self._fail(req_id, kind, reason, notify_remote=True)
+        if forget and kind is KVLoadFailure.TRANSPORT and load.spec.remote is not None:
+            self.forget_remote(load.spec.remote.endpoint, reason)
+
+    def _fail(self, req_id: str, kind: KVLoadFailure, reason: str, notify_remote: bool) -> None:
+        load = self._loads.pop(req_id, None)
+        if load is None:
+            return
+        if load.claim is not None:
+            self._client.cancel(load.claim)
+        spec = load.spec
+        self._stats.current.num_failed_transfers += 1
+        logger.warning("NIXL: KV load of request %s failed (%s): %s", req_id, kind.value, reason)
+        out = self._output()
+        out.finished_recving.add(req_id)
+        if not load.aborted:  # an aborted request's blocks are simply freed
+            out.invalid_block_ids.update(spec.local_block_ids)
+            out.load_errors[req_id] = KVLoadError(kind, reason)
+        if notify_remote and spec.remote is not None:
+            self._notify(RemoteNotice(spec.remote, "abort"))
+
+    def _drop_aborted(self, req_id: str, load: Load) -> None:
+        """A load aborted before its READ was posted: free locally, tell the owner."""
+        del self._loads[req_id]
+        if load.claim is not None:
+            self._client.cancel(load.claim)
+        self._output().finished_recving.add(req_id)
+        if load.spec.remote is not None:
+            self._notify(RemoteNotice(load.spec.remote, "abort"))
+
+    def close(self) -> None:
+        """Release the handles of READs still in flight."""
+        for load in self._loads.values():
+            if load.handle is not None:
+                (load.mover or self.agent).release(load.handle)
+        self._loads.clear()

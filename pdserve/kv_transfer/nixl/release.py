@@ -1,0 +1,61 @@
+"""Early release of a prefiller's lease when its decode leg will not read the blocks.
+
+The proxy calls ``POST /v1/kv_transfer/release`` on P with the ``kv_transfer_params`` P returned
+when the decode leg will not read them (D refused the request, no decoder was reachable, the
+client went away between the legs). P's front end checks the params name this instance and
+sends a ``release`` notice (request id and block ids) to its own side channel; the worker closes
+the lease when it holds exactly those blocks for that request, and counts it
+(``pdserve:kv_leases_released_early_total``). Without the call the lease still ends by itself,
+so a proxy that dies leaks nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError, RemoteKVRef
+from pdserve.kv_transfer.nixl.side_channel import side_channel_request
+
+#: Side-channel notice kind of an early release (carries ``block_ids``).
+RELEASE_NOTICE = "release"
+
+#: Seconds the front end waits for its own side channel's answer.
+RELEASE_TIMEOUT_S = 5.0
+
+
+def parse_release(config: KVTransferConfig | None, params: Any) -> RemoteKVRef:
+    """The lease a release names, checked against this instance.
+
+    Raises:
+        KVTransferParamsError: no KV connector here, malformed params, or params naming another
+            engine.
+    """
+    if config is None:
+        raise KVTransferParamsError("this instance has no KV transfer configuration")
+    if not isinstance(params, dict):
+        raise KVTransferParamsError("'kv_transfer_params' must be an object")
+    ref = RemoteKVRef.from_params(params)
+    if ref.endpoint.engine_id != config.engine_id:
+        raise KVTransferParamsError(
+            f"kv_transfer_params name engine {ref.endpoint.engine_id!r}, not this instance "
+            f"({config.engine_id!r})")
+    return ref
+
+
+def send_release(config: KVTransferConfig, ref: RemoteKVRef,
+                 timeout_s: float = RELEASE_TIMEOUT_S) -> bool:
+    """Send the release notice to this instance's side channel (blocking: call from a thread).
+
+    Returns:
+        True when the side channel accepted the notice (the worker frees the lease if it still
+        holds exactly ``ref.block_ids`` for ``ref.request_id``).
+
+    Raises:
+        SideChannelError: the side channel did not answer.
+    """
+    reply = side_channel_request(
+        config.side_channel_host, ref.endpoint.port,
+        {"type": "notify", "kind": RELEASE_NOTICE, "request_id": ref.request_id,
+         "block_ids": list(ref.block_ids)}, timeout_s)
+    return bool(reply.get("ok"))

@@ -1,0 +1,58 @@
+"""``POST /v1/kv_transfer/release``: the proxy frees a prefill lease its decode leg will not read;
+the front end hands the release to this instance's own KV side channel."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import socket
+
+import httpx
+from fake_engine_for_server import FakeEngine
+
+from pdserve.entrypoints.server import build_app
+from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.nixl.side_channel import SideChannelServer
+
+RELEASE = "/v1/kv_transfer/release"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_release_reaches_the_side_channel_with_the_block_ids(monkeypatch) -> None:
+    port = _free_port()
+    monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    kv = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                                     "engine_id": "eng-p"})
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    server = SideChannelServer("127.0.0.1", port, get_info=lambda: None,
+                               claim=lambda *a: ("reject", "", 0.0),
+                               notify=lambda *a: got.put(a))
+    engine = FakeEngine()
+    engine.config = dataclasses.replace(engine.config, kv_transfer_config=kv)
+    params = {"do_remote_prefill": True, "remote_engine_id": "eng-p", "remote_host": "127.0.0.1",
+              "remote_port": port, "remote_request_id": "r1", "remote_block_ids": [4, 5]}
+    try:
+        transport = httpx.ASGITransport(app=build_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post(RELEASE, json={"kv_transfer_params": params})
+            assert r.status_code == 200 and r.json() == {"released": True}
+            assert got.get(timeout=5) == ("release", "r1", [4, 5])
+            other = dict(params, remote_engine_id="eng-d")
+            r = await c.post(RELEASE, json={"kv_transfer_params": other})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+            r = await c.post(RELEASE, json={"kv_transfer_params": {"remote_engine_id": "eng-p"}})
+            assert r.status_code == 400
+    finally:
+        server.close()
+    assert got.empty()
+
+
+async def test_release_without_a_kv_connector_is_400(client: httpx.AsyncClient) -> None:
+    r = await client.post(RELEASE, json={"kv_transfer_params": {}})
+    assert r.status_code == 400
+    assert "no KV transfer configuration" in r.json()["error"]["message"]
