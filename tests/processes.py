@@ -23,7 +23,7 @@ MAX_WAIT_S = 1800.0
 #: Seconds between two looks at whether a process being waited for still makes progress.
 PROGRESS_CHECK_S = 5.0
 #: Seconds a process gets to exit after SIGTERM before SIGKILL.
-STOP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 120.0
 #: Environment of every child: nothing is downloaded.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
