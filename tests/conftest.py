@@ -4,7 +4,9 @@ Model fixtures return directory paths as ``str`` (what ``EngineConfig.model`` ta
 
 - ``smollm2_path``: the converted built-in SmolLM2-135M-Instruct (in ``$PDSERVE_CACHE_DIR`` or
   ``~/.cache/pdserve``; converted once, about 30 s, then reused across sessions);
-- ``tiny_llama_path`` / ``tiny_qwen3_path``: tiny random models written once per session.
+- ``tiny_llama_path`` / ``tiny_qwen3_path``: tiny random models written once per session;
+- ``server_pool``: real ``pdserve serve`` instances of the tiny Llama shared by every test that
+  only needs a running single instance or P/D pair (``tests/servers.py``).
 """
 
 from __future__ import annotations
@@ -46,3 +48,39 @@ def tiny_qwen3_path(tmp_path_factory) -> str:
     from pdserve.testing.tiny_models import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """A test on the shared server pool may be the one that starts it: its timeout gets the
+    pool's start-up allowance (``servers.MAX_WAIT_S``) on top of its own. When tests of more
+    than one module use the pool, every pooled instance is started with the first one."""
+    from servers import MAX_WAIT_S
+
+    default = float(config.getini("timeout") or 0)
+    modules = set()
+    for item in items:
+        if "server_pool" in getattr(item, "fixturenames", ()):
+            modules.add(item.nodeid.split("::", 1)[0])
+            mark = item.get_closest_marker("timeout")
+            own = float(mark.args[0]) if mark is not None and mark.args else default
+            item.add_marker(pytest.mark.timeout(own + MAX_WAIT_S), append=False)
+    config.stash[_PREFETCH_POOL] = len(modules) > 1
+
+
+_PREFETCH_POOL = pytest.StashKey[bool]()
+
+
+@pytest.fixture(scope="session")
+def server_pool(request, tiny_llama_path, tmp_path_factory):
+    """The session's :class:`servers.ServerPool` on the tiny Llama: named instances start on
+    first use (all of them at once when several modules use the pool) and stop at the end of
+    the session."""
+    from servers import POOL_SPECS, ServerPool
+
+    prefetch = tuple(POOL_SPECS) if request.config.stash.get(_PREFETCH_POOL, False) else ()
+    pool = ServerPool(tiny_llama_path, tmp_path_factory.mktemp("pool-logs"), prefetch)
+    try:
+        yield pool
+    finally:
+        pool.close()

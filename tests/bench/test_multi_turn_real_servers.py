@@ -1,16 +1,12 @@
 """`pdserve bench multi-turn` against real processes: one `pdserve serve` on the tiny Llama, and
-a P/D deployment (`pdserve up --multi-turn`) with `--send-conversation-id`."""
+a bidirectional P/D pair behind `pdserve proxy --multi-turn` (what `pdserve up --multi-turn`
+starts) with `--send-conversation-id`. Both are the session's shared instances
+(``tests/servers.py``), so counters are compared before and after."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,16 +16,7 @@ from pdserve.bench.multi_turn import main
 from pdserve.bench.runner import count_prompt_tokens
 from pdserve.bench.tokenizer import load_tokenizer
 
-pytestmark = pytest.mark.slow
-
-STARTUP_TIMEOUT_S = 300
-ENGINE_ARGS = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "1024"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _spec(tmp_path: Path, num_conversations: int, user_tokens: int) -> Path:
@@ -48,51 +35,10 @@ def _spec(tmp_path: Path, num_conversations: int, user_tokens: int) -> Path:
     return path
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop a child started in its own session, with everything it spawned."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, log.read_text(errors="replace")
-        time.sleep(0.3)
-
-
 @pytest.fixture
-def engine_server(tmp_path, tiny_llama_path):
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "serve", tiny_llama_path, "--port", str(port),
-             *ENGINE_ARGS],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(proc, url + "/health", log)
-        yield url
-    finally:
-        _stop(proc)
+def engine_server(server_pool):
+    """URL of the session's shared plain instance."""
+    return server_pool.get("single")["single"].url
 
 
 def test_against_a_real_engine(tmp_path, capsys, engine_server, tiny_llama_path):
@@ -139,38 +85,22 @@ def _metric(text: str, name: str) -> float:
 
 
 @pytest.fixture
-def pd_deployment(tmp_path, tiny_llama_path):
-    port = _free_port()
-    log_dir = tmp_path / "up-logs"
-    log = tmp_path / "up.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "up", tiny_llama_path, "--multi-turn",
-             "--port", str(port), "--log-dir", str(log_dir),
-             "--startup-timeout", str(STARTUP_TIMEOUT_S), "--", *ENGINE_ARGS],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S + 30
-        status: dict = {}
-        while status.get("state") != "ready":
-            if proc.poll() is not None:
-                pytest.fail(f"pdserve up exited with {proc.returncode}:\n{log.read_text()}")
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                status = json.loads((log_dir / "pdserve-up.json").read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
-                status = {}
-            time.sleep(0.3)
-        yield f"http://127.0.0.1:{port}", status
-    finally:
-        _stop(proc)
+def pd_deployment(server_pool):
+    """The session's multi-turn proxy URL and its bidirectional decoder."""
+    decoder = server_pool.get("d_bidir")["d_bidir"]
+    proxy = server_pool.proxy("multi-turn", ["p_bidir"], ["d_bidir"], ["--multi-turn"])
+    return proxy.url, decoder.url
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=30).text
 
 
 def test_through_the_multi_turn_proxy_with_conversation_ids(tmp_path, capsys, pd_deployment,
                                                             tiny_llama_path):
-    url, status = pd_deployment
+    url, decoder_url = pd_deployment
+    conversations0 = _metric(_metrics(url), "pdserve:proxy_conversations")
+    transferred0 = _metric(_metrics(decoder_url), "pdserve:prompt_tokens_transferred_total")
     stats_path = tmp_path / "stats.json"
     rc = main(["-i", str(_spec(tmp_path, 2, 30)), "-m", tiny_llama_path, "-u", url,
                "-p", "2", "--no-progress", "--send-conversation-id",
@@ -181,9 +111,6 @@ def test_through_the_multi_turn_proxy_with_conversation_ids(tmp_path, capsys, pd
     assert len(records) == 6 and all(r["ok"] for r in records)
     assert all(r["output_num_tokens"] == r["max_tokens"] for r in records)
     # The proxy linked the turns: it remembers exactly one entry per conversation id sent.
-    proxy_metrics = httpx.get(url + "/metrics", timeout=30).text
-    assert _metric(proxy_metrics, "pdserve:proxy_conversations") == 2
+    assert _metric(_metrics(url), "pdserve:proxy_conversations") == conversations0 + 2
     # The answers were decoded on D from KV computed on P (P -> D over NIXL).
-    decode = next(c for c in status["children"] if c["role"] == "decode")
-    metrics = httpx.get(decode["url"] + "/metrics", timeout=30).text
-    assert _metric(metrics, "pdserve:prompt_tokens_transferred_total") > 0
+    assert _metric(_metrics(decoder_url), "pdserve:prompt_tokens_transferred_total") > transferred0

@@ -9,70 +9,20 @@ children, found by scanning ``/proc``) is gone.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
+
+from servers import UpDeployment, still_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STARTUP_TIMEOUT_S = 600  # the first start converts the GGUF once into the cache
 SHUTDOWN_TIMEOUT_S = 90
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _proc_stat(pid: int) -> tuple[int, int, str] | None:
-    """(ppid, start time in clock ticks, state) of a process, or None if it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-    return int(fields[1]), int(fields[19]), fields[0]
-
-
-def _descendants(root: int) -> dict[int, int]:
-    """Every live descendant of ``root``: pid -> start time (so a reused pid is not confused)."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _proc_stat(int(entry))
-            if stat is not None:
-                children.setdefault(stat[0], []).append(int(entry))
-                starts[int(entry)] = stat[1]
-    found: dict[int, int] = {}
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found[child] = starts[child]
-                todo.append(child)
-    return found
-
-
-def _still_running(procs: dict[int, int]) -> list[int]:
-    """The pids of ``procs`` that still exist with the same start time and are not zombies."""
-    left = []
-    for pid, start in procs.items():
-        stat = _proc_stat(pid)
-        if stat is not None and stat[1] == start and stat[2] != "Z":
-            left.append(pid)
-    return left
 
 
 def _metric(text: str, name: str) -> float:
@@ -83,69 +33,11 @@ def _metric(text: str, name: str) -> float:
     return sum(values)
 
 
-class Deployment:
-    """A running ``pdserve up`` subprocess and what its status file says."""
-
-    def __init__(self, tmp_path: Path):
-        self.log_dir = tmp_path / "logs"
-        self.out_path = tmp_path / "pdserve-up.out"
-        self.port = _free_port()
-        self.proc: subprocess.Popen | None = None
-        self.status: dict = {}
-        self.processes: dict[int, int] = {}
-
-    def start(self) -> None:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        with open(self.out_path, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.cli", "up", "--multi-turn", "--device", "cpu",
-                 "--port", str(self.port), "--log-dir", str(self.log_dir),
-                 "--startup-timeout", str(STARTUP_TIMEOUT_S), "--",
-                 "--kv-cache-memory", "256MiB", "--max-model-len", "2048"],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-    def output(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        status_file = self.log_dir / "pdserve-up.json"
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S + 30
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"pdserve up exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                self.status = json.loads(status_file.read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
-                self.status = {}
-            if self.status.get("state") == "ready":
-                break
-            assert time.monotonic() < deadline, f"not ready in time:\n{self.output()}"
-            time.sleep(0.5)
-        self.processes = _descendants(self.proc.pid)
-
-    def child(self, role: str) -> dict:
-        return next(c for c in self.status["children"] if c["role"] == role)
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        self.proc.send_signal(sig)
-        return self.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
-
-    def kill_everything(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.processes.update(_descendants(self.proc.pid))
-            self.proc.kill()
-            self.proc.wait()
-        for pid in _still_running(self.processes):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 @pytest.fixture
 def deployment(tmp_path):
-    dep = Deployment(tmp_path)
-    dep.start()
+    dep = UpDeployment(["--multi-turn", "--device", "cpu", "--startup-timeout",
+                        str(STARTUP_TIMEOUT_S), "--", "--kv-cache-memory", "256MiB",
+                        "--max-model-len", "2048"], tmp_path / "logs")
     try:
         yield dep
     finally:
@@ -156,7 +48,7 @@ def test_up_two_turn_chat_with_kv_transfer(deployment):
     from openai import OpenAI
 
     deployment.wait_ready()
-    out = deployment.output()
+    out = deployment.log_text()
     endpoint = f"http://127.0.0.1:{deployment.port}"
     assert f"endpoint  {endpoint}/v1" in out
     assert "from openai import OpenAI" in out and "curl -s" in out
@@ -191,12 +83,12 @@ def test_up_two_turn_chat_with_kv_transfer(deployment):
     assert 0 < transferred <= prompt_tokens
     assert _metric(metrics, "pdserve:nixl_num_failed_transfers") == 0
 
-    rc = deployment.stop(signal.SIGTERM)
-    assert rc == 0, deployment.output()
+    rc = deployment.signal_and_wait(signal.SIGTERM, SHUTDOWN_TIMEOUT_S)
+    assert rc == 0, deployment.log_text()
     deadline = time.monotonic() + 10
-    while _still_running(deployment.processes) and time.monotonic() < deadline:
+    while still_running(deployment.processes) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _still_running(deployment.processes) == [], deployment.output()
-    assert "pdserve up: stopped (exit code 0)" in deployment.output()
+    assert still_running(deployment.processes) == [], deployment.log_text()
+    assert "pdserve up: stopped (exit code 0)" in deployment.log_text()
     # the servers' helpers (multiprocessing's resource tracker) exit by themselves: not reported
-    assert "left behind" not in deployment.output(), deployment.output()
+    assert "left behind" not in deployment.log_text(), deployment.log_text()

@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from typing import Iterator
 
@@ -17,6 +14,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from servers import EngineServer
 
 from pdserve.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
@@ -31,12 +30,6 @@ PROMPT_LENGTHS = [1, 15, 16, 17, 33]
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompt_ids(length: int) -> list[int]:
@@ -73,54 +66,30 @@ def offline(tiny_llama_path: str) -> dict:
     return asyncio.run(run())
 
 
-def _start_server(model: str, log_path) -> tuple[subprocess.Popen, str]:
+SERVE_ARGS = ["--served-model-name", SERVED_NAME, "--dtype", "float32", "--device", "cpu",
+              "--max-model-len", "256", "--kv-cache-memory", "8MiB", "--block-size", "16"]
+
+
+def _start_server(model: str, log_path) -> EngineServer:
     """Starts ``pdserve serve`` on a free port and waits for ``/health`` to answer 200."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", model, "--port", str(port),
-           "--served-model-name", SERVED_NAME, "--dtype", "float32", "--device", "cpu",
-           "--max-model-len", "256", "--kv-cache-memory", "8MiB", "--block-size", "16"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    server = EngineServer(model, log_path, None, SERVE_ARGS)
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    return proc, base
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after 180 s:\n{log_path.read_text()}")
-            time.sleep(0.2)
+        server.wait_ready()
     except BaseException:
-        _stop(proc)
+        server.stop()
         raise
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after 60 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_path: str, tmp_path_factory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc, base = _start_server(tiny_llama_path, log)
+    srv = _start_server(tiny_llama_path, log)
     try:
-        yield base
+        yield srv.url
     finally:
-        _stop(proc)
-    assert proc.returncode == 0, f"unclean shutdown ({proc.returncode}):\n{log.read_text()}"
+        srv.stop()
+    assert srv.proc.returncode == 0, f"unclean shutdown ({srv.proc.returncode}):\n{log.read_text()}"
 
 
 def _metrics(base: str) -> dict[str, float]:
@@ -260,7 +229,8 @@ def test_disconnect_mid_stream_frees_blocks(server: str, client: openai.OpenAI) 
 
 def test_engine_death_stops_the_server(tiny_llama_path: str, tmp_path) -> None:
     log = tmp_path / "serve.log"
-    proc, base = _start_server(tiny_llama_path, log)
+    srv = _start_server(tiny_llama_path, log)
+    proc = srv.proc
     try:
         children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
         cores = [int(c) for c in children
@@ -271,4 +241,4 @@ def test_engine_death_stops_the_server(tiny_llama_path: str, tmp_path) -> None:
         assert proc.returncode == 1
         assert "engine died" in log.read_text()
     finally:
-        _stop(proc)
+        srv.stop()

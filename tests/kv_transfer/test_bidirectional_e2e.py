@@ -10,19 +10,12 @@ pulls at least every full block of the previous prompt and computes the rest.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import httpx
 import pytest
 
-from pd_servers import Server, nixl_config, start_all
-from servers import ProxyServer
+from servers import BIDIR_TTL_S as TTL_S, BLOCK_SIZE as B
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-B = 16
-COMMON = ["--block-size", str(B), "--num-gpu-blocks-override", "512", "--max-model-len", "1024"]
-TTL_S = 15.0  # D's decoder_kv_blocks_ttl: above P's 5 s pull safety margin
 THRESHOLD = 64  # kv_recompute_threshold (the default)
 MAX_TOKENS = 12
 
@@ -30,46 +23,14 @@ SYSTEM = ("You are a careful assistant. Answer every question about the history 
           "harbour town, its ships, its lighthouse keepers and its fishing families in detail.")
 
 
-class Proxy(ProxyServer):
-    """``pdserve proxy --multi-turn --port 0`` in front of one P and one D, with an HTTP
-    ``client`` on its URL once :meth:`wait_ready` returned."""
-
-    def __init__(self, p: Server, d: Server, log_path: Path):
-        super().__init__([p], [d], log_path, ["--multi-turn"])
-        self.client: httpx.Client | None = None
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        super().wait_ready(timeout)
-        self.client = httpx.Client(base_url=self.url, timeout=300)
-
-    def stop(self) -> None:
-        if self.client is not None:
-            self.client.close()
-        super().stop()
-
-
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_path, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("bidir-logs")
-    bidir = {"bidirectional_kv_xfer": True}
-    servers: dict[str, Server] = {}
-    proxy = None
-    try:
-        servers["single"] = Server(tiny_llama_path, logs / "single.log", None, COMMON)
-        servers["p"] = Server(tiny_llama_path, logs / "p.log", nixl_config("kv_producer", **bidir),
-                              COMMON + ["--no-enable-prefix-caching"])
-        servers["d"] = Server(tiny_llama_path, logs / "d.log",
-                              nixl_config("kv_consumer", decoder_kv_blocks_ttl=TTL_S, **bidir),
-                              COMMON)
-        start_all(list(servers.values()))
-        proxy = Proxy(servers["p"], servers["d"], logs / "proxy.log")
-        proxy.wait_ready()
-        yield {"model": tiny_llama_path, "proxy": proxy, **servers}
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        for s in servers.values():
-            s.stop()
+def cluster(server_pool):
+    """The session's shared oracle ``single``, the bidirectional pair ``p`` / ``d`` and the
+    multi-turn proxy in front of them."""
+    servers = server_pool.get("single", "p_bidir", "d_bidir")
+    proxy = server_pool.proxy("multi-turn", ["p_bidir"], ["d_bidir"], ["--multi-turn"])
+    return {"model": server_pool.model, "proxy": proxy, "single": servers["single"],
+            "p": servers["p_bidir"], "d": servers["d_bidir"]}
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +219,14 @@ def test_expired_decoder_blocks_are_recomputed(cluster, tokenizer):
     messages = [{"role": "system", "content": SYSTEM}, user_message(40)]
     expired0 = cluster["d"].metrics().get("pdserve:nixl_num_kv_expired_reqs", 0.0)
     answer, _ = turn(cluster, messages, "expiring")
-    # wait until D's TTL freed the turn's blocks (and counted it)
+    # wait until D's TTL freed this turn's blocks (and counted it). Other conversations'
+    # turns expire too and move the same counter, so the event waited for is D holding no
+    # block at all: nobody pulls this turn's blocks, only its TTL frees them, and every older
+    # turn expires before it.
     cluster["d"].wait_metrics(
-        lambda m: m.get("pdserve:nixl_num_kv_expired_reqs", 0.0) > expired0, TTL_S + 20)
+        lambda m: m.get("pdserve:nixl_num_kv_expired_reqs", 0.0) > expired0
+        and m.get("pdserve:kv_cache_free_blocks") == m.get("pdserve:kv_cache_total_blocks"),
+        TTL_S + 60)
     messages += [{"role": "assistant", "content": answer}, user_message(41)]
     answer, delta = turn(cluster, messages, "expiring")
     assert answer == single_answer(cluster, messages)

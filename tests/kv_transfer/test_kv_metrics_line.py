@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pd_servers import Server, decode_leg, nixl_config, prefill_leg, start_all
+from servers import EngineServer, decode_leg, nixl_config, prefill_leg, start_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -16,15 +16,15 @@ COMMON = ["--block-size", "16", "--num-gpu-blocks-override", "256", "--max-model
 LINE = "KV Transfer metrics: Num successful transfers="
 
 
-def summary_lines(server: Server) -> list[str]:
+def summary_lines(server: EngineServer) -> list[str]:
     return [line for line in server.log_path.read_text(errors="replace").splitlines()
             if LINE in line]
 
 
 def test_summary_line_after_one_short_transfer_then_idle(tiny_llama_path, tmp_path):
-    p = Server(tiny_llama_path, tmp_path / "p.log",
+    p = EngineServer(tiny_llama_path, tmp_path / "p.log",
                nixl_config("kv_producer", kv_metrics_log_interval=INTERVAL_S), COMMON)
-    d = Server(tiny_llama_path, tmp_path / "d.log",
+    d = EngineServer(tiny_llama_path, tmp_path / "d.log",
                nixl_config("kv_consumer", kv_metrics_log_interval=INTERVAL_S), COMMON)
     try:
         start_all([p, d])

@@ -175,18 +175,9 @@ def test_p_leg_mistyped_decoder_field_names_it(field, value):
 
 # ------------------------------------------------------------------- through a real server
 @pytest.fixture(scope="module")
-def decoder(tiny_llama_path, tmp_path_factory):
-    from pd_servers import Server, nixl_config, start_all
-
-    server = Server(tiny_llama_path, tmp_path_factory.mktemp("kv-params") / "d.log",
-                    nixl_config("kv_consumer"),
-                    ["--block-size", "16", "--num-gpu-blocks-override", "64",
-                     "--max-model-len", "256"])
-    try:
-        start_all([server])
-        yield server
-    finally:
-        server.stop()
+def decoder(server_pool):
+    """The session's shared NIXL decoder ``d_fail``."""
+    return server_pool.get("d_fail")["d_fail"]
 
 
 @pytest.mark.slow
@@ -207,13 +198,14 @@ def test_server_answers_400_naming_the_field(decoder, endpoint, stream, bad, fie
         body["prompt"] = "hello there"
     else:
         body["messages"] = [{"role": "user", "content": "hello there"}]
+    failed_before = decoder.metrics().get("pdserve:nixl_num_failed_transfers", 0.0)
     r = decoder.client.post(f"/v1/{endpoint}", json=body)
     # streaming too: the server checks the params before it starts the event stream
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert field in err["message"] and err["type"] == "BadRequestError", err
     # nothing reached the core: no failed KV load, and a valid request still works
-    assert decoder.metrics().get("pdserve:nixl_num_failed_transfers", 0.0) == 0.0
+    assert decoder.metrics().get("pdserve:nixl_num_failed_transfers", 0.0) == failed_before
     ok = decoder.client.post(f"/v1/{endpoint}", json=dict(
         body, stream=False, kv_transfer_params={"unknown_extra": {"a": [1]}}))
     assert ok.status_code == 200, ok.text

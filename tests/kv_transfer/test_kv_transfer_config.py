@@ -47,6 +47,19 @@ def test_equals_form_and_dotted_keys_override_in_order():
     assert cfg.kv_load_failure_policy == "recompute"
 
 
+@pytest.mark.parametrize("key", ["kv_lease_duration", "decoder_kv_blocks_ttl",
+                                 "kv_metrics_log_interval", "kv_handshake_timeout",
+                                 "kv_transfer_timeout"])
+def test_sub_second_durations_are_accepted(key):
+    cfg, _ = extract_kv_transfer_args([
+        "--kv-transfer-config.kv_role", "kv_producer",
+        f"--kv-transfer-config.kv_connector_extra_config.{key}", "0.25",
+    ])
+    assert cfg.kv_connector_extra_config[key] == 0.25
+    cfg = KVTransferConfig(kv_role="kv_consumer", kv_connector_extra_config={key: 0.5})
+    assert cfg.kv_connector_extra_config[key] == 0.5
+
+
 def test_list_append():
     cfg, _ = extract_kv_transfer_args([
         "--kv-transfer-config.kv_role", "kv_consumer",

@@ -14,8 +14,7 @@ import time
 import httpx
 import pytest
 
-from pd_servers import Server, nixl_config, start_all
-from servers import ProxyServer
+from servers import EngineServer, ProxyServer, nixl_config, start_all
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -33,8 +32,8 @@ def cluster(tiny_llama_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-restart-logs")
     p_kv = dict(nixl_config("kv_producer", kv_lease_duration=LEASE_S), engine_id="p-fixed")
     servers = {
-        "p": Server(tiny_llama_path, logs / "p.log", p_kv, COMMON + ["--max-model-len", str(P_LEN)]),
-        "d": Server(tiny_llama_path, logs / "d.log", nixl_config("kv_consumer"),
+        "p": EngineServer(tiny_llama_path, logs / "p.log", p_kv, COMMON + ["--max-model-len", str(P_LEN)]),
+        "d": EngineServer(tiny_llama_path, logs / "d.log", nixl_config("kv_consumer"),
                     COMMON + ["--max-model-len", str(D_LEN)]),
     }
     proxy = None
@@ -57,7 +56,7 @@ def ask(cluster, prompt_len: int, max_tokens: int = 4, seed: int = 0, **extra) -
     return httpx.post(cluster["proxy"].url + "/v1/completions", json=body, timeout=300)
 
 
-def restart(server: Server, sig: signal.Signals) -> None:
+def restart(server: EngineServer, sig: signal.Signals) -> None:
     if sig == signal.SIGKILL:
         server.kill()
     else:

@@ -7,40 +7,27 @@ from __future__ import annotations
 import openai
 import pytest
 
-from servers import EngineServer, ProxyServer, nixl_config, start_all
-
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-COMMON = ["--block-size", "16", "--num-gpu-blocks-override", "256", "--max-model-len", "512"]
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz",
     "A recipe for bread needs flour, water, salt and yeast; the dough is kneaded until it is smooth",
     "In the morning the fishing boats leave the harbour and return in the evening with their catch",
     "The theory of evolution explains how species change over many generations through selection",
 ]
+#: test name -> the session pool's instance it stands for
+ROLES = {"single": "single", "p0": "p", "p1": "p2", "d0": "d_fail", "d1": "d_rec"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_path, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("proxy-e2e-logs")
-    roles = {"single": None, "p0": "kv_producer", "p1": "kv_producer",
-             "d0": "kv_consumer", "d1": "kv_consumer"}
-    servers: dict[str, EngineServer] = {}
-    proxy = None
-    try:
-        for name, role in roles.items():
-            servers[name] = EngineServer(tiny_llama_path, logs / f"{name}.log",
-                                         None if role is None else nixl_config(role), COMMON)
-        start_all(list(servers.values()))
-        proxy = ProxyServer([servers["p0"], servers["p1"]], [servers["d0"], servers["d1"]],
-                            logs / "proxy.log")
-        proxy.wait_ready()
-        yield {"servers": servers, "proxy": proxy, "model": tiny_llama_path}
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        for s in servers.values():
-            s.stop()
+def cluster(server_pool):
+    """The session's shared instances (two prefillers, two decoders, the oracle) and a proxy
+    in front of the four."""
+    pooled = server_pool.get(*ROLES.values())
+    servers = {name: pooled[pool_name] for name, pool_name in ROLES.items()}
+    proxy = server_pool.proxy("two-by-two", [ROLES["p0"], ROLES["p1"]],
+                              [ROLES["d0"], ROLES["d1"]])
+    return {"servers": servers, "proxy": proxy, "model": server_pool.model}
 
 
 def client(url: str) -> openai.OpenAI:
