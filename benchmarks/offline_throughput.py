@@ -299,9 +299,8 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Re
         _sync(args.device)
         seconds = time.perf_counter() - t0
         stats.report(seconds)
-        attn = getattr(engine.core.runner.model, "attn", None)
-        print(f"[pdserve] prefill attention: {getattr(attn, 'last_prefill_impl', '?')}",
-              flush=True)
+        attn = engine.core.runner.model.attn_backend
+        print(f"[pdserve] prefill attention: {attn.last_prefill_impl}", flush=True)
         if args.profile_decode:
             profile_decode_steps(engine, work, args)
     finally:

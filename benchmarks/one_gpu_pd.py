@@ -18,7 +18,7 @@ skipped and said so):
    on cuda:0, CUDA IPC and forced NIXL, contiguous and fragmented blocks),
    tests/kv_transfer/test_host_buffer.py (its GPU test: host-buffer mode on cuda:0),
    tests/test_memory_budget.py, the VRAM test of tests/kv_transfer/test_nixl_worker_processes.py
-   and tests/model/test_cuda_runner.py; then, as a diagnosis, NIXL forced with
+   and tests/runner/test_cuda_runner.py; then, as a diagnosis, NIXL forced with
    ``UCX_TLS=cuda_ipc,cuda_copy,tcp`` (is cuda_ipc in this UCX build, and does UCX pick it for
    GPU memory when shared memory is out of the way?).
 5. ``multi_turn`` (only when enough time is left): benchmarks/pd_multi_turn.py on one GPU with
@@ -132,7 +132,7 @@ def stage_tests(run: Run) -> None:
         (["tests/kv_transfer/test_same_host_path.py", "tests/kv_transfer/test_host_buffer.py",
           "tests/test_memory_budget.py"], 150),
         (["tests/kv_transfer/test_nixl_worker_processes.py", "-k", "vram"], 60),
-        (["tests/model/test_cuda_runner.py"], 120),
+        (["tests/runner/test_cuda_runner.py"], 120),
     ]
     for args, limit in cases:
         if run.left() < 45:
@@ -343,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="engine options given to pdserve up (0.8 is split: 0.4 per engine)")
     ap.add_argument("--multi-turn-clients", default="1,4",
                     help="client counts of the multi_turn stage, while time is left")
+    ap.add_argument("--work-dir", default=None,
+                    help="where the dummy model directories are made, or found already made "
+                         "(by benchmarks/make_llama8b_dummy.py; default: a temporary directory)")
     ap.add_argument("--stages",
                     default="preflight,kv_transfer,pdserve_up,tests,ucx_diagnosis,multi_turn")
     args = ap.parse_args(argv)
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = set(args.stages.split(","))
     run.note(f"one_gpu_pd: stages {sorted(stages)}, budget {args.budget_s:.0f} s")
     with tempfile.TemporaryDirectory(prefix="one-gpu-pd-") as tmp:
-        work = Path(tmp)
+        work = Path(args.work_dir or tmp)
         for name, fn in (("preflight", lambda: stage_preflight(run)),
                          ("kv_transfer", lambda: stage_kv_transfer(run)),
                          ("pdserve_up",
