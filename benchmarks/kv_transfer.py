@@ -26,7 +26,7 @@ Llama-class one with ``--geometry llama-8b``, Qwen3-0.6B's with ``--geometry qwe
 anything with ``--num-layers`` etc. With ``--same-gpu`` both processes use ``cuda:0`` even when
 there are more GPUs (the one-GPU P/D case). Blocks are
 taken contiguously (``--layout contiguous``: one descriptor per request) or as a random
-permutation (``--layout fragmented``: about one descriptor per block, DESIGN §5's worst case).
+permutation (``--layout fragmented``: about one descriptor per block, the worst case of docs/architecture.md, "KV cache layout").
 
 Examples::
 

@@ -5,7 +5,7 @@ The directory holds ``config.json`` (hidden 4096, 32 layers, 32 heads, 8 KV head
 intermediate 14336, rope theta 500000, 16k positions; vocabulary 49,152 so that the embedded
 SmolLM2 tokenizer and chat template fit) and the tokenizer files of the converted SmolLM2 model.
 No weights: engines started with ``--load-format dummy`` fill them with random values, which is
-enough for speed work (DESIGN §6). ``--preset qwen3-0.6b`` writes Qwen3-0.6B's configuration
+enough for speed work (docs/architecture.md, "Models and weights"). ``--preset qwen3-0.6b`` writes Qwen3-0.6B's configuration
 instead (``benchmarks/offline_throughput.py``'s ``QWEN3_0_6B_CONFIG``: 28 layers, 8 KV heads,
 head size 128, vocabulary 151,936, which the SmolLM2 tokenizer's ids fit in).
 

@@ -318,7 +318,10 @@ def stage_multi_turn(run: Run, work: Path, clients: list[int]) -> None:
             run.note(f"multi_turn {n} client(s): skipped (time)")
             continue
         cmd = [PY, "benchmarks/pd_multi_turn.py", "--model", str(model), "--device", run.device,
-               "--engine-args", "--load-format dummy --max-model-len 16384 --max-num-seqs 32",
+               # without prefix caching: P's own cache would otherwise hold each history, and
+               # neither case would transfer anything (docs/benchmarks.md, issue 19)
+               "--engine-args", "--load-format dummy --dtype bfloat16 --max-model-len 16384 "
+               "--max-num-seqs 32 --no-enable-prefix-caching",
                "--spec", "benchmarks/pd_multi_turn_long_spec.json", "--num-clients", str(n),
                "--startup-timeout", "150"]
         rc, text = run.sh(cmd, "multi_turn.log", run.left() - 10)

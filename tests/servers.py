@@ -76,13 +76,14 @@ def free_port() -> int:
 def nixl_config(role: str, **extra: Any) -> dict:
     """A ``--kv-transfer-config`` dict for the NIXL connector in ``role`` (``kv_producer`` /
     ``kv_consumer``); ``kv_load_failure_policy`` goes at the top level, any other keyword into
-    ``kv_connector_extra_config``."""
+    ``kv_connector_extra_config``. NIXL's progress thread is off unless a test asks for it: it
+    keeps one core busy per instance, and the suite's engines progress their transfers when they
+    poll (docs/configuration.md, ``nixl_progress_thread``)."""
     cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
     policy = extra.pop("kv_load_failure_policy", None)
     if policy:
         cfg["kv_load_failure_policy"] = policy
-    if extra:
-        cfg["kv_connector_extra_config"] = extra
+    cfg["kv_connector_extra_config"] = {"nixl_progress_thread": False, **extra}
     return cfg
 
 

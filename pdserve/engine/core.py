@@ -4,6 +4,11 @@
 :func:`run_engine_core` is the entry point of the separate engine-core process that
 :class:`pdserve.engine.async_engine.AsyncEngine` spawns, speaking the protocol of
 :mod:`pdserve.engine.messages` over ZMQ.
+
+Why one module of about 470 lines: the class is the engine loop's one owner of its resources
+(scheduler, runner, connector sides, KV-event publisher) and of their start-up order, wait
+deadlines and shutdown; the process entry point next to it only wires sockets to those methods.
+Splitting the loop from the resources it orders would spread one life cycle over two files.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class KVCacheSpec:
 
     The cache is one contiguous tensor of shape
     ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`` so that one block is one
-    contiguous region of ``block_bytes`` bytes (DESIGN §5).
+    contiguous region of ``block_bytes`` bytes (docs/architecture.md, "KV cache layout").
 
     Attributes:
         num_blocks: blocks in the cache.

@@ -46,6 +46,10 @@ Top-level keys:
     ``same_host_transport``      ``auto``    reads from a peer on the same GPU: ``auto`` (CUDA
                                              IPC copy when possible, else NIXL), ``cuda_ipc``
                                              (the same, warning when not possible) or ``nixl``
+    ``nixl_progress_thread``     true        NIXL's progress thread, which polls UCX without
+                                             pause and keeps one CPU core busy; false: transfers
+                                             progress when the engine polls them (an owner's
+                                             engine polls while it holds leases)
     ============================ =========== ===================================================
 
 Environment: ``PDSERVE_NIXL_SIDE_CHANNEL_HOST`` (default ``localhost``) and
@@ -97,6 +101,7 @@ EXTRA_DEFAULTS: dict[str, Any] = {
     "kv_handshake_timeout": 5.0,
     "kv_transfer_timeout": 120.0,
     "same_host_transport": "auto",
+    "nixl_progress_thread": True,
 }
 SAME_HOST_TRANSPORTS = ("auto", "cuda_ipc", "nixl")
 _EXTRA_POSITIVE_SECONDS = (
@@ -180,6 +185,11 @@ def _validate_extra(extra: Any) -> dict[str, Any]:
         raise KVTransferConfigError(
             f"kv_connector_extra_config.same_host_transport must be one of "
             f"{list(SAME_HOST_TRANSPORTS)}, got {out['same_host_transport']!r}"
+        )
+    if not isinstance(out["nixl_progress_thread"], bool):
+        raise KVTransferConfigError(
+            "kv_connector_extra_config.nixl_progress_thread must be true or false, "
+            f"got {out['nixl_progress_thread']!r}"
         )
     return out
 
@@ -358,6 +368,11 @@ class KVTransferConfig:
         """How reads from a peer on the same GPU travel: ``auto``, ``cuda_ipc`` or ``nixl``
         (kv_transfer/nixl/transfer_path.py)."""
         return self.kv_connector_extra_config["same_host_transport"]
+
+    @property
+    def nixl_progress_thread(self) -> bool:
+        """Whether the NIXL agent runs its own progress thread (kv_transfer/nixl/agent.py)."""
+        return self.kv_connector_extra_config["nixl_progress_thread"]
 
     @property
     def side_channel_host(self) -> str:

@@ -8,6 +8,11 @@ registers it with the KV connector's worker side itself
 (``worker.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)``) and hands the worker to
 :meth:`ModelRunner.set_kv_connector_worker`; the runner then drives the worker around every
 forward pass.
+
+Why one module of about 490 lines: it is the one ``run()`` of the engine (nano-vllm's shape),
+the only place that owns tensors: KV cache sizing (the arithmetic itself is torch-free, in
+:mod:`pdserve.memory_budget`), input preparation, the forward pass, CUDA-graph replay,
+multi-step rounds and sampling share its device buffers and must change together.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""End to end: bidirectional KV transfer (DESIGN §3) through ``pdserve proxy --multi-turn``.
+"""End to end: bidirectional KV transfer (docs/architecture.md, "Multi-turn: bidirectional transfer") through ``pdserve proxy --multi-turn``.
 
 Processes: a single instance (the oracle), a prefiller P and a decoder D (both with
 ``bidirectional_kv_xfer``) and the multi-turn proxy. P runs without its own prefix cache, so every

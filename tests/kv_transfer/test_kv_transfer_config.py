@@ -171,6 +171,21 @@ def test_same_host_transport_override():
     assert cfg.same_host_transport == "nixl"
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_nixl_progress_thread_values(value):
+    cfg = KVTransferConfig.from_dict(
+        {"kv_role": "kv_consumer", "kv_connector_extra_config": {"nixl_progress_thread": value}})
+    assert cfg.nixl_progress_thread is value
+    assert KVTransferConfig(kv_role="kv_consumer").nixl_progress_thread is True
+
+
+@pytest.mark.parametrize("bad", ["yes", "auto", 1, 0, None])
+def test_nixl_progress_thread_rejects_other_values(bad):
+    with pytest.raises(KVTransferConfigError, match="nixl_progress_thread"):
+        KVTransferConfig.from_dict(
+            {"kv_role": "kv_consumer", "kv_connector_extra_config": {"nixl_progress_thread": bad}})
+
+
 def test_error_is_a_value_error():
     assert issubclass(KVTransferConfigError, ValueError)
 

@@ -1,4 +1,4 @@
-"""NIXL connector scheduler side: the P/D bookkeeping of DESIGN §2 (no processes, no torch)."""
+"""NIXL connector scheduler side: the P/D bookkeeping of docs/architecture.md, "Request flow of one P/D turn" (no processes, no torch)."""
 
 from __future__ import annotations
 

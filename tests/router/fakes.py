@@ -2,7 +2,7 @@
 
 Each fake records every request it receives (path, headers, JSON body) and every request its
 handler saw cancelled (the client — here the proxy — closed the connection). Behaviour is the
-default P or D behaviour of DESIGN.md §2 unless a test installs its own ``handler``.
+default P or D behaviour of docs/architecture.md ("Request flow of one P/D turn") unless a test installs its own ``handler``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Received:
 
 
 def prefill_params(name: str, request_id: str | None) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a fake P returns (shape of DESIGN.md §2 step 2)."""
+    """The ``kv_transfer_params`` a fake P returns (shape of docs/architecture.md, "Request flow of one P/D turn", step 2)."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"engine-{name}",
             "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1", "remote_port": 5600,
             "remote_request_id": f"{name}-{request_id}", "tp_size": 1}

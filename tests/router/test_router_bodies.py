@@ -1,4 +1,4 @@
-"""Prefill-leg and decode-leg bodies (DESIGN.md §2) and the proxy's checks on client bodies."""
+"""Prefill-leg and decode-leg bodies (docs/architecture.md, "Request flow of one P/D turn") and the proxy's checks on client bodies."""
 
 import copy
 

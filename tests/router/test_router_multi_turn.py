@@ -1,4 +1,4 @@
-"""--multi-turn: D's kv_transfer_params of turn k reach P with turn k+1 (DESIGN.md §3)."""
+"""--multi-turn: D's kv_transfer_params of turn k reach P with turn k+1 (docs/architecture.md, "Multi-turn: bidirectional transfer")."""
 
 import time
 

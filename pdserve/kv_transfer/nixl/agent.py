@@ -4,7 +4,7 @@ once per remote, post asynchronous READs and poll them, and exchange notificatio
 Descriptors: both the local and each remote KV cache are prepared once as a list of
 ``num_blocks`` descriptors (descriptor ``i`` = block ``i``, ``block_bytes`` long), so a transfer
 is just two index lists. NIXL merges index runs that are contiguous on both sides into one
-descriptor when it builds the request (DESIGN §5: descriptor count, not link speed, decides the
+descriptor when it builds the request (docs/architecture.md, "KV cache layout": descriptor count, not link speed, decides the
 transfer time); :func:`block_runs` computes the same runs for statistics.
 
 Every call here must come from the engine thread (the agent is created in single-threaded
@@ -78,18 +78,24 @@ class NixlAgent:
     Args:
         name: agent name (unique among the instances that talk to each other).
         backends: NIXL backends to create, e.g. ``["UCX"]``.
+        progress_thread: run NIXL's own progress thread. It polls UCX in a loop without pause
+            (one CPU core busy for as long as the agent lives); without it, transfers and
+            notifications progress when this process polls them (:meth:`check`,
+            :meth:`get_notifs`), which is enough for one-sided reads of host memory on one host
+            (UCX's cma/shared-memory lanes need no work from the owner).
 
     Raises:
         NixlUnavailableError: ``nixl_cu13`` is not importable or a backend is missing from this
             NIXL build.
     """
 
-    def __init__(self, name: str, backends: list[str]):
+    def __init__(self, name: str, backends: list[str], progress_thread: bool = True):
         try:
             from nixl_cu13._api import nixl_agent, nixl_agent_config
         except ImportError as e:  # pragma: no cover - the package is a hard dependency
             raise NixlUnavailableError(f"NIXL is not installed (nixl-cu13): {e}") from e
-        config = nixl_agent_config(backends=[], capture_telemetry=True)
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
+                                   capture_telemetry=True)
         self._agent = nixl_agent(name, config)
         available = self._agent.get_plugin_list()
         missing = [b for b in backends if b not in available]

@@ -1,4 +1,4 @@
-"""Bidirectional KV transfer for multi-turn conversations (DESIGN §3): the scheduler-side
+"""Bidirectional KV transfer for multi-turn conversations (docs/architecture.md, "Multi-turn: bidirectional transfer"): the scheduler-side
 decisions, as pure functions (no torch, no I/O).
 
 With ``kv_connector_extra_config.bidirectional_kv_xfer: true`` on both instances:
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 # Seconds D's blocks must still live, on P's clock, for P to start a pull: covers the handshake
 # and claim round trips and the READ itself with room to spare (a READ of a few MB takes
-# milliseconds; DESIGN §5). The claim right before the READ checks it again, clock-free.
+# milliseconds; docs/architecture.md, "KV cache layout"). The claim right before the READ checks it again, clock-free.
 PULL_SAFETY_MARGIN_S = 5.0
 
 @dataclass

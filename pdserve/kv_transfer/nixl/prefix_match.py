@@ -1,5 +1,5 @@
 """Which of a remote instance's cached tokens are a true prefix of a new prompt (bidirectional
-KV transfer, DESIGN §3).
+KV transfer, docs/architecture.md, "Multi-turn: bidirectional transfer").
 
 The remote (a decoder that kept a finished turn's blocks) advertises the chained hashes of its
 FULL blocks (``remote_block_hashes``), computed with

@@ -1,7 +1,7 @@
 """Scheduler side of the NIXL connector: decides which blocks move (pure bookkeeping, no torch,
 no I/O).
 
-Prefill → decode (DESIGN §2):
+Prefill → decode (docs/architecture.md, "Request flow of one P/D turn"):
 
 * **Prefiller (P)**, request with ``kv_transfer_params.do_remote_decode``: when it finishes
   normally, :meth:`request_finished` keeps its blocks (``delay_free``) under a lease and returns
@@ -16,7 +16,7 @@ Prefill → decode (DESIGN §2):
   its READ is in flight keeps its blocks until the READ is over (it appears in
   ``finished_recving``).
 
-Decode → prefill, multi-turn (DESIGN §3, both sides with ``bidirectional_kv_xfer``): the
+Decode → prefill, multi-turn (docs/architecture.md, "Multi-turn: bidirectional transfer"; both sides with ``bidirectional_kv_xfer``): the
 decisions live in :mod:`pdserve.kv_transfer.nixl.bidirectional` (D keeps a finished turn's
 blocks for ``decoder_kv_blocks_ttl``; P pulls the hash-verified prefix it lacks when worth it and
 not about to expire, else recomputes and tells D to drop the blocks). A failed pull is

@@ -103,7 +103,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.instance_id = secrets.token_hex(8)
         self.agent = NixlAgent(
             f"pdserve-{config.engine_id}-dp{data_parallel_rank}-{self.instance_id}",
-            config.backends,
+            config.backends, progress_thread=config.nixl_progress_thread,
         )
         self.leases = LeaseTable()
         self.spec: KVCacheSpec | None = None
