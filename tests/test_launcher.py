@@ -258,10 +258,26 @@ def test_plan_passes_the_api_key_to_the_proxy():
 
 
 def test_plan_without_multi_turn_has_no_bidirectional():
-    prefill, _, proxy = _plan(["--port", str(_proxy_port())])
+    prefill, _, proxy = _plan(["--port", str(_proxy_port())], gpus=["0", "1"])
     cfg = json.loads(prefill.argv[prefill.argv.index("--kv-transfer-config") + 1])
     assert "kv_connector_extra_config" not in cfg
     assert "--multi-turn" not in proxy.argv
+
+
+def test_plan_turns_nixl_progress_thread_off_for_engines_without_gpu():
+    # the thread keeps a core busy; a CPU-only host needs its cores for the engines
+    for gpus in ([], ["0", "1"]):
+        prefill, decode, _ = _plan(["--port", str(_proxy_port())], gpus=gpus)
+        for spec in (prefill, decode):
+            cfg = json.loads(spec.argv[spec.argv.index("--kv-transfer-config") + 1])
+            extra = cfg.get("kv_connector_extra_config", {})
+            if gpus:
+                assert "nixl_progress_thread" not in extra  # the default: on
+            else:
+                assert extra == {"nixl_progress_thread": False}
+    assert kv_transfer_config("kv_consumer", True, progress_thread=False) == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"bidirectional_kv_xfer": True, "nixl_progress_thread": False}}
 
 
 def test_plan_given_ports_are_used_and_checked():

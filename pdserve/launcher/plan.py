@@ -168,17 +168,25 @@ def assign_gpus(num_prefillers: int, num_decoders: int,
             [d_pool[i % len(d_pool)] for i in range(num_decoders)])
 
 
-def kv_transfer_config(role: str, multi_turn: bool) -> dict:
+def kv_transfer_config(role: str, multi_turn: bool, progress_thread: bool = True) -> dict:
     """The ``--kv-transfer-config`` of one engine (keys: docs/configuration.md).
 
     Args:
         role: ``kv_producer`` (prefiller) or ``kv_consumer`` (decoder).
         multi_turn: turns on ``bidirectional_kv_xfer`` so the decoder's KV of one turn can be
             pulled back by a prefiller for the next turn (docs/architecture.md, KV connector).
+        progress_thread: False turns NIXL's progress thread off (``nixl_progress_thread``), for
+            an engine without a GPU: the thread keeps a CPU core busy, which the engines of a
+            CPU-only host need.
     """
     config: dict = {"kv_connector": "NixlConnector", "kv_role": role}
+    extra: dict = {}
     if multi_turn:
-        config["kv_connector_extra_config"] = {"bidirectional_kv_xfer": True}
+        extra["bidirectional_kv_xfer"] = True
+    if not progress_thread:
+        extra["nixl_progress_thread"] = False
+    if extra:
+        config["kv_connector_extra_config"] = extra
     return config
 
 
@@ -342,7 +350,8 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
                     share = round(util_total / sharing[gpu], 3)
                     args_i += ["--gpu-memory-utilization", f"{share:.3f}"]  # the last one wins
             argv = commands.engine(model=opts.model, role=role, host=ENGINE_HOST, port=ports[i],
-                                   kv_config=kv_transfer_config(kv_role, opts.multi_turn),
+                                   kv_config=kv_transfer_config(kv_role, opts.multi_turn,
+                                                                progress_thread=gpu is not None),
                                    device=opts.device, engine_args=args_i)
             specs.append(ChildSpec(name=f"{role}-{i}", role=role, argv=argv, env=env,
                                    host=ENGINE_HOST, port=ports[i],
