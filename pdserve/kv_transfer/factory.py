@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
+from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide, TPRank
 from pdserve.kv_transfer.config import KVTransferConfig, KVTransferConfigError
 
 ROLES = ("scheduler", "worker")
@@ -19,6 +19,7 @@ def create_connector(
     kv_transfer_config: KVTransferConfig,
     role: str,
     engine_config: Any = None,
+    tp: TPRank = TPRank(),
 ) -> KVConnectorSchedulerSide | KVConnectorWorkerSide:
     """Build one side of the configured connector.
 
@@ -28,6 +29,8 @@ def create_connector(
         engine_config: the :class:`pdserve.config.EngineConfig` (the scheduler side reads
             ``block_size``, default 16 without one); ``extra["data_parallel_rank"]`` (default 0)
             selects the side-channel port ``base + rank``.
+        tp: where the worker side sits in the instance's tensor-parallel group (one worker
+            side per TP rank, each in its rank's process); the scheduler side ignores it.
 
     Returns:
         A :class:`KVConnectorSchedulerSide` for ``"scheduler"``, a
@@ -52,7 +55,7 @@ def create_connector(
         return NixlConnectorScheduler(kv_transfer_config, block_size, data_parallel_rank=dp_rank)
     from pdserve.kv_transfer.nixl.worker import NixlConnectorWorker
 
-    return NixlConnectorWorker(kv_transfer_config, data_parallel_rank=dp_rank)
+    return NixlConnectorWorker(kv_transfer_config, data_parallel_rank=dp_rank, tp=tp)
 
 
 def validate_kv_transfer_params(kv_transfer_config: KVTransferConfig, params: Any) -> None:

@@ -3,7 +3,8 @@ once per remote, post asynchronous READs and poll them, and exchange notificatio
 
 Descriptors: both the local and each remote KV cache are prepared once as a list of
 ``num_blocks`` descriptors (descriptor ``i`` = block ``i``, ``block_bytes`` long), so a transfer
-is just two index lists. NIXL merges index runs that are contiguous on both sides into one
+of whole blocks is just two index lists. A read of a head slice (instances of different TP
+sizes, :mod:`.tp_plan`) names its byte regions instead (:meth:`NixlAgent.post_regions`). NIXL merges index runs that are contiguous on both sides into one
 descriptor when it builds the request (docs/architecture.md, "KV cache layout": descriptor count, not link speed, decides the
 transfer time); :func:`block_runs` computes the same runs for statistics.
 
@@ -62,6 +63,10 @@ class RemoteAgent:
     name: str
     num_blocks: int
     dlist: Any
+    base_addr: int = 0
+    block_bytes: int = 0
+    mem_type: str = "DRAM"
+    device_id: int = 0
 
 
 def _block_descs(base_addr: int, block_bytes: int, num_blocks: int, device_id: int) -> np.ndarray:
@@ -156,14 +161,8 @@ class NixlAgent:
     def add_remote(self, metadata: bytes, base_addr: int, block_bytes: int, num_blocks: int,
                    mem_type: str, device_id: int) -> RemoteAgent:
         """Load a remote agent's metadata and prepare its per-block descriptor list (once).
-
-        Raises:
-            ValueError: ``block_bytes`` differs from the local one.
-        """
-        if block_bytes != self.block_bytes:
-            raise ValueError(
-                f"remote block_bytes {block_bytes} != local block_bytes {self.block_bytes}"
-            )
+        Its ``block_bytes`` may differ from the local one (another TP size): whole-block reads
+        then do not apply, only :meth:`post_regions`."""
         name = self._agent.add_remote_agent(metadata)
         if isinstance(name, bytes):
             name = name.decode()
@@ -171,9 +170,16 @@ class NixlAgent:
             return self._remotes[name]
         descs = _block_descs(base_addr, block_bytes, num_blocks, device_id)
         dlist = self._agent.prep_xfer_dlist(name, descs, mem_type)
-        remote = RemoteAgent(name=name, num_blocks=num_blocks, dlist=dlist)
+        remote = RemoteAgent(name=name, num_blocks=num_blocks, dlist=dlist, base_addr=base_addr,
+                             block_bytes=block_bytes, mem_type=mem_type, device_id=device_id)
         self._remotes[name] = remote
         return remote
+
+    def load_agent(self, metadata: bytes) -> str:
+        """Load an agent's metadata only, to send it notifications (the sibling TP ranks of
+        this instance); returns its name."""
+        name = self._agent.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else name
 
     def remove_remote(self, name: str) -> None:
         """Forget a remote agent (it restarted or vanished): release its descriptor list and
@@ -222,6 +228,42 @@ class NixlAgent:
             np.asarray(remote_ids, dtype=np.int32),
             notif_msg=notif,
         )
+        return handle, self._agent.transfer(handle)
+
+    def post_regions(self, remote: RemoteAgent, regions: np.ndarray,
+                     notif: bytes) -> tuple[Any, str]:
+        """Create and post a READ of byte regions (a head slice of another TP size).
+
+        Args:
+            remote: the prepared remote.
+            regions: ``int64 [n, 3]``: ``(local_offset, remote_offset, nbytes)`` from each cache's
+                base (:func:`~pdserve.kv_transfer.nixl.tp_plan.read_regions`).
+            notif: notification the remote agent receives when the READ completes.
+
+        Returns:
+            ``(handle, state)`` with state ``"DONE"``, ``"PROC"`` or ``"ERR"``.
+
+        Raises:
+            ValueError: a region outside either cache.
+        """
+        regions = np.asarray(regions, dtype=np.int64).reshape(-1, 3)
+        ends_local = regions[:, 0] + regions[:, 2]
+        ends_remote = regions[:, 1] + regions[:, 2]
+        if regions.size and (regions.min() < 0
+                             or ends_local.max() > self.num_blocks * self.block_bytes
+                             or ends_remote.max() > remote.num_blocks * remote.block_bytes):
+            raise ValueError("a transfer region lies outside a KV cache")
+        local = np.empty((len(regions), 3), dtype=np.uint64)
+        local[:, 0] = np.uint64(self.base_addr) + regions[:, 0].astype(np.uint64)
+        local[:, 1] = regions[:, 2].astype(np.uint64)
+        local[:, 2] = self.device_id
+        far = np.empty((len(regions), 3), dtype=np.uint64)
+        far[:, 0] = np.uint64(remote.base_addr) + regions[:, 1].astype(np.uint64)
+        far[:, 1] = regions[:, 2].astype(np.uint64)
+        far[:, 2] = remote.device_id
+        handle = self._agent.initialize_xfer(
+            "READ", self._agent.get_xfer_descs(local, self.mem_type),
+            self._agent.get_xfer_descs(far, remote.mem_type), remote.name, notif)
         return handle, self._agent.transfer(handle)
 
     def check(self, handle: Any) -> str:

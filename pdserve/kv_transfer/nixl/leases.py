@@ -1,8 +1,9 @@
 """Leases on blocks this instance keeps for a remote reader (thread-safe).
 
 A finished request's blocks stay allocated (the scheduler's ``delay_free``) until one of:
-the reader's "done" notification (the READ completed), the reader's "abort" notification,
-or the end of the lease (counted as an expired request). Heartbeats from a reader whose request
+the reader's "done" notifications (the READs completed: as many as each notice says, one per
+reader rank that tells this rank, see :mod:`.tp_plan`), a reader's "abort" notification, or the
+end of the lease (counted as an expired request). Heartbeats from a reader whose request
 still waits in its queue extend a renewable lease; a successful claim (the reader's check right
 before its READ) extends it too. The side-channel thread claims; the engine thread does the rest.
 """
@@ -42,6 +43,7 @@ class Lease:
     renewable: bool = True
     token_ids: list[int] | None = None
     first_token: int | None = None
+    dones: int = 0  # "done" notices received so far
 
 
 class LeaseTable:
@@ -51,7 +53,8 @@ class LeaseTable:
         self._lock = threading.RLock()
         self._leases: dict[str, Lease] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()
-        self._early: dict[str, tuple[str, float]] = {}  # notices seen before their lease
+        # notices seen before their lease: req_id -> (kind, forget-at, dones, expected)
+        self._early: dict[str, tuple[str, float, int, int]] = {}
 
     def __len__(self) -> int:
         with self._lock:
@@ -85,7 +88,13 @@ class LeaseTable:
                                          first_token)
             self._closed.pop(req_id, None)
             early = self._early.pop(req_id, None)
-        return early[0] if early else None
+            if early is None:
+                return None
+            kind, _, dones, expected = early
+            if kind == "done" and dones < expected:
+                self._leases[req_id].dones = dones
+                return None
+            return kind
 
     def close(self, req_id: str, reason: str) -> bool:
         """End a lease (read done, aborted, released). Returns True when it existed."""
@@ -108,13 +117,34 @@ class LeaseTable:
             self._remember(req_id, "released: the decode leg will not read it")
             return True
 
-    def note_unknown(self, req_id: str, kind: str, now: float | None = None) -> None:
-        """Remember a done/abort notice for a lease not registered yet."""
+    def done(self, req_id: str, expected: int = 1, now: float | None = None) -> bool:
+        """A reader's "done" notice: ends the lease once ``expected`` of them arrived (a notice
+        for a lease not registered yet is remembered). Returns True when the lease ended."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None:
+                self.note_unknown(req_id, "done", expected, now)
+                return False
+            lease.dones += 1
+            if lease.dones < expected:
+                return False
+            del self._leases[req_id]
+            self._remember(req_id, "read done")
+            return True
+
+    def note_unknown(self, req_id: str, kind: str, expected: int = 1,
+                     now: float | None = None) -> None:
+        """Remember a done/abort notice for a lease not registered yet ("done" notices are
+        counted; an "abort" wins)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             if req_id in self._closed:
                 return
-            self._early[req_id] = (kind, now + _EARLY_NOTICE_TTL_S)
+            prev = self._early.get(req_id)
+            if kind == "done" and prev is not None and prev[0] == "abort":
+                return
+            dones = (prev[2] if prev is not None else 0) + (kind == "done")
+            self._early[req_id] = (kind, now + _EARLY_NOTICE_TTL_S, dones, expected)
 
     def renew(self, req_id: str, now: float | None = None) -> bool:
         """Heartbeat: extend a renewable lease to ``now + duration``. True if extended."""
@@ -184,7 +214,7 @@ class LeaseTable:
         early notices), or None when there is none."""
         with self._lock:
             times = [lease.expiry for lease in self._leases.values()]
-            times.extend(t for _, t in self._early.values())
+            times.extend(t for _, t, _, _ in self._early.values())
         return min(times, default=None)
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -204,7 +234,7 @@ class LeaseTable:
             for rid, _ in expired:
                 del self._leases[rid]
                 self._remember(rid, "lease expired")
-            for rid in [r for r, (_, t) in self._early.items() if t <= now]:
+            for rid in [r for r, (_, t, _, _) in self._early.items() if t <= now]:
                 del self._early[rid]
         return expired
 

@@ -14,6 +14,12 @@ A peer on this instance's GPU is read by a CUDA IPC copy (:mod:`.cuda_ipc`, "don
 completes) instead of the READ; in host-buffer mode (:mod:`.host_buffer`) the READ fills the
 pinned host mirror and a copy to the GPU follows (phase ``unstage``).
 
+Across TP sizes (:mod:`.tp_plan`): every reader rank claims the lease at the owner's side
+channel (its rank 0) and posts one READ per owner rank it reads (whole blocks, or the byte
+regions of a head slice), each carrying a "done" for that owner rank with the count of notices
+it expects; when the READs are over the reader tells the owner ranks it notifies but did not
+read ("done" by notification). A failure tells every one of them ("abort").
+
 Restarted peers: a claim answered by another ``instance_id`` than the handshaken one (the owner
 restarted, with the same engine id or on the same host and port) drops the cached agent and
 sends the load back to the handshake; a READ that cannot be posted (``NIXL_ERR_REMOTE_DISCONNECT``)
@@ -34,7 +40,7 @@ from pdserve.kv_transfer.nixl import host_buffer
 from pdserve.kv_transfer.nixl.agent import NixlAgent, block_runs
 from pdserve.kv_transfer.nixl.metadata import RecvSpec, RemoteEndpoint, RemoteNotice
 from pdserve.kv_transfer.nixl.notifications import encode_notif
-from pdserve.kv_transfer.nixl.remotes import HandshakeFailure, RemoteRegistry
+from pdserve.kv_transfer.nixl.remotes import HandshakeFailure, RemoteRegistry, RemoteState
 from pdserve.kv_transfer.nixl.side_channel import SideChannelClient, SideChannelTimeout
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.kv_transfer.nixl.transfer_path import TransferPaths
@@ -58,7 +64,7 @@ class Load:
     spec: RecvSpec
     phase: str = "handshake"  # handshake -> claim -> xfer (-> unstage: host-buffer mode)
     claim: int | None = None  # SideChannelClient ticket
-    handle: Any = None
+    handles: list[Any] = field(default_factory=list)  # one per owner rank read
     mover: Any = None  # what posted the read: the NixlAgent or a CudaIpcPeer (same interface)
     unstage: Any = None  # host-buffer mode: the mirror -> GPU copy after the READ
     t_start: float = field(default_factory=time.perf_counter)  # handed to the worker
@@ -70,6 +76,9 @@ class Load:
     aborted: bool = False
     rehandshakes: int = 0  # times the remote turned out to have restarted
     first_token: int | None = None  # the owner's first output token, from the claim answer
+    nbytes: int = 0  # bytes the READs move
+    ndesc: int = 0  # their descriptors
+    read_ranks: tuple[int, ...] = ()  # owner ranks read (their "done" rides on the READ)
 
 
 class LoadTracker:
@@ -254,20 +263,52 @@ class LoadTracker:
                                   f"the NIXL READ's remote went away ({why})", forget=False)
         self.remotes.forget(endpoint, why)
 
+    def _post_reads(self, load: Load, remote: RemoteState) -> list[str]:
+        """Post the READs of a load (one per owner rank it reads) and return their states;
+        records what they move. Raises what posting raises (posted READs are released)."""
+        spec = load.spec
+        route = remote.route
+        if remote.ipc is not None:  # same GPU: CUDA IPC copy, "done" sent when it finishes
+            handle, state = remote.ipc.post_read(spec.local_block_ids, spec.remote_read_block_ids)
+            load.handles = [handle]
+            load.nbytes = len(spec.local_block_ids) * self.agent.block_bytes
+            load.ndesc = len(block_runs(spec.local_block_ids, spec.remote_read_block_ids))
+            return [state]
+        states: list[str] = []
+        load.nbytes = load.ndesc = 0
+        try:
+            for read in route.reads:
+                owner = remote.agents[read.src_rank]
+                notif = encode_notif("done", spec.remote.request_id, route.expected[read.src_rank])
+                if route.whole(read):
+                    handle, state = self.agent.post_read(
+                        owner, spec.local_block_ids, spec.remote_read_block_ids, notif)
+                    load.ndesc += len(block_runs(spec.local_block_ids,
+                                                 spec.remote_read_block_ids))
+                    load.nbytes += len(spec.local_block_ids) * owner.block_bytes
+                else:
+                    regions = route.regions(read, spec.local_block_ids,
+                                            spec.remote_read_block_ids)
+                    handle, state = self.agent.post_regions(owner, regions, notif)
+                    load.ndesc += len(regions)
+                    load.nbytes += int(regions[:, 2].sum())
+                load.handles.append(handle)
+                states.append(state)
+        except Exception:
+            for handle in load.handles:
+                self.agent.release(handle)
+            load.handles = []
+            raise
+        load.read_ranks = tuple(sorted({r.src_rank for r in route.reads}))
+        return states
+
     def _post(self, req_id: str, load: Load, now: float) -> None:
         spec = load.spec
         remote = self.remotes.get(spec.remote.endpoint)
         t0 = time.perf_counter()
         load.mover = remote.ipc or self.agent
         try:
-            if remote.ipc is not None:  # same GPU: CUDA IPC copy, "done" sent when it finishes
-                handle, state = remote.ipc.post_read(spec.local_block_ids,
-                                                     spec.remote_read_block_ids)
-            else:
-                handle, state = self.agent.post_read(
-                    remote.agent, spec.local_block_ids, spec.remote_read_block_ids,
-                    encode_notif("done", spec.remote.request_id),
-                )
+            states = self._post_reads(load, remote)
         except Exception as e:
             if remote.ipc is not None:
                 self._fail(req_id, KVLoadFailure.TRANSPORT, f"posting the CUDA IPC copy failed: {e}",
@@ -285,13 +326,12 @@ class LoadTracker:
             return
         load.post_s = time.perf_counter() - t0
         load.t_post = t0
-        load.handle = handle
         load.phase = "xfer"
         load.deadline = now + self.config.kv_transfer_timeout
-        if state == "ERR":
+        if "ERR" in states:
             self._xfer_failed(req_id, load, KVLoadFailure.TRANSPORT,
                               "the NIXL READ failed when posted")
-        elif state == "DONE":
+        elif all(state == "DONE" for state in states):
             self._xfer_done(req_id, load)
 
     # ---------------------------------------------------------------------------- polling
@@ -304,10 +344,10 @@ class LoadTracker:
                 continue
             if load.phase != "xfer":
                 continue
-            state = load.mover.check(load.handle)
-            if state == "DONE":
+            states = [load.mover.check(handle) for handle in load.handles]
+            if all(state == "DONE" for state in states):
                 self._xfer_done(req_id, load)
-            elif state == "ERR":
+            elif "ERR" in states:
                 self._xfer_failed(req_id, load, KVLoadFailure.TRANSPORT, "the NIXL READ failed")
             elif now > load.deadline:
                 self._xfer_failed(
@@ -325,22 +365,27 @@ class LoadTracker:
             if not host_buffer.HostMirror.done(load.unstage):
                 return  # finished by poll()
         elapsed = time.perf_counter() - load.t_post
-        tele = load.mover.telemetry(load.handle)
-        load.mover.release(load.handle)
-        nbytes = len(spec.local_block_ids) * self.agent.block_bytes
-        ndesc = len(block_runs(spec.local_block_ids, spec.remote_read_block_ids))
-        xfer_s = elapsed
-        if tele is not None:
-            if tele[1] > 0:
-                xfer_s = tele[1]
-            if tele[3] > 0:
-                ndesc = tele[3]
+        teles = [load.mover.telemetry(handle) for handle in load.handles]
+        for handle in load.handles:
+            load.mover.release(handle)
+        load.handles = []
+        nbytes, ndesc, xfer_s = load.nbytes, load.ndesc, elapsed
+        if teles and all(t is not None for t in teles):
+            if all(t[1] > 0 for t in teles):
+                xfer_s = max(t[1] for t in teles)  # READs of several owner ranks run together
+            if all(t[3] > 0 for t in teles):
+                ndesc = sum(t[3] for t in teles)
         if mirror is not None:  # host-buffer mode: the READ and the copy to the GPU
             xfer_s = elapsed
         self._stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)
         self._paths.observe(spec.remote.endpoint.engine_id, nbytes, xfer_s)
         if load.mover is not self.agent:  # a CUDA IPC copy: tell the owner as NIXL would
             self._notify(RemoteNotice(spec.remote, "done"))
+        else:  # owner ranks this rank notifies without reading them
+            remote = self.remotes.get(spec.remote.endpoint)
+            for rank in (remote.route.targets if remote is not None else ()):
+                if rank not in load.read_ranks:
+                    self._notify(RemoteNotice(spec.remote, "done", tp_rank=rank))
         del self._loads[req_id]
         out = self._output()
         out.finished_recving.add(req_id)
@@ -356,8 +401,9 @@ class LoadTracker:
 
     def _xfer_failed(self, req_id: str, load: Load, kind: KVLoadFailure, reason: str,
                      forget: bool = True) -> None:
-        (load.mover or self.agent).release(load.handle)
-        load.handle = None
+        for handle in load.handles:
+            (load.mover or self.agent).release(handle)
+        load.handles = []
         self._fail(req_id, kind, reason, notify_remote=True)
         if forget and kind is KVLoadFailure.TRANSPORT and load.spec.remote is not None:
             self.forget_remote(load.spec.remote.endpoint, reason)
@@ -391,6 +437,6 @@ class LoadTracker:
     def close(self) -> None:
         """Release the handles of READs still in flight."""
         for load in self._loads.values():
-            if load.handle is not None:
-                (load.mover or self.agent).release(load.handle)
+            for handle in load.handles:
+                (load.mover or self.agent).release(handle)
         self._loads.clear()

@@ -220,10 +220,13 @@ class RemoteNotice:
     Attributes:
         remote: the remote request.
         kind: ``"abort"`` (this instance will not read; free the blocks) or ``"done"``.
+        tp_rank: the remote TP rank to tell, or None for every remote rank this rank notifies
+            (:func:`~pdserve.kv_transfer.nixl.tp_plan.notice_targets`).
     """
 
     remote: RemoteKVRef
     kind: str
+    tp_rank: int | None = None
 
 
 @dataclass

@@ -1,19 +1,70 @@
 """The NIXL notification payloads pdserve sends between instances ("done", "abort",
-"heartbeat" for one of the owner's requests)."""
+"heartbeat" for one of the owner's requests; "release" between the ranks of one instance).
+
+Two encodings are read: ``pdserve1|kind|req_id`` (one notice closes a lease) and
+``pdserve2|`` + msgpack ``{"k": kind, "r": req_id, "n": expected, "b": block_ids}``, written
+since TP: ``expected`` is how many "done" notices the receiving owner rank gets for the request
+(:func:`pdserve.kv_transfer.nixl.tp_plan.expected_notices`), ``block_ids`` the ids of a
+"release" that rank 0 forwards to its sibling ranks.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import msgspec
+
 NOTIF_PREFIX = b"pdserve1|"
-NOTIF_KINDS = ("done", "abort", "heartbeat")
+NOTIF_PREFIX_V2 = b"pdserve2|"
+NOTIF_KINDS = ("done", "abort", "heartbeat", "release")
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
 
 
-def encode_notif(kind: str, req_id: str) -> bytes:
-    """Notification payload naming one of the owner's requests."""
-    return NOTIF_PREFIX + kind.encode() + b"|" + req_id.encode()
+@dataclass(frozen=True)
+class Notice:
+    """One decoded notification.
+
+    Attributes:
+        kind: ``"done"``, ``"abort"``, ``"heartbeat"`` or ``"release"``.
+        req_id: the owner's request id.
+        expected: "done" notices the owner rank receives for this request in all (>= 1).
+        block_ids: the lease's block ids (``"release"`` only), else None.
+    """
+
+    kind: str
+    req_id: str
+    expected: int = 1
+    block_ids: list[int] | None = None
 
 
-def decode_notif(msg: bytes) -> tuple[str, str] | None:
-    """``(kind, req_id)`` of a pdserve notification, or None for anything else."""
+def encode_notif(kind: str, req_id: str, expected: int = 1,
+                 block_ids: list[int] | None = None) -> bytes:
+    """Notification payload naming one of the owner's requests (see :class:`Notice`)."""
+    body: dict = {"k": kind, "r": req_id, "n": int(expected)}
+    if block_ids is not None:
+        body["b"] = list(block_ids)
+    return NOTIF_PREFIX_V2 + _encoder.encode(body)
+
+
+def decode_notif(msg: bytes) -> Notice | None:
+    """The :class:`Notice` of a pdserve notification, or None for anything else."""
+    if msg.startswith(NOTIF_PREFIX_V2):
+        try:
+            body = _decoder.decode(msg[len(NOTIF_PREFIX_V2):])
+        except msgspec.DecodeError:
+            return None
+        if not isinstance(body, dict):
+            return None
+        kind, req, n, blocks = body.get("k"), body.get("r"), body.get("n", 1), body.get("b")
+        if kind not in NOTIF_KINDS or not isinstance(req, str) or not isinstance(n, int) \
+                or isinstance(n, bool) or n < 1:
+            return None
+        if blocks is not None and not (isinstance(blocks, list)
+                                       and all(isinstance(b, int) for b in blocks)):
+            return None
+        return Notice(kind, req, n, blocks)
     if not msg.startswith(NOTIF_PREFIX):
         return None
     kind, sep, req = msg[len(NOTIF_PREFIX):].partition(b"|")
@@ -23,4 +74,4 @@ def decode_notif(msg: bytes) -> tuple[str, str] | None:
         kind_s, req_s = kind.decode(), req.decode()
     except UnicodeDecodeError:
         return None
-    return (kind_s, req_s) if kind_s in NOTIF_KINDS else None
+    return Notice(kind_s, req_s) if kind_s in NOTIF_KINDS[:3] else None

@@ -4,10 +4,13 @@ Each instance (prefiller and decoder alike, so KV can move in both directions) b
 ``ROUTER`` socket on its side-channel host/port and answers msgpack-encoded requests from other
 instances' ``REQ`` sockets:
 
-``{"type": "get_info"}``
-    -> ``{"ok": True, "info": {...}}``: the NIXL agent name and metadata, the KV cache base
-    address, ``block_bytes``, ``num_blocks``, memory type and device id, the compatibility
-    fields and their hash, the lease duration and the server's wall clock (for clock offsets).
+``{"type": "get_info"[, "tp_rank": int]}``
+    -> ``{"ok": True, "info": {...}}``: the compatibility fields and their hash, the lease
+    duration, ``tp_size`` and ``total_num_kv_heads``, the server's wall clock (for clock offsets),
+    and, for the TP rank named (default 0; rank 0 hosts the one side channel of an instance and
+    answers for every rank), that rank's NIXL agent name and metadata, KV cache base address,
+    ``block_bytes``, ``num_blocks``, memory type, device id, ``tp_rank`` and its global KV heads
+    ``head_start``, ``num_heads``. A rank outside the instance is answered ``ok: False``.
 ``{"type": "claim", "request_id": str, "block_ids": [int], "num_tokens": int, "token_digest": str}``
     -> ``{"ok": bool, "reason": str, "lease_expiry_in": float, "instance_id": str[,
     "first_token_id": int]}``: before reading, the reader
@@ -19,9 +22,12 @@ instances' ``REQ`` sockets:
     token the prefiller sampled (the decoder uses it, not the one a client relayed).
     ``instance_id`` (also in ``get_info``'s info) is new at every process start: a reader whose
     handshake named another instance knows the remote restarted and handshakes again.
-``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str}``
+``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str[, "tp_rank": int,
+"expected": int]}``
     -> ``{"ok": True}``: the same control messages as the NIXL notifications, for readers
     that could not load this agent's metadata (for example after a compatibility mismatch).
+    Without ``tp_rank`` a notice is for every TP rank of the instance (rank 0 forwards it);
+    ``expected`` is the count a "done" carries (:mod:`.notifications`).
     ``"kind": "release", "block_ids": [int]`` is the proxy's early release of a lease the
     decode leg will not read (:mod:`pdserve.kv_transfer.nixl.release`).
 
@@ -51,7 +57,7 @@ logger = logging.getLogger(__name__)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class SideChannelError(RuntimeError):
@@ -66,19 +72,40 @@ class SideChannelBindError(RuntimeError):
     """The side channel could not listen on its host/port (for example: port in use)."""
 
 
-def compat_fields(spec: KVCacheSpec, tp_size: int = 1) -> dict[str, Any]:
-    """The KV cache properties two instances must share for one to read the other's blocks."""
+def total_kv_heads(spec: KVCacheSpec) -> int:
+    """KV heads of the whole model (``spec.total_num_kv_heads``, or the rank's own at TP 1)."""
+    return spec.total_num_kv_heads or spec.num_kv_heads
+
+
+def compat_fields(spec: KVCacheSpec) -> dict[str, Any]:
+    """The KV cache properties two instances must share for one to read the other's blocks.
+    The TP sizes may differ (:mod:`.tp_plan` says who reads what); the model's KV heads may
+    not."""
     return {
         "protocol": PROTOCOL_VERSION,
         "model": spec.model_name,
         "dtype": spec.dtype,
         "num_layers": spec.num_layers,
-        "num_kv_heads": spec.num_kv_heads,
+        "total_num_kv_heads": total_kv_heads(spec),
         "head_dim": spec.head_dim,
         "block_size": spec.block_size,
         "layout": spec.layout,
-        "tp_size": tp_size,
     }
+
+
+def rank_info(info: dict[str, Any], tp_rank: Any) -> dict[str, Any] | str:
+    """The ``get_info`` answer for one TP rank of an instance whose info lists its ranks
+    (``info["ranks"]``, by rank); an info without that list answers as is. A reason string
+    when the rank is not in the instance."""
+    ranks = info.get("ranks")
+    if ranks is None:
+        return info
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or \
+            not 0 <= tp_rank < len(ranks):
+        return f"no TP rank {tp_rank!r} in an instance of TP size {len(ranks)}"
+    out = {k: v for k, v in info.items() if k != "ranks"}
+    out.update(ranks[tp_rank])
+    return out
 
 
 def compat_hash(fields: dict[str, Any]) -> str:
@@ -161,7 +188,8 @@ class SideChannelServer:
             ``"ok"``, ``"wait"`` (unknown yet, ask again) or ``"reject"``; called on the server
             thread, so it must be thread-safe.
         notify: ``notify(kind, request_id)``, or ``notify(kind, request_id, block_ids)`` when
-            the notice carries block ids; thread-safe.
+            the notice carries block ids, or ``notify(kind, request_id, block_ids, tp_rank,
+            expected)`` when it names TP fields; thread-safe.
         claim_wait_s: how long a ``"wait"`` claim is retried before it is rejected.
         instance_id: this process's instance id, sent with every claim answer.
 
@@ -230,8 +258,12 @@ class SideChannelServer:
             info = self._get_info()
             if info is None:
                 self._reply(ident, {"ok": False, "reason": "KV cache not registered yet"}, seq)
+                return
+            answer = rank_info(info, msg.get("tp_rank", 0))
+            if isinstance(answer, str):
+                self._reply(ident, {"ok": False, "reason": answer}, seq)
             else:
-                self._reply(ident, {"ok": True, "info": dict(info, time=time.time())}, seq)
+                self._reply(ident, {"ok": True, "info": dict(answer, time=time.time())}, seq)
         elif kind == "claim":
             req_id, block_ids = msg.get("request_id"), msg.get("block_ids")
             if not isinstance(req_id, str) or not isinstance(block_ids, list):
@@ -243,7 +275,16 @@ class SideChannelServer:
         elif kind == "notify":
             req_id, note = msg.get("request_id"), msg.get("kind")
             block_ids = msg.get("block_ids")
-            if isinstance(req_id, str) and isinstance(note, str) and block_ids is None:
+            tp_rank, expected = msg.get("tp_rank"), msg.get("expected", 1)
+            if "tp_rank" in msg or "expected" in msg:  # a notice for some TP rank(s)
+                if isinstance(req_id, str) and isinstance(note, str) and \
+                        (tp_rank is None or isinstance(tp_rank, int)) and \
+                        isinstance(expected, int) and expected >= 1:
+                    self._notify(note, req_id, block_ids, tp_rank, expected)
+                    self._reply(ident, {"ok": True}, seq)
+                else:
+                    self._reply(ident, {"ok": False, "reason": "malformed notify"}, seq)
+            elif isinstance(req_id, str) and isinstance(note, str) and block_ids is None:
                 self._notify(note, req_id)
                 self._reply(ident, {"ok": True}, seq)
             elif isinstance(req_id, str) and isinstance(note, str) and \

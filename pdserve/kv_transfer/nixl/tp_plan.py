@@ -232,3 +232,52 @@ def descriptors_per_request(total_heads: int, src_tp: int, dst_tp: int, num_laye
     ids = list(range(num_blocks)) if contiguous else list(range(0, 2 * num_blocks, 2))
     return sum(len(read_regions(r, src, dst, ids, ids))
                for j in range(dst_tp) for r in plan_reads(total_heads, src_tp, dst_tp, j))
+
+
+@dataclass(frozen=True)
+class Route:
+    """Everything one reader rank needs to read from one owner instance (fixed per pairing).
+
+    Attributes:
+        src_tp, dst_tp: the owner's and the reader's TP sizes.
+        reads: :func:`plan_reads` of this reader rank.
+        targets: :func:`notice_targets` of this reader rank.
+        expected: owner rank -> :func:`expected_notices`, for every target.
+        src, dst: the owner ranks' and this rank's cache geometry.
+    """
+
+    src_tp: int
+    dst_tp: int
+    reads: tuple[HeadRead, ...]
+    targets: tuple[int, ...]
+    expected: dict[int, int]
+    src: RankCache
+    dst: RankCache
+
+    def whole(self, read: HeadRead) -> bool:
+        """True when ``read`` moves whole blocks on both sides (see :func:`is_whole`)."""
+        return is_whole(read, self.src.heads, self.dst.heads)
+
+    def regions(self, read: HeadRead, dst_blocks: list[int], src_blocks: list[int]) -> np.ndarray:
+        """:func:`read_regions` of one of this route's reads."""
+        return read_regions(read, self.src, self.dst, dst_blocks, src_blocks)
+
+
+def plan_route(total_heads: int, src_tp: int, dst_tp: int, dst_rank: int, num_layers: int,
+               head_bytes: int) -> Route:
+    """The :class:`Route` of reader rank ``dst_rank``.
+
+    Args:
+        head_bytes: bytes of one head in one block, layer and K/V (``block_size * head_dim *
+            element_size``), the same on both sides.
+
+    Raises:
+        TPLayoutError: either side cannot hold ``total_heads`` by the ownership rule.
+    """
+    targets = notice_targets(total_heads, src_tp, dst_tp, dst_rank)
+    return Route(
+        src_tp, dst_tp, tuple(plan_reads(total_heads, src_tp, dst_tp, dst_rank)), targets,
+        {p: expected_notices(total_heads, src_tp, dst_tp, p) for p in targets},
+        RankCache(num_layers, heads_per_rank(total_heads, src_tp), head_bytes),
+        RankCache(num_layers, heads_per_rank(total_heads, dst_tp), head_bytes),
+    )

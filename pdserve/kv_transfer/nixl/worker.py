@@ -1,8 +1,10 @@
 """Worker side of the NIXL connector: moves KV blocks between instances.
 
-One :class:`NixlConnectorWorker` per engine-core process. It owns the NIXL agent (KV cache
-registered once), the side-channel server (so every instance can be read from, in both
-directions), the lease table of blocks kept for remote readers (:mod:`.leases`), heartbeats and
+One :class:`NixlConnectorWorker` per tensor-parallel rank, in that rank's process. It owns the
+rank's NIXL agent (its KV shard registered once), on rank 0 the instance's side-channel server
+(so every instance can be read from, in both directions; it answers handshakes for every rank,
+whose agent metadata the ranks exchange at registration, and forwards side-channel notices to
+the other ranks by NIXL notification), the lease table of blocks kept for remote readers (:mod:`.leases`), heartbeats and
 notices to remote owners, and the wake-up and polling schedule of the engine loop. Its own loads
 live in :mod:`.loads` (handshake, claim, READ, failure) and the handshaken remote engines in
 :mod:`.remotes`. Nothing here blocks the engine loop: handshakes and side-channel notices run on
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.outputs import KVConnectorOutput
-from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
+from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide, TPRank
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.nixl import cuda_ipc, host_buffer
 from pdserve.kv_transfer.nixl.agent import NixlAgent
@@ -49,17 +51,19 @@ from pdserve.kv_transfer.nixl.metadata import (
     RemoteKVRef,
     RemoteNotice,
 )
-from pdserve.kv_transfer.nixl.notifications import decode_notif, encode_notif
+from pdserve.kv_transfer.nixl.notifications import Notice, decode_notif, encode_notif
 from pdserve.kv_transfer.nixl.release import RELEASE_NOTICE
-from pdserve.kv_transfer.nixl.remotes import RemoteRegistry, RemoteState
+from pdserve.kv_transfer.nixl.remotes import LocalKV, RemoteRegistry, RemoteState
 from pdserve.kv_transfer.nixl.side_channel import (
     SideChannelClient,
     SideChannelServer,
     compat_fields,
     compat_hash,
     side_channel_request,
+    total_kv_heads,
 )
 from pdserve.kv_transfer.nixl.stats import StatsRecorder, TransferStats
+from pdserve.kv_transfer.nixl.tp_plan import rank_heads
 from pdserve.kv_transfer.nixl.transfer_path import SameHostTransport, TransferPaths
 from pdserve.kv_transfer.wakeup import Waker
 
@@ -88,13 +92,18 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
     Args:
         config: the validated transfer configuration.
         data_parallel_rank: selects the side-channel port (``base + rank``).
+        tp: this worker's tensor-parallel rank; rank 0 hosts the side channel.
 
     Raises:
         NixlUnavailableError: a configured backend is missing from this NIXL build.
         SideChannelBindError: the side-channel port is in use.
     """
 
-    def __init__(self, config: KVTransferConfig, data_parallel_rank: int = 0):
+    def __init__(self, config: KVTransferConfig, data_parallel_rank: int = 0,
+                 tp: TPRank = TPRank()):
+        if not 0 <= tp.rank < tp.size or (tp.size > 1 and tp.all_gather is None):
+            raise ValueError(f"bad TP rank {tp.rank} of {tp.size} (TP > 1 needs all_gather)")
+        self.tp = tp
         self.config = config
         self.engine_id = config.engine_id
         self.side_channel_host = config.side_channel_host
@@ -102,13 +111,15 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         # New per process start: readers tell a restarted peer from the one they handshook with.
         self.instance_id = secrets.token_hex(8)
         self.agent = NixlAgent(
-            f"pdserve-{config.engine_id}-dp{data_parallel_rank}-{self.instance_id}",
+            f"pdserve-{config.engine_id}-dp{data_parallel_rank}-tp{tp.rank}-{self.instance_id}",
             config.backends, progress_thread=config.nixl_progress_thread,
         )
         self.leases = LeaseTable()
         self.spec: KVCacheSpec | None = None
         self._info: dict[str, Any] | None = None
         self._compat: dict[str, Any] | None = None
+        self._local: LocalKV | None = None
+        self._siblings: dict[int, str] = {}  # rank 0: the other ranks' agent names
         self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="nixl-sidechan")
         self._heartbeats: dict[str, _Heartbeat] = {}
         self._pending_notices: list[RemoteNotice] = []
@@ -125,13 +136,16 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         # Lease claims: non-blocking requests from the engine thread over persistent connections.
         self._client = SideChannelClient()
         self.remotes = RemoteRegistry(config, self.agent, self._pool, self._client,
-                                      lambda: self._compat, self._waker.wake, self._connect_ipc)
+                                      lambda: self._local, self._waker.wake, self._connect_ipc)
         self.loads = LoadTracker(config, self.agent, self.remotes, self._client, self.stats,
                                  lambda: self._out, lambda n: self._pending_notices.append(n),
                                  lambda: self._mirror, self.paths)
-        # (kind, req_id, block_ids) notices received by the side-channel thread, applied on the
-        # engine thread
-        self._side_notices: queue.SimpleQueue[tuple[str, str, Any]] = queue.SimpleQueue()
+        # (notice, tp_rank) received by the side-channel thread (tp_rank None: for every rank),
+        # applied or forwarded on the engine thread
+        self._side_notices: queue.SimpleQueue[tuple[Notice, int | None]] = queue.SimpleQueue()
+        self.side_channel: SideChannelServer | None = None
+        if tp.rank != 0:
+            return
         self.side_channel = SideChannelServer(
             self.side_channel_host,
             self.side_channel_port,
@@ -162,6 +176,13 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                     spec.head_dim)
         if tuple(kv_cache.shape) != expected:
             raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} != spec {expected}")
+        if self.tp.size > 1 and not spec.total_num_kv_heads:
+            raise ValueError("a TP > 1 KV cache spec must give total_num_kv_heads")
+        heads = rank_heads(total_kv_heads(spec), self.tp.size, self.tp.rank)  # TPLayoutError
+        if heads.count != spec.num_kv_heads:
+            raise ValueError(
+                f"TP rank {self.tp.rank} of {self.tp.size} must hold {heads.count} of the "
+                f"{total_kv_heads(spec)} KV heads, the KV cache spec says {spec.num_kv_heads}")
         if mirrored:  # host-buffer mode (host_buffer.py): NIXL moves the pinned host mirror
             self._mirror = host_buffer.HostMirror(kv_cache)
             self._same_host = SameHostTransport.NIXL
@@ -169,26 +190,46 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.spec = spec
         self._kv_cache = kv_cache
         self._compat = compat_fields(spec)
-        info = {
-            "engine_id": self.engine_id,
+        self._local = LocalKV(self.engine_id, self._compat, self.tp, spec.num_kv_heads,
+                              spec.block_size * spec.head_dim * spec.element_size)
+        mine = {
             "agent_name": self.agent.name,
-            "instance_id": self.instance_id,
             "agent_metadata": self.agent.metadata(),
             "kv_base_addr": self.agent.base_addr,
             "block_bytes": spec.block_bytes,
             "num_blocks": spec.num_blocks,
             "mem_type": self.agent.mem_type,
             "device_id": self.agent.device_id,
+            "tp_rank": self.tp.rank,
+            "head_start": heads.start,
+            "num_heads": heads.count,
+            "instance_id": self.instance_id,
+        }
+        # every rank's agent, for rank 0's side channel (one collective, at the same point of
+        # start-up on every rank)
+        ranks = self.tp.all_gather(mine) if self.tp.size > 1 else [mine]
+        info = {
+            "engine_id": self.engine_id,
+            "instance_id": ranks[0]["instance_id"],  # the instance's: rank 0 answers claims
             "compat": self._compat,
             "compat_hash": compat_hash(self._compat),
             "lease_duration": self.config.kv_lease_duration,
-            **cuda_ipc.handshake_fields(kv_cache),  # host_id, pid, gpu_uuid, cuda_ipc
+            "tp_size": self.tp.size,
+            "total_num_kv_heads": total_kv_heads(spec),
+            "ranks": [{k: v for k, v in r.items() if k != "instance_id"} for r in ranks],
         }
+        if self.tp.size == 1:  # same-GPU CUDA IPC reads: TP 1 on both sides
+            info.update(cuda_ipc.handshake_fields(kv_cache))  # host_id, pid, gpu_uuid, cuda_ipc
         self._info = info
+        if self.tp.rank == 0:  # rank 0 forwards side-channel notices to the other ranks
+            self._siblings = {r: self.agent.load_agent(ranks[r]["agent_metadata"])
+                              for r in range(1, self.tp.size)}
         logger.info(
-            "NIXL: registered KV cache (%s, %d blocks x %d bytes) for engine %s; side channel "
-            "%s:%d", self.agent.mem_type, spec.num_blocks, spec.block_bytes, self.engine_id,
-            self.side_channel_host, self.side_channel_port,
+            "NIXL: registered KV cache (%s, %d blocks x %d bytes, TP rank %d of %d, KV heads "
+            "%d..%d) for engine %s; side channel %s:%d", self.agent.mem_type, spec.num_blocks,
+            spec.block_bytes, self.tp.rank, self.tp.size, heads.start,
+            heads.start + heads.count - 1, self.engine_id, self.side_channel_host,
+            self.side_channel_port,
         )
 
     # --------------------------------------------------------------------------- step inputs
@@ -359,24 +400,43 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.loads.progress(now)
 
     # -------------------------------------------------------------------------- notifications
-    def _on_side_channel_notice(self, kind: str, req_id: str, block_ids: Any = None) -> None:
-        """Side-channel thread: queue a notice for the engine thread and wake it."""
-        self._side_notices.put((kind, req_id, block_ids))
+    def _on_side_channel_notice(self, kind: str, req_id: str, block_ids: Any = None,
+                                tp_rank: int | None = None, expected: int = 1) -> None:
+        """Side-channel thread: queue a notice (for TP rank ``tp_rank``, None: every rank) for
+        the engine thread and wake it."""
+        self._side_notices.put((Notice(kind, req_id, expected, block_ids), tp_rank))
         self._waker.wake()
 
-    def _apply_notice(self, kind: str, req_id: str, block_ids: Any = None) -> None:
+    def _apply_notice(self, notice: Notice) -> None:
+        req_id, kind = notice.req_id, notice.kind
         if kind == RELEASE_NOTICE:  # the proxy: the decode leg will not read these blocks
-            if self.leases.release_early(req_id, block_ids):
+            if self.leases.release_early(req_id, notice.block_ids):
                 self._out.finished_sending.add(req_id)
                 self.stats.current.num_kv_leases_released_early += 1
                 logger.debug("NIXL: lease of request %s released early", req_id)
         elif kind == "heartbeat":
             self.leases.renew(req_id)
-        elif kind in ("done", "abort"):
-            if self.leases.close(req_id, "read done" if kind == "done" else "aborted by reader"):
+        elif kind == "done":
+            if self.leases.done(req_id, notice.expected):
+                self._out.finished_sending.add(req_id)
+        elif kind == "abort":
+            if self.leases.close(req_id, "aborted by reader"):
                 self._out.finished_sending.add(req_id)
             else:
                 self.leases.note_unknown(req_id, kind)
+
+    def _forward(self, notice: Notice, tp_rank: int | None) -> None:
+        """Rank 0: pass a side-channel notice on to the rank(s) it is for, by NIXL."""
+        ranks = self._siblings if tp_rank is None else \
+            {tp_rank: self._siblings[tp_rank]} if tp_rank in self._siblings else {}
+        for rank, name in ranks.items():
+            try:
+                self.agent.send_notif(name, encode_notif(notice.kind, notice.req_id,
+                                                         notice.expected, notice.block_ids))
+            except Exception as e:
+                self.stats.current.num_failed_notifications += 1
+                logger.warning("NIXL: forwarding a %s notice to TP rank %d failed: %s",
+                               notice.kind, rank, e)
 
     def _process_notifications(self) -> None:
         try:
@@ -390,27 +450,37 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 if parsed is None:
                     logger.warning("NIXL: ignoring an unknown notification %r", bytes(msg)[:64])
                     continue
-                self._apply_notice(*parsed)
+                self._apply_notice(parsed)
         while True:
             try:
-                kind, req_id, block_ids = self._side_notices.get_nowait()
+                notice, tp_rank = self._side_notices.get_nowait()
             except queue.Empty:
                 break
-            self._apply_notice(kind, req_id, block_ids)
+            if tp_rank is None or tp_rank == self.tp.rank:
+                self._apply_notice(notice)
+            if tp_rank != self.tp.rank:
+                self._forward(notice, tp_rank)
 
-    def _send_to(self, ref: RemoteKVRef, kind: str) -> None:
-        """Send one notification by NIXL if the remote agent is loaded, else by the side channel
-        in the background (so a notice never waits for a handshake)."""
+    def _send_to(self, ref: RemoteKVRef, kind: str, tp_rank: int | None = None) -> None:
+        """Send one notification to the remote ranks this rank notifies (or to ``tp_rank``) by
+        NIXL if the remote agents are loaded, else by the side channel in the background (so a
+        notice never waits for a handshake)."""
         remote = self.remotes.get(ref.endpoint)
         if remote is not None and remote.ready:
+            route = remote.route
+            ranks = route.targets if tp_rank is None else (tp_rank,)
             try:
-                self.agent.send_notif(remote.agent.name, encode_notif(kind, ref.request_id))
+                for rank in ranks:
+                    self.agent.send_notif(remote.agents[rank].name,
+                                          encode_notif(kind, ref.request_id, route.expected[rank]))
                 return
             except Exception as e:  # the peer vanished: forget it, send by the side channel
                 self.loads.forget_remote(ref.endpoint, f"a {kind} notification failed: {e}")
+        message = {"type": "notify", "kind": kind, "request_id": ref.request_id}
+        if tp_rank is not None and remote is not None and remote.route is not None:
+            message.update(tp_rank=tp_rank, expected=remote.route.expected[tp_rank])
         self._bg_notices.append(self._pool.submit(
-            side_channel_request, ref.endpoint.host, ref.endpoint.port,
-            {"type": "notify", "kind": kind, "request_id": ref.request_id},
+            side_channel_request, ref.endpoint.host, ref.endpoint.port, message,
             self.config.kv_handshake_timeout,
         ))
 
@@ -419,7 +489,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self._finish_handshakes()
             notices, self._pending_notices = self._pending_notices, []
             for notice in notices:
-                self._send_to(notice.remote, notice.kind)
+                self._send_to(notice.remote, notice.kind, notice.tp_rank)
         if self._bg_notices:
             still = []
             for fut in self._bg_notices:
@@ -445,7 +515,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
     def shutdown(self) -> None:
         """Stop the side channel and the thread pool, release transfers and the agent."""
         try:
-            self.side_channel.close()
+            if self.side_channel is not None:
+                self.side_channel.close()
         except Exception:
             pass
         self._pool.shutdown(wait=False, cancel_futures=True)
