@@ -7,7 +7,13 @@ ADDRESS (a ``multiprocessing.connection.Listener`` in the test) and serves comma
 initially holds ``i * 1000 + arange`` (or zeros with ``"zeros": true``), so a test can tell
 which remote block landed where.
 
-:class:`PeerProcess` is the test-side handle.
+One TP rank of an instance: with ``"tp": {"rank", "size", "init_method"}`` the process joins a
+gloo group of its instance's ranks, builds its worker side with a ``TPRank`` whose
+``all_gather`` is ``dist.all_gather_object``, and its cache holds its KV heads of the global
+``[num_blocks, L, 2, total_num_kv_heads, B, D]`` tensor :func:`tp_pattern` (every element its
+flat index + 1).
+
+:class:`PeerProcess` is the test-side handle; :class:`TPGroup` starts the ranks of one instance.
 """
 
 from __future__ import annotations
@@ -32,37 +38,81 @@ def block_pattern(block_id: int, numel: int):
     return torch.arange(numel, dtype=torch.float32) + float(block_id * 1000)
 
 
+def tp_pattern(geometry: dict[str, Any]):
+    """The global KV of a TP test instance, ``[num_blocks, L, 2, H, B, D]`` float32: every
+    element is its flat index + 1 (so it encodes block, layer, K/V, global head, token)."""
+    import torch
+
+    g = geometry
+    shape = (g["num_blocks"], g["num_layers"], 2, g["total_num_kv_heads"], g["block_size"],
+             g["head_dim"])
+    return (torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32) + 1).reshape(shape)
+
+
+def _tp_rank(tp: dict[str, Any] | None):
+    """The worker's TPRank (a gloo group of the instance's ranks when ``tp`` is given)."""
+    from pdserve.kv_transfer.base import TPRank
+
+    if not tp:
+        return TPRank()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=tp["init_method"], rank=tp["rank"],
+                            world_size=tp["size"])
+
+    def all_gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * tp["size"]
+        dist.all_gather_object(out, obj)
+        return out
+
+    return TPRank(tp["rank"], tp["size"], all_gather)
+
+
 def _serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
     os.environ["PDSERVE_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     os.environ["PDSERVE_NIXL_SIDE_CHANNEL_PORT"] = str(spec["port"])
     import torch
 
+    torch.set_num_threads(1)
     from pdserve.kv_transfer.base import KVCacheSpec
     from pdserve.kv_transfer.config import KVTransferConfig
     from pdserve.kv_transfer.factory import create_connector
+    from pdserve.kv_transfer.nixl.tp_plan import rank_heads
 
     conn = Client(address, authkey=authkey)
     try:
         config = KVTransferConfig.from_dict(spec["config"])
-        worker = create_connector(config, "worker")
+        tp = _tp_rank(spec.get("tp"))
+        worker = create_connector(config, "worker", tp=tp)
     except Exception as e:  # report start-up errors to the test
         conn.send({"error": f"{type(e).__name__}: {e}"})
         return
     g = spec["geometry"]
+    total = g.get("total_num_kv_heads", 0)
+    heads = rank_heads(total, tp.size, tp.rank) if total else None
     kv_spec = KVCacheSpec(
         num_blocks=g["num_blocks"], block_size=g["block_size"], num_layers=g["num_layers"],
-        num_kv_heads=g["num_kv_heads"], head_dim=g["head_dim"], dtype="float32",
-        element_size=4, model_name=g.get("model", "tiny"),
+        num_kv_heads=heads.count if heads else g["num_kv_heads"], head_dim=g["head_dim"],
+        dtype="float32", element_size=4, model_name=g.get("model", "tiny"),
+        total_num_kv_heads=total,
     )
     shape = (kv_spec.num_blocks, kv_spec.num_layers, 2, kv_spec.num_kv_heads,
              kv_spec.block_size, kv_spec.head_dim)
     device = spec.get("device", "cpu")
     kv = torch.zeros(shape, dtype=torch.float32, device=device)
     per_block = kv[0].numel()
-    if not spec.get("zeros"):
+    if spec.get("zeros"):
+        pass
+    elif heads is not None:
+        kv.copy_(tp_pattern(g)[:, :, :, heads.start:heads.start + heads.count])
+    else:
         for i in range(kv_spec.num_blocks):
             kv[i].view(-1).copy_(block_pattern(i, per_block).to(device))
-    worker.register_kv_cache(kv, kv_spec)
+    try:
+        worker.register_kv_cache(kv, kv_spec)
+    except Exception as e:
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+        return
     conn.send({"ok": True, "engine_id": config.engine_id, "port": worker.side_channel_port,
                "num_blocks": kv_spec.num_blocks})
     while True:
@@ -79,6 +129,7 @@ def _serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
                 "invalid_block_ids": sorted(out.invalid_block_ids),
                 "first_tokens": dict(out.first_tokens),
                 "load_errors": {r: e.reason.name for r, e in out.load_errors.items()},
+                "load_error_details": {r: e.detail for r, e in out.load_errors.items()},
                 "stats": out.stats,
                 "pending": worker.has_pending_work(),
                 "num_leases": len(worker.leases),
@@ -111,14 +162,19 @@ class PeerProcess:
         geometry: ``num_blocks, block_size, num_layers, num_kv_heads, head_dim`` (+ ``model``).
         zeros: start with an all-zero KV cache.
         device: torch device of the KV cache (``"cpu"``, ``"cuda:1"``, ...).
+        tp: ``{"rank", "size", "init_method"}`` for one rank of a TP instance (see the module
+            docstring), or None.
+        wait: wait for the peer's hello (registration done); a TP group's ranks register
+            together, so :class:`TPGroup` starts them all first and waits afterwards.
     """
 
     def __init__(self, config: dict[str, Any], port: int, geometry: dict[str, Any],
-                 zeros: bool = False, timeout_s: float = 60.0, device: str = "cpu"):
+                 zeros: bool = False, timeout_s: float = 60.0, device: str = "cpu",
+                 tp: dict[str, Any] | None = None, wait: bool = True):
         authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         spec = {"config": config, "port": port, "geometry": geometry, "zeros": zeros,
-                "device": device}
+                "device": device, "tp": tp}
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE), repr(self._listener.address), authkey.hex(),
              json.dumps(spec)],
@@ -129,8 +185,18 @@ class PeerProcess:
         except Exception:
             self.kill()
             raise
-        self.hello = self.conn.recv()
         self.geometry = geometry
+        self.hello: dict[str, Any] = {}
+        if wait:
+            self.wait_hello(timeout_s)
+
+    def wait_hello(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Wait for the peer's hello (``{"ok": ...}`` after registration, or ``{"error"}``)."""
+        if not self.hello:
+            if not self.conn.poll(timeout_s):
+                raise TimeoutError(f"peer did not register its KV cache within {timeout_s} s")
+            self.hello = self.conn.recv()
+        return self.hello
 
     @property
     def engine_id(self) -> str:
@@ -207,6 +273,98 @@ class PeerProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         self._listener.close()
+
+
+class TPGroup:
+    """The ranks of one TP instance, each a :class:`PeerProcess`; rank 0 hosts the side
+    channel at ``port``.
+
+    Args:
+        config: ``--kv-transfer-config`` dict of the instance.
+        port: its side-channel port.
+        geometry: as for :class:`PeerProcess`, with ``total_num_kv_heads``.
+        size: the TP size.
+        zeros: start with all-zero KV caches.
+    """
+
+    def __init__(self, config: dict[str, Any], port: int, geometry: dict[str, Any],
+                 size: int, zeros: bool = False):
+        import tempfile
+
+        # a file store: no port to race for
+        self._store_dir = tempfile.TemporaryDirectory(prefix="pdserve-tp-")
+        init_method = f"file://{self._store_dir.name}/store"
+        self.size = size
+        self.ranks: list[PeerProcess] = []
+        self.reset()
+        try:
+            for rank in range(size):
+                self.ranks.append(PeerProcess(
+                    config, port, geometry, zeros=zeros, wait=False,
+                    tp={"rank": rank, "size": size, "init_method": init_method}))
+            for peer in self.ranks:
+                hello = peer.wait_hello()
+                if not hello.get("ok"):
+                    raise RuntimeError(f"TP rank failed to start: {hello}")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def engine_id(self) -> str:
+        return self.ranks[0].engine_id
+
+    @property
+    def port(self) -> int:
+        return self.ranks[0].port
+
+    def bind(self, metadata: Any) -> None:
+        """Bind the same step metadata on every rank (one scheduler drives them all)."""
+        for peer in self.ranks:
+            peer.bind(metadata)
+
+    def reset(self) -> None:
+        """Start new accumulated reports (see :meth:`step`)."""
+        self.accs = [{"finished_sending": set(), "finished_recving": set(),
+                      "invalid_block_ids": set(), "stats": [], "first_tokens": {},
+                      "load_errors": {}, "counts": {}} for _ in self.ranks]
+
+    def step(self) -> None:
+        """Step every rank once, adding to the accumulated reports ``self.accs`` (one per
+        rank, like :meth:`PeerProcess.step_until`'s; ``counts`` counts how often each request
+        was reported per key)."""
+        for peer, acc in zip(self.ranks, self.accs):
+            out = peer.step()
+            for key in ("finished_sending", "finished_recving"):
+                for req in out[key]:
+                    acc["counts"][(key, req)] = acc["counts"].get((key, req), 0) + 1
+            for key in ("finished_sending", "finished_recving", "invalid_block_ids",
+                        "first_tokens"):
+                acc[key].update(out[key])
+            acc["load_errors"].update(out.get("load_error_details", {}))
+            if out["stats"]:
+                acc["stats"].append(out["stats"])
+            acc["last"] = out
+
+    def step_until(self, predicate, others: tuple["TPGroup", ...] = (),
+                   timeout_s: float = 30.0) -> list[dict]:
+        """Step every rank (and the ranks of ``others``: without NIXL's progress thread an
+        owner progresses the reads of its memory when it polls) until ``predicate(acc)`` holds
+        for each rank's accumulated report; returns the reports."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for group in (self, *others):
+                group.step()
+            if all(predicate(acc) for acc in self.accs):
+                return self.accs
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"condition not met within {timeout_s} s; got {self.accs}")
+            time.sleep(0.002)
+
+    def shutdown(self) -> None:
+        for peer in self.ranks:
+            peer.shutdown()
+        self._store_dir.cleanup()
 
 
 if __name__ == "__main__":
