@@ -35,6 +35,9 @@ Clients: :func:`side_channel_request` (one blocking request on a fresh ``REQ`` s
 background threads only, never on the engine loop; :class:`SideChannelClient` sends requests
 tagged with a ``seq`` (echoed in the answer) without blocking over one persistent ``DEALER``
 connection per remote, for the engine thread.
+
+The module stays whole (past 450 lines): it is one protocol, the server, both clients and the
+compatibility fields they exchange.
 """
 
 from __future__ import annotations

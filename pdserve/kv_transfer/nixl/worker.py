@@ -26,6 +26,10 @@ Restarted peers: every worker picks a random ``instance_id`` when its process st
 its NIXL agent name, in its handshake info, and in every claim answer), so a reader tells a
 restarted owner from the one it handshook with (:mod:`.loads`); a notification that cannot be
 sent over NIXL (the peer vanished) drops the cached agent and goes by the side channel.
+
+The module stays whole (past 450 lines): leases, notices, heartbeats and wake-ups are the one
+engine-thread state every hook of this class touches; the parts that stand alone are modules of
+their own (loads, remotes, leases, side channel, the TP plan).
 """
 
 from __future__ import annotations
