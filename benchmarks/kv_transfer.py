@@ -16,6 +16,14 @@ NIXL READ, "done" notification). For each prompt length the script reports:
   within one GPU). With ``--layout fragmented`` the baseline is the same block gather done by
   ``index_copy_``.
 
+* ``--prefill-tp A --decode-tp B``: the owner is ``A`` processes and the reader ``B``, one TP
+  rank each (a gloo group per instance, agents exchanged at registration, each rank holding its
+  KV heads of ``--num-kv-heads`` in all); every reader rank reads its head slice (docs/
+  architecture.md, "KV transfer across TP sizes"). ``descs`` and ``MiB`` are then summed over the
+  reader ranks, ``xfer ms`` / ``load ms`` are the slowest rank's, and the plan of the pairing
+  (reads per reader rank, descriptors per request) is printed first. On CUDA rank ``r`` of P uses
+  GPU ``r`` and rank ``r`` of D GPU ``A + r`` (modulo the GPUs present).
+
 * ``path``: what carried the reads and the memory read into (``cuda_ipc/VRAM``: pdserve's
   same-GPU copy; ``nixl/VRAM``: a NIXL READ, UCX choosing the transport; ``nixl/DRAM``: a NIXL
   READ of host memory, e.g. host-buffer mode); ``--same-host-transport`` and
@@ -35,6 +43,7 @@ Examples::
     python benchmarks/kv_transfer.py --device cuda --geometry llama-8b --layout fragmented
     python benchmarks/kv_transfer.py --device cuda --same-gpu --geometry qwen3-0.6b \
         --lengths 4096 --same-host-transport nixl       # force NIXL between two processes
+    python benchmarks/kv_transfer.py --prefill-tp 2 --decode-tp 1 --lengths 512,2048
 """
 
 from __future__ import annotations
@@ -65,9 +74,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tp_rank(tp: dict[str, Any]):
+    """The worker's TPRank: a gloo group over the instance's ranks when its size is > 1."""
+    from pdserve.kv_transfer.base import TPRank
+
+    if tp["size"] == 1:
+        return TPRank()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=tp["init_method"], rank=tp["rank"],
+                            world_size=tp["size"])
+
+    def all_gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * tp["size"]
+        dist.all_gather_object(out, obj)
+        return out
+
+    return TPRank(tp["rank"], tp["size"], all_gather)
+
+
 def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blocks: int,
-                 same_host_transport: str = "auto", kv_buffer_device: str = "auto"):
-    """A NIXL worker side with a registered KV cache ``[num_blocks, L, 2, H, B, D]``."""
+                 same_host_transport: str = "auto", kv_buffer_device: str = "auto",
+                 tp: dict[str, Any] | None = None):
+    """A NIXL worker side with a registered KV cache ``[num_blocks, L, 2, H, B, D]`` (``H``:
+    this TP rank's KV heads)."""
     os.environ["PDSERVE_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     os.environ["PDSERVE_NIXL_SIDE_CHANNEL_PORT"] = str(port)
     import torch
@@ -75,12 +105,19 @@ def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blo
     from pdserve.kv_transfer.base import KVCacheSpec
     from pdserve.kv_transfer.config import KVTransferConfig
     from pdserve.kv_transfer.factory import create_connector
+    from pdserve.kv_transfer.nixl.tp_plan import rank_heads
 
+    tp = tp or {"rank": 0, "size": 1}
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    tp_rank = _tp_rank(tp)
+    heads = rank_heads(geo["num_kv_heads"], tp["size"], tp["rank"])
     dtype = getattr(torch, geo["dtype"])
     spec = KVCacheSpec(num_blocks=num_blocks, block_size=geo["block_size"],
-                       num_layers=geo["num_layers"], num_kv_heads=geo["num_kv_heads"],
+                       num_layers=geo["num_layers"], num_kv_heads=heads.count,
                        head_dim=geo["head_dim"], dtype=geo["dtype"],
-                       element_size=DTYPE_BYTES[geo["dtype"]], model_name="bench")
+                       element_size=DTYPE_BYTES[geo["dtype"]], model_name="bench",
+                       total_num_kv_heads=geo["num_kv_heads"])
     kv = torch.empty((num_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_size,
                       spec.head_dim), dtype=dtype, device=device)
     if role == "owner":
@@ -92,20 +129,24 @@ def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blo
     cfg = KVTransferConfig.from_dict({
         "kv_role": "kv_producer" if role == "owner" else "kv_consumer",
         "kv_buffer_device": kv_buffer_device,
+        "engine_id": f"bench-{role}",
         "kv_connector_extra_config": {"kv_lease_duration": 600, "kv_metrics_log_interval": 1e9,
-                                      "same_host_transport": same_host_transport},
+                                      "same_host_transport": same_host_transport,
+                                      # on CPU the owner progresses reads when it polls (below)
+                                      "nixl_progress_thread": device != "cpu"},
     })
-    worker = create_connector(cfg, "worker")
+    worker = create_connector(cfg, "worker", tp=tp_rank)
     worker.register_kv_cache(kv, spec)
     return worker, kv, spec, cfg.engine_id
 
 
 def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: int,
-                same_host_transport: str, kv_buffer_device: str) -> None:
+                same_host_transport: str, kv_buffer_device: str,
+                tp: dict[str, Any] | None = None) -> None:
     from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, SendSpec
 
     worker, _, _, engine_id = _make_worker("owner", port, device, geo, num_blocks,
-                                           same_host_transport, kv_buffer_device)
+                                           same_host_transport, kv_buffer_device, tp)
     conn.send(engine_id)
     while True:
         cmd, arg = conn.recv()
@@ -123,7 +164,7 @@ def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: i
             while arg not in worker.get_finished(set()).finished_sending:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"lease {arg} not released")
-                time.sleep(0.0005)
+                time.sleep(POLL_INTERVAL_S)
             conn.send(None)
         elif cmd == "stop":
             worker.shutdown()
@@ -132,14 +173,15 @@ def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: i
 
 
 def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, Any],
-                 num_blocks: int, same_host_transport: str, kv_buffer_device: str) -> None:
+                 num_blocks: int, same_host_transport: str, kv_buffer_device: str,
+                 tp: dict[str, Any] | None = None) -> None:
     import torch
 
     from pdserve.kv_transfer.nixl.metadata import (
         NixlConnectorMetadata, RecvSpec, RemoteEndpoint, RemoteKVRef)
 
     worker, kv, spec, _ = _make_worker("reader", port, device, geo, num_blocks,
-                                       same_host_transport, kv_buffer_device)
+                                       same_host_transport, kv_buffer_device, tp)
     conn.send(None)
     path = "?"  # the read path of the owner, reported once after the handshake
 
@@ -181,6 +223,20 @@ def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, 
             conn.send({"load_s": load_s, "xfer_s": stats["xfer_time_s"][0],
                        "post_s": stats["post_time_s"][0], "bytes": stats["bytes"][0],
                        "descs": stats["num_descriptors"][0], "path": path})
+        elif cmd == "copy_bytes":  # the baseline: one copy_ of the bytes all ranks read
+            nbytes, repeats = arg
+            n = max(1, nbytes // kv.element_size())
+            src = torch.ones(n, dtype=kv.dtype, device=copy_device)
+            dst = torch.empty(n, dtype=kv.dtype, device=device)
+            times = []
+            for _ in range(repeats + 1):  # the first one warms up
+                sync()
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                sync()
+                times.append(time.perf_counter() - t0)
+            del src, dst
+            conn.send(statistics.median(times[1:]))
         elif cmd == "copy":
             n_blocks, fragmented, repeats = arg
             block_elems = kv[0].numel()
@@ -208,17 +264,57 @@ def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, 
             return
 
 
-def _pick_devices(device: str, same_gpu: bool = False) -> tuple[str, str, str]:
-    """(owner device, reader device, baseline-copy source device)."""
+def _pick_devices(device: str, same_gpu: bool = False, prefill_tp: int = 1,
+                  decode_tp: int = 1) -> tuple[list[str], list[str], str]:
+    """(owner devices by rank, reader devices by rank, baseline-copy source device)."""
     if device == "cpu":
-        return "cpu", "cpu", "cpu"
+        return ["cpu"] * prefill_tp, ["cpu"] * decode_tp, "cpu"
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device")
-    if torch.cuda.device_count() >= 2 and not same_gpu:
-        return "cuda:0", "cuda:1", "cuda:0"
-    return "cuda:0", "cuda:0", "cuda:0"
+    count = torch.cuda.device_count()
+    if prefill_tp == decode_tp == 1:
+        if count >= 2 and not same_gpu:
+            return ["cuda:0"], ["cuda:1"], "cuda:0"
+        return ["cuda:0"], ["cuda:0"], "cuda:0"
+    owners = [f"cuda:{r % count}" for r in range(prefill_tp)]
+    readers = [f"cuda:{(0 if same_gpu else prefill_tp + r) % count}" for r in range(decode_tp)]
+    return owners, readers, owners[0]
+
+
+def _start_group(ctx, target, devices: list[str], port: int, *args: Any) -> list[tuple[Any, Any]]:
+    """Start one process per TP rank of an instance (``target(conn, port, device, *args,
+    tp)``); returns ``(process, connection)`` by rank."""
+    import tempfile
+
+    store = tempfile.mkdtemp(prefix="pdserve-bench-tp-")
+    out = []
+    for rank, device in enumerate(devices):
+        parent, child = ctx.Pipe()
+        tp = {"rank": rank, "size": len(devices), "init_method": f"file://{store}/store"}
+        proc = ctx.Process(target=target, args=(child, port, device, *args, tp))
+        proc.start()
+        out.append((proc, parent))
+    return out
+
+
+def _print_plan(heads: int, prefill_tp: int, decode_tp: int, num_layers: int) -> None:
+    from pdserve.kv_transfer.nixl.tp_plan import (
+        descriptors_per_request, heads_per_rank, pairing_error, plan_reads)
+
+    err = pairing_error(heads, prefill_tp, heads, decode_tp)
+    if err is not None:
+        raise SystemExit(f"P TP {prefill_tp} -> D TP {decode_tp} with {heads} KV heads: {err}")
+    print(f"# P TP {prefill_tp} ({heads_per_rank(heads, prefill_tp)} KV heads per rank) -> D TP "
+          f"{decode_tp} ({heads_per_rank(heads, decode_tp)} per rank), {heads} KV heads")
+    for j in range(decode_tp):
+        reads = ", ".join(f"P rank {r.src_rank} heads {r.src_head}..{r.src_head + r.count - 1}"
+                          for r in plan_reads(heads, prefill_tp, decode_tp, j))
+        print(f"#   D rank {j} reads {reads}")
+    print(f"# descriptors per request of n blocks in one run: "
+          f"{descriptors_per_request(heads, prefill_tp, decode_tp, num_layers, 1)} for n = 1, "
+          f"{descriptors_per_request(heads, prefill_tp, decode_tp, num_layers, 8)} for n = 8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,14 +338,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-buffer-device", choices=["auto", "cpu"], default="auto",
                     help="cpu with CUDA caches: host-buffer mode (NIXL moves pinned host "
                          "mirrors; the time includes the copy to the GPU)")
+    ap.add_argument("--prefill-tp", type=int, default=1, help="TP ranks of the owner (P)")
+    ap.add_argument("--decode-tp", type=int, default=1, help="TP ranks of the reader (D)")
     args = ap.parse_args(argv)
+    if args.prefill_tp < 1 or args.decode_tp < 1:
+        ap.error("--prefill-tp and --decode-tp must be at least 1")
 
     device = args.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    owner_dev, reader_dev, copy_dev = _pick_devices(device, args.same_gpu)
+    owner_devs, reader_devs, copy_dev = _pick_devices(device, args.same_gpu, args.prefill_tp,
+                                                      args.decode_tp)
     geo = dict(GEOMETRIES[args.geometry], dtype=args.dtype, block_size=args.block_size)
     for key in ("num_layers", "num_kv_heads", "head_dim"):
         if getattr(args, key) is not None:
@@ -260,28 +361,31 @@ def main(argv: list[str] | None = None) -> int:
     block_bytes = (geo["num_layers"] * 2 * geo["num_kv_heads"] * args.block_size
                    * geo["head_dim"] * DTYPE_BYTES[args.dtype])
     print(f"# KV geometry: {geo} -> {block_bytes / 1024:.1f} KiB per block, "
-          f"{block_bytes / args.block_size / 1024:.1f} KiB per token")
-    print(f"# owner on {owner_dev}, reader on {reader_dev}; {num_blocks} blocks per side "
-          f"({num_blocks * block_bytes / 2**30:.2f} GiB); layout {args.layout}; "
-          f"median of {args.repeats}; same_host_transport {args.same_host_transport}, "
-          f"kv_buffer_device {args.kv_buffer_device}")
+          f"{block_bytes / args.block_size / 1024:.1f} KiB per token (all TP ranks)")
+    _print_plan(geo["num_kv_heads"], args.prefill_tp, args.decode_tp, geo["num_layers"])
+    print(f"# owner on {','.join(owner_devs)}, reader on {','.join(reader_devs)}; {num_blocks} "
+          f"blocks per side ({num_blocks * block_bytes / 2**30:.2f} GiB over all ranks); layout "
+          f"{args.layout}; median of {args.repeats}; same_host_transport "
+          f"{args.same_host_transport}, kv_buffer_device {args.kv_buffer_device}")
 
     ctx = mp.get_context("spawn")
-    owner_conn, owner_child = ctx.Pipe()
-    reader_conn, reader_child = ctx.Pipe()
     owner_port, reader_port = _free_port(), _free_port()
-    owner = ctx.Process(target=_owner_main,
-                        args=(owner_child, owner_port, owner_dev, geo, num_blocks,
-                              args.same_host_transport, args.kv_buffer_device))
-    reader = ctx.Process(target=_reader_main,
-                         args=(reader_child, reader_port, reader_dev, copy_dev, geo, num_blocks,
-                               args.same_host_transport, args.kv_buffer_device))
-    owner.start()
-    reader.start()
+    common = (geo, num_blocks, args.same_host_transport, args.kv_buffer_device)
+    owners = _start_group(ctx, _owner_main, owner_devs, owner_port, *common)
+    readers = _start_group(ctx, _reader_main, reader_devs, reader_port, copy_dev, *common)
+    owner_conns = [c for _, c in owners]
+    reader_conns = [c for _, c in readers]
+
+    def ask(conns: list[Any], cmd: str, arg: Any) -> list[Any]:
+        for conn in conns:
+            conn.send((cmd, arg))
+        return [conn.recv() for conn in conns]
+
     rng = random.Random(args.seed)
     try:
-        owner_id = owner_conn.recv()
-        reader_conn.recv()
+        owner_id = [c.recv() for c in owner_conns][0]
+        for conn in reader_conns:
+            conn.recv()
         header = (f"{'tokens':>7} {'MiB':>9} {'descs':>6} {'load ms':>9} {'xfer ms':>9} "
                   f"{'GB/s':>7} {'post ms':>8} {'copy ms':>9} {'copy GB/s':>9} {'of copy':>8} "
                   f"{'path':>13}")
@@ -298,17 +402,26 @@ def main(argv: list[str] | None = None) -> int:
                     local_ids = rng.sample(range(num_blocks), n)
                 counter += 1
                 req_id = f"bench-{counter}"
-                owner_conn.send(("lease", (req_id, remote_ids)))
-                owner_conn.recv()
-                reader_conn.send(("read", (owner_id, owner_port, req_id, remote_ids, local_ids)))
-                row = reader_conn.recv()
-                owner_conn.send(("wait_released", req_id))
-                owner_conn.recv()
+                ask(owner_conns, "lease", (req_id, remote_ids))
+                for conn in owner_conns:  # the owners poll until their leases end
+                    conn.send(("wait_released", req_id))
+                ranks = ask(reader_conns, "read",
+                            (owner_id, owner_port, req_id, remote_ids, local_ids))
+                for conn in owner_conns:
+                    conn.recv()
+                row = {"load_s": max(r["load_s"] for r in ranks),
+                       "xfer_s": max(r["xfer_s"] for r in ranks),
+                       "post_s": max(r["post_s"] for r in ranks),
+                       "bytes": sum(r["bytes"] for r in ranks),
+                       "descs": sum(r["descs"] for r in ranks), "path": ranks[0]["path"]}
                 if rep > 0 or args.repeats == 0:
                     rows.append(row)
-            reader_conn.send(("copy", (n, args.layout == "fragmented", args.repeats)))
-            copy_s = reader_conn.recv()
             nbytes = rows[0]["bytes"]
+            if args.prefill_tp == args.decode_tp == 1:
+                reader_conns[0].send(("copy", (n, args.layout == "fragmented", args.repeats)))
+            else:
+                reader_conns[0].send(("copy_bytes", (nbytes, args.repeats)))
+            copy_s = reader_conns[0].recv()
             med = {k: statistics.median(r[k] for r in rows) for k in ("load_s", "xfer_s", "post_s")}
             descs = statistics.median(r["descs"] for r in rows)
             print(f"{length:>7} {nbytes / 2**20:>9.2f} {descs:>6.0f} {1e3 * med['load_s']:>9.3f} "
@@ -317,13 +430,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{nbytes / copy_s / 1e9:>9.2f} {copy_s / med['xfer_s']:>8.1%} "
                   f"{rows[-1]['path']:>13}", flush=True)
     finally:
-        for conn in (owner_conn, reader_conn):
+        for conn in owner_conns + reader_conns:
             try:
                 conn.send(("stop", None))
                 conn.recv()
             except (OSError, EOFError):
                 pass
-        for proc in (owner, reader):
+        for proc, _ in owners + readers:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()

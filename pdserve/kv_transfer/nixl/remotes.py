@@ -248,8 +248,7 @@ class RemoteRegistry:
                 remote.agents, remote.agent, remote.route = agents, agents[0], route
                 remote.info = infos[0]
                 remote.clock_offset_s = offset
-                if route.src_tp == route.dst_tp == 1:  # same-GPU copies: TP 1 on both sides
-                    remote.ipc = self._connect_ipc(remote, infos[0])
+                remote.ipc = self._connect_ipc(remote, infos[0])
                 self._new_clock_offsets[ep.key] = offset
                 logger.info("NIXL: handshake with engine %s at %s:%d done (%d remote blocks, "
                             "TP %d -> %d, reads from ranks %s)", ep.engine_id, ep.host, ep.port,

@@ -68,7 +68,7 @@ from pdserve.kv_transfer.nixl.side_channel import (
 )
 from pdserve.kv_transfer.nixl.stats import StatsRecorder, TransferStats
 from pdserve.kv_transfer.nixl.tp_plan import rank_heads
-from pdserve.kv_transfer.nixl.transfer_path import SameHostTransport, TransferPaths
+from pdserve.kv_transfer.nixl.transfer_path import ReadPath, SameHostTransport, TransferPaths
 from pdserve.kv_transfer.wakeup import Waker
 
 __all__ = ["NixlConnectorWorker", "XFER_POLL_INTERVAL_S", "XFER_SPIN_S", "decode_notif",
@@ -380,7 +380,13 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
     # ------------------------------------------------------------------- handshakes, loads
     def _connect_ipc(self, remote: RemoteState, info: dict[str, Any]) -> Any:
         """At a finished handshake: the CUDA IPC reader of a peer on this GPU, or None
-        (:func:`~pdserve.kv_transfer.nixl.cuda_ipc.connect_peer`)."""
+        (:func:`~pdserve.kv_transfer.nixl.cuda_ipc.connect_peer`); NIXL unless both
+        instances run TP 1 (a CUDA IPC copy moves whole blocks)."""
+        if not remote.route.src_tp == remote.route.dst_tp == 1:
+            self.paths.set_path(remote.endpoint.engine_id, ReadPath.NIXL,
+                                f"TP {remote.route.src_tp} -> {remote.route.dst_tp}",
+                                str(info.get("mem_type", "?")), self.agent.mem_type)
+            return None
         return cuda_ipc.connect_peer(self._same_host, self._kv_cache, info,
                                      remote.endpoint.engine_id, self.paths, self.agent.mem_type)
 
