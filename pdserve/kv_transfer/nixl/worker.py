@@ -82,6 +82,9 @@ logger = logging.getLogger(__name__)
 # finished background side-channel notices every BG_NOTICE_POLL_INTERVAL_S.
 NOTIF_POLL_INTERVAL_S = 0.01
 BG_NOTICE_POLL_INTERVAL_S = 0.05
+# TP ranks other than 0: a step this often while their loads or notices are under way (their
+# handshake, claim answers and notices cannot wake the engine loop of rank 0).
+TP_RANK_POLL_INTERVAL_S = 0.002
 
 
 @dataclass
@@ -338,6 +341,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         """Seconds until this worker needs an engine step although nothing woke the loop, or
         None when only a wake-up can give it work.
 
+        A rank other than 0 of a TP instance cannot wake the engine loop (its wake-ups are
+        consumed in its own process): while it has loads in any phase or notices to send it
+        asks for a step every :data:`TP_RANK_POLL_INTERVAL_S`.
+
         NIXL cannot wake the loop: a posted READ is polled every
         :data:`~pdserve.kv_transfer.nixl.loads.XFER_POLL_INTERVAL_S` (not at all for its first
         :data:`~pdserve.kv_transfer.nixl.loads.XFER_SPIN_S`, to catch short transfers at once),
@@ -348,6 +355,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         if self._pending_notices or not self._side_notices.empty():
             return 0.0
         waits: list[float] = []
+        if self.tp.rank != 0 and (len(self.loads) or self._bg_notices):
+            waits.append(TP_RANK_POLL_INTERVAL_S)
         if self._mirror is not None and self._mirror.pending():
             waits.append(XFER_POLL_INTERVAL_S)
         xfer = self.loads.next_poll_in()
