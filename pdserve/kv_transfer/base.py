@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,8 @@ class KVCacheSpec:
         dtype: torch dtype name, e.g. ``"bfloat16"``.
         element_size: bytes per element.
         model_name: served model identity (for the compatibility hash).
+        total_num_kv_heads: KV heads of the whole model (all TP ranks); 0 means equal to
+            num_kv_heads (TP 1).
     """
 
     num_blocks: int
@@ -69,6 +72,7 @@ class KVCacheSpec:
     dtype: str
     element_size: int
     model_name: str
+    total_num_kv_heads: int = 0
 
     @property
     def block_bytes(self) -> int:
@@ -81,6 +85,22 @@ class KVCacheSpec:
     @property
     def layout(self) -> str:
         return "NLKHBD"  # num_blocks, num_layers, k/v, heads, block_size, head_dim
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """Where one connector worker side sits in its instance's tensor-parallel group.
+
+    Attributes:
+        rank: this worker's TP rank, ``0 <= rank < size``.
+        size: the instance's TP size.
+        all_gather: collective over the instance's TP ranks: each rank passes one picklable
+            object and gets the list of every rank's object, by rank. None when ``size == 1``.
+    """
+
+    rank: int = 0
+    size: int = 1
+    all_gather: Callable[[Any], list[Any]] | None = None
 
 
 class KVLoadFailure(enum.Enum):

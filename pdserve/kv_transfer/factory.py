@@ -1,15 +1,16 @@
 """Create a KV connector side from a :class:`~pdserve.kv_transfer.config.KVTransferConfig`.
 
-The engine core creates both sides in its own process: the scheduler side for the Scheduler and
-the worker side for the ModelRunner (which then calls ``register_kv_cache``). The two sides
-share no object; they talk only through the per-step metadata and ``KVConnectorOutput``.
+The engine core creates the scheduler side for the Scheduler, and each tensor-parallel rank
+creates a worker side for its ModelRunner in its own process (rank 0: the engine-core process),
+which then calls ``register_kv_cache``. The sides share no object; they talk only through the
+per-step metadata and ``KVConnectorOutput``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
+from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide, TPRank
 from pdserve.kv_transfer.config import KVTransferConfig, KVTransferConfigError
 
 ROLES = ("scheduler", "worker")
@@ -19,6 +20,7 @@ def create_connector(
     kv_transfer_config: KVTransferConfig,
     role: str,
     engine_config: Any = None,
+    tp: TPRank = TPRank(),
 ) -> KVConnectorSchedulerSide | KVConnectorWorkerSide:
     """Build one side of the configured connector.
 
@@ -28,6 +30,8 @@ def create_connector(
         engine_config: the :class:`pdserve.config.EngineConfig` (the scheduler side reads
             ``block_size``, default 16 without one); ``extra["data_parallel_rank"]`` (default 0)
             selects the side-channel port ``base + rank``.
+        tp: the worker side's place in the instance's tensor-parallel group (the scheduler
+            side ignores it).
 
     Returns:
         A :class:`KVConnectorSchedulerSide` for ``"scheduler"``, a
@@ -35,7 +39,8 @@ def create_connector(
 
     Raises:
         ValueError: unknown role.
-        KVTransferConfigError: unknown connector.
+        KVTransferConfigError: unknown connector, or a connector without tensor-parallel
+            support for ``tp.size > 1``.
         NixlUnavailableError, SideChannelBindError: the worker side cannot start (missing NIXL
             backend, side-channel port in use).
     """
@@ -50,6 +55,9 @@ def create_connector(
 
         block_size = int(getattr(engine_config, "block_size", 16) or 16)
         return NixlConnectorScheduler(kv_transfer_config, block_size, data_parallel_rank=dp_rank)
+    if tp.size > 1:
+        raise KVTransferConfigError(
+            "the NixlConnector does not support tensor_parallel_size > 1 yet")
     from pdserve.kv_transfer.nixl.worker import NixlConnectorWorker
 
     return NixlConnectorWorker(kv_transfer_config, data_parallel_rank=dp_rank)
