@@ -47,6 +47,10 @@ class EngineConfig:
             changes (:mod:`pdserve.engine.kv_events`); None (the default) publishes nothing.
         kv_events_snapshot_endpoint: ZMQ endpoint answering snapshot requests (default: the
             events endpoint's host, port + 1).
+        tensor_parallel_size: TP ranks of this instance (``--tensor-parallel-size``): one
+            process and device per rank, each with its shard of the weights and the KV cache
+            (docs/architecture.md, "Tensor parallelism"); 1 runs the model in the engine-core
+            process.
     """
 
     model: str = DEFAULT_MODEL
@@ -71,6 +75,8 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_snapshot_endpoint: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # --- tensor parallelism
+    tensor_parallel_size: int = 1
 
     @property
     def name(self) -> str:

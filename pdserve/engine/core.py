@@ -84,15 +84,16 @@ def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int, nu
 
 
 def _create_connectors(kv_transfer_config: Any, engine_config: EngineConfig) -> tuple[Any, Any]:
-    """Both sides of the configured KV connector (scheduler side, worker side)."""
+    """Both sides of the configured KV connector (scheduler side, worker side). At TP > 1 the
+    worker side is None here: the executor creates one per rank, in the rank's process."""
     try:
         from pdserve.kv_transfer.factory import create_connector
     except ImportError as e:
         raise RuntimeError(f"a KV transfer config was given but no connector is available: {e}") from e
-    return (
-        create_connector(kv_transfer_config, "scheduler", engine_config),
-        create_connector(kv_transfer_config, "worker", engine_config),
-    )
+    scheduler_side = create_connector(kv_transfer_config, "scheduler", engine_config)
+    if engine_config.tensor_parallel_size > 1:
+        return scheduler_side, None
+    return scheduler_side, create_connector(kv_transfer_config, "worker", engine_config)
 
 
 class EngineCore:
@@ -123,10 +124,14 @@ class EngineCore:
         # runner until register_kv_cache below.
         if connectors is None and config.kv_transfer_config is not None:
             connectors = _create_connectors(config.kv_transfer_config, config)
+        self.runner = None
         try:
             self._build(config, runner, connectors)
         except BaseException:
-            for part in connectors or ():
+            # the runner too: at TP > 1 it owns worker processes that must not outlive us
+            for part in (*(connectors or ()), self.runner):
+                if part is None:
+                    continue
                 try:
                     part.shutdown()
                 except Exception:  # already failing: keep the first error
@@ -135,9 +140,9 @@ class EngineCore:
 
     def _build(self, config: EngineConfig, runner: Any, connectors: tuple[Any, Any] | None) -> None:
         if runner is None:
-            from pdserve.runner.model_runner import ModelRunner
+            from pdserve.executor import create_executor
 
-            runner = ModelRunner(config)
+            runner = create_executor(config)
         self.runner = runner
         self.model_info = runner.model_info
         self.num_blocks = int(runner.determine_num_blocks())
@@ -156,6 +161,8 @@ class EngineCore:
         self.connector_worker = None
         if connectors is not None:
             self.connector, self.connector_worker = connectors
+            if self.connector_worker is None:  # TP > 1: rank 0's, created by the executor
+                self.connector_worker = runner.connector_worker
             self.connector_worker.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)
             runner.set_kv_connector_worker(self.connector_worker)
         self.eos_token_ids = list(self.model_info.eos_token_ids or [])

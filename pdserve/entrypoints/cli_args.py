@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-snapshot-endpoint", default=None, metavar="ZMQ_ENDPOINT",
                    help="ZMQ REP endpoint serving KV event snapshots (default: the events "
                         "endpoint's port + 1)")
+    # --- tensor parallelism
+    p.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=1,
+                   help="shard the model over N devices, one process per rank (default 1)")
     return p
 
 
@@ -85,6 +88,7 @@ def engine_config_from_args(args: argparse.Namespace, kv_transfer_config: Any) -
         trust_remote_code=args.trust_remote_code,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_snapshot_endpoint=args.kv_events_snapshot_endpoint,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     for name in ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization",
                  "num_scheduler_steps"):

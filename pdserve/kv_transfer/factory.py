@@ -1,8 +1,9 @@
 """Create a KV connector side from a :class:`~pdserve.kv_transfer.config.KVTransferConfig`.
 
-The engine core creates both sides in its own process: the scheduler side for the Scheduler and
-the worker side for the ModelRunner (which then calls ``register_kv_cache``). The two sides
-share no object; they talk only through the per-step metadata and ``KVConnectorOutput``.
+The engine core creates the scheduler side for the Scheduler, and each tensor-parallel rank
+creates a worker side for its ModelRunner in its own process (rank 0: the engine-core process),
+which then calls ``register_kv_cache``. The sides share no object; they talk only through the
+per-step metadata and ``KVConnectorOutput``.
 """
 
 from __future__ import annotations

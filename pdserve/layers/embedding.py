@@ -1,4 +1,9 @@
-"""Token embedding and the LM head (which may share the embedding matrix)."""
+"""Token embedding and the LM head (which may share the embedding matrix), vocabulary-parallel:
+with TP size ``T`` rank ``r`` holds vocabulary rows ``[r*V/T, (r+1)*V/T)`` (Megatron-LM's
+``VocabParallelEmbedding``). The embedding sums the ranks' partial lookups with an all-reduce;
+the LM head all-gathers the ranks' logits, so every rank has the full ``[S, V]`` logits and
+samples the same tokens. At TP 1 both are a plain lookup / matmul.
+"""
 
 from __future__ import annotations
 
@@ -6,42 +11,98 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.layers.weights import new_parameter
+from pdserve.distributed.communication import tp_all_gather, tp_all_reduce
+from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pdserve.distributed.sharding import shard_range
+from pdserve.layers.weights import (
+    LoadedWeight,
+    default_weight_loader,
+    narrow_weight,
+    new_parameter,
+)
 
 
 class VocabEmbedding(nn.Module):
-    """Token ids -> embeddings.
+    """Token ids -> embeddings, the vocabulary split over the TP ranks.
 
     Args:
-        vocab_size, hidden_size: the matrix ``[vocab_size, hidden_size]``.
+        vocab_size, hidden_size: the checkpoint's matrix ``[vocab_size, hidden_size]``.
         dtype, device: where it lives.
+
+    Attributes:
+        weight: this rank's rows ``[vocab_size / T, hidden_size]``.
+        vocab_start: the first vocabulary id of this rank's rows.
+
+    Raises:
+        TPShardingError: ``vocab_size`` does not split over the TP size.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
-        self.weight = new_parameter((vocab_size, hidden_size), dtype, device)
+        self.tp_size = get_tp_size()
+        self.vocab_size = vocab_size
+        self.vocab_start, self.num_local = shard_range(vocab_size, self.tp_size, get_tp_rank())
+        self.weight = new_parameter((self.num_local, hidden_size), dtype, device,
+                                    self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight,
+                      shard_id: int | None = None) -> None:
+        """Copy this rank's vocabulary rows of the checkpoint matrix.
+
+        Raises:
+            ValueError: a shard id, or a shape mismatch.
+        """
+        if self.tp_size > 1:
+            loaded = narrow_weight(loaded, 0, self.vocab_size, self.vocab_start, self.num_local)
+        default_weight_loader(param, loaded, shard_id)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids`` ``[T]`` int64 -> ``[T, hidden_size]``."""
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_local)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return tp_all_reduce(out)
 
 
 class LMHead(nn.Module):
-    """Hidden states -> float32 logits over the vocabulary.
+    """Hidden states -> float32 logits over the vocabulary; each rank computes its vocabulary
+    rows' logits and the ranks all-gather them.
 
     Args:
-        vocab_size, hidden_size: the matrix ``[vocab_size, hidden_size]``.
+        vocab_size, hidden_size: the checkpoint's matrix ``[vocab_size, hidden_size]``.
         dtype, device: where it lives.
-        tie_to: share this embedding's matrix instead of owning one (``tie_word_embeddings``).
+        tie_to: share this embedding's matrix instead of owning one (``tie_word_embeddings``;
+            the same rows on the same rank).
+
+    Raises:
+        TPShardingError: ``vocab_size`` does not split over the TP size.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, tie_to: VocabEmbedding | None = None):
         super().__init__()
+        self.tp_size = get_tp_size()
+        self.vocab_size = vocab_size
+        self.vocab_start, self.num_local = shard_range(vocab_size, self.tp_size, get_tp_rank())
         self.weight = (tie_to.weight if tie_to is not None
-                       else new_parameter((vocab_size, hidden_size), dtype, device))
+                       else new_parameter((self.num_local, hidden_size), dtype, device,
+                                          self.weight_loader))
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight,
+                      shard_id: int | None = None) -> None:
+        """Copy this rank's vocabulary rows of the checkpoint matrix.
+
+        Raises:
+            ValueError: a shard id, or a shape mismatch.
+        """
+        if self.tp_size > 1:
+            loaded = narrow_weight(loaded, 0, self.vocab_size, self.vocab_start, self.num_local)
+        default_weight_loader(param, loaded, shard_id)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[S, hidden_size]`` -> ``[S, vocab_size]`` float32 logits."""
-        return F.linear(hidden, self.weight).float()
+        """``hidden`` ``[S, hidden_size]`` -> ``[S, vocab_size]`` float32 logits (every rank)."""
+        return tp_all_gather(F.linear(hidden, self.weight).float(), dim=-1)

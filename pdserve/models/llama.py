@@ -30,7 +30,8 @@ from pdserve.attention.selector import select_attention_backend
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.custom_op import CustomOp
 from pdserve.layers.embedding import LMHead, VocabEmbedding
-from pdserve.layers.linear import Linear, MergedLinear, QKVLinear
+from pdserve.distributed.parallel_state import get_tp_rank
+from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers import rotary
 from pdserve.layers.rotary import RotaryEmbedding
@@ -91,18 +92,22 @@ def rope_inv_freq(cfg: ArchConfig) -> torch.Tensor:
 
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention: fused QKV projection, optional q/k norm, rotary embedding,
-    paged attention through the model's backend, output projection."""
+    paged attention through the model's backend, output projection. With tensor parallelism
+    the QKV projection is column-parallel by heads and the output projection row-parallel, so
+    a rank attends over its own heads only."""
 
     def __init__(self, cfg: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
                  dtype: torch.dtype, device: torch.device):
         super().__init__()
         d = cfg.head_dim
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d,
                                   cfg.attention_bias, dtype, device)
-        self.o_proj = Linear(self.qkv_proj.q_size, cfg.hidden_size, cfg.attention_bias, dtype,
-                             device)
+        # this rank's heads (all of them at TP 1)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = d
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias,
+                                        dtype, device)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
@@ -125,14 +130,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP: fused gate|up projection, ``silu(gate) * up``, down projection."""
+    """SwiGLU MLP: fused gate|up projection (column-parallel), ``silu(gate) * up``, down
+    projection (row-parallel)."""
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         i, h = cfg.intermediate_size, cfg.hidden_size
         self.gate_up_proj = MergedLinear(h, [i, i], cfg.mlp_bias, dtype, device)
         self.act = SiluAndMul()
-        self.down_proj = Linear(i, h, cfg.mlp_bias, dtype, device)
+        self.down_proj = RowParallelLinear(i, h, cfg.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden_size]`` -> ``[T, hidden_size]``."""
@@ -219,8 +225,9 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device,
                               tie_to=self.embed_tokens if cfg.tie_word_embeddings else None)
+        attn = self.layers[0].self_attn  # this rank's heads
         self.set_attention_backend(select_attention_backend(
-            device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
+            device, attn.num_heads, attn.num_kv_heads, cfg.head_dim, block_size,
             cfg.head_dim ** -0.5))
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
@@ -310,10 +317,11 @@ class CausalLM(nn.Module):
 
         Matrices get ``N(0, initializer_range)`` (the HF initialisation), norm weights 1 and
         biases 0, so activations stay finite at any depth. The same seed gives the same weights
-        on the same device type.
+        on the same device type; each tensor-parallel rank draws its own shard from its own
+        stream (rank 0's is the TP 1 stream), so no rank builds the whole model.
         """
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
+        gen.manual_seed(seed + 1_000_003 * get_tp_rank())
         std = self.cfg.initializer_range
         for name, p in self.named_parameters():
             if p.dim() == 1:

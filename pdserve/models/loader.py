@@ -20,6 +20,9 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.builtin_models import resolve_model_path
+from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pdserve.distributed.sharding import check_tp_divisible
+from pdserve.layers.weights import LazyWeight
 from pdserve.model_info import ModelInfo
 from pdserve.models.llama import ArchConfig, CausalLM
 from pdserve.models.registry import SUPPORTED_ARCHITECTURES, model_class
@@ -61,6 +64,39 @@ def resolve_device(name: str) -> torch.device:
             raise ValueError(f"--device {name} requested but CUDA is not available")
         return torch.device(name)
     raise ValueError(f"unsupported device {name!r} (use auto, cpu or cuda)")
+
+
+def data_parallel_rank(config: EngineConfig) -> int:
+    """The instance's data-parallel rank (``extra["data_parallel_rank"]``, default 0)."""
+    return int(config.extra.get("data_parallel_rank", 0))
+
+
+def tp_device(device: torch.device, config: EngineConfig, tp_rank: int) -> torch.device:
+    """The device of TP rank ``tp_rank``: ``device`` itself at TP 1; on CUDA with TP size ``T``
+    ``cuda:(base + dp_rank * T + tp_rank)``, ``base`` being ``device``'s index (0 without
+    one); the CPU for every rank on the CPU."""
+    size = config.tensor_parallel_size
+    if device.type != "cuda" or size == 1:
+        return device
+    return torch.device("cuda", (device.index or 0) + data_parallel_rank(config) * size + tp_rank)
+
+
+def check_tp_devices(config: EngineConfig, device: torch.device, device_count: int) -> None:
+    """Check that the CUDA devices of every TP rank exist (no-op on the CPU).
+
+    Raises:
+        ValueError: a rank's device index is not below ``device_count`` (the message names
+            the TP size, the devices needed and those present).
+    """
+    size = config.tensor_parallel_size
+    if device.type != "cuda":
+        return
+    last = tp_device(device, config, size - 1).index or 0
+    if last >= device_count:
+        first = tp_device(device, config, 0).index or 0
+        raise ValueError(
+            f"tensor_parallel_size {size} needs CUDA devices {first}..{last}, but "
+            f"{device_count} device(s) are present")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -191,14 +227,17 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` from safetensors files (memory-mapped, CPU)."""
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:
+    """Yield ``(name, weight)`` from safetensors files, each weight a
+    :class:`~pdserve.layers.weights.LazyWeight` over ``get_slice``: a parameter's loader reads
+    the whole tensor, or only its tensor-parallel shard, when it copies it (while the file is
+    open, i.e. before the next item is drawn)."""
     from safetensors import safe_open
 
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():
-                yield name, fh.get_tensor(name)
+                yield name, LazyWeight.from_safetensors(fh.get_slice(name))
 
 
 def load_gguf_state(gguf_file: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -209,6 +248,25 @@ def load_gguf_state(gguf_file: Path) -> tuple[dict[str, Any], dict[str, torch.Te
     hf = model.config.to_dict()
     hf["architectures"] = [type(model).__name__]
     return hf, dict(model.state_dict())
+
+
+def check_model_splits(config: EngineConfig) -> None:
+    """Check before any rank starts that a Hugging Face directory's model splits over
+    ``config.tensor_parallel_size`` ranks (a ``.gguf`` file is checked when it loads).
+
+    Raises:
+        TPShardingError: heads, KV heads, vocabulary or intermediate size do not divide (the
+            message names the numbers).
+        ValueError: an unreadable or unsupported ``config.json``.
+    """
+    path = Path(resolve_model_path(config.model))
+    hf = _read_json(path / "config.json") if path.is_dir() else None
+    if hf is None:
+        return
+    arch = arch_config_from_hf(hf)
+    check_tp_divisible(config.tensor_parallel_size, num_heads=arch.num_heads,
+                       num_kv_heads=arch.num_kv_heads, vocab_size=arch.vocab_size,
+                       intermediate_size=arch.intermediate_size)
 
 
 def model_max_len(config: EngineConfig, arch: ArchConfig) -> int:
@@ -239,7 +297,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if fmt not in LOAD_FORMATS:
         raise ValueError(f"unsupported load format {config.load_format!r} "
                          f"(use one of {', '.join(LOAD_FORMATS)})")
-    device = resolve_device(config.device)
+    device = tp_device(resolve_device(config.device), config, get_tp_rank())
     dtype = resolve_dtype(config.dtype, device)
     path = Path(resolve_model_path(config.model))
     t0 = time.perf_counter()
@@ -262,6 +320,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ValueError(f"model {config.model!r} not found (expected a local Hugging Face "
                          "directory, a .gguf file, or the built-in 'smollm2-135m-instruct')")
     arch = arch_config_from_hf(hf, gen_cfg)
+    check_tp_divisible(get_tp_size(), num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
+                       vocab_size=arch.vocab_size, intermediate_size=arch.intermediate_size)
     max_len = model_max_len(config, arch)
     model = model_class(arch.architecture)(arch, dtype, device, config.block_size,
                                            max_positions=max_len)

@@ -34,7 +34,10 @@ from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.attention.metadata import decode_metadata
 from pdserve.model_info import ModelInfo
 from pdserve.memory_budget import kv_cache_budget, requested_bytes
-from pdserve.models.loader import load_model, model_max_len, resolve_device
+from pdserve.distributed.communication import tp_all_gather_object
+from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pdserve.distributed.sharding import kv_head_range
+from pdserve.models.loader import load_model, model_max_len, resolve_device, tp_device
 from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
 from pdserve.runner.sampler import Sampler
 
@@ -78,7 +81,7 @@ def _cuda_memory_at_start(config: EngineConfig) -> tuple[int, int] | None:
     Raises:
         GpuMemoryBudgetError: the share is not free (the message has the numbers).
     """
-    device = resolve_device(config.device)
+    device = tp_device(resolve_device(config.device), config, get_tp_rank())
     if device.type != "cuda" or config.kv_cache_memory is not None \
             or config.num_gpu_blocks_override:
         return None
@@ -88,7 +91,8 @@ def _cuda_memory_at_start(config: EngineConfig) -> tuple[int, int] | None:
 
 
 class ModelRunner:
-    """Runs the model for the scheduler.
+    """Runs the model for the scheduler (one tensor-parallel rank's shard of it when the
+    process joined a TP group, :mod:`pdserve.distributed`).
 
     Args:
         config: the engine configuration (model, dtype, device, block size, memory limits, seed).
@@ -131,10 +135,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache sizing
     @property
+    def num_kv_heads(self) -> int:
+        """This rank's KV heads (all of them at TP 1)."""
+        return kv_head_range(self.arch.num_kv_heads, get_tp_size(), get_tp_rank())[1]
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block across all layers, K and V."""
+        """Bytes of one KV block across all layers, K and V (of this rank's KV heads)."""
         a = self.arch
-        return (a.num_layers * 2 * a.num_kv_heads * self.block_size * a.head_dim
+        return (a.num_layers * 2 * self.num_kv_heads * self.block_size * a.head_dim
                 * torch.empty(0, dtype=self.dtype).element_size())
 
     def determine_num_blocks(self) -> int:
@@ -214,7 +223,7 @@ class ModelRunner:
 
     def _new_cache(self, num_blocks: int) -> torch.Tensor:
         a = self.arch
-        shape = (num_blocks, a.num_layers, 2, a.num_kv_heads, self.block_size, a.head_dim)
+        shape = (num_blocks, a.num_layers, 2, self.num_kv_heads, self.block_size, a.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -229,9 +238,10 @@ class ModelRunner:
         a = self.arch
         self.kv_cache_spec = KVCacheSpec(
             num_blocks=num_blocks, block_size=self.block_size, num_layers=a.num_layers,
-            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+            num_kv_heads=self.num_kv_heads, head_dim=a.head_dim,
             dtype=str(self.dtype).removeprefix("torch."),
-            element_size=self.kv_cache.element_size(), model_name=self.model_info.name)
+            element_size=self.kv_cache.element_size(), model_name=self.model_info.name,
+            total_num_kv_heads=a.num_kv_heads)
         if self.use_cuda_graphs:
             self._capture_decode_graphs(num_blocks)
         total = num_blocks * self.block_bytes
@@ -267,10 +277,36 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         graphs = CUDAGraphRunner(forward, specs, default_capture_sizes(max_bs), self.device)
-        graphs.capture()
+        if get_tp_size() == 1:
+            graphs.capture()
+        elif not self._capture_with_collectives(graphs):
+            return
         self.decode_graphs = graphs
         logger.info("captured CUDA graphs of decode steps for batch sizes %s in %.1f s",
                     graphs.capture_sizes, time.perf_counter() - t0)
+
+    def _capture_with_collectives(self, graphs: CUDAGraphRunner) -> bool:
+        """Capture the decode graphs of a TP rank, NCCL all-reduces and all-gathers inside.
+
+        Every rank captures; when any rank failed, every rank drops its graphs (the ranks must
+        agree: a graph replay issues the same collectives as the eager pass, but one rank's
+        failure may stem from the collectives themselves) and decodes eagerly, with a warning
+        line saying so.
+
+        Returns:
+            True when every rank captured.
+        """
+        error = None
+        try:
+            graphs.capture()
+        except Exception as e:  # capture of NCCL calls unsupported here: decode eagerly
+            error = f"{type(e).__name__}: {e}"
+        errors = [e for e in tp_all_gather_object(error) if e is not None]
+        if errors:
+            logger.warning("CUDA graph capture with tensor-parallel collectives failed (%s); "
+                           "decode steps run eagerly", errors[0])
+            return False
+        return True
 
     def set_kv_connector_worker(self, worker: KVConnectorWorkerSide | None) -> None:
         """Attach (or detach with None) the KV connector's worker side.

@@ -1,0 +1,32 @@
+"""Executors: what runs the model for the engine core, behind the model runner's interface
+(``model_info``, ``determine_num_blocks()``, ``allocate_kv_cache(n)``, ``kv_cache``,
+``kv_cache_spec``, ``set_kv_connector_worker(w)``, ``execute(sched)``, ``shutdown()``).
+
+- TP 1: the :class:`~pdserve.runner.model_runner.ModelRunner` itself, in the engine-core
+  process (no extra process, no extra copy);
+- TP > 1: :class:`~pdserve.executor.multiproc.TPExecutor`: rank 0's runner in the engine-core
+  process, ranks ``1..N-1`` in worker processes (:mod:`.worker`), control over ZMQ
+  (:mod:`.messages`), the ranks' KV connector outputs merged (:mod:`.kv_merge`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.config import EngineConfig
+
+
+def create_executor(config: EngineConfig) -> Any:
+    """The executor of ``config.tensor_parallel_size`` ranks (see the module docstring).
+
+    Raises:
+        ValueError / RuntimeError: the model cannot be loaded or split, or a rank failed to
+            start.
+    """
+    if config.tensor_parallel_size == 1:
+        from pdserve.runner.model_runner import ModelRunner
+
+        return ModelRunner(config)
+    from pdserve.executor.multiproc import TPExecutor
+
+    return TPExecutor(config)

@@ -1,0 +1,100 @@
+"""Merge the KV connector outputs of an instance's tensor-parallel ranks into the one
+:class:`~pdserve.engine.outputs.KVConnectorOutput` the scheduler consumes.
+
+Rules (shared with the connector; docs/architecture.md, "Tensor parallelism"):
+
+- a req_id enters ``finished_recving`` / ``finished_sending`` once EVERY rank has reported it,
+  possibly over several steps (a rank reports each request once);
+- a failure on any rank fails the load: ``invalid_block_ids`` are united at once, ``load_errors``
+  kept per request (the first rank's error) and handed over with the request's merged
+  ``finished_recving``;
+- ``first_tokens`` (handed over with the merged ``finished_recving`` too) and
+  ``remote_clock_offsets`` come from rank 0;
+- ``stats``: numbers are summed over the ranks, nested dicts merged the same way, lists
+  concatenated, anything else taken from the lowest rank that has it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.engine.outputs import KVConnectorOutput
+from pdserve.kv_transfer.base import KVLoadError
+
+
+def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge the ranks' stats dicts (the rule in the module docstring), by rank order."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key not in out:
+                out[key] = value
+            elif isinstance(value, bool) or not isinstance(value, (int, float, dict, list)):
+                continue
+            elif isinstance(value, (int, float)) and isinstance(out[key], (int, float)):
+                out[key] = out[key] + value
+            elif isinstance(value, dict) and isinstance(out[key], dict):
+                out[key] = merge_stats([out[key], value])
+            elif isinstance(value, list) and isinstance(out[key], list):
+                out[key] = out[key] + value
+    return out
+
+
+class KVOutputMerger:
+    """Per-instance state of the merge: who reported which request so far.
+
+    Args:
+        size: the TP size (number of outputs per step).
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._recving: dict[str, set[int]] = {}
+        self._sending: dict[str, set[int]] = {}
+        self._first_tokens: dict[str, int] = {}
+        self._load_errors: dict[str, KVLoadError] = {}
+
+    def merge(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput:
+        """One step's outputs, by rank (None: that rank has no report) -> the merged output.
+
+        Raises:
+            ValueError: not one output per rank.
+        """
+        if len(outputs) != self.size:
+            raise ValueError(f"{len(outputs)} connector outputs for TP size {self.size}")
+        merged = KVConnectorOutput()
+        stats = []
+        for rank, out in enumerate(outputs):
+            if out is None:
+                continue
+            merged.invalid_block_ids |= out.invalid_block_ids
+            for rid, err in out.load_errors.items():
+                self._load_errors.setdefault(rid, err)
+            if rank == 0:
+                self._first_tokens.update(out.first_tokens)
+                merged.remote_clock_offsets.update(out.remote_clock_offsets)
+            self._count(self._recving, out.finished_recving, rank, merged.finished_recving)
+            self._count(self._sending, out.finished_sending, rank, merged.finished_sending)
+            if out.stats:
+                stats.append(out.stats)
+        for rid in merged.finished_recving:
+            if rid in self._first_tokens:
+                merged.first_tokens[rid] = self._first_tokens.pop(rid)
+            if rid in self._load_errors:
+                merged.load_errors[rid] = self._load_errors.pop(rid)
+        merged.stats = merge_stats(stats) if stats else None
+        return merged
+
+    def _count(self, seen: dict[str, set[int]], reported: set[str], rank: int,
+               done: set[str]) -> None:
+        for rid in reported:
+            ranks = seen.setdefault(rid, set())
+            ranks.add(rank)
+            if len(ranks) == self.size:
+                del seen[rid]
+                done.add(rid)
+
+    @property
+    def num_pending(self) -> int:
+        """Requests reported by some ranks but not yet by all."""
+        return len(self._recving) + len(self._sending)

@@ -1,0 +1,65 @@
+"""The tensor-parallel executor on CPU (gloo), with a scripted KV connector per rank
+(pdserve/testing/fake_connectors.py): every rank's connector is created in its own process,
+registered at the same time (its all_gather reaches every rank), polled every step (also an
+empty one), and the ranks' reports are merged; a rank failing at start-up leaves no process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.outputs import SchedulerOutput
+from pdserve.executor.multiproc import RankFailedError, TPExecutor
+from pdserve.testing.fake_connectors import failing_worker, scripted_worker
+
+from processes import descendants, still_running
+
+
+def _config(path: str) -> EngineConfig:
+    return EngineConfig(model=path, device="cpu", tensor_parallel_size=2, max_model_len=128,
+                        num_gpu_blocks_override=32)
+
+
+def _step(ex: TPExecutor, meta: dict):
+    return ex.execute(SchedulerOutput(kv_connector_metadata=meta)).kv_connector_output
+
+
+def test_connector_per_rank_registered_polled_and_merged(tiny_llama_path):
+    ex = TPExecutor(_config(tiny_llama_path), connector_factory=scripted_worker)
+    try:
+        ex.allocate_kv_cache(ex.determine_num_blocks())
+        worker = ex.connector_worker
+        worker.register_kv_cache(ex.kv_cache, ex.kv_cache_spec)
+        ex.set_kv_connector_worker(worker)
+        # rank 0 in this process, rank 1 in another; each holds 1 of the 2 KV heads
+        pid1 = next(iter(descendants(os.getpid())))
+        gathered = [(0, os.getpid(), 1, 2), (1, pid1, 1, 2)]
+        assert [tuple(g) for g in ex.connector_worker.rank0.gathered] == gathered
+        assert ex.kv_cache_spec.num_kv_heads == 1 and ex.kv_cache_spec.total_num_kv_heads == 2
+        # an empty step polls both ranks; rank 0 alone finishing "a" is not enough
+        out = _step(ex, {"recv": {0: ["a"]}, "first": {"a": 7}, "send": {1: ["s"]}})
+        assert out.finished_recving == set() and out.finished_sending == set()
+        assert out.stats["polls"] == 2
+        assert out.stats["gathered"] == [list(g) for g in gathered] * 2
+        # rank 1 reports "a" a step later: now it is done, with rank 0's first token
+        out = _step(ex, {"recv": {1: ["a"]}, "send": {0: ["s"]}})
+        assert out.finished_recving == {"a"} and out.first_tokens == {"a": 7}
+        assert out.finished_sending == {"s"}
+        # a failure on rank 1 only fails the load
+        out = _step(ex, {"recv": {0: ["b"], 1: ["b"]}, "invalid": {1: [3]}})
+        assert out.finished_recving == {"b"} and out.invalid_block_ids == {3}
+        assert str(out.load_errors["b"]) == "transport error: rank 1"
+        # a rank that fails in a step fails the step, naming it
+        with pytest.raises(RankFailedError, match="TP rank 1 failed: RuntimeError: scripted"):
+            _step(ex, {"fail_rank": 1})
+    finally:
+        ex.shutdown()
+    assert not still_running(descendants(os.getpid()))
+
+
+def test_rank_failing_at_startup_leaves_no_process(tiny_llama_path):
+    with pytest.raises(RankFailedError, match="TP rank 1 failed: .*scripted start-up failure"):
+        TPExecutor(_config(tiny_llama_path), connector_factory=failing_worker)
+    assert not still_running(descendants(os.getpid()))
