@@ -54,20 +54,20 @@ def rank_devices(local_rank: int, tensor_parallel_size: int = 1) -> list[int]:
 
 @contextlib.contextmanager
 def cuda_devices_env(devices: list[int] | None) -> Iterator[None]:
-    """Sets ``CUDA_VISIBLE_DEVICES`` to ``devices`` (mapped through an existing
-    ``CUDA_VISIBLE_DEVICES``) while a child process is spawned, then restores it; a spawned child
-    copies the environment at start. None: unchanged."""
-    if devices is None:
+    """Sets ``CUDA_VISIBLE_DEVICES`` to ``devices`` (indices into an existing
+    ``CUDA_VISIBLE_DEVICES``, taken modulo its length when it lists fewer: ranks then share
+    devices) while a child process is spawned, then restores it; a spawned child copies the
+    environment at start. None: unchanged."""
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if devices is None or (old is not None and not old.strip()):  # no device to hand out
         yield
         return
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = [d.strip() for d in old.split(",")] if old else None
     if visible is not None and max(devices) >= len(visible):
-        raise CoreStartupError(
-            f"data-parallel rank needs CUDA devices {devices} but CUDA_VISIBLE_DEVICES={old!r} "
-            f"lists only {len(visible)}")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
-        visible[d] if visible is not None else str(d) for d in devices)
+        logger.warning("CUDA_VISIBLE_DEVICES=%s lists fewer devices than the data-parallel ranks "
+                       "need; ranks share them round robin", old)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(
+        visible[d % len(visible)] if visible is not None else str(d) for d in devices))
     try:
         yield
     finally:
