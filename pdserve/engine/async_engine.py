@@ -204,8 +204,6 @@ class AsyncEngine:
             task.cancel()
         await asyncio.gather(*self._output_tasks, return_exceptions=True)
         await asyncio.gather(*(core.stop_process(kill) for core in self._cores))
-        if any(core.remote for core in self._cores) and not kill:
-            await asyncio.sleep(0.1)  # let the Shutdown reach remote ranks before closing
         for core in self._cores:
             core.close_sockets()
         if self._rendezvous is not None:

@@ -162,7 +162,10 @@ class CoreClient:
         now = time.monotonic()
         if self.remote and now - self._last_ping >= HEARTBEAT_INTERVAL_S:
             self._last_ping = now
-            self.send(Ping(), block=False)
+            try:
+                self.send(Ping(), block=False)
+            except zmq.Again:  # not connected yet (still joining): nothing to keep alive
+                pass
 
     # ------------------------------------------------------------------ messages
     def send(self, msg: Any, block: bool = True) -> None:
@@ -244,8 +247,10 @@ class CoreClient:
             await asyncio.to_thread(proc.join, 5.0)
 
     def close_sockets(self) -> None:
-        for sock in (self._in, self._out):
-            sock.close(0)
+        """Close both sockets; a remote rank's input gets up to a second to deliver what was
+        sent last (the Shutdown)."""
+        self._in.close(1000 if self.remote else 0)
+        self._out.close(0)
 
 
 def spawn_core(client: CoreClient, config: EngineConfig, devices: list[int] | None) -> None:
