@@ -51,6 +51,22 @@ class EngineConfig:
             process and device per rank, each with its shard of the weights and the KV cache
             (docs/architecture.md, "Tensor parallelism"); 1 runs the model in the engine-core
             process.
+
+    Data parallelism (vLLM's option names; :mod:`pdserve.engine.data_parallel`): each rank is
+    a full engine core with its own device(s), KV cache, connector and side-channel port
+    ``base + rank``.
+
+    Attributes:
+        data_parallel_size: engine cores (ranks) behind one API server, over all hosts.
+        data_parallel_size_local: ranks started on this host (default: all of them).
+        data_parallel_start_rank: the first rank started on this host (0 on the head).
+        data_parallel_rank: the rank of this engine core (set per core by the launcher of the
+            ranks; 0 without data parallelism).
+        data_parallel_address: address of the head's rendezvous socket (multi-host), which
+            also carries every remote rank's requests and outputs.
+        data_parallel_rpc_port: TCP port of the head's rendezvous socket.
+        headless: this host runs ranks only, no API server; they join the head.
+        data_parallel_join_timeout: seconds a headless host keeps trying to reach the head.
     """
 
     model: str = DEFAULT_MODEL
@@ -77,8 +93,24 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     # --- tensor parallelism
     tensor_parallel_size: int = 1
+    # --- data parallelism (keep together) ---
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_rank: int = 0
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = 13345
+    headless: bool = False
+    data_parallel_join_timeout: float = 60.0
 
     @property
     def name(self) -> str:
         """The model name clients must send."""
         return self.served_model_name or self.model
+
+    @property
+    def local_data_parallel_size(self) -> int:
+        """Ranks started on this host (``data_parallel_size_local``, default all)."""
+        if self.data_parallel_size_local is None:
+            return self.data_parallel_size
+        return self.data_parallel_size_local

@@ -140,6 +140,8 @@ ENGINE_METRICS: tuple[_EngineMetric, ...] = (
                   "num_preemptions_total",
                   "Requests preempted (KV freed, recomputed later) because blocks ran out."),
 )
+# Label of the engine metrics' samples with data parallelism: the rank's number.
+DP_RANK_LABEL = "dp_rank"
 # finish_reason label values counted by pdserve:request_success_total (errors are not successes).
 SUCCESS_FINISH_REASONS = ("stop", "length", "abort")
 
@@ -178,7 +180,9 @@ def _field(stats: Any, name: str) -> Any:
 class EngineStatsCollector:
     """Custom collector that turns ``engine.stats()`` into gauges and counters at scrape time.
 
-    Fields missing from the stats object are not exposed (no invented zeros).
+    Fields missing from the stats object are not exposed (no invented zeros). With data
+    parallelism (``per_rank`` of the stats not empty) each engine metric has one sample per
+    rank, labelled ``dp_rank``; with one engine core the samples have no label.
     """
 
     def __init__(self, stats_fn: Callable[[], Any]):
@@ -193,13 +197,29 @@ class EngineStatsCollector:
         except Exception:  # noqa: BLE001 - a dead engine must not break the scrape
             logger.warning("engine.stats() failed; engine metrics omitted", exc_info=True)
             return
+        ranks = _field(stats, "per_rank") or ()
         for m in ENGINE_METRICS:
-            value = _field(stats, m.attr)
-            if value is None:
-                continue
-            value += sum(_field(stats, a) or 0 for a in m.extra)
             cls = GaugeMetricFamily if m.kind == "gauge" else CounterMetricFamily
-            yield cls(m.family, m.doc, value=float(value))
+            if ranks:  # data parallelism: one sample per rank, labelled dp_rank
+                family = cls(m.family, m.doc, labels=[DP_RANK_LABEL])
+                for rank, rank_stats in enumerate(ranks):
+                    value = _engine_value(rank_stats, m)
+                    if value is not None:
+                        family.add_metric([str(rank)], value)
+                if family.samples:
+                    yield family
+                continue
+            value = _engine_value(stats, m)
+            if value is not None:
+                yield cls(m.family, m.doc, value=value)
+
+
+def _engine_value(stats: Any, m: _EngineMetric) -> float | None:
+    """The value of engine metric ``m`` in one stats snapshot, or None when absent."""
+    value = _field(stats, m.attr)
+    if value is None:
+        return None
+    return float(value + sum(_field(stats, a) or 0 for a in m.extra))
 
 
 class TransferPathCollector:

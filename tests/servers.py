@@ -98,20 +98,28 @@ class EngineServer(Process):
         kv_config: ``--kv-transfer-config`` dict (e.g. :func:`nixl_config`), or None for a plain
             instance.
         args: extra CLI arguments.
+        host: the address it listens on and advertises its side channel on (another network
+            namespace's address with ``netns``).
+        netns: run it inside this network namespace (``ip netns exec``; ``tests/netns.py``).
+        env: variables added to its environment (after the side-channel ones).
     """
 
     def __init__(self, model: str, log_path: Path, kv_config: dict | None = None,
-                 args: list[str] | None = None):
+                 args: list[str] | None = None, host: str = "127.0.0.1",
+                 netns: str | None = None, env: dict[str, str] | None = None):
+        self.host = host
         self.port = free_port()
         self.side_channel_port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", model, "--port", str(self.port),
-               *(args or [])]
+               *(["--host", host] if host != "127.0.0.1" else []), *(args or [])]
         if kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_config)]
-        super().__init__(cmd, log_path, {"PDSERVE_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        super().__init__(cmd, log_path, {"PDSERVE_NIXL_SIDE_CHANNEL_HOST": host,
                                          "PDSERVE_NIXL_SIDE_CHANNEL_PORT":
-                                             str(self.side_channel_port)})
+                                             str(self.side_channel_port), **(env or {})})
         self.client = httpx.Client(base_url=self.url, timeout=300)
 
     def is_ready(self) -> bool:
@@ -188,13 +196,19 @@ class ProxyServer(Process):
         prefillers, decoders: the instances (on this host).
         log_path: file receiving the proxy's output.
         extra: extra CLI arguments (e.g. ``["--multi-turn"]``).
+        host: the address it listens on; netns: run it inside this network namespace.
     """
 
     def __init__(self, prefillers: list[EngineServer], decoders: list[EngineServer], log_path: Path,
-                 extra: list[str] | None = None):
-        cmd = [sys.executable, "-m", "pdserve.cli", "proxy", "--port", "0",
+                 extra: list[str] | None = None, host: str = "127.0.0.1",
+                 netns: str | None = None):
+        cmd = [sys.executable, "-m", "pdserve.cli", "proxy", "--port", "0", "--host", host,
+               "--prefiller-hosts", *(s.host for s in prefillers),
                "--prefiller-ports", *(str(s.port) for s in prefillers),
+               "--decoder-hosts", *(s.host for s in decoders),
                "--decoder-ports", *(str(s.port) for s in decoders), *(extra or [])]
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
         super().__init__(cmd, log_path)
         self.url = ""
         self.client: httpx.Client | None = None

@@ -581,3 +581,31 @@ def test_plan_turns_kv_events_on_with_distinct_ports():
     assert len(set(ports)) == 8 and not set(ports) & set(others)
     given = _plan(["--port", str(_proxy_port()), "--", "--kv-events-endpoint", "tcp://*:7000"])
     assert given[0].argv.count("--kv-events-endpoint") == 1
+
+
+def test_plan_with_data_parallel_engines():
+    specs = _plan(["--num-prefillers", "1", "--num-decoders", "2", "--prefill-dp", "2",
+                   "--decode-dp", "3", "--port", str(_proxy_port())],
+                  gpus=["0", "1", "2", "3", "4", "5", "6", "7"])
+    prefill, d0, d1, proxy = specs
+    assert prefill.argv[prefill.argv.index("--data-parallel-size") + 1] == "2"
+    assert d0.argv[d0.argv.index("--data-parallel-size") + 1] == "3"
+    # every rank has its own side-channel port base + r, all free and distinct
+    side = [s.side_channel_port + r for s, n in ((prefill, 2), (d0, 3), (d1, 3)) for r in range(n)]
+    assert len(set(side)) == 8
+    assert not set(side) & {s.port for s in specs}
+    for port in side:
+        launcher.ensure_port_free("127.0.0.1", port, "test")
+    # each rank is placed like an engine: P's two ranks on two GPUs, D's ranks on the rest
+    assert prefill.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    d_gpus = d0.env["CUDA_VISIBLE_DEVICES"].split(",") + d1.env["CUDA_VISIBLE_DEVICES"].split(",")
+    assert set(d_gpus) <= {"2", "3", "4", "5", "6", "7"} and len(d_gpus) >= 4
+    # an instance with several ranks publishes no KV events (one endpoint per instance)
+    assert "--kv-events-endpoint" not in prefill.argv
+    assert proxy.argv[proxy.argv.index("--prefiller-ports") + 1] == str(prefill.port)
+    with pytest.raises(LaunchError, match="--prefill-dp"):
+        _plan(["--port", str(_proxy_port()), "--prefill-dp", "0"])
+    base = allocate_free_ports(1)[0]
+    with pytest.raises(LaunchError, match="data-parallel rank"):
+        _plan(["--port", str(base + 1), "--prefill-dp", "2",
+               "--prefill-side-channel-ports", str(base)])

@@ -1,9 +1,16 @@
-"""Front-end client of the engine-core process, used by the HTTP server.
+"""Front-end client of the engine core(s), used by the HTTP server.
 
 :class:`AsyncEngine` spawns :func:`pdserve.engine.core.run_engine_core` in its own process
 (multiprocessing ``spawn``), so tokenisation, HTTP handling and detokenisation on the server's
-event loop never stall the decoding loop. The two talk over ZMQ ``ipc://`` sockets in a private
-temporary directory with the messages of :mod:`pdserve.engine.messages`.
+event loop never stall the decoding loop. The two talk over ZMQ sockets with the messages of
+:mod:`pdserve.engine.messages` (one :class:`pdserve.engine.core_client.CoreClient` per core).
+
+With data parallelism (``data_parallel_size > 1``, :mod:`pdserve.engine.data_parallel`) there is
+one core per rank, local or on other hosts; each request goes to the rank with the fewest
+outstanding requests (ties: the next rank after the last one chosen), whether or not it loads
+remote KV. A prefill's returned ``kv_transfer_params`` name the rank that computed it (its own
+side-channel port and engine id), so a decoder reads from that rank. One rank dying makes the
+whole engine dead.
 
 Per request the front end detokenises incrementally and applies stop strings (the stop string
 is cut from the text, the request is aborted in the core, ``finish_reason`` is ``"stop"``;
@@ -17,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import multiprocessing
 import shutil
 import tempfile
 from typing import Any, AsyncIterator, Callable
@@ -26,18 +32,13 @@ import zmq
 import zmq.asyncio
 
 from pdserve.config import EngineConfig
-from pdserve.engine.messages import (
-    AbortRequests,
-    AddRequest,
-    CoreAddresses,
-    CoreFailed,
-    Ready,
-    Shutdown,
-    StartupFailed,
-    StepOutputs,
-    make_encoder,
-    make_output_decoder,
+from pdserve.engine.core_client import (
+    CoreClient,
+    CoreStartupError,
+    rank_devices,
+    tensor_parallel_size,
 )
+from pdserve.engine.messages import AbortRequests, AddRequest, Ready, Shutdown, StepOutputs
 from pdserve.engine.output_processor import (
     EngineStats,
     RequestOutput,
@@ -52,11 +53,6 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineStartupError", "EngineStats"
 
 logger = logging.getLogger(__name__)
 
-# Seconds between liveness checks of the core process while no message arrives.
-_LIVENESS_INTERVAL_S = 0.5
-# Seconds shutdown() waits for the core to exit before terminating (then killing) it.
-_SHUTDOWN_GRACE_S = 10.0
-
 
 class EngineDeadError(RuntimeError):
     """The engine-core process died or was shut down; in-flight and new requests fail."""
@@ -67,14 +63,14 @@ class EngineStartupError(RuntimeError):
 
 
 class AsyncEngine:
-    """Asynchronous client of one engine-core process (create with :meth:`start`).
+    """Asynchronous client of the engine-core process(es) (create with :meth:`start`).
 
     Attributes:
         config: the engine configuration (``max_model_len`` resolved).
         tokenizer: the model's tokenizer.
         model_info: the core's ``ModelInfo``.
         max_model_len: longest prompt + output (tokens).
-        num_blocks / block_size: KV cache geometry.
+        num_blocks / block_size: KV cache geometry (``num_blocks`` of one rank).
     """
 
     def __init__(self) -> None:  # use start()
@@ -84,58 +80,54 @@ class AsyncEngine:
         self.max_model_len = 0
         self.num_blocks = 0
         self.block_size = 0
-        self._proc: Any = None
+        self._cores: list[CoreClient] = []
         self._tmpdir = ""
         self._sync_ctx: zmq.Context | None = None
         self._async_ctx: zmq.asyncio.Context | None = None
-        self._in_sock: Any = None
-        self._out_sock: Any = None
-        self._encoder = make_encoder()
-        self._decoder = make_output_decoder()
-        self._requests: dict[str, RequestState] = {}
-        self._stats = EngineStats()
+        self._rendezvous: Any = None
+        self._requests: dict[str, tuple[RequestState, CoreClient]] = {}
         self._stats_listeners: list[Callable[[dict[str, Any]], None]] = []
-        self._output_task: asyncio.Task | None = None
+        self._output_tasks: list[asyncio.Task] = []
+        self._next_rank = 0
         self._dead: str | None = None
         self._closed = False
 
     # ================================================================ lifecycle
     @classmethod
     async def start(cls, config: EngineConfig) -> "AsyncEngine":
-        """Spawn the engine core and wait until it is ready (model loaded, KV cache allocated).
+        """Spawn the engine core(s) and wait until every rank is ready (model loaded, KV cache
+        allocated; remote ranks joined).
 
         Raises:
-            EngineStartupError: the core failed to start (bad model, bad config, ...) or died.
+            EngineStartupError: a core failed to start (bad model, bad config, ...) or died.
         """
+        from pdserve.engine.data_parallel import RendezvousServer, rank_config
+
         self = cls()
         self.config = config
         self._tmpdir = tempfile.mkdtemp(prefix="pdserve-engine-")
-        addresses = CoreAddresses(
-            input_address=f"ipc://{self._tmpdir}/input", output_address=f"ipc://{self._tmpdir}/output"
-        )
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
-        self._in_sock = self._sync_ctx.socket(zmq.PUSH)
-        self._in_sock.setsockopt(zmq.SNDHWM, 0)
-        self._in_sock.setsockopt(zmq.LINGER, 0)
-        self._in_sock.bind(addresses.input_address)
-        self._out_sock = self._async_ctx.socket(zmq.PULL)
-        self._out_sock.setsockopt(zmq.RCVHWM, 0)
-        self._out_sock.setsockopt(zmq.LINGER, 0)
-        self._out_sock.bind(addresses.output_address)
-
-        from pdserve.engine.core import run_engine_core
-
-        mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(
-            target=run_engine_core, args=(config, addresses), name="pdserve-engine-core", daemon=True
-        )
         try:
-            self._proc.start()
-            # Load the tokenizer in a thread while the core loads the model.
+            tp = tensor_parallel_size(config)
+            num_local = config.local_data_parallel_size
+            for rank in range(config.data_parallel_size):
+                if rank < num_local:
+                    devices = (rank_devices(rank, tp) if config.data_parallel_size > 1
+                               and config.device != "cpu" else None)
+                    core = CoreClient.local(rank, rank_config(config, rank), self._sync_ctx,
+                                            self._async_ctx, self._tmpdir, devices)
+                else:
+                    core = CoreClient.remote(rank, str(config.data_parallel_address),
+                                             self._sync_ctx, self._async_ctx)
+                self._cores.append(core)
+            remote = [c for c in self._cores if c.remote]
+            if remote:
+                self._rendezvous = RendezvousServer(config, self._async_ctx, remote)
+            # Load the tokenizer in a thread while the cores load the model.
             tokenizer_task = asyncio.ensure_future(asyncio.to_thread(self._load_tokenizer, config))
             try:
-                ready = await self._wait_ready()
+                readies = await self._wait_ready()
             finally:
                 await asyncio.wait([tokenizer_task])
                 tokenizer_error = tokenizer_task.exception()
@@ -145,16 +137,23 @@ class AsyncEngine:
         except BaseException:
             await self._close(kill=True)
             raise
+        ready = readies[0]
         self.model_info = ModelInfo.from_dict(ready.model_info)
-        self.max_model_len = ready.max_model_len
+        self.max_model_len = min(r.max_model_len for r in readies)
         self.num_blocks = ready.num_blocks
         self.block_size = ready.block_size
-        self.config = dataclasses.replace(config, max_model_len=ready.max_model_len)
-        self._stats = EngineStats(num_blocks=ready.num_blocks, num_free_blocks=ready.num_blocks)
-        self._output_task = asyncio.create_task(self._output_loop(), name="pdserve-engine-output")
+        self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
+        for core, r in zip(self._cores, readies):
+            core.stats = EngineStats(num_blocks=r.num_blocks, num_free_blocks=r.num_blocks)
+        self._output_tasks = [
+            asyncio.create_task(core.output_loop(self._handle_step_outputs, self._core_died),
+                                name=f"pdserve-engine-output-{core.rank}")
+            for core in self._cores]
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
-            getattr(self.model_info, "name", config.model), self.num_blocks, self.block_size, self.max_model_len,
+            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d%s",
+            getattr(self.model_info, "name", config.model), self.num_blocks, self.block_size,
+            self.max_model_len,
+            f", {len(self._cores)} data-parallel ranks" if len(self._cores) > 1 else "",
         )
         return self
 
@@ -164,61 +163,54 @@ class AsyncEngine:
 
         return load_tokenizer(config)
 
-    async def _wait_ready(self) -> Ready:
-        while True:
-            if await self._out_sock.poll(timeout=int(_LIVENESS_INTERVAL_S * 1000)):
-                msg = self._decoder.decode(await self._out_sock.recv())
-                if isinstance(msg, Ready):
-                    return msg
-                if isinstance(msg, (StartupFailed, CoreFailed)):
-                    if msg.traceback:
-                        logger.debug("engine core traceback:\n%s", msg.traceback)
-                    raise EngineStartupError(f"engine failed to start: {msg.message}")
-                continue
-            if not self._proc.is_alive():
-                raise EngineStartupError(
-                    f"engine core process exited during startup (exit code {self._proc.exitcode});"
-                    " see its log above"
-                )
+    async def _wait_ready(self) -> list[Ready]:
+        """Every core's Ready, in rank order; the first failure cancels the other waits."""
+        tasks = [asyncio.ensure_future(core.wait_ready()) for core in self._cores]
+        if self._rendezvous is not None:
+            tasks.append(asyncio.ensure_future(self._rendezvous.serve()))
+        try:
+            pending = set(tasks[: len(self._cores)])
+            while pending:
+                done, _ = await asyncio.wait(pending | set(tasks[len(self._cores):]),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()  # raises the failure
+                pending -= done
+            return [t.result() for t in tasks[: len(self._cores)]]
+        except CoreStartupError as e:
+            raise EngineStartupError(str(e)) from None
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def shutdown(self) -> None:
-        """Stop the core process (gracefully, then by force) and release the sockets. In-flight
-        requests fail with :class:`EngineDeadError`. Idempotent."""
+        """Stop the core processes (gracefully, then by force) and release the sockets.
+        In-flight requests fail with :class:`EngineDeadError`. Idempotent."""
         if self._closed:
             return
-        if self._dead is None and self._proc is not None and self._proc.is_alive():
-            try:
-                self._in_sock.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        for core in self._cores:
+            if core.check_alive() is None:
+                try:
+                    core.send(Shutdown(), block=False)
+                except zmq.ZMQError:
+                    pass
         await self._close(kill=False)
 
     async def _close(self, kill: bool) -> None:
         self._closed = True
         self._mark_dead("the engine was shut down")
-        if self._output_task is not None:
-            self._output_task.cancel()
-            try:
-                await self._output_task
-            except (asyncio.CancelledError, Exception):
-                pass
-        proc = self._proc
-        if proc is not None and proc.pid is not None:
-            if not kill:
-                await asyncio.to_thread(proc.join, _SHUTDOWN_GRACE_S)
-            if proc.is_alive():
-                proc.terminate()
-                await asyncio.to_thread(proc.join, 5.0)
-            if proc.is_alive():
-                proc.kill()
-                await asyncio.to_thread(proc.join, 5.0)
-        for sock in (self._in_sock, self._out_sock):
-            if sock is not None:
-                sock.close(0)
+        for task in self._output_tasks:
+            task.cancel()
+        await asyncio.gather(*self._output_tasks, return_exceptions=True)
+        await asyncio.gather(*(core.stop_process(kill) for core in self._cores))
+        for core in self._cores:
+            core.close_sockets()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
         for ctx in (self._sync_ctx, self._async_ctx):
             if ctx is not None:
                 ctx.term()
-        self._in_sock = self._out_sock = None
         self._sync_ctx = self._async_ctx = None
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
@@ -228,23 +220,38 @@ class AsyncEngine:
     def is_dead(self) -> bool:
         return self._dead is not None
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Engine cores behind this client."""
+        return len(self._cores)
+
     async def check_health(self) -> None:
         """Raises:
-        EngineDeadError: the core process died or the engine was shut down."""
-        if self._dead is None and (self._proc is None or not self._proc.is_alive()):
-            code = self._proc.exitcode if self._proc is not None else None
-            self._mark_dead(f"engine core process died (exit code {code})")
+        EngineDeadError: a core process died (any rank) or the engine was shut down."""
+        if self._dead is None:
+            for core in self._cores:
+                reason = core.check_alive()
+                if reason is not None:
+                    self._mark_dead(reason)
+                    break
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
     def stats(self) -> EngineStats:
-        """The latest snapshot the core sent (updated after every step with output)."""
-        return self._stats
+        """The latest snapshots the cores sent (updated after every step with output), summed
+        over the ranks; with several ranks ``per_rank`` holds each rank's own."""
+        ranks = [core.stats for core in self._cores]
+        if len(ranks) == 1:
+            return ranks[0]
+        return EngineStats.combine(ranks)
 
     def add_stats_listener(self, fn: Callable[[dict[str, Any]], None]) -> None:
         """Call ``fn(delta)`` with every connector stats delta (``KVConnectorOutput.stats``) as
         the core reports it, on the event loop thread."""
         self._stats_listeners.append(fn)
+
+    def _core_died(self, core: CoreClient, reason: str) -> None:
+        self._mark_dead(reason)
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead is not None:
@@ -252,10 +259,19 @@ class AsyncEngine:
         self._dead = reason
         if not self._closed:
             logger.error("engine is dead: %s", reason)
-        for st in self._requests.values():
+        for st, _ in self._requests.values():
             if not st.finished:
                 st.finished = True
                 st.queue.put_nowait(EngineDeadError(reason))
+
+    def _pick_core(self) -> CoreClient:
+        """The rank with the fewest outstanding requests; ties go to the first one at or after
+        the rank following the last choice (round robin among equals)."""
+        n = len(self._cores)
+        order = [self._cores[(self._next_rank + i) % n] for i in range(n)]
+        core = min(order, key=lambda c: c.outstanding)
+        self._next_rank = (core.rank + 1) % n
+        return core
 
     # ================================================================ requests
     def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -303,16 +319,16 @@ class AsyncEngine:
         prompt_token_ids = list(prompt_token_ids)
         self._validate(request_id, prompt_token_ids, sampling_params)
         st = RequestState(self.tokenizer, prompt_token_ids, sampling_params)
-        self._requests[request_id] = st
+        core = self._pick_core()
+        self._requests[request_id] = (st, core)
+        core.outstanding += 1
         try:
-            self._in_sock.send(
-                self._encoder.encode(
-                    AddRequest(
-                        request_id=request_id,
-                        prompt_token_ids=prompt_token_ids,
-                        sampling_params=sampling_params,
-                        kv_transfer_params=kv_transfer_params,
-                    )
+            core.send(
+                AddRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=sampling_params,
+                    kv_transfer_params=kv_transfer_params,
                 )
             )
             while True:
@@ -323,19 +339,21 @@ class AsyncEngine:
                 if item.finished:
                     return
         finally:
+            core.outstanding -= 1
             self._requests.pop(request_id, None)
             if not st.finished:
                 st.finished = True
-                self._send_abort([request_id])
+                self._send_abort(core, [request_id])
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its ``generate`` iterator ends with ``finish_reason="abort"``.
         Unknown or finished ids are ignored."""
-        st = self._requests.get(request_id)
-        if st is None or st.finished:
+        entry = self._requests.get(request_id)
+        if entry is None or entry[0].finished:
             return
+        st, core = entry
         st.finished = True
-        self._send_abort([request_id])
+        self._send_abort(core, [request_id])
         st.queue.put_nowait(
             RequestOutput(
                 request_id=request_id,
@@ -346,40 +364,18 @@ class AsyncEngine:
             )
         )
 
-    def _send_abort(self, request_ids: list[str]) -> None:
-        if self._dead is not None or self._in_sock is None:
+    def _send_abort(self, core: CoreClient, request_ids: list[str]) -> None:
+        if self._dead is not None or self._closed:
             return
         try:
-            self._in_sock.send(self._encoder.encode(AbortRequests(request_ids)), zmq.NOBLOCK)
+            core.send(AbortRequests(request_ids), block=False)
         except zmq.ZMQError as e:
             logger.warning("could not send abort for %s: %s", request_ids, e)
 
     # ================================================================ output handling
-    async def _output_loop(self) -> None:
-        try:
-            while True:
-                if not await self._out_sock.poll(timeout=int(_LIVENESS_INTERVAL_S * 1000)):
-                    if not self._proc.is_alive():
-                        self._mark_dead(f"engine core process died (exit code {self._proc.exitcode})")
-                        return
-                    continue
-                msg = self._decoder.decode(await self._out_sock.recv())
-                if isinstance(msg, StepOutputs):
-                    self._handle_step_outputs(msg)
-                elif isinstance(msg, CoreFailed):
-                    if msg.traceback:
-                        logger.error("engine core traceback:\n%s", msg.traceback)
-                    self._mark_dead(f"engine core failed: {msg.message}")
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a front-end bug must not leave requests hanging
-            logger.exception("engine output loop failed")
-            self._mark_dead(f"engine output handling failed: {e}")
-
-    def _handle_step_outputs(self, msg: StepOutputs) -> None:
+    def _handle_step_outputs(self, core: CoreClient, msg: StepOutputs) -> None:
         if msg.stats is not None:
-            self._stats = EngineStats.from_snapshot(msg.stats)
+            core.stats = EngineStats.from_snapshot(msg.stats)
         for delta in msg.connector_stats:
             for fn in self._stats_listeners:
                 try:
@@ -387,9 +383,10 @@ class AsyncEngine:
                 except Exception:
                     logger.exception("stats listener failed")
         for o in msg.outputs:
-            st = self._requests.get(o.request_id)
-            if st is not None and not st.finished:
+            entry = self._requests.get(o.request_id)
+            if entry is not None and not entry[0].finished:
+                st = entry[0]
                 out = process_output(o, st)
                 if out.finish_reason == "stop" and o.finish_reason is None:
-                    self._send_abort([o.request_id])  # a stop string ended it in the front end
+                    self._send_abort(core, [o.request_id])  # a stop string ended it in the front end
                 st.queue.put_nowait(out)

@@ -27,6 +27,9 @@ from pdserve.engine.messages import (
     AddRequest,
     CoreAddresses,
     CoreFailed,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    Ping,
     Ready,
     Shutdown,
     StartupFailed,
@@ -377,7 +380,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses) -> None:
             )
         )
         try:
-            _core_loop(core, in_sock, out_sock, encoder, decoder, parent)
+            _core_loop(core, in_sock, out_sock, encoder, decoder, parent, addresses.remote)
         except BaseException as e:
             logger.exception("engine core failed")
             out_sock.send(encoder.encode(CoreFailed(f"{type(e).__name__}: {e}", traceback.format_exc())))
@@ -407,7 +410,8 @@ def _sync_wakeup_handles(poller: Any, registered: list[Any], handles: list[Any])
     return list(handles)
 
 
-def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, decoder: Any, parent: int) -> None:
+def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, decoder: Any, parent: int,
+               remote: bool = False) -> None:
     import zmq
 
     poller = zmq.Poller()
@@ -422,6 +426,8 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
     stats_stale = False  # a changed snapshot waits for STATS_INTERVAL_S to pass
     progressed = False
     sched = core.scheduler
+    # A remote rank (pdserve/engine/messages.py): heartbeats both ways.
+    last_input = last_sent = time.monotonic()
     while True:
         # Wait for input or a connector wake-up (side-channel answer or notice, finished
         # handshake): not at all while the last step computed tokens, until the connector's
@@ -438,6 +444,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
         if len(events) > (in_sock in events):
             core.handle_wakeup()
         if in_sock in events:
+            last_input = time.monotonic()
             while True:
                 try:
                     raw = in_sock.recv(zmq.NOBLOCK)
@@ -453,7 +460,12 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
                 elif isinstance(msg, Shutdown):
                     logger.info("engine core shutting down")
                     return
+                elif isinstance(msg, Ping):
+                    pass
         now = time.monotonic()
+        if remote and now - last_input > HEARTBEAT_TIMEOUT_S:
+            raise RuntimeError(f"no message from the API server for {HEARTBEAT_TIMEOUT_S:g} s "
+                               "(the data-parallel head is gone or unreachable)")
         if not events or now - last_parent_check >= IDLE_POLL_INTERVAL_S:
             last_parent_check = now
             if os.getppid() != parent:
@@ -481,5 +493,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
                 stats_stale = False
             else:
                 stats_stale = changed
-        if outputs or conn_stats or stats is not None:
+        if outputs or conn_stats or stats is not None or (
+                remote and now - last_sent >= HEARTBEAT_INTERVAL_S):
             out_sock.send(encoder.encode(StepOutputs(outputs=outputs, stats=stats, connector_stats=conn_stats)))
+            last_sent = now

@@ -1,14 +1,24 @@
 """Messages between the front end (:class:`pdserve.engine.async_engine.AsyncEngine`) and the
 engine-core process, encoded with msgspec's MessagePack codec.
 
-Two ZMQ ``ipc://`` sockets, both bound by the front end:
+Two ZMQ sockets per engine core (``ipc://`` for a core on the API server's host, ``tcp://``
+for a data-parallel rank on another host), both bound by the front end:
 
 * input (front end PUSH -> core PULL): :data:`CoreInput` = ``AddRequest | AbortRequests |
-  Shutdown``;
+  Shutdown | Ping``;
 * output (core PUSH -> front end PULL): :data:`CoreMessage` = ``Ready | StartupFailed |
   StepOutputs | CoreFailed``.
 
 The structs are tagged (field ``type``) so one decoder handles each direction.
+
+A remote rank (``CoreAddresses.remote``) cannot be watched as a child process: the front end
+sends it a :class:`Ping` and the core an empty :class:`StepOutputs` every
+:data:`HEARTBEAT_INTERVAL_S` while nothing else was sent; either side treats
+:data:`HEARTBEAT_TIMEOUT_S` of silence as the other's death.
+
+Rendezvous of multi-host data parallelism (a headless host's REQ -> the head's ROUTER at
+``--data-parallel-address:--data-parallel-rpc-port``): :class:`JoinRequest` ->
+:class:`JoinReply`.
 """
 
 from __future__ import annotations
@@ -29,6 +39,12 @@ class CoreAddresses:
 
     input_address: str
     output_address: str
+    remote: bool = False  # a rank on another host: liveness by heartbeats
+
+
+# Seconds between heartbeats to and from a remote rank, and of silence that means death.
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 10.0
 
 
 class AddRequest(msgspec.Struct, tag="add"):
@@ -49,6 +65,10 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     """Stop the core loop and exit."""
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    """Heartbeat of the front end to a remote rank (no other effect)."""
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -96,7 +116,33 @@ class CoreFailed(msgspec.Struct, tag="core_failed"):
     traceback: str = ""
 
 
-CoreInput = Union[AddRequest, AbortRequests, Shutdown]
+class JoinRequest(msgspec.Struct, tag="join"):
+    """A headless host's rank asks the head for its sockets.
+
+    Attributes:
+        rank: the data-parallel rank.
+        data_parallel_size: the size the joining host was started with (must match).
+        model: the served model name (must match).
+        side_channel_host: the NIXL side-channel host the rank advertises ("" without a KV
+            connector); a loopback address is refused, remote peers could not reach it.
+    """
+
+    rank: int
+    data_parallel_size: int
+    model: str
+    side_channel_host: str = ""
+
+
+class JoinReply(msgspec.Struct, tag="join_reply"):
+    """The head's answer: the rank's input/output ZMQ addresses, or why it is refused."""
+
+    ok: bool
+    reason: str = ""
+    input_address: str = ""
+    output_address: str = ""
+
+
+CoreInput = Union[AddRequest, AbortRequests, Shutdown, Ping]
 CoreMessage = Union[Ready, StartupFailed, StepOutputs, CoreFailed]
 
 

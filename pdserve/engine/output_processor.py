@@ -56,7 +56,9 @@ class EngineStats:
     """Engine snapshot for ``/metrics``: queue sizes, KV cache use, cumulative token counters.
 
     ``kv_cache_usage`` is the fraction of blocks held by requests (0..1); all ``*_total`` fields
-    are cumulative since the engine started (tokens, or events for preemptions).
+    are cumulative since the engine started (tokens, or events for preemptions). With data
+    parallelism the fields are summed over the ranks (``kv_cache_usage``: used blocks over all
+    blocks) and ``per_rank`` holds each rank's snapshot, in rank order (empty with one rank).
     """
 
     num_running: int = 0
@@ -73,10 +75,22 @@ class EngineStats:
     num_preemptions_total: int = 0
     num_kv_load_failures_total: int = 0
     num_held_for_transfer: int = 0
+    per_rank: tuple["EngineStats", ...] = ()
+
+    @classmethod
+    def combine(cls, ranks: list["EngineStats"]) -> "EngineStats":
+        """The sum of several ranks' snapshots, keeping each in ``per_rank``."""
+        total = cls(per_rank=tuple(ranks))
+        for f in dataclasses.fields(cls):
+            if f.name not in ("per_rank", "kv_cache_usage"):
+                setattr(total, f.name, sum(getattr(r, f.name) for r in ranks))
+        used = sum(r.kv_cache_usage * r.num_blocks for r in ranks)
+        total.kv_cache_usage = used / total.num_blocks if total.num_blocks else 0.0
+        return total
 
     @classmethod
     def from_snapshot(cls, snapshot: dict[str, Any]) -> "EngineStats":
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"per_rank"}
         return cls(**{k: v for k, v in snapshot.items() if k in names})
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.cli_types import bind_port, fraction, parse_size, positive_int
+from pdserve.cli_types import bind_port, fraction, parse_size, port, positive_float, positive_int
 from pdserve.config import DEFAULT_MODEL, EngineConfig
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +65,29 @@ def build_parser() -> argparse.ArgumentParser:
     # --- tensor parallelism
     p.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=1,
                    help="shard the model over N devices, one process per rank (default 1)")
+    _add_data_parallel_args(p)
     return p
+
+
+def _add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Data parallelism (vLLM's option names; pdserve/engine/data_parallel.py)."""
+    g = p.add_argument_group("data parallelism")
+    g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
+                   help="engine cores (ranks) behind this API server, over all hosts; rank r "
+                        "uses NIXL side-channel port base + r (default 1)")
+    g.add_argument("--data-parallel-size-local", "-dpl", type=positive_int, default=None,
+                   help="ranks started on this host (default: all)")
+    g.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
+                   help="first rank started on this host (--headless hosts; default 0)")
+    g.add_argument("--data-parallel-address", "-dpa", default=None,
+                   help="the head's address that every rank host can reach (multi-host)")
+    g.add_argument("--data-parallel-rpc-port", "-dpp", type=port, default=13345,
+                   help="the head's port where ranks of other hosts join (default 13345)")
+    g.add_argument("--headless", action="store_true",
+                   help="run ranks only (no API server); they join the head at "
+                        "--data-parallel-address:--data-parallel-rpc-port")
+    g.add_argument("--data-parallel-join-timeout", type=positive_float, default=60.0,
+                   help="seconds a --headless host keeps trying to reach the head (default 60)")
 
 
 def engine_config_from_args(args: argparse.Namespace, kv_transfer_config: Any) -> EngineConfig:
@@ -89,6 +111,14 @@ def engine_config_from_args(args: argparse.Namespace, kv_transfer_config: Any) -
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_snapshot_endpoint=args.kv_events_snapshot_endpoint,
         tensor_parallel_size=args.tensor_parallel_size,
+        # data parallelism
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_size_local=args.data_parallel_size_local,
+        data_parallel_start_rank=args.data_parallel_start_rank,
+        data_parallel_address=args.data_parallel_address,
+        data_parallel_rpc_port=args.data_parallel_rpc_port,
+        headless=args.headless,
+        data_parallel_join_timeout=args.data_parallel_join_timeout,
     )
     for name in ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization",
                  "num_scheduler_steps"):

@@ -291,6 +291,20 @@ def run_server(args: argparse.Namespace) -> int:
     )
     config = engine_config_from_args(args, getattr(args, "kv_transfer_config", None))
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
+    from pdserve.engine import data_parallel
+
+    try:
+        data_parallel.validate(config)
+    except data_parallel.DataParallelConfigError as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
+    if config.headless:
+        try:
+            check_paths(config)
+        except StartupError as e:
+            print(f"pdserve serve: {e}", file=sys.stderr)
+            return 2 if "not found" in str(e) else 1
+        return data_parallel.run_headless(config)
     try:
         check_paths(config)
         sock = bind_socket(args.host, args.port)

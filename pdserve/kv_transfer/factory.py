@@ -28,7 +28,7 @@ def create_connector(
         kv_transfer_config: the validated configuration.
         role: ``"scheduler"`` or ``"worker"``.
         engine_config: the :class:`pdserve.config.EngineConfig` (the scheduler side reads
-            ``block_size``, default 16 without one); ``extra["data_parallel_rank"]`` (default 0)
+            ``block_size``, default 16 without one); its ``data_parallel_rank`` (default 0)
             selects the side-channel port ``base + rank``.
         tp: where the worker side sits in the instance's tensor-parallel group (one worker
             side per TP rank, each in its rank's process); the scheduler side ignores it.
@@ -47,8 +47,7 @@ def create_connector(
         raise ValueError(f"unknown connector role {role!r}; expected one of {list(ROLES)}")
     if kv_transfer_config.kv_connector != "NixlConnector":
         raise KVTransferConfigError(f"unknown kv_connector {kv_transfer_config.kv_connector!r}")
-    extra = getattr(engine_config, "extra", None) or {}
-    dp_rank = int(extra.get("data_parallel_rank", 0))
+    dp_rank = int(getattr(engine_config, "data_parallel_rank", 0))
     if role == "scheduler":
         from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
 

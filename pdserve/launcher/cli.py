@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefiller engines (kv_producer), default 1")
     p.add_argument("--num-decoders", type=int, default=1, metavar="M",
                    help="decoder engines (kv_consumer), default 1")
+    p.add_argument("--prefill-dp", type=int, default=1, metavar="N",
+                   help="data-parallel ranks of each prefiller (one API server, N engine cores, "
+                        "side channels base .. base + N - 1), default 1")
+    p.add_argument("--decode-dp", type=int, default=1, metavar="M",
+                   help="data-parallel ranks of each decoder, default 1")
     p.add_argument("--multi-turn", action="store_true",
                    help="bidirectional KV transfer on P and D and the multi-turn proxy")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],

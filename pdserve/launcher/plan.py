@@ -2,8 +2,10 @@
 command lines (nothing is started here).
 
 Every engine gets its own free HTTP port and its own free NIXL side-channel port
-(``PDSERVE_NIXL_SIDE_CHANNEL_PORT``); prefillers and decoders are placed on separate GPUs when
-there are several. The child commands come from a :class:`ChildCommands` object, which tests
+(``PDSERVE_NIXL_SIDE_CHANNEL_PORT``; an engine with ``--prefill-dp`` / ``--decode-dp`` ranks gets
+that many consecutive free ports, rank ``r`` listening on ``base + r``); prefillers and decoders
+are placed on separate GPUs when there are several (each data-parallel rank counts as one
+engine). The child commands come from a :class:`ChildCommands` object, which tests
 replace with fakes.
 """
 
@@ -45,7 +47,8 @@ class ChildSpec:
         port: the child's HTTP port.
         health_path: path that answers 200 once the child is ready.
         side_channel_port: NIXL side-channel port (engines only).
-        gpu: the ``CUDA_VISIBLE_DEVICES`` entry given to the child, or None.
+        gpu: the ``CUDA_VISIBLE_DEVICES`` given to the child (one entry; several,
+            comma-separated, for an engine with data-parallel ranks), or None.
         gpu_memory_share: the ``--gpu-memory-utilization`` given to an engine that shares its
             GPU with others (None: not shared, or sized by ``--kv-cache-memory``).
     """
@@ -100,6 +103,44 @@ def allocate_free_ports(count: int, host: str = ENGINE_HOST,
         for sock in sockets:
             sock.close()
     return ports
+
+
+def allocate_port_ranges(count: int, width: int, host: str = ENGINE_HOST,
+                         exclude: Sequence[int] = ()) -> list[int]:
+    """Returns ``count`` base ports such that ``base .. base + width - 1`` are all free on
+    ``host`` right now, none in ``exclude`` and no two ranges overlapping (``width`` 1:
+    :func:`allocate_free_ports`)."""
+    if width == 1:
+        return allocate_free_ports(count, host, exclude)
+    sockets: list[socket.socket] = []
+    bases: list[int] = []
+    taken = set(exclude)
+    try:
+        while len(bases) < count:
+            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(probe)
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+            block = range(base, base + width)
+            if base + width > 65536 or taken & set(block):
+                continue
+            held: list[socket.socket] = []
+            try:
+                for port in block[1:]:
+                    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    held.append(sock)
+                    sock.bind((host, port))
+            except OSError:
+                for sock in held:
+                    sock.close()
+                continue
+            sockets += held
+            taken |= set(block)
+            bases.append(base)
+    finally:
+        for sock in sockets:
+            sock.close()
+    return bases
 
 
 def ensure_port_free(host: str, port: int, what: str) -> None:
@@ -166,6 +207,14 @@ def assign_gpus(num_prefillers: int, num_decoders: int,
     p_pool, d_pool = list(gpus[:num_p_gpus]), list(gpus[num_p_gpus:])
     return ([p_pool[i % len(p_pool)] for i in range(num_prefillers)],
             [d_pool[i % len(d_pool)] for i in range(num_decoders)])
+
+
+def _engine_gpus(rank_gpus: Sequence[str | None]) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` of an engine whose ranks got ``rank_gpus`` (each GPU once,
+    in rank order; ranks beyond the list share it round robin), or None without GPUs."""
+    if not rank_gpus or rank_gpus[0] is None:
+        return None
+    return ",".join(dict.fromkeys(g for g in rank_gpus if g is not None))
 
 
 def kv_transfer_config(role: str, multi_turn: bool, progress_thread: bool = True) -> dict:
@@ -291,27 +340,46 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
     for flag, port in given:
         ensure_port_free(opts.host if flag == "--port" else ENGINE_HOST, port, flag)
 
-    missing = sum(n for n, ports in ((n_p, opts.prefill_ports), (n_d, opts.decode_ports),
-                                      (n_p, opts.prefill_side_channel_ports),
-                                      (n_d, opts.decode_side_channel_ports)) if ports is None)
+    dp_p, dp_d = opts.prefill_dp, opts.decode_dp
+    if dp_p < 1 or dp_d < 1:
+        raise LaunchError("--prefill-dp and --decode-dp must be at least 1")
+    for flag, ports, dp in (("--prefill-side-channel-ports", opts.prefill_side_channel_ports, dp_p),
+                            ("--decode-side-channel-ports", opts.decode_side_channel_ports, dp_d)):
+        for base in ports or ():  # the other ranks' ports, base + 1 .. base + dp - 1
+            for port in range(base + 1, base + dp):
+                if port in seen:
+                    raise LaunchError(f"port {port} of a data-parallel rank ({flag}) is also "
+                                      f"given as {seen[port]}")
+                ensure_port_free(ENGINE_HOST, port, flag)
+                seen[port] = flag
+
+    missing = sum(n for n, ports in ((n_p, opts.prefill_ports), (n_d, opts.decode_ports))
+                  if ports is None)
     free = iter(allocate_free_ports(missing, ENGINE_HOST, exclude=list(seen)))
 
     def ports_for(given_ports: list[int] | None, count: int) -> list[int]:
         return list(given_ports) if given_ports is not None else [next(free) for _ in range(count)]
 
     p_ports, d_ports = ports_for(opts.prefill_ports, n_p), ports_for(opts.decode_ports, n_d)
-    p_side = ports_for(opts.prefill_side_channel_ports, n_p)
-    d_side = ports_for(opts.decode_side_channel_ports, n_d)
+    taken = [*seen, *p_ports, *d_ports]
+    p_side = opts.prefill_side_channel_ports or allocate_port_ranges(n_p, dp_p, ENGINE_HOST, taken)
+    taken += [b + r for b in p_side for r in range(dp_p)]
+    d_side = opts.decode_side_channel_ports or allocate_port_ranges(n_d, dp_d, ENGINE_HOST, taken)
+    taken += [b + r for b in d_side for r in range(dp_d)]
 
     if opts.device == "cpu":
         gpus = []
     elif gpus is None:
         gpus = detect_gpus()
-    p_gpus, d_gpus = assign_gpus(n_p, n_d, gpus)
+    # Each data-parallel rank is placed like an engine of its own; an engine's ranks take
+    # consecutive entries (rank r of engine i: entry i * dp + r).
+    p_rank_gpus, d_rank_gpus = assign_gpus(n_p * dp_p, n_d * dp_d, gpus)
     sharing: dict[str, int] = {}
-    for gpu in p_gpus + d_gpus:
+    for gpu in p_rank_gpus + d_rank_gpus:
         if gpu is not None:
             sharing[gpu] = sharing.get(gpu, 0) + 1
+    p_gpus = [_engine_gpus(p_rank_gpus[i * dp_p:(i + 1) * dp_p]) for i in range(n_p)]
+    d_gpus = [_engine_gpus(d_rank_gpus[i * dp_d:(i + 1) * dp_d]) for i in range(n_d)]
     # One GPU shared by several engines: each gets an equal part of --gpu-memory-utilization
     # (each engine's flag is its own share of the total, see pdserve/memory_budget.py).
     kv_memory_given = _option_given(engine_args, "--kv-cache-memory")
@@ -324,18 +392,21 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
 
     # KV events: every engine publishes its prefix-cache changes for the proxy's
     # --routing kv-aware, on two free ports (events, snapshots) unless the user set the option.
+    # (An engine with several data-parallel ranks publishes none: one endpoint per instance.)
     events_on = not _option_given(engine_args, "--kv-events-endpoint")
-    taken = [*seen, *p_ports, *d_ports, *p_side, *d_side]
-    event_ports = iter(allocate_free_ports(2 * (n_p + n_d), ENGINE_HOST, exclude=taken)
+    num_publishing = (n_p if dp_p == 1 else 0) + (n_d if dp_d == 1 else 0)
+    event_ports = iter(allocate_free_ports(2 * num_publishing, ENGINE_HOST, exclude=taken)
                        if events_on else ())
 
     specs: list[ChildSpec] = []
-    for role, kv_role, count, ports, side_ports, gpu_list in (
-            ("prefill", "kv_producer", n_p, p_ports, p_side, p_gpus),
-            ("decode", "kv_consumer", n_d, d_ports, d_side, d_gpus)):
+    for role, kv_role, count, ports, side_ports, gpu_list, dp in (
+            ("prefill", "kv_producer", n_p, p_ports, p_side, p_gpus, dp_p),
+            ("decode", "kv_consumer", n_d, d_ports, d_side, d_gpus, dp_d)):
         for i in range(count):
             args_i = list(engine_args)
-            if events_on:
+            if dp > 1:
+                args_i[:0] = ["--data-parallel-size", str(dp)]
+            elif events_on:
                 args_i[:0] = ["--kv-events-endpoint", f"tcp://{ENGINE_HOST}:{next(event_ports)}",
                               "--kv-events-snapshot-endpoint",
                               f"tcp://{ENGINE_HOST}:{next(event_ports)}"]
@@ -346,8 +417,9 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
             share = None
             if gpu is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpu
-                if sharing[gpu] > 1 and not kv_memory_given:
-                    share = round(util_total / sharing[gpu], 3)
+                most = max(sharing[g] for g in gpu.split(","))
+                if most > 1 and not kv_memory_given:
+                    share = round(util_total / most, 3)
                     args_i += ["--gpu-memory-utilization", f"{share:.3f}"]  # the last one wins
             argv = commands.engine(model=opts.model, role=role, host=ENGINE_HOST, port=ports[i],
                                    kv_config=kv_transfer_config(kv_role, opts.multi_turn,

@@ -92,3 +92,40 @@ def test_up_two_turn_chat_with_kv_transfer(deployment):
     assert "pdserve up: stopped (exit code 0)" in deployment.log_text()
     # the servers' helpers (multiprocessing's resource tracker) exit by themselves: not reported
     assert "left behind" not in deployment.log_text(), deployment.log_text()
+
+
+def test_up_with_data_parallel_groups(tmp_path, server_pool):
+    """``--prefill-dp 2 --decode-dp 2``: one API server per group, two engine cores each; the
+    proxy's requests are spread over the ranks, every decoder rank reads KV from the prefiller
+    rank that computed it, and the outputs equal a single instance's."""
+    from servers import POOL_COMMON, generate
+
+    single = server_pool.get("single")["single"]
+    dep = UpDeployment([server_pool.model, "--prefill-dp", "2", "--decode-dp", "2",
+                        "--device", "cpu", "--", *POOL_COMMON], tmp_path / "logs")
+    try:
+        dep.wait_ready()
+        prefill, decode = dep.child("prefill"), dep.child("decode")
+        bodies = [{"model": server_pool.model, "prompt": f"Item {i}: the harbour town's ships " * 4,
+                   "max_tokens": 6, "temperature": 0} for i in range(4)]
+        expected = [generate(single, "completions", b)["text"] for b in bodies]
+        with httpx.Client(base_url=dep.url, timeout=300) as client:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda b: client.post("/v1/completions", json=b), bodies))
+        assert [r.json()["choices"][0]["text"] for r in answers] == expected
+        d_metrics = httpx.get(decode["url"] + "/metrics", timeout=30).text
+        assert _metric(d_metrics, "pdserve:nixl_num_failed_transfers") == 0
+        assert _metric(d_metrics, "pdserve:prompt_tokens_computed_total") == 0
+        for rank in ("0", "1"):  # both decoder ranks read KV, both prefiller ranks computed
+            assert _metric(d_metrics, f'pdserve:prompt_tokens_transferred_total{{dp_rank="{rank}"}}') > 0
+            p_metrics = httpx.get(prefill["url"] + "/metrics", timeout=30).text
+            assert _metric(p_metrics, f'pdserve:prompt_tokens_total{{dp_rank="{rank}"}}') > 0
+        assert dep.signal_and_wait(signal.SIGTERM, SHUTDOWN_TIMEOUT_S) == 0, dep.log_text()
+        deadline = time.monotonic() + 10
+        while still_running(dep.processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert still_running(dep.processes) == [], dep.log_text()
+    finally:
+        dep.kill_everything()

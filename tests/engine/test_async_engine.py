@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
@@ -15,6 +16,7 @@ from pdserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineStartupError,
+    EngineStats,
     RequestOutput,
 )
 from pdserve.engine.llm_engine import LLMEngine
@@ -54,7 +56,7 @@ async def engine(tiny_llama_path):
         yield eng
     finally:
         await eng.shutdown()
-    assert eng._proc.exitcode == 0  # the core stopped on its own, not killed
+    assert eng._cores[0].proc.exitcode == 0  # the core stopped on its own, not killed
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +233,7 @@ async def test_dead_core_fails_in_flight_requests(tiny_llama_path):
         params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
         agen = eng.generate("doomed", prompt(10), params)
         await agen.__anext__()
-        os.kill(eng._proc.pid, signal.SIGKILL)
+        os.kill(eng._cores[0].proc.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError):
             async for _ in agen:
                 pass
@@ -247,9 +249,11 @@ async def test_connector_stats_reach_listeners_unchanged():
     from pdserve.engine.messages import StepOutputs
 
     eng = AsyncEngine()  # no process: exercise the output handling only
+    core = SimpleNamespace(rank=0, stats=EngineStats())  # stands in for rank 0's CoreClient
+    eng._cores = [core]
     seen: list[dict] = []
     eng.add_stats_listener(seen.append)
-    eng._handle_step_outputs(StepOutputs(stats={"num_running": 2, "kv_cache_usage": 0.5, "extra": 1},
+    eng._handle_step_outputs(core, StepOutputs(stats={"num_running": 2, "kv_cache_usage": 0.5, "extra": 1},
                                          connector_stats=[{"xfer_time_s": [0.1]}, {"num_failed": 1}]))
     assert seen == [{"xfer_time_s": [0.1]}, {"num_failed": 1}]
     assert eng.stats().num_running == 2 and eng.stats().kv_cache_usage == 0.5
@@ -284,7 +288,7 @@ def _cpu_seconds(pid: int) -> float:
 
 async def test_idle_core_does_not_spin(engine):
     await wait_all_free(engine)
-    before = _cpu_seconds(engine._proc.pid)
+    before = _cpu_seconds(engine._cores[0].proc.pid)
     await asyncio.sleep(2.0)
-    used = _cpu_seconds(engine._proc.pid) - before
+    used = _cpu_seconds(engine._cores[0].proc.pid) - before
     assert used < 0.3, f"idle engine core used {used:.2f} s of CPU in 2 s"

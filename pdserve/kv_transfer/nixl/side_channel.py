@@ -43,6 +43,7 @@ compatibility fields they exchange.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import logging
 import socket
@@ -133,6 +134,14 @@ def _bind_address(host: str) -> str:
         return host
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback address (127.x, ::1)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def side_channel_request(host: str, port: int, message: dict[str, Any], timeout_s: float,
                          context: zmq.Context | None = None) -> dict[str, Any]:
     """Send one request to a side channel and wait for its answer (call from a background
@@ -158,7 +167,10 @@ def side_channel_request(host: str, port: int, message: dict[str, Any], timeout_
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise SideChannelTimeout(
                 f"no answer from the NIXL side channel {endpoint} within {timeout_s:g} s "
-                f"(is the remote instance running with a kv-transfer config?)"
+                + (f"({host} is a loopback address: an instance on another host must advertise "
+                   "an address this host can reach; set PDSERVE_NIXL_SIDE_CHANNEL_HOST on it)"
+                   if _is_loopback(host) else
+                   "(is the remote instance running with a kv-transfer config?)")
             )
         raw = sock.recv()
     except zmq.ZMQError as e:
