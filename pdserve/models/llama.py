@@ -31,6 +31,7 @@ from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.custom_op import CustomOp
 from pdserve.layers.embedding import LMHead, VocabEmbedding
 from pdserve.distributed.parallel_state import get_tp_rank
+from pdserve.layers.fused_moe import MoEConfig
 from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers import rotary
@@ -42,7 +43,7 @@ class ArchConfig:
     """The architecture hyper-parameters the model needs (parsed from a HF ``config.json``).
 
     Attributes:
-        architecture: ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Qwen3ForCausalLM``.
+        architecture: a name of :data:`pdserve.models.registry.SUPPORTED_ARCHITECTURES`.
         hidden_size, intermediate_size: widths.
         num_layers: decoder layers.
         num_heads, num_kv_heads, head_dim: attention geometry (grouped-query when
@@ -51,13 +52,15 @@ class ArchConfig:
         max_position_embeddings: the model's context length in tokens.
         rms_norm_eps: RMSNorm epsilon.
         rope_theta: rotary base.
-        rope_scaling: ``None`` (default rotary) or a dict with ``rope_type`` ``linear`` or
-            ``llama3`` and its parameters.
+        rope_scaling: ``None`` (default rotary) or a dict with a ``rope_type`` of
+            :data:`pdserve.layers.rotary.SUPPORTED_ROPE_TYPES` and its parameters.
         tie_word_embeddings: the LM head reuses the embedding matrix.
         attention_bias, mlp_bias: linear layers carry biases.
+        qkv_bias: the query/key/value projection carries a bias, the output one not (Qwen2).
         qk_norm: per-head RMSNorm on queries and keys (Qwen3).
         initializer_range: std of random weights (dummy load format).
         eos_token_ids: end-of-sequence ids from the config and generation config.
+        moe: the mixture-of-experts settings (Qwen3-MoE), None for a dense model.
     """
 
     architecture: str
@@ -78,6 +81,8 @@ class ArchConfig:
     qk_norm: bool = False
     initializer_range: float = 0.02
     eos_token_ids: list[int] = field(default_factory=list)
+    qkv_bias: bool = False
+    moe: MoEConfig | None = None
 
 
 def rope_inv_freq(cfg: ArchConfig) -> torch.Tensor:
@@ -87,7 +92,8 @@ def rope_inv_freq(cfg: ArchConfig) -> torch.Tensor:
     Raises:
         ValueError: an unsupported ``rope_type``.
     """
-    return rotary.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return rotary.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                cfg.max_position_embeddings)
 
 
 class LlamaAttention(nn.Module):
@@ -102,7 +108,7 @@ class LlamaAttention(nn.Module):
         d = cfg.head_dim
         self.layer_idx = layer_idx
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d,
-                                  cfg.attention_bias, dtype, device)
+                                  cfg.attention_bias or cfg.qkv_bias, dtype, device)
         # this rank's heads (all of them at TP 1)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = d
@@ -156,7 +162,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                 device)
-        self.mlp = LlamaMLP(cfg, dtype, device)
+        self.mlp = self.make_mlp(cfg, layer_idx, dtype, device)
+
+    def make_mlp(self, cfg: ArchConfig, layer_idx: int, dtype: torch.dtype,
+                 device: torch.device) -> nn.Module:
+        """The layer's feed-forward block (a dense SwiGLU MLP; families with another one, e.g.
+        mixture-of-experts, override this)."""
+        return LlamaMLP(cfg, dtype, device)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -209,7 +221,10 @@ class CausalLM(nn.Module):
 
     Attributes:
         attn_backend: the attention backend every layer uses.
+        decoder_layer_cls: the class of each decoder layer (families subclass it).
     """
+
+    decoder_layer_cls: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, device: torch.device,
                  block_size: int, max_positions: int):
@@ -218,9 +233,11 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        rotary_emb = RotaryEmbedding(max_positions, rope_inv_freq(cfg), device)
+        rotary_emb = rotary.rotary_embedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                             max_positions, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, rotary_emb, dtype, device) for i in range(cfg.num_layers)
+            self.decoder_layer_cls(cfg, i, rotary_emb, dtype, device)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device,

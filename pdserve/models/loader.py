@@ -8,6 +8,7 @@ connector) sees.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -24,8 +25,10 @@ from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import check_tp_divisible
 from pdserve.layers.weights import LazyWeight
 from pdserve.model_info import ModelInfo
+from pdserve.models import hf_families
 from pdserve.models.llama import ArchConfig, CausalLM
 from pdserve.models.registry import SUPPORTED_ARCHITECTURES, model_class
+from pdserve.models.summary import summarize
 
 logger = logging.getLogger("pdserve.model")
 
@@ -34,6 +37,7 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+_MODEL_TYPE_TO_ARCH.update(hf_families.MODEL_TYPES)  # Qwen2, Qwen3-MoE
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -139,6 +143,7 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None and not archs:
         arch = _MODEL_TYPE_TO_ARCH.get(str(hf.get("model_type", "")).lower())
+    hf_families.refuse_unsupported(hf, arch)
     if arch is None:
         raise ValueError(
             f"unsupported model architecture {archs or hf.get('model_type')!r}; supported: "
@@ -172,8 +177,10 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
     for e in _listify((generation_config or {}).get("eos_token_id")):
         if e not in eos:
             eos.append(e)
-    default_max_pos = 40960 if is_qwen3 else 2048
-    return ArchConfig(
+    default_max_pos = hf_families.default_max_positions(arch) or (40960 if is_qwen3 else 2048)
+    max_pos = int(hf.get("max_position_embeddings", default_max_pos))
+    rope_scaling = hf_families.complete_rope_scaling(rope_scaling, hf, max_pos)
+    arch_config = ArchConfig(
         architecture=arch,
         hidden_size=hidden,
         intermediate_size=int(hf["intermediate_size"]),
@@ -182,7 +189,7 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(head_dim),
         vocab_size=int(hf["vocab_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", default_max_pos)),
+        max_position_embeddings=max_pos,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -193,6 +200,7 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
         initializer_range=float(hf.get("initializer_range", 0.02)),
         eos_token_ids=eos,
     )
+    return dataclasses.replace(arch_config, **hf_families.family_fields(hf, arch))
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -335,6 +343,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     logger.info("loaded %s (%s, %d layers, %s, %s, load_format=%s) in %.1f s", path,
                 arch.architecture, arch.num_layers, str(dtype).removeprefix("torch."), device,
                 fmt, time.perf_counter() - t0)
+    logger.info("%s", summarize(arch, model, dtype).line())
     info = ModelInfo(
         name=config.name,
         architecture=arch.architecture,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pdserve.models.llama import CausalLM
+from pdserve.models.qwen3_moe import Qwen3MoeCausalLM
 
 # One class serves the Llama family and Qwen3 (ArchConfig.qk_norm marks Qwen3's q/k norm).
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
@@ -10,6 +11,11 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
 }
+# Qwen2 / Qwen2.5 (and the DeepSeek-R1 Qwen distills): the Llama structure with a bias on the
+# query/key/value projection (ArchConfig.qkv_bias).
+MODEL_REGISTRY["Qwen2ForCausalLM"] = CausalLM
+# Qwen3-MoE: Qwen3 attention, mixture-of-experts MLP.
+MODEL_REGISTRY["Qwen3MoeForCausalLM"] = Qwen3MoeCausalLM
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 
 

