@@ -21,6 +21,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.builtin_models import resolve_model_path
 from pdserve.model_info import ModelInfo
+from pdserve.models.gemma3 import ARCHITECTURE as GEMMA3, gemma3_arch_config
 from pdserve.models.llama import ArchConfig, CausalLM
 from pdserve.models.registry import SUPPORTED_ARCHITECTURES, model_class
 
@@ -30,6 +31,7 @@ _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,7 +99,8 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
 
     Raises:
         ValueError: unsupported architecture, missing required key, or a feature this engine
-            does not implement (sliding-window attention, activation other than SiLU).
+            does not implement (Qwen3's sliding window, activation other than SiLU; Gemma 3's
+            in :func:`pdserve.models.gemma3.gemma3_arch_config`).
     """
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -108,6 +111,12 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
             f"unsupported model architecture {archs or hf.get('model_type')!r}; supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
+    eos = _listify(hf.get("eos_token_id"))
+    for e in _listify((generation_config or {}).get("eos_token_id")):
+        if e not in eos:
+            eos.append(e)
+    if arch == GEMMA3:
+        return gemma3_arch_config(hf, eos)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "vocab_size"):
         if key not in hf:
@@ -127,15 +136,9 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
     rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+    sliding_window = None
     if arch == "MistralForCausalLM" and hf.get("sliding_window"):
-        max_pos = int(hf.get("max_position_embeddings", 32768))
-        if int(hf["sliding_window"]) < max_pos:
-            logger.warning("sliding_window=%s is ignored: attention is full (results differ "
-                           "beyond %s tokens)", hf["sliding_window"], hf["sliding_window"])
-    eos = _listify(hf.get("eos_token_id"))
-    for e in _listify((generation_config or {}).get("eos_token_id")):
-        if e not in eos:
-            eos.append(e)
+        sliding_window = int(hf["sliding_window"])  # every layer slides (as transformers does)
     default_max_pos = 40960 if is_qwen3 else 2048
     return ArchConfig(
         architecture=arch,
@@ -156,6 +159,7 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
         qk_norm=is_qwen3,
         initializer_range=float(hf.get("initializer_range", 0.02)),
         eos_token_ids=eos,
+        sliding_window=sliding_window,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.models.gemma3 import Gemma3ForCausalLM
 from pdserve.models.llama import CausalLM
 
 # One class serves the Llama family and Qwen3 (ArchConfig.qk_norm marks Qwen3's q/k norm).
@@ -9,6 +10,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": CausalLM,
     "MistralForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 
