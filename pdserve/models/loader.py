@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.builtin_models import resolve_model_path
+from pdserve.builtin_models import BUILTIN_NAMES, resolve_model_path
 from pdserve.model_info import ModelInfo
 from pdserve.models.gemma3 import ARCHITECTURE as GEMMA3, gemma3_arch_config
 from pdserve.models.llama import ArchConfig, CausalLM
@@ -264,7 +264,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ValueError(f"{path}: expected a model directory or a .gguf file")
     else:
         raise ValueError(f"model {config.model!r} not found (expected a local Hugging Face "
-                         "directory, a .gguf file, or the built-in 'smollm2-135m-instruct')")
+                         "directory, a .gguf file, or a built-in name: "
+                         + ", ".join(BUILTIN_NAMES) + ")")
     arch = arch_config_from_hf(hf, gen_cfg)
     max_len = model_max_len(config, arch)
     model = model_class(arch.architecture)(arch, dtype, device, config.block_size,
