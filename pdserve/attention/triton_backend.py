@@ -34,15 +34,16 @@ class TritonAttentionBackend(TorchAttentionBackend):
         self._decode_kernels = paged_decode
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                sliding_window: int | None = None) -> torch.Tensor:
         """Same contract as :meth:`pdserve.attention.base.AttentionBackend.forward`; ``key`` and
         ``value`` may be strided views (e.g. into a fused QKV projection)."""
         self._kv_cache_kernels.store_kv_cache(key, value, kv_cache, layer, meta.slot_mapping)
         out = torch.empty_like(query)
-        self._prefill_into(layer, query, key, value, kv_cache, meta, out)
+        self._prefill_into(layer, query, key, value, kv_cache, meta, out, sliding_window)
         if meta.num_decodes:
             p = meta.num_prefill_tokens
             self._decode_kernels.paged_decode_attention(
                 query[p:], kv_cache, layer, meta.decode_block_tables, meta.decode_seq_lens,
-                self.scale, out=out[p:])
+                self.scale, out=out[p:], sliding_window=sliding_window)
         return out

@@ -160,6 +160,7 @@ def _paged_decode_split_kernel(
     block_tables_ptr,
     context_lens_ptr,
     scale_log2,
+    sliding_window,  # keys older than the last ``sliding_window`` positions are skipped (SLIDING)
     num_seqs,
     num_splits,
     stride_q_s,
@@ -185,6 +186,7 @@ def _paged_decode_split_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -200,6 +202,9 @@ def _paged_decode_split_kernel(
     tokens_per_split = tl.cdiv(tl.cdiv(max_ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, ctx)
+    if SLIDING:
+        # Pieces wholly before the window are empty (start >= end) and return at once.
+        start = tl.maximum(start, ctx - sliding_window)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -331,6 +336,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache (decode step).
 
@@ -356,6 +362,8 @@ def paged_decode_attention(
         num_warps: Triton warps per program; default :func:`decode_kernel_config`.
         num_stages: Triton software-pipelining depth of the context loop; default
             :func:`decode_kernel_config`.
+        sliding_window: None (attend the whole context) or ``W >= 1``: attend only the last
+            ``W`` positions of each context (Mistral's and Gemma 3's local layers).
 
     Returns:
         ``out``: ``[num_seqs, num_q_heads, head_dim]`` in ``q``'s dtype.
@@ -390,6 +398,8 @@ def paged_decode_attention(
         raise ValueError(f"context_lens must be [num_seqs], got {tuple(context_lens.shape)}")
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("q, kv_cache and block_tables need a contiguous last dimension")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or at least 1, got {sliding_window}")
 
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -431,6 +441,7 @@ def paged_decode_attention(
         block_tables,
         context_lens,
         scale * _LOG2_E,
+        sliding_window or 0,
         num_seqs,
         num_splits,
         q.stride(0),
@@ -458,6 +469,7 @@ def paged_decode_attention(
         # Triton's CPU interpreter multiplies 16-bit float operands of tl.dot as raw integer bits
         # (seen in 3.6-3.9), so interpreted runs widen them first; rounding is unchanged.
         DOT_IN_FP32=q.device.type != "cuda",
+        SLIDING=sliding_window is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -15,6 +15,7 @@ def flash_varlen_prefill(
     max_query_len: int,
     max_context_len: int,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of several packed sequences in one FlashAttention-2 varlen call (the
     kernel torch bundles, ``aten::_flash_attention_forward`` with cumulative sequence lengths;
@@ -32,6 +33,8 @@ def flash_varlen_prefill(
         cu_seqlens_q, cu_seqlens_k: ``[N + 1]`` int32 on the same device.
         max_query_len, max_context_len: the longest query / key sequence (tokens).
         scale: softmax scale.
+        sliding_window: None, or ``W``: query position ``q`` attends only keys ``q - W + 1 .. q``
+            (FlashAttention's ``window_size_left = W - 1``, ``window_size_right = 0``).
 
     Returns:
         ``[T_q, num_heads, head_dim]``.
@@ -39,11 +42,14 @@ def flash_varlen_prefill(
     Raises:
         RuntimeError: from the kernel, e.g. an unsupported dtype, head size or GPU.
     """
+    window = {} if sliding_window is None else {"window_size_left": sliding_window - 1,
+                                                 "window_size_right": 0}
     out = torch.ops.aten._flash_attention_forward(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_query_len, max_context_len,
         0.0,  # dropout
         True,  # causal (bottom-right aligned)
         False,  # no debug mask
         scale=scale,
+        **window,
     )[0]
     return out

@@ -57,3 +57,26 @@ class RMSNorm(CustomOp):
         if residual is None:
             return kernels.rms_norm(x, self.weight, self.eps)
         return kernels.rms_norm(x, self.weight, self.eps, residual=residual), residual
+
+
+class GemmaRMSNorm(torch.nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` computed in float32 and rounded once to
+    the input dtype, matching Hugging Face ``Gemma3RMSNorm`` (its weight is stored as an offset
+    from 1; the product is taken before the rounding, unlike :class:`RMSNorm`).
+
+    Args:
+        hidden_size: size of the normalised (last) dim.
+        eps: added to the mean square.
+        dtype, device: where the weight lives.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = new_parameter((hidden_size,), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., hidden]`` -> normalised ``[..., hidden]`` in ``x``'s dtype."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -61,6 +61,15 @@ class ArchConfig:
         initializer_range: std of random weights (dummy load format).
         eos_token_ids: end-of-sequence ids from the config and generation config.
         moe: the mixture-of-experts settings (Qwen3-MoE), None for a dense model.
+        sliding_window: None, or the attention window ``W`` in tokens of the layers that slide
+            (each token attends its last ``W`` positions, itself included).
+        layer_types: per layer ``"sliding_attention"`` or ``"full_attention"``; None = every
+            layer slides when ``sliding_window`` is set (Mistral).
+        rope_local_theta: rotary base of the sliding layers when it differs from ``rope_theta``
+            (Gemma 3's local layers; their rotary is unscaled).
+        query_pre_attn_scalar: softmax scale ``query_pre_attn_scalar ** -0.5`` instead of
+            ``head_dim ** -0.5`` (Gemma 3).
+        final_logit_softcapping: None, or ``c``: logits become ``c * tanh(logits / c)``.
     """
 
     architecture: str
@@ -83,6 +92,19 @@ class ArchConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     qkv_bias: bool = False
     moe: MoEConfig | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (None = full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
 
 def rope_inv_freq(cfg: ArchConfig) -> torch.Tensor:
@@ -119,6 +141,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.rotary_emb = rotary_emb
+        self.sliding_window = cfg.layer_sliding_window(layer_idx)
         self.backend: AttentionBackend | None = None  # set by CausalLM.set_attention_backend
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -131,7 +154,8 @@ class LlamaAttention(nn.Module):
                                k.view(t, self.num_kv_heads, self.head_dim), self.q_norm,
                                self.k_norm)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta)
+        o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta,
+                                 sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(t, self.qkv_proj.q_size))
 
 

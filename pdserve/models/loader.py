@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.builtin_models import resolve_model_path
+from pdserve.builtin_models import BUILTIN_NAMES, resolve_model_path
 from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import check_tp_divisible
 from pdserve.layers.weights import LazyWeight
 from pdserve.model_info import ModelInfo
 from pdserve.models import hf_families
+from pdserve.models.gemma3 import ARCHITECTURE as GEMMA3, gemma3_arch_config
 from pdserve.models.llama import ArchConfig, CausalLM
 from pdserve.models.registry import SUPPORTED_ARCHITECTURES, model_class
 from pdserve.models.summary import summarize
@@ -36,6 +37,7 @@ _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 _MODEL_TYPE_TO_ARCH.update(hf_families.MODEL_TYPES)  # Qwen2, Qwen3-MoE
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -137,7 +139,8 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
 
     Raises:
         ValueError: unsupported architecture, missing required key, or a feature this engine
-            does not implement (sliding-window attention, activation other than SiLU).
+            does not implement (Qwen3's sliding window, activation other than SiLU; Gemma 3's
+            in :func:`pdserve.models.gemma3.gemma3_arch_config`).
     """
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -149,6 +152,12 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
             f"unsupported model architecture {archs or hf.get('model_type')!r}; supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
+    eos = _listify(hf.get("eos_token_id"))
+    for e in _listify((generation_config or {}).get("eos_token_id")):
+        if e not in eos:
+            eos.append(e)
+    if arch == GEMMA3:
+        return gemma3_arch_config(hf, eos)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "vocab_size"):
         if key not in hf:
@@ -168,15 +177,9 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
     rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+    sliding_window = None
     if arch == "MistralForCausalLM" and hf.get("sliding_window"):
-        max_pos = int(hf.get("max_position_embeddings", 32768))
-        if int(hf["sliding_window"]) < max_pos:
-            logger.warning("sliding_window=%s is ignored: attention is full (results differ "
-                           "beyond %s tokens)", hf["sliding_window"], hf["sliding_window"])
-    eos = _listify(hf.get("eos_token_id"))
-    for e in _listify((generation_config or {}).get("eos_token_id")):
-        if e not in eos:
-            eos.append(e)
+        sliding_window = int(hf["sliding_window"])  # every layer slides (as transformers does)
     default_max_pos = hf_families.default_max_positions(arch) or (40960 if is_qwen3 else 2048)
     max_pos = int(hf.get("max_position_embeddings", default_max_pos))
     rope_scaling = hf_families.complete_rope_scaling(rope_scaling, hf, max_pos)
@@ -199,6 +202,7 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
         qk_norm=is_qwen3,
         initializer_range=float(hf.get("initializer_range", 0.02)),
         eos_token_ids=eos,
+        sliding_window=sliding_window,
     )
     return dataclasses.replace(arch_config, **hf_families.family_fields(hf, arch))
 
@@ -326,7 +330,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ValueError(f"{path}: expected a model directory or a .gguf file")
     else:
         raise ValueError(f"model {config.model!r} not found (expected a local Hugging Face "
-                         "directory, a .gguf file, or the built-in 'smollm2-135m-instruct')")
+                         "directory, a .gguf file, or a built-in name: "
+                         + ", ".join(BUILTIN_NAMES) + ")")
     arch = arch_config_from_hf(hf, gen_cfg)
     check_tp_divisible(get_tp_size(), num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
                        vocab_size=arch.vocab_size, intermediate_size=arch.intermediate_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.models.gemma3 import Gemma3ForCausalLM
 from pdserve.models.llama import CausalLM
 from pdserve.models.qwen3_moe import Qwen3MoeCausalLM
 
@@ -10,6 +11,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": CausalLM,
     "MistralForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 # Qwen2 / Qwen2.5 (and the DeepSeek-R1 Qwen distills): the Llama structure with a bias on the
 # query/key/value projection (ArchConfig.qkv_bias).

