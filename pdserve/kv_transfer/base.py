@@ -56,9 +56,12 @@ class KVCacheSpec:
         num_layers: transformer layers.
         num_kv_heads: KV heads (per tensor-parallel rank).
         head_dim: head size.
-        dtype: torch dtype name, e.g. ``"bfloat16"``.
+        dtype: torch dtype name of the cache, e.g. ``"bfloat16"`` or ``"float8_e4m3fn"``
+            (``--kv-cache-dtype fp8``).
         element_size: bytes per element.
         model_name: served model identity (for the compatibility hash).
+        kv_scales: an fp8 cache's per-layer key scales then value scales (empty otherwise;
+            :mod:`pdserve.attention.kv_quant`): two instances must store with the same ones.
     """
 
     num_blocks: int
@@ -69,6 +72,7 @@ class KVCacheSpec:
     dtype: str
     element_size: int
     model_name: str
+    kv_scales: tuple[float, ...] = ()
 
     @property
     def block_bytes(self) -> int:

@@ -72,6 +72,7 @@ def compat_fields(spec: KVCacheSpec, tp_size: int = 1) -> dict[str, Any]:
         "protocol": PROTOCOL_VERSION,
         "model": spec.model_name,
         "dtype": spec.dtype,
+        "kv_scales": list(spec.kv_scales),
         "num_layers": spec.num_layers,
         "num_kv_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
