@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.outputs import EngineCoreOutput, KVConnectorOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv_transfer.base import KVLoadError, KVLoadFailure
+from pdserve.kv_transfer.base import KVLoadError
 from pdserve.kv_transfer.config import FAILURE_POLICIES, KVLoadFailurePolicy
 
 if TYPE_CHECKING:
@@ -201,10 +201,9 @@ class RemoteKV:
         if policy == KVLoadFailurePolicy.FAIL:
             logger.warning("request %s: KV load failed at block index %d; failing it", rid, bad_block)
             why = f": {error}" if error is not None else ""
-            # Name a block only where the cause is one (or unknown): an engine mismatch, a
-            # refused lease, a transport error or a timeout concern the whole load.
-            where = (f"block {req.block_ids[bad_block]} of request {rid}"
-                     if error is None or error.reason is KVLoadFailure.INVALID_REFERENCE
+            # The worker's reason says what failed (and names remote blocks when they are the
+            # cause); only without one is the first invalid local block all there is to say.
+            where = (f"block {req.block_ids[bad_block]} of request {rid}" if error is None
                      else f"request {rid}")
             return [
                 sched.finish(
