@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -9,6 +10,40 @@ if TYPE_CHECKING:
     from pdserve.kv_transfer.config import KVTransferConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class KVCacheDtype(enum.Enum):
+    """What the paged KV cache stores (``--kv-cache-dtype``).
+
+    ``AUTO`` stores keys and values in the model's dtype. ``FP8_E4M3`` stores them as float8
+    e4m3 (``torch.float8_e4m3fn``, largest finite value 448) with one scale per layer for K and
+    one for V (:mod:`pdserve.attention.kv_quant`): half the bytes of a bf16 cache, so twice the
+    blocks in the same memory and half the bytes per KV transfer.
+    """
+
+    AUTO = "auto"
+    FP8_E4M3 = "fp8_e4m3"
+
+    @classmethod
+    def parse(cls, text: str) -> "KVCacheDtype":
+        """The member named by ``text``: ``auto``, ``fp8`` or ``fp8_e4m3`` (vLLM's spellings;
+        case-insensitive).
+
+        Raises:
+            ValueError: any other value (vLLM's ``fp8_e5m2`` included: not supported).
+        """
+        value = text.strip().lower()
+        if value == "fp8":
+            return cls.FP8_E4M3
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"--kv-cache-dtype must be one of {list(KV_CACHE_DTYPE_CHOICES)}, "
+                             f"got {text!r}") from None
+
+
+# The command-line spellings accepted by KVCacheDtype.parse.
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -24,6 +59,7 @@ class EngineConfig:
         dtype: ``auto``, ``float32``, ``bfloat16`` or ``float16`` (``auto``: bf16 on CUDA,
             float32 on CPU).
         device: ``auto``, ``cpu`` or ``cuda``.
+        kv_cache_dtype: what the KV cache stores (:class:`KVCacheDtype`; ``AUTO`` = ``dtype``).
         seed: global seed for dummy weights and unseeded sampling.
         block_size: tokens per KV cache block.
         enable_prefix_caching: automatic prefix caching with chained block hashes.
@@ -75,6 +111,7 @@ class EngineConfig:
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     seed: int = 0
     block_size: int = 16
     enable_prefix_caching: bool = True

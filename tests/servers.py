@@ -352,6 +352,11 @@ POOL_SPECS: dict[str, Spec] = {
                     (*POOL_COMMON, "--no-enable-prefix-caching")),
     "d_bidir": Spec(nixl_config("kv_consumer", decoder_kv_blocks_ttl=BIDIR_TTL_S,
                                 bidirectional_kv_xfer=True)),
+    # an fp8 KV cache (--kv-cache-dtype fp8): the oracle, a producer and a decoder
+    "single_fp8": Spec(None, (*POOL_COMMON, "--kv-cache-dtype", "fp8")),
+    "p_fp8": Spec(nixl_config("kv_producer"), (*POOL_COMMON, "--kv-cache-dtype", "fp8")),
+    "d_fp8": Spec(nixl_config("kv_consumer", kv_handshake_timeout=HANDSHAKE_TIMEOUT_S),
+                  (*POOL_COMMON, "--kv-cache-dtype", "fp8")),
 }
 @dataclass
 class ServerPool:

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from pdserve.attention.kv_quant import KVCacheScales
 from pdserve.attention.metadata import AttentionMetadata, build_attention_metadata
 
 
@@ -36,6 +37,11 @@ class AttentionBackend(ABC):
         supports_cuda_graphs: a pure-decode :meth:`forward` on :func:`decode_metadata
             <pdserve.attention.metadata.decode_metadata>` launches fixed shapes without host
             synchronisation, so the runner may capture it in a CUDA graph.
+
+    Attributes:
+        kv_scales: per-layer scales of an fp8 KV cache (:mod:`pdserve.attention.kv_quant`), set
+            by :meth:`set_kv_cache_scales`; None = 1.0 for every layer. They apply when
+            ``kv_cache``'s dtype differs from the activations' (the cache stores fp8).
     """
 
     uses_triton_kernels: ClassVar[bool] = False
@@ -52,6 +58,16 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.block_size = block_size
         self.scale = scale
+        self.kv_scales: KVCacheScales | None = None
+
+    def set_kv_cache_scales(self, scales: KVCacheScales | None) -> None:
+        """Use ``scales`` for the fp8 KV cache from now on (set before capturing CUDA graphs:
+        the kernels take them as launch constants)."""
+        self.kv_scales = scales
+
+    def kv_scale(self, layer: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` of ``layer`` (1.0 each without :attr:`kv_scales`)."""
+        return (1.0, 1.0) if self.kv_scales is None else self.kv_scales.of_layer(layer)
 
     def build_metadata(self, prefills: list[tuple[int, list[int], int]],
                        decodes: list[tuple[list[int], int]], device: torch.device
@@ -70,7 +86,8 @@ class AttentionBackend(ABC):
             layer: layer index into ``kv_cache`` (dim 1).
             query: ``[T, num_heads, head_dim]`` (rotary embedding applied; last dim contiguous).
             key, value: ``[T, num_kv_heads, head_dim]`` (last dim contiguous).
-            kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``.
+            kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``, in
+                the activations' dtype or fp8 (stored with :meth:`kv_scale`).
             meta: the step's metadata.
             sliding_window: None (full causal attention) or ``W >= 1``: the token at position
                 ``q`` attends only to positions ``q - W + 1 .. q`` (the window of Mistral and of

@@ -14,6 +14,12 @@ caches an execution plan per ``(batch, seq_len_q, seq_len_kv, strides)``, so eve
 length costs tens of milliseconds of host time (``benchmarks/profile_prefill.py`` compares the
 modes). Where the varlen kernel cannot run (float32, CPU) prefill stays per request on SDPA, with
 cuDNN excluded on CUDA.
+
+With an fp8 KV cache (``--kv-cache-dtype fp8``) keys and values are quantized on write with the
+layer's scales and dequantized to the activations' dtype (float32 on CPU) wherever attention reads
+them; prefill attends over the values as stored, also for tokens of the step itself, so a prompt
+gives the same result whether it is prefilled at once, in chunks, or over a prefix-cache hit
+(:mod:`pdserve.attention.kv_quant`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pdserve.attention.base import AttentionBackend
+from pdserve.attention.kv_quant import FP8_KV_DTYPE, dequantize, quantize, round_trip
 from pdserve.attention.metadata import AttentionMetadata, PrefillSpan
 from pdserve.kernels.prefill_attention import flash_varlen_prefill
 
@@ -43,15 +50,22 @@ def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     meta: AttentionMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store this step's keys and values of one layer in their slots.
 
     Args:
-        kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``.
+        kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``, in the
+            dtype of ``key`` or fp8.
         layer: layer index.
         key, value: ``[T, num_kv_heads, head_dim]``.
         meta: gives ``slot_block`` and ``slot_offset`` of each token.
+        k_scale, v_scale: the layer's scales, used when ``kv_cache`` is fp8
+            (:func:`pdserve.attention.kv_quant.quantize`).
     """
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        key, value = quantize(key, k_scale), quantize(value, v_scale)
     # Advanced indices separated by a slice: the indexed view is [T, num_kv_heads, head_dim].
     kv_cache[meta.slot_block, layer, 0, :, meta.slot_offset] = key
     kv_cache[meta.slot_block, layer, 1, :, meta.slot_offset] = value
@@ -63,28 +77,37 @@ def packed_prefill_kv(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of every prefill, packed request after request, for a varlen kernel.
 
     Without cached context (no prefill has ``num_computed > 0``) they are this step's own prefill
-    keys and values (views, no copy). Otherwise every prefill's whole context is gathered from
-    the cache (this step's tokens must already be written there).
+    keys and values (views, no copy; with an fp8 cache, their quantize-dequantize round trip).
+    Otherwise every prefill's whole context is gathered from the cache (this step's tokens must
+    already be written there) and, from an fp8 cache, dequantized.
 
     Args:
         layer: layer index into ``kv_cache``.
         key, value: ``[T, num_kv_heads, head_dim]`` of the step (prefill tokens first).
         kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``.
         meta: the step's metadata.
+        k_scale, v_scale: the layer's fp8 scales.
 
     Returns:
-        ``(k, v)``, each ``[meta.prefill_cu_seqlens_k[-1], num_kv_heads, head_dim]``.
+        ``(k, v)``, each ``[meta.prefill_cu_seqlens_k[-1], num_kv_heads, head_dim]`` in the
+        dtype of ``key``.
     """
     if meta.prefill_kv_block is None:
         p = meta.num_prefill_tokens
-        return key[:p], value[:p]
+        return (round_trip(key[:p], k_scale, kv_cache.dtype),
+                round_trip(value[:p], v_scale, kv_cache.dtype))
     blk, off = meta.prefill_kv_block, meta.prefill_kv_offset
     # Advanced indices separated by a slice: [sum of context lengths, num_kv_heads, head_dim].
-    return kv_cache[blk, layer, 0, :, off], kv_cache[blk, layer, 1, :, off]
+    k, v = kv_cache[blk, layer, 0, :, off], kv_cache[blk, layer, 1, :, off]
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        k, v = dequantize(k, k_scale, key.dtype), dequantize(v, v_scale, key.dtype)
+    return k, v
 
 
 def sliding_window_mask(num_computed: int, query_len: int, window: int,
@@ -145,7 +168,7 @@ class TorchAttentionBackend(AttentionBackend):
         """Write this step's K/V into the cache, then attend (contract of
         :meth:`pdserve.attention.base.AttentionBackend.forward`)."""
         value = value.contiguous()
-        write_kv(kv_cache, layer, key, value, meta)
+        write_kv(kv_cache, layer, key, value, meta, *self.kv_scale(layer))
         out = torch.empty_like(query)
         self._prefill_into(layer, query, key, value, kv_cache, meta, out, sliding_window)
         if meta.num_decodes:
@@ -179,7 +202,7 @@ class TorchAttentionBackend(AttentionBackend):
         window = (sliding_window if sliding_window and sliding_window < meta.max_prefill_context_len
                   else None)
         if self._can_use_varlen(query):
-            k, v = packed_prefill_kv(layer, key, value, kv_cache, meta)
+            k, v = packed_prefill_kv(layer, key, value, kv_cache, meta, *self.kv_scale(layer))
             try:
                 out[:p] = flash_varlen_prefill(
                     query[:p], k, v, meta.prefill_cu_seqlens_q, meta.prefill_cu_seqlens_k,
@@ -217,10 +240,11 @@ class TorchAttentionBackend(AttentionBackend):
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         window = (sliding_window if sliding_window and sliding_window < span.context_len
                   else None)
+        k_scale, v_scale = self.kv_scale(layer)
         if span.num_computed == 0:
             # No earlier context: attend over the new tokens themselves (same values as the cache).
-            k = k.transpose(0, 1).unsqueeze(0)
-            v = v.transpose(0, 1).unsqueeze(0)
+            k = round_trip(k, k_scale, kv_cache.dtype).transpose(0, 1).unsqueeze(0)
+            v = round_trip(v, v_scale, kv_cache.dtype).transpose(0, 1).unsqueeze(0)
             if window is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                    enable_gqa=self.group > 1)
@@ -235,6 +259,9 @@ class TorchAttentionBackend(AttentionBackend):
             kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, self.num_kv_heads, -1, self.head_dim)
             k_ctx = kv[0, :, :ctx].unsqueeze(0)
             v_ctx = kv[1, :, :ctx].unsqueeze(0)
+            if kv_cache.dtype == FP8_KV_DTYPE:
+                k_ctx = dequantize(k_ctx, k_scale, q.dtype)
+                v_ctx = dequantize(v_ctx, v_scale, q.dtype)
             mask = span.mask
             if window is not None:
                 mask = sliding_window_mask(span.num_computed, span.query_len, window, q.device)
@@ -250,7 +277,8 @@ class TorchAttentionBackend(AttentionBackend):
 
         The padded gather produces ``[2, Hkv, B, max_blocks, bs, D]``; viewed as
         ``[Hkv, B, S, D]`` it is contiguous, and the ``group`` query heads that share a KV head
-        play the role of ``group`` query positions, so SDPA needs no GQA expansion.
+        play the role of ``group`` query positions, so SDPA needs no GQA expansion. An fp8 cache
+        is gathered as fp8 (half the bytes) and dequantized after the gather.
         """
         b = q.shape[0]
         tables = meta.decode_block_tables
@@ -264,6 +292,9 @@ class TorchAttentionBackend(AttentionBackend):
                     .permute(2, 3, 0, 1, 4, 5).contiguous())  # [2, Hkv, B, M, bs, D]
         k = gathered[0].view(self.num_kv_heads, b, s, self.head_dim)
         v = gathered[1].view(self.num_kv_heads, b, s, self.head_dim)
+        if kv_cache.dtype == FP8_KV_DTYPE:
+            k_scale, v_scale = self.kv_scale(layer)
+            k, v = dequantize(k, k_scale, q.dtype), dequantize(v, v_scale, q.dtype)
         # [B, H, D] -> [B, Hkv, G, D] -> [Hkv, B, G, D]
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
         mask = meta.decode_mask

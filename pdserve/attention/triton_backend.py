@@ -15,7 +15,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
     :class:`TorchAttentionBackend`.
 
     The decode split count depends on the batch size alone (no context-length hint), so eager and
-    graph-replayed decode steps of the same batch size compute the same bits.
+    graph-replayed decode steps of the same batch size compute the same bits. An fp8 KV cache is
+    written and read by the same kernels with the layer's scales (:meth:`kv_scale`).
 
     Raises:
         ImportError: Triton is not installed (at construction).
@@ -38,12 +39,15 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 sliding_window: int | None = None) -> torch.Tensor:
         """Same contract as :meth:`pdserve.attention.base.AttentionBackend.forward`; ``key`` and
         ``value`` may be strided views (e.g. into a fused QKV projection)."""
-        self._kv_cache_kernels.store_kv_cache(key, value, kv_cache, layer, meta.slot_mapping)
+        k_scale, v_scale = self.kv_scale(layer)
+        self._kv_cache_kernels.store_kv_cache(key, value, kv_cache, layer, meta.slot_mapping,
+                                              k_scale, v_scale)
         out = torch.empty_like(query)
         self._prefill_into(layer, query, key, value, kv_cache, meta, out, sliding_window)
         if meta.num_decodes:
             p = meta.num_prefill_tokens
             self._decode_kernels.paged_decode_attention(
                 query[p:], kv_cache, layer, meta.decode_block_tables, meta.decode_seq_lens,
-                self.scale, out=out[p:], sliding_window=sliding_window)
+                self.scale, out=out[p:], sliding_window=sliding_window,
+                k_scale=k_scale, v_scale=v_scale)
         return out

@@ -201,12 +201,16 @@ class RemoteKV:
         if policy == KVLoadFailurePolicy.FAIL:
             logger.warning("request %s: KV load failed at block index %d; failing it", rid, bad_block)
             why = f": {error}" if error is not None else ""
+            # The worker's reason says what failed (and names remote blocks when they are the
+            # cause); only without one is the first invalid local block all there is to say.
+            where = (f"block {req.block_ids[bad_block]} of request {rid}" if error is None
+                     else f"request {rid}")
             return [
                 sched.finish(
                     req,
                     RequestStatus.FINISHED_ERROR,
-                    f"KV cache load from the remote instance failed{why} (block "
-                    f"{req.block_ids[bad_block]} of request {rid}); kv_load_failure_policy is 'fail'",
+                    f"KV cache load from the remote instance failed{why} ({where}); "
+                    f"kv_load_failure_policy is 'fail'",
                 )
             ]
         good = max(num_local, bad_block * sched.block_size)

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from pdserve.cli_types import bind_port, fraction, parse_size, port, positive_float, positive_int
-from pdserve.config import DEFAULT_MODEL, EngineConfig
+from pdserve.config import DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, EngineConfig, KVCacheDtype
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve serve`` parser (``--kv-transfer-config`` is extracted before it runs)."""
@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'dummy' = random weights with the model's config (speed work)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                   help="what the KV cache stores: 'auto' = the model's dtype; 'fp8' (= "
+                        "'fp8_e4m3') = float8 e4m3 with per-layer scales, half the bytes of "
+                        "bf16 (default auto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -99,6 +103,7 @@ def engine_config_from_args(args: argparse.Namespace, kv_transfer_config: Any) -
         load_format=args.load_format,
         dtype=args.dtype,
         device=args.device,
+        kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
         seed=args.seed,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -17,24 +17,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.openai_errors import error_type
+
 logger = logging.getLogger(__name__)
-
-# HTTP status -> error ``type``, named like the openai client's exception classes.
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    409: "ConflictError",
-    413: "RequestTooLargeError",
-    415: "UnsupportedMediaTypeError",
-    422: "UnprocessableEntityError",
-    429: "RateLimitError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
 
 class OpenAIError(Exception):
     """An error to return to the client as an OpenAI error body.
@@ -44,7 +29,8 @@ class OpenAIError(Exception):
         status: HTTP status code.
         param: the request field at fault, if any.
         code: machine-readable code (e.g. ``model_not_found``); defaults to None.
-        type_: error type; defaults to the name for ``status`` in :data:`ERROR_TYPES`.
+        type_: error type; defaults to the name for ``status``
+            (:data:`pdserve.openai_errors.ERROR_TYPES`).
     """
 
     def __init__(
@@ -61,8 +47,7 @@ class OpenAIError(Exception):
         self.status = status
         self.param = param
         self.code = code
-        self.type = type_ or ERROR_TYPES.get(status, "BadRequestError" if status < 500 else
-                                             "InternalServerError")
+        self.type = type_ or error_type(status)
 
     def body(self) -> dict[str, Any]:
         """The JSON body ``{"error": {...}}``."""

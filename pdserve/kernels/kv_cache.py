@@ -1,7 +1,9 @@
 """KV cache write (Triton): this step's keys and values of one layer into their paged slots.
 
 Layout of ``kv_cache``: docs/architecture.md ("KV cache layout"). Tokens with a negative slot
-(padding rows of a CUDA-graph batch) are skipped. Import only where Triton is installed.
+(padding rows of a CUDA-graph batch) are skipped. An fp8 (e4m3) cache stores
+``clamp(x / scale, -448, 448)`` rounded to e4m3, the convention of
+:mod:`pdserve.attention.kv_quant`. Import only where Triton is installed.
 """
 
 from __future__ import annotations
@@ -11,6 +13,24 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.common import next_power_of_2
+
+
+_ROUNDING_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |y| < 2**22 to an int
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """``x`` (fp32, ``|x| <= 448``) rounded to nearest-even on the e4m3 grid, still in fp32: 3
+    mantissa bits above 2**-6, steps of 2**-9 below (subnormals). The cast to fp8 that follows
+    is then exact. The GPU's own conversion rounds the same way; doing it here keeps Triton's CPU
+    interpreter right too (its fp8 cast drops the carry of a mantissa that rounds up into the
+    exponent)."""
+    exp = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp_exp = tl.maximum(exp, -6) - 3
+    inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
+    ulp = ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
+    y = x * inv_ulp  # exact: a power of two
+    return ((y + _ROUNDING_MAGIC) - _ROUNDING_MAGIC) * ulp
 
 
 @triton.jit
@@ -27,11 +47,14 @@ def _store_kv_kernel(
     stride_kv_kv,
     stride_kv_h,
     stride_kv_t,
+    k_inv_scale,
+    v_inv_scale,
     NUM_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -43,6 +66,11 @@ def _store_kv_kernel(
     src = offs_h[:, None] * stride_k_h + offs_d[None, :]
     k = tl.load(k_ptr + token * stride_k_t + src, mask=mask)
     v = tl.load(v_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
+    if QUANTIZE:
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -448.0), 448.0)
+        k = _round_to_e4m3(k).to(kv_ptr.dtype.element_ty)
+        v = _round_to_e4m3(v).to(kv_ptr.dtype.element_ty)
     dst = (
         kv_ptr
         + (slot // BLOCK_SIZE) * stride_kv_b
@@ -60,16 +88,20 @@ def store_kv_cache(
     kv_cache: torch.Tensor,
     layer: int,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write new keys and values into the paged KV cache of one layer.
 
     Args:
-        k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype (last dim contiguous).
+        k, v: ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype, or any float dtype
+            for an fp8 cache (last dim contiguous).
         kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``, written in
-            place.
+            place; ``torch.float8_e4m3fn`` stores ``clamp(x / scale, -448, 448)``.
         layer: index into dim 1 of ``kv_cache``.
         slot_mapping: ``[num_tokens]`` int32/int64 slots (``block_id * block_size + offset``);
             tokens with a negative slot are skipped (padding of CUDA graph batches).
+        k_scale, v_scale: the layer's positive scales of an fp8 cache (ignored otherwise).
 
     Raises:
         ValueError: on shape or dtype mismatches.
@@ -83,7 +115,8 @@ def store_kv_cache(
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not match k/v {tuple(k.shape)}")
     if not 0 <= layer < kv_cache.shape[1]:
         raise ValueError(f"layer {layer} out of range for {kv_cache.shape[1]} layers")
-    if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype:
+    quantize = kv_cache.dtype == torch.float8_e4m3fn
+    if k.dtype != v.dtype or (not quantize and k.dtype != kv_cache.dtype):
         raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from kv_cache dtype {kv_cache.dtype}")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [num_tokens], got {tuple(slot_mapping.shape)}")
@@ -105,10 +138,13 @@ def store_kv_cache(
         kv_layer.stride(1),
         kv_layer.stride(2),
         kv_layer.stride(3),
+        1.0 / k_scale,
+        1.0 / v_scale,
         NUM_HEADS=num_kv_heads,
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=next_power_of_2(head_dim),
         BLOCK_SIZE=kv_cache.shape[4],
+        QUANTIZE=quantize,
         num_warps=4,
     )

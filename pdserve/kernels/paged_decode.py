@@ -28,6 +28,11 @@ The kernels also run on CPU tensors under Triton's interpreter (``TRITON_INTERPR
 ``triton`` is imported), which is how the CPU test suite checks them; this is slow and meant for
 tests only.
 
+An fp8 (e4m3) cache is read as is (half the bytes) and converted to the query's dtype in
+registers; the key scale is folded into the softmax scale and the value scale multiplies the
+output, so the dot products run in the query's dtype as for a 16-bit cache
+(:mod:`pdserve.attention.kv_quant` gives the convention).
+
 :class:`pdserve.attention.triton_backend.TritonAttentionBackend` runs this kernel for the
 decode rows of a step. Import this module only where Triton is installed.
 
@@ -161,6 +166,7 @@ def _paged_decode_split_kernel(
     context_lens_ptr,
     scale_log2,
     sliding_window,  # keys older than the last ``sliding_window`` positions are skipped (SLIDING)
+    v_scale,
     num_seqs,
     num_splits,
     stride_q_s,
@@ -187,6 +193,7 @@ def _paged_decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     SLIDING: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -232,6 +239,9 @@ def _paged_decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(k_base + stride_kv_kv + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:  # exact: every e4m3 value is a 16-bit (and fp32) float
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         if DOT_IN_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -250,7 +260,7 @@ def _paged_decode_split_kernel(
         m_i = m_new
 
     # Sequences with no context (padding rows of a CUDA graph batch) produce zeros, not NaN.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:
         po = (
@@ -337,6 +347,8 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache (decode step).
 
@@ -344,7 +356,8 @@ def paged_decode_attention(
         q: ``[num_seqs, num_q_heads, head_dim]`` queries (bf16, fp16 or fp32); the last dim must be
             contiguous.
         kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`` with the same
-            dtype as ``q``; ``block_size`` a power of two, ``head_dim`` at least 16.
+            dtype as ``q`` or ``torch.float8_e4m3fn``; ``block_size`` a power of two,
+            ``head_dim`` at least 16.
         layer: index into dim 1 of ``kv_cache``.
         block_tables: ``[num_seqs, max_blocks]`` int32 block ids; only the first
             ``ceil(context_len / block_size)`` entries of a row are read.
@@ -364,6 +377,8 @@ def paged_decode_attention(
             :func:`decode_kernel_config`.
         sliding_window: None (attend the whole context) or ``W >= 1``: attend only the last
             ``W`` positions of each context (Mistral's and Gemma 3's local layers).
+        k_scale, v_scale: the layer's scales of an fp8 cache (stored value times scale is the
+            key / value); ignored for a cache in ``q``'s dtype.
 
     Returns:
         ``out``: ``[num_seqs, num_q_heads, head_dim]`` in ``q``'s dtype.
@@ -386,7 +401,8 @@ def paged_decode_attention(
         raise ValueError(f"layer {layer} out of range for {num_layers} layers")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if q.dtype != kv_cache.dtype:
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if q.dtype != kv_cache.dtype and not kv_fp8:
         raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -442,6 +458,8 @@ def paged_decode_attention(
         context_lens,
         scale * _LOG2_E,
         sliding_window or 0,
+        scale * _LOG2_E * (k_scale if kv_fp8 else 1.0),
+        v_scale if kv_fp8 else 1.0,
         num_seqs,
         num_splits,
         q.stride(0),
@@ -469,7 +487,11 @@ def paged_decode_attention(
         # Triton's CPU interpreter multiplies 16-bit float operands of tl.dot as raw integer bits
         # (seen in 3.6-3.9), so interpreted runs widen them first; rounding is unchanged.
         DOT_IN_FP32=q.device.type != "cuda",
+<<<<<<< HEAD
         SLIDING=sliding_window is not None,
+=======
+        KV_FP8=kv_fp8,
+>>>>>>> fp8-kv
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -57,11 +57,14 @@ class KVCacheSpec:
         num_layers: transformer layers.
         num_kv_heads: KV heads (per tensor-parallel rank).
         head_dim: head size.
-        dtype: torch dtype name, e.g. ``"bfloat16"``.
+        dtype: torch dtype name of the cache, e.g. ``"bfloat16"`` or ``"float8_e4m3fn"``
+            (``--kv-cache-dtype fp8``).
         element_size: bytes per element.
         model_name: served model identity (for the compatibility hash).
         total_num_kv_heads: KV heads of the whole model (all TP ranks); 0 means equal to
             num_kv_heads (TP 1).
+        kv_scales: an fp8 cache's per-layer key scales then value scales (empty otherwise;
+            :mod:`pdserve.attention.kv_quant`): two instances must store with the same ones.
     """
 
     num_blocks: int
@@ -73,6 +76,7 @@ class KVCacheSpec:
     element_size: int
     model_name: str
     total_num_kv_heads: int = 0
+    kv_scales: tuple[float, ...] = ()
 
     @property
     def block_bytes(self) -> int:

@@ -18,6 +18,7 @@ ops run (torch or Triton) follows the attention backend, set in one place
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from pdserve.attention.base import AttentionBackend
+from pdserve.attention.kv_quant import KVCacheScales, projection_row_bounds, scale_for_bound
 from pdserve.attention.metadata import AttentionMetadata
 from pdserve.attention.selector import select_attention_backend
 from pdserve.layers.activation import SiluAndMul
@@ -342,6 +344,28 @@ class CausalLM(nn.Module):
         if missing:
             shown = ", ".join(f"{a}[{b}]" if b is not None else a for a, b in missing[:8])
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {shown}")
+
+    @torch.inference_mode()
+    def kv_cache_scales(self) -> KVCacheScales:
+        """Per-layer scales of an fp8 KV cache from the weights: an upper bound of every key and
+        value a layer can produce, over 448, rounded up to a power of two (the method and why:
+        :mod:`pdserve.attention.kv_quant`)."""
+        k_scales, v_scales = [], []
+        for layer in self.layers:
+            attn = layer.self_attn
+            qkv = attn.qkv_proj
+            q, kv = qkv.q_size, qkv.kv_size
+            w, b, g = qkv.weight, qkv.bias, layer.input_layernorm.weight
+            if attn.k_norm is not None:  # per-head RMS norm: |k| <= max|g_k| * sqrt(head_dim)
+                k_bound = attn.k_norm.weight.float().abs().max().item() * math.sqrt(attn.head_dim)
+            else:  # a rotary pair keeps its norm: at most sqrt(2) times the larger bound
+                k_bound = math.sqrt(2) * projection_row_bounds(
+                    w[q:q + kv], g, None if b is None else b[q:q + kv]).max().item()
+            v_bound = projection_row_bounds(
+                w[q + kv:], g, None if b is None else b[q + kv:]).max().item()
+            k_scales.append(scale_for_bound(k_bound))
+            v_scales.append(scale_for_bound(v_bound))
+        return KVCacheScales(tuple(k_scales), tuple(v_scales))
 
     @staticmethod
     def _param_name(short: str) -> tuple[str, int | None]:

@@ -39,8 +39,9 @@ from pdserve.router.bodies import (check_client_body, conversation_key, decode_l
 from pdserve.router.config import ProxyConfig
 from pdserve.router.conversations import ConversationStore
 from pdserve.router.decode_guard import DecodeLegGuard
-from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, NOT_FOUND,
-                                   UPSTREAM_UNAVAILABLE, ProxyError, error_bytes,
+from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, METHOD_NOT_ALLOWED,
+                                   NOT_FOUND, REQUEST_TOO_LARGE, UPSTREAM_UNAVAILABLE,
+                                   ProxyError, error_bytes,
                                    normalize_upstream_error)
 from pdserve.router.kv_routing import (KVAwareRouter, PromptTokenizer, RoutingDecision,
                                        RoutingReason, affinity_allows, route_plain)
@@ -200,7 +201,7 @@ class DisaggProxy:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise ProxyError(413, f"request body larger than {MAX_BODY_BYTES} bytes",
-                             INVALID_REQUEST) from None
+                             REQUEST_TOO_LARGE) from None
         try:
             body = json.loads(raw)
         except ValueError as e:
@@ -381,7 +382,7 @@ class DisaggProxy:
         if allowed is not None:
             return _json_response(405, error_bytes(
                 f"method {request.method} not allowed on {request.path} (use {allowed})",
-                INVALID_REQUEST, 405), headers={"Allow": allowed})
+                METHOD_NOT_ALLOWED, 405), headers={"Allow": allowed})
         return _json_response(404, error_bytes(f"no route {request.method} {request.path}",
                                                NOT_FOUND, 404))
 

@@ -2,7 +2,9 @@
 
 Every error the proxy returns has the shape of the OpenAI API:
 ``{"error": {"message": str, "type": str, "param": str | None, "code": int}}``, where ``code`` is
-the HTTP status. Errors from an upstream instance keep the upstream's status; their body is passed
+the HTTP status. The proxy's own client errors (4xx) carry the same ``type`` names as the
+engine's (:mod:`pdserve.openai_errors`: ``BadRequestError`` for every 400, ...), so a client sees
+one name whether the proxy or an instance refused its request. Errors from an upstream instance keep the upstream's status; their body is passed
 through unchanged when it already has that shape, otherwise it is wrapped into it
 (:func:`normalize_upstream_error`).
 """
@@ -12,10 +14,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-#: ``type`` strings used for errors the proxy produces itself.
-INVALID_REQUEST = "invalid_request_error"
-AUTHENTICATION = "authentication_error"
-NOT_FOUND = "not_found_error"
+from pdserve.openai_errors import error_type
+
+#: ``type`` strings used for errors the proxy produces itself: the engine's names for 400, 401,
+#: 404, 405 and 413 (:func:`pdserve.openai_errors.error_type`), and the proxy's own for failed
+#: upstreams.
+INVALID_REQUEST = error_type(400)
+AUTHENTICATION = error_type(401)
+NOT_FOUND = error_type(404)
+METHOD_NOT_ALLOWED = error_type(405)
+REQUEST_TOO_LARGE = error_type(413)
 UPSTREAM_UNAVAILABLE = "upstream_unavailable"
 UPSTREAM_ERROR = "upstream_error"
 UPSTREAM_TIMEOUT = "upstream_timeout"
@@ -79,7 +87,7 @@ def normalize_upstream_error(status: int, raw: bytes, leg: str, url: str) -> byt
         text = inner if isinstance(inner, str) else json.dumps(inner if inner is not None else parsed)
     else:
         text = raw.decode("utf-8", "replace").strip() or "(empty body)"
-    err_type = INVALID_REQUEST if status < 500 else UPSTREAM_ERROR
+    err_type = error_type(status) if status < 500 else UPSTREAM_ERROR
     if status < 500:
         message = text
     else:

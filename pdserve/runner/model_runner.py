@@ -31,6 +31,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
+from pdserve.attention.kv_quant import kv_cache_torch_dtype
 from pdserve.attention.metadata import decode_metadata
 from pdserve.model_info import ModelInfo
 from pdserve.memory_budget import kv_cache_budget, requested_bytes
@@ -105,6 +106,8 @@ class ModelRunner:
         max_model_len: longest sequence (prompt + output) in tokens.
         kv_cache: the paged KV cache (after :meth:`allocate_kv_cache`).
         kv_cache_spec: its geometry, for the KV connector.
+        kv_cache_dtype: the cache's torch dtype (the model's, or ``torch.float8_e4m3fn`` for
+            ``--kv-cache-dtype fp8``, with per-layer scales set on the attention backend).
     """
 
     def __init__(self, config: EngineConfig):
@@ -118,6 +121,9 @@ class ModelRunner:
         self.model_path = loaded.path
         self.device = self.model.device
         self.dtype = self.model.dtype
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_cache_dtype != self.dtype:
+            self.model.attn_backend.set_kv_cache_scales(self.model.kv_cache_scales())
         self.block_size = config.block_size
         self.max_model_len = model_max_len(config, self.arch)
         self.sampler = Sampler(self.device, config.seed)
@@ -141,10 +147,12 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block across all layers, K and V (of this rank's KV heads)."""
+        """Bytes of one KV block across all layers, K and V, of this rank's KV heads (in the KV
+        cache's dtype: an fp8 block is half a bf16 one, so the same memory holds twice the
+        blocks)."""
         a = self.arch
         return (a.num_layers * 2 * self.num_kv_heads * self.block_size * a.head_dim
-                * torch.empty(0, dtype=self.dtype).element_size())
+                * torch.empty(0, dtype=self.kv_cache_dtype).element_size())
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks to allocate.
@@ -224,7 +232,7 @@ class ModelRunner:
     def _new_cache(self, num_blocks: int) -> torch.Tensor:
         a = self.arch
         shape = (num_blocks, a.num_layers, 2, self.num_kv_heads, self.block_size, a.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache ``[num_blocks, L, 2, H_kv, block_size, D]`` (zeroed) and its spec.
@@ -239,16 +247,23 @@ class ModelRunner:
         self.kv_cache_spec = KVCacheSpec(
             num_blocks=num_blocks, block_size=self.block_size, num_layers=a.num_layers,
             num_kv_heads=self.num_kv_heads, head_dim=a.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=str(self.kv_cache_dtype).removeprefix("torch."),
             element_size=self.kv_cache.element_size(), model_name=self.model_info.name,
-            total_num_kv_heads=a.num_kv_heads)
+            total_num_kv_heads=a.num_kv_heads, kv_scales=self._kv_scales_for_spec())
         if self.use_cuda_graphs:
             self._capture_decode_graphs(num_blocks)
         total = num_blocks * self.block_bytes
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB on %s "
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s on %s "
                     "(%.1f sequences of max_model_len=%d)", num_blocks, self.block_size,
-                    num_blocks * self.block_size, total / GiB, self.device,
+                    num_blocks * self.block_size, total / GiB,
+                    str(self.kv_cache_dtype).removeprefix("torch."), self.device,
                     num_blocks * self.block_size / self.max_model_len, self.max_model_len)
+
+    def _kv_scales_for_spec(self) -> tuple[float, ...]:
+        """The fp8 cache's key scales then value scales, per layer (empty for a full-precision
+        cache): part of the KV compatibility check of a P/D pair."""
+        scales = self.model.attn_backend.kv_scales
+        return () if scales is None else scales.k + scales.v
 
     @property
     def max_blocks_per_seq(self) -> int:

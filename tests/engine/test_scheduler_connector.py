@@ -104,6 +104,27 @@ def test_failed_load_error_names_the_reason():
     assert_all_free(core)
 
 
+@pytest.mark.parametrize("reason", [*KVLoadFailure, None],
+                         ids=lambda r: r.name.lower() if r else "no_reason")
+def test_failed_load_error_names_the_cause_not_a_local_block(reason):
+    """The worker's reason is the cause (engine mismatch, refused lease, transport, timeout,
+    invalid reference); the message names the request, not D's first invalid block. Only a
+    failure without a reason names that block."""
+    err = KVLoadError(reason, "the owner said no") if reason else None
+    remote = FakeRemote(load_delay_steps=1, poison={"d": {1}}, load_error=err)
+    core, _ = make_core(remote=remote, kv_load_failure_policy="fail")
+    add(core, "d", list(range(200, 210)), kv_transfer_params=REMOTE, max_tokens=4)
+    res = run_until_done(core)
+    message = res["d"].error
+    if reason is None:
+        assert "(block " in message and " of request d)" in message, message
+    else:
+        assert f"{reason.value}: the owner said no (request d)" in message, message
+        assert "block" not in message, message
+    drain(core)
+    assert_all_free(core)
+
+
 @pytest.mark.parametrize("bad_index", [0, 1, 2])
 def test_invalid_blocks_recompute_policy_gives_correct_tokens(bad_index):
     remote = FakeRemote(load_delay_steps=1, poison={"d": {bad_index}})

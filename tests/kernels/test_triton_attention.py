@@ -595,18 +595,28 @@ def compile_for_hopper(fn, types, consts, **opts):
 for dt, splits in (("bf16", (False, True)), ("fp32", (True,))):
     types = {"out_ptr": "*" + dt, "q_ptr": "*" + dt, "kv_ptr": "*" + dt, "part_out_ptr": "*fp32",
              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "block_tables_ptr": "*i32",
-             "context_lens_ptr": "*i32", "scale_log2": "fp32"}
+             "context_lens_ptr": "*i32", "scale_log2": "fp32",
+             "v_scale": "fp32"}
     for split in splits:
         compile_for_hopper(pd._paged_decode_split_kernel, types, dict(
             QUERY_GROUP=2, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
             BLOCK_N=32, SPLIT=split, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
-            DOT_IN_FP32=False, SLIDING=split), num_warps=4, num_stages=2)
+            DOT_IN_FP32=False, SLIDING=split, KV_FP8=False), num_warps=4, num_stages=2)
+    # an fp8 (e4m3) KV cache read with bf16 queries (--kv-cache-dtype fp8)
+    if dt == "bf16":
+        compile_for_hopper(pd._paged_decode_split_kernel, dict(types, kv_ptr="*fp8e4nv"),
+            dict(QUERY_GROUP=2, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
+                 BLOCK_N=32, SPLIT=True, DOT_PRECISION="tf32", DOT_IN_FP32=False, SLIDING=False,
+                 KV_FP8=True),
+            num_warps=4, num_stages=2)
 compile_for_hopper(pd._paged_decode_reduce_kernel, {"out_ptr": "*bf16", "part_out_ptr": "*fp32",
     "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}, dict(HEAD_DIM=128, HEAD_DIM_PAD=128,
     SPLITS_PAD=64), num_warps=4)
-compile_for_hopper(kvk._store_kv_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kv_ptr": "*bf16",
-    "slot_mapping_ptr": "*i64"}, dict(NUM_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128,
-    BLOCK_SIZE=16), num_warps=4)
+for kv_dt, quantize in (("*bf16", False), ("*fp8e4nv", True)):
+    compile_for_hopper(kvk._store_kv_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kv_ptr": kv_dt,
+        "slot_mapping_ptr": "*i64", "k_inv_scale": "fp32", "v_inv_scale": "fp32"},
+        dict(NUM_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
+             QUANTIZE=quantize), num_warps=4)
 compile_for_hopper(rn._rms_norm_kernel, {"x_ptr": "*bf16", "residual_ptr": "*bf16",
     "weight_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}, dict(HAS_RESIDUAL=True,
     BLOCK=1024), num_warps=4)

@@ -60,7 +60,7 @@ async def test_non_openai_upstream_errors_are_wrapped(make_cluster):
     status, _, raw = await c.post("/v1/completions", BODY)
     assert status == 422
     assert json.loads(raw) == err('[{"loc": ["body", "max_tokens"], "msg": "bad"}]',
-                                  "invalid_request_error", 422)
+                                  "UnprocessableEntityError", 422)
 
 
 async def test_unreachable_prefill_instance_is_503_naming_the_leg(make_cluster):
@@ -177,9 +177,25 @@ async def test_bad_client_bodies_are_400_and_reach_no_instance(make_cluster):
     for data, message, param in cases:
         status, headers, raw = await c.post("/v1/completions", data,
                                             {"Content-Type": "application/json", "X-Request-Id": "r1"})
-        assert (status, json.loads(raw)) == (400, err(message, "invalid_request_error", 400, param))
+        assert (status, json.loads(raw)) == (400, err(message, "BadRequestError", 400, param))
         assert headers["X-Request-Id"] == "r1"
     assert c.prefillers[0].received == [] and c.decoders[0].received == []
+
+
+async def test_proxy_400s_have_the_engines_error_type(make_cluster):
+    """A body the proxy refuses itself (not JSON) and one an instance refuses (its own
+    validation) come back with the same ``type``, the one the engine server uses for a 400."""
+    from pdserve.entrypoints.errors import bad_request
+
+    c = await make_cluster()
+    engine_400 = bad_request("'max_tokens' must be at least 1", param="max_tokens").body()
+    c.prefillers[0].handler = respond(400, engine_400)
+    status, _, raw = await c.post("/v1/completions", dict(BODY, max_tokens=0))
+    assert (status, json.loads(raw)) == (400, engine_400)
+    status, _, raw = await c.post("/v1/completions", b"{not json",
+                                  {"Content-Type": "application/json"})
+    assert status == 400
+    assert json.loads(raw)["error"]["type"] == engine_400["error"]["type"] == "BadRequestError"
 
 
 async def test_too_large_body_is_413(make_cluster, monkeypatch):
@@ -187,17 +203,17 @@ async def test_too_large_body_is_413(make_cluster, monkeypatch):
     c = await make_cluster()
     status, _, raw = await c.post("/v1/completions", dict(BODY, prompt="x" * 2000))
     assert (status, json.loads(raw)) == (413, err("request body larger than 1000 bytes",
-                                                  "invalid_request_error", 413))
+                                                  "RequestTooLargeError", 413))
 
 
 async def test_unknown_route_and_wrong_method(make_cluster):
     c = await make_cluster()
     async with c.session.get(c.url + "/v1/embeddings") as r:
-        assert (r.status, await r.json()) == (404, err("no route GET /v1/embeddings", "not_found_error", 404))
+        assert (r.status, await r.json()) == (404, err("no route GET /v1/embeddings", "NotFoundError", 404))
     async with c.session.get(c.url + "/v1/completions") as r:
         assert r.status == 405 and r.headers["Allow"] == "POST"
         assert await r.json() == err("method GET not allowed on /v1/completions (use POST)",
-                                     "invalid_request_error", 405)
+                                     "MethodNotAllowedError", 405)
 
 
 def _releases(c, outcome):

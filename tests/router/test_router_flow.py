@@ -140,7 +140,7 @@ async def test_upstream_key_replaces_client_authorization(make_cluster):
     assert status == 401
     assert json.loads(raw) == {"error": {
         "message": "invalid or missing API key (send 'Authorization: Bearer KEY')",
-        "type": "authentication_error", "param": None, "code": 401}}
+        "type": "AuthenticationError", "param": None, "code": 401}}
     status, _, _ = await c.post("/v1/completions", {"model": "m", "prompt": "x"},
                                 {"Authorization": "Bearer wrong"})
     assert status == 401

@@ -89,6 +89,7 @@ def compat_fields(spec: KVCacheSpec) -> dict[str, Any]:
         "protocol": PROTOCOL_VERSION,
         "model": spec.model_name,
         "dtype": spec.dtype,
+        "kv_scales": list(spec.kv_scales),
         "num_layers": spec.num_layers,
         "total_num_kv_heads": total_kv_heads(spec),
         "head_dim": spec.head_dim,

@@ -1,0 +1,28 @@
+"""The ``type`` names of OpenAI-style error bodies by HTTP status, shared by the engine server
+(:mod:`pdserve.entrypoints.errors`) and the proxy (:mod:`pdserve.router.errors`), so that a client
+sees one name for one kind of error whichever of them answered (no dependencies)."""
+
+from __future__ import annotations
+
+# HTTP status -> error ``type``, named like the openai client's exception classes (as vLLM's
+# server names them).
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_type(status: int) -> str:
+    """The ``type`` of an error answered with ``status``: :data:`ERROR_TYPES`, else
+    ``BadRequestError`` for another 4xx and ``InternalServerError`` for a 5xx."""
+    return ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
