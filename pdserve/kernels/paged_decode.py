@@ -487,11 +487,8 @@ def paged_decode_attention(
         # Triton's CPU interpreter multiplies 16-bit float operands of tl.dot as raw integer bits
         # (seen in 3.6-3.9), so interpreted runs widen them first; rounding is unchanged.
         DOT_IN_FP32=q.device.type != "cuda",
-<<<<<<< HEAD
         SLIDING=sliding_window is not None,
-=======
         KV_FP8=kv_fp8,
->>>>>>> fp8-kv
         num_warps=num_warps,
         num_stages=num_stages,
     )
