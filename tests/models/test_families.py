@@ -162,3 +162,21 @@ def test_family_fields_and_start_up_summary(caplog, tmp_path):
     assert line.startswith("Qwen3-MoE: ")
     assert f"{total / 1e6:.1f}M parameters ({active / 1e6:.1f}M active per token)" in line
     assert f"KV 2 layers x 2 heads x 32 = {kv / 1024:.1f} KiB per token, rope default" in line
+
+
+@pytest.mark.slow
+def test_serve_refuses_an_unknown_rope_type_at_start_up(tmp_path):
+    """``pdserve serve`` on a config with a rope type it lacks exits non-zero with the type's
+    name, before serving anything."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(_config(
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]})))
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", str(d), "--port", "0",
+                        "--load-format", "dummy", "--num-gpu-blocks-override", "16"],
+                       capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    assert "unsupported rope scaling type 'longrope'" in r.stderr, r.stderr[-2000:]
