@@ -101,7 +101,9 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
 
     Raises:
         ValueError: unsupported architecture, missing required key, or a feature this engine
-            does not implement (sliding-window attention, activation other than SiLU).
+            does not implement (sliding-window attention, activation other than SiLU, an unknown
+            rope type, the features :func:`pdserve.models.hf_families.refuse_unsupported`
+            names).
     """
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
