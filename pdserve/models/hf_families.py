@@ -47,8 +47,10 @@ def refuse_unsupported(hf: dict[str, Any], arch: str | None) -> None:
         return
     if hf.get("quantization_config"):
         method = (hf["quantization_config"] or {}).get("quant_method", "unknown")
-        raise ValueError(f"quantized checkpoints are not supported (quantization_config "
-                         f"quant_method={method!r}); use unquantized weights")
+        method = str(getattr(method, "value", method)).lower()  # an Enum from transformers
+        if method != "gguf":  # GGUF files arrive dequantized (loader.load_gguf_state)
+            raise ValueError(f"quantized checkpoints are not supported (quantization_config "
+                             f"quant_method={method!r}); use unquantized weights")
     if arch == "Qwen3MoeForCausalLM":
         if hf.get("shared_expert_intermediate_size"):
             raise ValueError("Qwen3-MoE with shared experts (shared_expert_intermediate_size) "

@@ -139,8 +139,9 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
 
     Raises:
         ValueError: unsupported architecture, missing required key, or a feature this engine
-            does not implement (Qwen3's sliding window, activation other than SiLU; Gemma 3's
-            in :func:`pdserve.models.gemma3.gemma3_arch_config`).
+            does not implement (Qwen sliding windows, activation other than SiLU, an unknown
+            rope type, the features :func:`pdserve.models.hf_families.refuse_unsupported` names;
+            Gemma 3's in :func:`pdserve.models.gemma3.gemma3_arch_config`).
     """
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

@@ -21,25 +21,11 @@ from pdserve.testing.tiny_models import make_tiny_model
 
 from model_driver import DrivenRequest, MiniScheduler, greedy
 
+from families import MODELS, ORIGINAL_CTX, YARN, make_family_model
+
 B = 16
 NUM_NEW = 6
 NUM_BLOCKS = 64
-# the rope-scaled models' original context: the long prompts below run past it
-ORIGINAL_CTX = 32
-
-YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
-        "original_max_position_embeddings": ORIGINAL_CTX}
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL_CTX}
-
-#: name -> (tiny_models arch, config overrides)
-MODELS = {
-    "qwen2": ("qwen2", {}),
-    "qwen2-yarn": ("qwen2", {"rope_parameters": YARN}),
-    "llama3-rope": ("llama", {"rope_parameters": LLAMA3, "initializer_range": 0.2}),
-    "qwen3-moe": ("qwen3_moe", {}),
-    "qwen3-moe-unnormalized": ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": []}),
-}
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -56,8 +42,7 @@ def _hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def model_path(request, tmp_path_factory) -> str:
-    arch, overrides = MODELS[request.param]
-    return str(make_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides))
+    return make_family_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_mixed_batch_matches_transformers(model_path):
@@ -177,3 +162,21 @@ def test_family_fields_and_start_up_summary(caplog, tmp_path):
     assert line.startswith("Qwen3-MoE: ")
     assert f"{total / 1e6:.1f}M parameters ({active / 1e6:.1f}M active per token)" in line
     assert f"KV 2 layers x 2 heads x 32 = {kv / 1024:.1f} KiB per token, rope default" in line
+
+
+@pytest.mark.slow
+def test_serve_refuses_an_unknown_rope_type_at_start_up(tmp_path):
+    """``pdserve serve`` on a config with a rope type it lacks exits non-zero with the type's
+    name, before serving anything."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(_config(
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]})))
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", str(d), "--port", "0",
+                        "--load-format", "dummy", "--num-gpu-blocks-override", "16"],
+                       capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    assert "unsupported rope scaling type 'longrope'" in r.stderr, r.stderr[-2000:]
