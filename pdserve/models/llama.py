@@ -41,7 +41,8 @@ class ArchConfig:
     """The architecture hyper-parameters the model needs (parsed from a HF ``config.json``).
 
     Attributes:
-        architecture: ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Qwen3ForCausalLM``.
+        architecture: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen3ForCausalLM`` or
+            ``Gemma3ForCausalLM`` (:mod:`pdserve.models.gemma3`).
         hidden_size, intermediate_size: widths.
         num_layers: decoder layers.
         num_heads, num_kv_heads, head_dim: attention geometry (grouped-query when
