@@ -6,8 +6,10 @@ The conversion dequantizes with the ``gguf`` package's numpy routines directly (
 two cores, where loading the GGUF through ``transformers`` takes minutes) and applies what
 ``transformers``' GGUF loader applies for Gemma 3: llama.cpp stores Gemma's RMSNorm weights as
 ``1 + w``, so 1 is subtracted from every ``*norm.weight``
-(``transformers.modeling_gguf_pytorch_utils.Gemma2TensorProcessor``). The config and tokenizer
-come from ``transformers``' GGUF metadata readers, which read no tensors.
+(``transformers.modeling_gguf_pytorch_utils.Gemma2TensorProcessor``). The config is read from
+the same parsed file, with the key mapping of ``transformers.integrations.ggml`` for
+``gemma3`` (parsing the GGUF metadata costs ten-odd seconds, so it is done once); the tokenizer
+comes from ``transformers``' GGUF tokenizer converter.
 :func:`pdserve.builtin_models.ensure_converted` runs :func:`convert` under its lock.
 """
 
@@ -39,6 +41,17 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# GGUF metadata key (after "gemma3.") -> Gemma3TextConfig argument (transformers' mapping).
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta", "attention.key_length": "head_dim",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+}
+_TOKEN_IDS = ("bos", "eos", "padding", "unknown")
 
 
 def _package_module():
@@ -78,9 +91,44 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
 
 
-def gguf_state_dict(gguf_file: Path) -> dict:
+def hf_config(reader) -> dict:
+    """The Hugging Face ``config.json`` dict of a Gemma 3 GGUF file's metadata.
+
+    Args:
+        reader: a ``gguf.GGUFReader`` of the file.
+
+    Raises:
+        ValueError: the file is not a Gemma 3 model.
+    """
+    from transformers import Gemma3TextConfig
+
+    fields = reader.fields
+    arch = fields["general.architecture"].contents()
+    if arch != "gemma3":
+        raise ValueError(f"expected a gemma3 GGUF file, got architecture {arch!r}")
+    kwargs = {name: fields[f"gemma3.{key}"].contents() for key, name in _CONFIG_KEYS.items()
+              if f"gemma3.{key}" in fields}
+    kwargs["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data)
+    kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    for token in _TOKEN_IDS:
+        key = f"tokenizer.ggml.{token}_token_id"
+        if key in fields:
+            name = {"padding": "pad", "unknown": "unk"}.get(token, token)
+            kwargs[f"{name}_token_id"] = fields[key].contents()
+    config = Gemma3TextConfig(**kwargs).to_dict()
+    for key in ("_name_or_path", "transformers_version"):
+        config.pop(key, None)
+    config["architectures"] = ["Gemma3ForCausalLM"]
+    config["torch_dtype"] = config["dtype"] = "float32"
+    return config
+
+
+def gguf_state_dict(reader) -> dict:
     """Dequantize every tensor of a Gemma 3 GGUF file into float32 torch tensors with Hugging
     Face names (norm weights shifted back by -1, see the module docstring).
+
+    Args:
+        reader: a ``gguf.GGUFReader`` of the file.
 
     Returns:
         ``{hf_name: tensor}``; shapes as Hugging Face stores them (``[out, in]`` for linear
@@ -91,15 +139,16 @@ def gguf_state_dict(gguf_file: Path) -> dict:
     """
     import numpy as np
     import torch
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
 
     state = {}
-    for tensor in GGUFReader(str(gguf_file)).tensors:
+    for tensor in reader.tensors:
         name = hf_name(tensor.name)
-        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        # np.array copies: unquantized tensors would otherwise stay views of the file's map
+        values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if name.endswith("norm.weight"):
-            values = values - 1
-        state[name] = torch.from_numpy(np.ascontiguousarray(values))
+            values -= 1
+        state[name] = torch.from_numpy(values)
     return state
 
 
@@ -111,21 +160,18 @@ def convert(out_dir: Path) -> None:
     Raises:
         FileNotFoundError: the package is not installed.
     """
+    from gguf import GGUFReader
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     module = _package_module()
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{NAME}-gguf.") as tmp:
         gguf_file = module.assemble(Path(tmp) / module.MODEL_NAME)
-        directory, filename = str(gguf_file.parent), gguf_file.name
-        config = AutoConfig.from_pretrained(directory, gguf_file=filename).to_dict()
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-        state = gguf_state_dict(gguf_file)
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path",
-                "transformers_version"):
-        config.pop(key, None)
-    config["architectures"] = ["Gemma3ForCausalLM"]
-    config["torch_dtype"] = config["dtype"] = "float32"
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        reader = GGUFReader(str(gguf_file))
+        config = hf_config(reader)
+        state = gguf_state_dict(reader)
+        del reader  # its memory map of the file, before the directory goes
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if config.get("tie_word_embeddings", True):
         state.pop("lm_head.weight", None)

@@ -24,8 +24,9 @@ def _tables(lengths: list[int], first_block: int = 3) -> list[list[int]]:
     return tables
 
 
-def _reference_varlen(q, k, v, cu_q, cu_k, scale):
-    """Bottom-right causal attention of each packed sequence, written out with a dense mask."""
+def _reference_varlen(q, k, v, cu_q, cu_k, scale, window=None):
+    """Bottom-right causal attention of each packed sequence, written out with a dense mask
+    (each query over its last ``window`` positions when given)."""
     outs = []
     for i in range(len(cu_q) - 1):
         qi = q[cu_q[i]:cu_q[i + 1]].transpose(0, 1)  # [H, n, D]
@@ -33,6 +34,8 @@ def _reference_varlen(q, k, v, cu_q, cu_k, scale):
         vi = v[cu_k[i]:cu_k[i + 1]].transpose(0, 1).repeat_interleave(HQ // HKV, 0)
         n, c = qi.shape[1], ki.shape[1]
         mask = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]
+        if window is not None:
+            mask &= torch.arange(c)[None, :] > torch.arange(c - n, c)[:, None] - window
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs)
@@ -116,9 +119,11 @@ def test_prefill_mode_is_validated(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 16])
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
-def test_cuda_varlen_prefill_matches_per_request_sdpa(backend_name):
-    """bf16 on CUDA: the one-call varlen prefill agrees with per-request SDPA (no cuDNN)."""
+def test_cuda_varlen_prefill_matches_per_request_sdpa(backend_name, window):
+    """bf16 on CUDA: the one-call varlen prefill agrees with per-request SDPA (no cuDNN), with
+    and without a sliding window."""
     from pdserve import attention
 
     if backend_name == "triton":
@@ -143,14 +148,15 @@ def test_cuda_varlen_prefill_matches_per_request_sdpa(backend_name):
         v = torch.randn(t, hkv, d, generator=gen).to(dev, torch.bfloat16)
         backend = cls(hq, hkv, d, BS, d ** -0.5)
         backend.prefill_mode = mode
-        outs[mode] = backend.forward(0, q, k, v, kv_cache, meta)
+        outs[mode] = backend.forward(0, q, k, v, kv_cache, meta, sliding_window=window)
         assert backend.last_prefill_impl == ("varlen" if mode == "auto" else "sdpa")
     torch.testing.assert_close(outs["auto"], outs["sdpa"], atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_flash_varlen_kernel_matches_reference():
+@pytest.mark.parametrize("window", [None, 10])
+def test_cuda_flash_varlen_kernel_matches_reference(window):
     gen = torch.Generator().manual_seed(2)
     lens_q, lens_k = [7, 30, 2], [7, 45, 19]
     q = torch.randn(sum(lens_q), HQ, 64, generator=gen)
@@ -158,10 +164,11 @@ def test_cuda_flash_varlen_kernel_matches_reference():
     v = torch.randn(sum(lens_k), HKV, 64, generator=gen)
     cu_q = [0, 7, 37, 39]
     cu_k = [0, 7, 52, 71]
-    ref = _reference_varlen(q, k, v, cu_q, cu_k, 0.125)
+    ref = _reference_varlen(q, k, v, cu_q, cu_k, 0.125, window)
     dev = torch.device("cuda")
     got = flash_varlen_prefill(
         q.to(dev, torch.bfloat16), k.to(dev, torch.bfloat16), v.to(dev, torch.bfloat16),
         torch.tensor(cu_q, dtype=torch.int32, device=dev),
-        torch.tensor(cu_k, dtype=torch.int32, device=dev), max(lens_q), max(lens_k), 0.125)
+        torch.tensor(cu_k, dtype=torch.int32, device=dev), max(lens_q), max(lens_k), 0.125,
+        sliding_window=window)
     torch.testing.assert_close(got.float().cpu(), ref, atol=3e-2, rtol=3e-2)

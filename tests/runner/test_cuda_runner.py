@@ -39,7 +39,7 @@ def _mixed_batch(runner: ModelRunner, n_new: int = 6, sched: MiniScheduler | Non
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3", "tiny_gemma3"])
 def test_cuda_float32_greedy_matches_transformers(arch, backend, request, monkeypatch):
     from transformers import AutoModelForCausalLM
 
