@@ -31,7 +31,7 @@ from pdserve.attention.selector import select_attention_backend
 from pdserve.layers import rotary
 from pdserve.layers.activation import GeluTanhAndMul
 from pdserve.layers.embedding import LMHead, VocabEmbedding
-from pdserve.layers.linear import Linear, MergedLinear, QKVLinear
+from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pdserve.layers.norm import GemmaRMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.llama import ArchConfig, CausalLM
@@ -142,11 +142,13 @@ class Gemma3Attention(nn.Module):
         super().__init__()
         d = cfg.head_dim
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d,
                                   cfg.attention_bias, dtype, device)
-        self.o_proj = Linear(self.qkv_proj.q_size, cfg.hidden_size, cfg.attention_bias, dtype,
-                             device)
+        # this rank's heads (all of them at TP 1)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = d
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias,
+                                        dtype, device)
         self.q_norm = GemmaRMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.k_norm = GemmaRMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.rotary_emb = rotary_emb
@@ -176,7 +178,7 @@ class Gemma3MLP(nn.Module):
         i, h = cfg.intermediate_size, cfg.hidden_size
         self.gate_up_proj = MergedLinear(h, [i, i], False, dtype, device)
         self.act = GeluTanhAndMul()
-        self.down_proj = Linear(i, h, False, dtype, device)
+        self.down_proj = RowParallelLinear(i, h, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden_size]`` -> ``[T, hidden_size]``."""
@@ -237,8 +239,9 @@ class Gemma3ForCausalLM(CausalLM):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device,
                               tie_to=self.embed_tokens if cfg.tie_word_embeddings else None)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        attn = self.layers[0].self_attn
         self.set_attention_backend(select_attention_backend(
-            device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, scale))
+            device, attn.num_heads, attn.num_kv_heads, cfg.head_dim, block_size, scale))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

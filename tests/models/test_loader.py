@@ -245,7 +245,8 @@ def test_gemma3_dummy_weights_and_softcapping(tiny_gemma3_path, tmp_path):
     (config_only / "config.json").write_text(json.dumps({**hf, "final_logit_softcapping": 0.5}))
     tokens = _greedy_tokens(str(config_only), load_format="dummy")
     assert len(tokens) == 5
-    loaded = load_model(EngineConfig(model=str(config_only), load_format="dummy", seed=1))
+    loaded = load_model(EngineConfig(model=str(config_only), load_format="dummy", seed=1,
+                                     device="cpu"))
     model = loaded.model
     assert loaded.arch.final_logit_softcapping == 0.5
     bs = model.attn_backend.block_size
