@@ -1,12 +1,13 @@
 """``pdserve serve -tp 2`` on CPU: streamed and plain completions equal a TP 1 server's, token
-for token; killing one rank's process takes the instance down: the API stops answering 200,
-the server exits non-zero within seconds and no process of it is left."""
+for token; killing one rank's process takes the instance down: a request in flight gets a 503, the
+server exits non-zero within seconds and no process of it is left."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -53,8 +54,16 @@ def test_killing_a_rank_stops_the_server(servers):
     workers = [pid for pid in family
                if b"pdserve.executor.worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
     assert len(workers) == 1, family
-    os.kill(workers[0], signal.SIGKILL)
-    start = time.monotonic()
+    # a request in flight when the rank dies gets the API's 503
+    body = {"model": sharded.client.get("/v1/models").json()["data"][0]["id"], "prompt": "Hi",
+            "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(generate, sharded, "completions", body)
+        sharded.wait_metrics(lambda m: m.get("pdserve:num_requests_running", 0) >= 1)
+        os.kill(workers[0], signal.SIGKILL)
+        start = time.monotonic()
+        out = answer.result(EXIT_WITHIN_S)
+    assert out["status"] == 503 and out["error"]["error"]["code"] == "engine_dead", out
     code = sharded.proc.wait(EXIT_WITHIN_S)
     assert code != 0 and time.monotonic() - start < EXIT_WITHIN_S
     assert "TP rank 1" in sharded.log_text()
