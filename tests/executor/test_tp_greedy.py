@@ -1,6 +1,6 @@
 """Greedy tokens of a tensor-parallel instance (CPU, gloo) equal those of one process, token
-for token: tiny Llama and tiny Qwen3 at TP 2 and the embedded SmolLM2 (9 heads, 3 KV heads) at
-TP 3, in-process (LLMEngine), with a prompt longer than one step's token budget (chunked
+for token: tiny Llama and tiny Qwen3 at TP 2 (also a tiny Llama with one KV head, replicated on
+both ranks) and the embedded SmolLM2 (9 heads, 3 KV heads) at TP 3, in-process (LLMEngine), with a prompt longer than one step's token budget (chunked
 prefill) and multi-step decode rounds; SmolLM2 at TP 2 is refused before any rank starts."""
 
 from __future__ import annotations
@@ -47,6 +47,13 @@ def test_tp2_greedy_equals_tp1(request, model):
     assert all(len(t) == 10 for t in single)
     assert _generate(path, 2) == single
     assert not still_running(descendants(os.getpid()))
+
+
+def test_tp2_greedy_equals_tp1_with_one_kv_head_replicated(tmp_path):
+    from pdserve.testing.tiny_models import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path / "mqa", "llama", num_key_value_heads=1))
+    assert _generate(path, 2) == _generate(path, 1)
 
 
 def test_smollm2_tp3_greedy_equals_tp1(smollm2_path):
