@@ -1,7 +1,8 @@
 """Greedy tokens of a tensor-parallel instance (CPU, gloo) equal those of one process, token
 for token: tiny Llama and tiny Qwen3 at TP 2 (also a tiny Llama with one KV head, replicated on
-both ranks) and the embedded SmolLM2 (9 heads, 3 KV heads) at TP 3, in-process (LLMEngine), with a prompt longer than one step's token budget (chunked
-prefill) and multi-step decode rounds; SmolLM2 at TP 2 is refused before any rank starts."""
+both ranks) and the embedded SmolLM2 (9 heads, 3 KV heads) at TP 3, in-process (LLMEngine),
+with a prompt longer than one step's token budget (chunked prefill) and multi-step decode
+rounds; SmolLM2 at TP 2 is refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ def test_smollm2_tp3_greedy_equals_tp1(smollm2_path):
 def test_smollm2_tp2_is_refused_naming_the_numbers(smollm2_path):
     config = EngineConfig(model=smollm2_path, device="cpu", tensor_parallel_size=2)
     with pytest.raises(TPShardingError, match=r"tensor_parallel_size 2: 9 attention heads are "
-                                              r"not divisible by 2; 3 KV heads neither"):
+                                              r"not divisible by 2; 3 KV heads are neither "
+                                              r"divisible by 2 nor a divisor of 2"):
         EngineCore(config)
     assert not still_running(descendants(os.getpid()))
