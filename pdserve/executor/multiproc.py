@@ -124,6 +124,7 @@ class TPExecutor:
         from pdserve.runner.model_runner import ModelRunner
 
         config = self.config
+        check_model_splits(config)
         base = resolve_device(config.device)
         check_tp_devices(config, base, torch.cuda.device_count() if base.type == "cuda" else 0)
         self._ctx = zmq.Context()
@@ -131,7 +132,6 @@ class TPExecutor:
         self._results.bind(f"ipc://{self._tmpdir}/results")
         self._controls = []
         init_method = f"file://{self._tmpdir}/dist-init"
-        check_model_splits(config)
         # the workers import this very package, wherever it lies
         package_root = str(Path(pdserve.__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
