@@ -190,6 +190,7 @@ class TPExecutor:
         self._kill_workers()
         if not self._closing.wait(DEATH_GRACE_S if self._in_call else 0.0):
             logger.error("engine core did not stop after TP rank %d died; exiting", rank)
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
             logging.shutdown()
             os._exit(1)
 
