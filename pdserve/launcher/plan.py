@@ -47,8 +47,9 @@ class ChildSpec:
         port: the child's HTTP port.
         health_path: path that answers 200 once the child is ready.
         side_channel_port: NIXL side-channel port (engines only).
-        gpu: the ``CUDA_VISIBLE_DEVICES`` given to the child (one entry; several,
-            comma-separated, for an engine with data-parallel ranks), or None.
+        gpu: the ``CUDA_VISIBLE_DEVICES`` value given to the child (one entry, or a
+            comma-joined set for an engine with data-parallel ranks or tensor-parallel ranks;
+            rank ``r`` of data-parallel rank ``d`` uses entry ``d * tp + r``), or None.
         gpu_memory_share: the ``--gpu-memory-utilization`` given to an engine that shares its
             GPU with others (None: not shared, or sized by ``--kv-cache-memory``).
     """
@@ -215,6 +216,31 @@ def _engine_gpus(rank_gpus: Sequence[str | None]) -> str | None:
     if not rank_gpus or rank_gpus[0] is None:
         return None
     return ",".join(dict.fromkeys(g for g in rank_gpus if g is not None))
+def assign_tp_gpus(num_prefillers: int, num_decoders: int, prefill_tp: int, decode_tp: int,
+                   gpus: Sequence[str]) -> tuple[list[str | None], list[str | None]]:
+    """Places tensor-parallel engines: each engine gets its own set of GPUs (its TP size of
+    them, disjoint from every other engine's), prefillers first, as the comma-joined
+    ``CUDA_VISIBLE_DEVICES`` value of the engine (its ranks use devices ``0..tp-1`` of it).
+    Without GPUs every entry is None (CPU engines, any TP size).
+
+    Returns:
+        (GPUs per prefiller, GPUs per decoder).
+
+    Raises:
+        LaunchError: fewer GPUs than the engines need together (the message has the numbers).
+    """
+    if not gpus:
+        return [None] * num_prefillers, [None] * num_decoders
+    need = num_prefillers * prefill_tp + num_decoders * decode_tp
+    if need > len(gpus):
+        raise LaunchError(
+            f"{num_prefillers} prefiller(s) x TP {prefill_tp} + {num_decoders} decoder(s) x TP "
+            f"{decode_tp} need {need} GPUs, but {len(gpus)} are available "
+            f"({','.join(gpus)}); lower --prefill-tp/--decode-tp or the engine counts")
+    free = iter(gpus)
+    sets = [",".join(next(free) for _ in range(tp))
+            for tp in [prefill_tp] * num_prefillers + [decode_tp] * num_decoders]
+    return sets[:num_prefillers], sets[num_prefillers:]
 
 
 def kv_transfer_config(role: str, multi_turn: bool, progress_thread: bool = True) -> dict:
@@ -319,6 +345,10 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
                      "--kv-transfer-config.kv_connector"):
         raise LaunchError("kv_role and kv_connector are set by 'pdserve up' (prefillers are "
                           "kv_producer, decoders kv_consumer)")
+    if _option_given(engine_args, "-tp", "--tensor-parallel-size"):
+        raise LaunchError("the engines' tensor-parallel sizes are set by 'pdserve up'; use "
+                          "--prefill-tp/--decode-tp")
+    tp_sizes = {"prefill": opts.prefill_tp, "decode": opts.decode_tp}
 
     if opts.port == 0:  # any free port for the proxy
         opts.port = allocate_free_ports(1, opts.host if opts.host not in ("", "::") else ENGINE_HOST)[0]
@@ -371,15 +401,21 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
         gpus = []
     elif gpus is None:
         gpus = detect_gpus()
-    # Each data-parallel rank is placed like an engine of its own; an engine's ranks take
-    # consecutive entries (rank r of engine i: entry i * dp + r).
-    p_rank_gpus, d_rank_gpus = assign_gpus(n_p * dp_p, n_d * dp_d, gpus)
+    if opts.prefill_tp > 1 or opts.decode_tp > 1:
+        # Tensor-parallel engines get disjoint GPU sets, tp GPUs per data-parallel rank.
+        p_gpus, d_gpus = assign_tp_gpus(n_p, n_d, opts.prefill_tp * dp_p,
+                                        opts.decode_tp * dp_d, gpus)
+        p_rank_gpus, d_rank_gpus = [], []
+    else:
+        # Each data-parallel rank is placed like an engine of its own; an engine's ranks take
+        # consecutive entries (rank r of engine i: entry i * dp + r).
+        p_rank_gpus, d_rank_gpus = assign_gpus(n_p * dp_p, n_d * dp_d, gpus)
+        p_gpus = [_engine_gpus(p_rank_gpus[i * dp_p:(i + 1) * dp_p]) for i in range(n_p)]
+        d_gpus = [_engine_gpus(d_rank_gpus[i * dp_d:(i + 1) * dp_d]) for i in range(n_d)]
     sharing: dict[str, int] = {}
     for gpu in p_rank_gpus + d_rank_gpus:
         if gpu is not None:
             sharing[gpu] = sharing.get(gpu, 0) + 1
-    p_gpus = [_engine_gpus(p_rank_gpus[i * dp_p:(i + 1) * dp_p]) for i in range(n_p)]
-    d_gpus = [_engine_gpus(d_rank_gpus[i * dp_d:(i + 1) * dp_d]) for i in range(n_d)]
     # One GPU shared by several engines: each gets an equal part of --gpu-memory-utilization
     # (each engine's flag is its own share of the total, see pdserve/memory_budget.py).
     kv_memory_given = _option_given(engine_args, "--kv-cache-memory")
@@ -410,6 +446,8 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
                 args_i[:0] = ["--kv-events-endpoint", f"tcp://{ENGINE_HOST}:{next(event_ports)}",
                               "--kv-events-snapshot-endpoint",
                               f"tcp://{ENGINE_HOST}:{next(event_ports)}"]
+            if tp_sizes[role] > 1:
+                args_i[:0] = ["--tensor-parallel-size", str(tp_sizes[role])]
             gpu = gpu_list[i]
             env = {"PDSERVE_NIXL_SIDE_CHANNEL_HOST": ENGINE_HOST,
                    "PDSERVE_NIXL_SIDE_CHANNEL_PORT": str(side_ports[i]),
