@@ -455,7 +455,7 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
             share = None
             if gpu is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpu
-                most = max(sharing[g] for g in gpu.split(","))
+                most = max(sharing.get(g, 1) for g in gpu.split(","))
                 if most > 1 and not kv_memory_given:
                     share = round(util_total / most, 3)
                     args_i += ["--gpu-memory-utilization", f"{share:.3f}"]  # the last one wins

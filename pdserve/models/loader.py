@@ -75,19 +75,15 @@ def resolve_device(name: str) -> torch.device:
     raise ValueError(f"unsupported device {name!r} (use auto, cpu or cuda)")
 
 
-def data_parallel_rank(config: EngineConfig) -> int:
-    """The instance's data-parallel rank (``extra["data_parallel_rank"]``, default 0)."""
-    return int(config.extra.get("data_parallel_rank", 0))
-
-
 def tp_device(device: torch.device, config: EngineConfig, tp_rank: int) -> torch.device:
-    """The device of TP rank ``tp_rank``: ``device`` itself at TP 1; on CUDA with TP size ``T``
-    ``cuda:(base + dp_rank * T + tp_rank)``, ``base`` being ``device``'s index (0 without
-    one); the CPU for every rank on the CPU."""
-    size = config.tensor_parallel_size
-    if device.type != "cuda" or size == 1:
+    """The device of TP rank ``tp_rank``: ``device`` itself at TP 1; on CUDA
+    ``cuda:(base + tp_rank)``, ``base`` being ``device``'s index (0 without one); the CPU for
+    every rank on the CPU. A data-parallel rank's engine core sees only its own ``tp`` devices
+    (``CUDA_VISIBLE_DEVICES``, :func:`pdserve.engine.core_client.rank_devices`), so the
+    data-parallel rank plays no part here."""
+    if device.type != "cuda" or config.tensor_parallel_size == 1:
         return device
-    return torch.device("cuda", (device.index or 0) + data_parallel_rank(config) * size + tp_rank)
+    return torch.device("cuda", (device.index or 0) + tp_rank)
 
 
 def check_tp_devices(config: EngineConfig, device: torch.device, device_count: int) -> None:

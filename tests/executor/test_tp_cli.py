@@ -12,6 +12,7 @@ from pdserve.config import EngineConfig
 from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
 from pdserve.launcher.cli import parse_args
 from pdserve.launcher.plan import ChildCommands, LaunchError, build_plan
+from pdserve.engine.core_client import rank_devices
 from pdserve.models.loader import check_tp_devices, tp_device
 
 
@@ -32,9 +33,12 @@ def test_rank_devices_and_the_check_that_they_exist():
     cuda = torch.device("cuda", 1)
     assert [tp_device(cuda, cfg, r) for r in (0, 1)] == [torch.device("cuda", 1),
                                                           torch.device("cuda", 2)]
-    # DP rank d's TP rank r: base + d * tp + r
-    dp = EngineConfig(tensor_parallel_size=2, extra={"data_parallel_rank": 1})
-    assert tp_device(torch.device("cuda"), dp, 1) == torch.device("cuda", 3)
+    # A data-parallel rank's engine core sees only its own devices (CUDA_VISIBLE_DEVICES):
+    # its TP rank r is device base + r whatever its DP rank; the DP rank's devices are
+    # d * tp + r of the host's.
+    dp = EngineConfig(tensor_parallel_size=2, data_parallel_size=2, data_parallel_rank=1)
+    assert tp_device(torch.device("cuda"), dp, 1) == torch.device("cuda", 1)
+    assert rank_devices(1, 2) == [2, 3]
     assert tp_device(torch.device("cpu"), cfg, 1) == torch.device("cpu")
     check_tp_devices(cfg, torch.device("cuda"), 2)
     check_tp_devices(EngineConfig(tensor_parallel_size=8), torch.device("cpu"), 0)
