@@ -1,6 +1,6 @@
 """Greedy tokens of a tensor-parallel instance (CPU, gloo) equal those of one process, token
 for token: tiny Llama and tiny Qwen3 at TP 2 (also a tiny Llama with one KV head, replicated on
-both ranks) and the embedded SmolLM2 (9 heads, 3 KV heads) at TP 3, in-process (LLMEngine),
+both ranks), tiny Qwen2, Qwen3-MoE and Gemma 3 at TP 2, and the embedded SmolLM2 (9 heads, 3 KV heads) at TP 3, in-process (LLMEngine),
 with a prompt longer than one step's token budget (chunked prefill) and multi-step decode
 rounds; SmolLM2 at TP 2 is refused before any rank starts."""
 
@@ -69,3 +69,15 @@ def test_smollm2_tp2_is_refused_naming_the_numbers(smollm2_path):
                                               r"divisible by 2 nor a divisor of 2"):
         EngineCore(config)
     assert not still_running(descendants(os.getpid()))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "gemma3"])
+def test_tp2_greedy_equals_tp1_for_the_other_families(tmp_path, arch):
+    """Qwen2 (q/k/v bias, tied embeddings), Qwen3-MoE (experts replicated on every rank, dense
+    layers sharded) and Gemma 3 (sliding-window layers, row-parallel o_proj and down_proj)."""
+    from pdserve.testing.tiny_models import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path / arch, arch))
+    single = _generate(path, 1)
+    assert all(len(t) == 10 for t in single)
+    assert _generate(path, 2) == single
