@@ -118,7 +118,6 @@ class CoreClient:
             input_address=self._in.getsockopt_string(zmq.LAST_ENDPOINT),
             output_address=self._out.getsockopt_string(zmq.LAST_ENDPOINT), remote=remote)
         self._last_seen = time.monotonic()
-        self._last_ping = 0.0
 
     @classmethod
     def local(cls, rank: int, config: EngineConfig, sync_ctx: zmq.Context,
@@ -141,10 +140,15 @@ class CoreClient:
         """Bind ``tcp://`` sockets on ``bind_host`` (free ports) for a rank of another host.
 
         Raises:
-            zmq.ZMQError: the address cannot be bound.
+            CoreStartupError: the address cannot be bound (the message names the option).
         """
-        return cls(rank, sync_ctx, async_ctx, f"tcp://{bind_host}:*", f"tcp://{bind_host}:*",
-                   remote=True)
+        try:
+            return cls(rank, sync_ctx, async_ctx, f"tcp://{bind_host}:*", f"tcp://{bind_host}:*",
+                       remote=True)
+        except zmq.ZMQError as e:
+            raise CoreStartupError(
+                f"cannot listen on {bind_host} for data-parallel rank {rank} ({e}): set "
+                "--data-parallel-address to an address of this host") from None
 
     # ------------------------------------------------------------------ liveness
     def check_alive(self) -> str | None:
@@ -158,14 +162,15 @@ class CoreClient:
                             f"{HEARTBEAT_TIMEOUT_S:g} s (its host is gone or unreachable)"
         return self.dead
 
-    def _ping(self) -> None:
-        now = time.monotonic()
-        if self.remote and now - self._last_ping >= HEARTBEAT_INTERVAL_S:
-            self._last_ping = now
+    async def keepalive(self) -> None:
+        """Send a remote rank a :class:`Ping` every :data:`HEARTBEAT_INTERVAL_S` until cancelled
+        (from the start on: the rank watches for them also while other ranks still load)."""
+        while True:
             try:
                 self.send(Ping(), block=False)
             except zmq.Again:  # not connected yet (still joining): nothing to keep alive
                 pass
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     # ------------------------------------------------------------------ messages
     def send(self, msg: Any, block: bool = True) -> None:
@@ -183,7 +188,6 @@ class CoreClient:
             CoreStartupError: it failed to start or died.
         """
         while True:
-            self._ping()
             if await self._out.poll(timeout=int(LIVENESS_INTERVAL_S * 1000)):
                 msg = self._decoder.decode(await self._out.recv())
                 self._last_seen = time.monotonic()
@@ -208,7 +212,6 @@ class CoreClient:
         reason)`` once."""
         try:
             while True:
-                self._ping()
                 if not await self._out.poll(timeout=int(LIVENESS_INTERVAL_S * 1000)):
                     reason = self.check_alive()
                     if reason is not None:
