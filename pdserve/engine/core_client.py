@@ -131,7 +131,7 @@ class CoreClient:
         """
         self = cls(rank, sync_ctx, async_ctx, f"ipc://{tmpdir}/input-{rank}",
                    f"ipc://{tmpdir}/output-{rank}", remote=False)
-        spawn_core(self, config, devices)
+        self.proc = spawn_core(config, self.addresses, rank, devices)
         return self
 
     @classmethod
@@ -256,14 +256,17 @@ class CoreClient:
         self._out.close(0)
 
 
-def spawn_core(client: CoreClient, config: EngineConfig, devices: list[int] | None) -> None:
-    """Start the engine-core process of ``client`` (``spawn``, daemon: it dies with us)."""
+def spawn_core(config: EngineConfig, addresses: CoreAddresses, rank: int,
+               devices: list[int] | None) -> Any:
+    """Start the engine-core process of one rank (``spawn``, daemon: it dies with us) and return
+    it (a ``multiprocessing.Process``)."""
     import multiprocessing
 
     from pdserve.engine.core import run_engine_core
 
     mp = multiprocessing.get_context("spawn")
-    client.proc = mp.Process(target=run_engine_core, args=(config, client.addresses),
-                             name=f"pdserve-engine-core-{client.rank}", daemon=True)
+    proc = mp.Process(target=run_engine_core, args=(config, addresses),
+                      name=f"pdserve-engine-core-{rank}", daemon=True)
     with cuda_devices_env(devices):
-        client.proc.start()
+        proc.start()
+    return proc
