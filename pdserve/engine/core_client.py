@@ -54,20 +54,23 @@ def rank_devices(local_rank: int, tensor_parallel_size: int = 1) -> list[int]:
 
 @contextlib.contextmanager
 def cuda_devices_env(devices: list[int] | None) -> Iterator[None]:
-    """Sets ``CUDA_VISIBLE_DEVICES`` to ``devices`` (indices into an existing
-    ``CUDA_VISIBLE_DEVICES``, taken modulo its length when it lists fewer: ranks then share
-    devices) while a child process is spawned, then restores it; a spawned child copies the
-    environment at start. None: unchanged."""
+    """Sets ``CUDA_VISIBLE_DEVICES`` to ``devices`` while a child process is spawned, then
+    restores it (a spawned child copies the environment at start). ``devices`` index the GPUs
+    this process may use (an existing ``CUDA_VISIBLE_DEVICES``, else the GPUs ``nvidia-smi``
+    lists), taken modulo their number when there are fewer: ranks then share GPUs, with a
+    warning. None, or no GPU at all: unchanged."""
+    from pdserve.launcher.plan import detect_gpus
+
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if devices is None or (old is not None and not old.strip()):  # no device to hand out
+    visible = detect_gpus() if devices is not None else []
+    if not visible:
         yield
         return
-    visible = [d.strip() for d in old.split(",")] if old else None
-    if visible is not None and max(devices) >= len(visible):
-        logger.warning("CUDA_VISIBLE_DEVICES=%s lists fewer devices than the data-parallel ranks "
-                       "need; ranks share them round robin", old)
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(
-        visible[d % len(visible)] if visible is not None else str(d) for d in devices))
+    if max(devices) >= len(visible):
+        logger.warning("data-parallel ranks need GPUs %s but only %d are visible (%s); ranks "
+                       "share them round robin", devices, len(visible), ",".join(visible))
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+        dict.fromkeys(visible[d % len(visible)] for d in devices))
     try:
         yield
     finally:
