@@ -11,6 +11,9 @@
   absolute values.
 - :func:`generate`, :func:`prefill_leg` and :func:`decode_leg` send one request, or play the
   two legs of the proxy by hand.
+
+One module of about 470 lines: it is the one place that knows how each real process is started
+and stopped, which every end-to-end test relies on.
 """
 
 from __future__ import annotations

@@ -589,6 +589,7 @@ def test_plan_with_data_parallel_engines():
                   gpus=["0", "1", "2", "3", "4", "5", "6", "7"])
     prefill, d0, d1, proxy = specs
     assert prefill.argv[prefill.argv.index("--data-parallel-size") + 1] == "2"
+    assert (prefill.data_parallel_size, d0.data_parallel_size, proxy.data_parallel_size) == (2, 3, 1)
     assert d0.argv[d0.argv.index("--data-parallel-size") + 1] == "3"
     # every rank has its own side-channel port base + r, all free and distinct
     side = [s.side_channel_port + r for s, n in ((prefill, 2), (d0, 3), (d1, 3)) for r in range(n)]

@@ -88,6 +88,7 @@ class AsyncEngine:
         self._requests: dict[str, tuple[RequestState, CoreClient]] = {}
         self._stats_listeners: list[Callable[[dict[str, Any]], None]] = []
         self._output_tasks: list[asyncio.Task] = []
+        self._keepalive_tasks: list[asyncio.Task] = []  # heartbeats to remote ranks
         self._next_rank = 0
         self._dead: str | None = None
         self._closed = False
@@ -101,29 +102,18 @@ class AsyncEngine:
         Raises:
             EngineStartupError: a core failed to start (bad model, bad config, ...) or died.
         """
-        from pdserve.engine.data_parallel import RendezvousServer, rank_config
-
         self = cls()
         self.config = config
         self._tmpdir = tempfile.mkdtemp(prefix="pdserve-engine-")
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         try:
-            tp = tensor_parallel_size(config)
-            num_local = config.local_data_parallel_size
-            for rank in range(config.data_parallel_size):
-                if rank < num_local:
-                    devices = (rank_devices(rank, tp) if config.data_parallel_size > 1
-                               and config.device != "cpu" else None)
-                    core = CoreClient.local(rank, rank_config(config, rank), self._sync_ctx,
-                                            self._async_ctx, self._tmpdir, devices)
-                else:
-                    core = CoreClient.remote(rank, str(config.data_parallel_address),
-                                             self._sync_ctx, self._async_ctx)
-                self._cores.append(core)
-            remote = [c for c in self._cores if c.remote]
-            if remote:
-                self._rendezvous = RendezvousServer(config, self._async_ctx, remote)
+            try:
+                self._start_cores(config)
+            except CoreStartupError as e:
+                raise EngineStartupError(str(e)) from None
+            self._keepalive_tasks = [asyncio.create_task(c.keepalive(), name=f"pdserve-ping-{c.rank}")
+                                     for c in self._cores if c.remote]
             # Load the tokenizer in a thread while the cores load the model.
             tokenizer_task = asyncio.ensure_future(asyncio.to_thread(self._load_tokenizer, config))
             try:
@@ -156,6 +146,30 @@ class AsyncEngine:
             f", {len(self._cores)} data-parallel ranks" if len(self._cores) > 1 else "",
         )
         return self
+
+    def _start_cores(self, config: EngineConfig) -> None:
+        """Spawn the local ranks' cores and bind the remote ranks' sockets and the rendezvous.
+
+        Raises:
+            CoreStartupError: a socket cannot be bound or a process cannot be started.
+        """
+        from pdserve.engine.data_parallel import RendezvousServer, rank_config
+
+        tp = tensor_parallel_size(config)
+        num_local = config.local_data_parallel_size
+        for rank in range(config.data_parallel_size):
+            if rank < num_local:
+                devices = (rank_devices(rank, tp) if config.data_parallel_size > 1
+                           and config.device != "cpu" else None)
+                core = CoreClient.local(rank, rank_config(config, rank), self._sync_ctx,
+                                        self._async_ctx, self._tmpdir, devices)
+            else:
+                core = CoreClient.remote(rank, str(config.data_parallel_address),
+                                         self._sync_ctx, self._async_ctx)
+            self._cores.append(core)
+        remote = [c for c in self._cores if c.remote]
+        if remote:
+            self._rendezvous = RendezvousServer(config, self._async_ctx, remote)
 
     @staticmethod
     def _load_tokenizer(config: EngineConfig) -> Any:
@@ -200,9 +214,10 @@ class AsyncEngine:
     async def _close(self, kill: bool) -> None:
         self._closed = True
         self._mark_dead("the engine was shut down")
-        for task in self._output_tasks:
+        tasks = self._output_tasks + self._keepalive_tasks
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._output_tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(core.stop_process(kill) for core in self._cores))
         for core in self._cores:
             core.close_sockets()

@@ -54,20 +54,23 @@ def rank_devices(local_rank: int, tensor_parallel_size: int = 1) -> list[int]:
 
 @contextlib.contextmanager
 def cuda_devices_env(devices: list[int] | None) -> Iterator[None]:
-    """Sets ``CUDA_VISIBLE_DEVICES`` to ``devices`` (indices into an existing
-    ``CUDA_VISIBLE_DEVICES``, taken modulo its length when it lists fewer: ranks then share
-    devices) while a child process is spawned, then restores it; a spawned child copies the
-    environment at start. None: unchanged."""
+    """Sets ``CUDA_VISIBLE_DEVICES`` to ``devices`` while a child process is spawned, then
+    restores it (a spawned child copies the environment at start). ``devices`` index the GPUs
+    this process may use (an existing ``CUDA_VISIBLE_DEVICES``, else the GPUs ``nvidia-smi``
+    lists), taken modulo their number when there are fewer: ranks then share GPUs, with a
+    warning. None, or no GPU at all: unchanged."""
+    from pdserve.launcher.plan import detect_gpus
+
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if devices is None or (old is not None and not old.strip()):  # no device to hand out
+    visible = detect_gpus() if devices is not None else []
+    if not visible:
         yield
         return
-    visible = [d.strip() for d in old.split(",")] if old else None
-    if visible is not None and max(devices) >= len(visible):
-        logger.warning("CUDA_VISIBLE_DEVICES=%s lists fewer devices than the data-parallel ranks "
-                       "need; ranks share them round robin", old)
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(
-        visible[d % len(visible)] if visible is not None else str(d) for d in devices))
+    if max(devices) >= len(visible):
+        logger.warning("data-parallel ranks need GPUs %s but only %d are visible (%s); ranks "
+                       "share them round robin", devices, len(visible), ",".join(visible))
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+        dict.fromkeys(visible[d % len(visible)] for d in devices))
     try:
         yield
     finally:
@@ -118,7 +121,6 @@ class CoreClient:
             input_address=self._in.getsockopt_string(zmq.LAST_ENDPOINT),
             output_address=self._out.getsockopt_string(zmq.LAST_ENDPOINT), remote=remote)
         self._last_seen = time.monotonic()
-        self._last_ping = 0.0
 
     @classmethod
     def local(cls, rank: int, config: EngineConfig, sync_ctx: zmq.Context,
@@ -132,7 +134,7 @@ class CoreClient:
         """
         self = cls(rank, sync_ctx, async_ctx, f"ipc://{tmpdir}/input-{rank}",
                    f"ipc://{tmpdir}/output-{rank}", remote=False)
-        spawn_core(self, config, devices)
+        self.proc = spawn_core(config, self.addresses, rank, devices)
         return self
 
     @classmethod
@@ -141,10 +143,15 @@ class CoreClient:
         """Bind ``tcp://`` sockets on ``bind_host`` (free ports) for a rank of another host.
 
         Raises:
-            zmq.ZMQError: the address cannot be bound.
+            CoreStartupError: the address cannot be bound (the message names the option).
         """
-        return cls(rank, sync_ctx, async_ctx, f"tcp://{bind_host}:*", f"tcp://{bind_host}:*",
-                   remote=True)
+        try:
+            return cls(rank, sync_ctx, async_ctx, f"tcp://{bind_host}:*", f"tcp://{bind_host}:*",
+                       remote=True)
+        except zmq.ZMQError as e:
+            raise CoreStartupError(
+                f"cannot listen on {bind_host} for data-parallel rank {rank} ({e}): set "
+                "--data-parallel-address to an address of this host") from None
 
     # ------------------------------------------------------------------ liveness
     def check_alive(self) -> str | None:
@@ -158,14 +165,15 @@ class CoreClient:
                             f"{HEARTBEAT_TIMEOUT_S:g} s (its host is gone or unreachable)"
         return self.dead
 
-    def _ping(self) -> None:
-        now = time.monotonic()
-        if self.remote and now - self._last_ping >= HEARTBEAT_INTERVAL_S:
-            self._last_ping = now
+    async def keepalive(self) -> None:
+        """Send a remote rank a :class:`Ping` every :data:`HEARTBEAT_INTERVAL_S` until cancelled
+        (from the start on: the rank watches for them also while other ranks still load)."""
+        while True:
             try:
                 self.send(Ping(), block=False)
             except zmq.Again:  # not connected yet (still joining): nothing to keep alive
                 pass
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     # ------------------------------------------------------------------ messages
     def send(self, msg: Any, block: bool = True) -> None:
@@ -183,7 +191,6 @@ class CoreClient:
             CoreStartupError: it failed to start or died.
         """
         while True:
-            self._ping()
             if await self._out.poll(timeout=int(LIVENESS_INTERVAL_S * 1000)):
                 msg = self._decoder.decode(await self._out.recv())
                 self._last_seen = time.monotonic()
@@ -208,7 +215,6 @@ class CoreClient:
         reason)`` once."""
         try:
             while True:
-                self._ping()
                 if not await self._out.poll(timeout=int(LIVENESS_INTERVAL_S * 1000)):
                     reason = self.check_alive()
                     if reason is not None:
@@ -253,14 +259,17 @@ class CoreClient:
         self._out.close(0)
 
 
-def spawn_core(client: CoreClient, config: EngineConfig, devices: list[int] | None) -> None:
-    """Start the engine-core process of ``client`` (``spawn``, daemon: it dies with us)."""
+def spawn_core(config: EngineConfig, addresses: CoreAddresses, rank: int,
+               devices: list[int] | None) -> Any:
+    """Start the engine-core process of one rank (``spawn``, daemon: it dies with us) and return
+    it (a ``multiprocessing.Process``)."""
     import multiprocessing
 
     from pdserve.engine.core import run_engine_core
 
     mp = multiprocessing.get_context("spawn")
-    client.proc = mp.Process(target=run_engine_core, args=(config, client.addresses),
-                             name=f"pdserve-engine-core-{client.rank}", daemon=True)
+    proc = mp.Process(target=run_engine_core, args=(config, addresses),
+                      name=f"pdserve-engine-core-{rank}", daemon=True)
     with cuda_devices_env(devices):
-        client.proc.start()
+        proc.start()
+    return proc

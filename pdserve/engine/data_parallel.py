@@ -231,15 +231,6 @@ def join_head(config: EngineConfig, rank: int, timeout_s: float) -> CoreAddresse
     return CoreAddresses(reply.input_address, reply.output_address, remote=True)
 
 
-class _RemoteRank:
-    """A headless host's engine-core process of one rank (the :func:`spawn_core` target)."""
-
-    def __init__(self, rank: int, addresses: CoreAddresses):
-        self.rank = rank
-        self.addresses = addresses
-        self.proc: Any = None
-
-
 def run_headless(config: EngineConfig) -> int:
     """``pdserve serve --headless``: join the head with this host's ranks, run their engine
     cores, and exit when they do.
@@ -255,28 +246,26 @@ def run_headless(config: EngineConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    ranks: list[_RemoteRank] = []
+    ranks: list[tuple[int, Any]] = []  # (rank, its engine-core process)
     start, local = config.data_parallel_start_rank, config.local_data_parallel_size
     tp = tensor_parallel_size(config)
     try:
         for i, rank in enumerate(range(start, start + local)):
             addresses = join_head(config, rank, config.data_parallel_join_timeout)
             logger.info("rank %d joined the head; starting its engine core", rank)
-            entry = _RemoteRank(rank, addresses)
-            spawn_core(entry, rank_config(config, rank),  # type: ignore[arg-type]
-                       None if config.device == "cpu" else rank_devices(i, tp))
-            ranks.append(entry)
+            ranks.append((rank, spawn_core(rank_config(config, rank), addresses, rank,
+                                           None if config.device == "cpu" else rank_devices(i, tp))))
     except (DataParallelConfigError, CoreStartupError) as e:
         print(f"pdserve serve --headless: {e}", flush=True)
         _stop_all(ranks)
         return 1
     exit_code = 0
     while stop["signal"] is None:
-        done = [r for r in ranks if not r.proc.is_alive()]
-        if done and (any(r.proc.exitcode for r in done) or len(done) == len(ranks)):
-            failed = [r for r in done if r.proc.exitcode]
-            for r in failed:
-                logger.error("engine core of rank %d exited with code %s", r.rank, r.proc.exitcode)
+        done = [(rank, proc) for rank, proc in ranks if not proc.is_alive()]
+        failed = [(rank, proc) for rank, proc in done if proc.exitcode]
+        if failed or len(done) == len(ranks):
+            for rank, proc in failed:
+                logger.error("engine core of rank %d exited with code %s", rank, proc.exitcode)
             exit_code = 1 if failed else 0
             break
         time.sleep(0.2)
@@ -284,13 +273,13 @@ def run_headless(config: EngineConfig) -> int:
     return exit_code
 
 
-def _stop_all(ranks: list[_RemoteRank]) -> None:
-    for r in ranks:
-        if r.proc is not None and r.proc.is_alive():
-            r.proc.terminate()
-    for r in ranks:
-        if r.proc is not None:
-            r.proc.join(10.0)
-            if r.proc.is_alive():
-                r.proc.kill()
-                r.proc.join(5.0)
+def _stop_all(ranks: list[tuple[int, Any]]) -> None:
+    """Terminate the ranks' processes (then kill those still running after 10 s)."""
+    for _, proc in ranks:
+        if proc.is_alive():
+            proc.terminate()
+    for _, proc in ranks:
+        proc.join(10.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)

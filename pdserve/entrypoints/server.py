@@ -298,6 +298,13 @@ def run_server(args: argparse.Namespace) -> int:
     except data_parallel.DataParallelConfigError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
+    kv = config.kv_transfer_config
+    if (kv is not None and not data_parallel.is_loopback(args.host)
+            and data_parallel.is_loopback(kv.side_channel_host)):
+        logger.warning(
+            "serving on %s, but PDSERVE_NIXL_SIDE_CHANNEL_HOST is %s: instances on other hosts "
+            "cannot reach this side channel; set PDSERVE_NIXL_SIDE_CHANNEL_HOST to this host's "
+            "address if they read KV from (or hand KV to) it", args.host, kv.side_channel_host)
     if config.headless:
         try:
             check_paths(config)

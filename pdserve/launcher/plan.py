@@ -46,7 +46,9 @@ class ChildSpec:
         host: address the child's HTTP server binds.
         port: the child's HTTP port.
         health_path: path that answers 200 once the child is ready.
-        side_channel_port: NIXL side-channel port (engines only).
+        side_channel_port: NIXL side-channel port (engines only; of rank 0 with data parallelism).
+        data_parallel_size: engine cores of the child (``--data-parallel-size``; rank ``r``'s
+            side channel is ``side_channel_port + r``).
         gpu: the ``CUDA_VISIBLE_DEVICES`` value given to the child (one entry, or a
             comma-joined set for an engine with data-parallel ranks or tensor-parallel ranks;
             rank ``r`` of data-parallel rank ``d`` uses entry ``d * tp + r``), or None.
@@ -62,6 +64,7 @@ class ChildSpec:
     port: int = 0
     health_path: str = "/health"
     side_channel_port: int | None = None
+    data_parallel_size: int = 1
     gpu: str | None = None
     gpu_memory_share: float | None = None
 
@@ -466,7 +469,7 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
             specs.append(ChildSpec(name=f"{role}-{i}", role=role, argv=argv, env=env,
                                    host=ENGINE_HOST, port=ports[i],
                                    health_path=commands.health_path_engine,
-                                   side_channel_port=side_ports[i], gpu=gpu,
+                                   side_channel_port=side_ports[i], data_parallel_size=dp, gpu=gpu,
                                    gpu_memory_share=share))
     proxy_argv = commands.proxy(
         host=opts.host, port=opts.port,

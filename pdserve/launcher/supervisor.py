@@ -328,8 +328,9 @@ class Launcher:
         try:
             self.start_all()
             for child in self.children:
-                extra = f", side channel {child.spec.side_channel_port}" \
-                    if child.spec.side_channel_port else ""
+                base, dp = child.spec.side_channel_port, child.spec.data_parallel_size
+                extra = ("" if not base else f", side channel {base}" if dp == 1 else
+                         f", {dp} data-parallel ranks, side channels {base}-{base + dp - 1}")
                 gpu = f", GPU {child.spec.gpu}" if child.spec.gpu is not None else ""
                 if child.spec.gpu_memory_share is not None:
                     gpu += (f" (shared: --gpu-memory-utilization "

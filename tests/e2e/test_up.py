@@ -106,6 +106,9 @@ def test_up_with_data_parallel_groups(tmp_path, server_pool):
     try:
         dep.wait_ready()
         prefill, decode = dep.child("prefill"), dep.child("decode")
+        base = prefill["side_channel_port"]
+        assert prefill["data_parallel_size"] == decode["data_parallel_size"] == 2
+        assert f"2 data-parallel ranks, side channels {base}-{base + 1}" in dep.log_text()
         bodies = [{"model": server_pool.model, "prompt": f"Item {i}: the harbour town's ships " * 4,
                    "max_tokens": 6, "temperature": 0} for i in range(4)]
         expected = [generate(single, "completions", b)["text"] for b in bodies]

@@ -70,3 +70,19 @@ def test_metrics_carry_a_rank_label_with_several_ranks():
     assert 'pdserve:prompt_tokens_total{dp_rank="0"} 5.0' in text
     assert 'pdserve:prompt_tokens_total{dp_rank="1"} 7.0' in text
     assert 'pdserve:num_requests_running{dp_rank="0"} 1.0' in text
+
+
+def test_a_rank_sees_only_its_gpus(monkeypatch):
+    import os
+
+    from pdserve.engine.core_client import cuda_devices_env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with cuda_devices_env(rank_devices(1, tensor_parallel_size=2)):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    with cuda_devices_env(rank_devices(5)):  # more ranks than GPUs: shared round robin
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU: nothing to hand out
+    with cuda_devices_env(rank_devices(1)):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == ""

@@ -10,6 +10,8 @@ needs root); the namespaces are deleted by a finalizer also when a test fails.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,10 +42,16 @@ def hosts(request):
 
 
 @pytest.fixture(scope="module")
-def cluster(hosts, server_pool, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("netns-logs")
-    model = server_pool.model
-    single = server_pool.get("single")["single"]
+def base(hosts, server_pool, tmp_path_factory):
+    """The model, the oracle ``single`` (in the test's own namespace) and a log directory."""
+    return {"model": server_pool.model, "single": server_pool.get("single")["single"],
+            "logs": tmp_path_factory.mktemp("netns-logs")}
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts, base):
+    """P on host ``p``, D on host ``d``, the proxy on host ``x``."""
+    model, logs = base["model"], base["logs"]
     p = EngineServer(model, logs / "p.log", nixl_config("kv_producer"), list(POOL_COMMON),
                      host=hosts.address["p"], netns=hosts.netns["p"], env=UCX_TCP)
     d = EngineServer(model, logs / "d.log",
@@ -56,7 +64,7 @@ def cluster(hosts, server_pool, tmp_path_factory):
         proxy = ProxyServer([p], [d], logs / "proxy.log", host=hosts.address["x"],
                             netns=hosts.netns["x"])
         proxy.wait_ready()
-        yield {"model": model, "single": single, "p": p, "d": d, "proxy": proxy, "logs": logs}
+        yield {**base, "p": p, "d": d, "proxy": proxy}
     finally:
         if proxy is not None:
             proxy.stop()
@@ -107,31 +115,49 @@ def test_peer_advertising_localhost_fails_fast_naming_the_setting(cluster):
     assert elapsed < 2 * HANDSHAKE_TIMEOUT_S + 10
 
 
-def _headless(cluster, hosts, rank_host: str, head_address: str, rpc_port: int,
+def _headless(base, hosts, rank_host: str, head_address: str, rpc_port: int,
               extra: list[str] = ()) -> Process:
     cmd = ["ip", "netns", "exec", hosts.netns[rank_host], sys.executable, "-m", "pdserve.cli",
-           "serve", cluster["model"], "--headless", "--data-parallel-size", "2",
+           "serve", base["model"], "--headless", "--data-parallel-size", "2",
            "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
            "--data-parallel-address", head_address, "--data-parallel-rpc-port", str(rpc_port),
            *POOL_COMMON, *extra]
-    return Process(cmd, cluster["logs"] / f"headless-{rpc_port}.log")
+    return Process(cmd, base["logs"] / f"headless-{rpc_port}.log")
 
 
-def test_multi_host_data_parallel_group_serves_on_both_ranks(cluster, hosts):
+def _group(base, hosts, name: str) -> tuple[EngineServer, Process]:
+    """A DP group of two ranks: the head (rank 0) on host ``p``, a headless rank 1 on ``d``;
+    returns once the head is healthy (both ranks ready)."""
     rpc_port = free_port()
-    head = EngineServer(cluster["model"], cluster["logs"] / "head.log", None,
+    head = EngineServer(base["model"], base["logs"] / f"{name}-head.log", None,
                         [*POOL_COMMON, "--data-parallel-size", "2",
                          "--data-parallel-size-local", "1",
                          "--data-parallel-address", hosts.address["p"],
                          "--data-parallel-rpc-port", str(rpc_port)],
                         host=hosts.address["p"], netns=hosts.netns["p"])
-    rank1 = _headless(cluster, hosts, "d", hosts.address["p"], rpc_port)
-    family: dict[int, int] = {}
+    rank1 = _headless(base, hosts, "d", hosts.address["p"], rpc_port)
     try:
         wait_progressing(head.is_ready, [head, rank1], "data-parallel head and headless rank")
+    except BaseException:
+        head.stop()
+        rank1.stop()
+        raise
+    return head, rank1
+
+
+def _wait_gone(family: dict[int, int]) -> None:
+    deadline = time.monotonic() + 30  # helpers such as the resource tracker exit by themselves
+    while still_running(family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert still_running(family) == []
+
+
+def test_multi_host_data_parallel_group_serves_on_both_ranks_and_stops_when_one_dies(base, hosts):
+    head, rank1 = _group(base, hosts, "group")
+    try:
         family = {**descendants(head.proc.pid), **descendants(rank1.proc.pid)}
-        bodies = [completion(cluster, 10 + i) for i in range(4)]
-        expected = [generate(cluster["single"], "completions", b)["text"] for b in bodies]
+        bodies = [completion(base, 10 + i) for i in range(4)]
+        expected = [generate(base["single"], "completions", b)["text"] for b in bodies]
         with ThreadPoolExecutor(4) as pool:
             outs = list(pool.map(lambda b: generate(head, "completions", b), bodies))
         assert [o["text"] for o in outs] == expected
@@ -139,22 +165,24 @@ def test_multi_host_data_parallel_group_serves_on_both_ranks(cluster, hosts):
         served = {s.labels["dp_rank"]: s.value for fam in text_string_to_metric_families(text)
                   for s in fam.samples if s.name == "pdserve:prompt_tokens_total"}
         assert served.get("0", 0) > 0 and served.get("1", 0) > 0, served
-        # the head's shutdown stops the remote rank too
-        head.proc.terminate()
-        assert head.proc.wait(timeout=120) == 0
-        assert rank1.proc.wait(timeout=60) == 0, rank1.log_tail()
-        deadline = time.monotonic() + 30
-        while still_running(family) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert still_running(family) == []
+        # the remote rank's engine core dies: its host exits at once, the head notices the
+        # silence (no heartbeats), reports the rank and exits non-zero; nothing is left
+        core = [pid for pid in descendants(rank1.proc.pid)
+                if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(core) == 1
+        os.kill(core[0], signal.SIGKILL)
+        assert rank1.proc.wait(timeout=60) == 1
+        assert head.proc.wait(timeout=120) != 0
+        assert "data-parallel rank 1 sent nothing" in head.log_text(), head.log_tail()
+        _wait_gone(family)
     finally:
         head.stop()
         rank1.stop()
 
 
-def test_headless_host_that_cannot_reach_the_head_fails_fast(cluster, hosts):
+def test_headless_host_that_cannot_reach_the_head_fails_fast(base, hosts):
     unreachable = hosts.address["p"].rsplit(".", 1)[0] + ".77"  # no host has this address
-    rank1 = _headless(cluster, hosts, "d", unreachable, free_port(),
+    rank1 = _headless(base, hosts, "d", unreachable, free_port(),
                       ["--data-parallel-join-timeout", "2"])
     try:
         assert rank1.proc.wait(timeout=120) == 1
