@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--kv-cache-memory-mib", type=int, default=256)
+    p.add_argument("--kv-cache-memory-mib", type=int, default=1024,
+                   help="KV cache of each run (room for every prompt at once: no preemption)")
     p.add_argument("--scales", choices=["weights", "unit", "both"], default="both")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json-out", default=None)
