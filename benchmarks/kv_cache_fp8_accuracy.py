@@ -21,7 +21,7 @@ Reported per method:
   contexts are identical there), the mean of ``|lp_fp8 - lp_ref|`` and of ``lp_fp8 - lp_ref``
   for the chosen token (nats).
 
-Example (CPU, about 3 minutes on one free core)::
+Example (CPU; about 4 minutes per run on a quiet 2-core machine, docs/benchmarks.md)::
 
     python benchmarks/kv_cache_fp8_accuracy.py --json-out fp8.json
 """
