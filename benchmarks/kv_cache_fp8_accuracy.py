@@ -21,7 +21,7 @@ Reported per method:
   contexts are identical there), the mean of ``|lp_fp8 - lp_ref|`` and of ``lp_fp8 - lp_ref``
   for the chosen token (nats).
 
-Example (CPU, about 3 minutes on one free core)::
+Example (CPU; about 4 minutes per run on a quiet 2-core machine, docs/benchmarks.md)::
 
     python benchmarks/kv_cache_fp8_accuracy.py --json-out fp8.json
 """
@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--kv-cache-memory-mib", type=int, default=256)
+    p.add_argument("--kv-cache-memory-mib", type=int, default=1024,
+                   help="KV cache of each run (room for every prompt at once: no preemption)")
     p.add_argument("--scales", choices=["weights", "unit", "both"], default="both")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json-out", default=None)

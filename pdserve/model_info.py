@@ -20,7 +20,8 @@ class ModelInfo:
         vocab_size: logits width.
         max_position_embeddings: the model's context length in tokens.
         eos_token_ids: end-of-sequence token ids (config and generation config, in that order).
-        dtype: torch dtype name of weights and KV cache, e.g. ``"bfloat16"``.
+        dtype: torch dtype name of the weights, e.g. ``"bfloat16"`` (the KV cache's is
+            ``KVCacheSpec.dtype``: this one, or ``"float8_e4m3fn"`` with ``--kv-cache-dtype fp8``).
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
     """
 

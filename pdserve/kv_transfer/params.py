@@ -59,6 +59,10 @@ REMOTE_REF_FIELDS = (
 _D_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_request_id")
 _FLAGS = ("do_remote_prefill", "do_remote_decode")
 _FIRST_TOKEN = "first_token_id"
+#: The largest block id any instance can have: block tables are int32 on every path (the
+#: attention kernels' block tables, the NIXL transfer's descriptor indices), so a larger id in
+#: params is out of range whatever the remote's cache, and is refused at the edge.
+MAX_BLOCK_ID = 2**31 - 1
 
 
 class KVRole(enum.Enum):
@@ -134,6 +138,16 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
                 remote = RemoteKVRef.from_params(raw)
             except KVTransferParamsError as e:
                 remote_error = str(e)
+            if remote is not None:
+                too_big = [b for b in remote.block_ids if b > MAX_BLOCK_ID]
+                if too_big:
+                    remote, remote_error = None, (
+                        f"kv_transfer_params.remote_block_ids: block id {too_big[0]} is out of "
+                        f"range (block ids are at most {MAX_BLOCK_ID})")
+                elif remote.num_tokens is not None and remote.num_tokens > MAX_BLOCK_ID:
+                    remote, remote_error = None, (
+                        f"kv_transfer_params.remote_num_tokens {remote.num_tokens} is out of "
+                        f"range")
             if role is KVRole.PREFILL and not all(raw.get(k) is not None for k in _D_FIELDS):
                 remote = None  # a P leg names a previous turn only with all of D's fields
         first = raw.get(_FIRST_TOKEN)
@@ -221,11 +235,18 @@ def parse_request_params(raw: Any, kv_transfer_config: Any, vocab_size: int | No
 
     Raises:
         KVTransferParamsError: with a connector, a field the requested transfer needs is
-            missing or mistyped (the message names it).
+            missing or mistyped (the message names it), or a block id is beyond
+            :data:`MAX_BLOCK_ID`; with or without one, an integer beyond 64 bits.
     """
     params = KVTransferParams.parse(raw)
     if params is not None and kv_transfer_config is not None:
         params.check(bool(kv_transfer_config.bidirectional_kv_xfer), vocab_size)
+    if params is not None:
+        try:  # the engine core gets the params over msgpack, whose integers have 64 bits
+            msgspec.msgpack.encode(params.wire)
+        except OverflowError:
+            raise KVTransferParamsError(
+                "kv_transfer_params holds an integer outside the 64-bit range") from None
     return params
 
 

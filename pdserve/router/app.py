@@ -263,6 +263,9 @@ class DisaggProxy:
             d_params = d_answer.get("kv_transfer_params") if isinstance(d_answer, dict) else None
             await self._record_turn(conv_id, p_up, d_up,
                                     d_params if isinstance(d_params, dict) else None)
+            if isinstance(d_params, dict):  # the proxy keeps them; the client gets null
+                d_answer["kv_transfer_params"] = None
+                d_raw = _encode(d_answer).encode()
         turn.status = d_resp.status
         resp = web.Response(body=d_raw, status=d_resp.status, headers={
             "Content-Type": d_resp.headers.get("Content-Type", _JSON),
@@ -279,12 +282,13 @@ class DisaggProxy:
     async def _relay_stream(self, request: web.Request, turn: Turn, d_up: Upstream,
                             d_resp: aiohttp.ClientResponse, p_up: Upstream,
                             conv_id: str | None) -> web.StreamResponse:
-        """Forward D's SSE stream chunk by chunk; watch it for ``kv_transfer_params`` if needed."""
+        """Forward D's SSE stream chunk by chunk; in a conversation, record D's
+        ``kv_transfer_params`` and forward them as null (:class:`KVParamsWatcher` with strip)."""
         out = web.StreamResponse(status=200, headers={
             "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.request_id})
-        watcher = KVParamsWatcher() if conv_id else None
+        watcher = KVParamsWatcher(strip=True) if conv_id else None
         recorded = False
         content = d_resp.content
         finished = False
@@ -304,22 +308,22 @@ class DisaggProxy:
                     break
                 if not chunk:
                     finished = True
-                    await out.write_eof()
+                    await out.write_eof(watcher.flush() if watcher is not None else b"")
                     break
-                if watcher is not None and not recorded:
-                    # Record D's params before the client can see the end of the turn: a
-                    # client that sends its next turn as soon as it reads the final event
-                    # must find them (else P would try the blocks it already pulled).
-                    watcher.feed(chunk)
-                    if watcher.kv_transfer_params is not None:
+                if watcher is not None:
+                    chunk = watcher.feed(chunk)
+                    if not recorded and watcher.kv_transfer_params is not None:
+                        # Record D's params before the client can see the end of the turn: a
+                        # client that sends its next turn as soon as it reads the final event
+                        # must find them (else P would try the blocks it already pulled).
                         await self._record_turn(conv_id, p_up, d_up, watcher.kv_transfer_params)
                         recorded = True
                 if content.at_eof():  # D's last chunk: send it with the end of the response
                     finished = True
-                    await out.write_eof(chunk)
-                else:
+                    await out.write_eof(chunk + (watcher.flush() if watcher is not None else b""))
+                elif chunk:
                     await out.write(chunk)
-                last = chunk
+                last = chunk or last
                 if finished:
                     break
         except ConnectionResetError:

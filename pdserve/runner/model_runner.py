@@ -9,7 +9,7 @@ registers it with the KV connector's worker side itself
 :meth:`ModelRunner.set_kv_connector_worker`; the runner then drives the worker around every
 forward pass.
 
-Why one module of about 490 lines: it is the one ``run()`` of the engine (nano-vllm's shape),
+Why one module of about 510 lines: it is the one ``run()`` of the engine (nano-vllm's shape),
 the only place that owns tensors: KV cache sizing (the arithmetic itself is torch-free, in
 :mod:`pdserve.memory_budget`), input preparation, the forward pass, CUDA-graph replay,
 multi-step rounds and sampling share its device buffers and must change together.
@@ -99,7 +99,8 @@ class ModelRunner:
         config: the engine configuration (model, dtype, device, block size, memory limits, seed).
 
     Raises:
-        ValueError: bad model path / format / dtype / device (see :func:`load_model`).
+        ValueError: bad model path / format / dtype / device (see :func:`load_model`), or an fp8
+            KV cache on a GPU older than compute capability 8.9 with the Triton backend.
 
     Attributes:
         model_info: summary of the loaded model.
@@ -123,6 +124,11 @@ class ModelRunner:
         self.dtype = self.model.dtype
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         if self.kv_cache_dtype != self.dtype:
+            if (self.device.type == "cuda" and self.model.attn_backend.uses_triton_kernels
+                    and torch.cuda.get_device_capability(self.device) < (8, 9)):
+                raise ValueError("--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or "
+                                 "newer for its Triton kernels (PDSERVE_ATTENTION_BACKEND=torch "
+                                 "runs it with torch ops)")
             self.model.attn_backend.set_kv_cache_scales(self.model.kv_cache_scales())
         self.block_size = config.block_size
         self.max_model_len = model_max_len(config, self.arch)

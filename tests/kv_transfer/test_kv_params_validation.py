@@ -127,6 +127,30 @@ def test_bad_per_group_block_ids_name_the_field(block_ids):
         validate_kv_transfer_params(CONSUMER, dict(p_returned_params(), remote_block_ids=block_ids))
 
 
+@pytest.mark.parametrize("config", [CONSUMER, PRODUCER_BIDI])
+@pytest.mark.parametrize("block_id", [2**31, 2**40, 10**30])
+def test_block_ids_beyond_any_cache_are_refused_at_the_edge(config, block_id):
+    """No cache has 2**31 blocks (block tables are int32): such an id is a 400 naming the field,
+    not a failed load (or, beyond 64 bits, a crash while handing the request to the engine)."""
+    params = p_returned_params() if config is CONSUMER else dict(PREFILL_KV_PARAMS,
+                                                                 **d_returned_params())
+    params["remote_block_ids"] = [[3, block_id]]
+    with pytest.raises(KVTransferParamsError, match="remote_block_ids: block id .* out of range"):
+        validate_kv_transfer_params(config, params)
+    params["remote_block_ids"] = [[3, 2**31 - 1]]  # the largest id an int32 table holds
+    validate_kv_transfer_params(config, params)
+
+
+def test_integers_beyond_64_bits_are_refused_without_a_connector_too():
+    from pdserve.kv_transfer.params import parse_request_params
+
+    for raw in ({"unknown_extra": 10**30}, dict(p_returned_params(), remote_num_tokens=2**70)):
+        with pytest.raises(KVTransferParamsError, match="out"):
+            parse_request_params(raw, CONSUMER, None)
+    with pytest.raises(KVTransferParamsError, match="64-bit"):
+        parse_request_params({"unknown_extra": [10**30]}, None, None)
+
+
 def test_several_kv_cache_groups_are_refused_clearly():
     with pytest.raises(KVTransferParamsError, match="2 KV-cache groups"):
         validate_kv_transfer_params(CONSUMER, dict(p_returned_params(),
@@ -188,6 +212,8 @@ def decoder(server_pool):
     ({}, "remote_request_id"),  # the user-reported request
     ({"remote_request_id": "r", "remote_engine_id": 5}, "remote_engine_id"),
     ({"remote_request_id": "r", "remote_port": "x"}, "remote_port"),
+    ({"remote_request_id": "r", "remote_block_ids": [[2**40]]}, "remote_block_ids"),
+    ({"remote_request_id": "r", "remote_block_ids": [[10**30]]}, "remote_block_ids"),
 ])
 def test_server_answers_400_naming_the_field(decoder, endpoint, stream, bad, field):
     params = {"do_remote_prefill": True, "remote_block_ids": [999999], "remote_engine_id": "x",

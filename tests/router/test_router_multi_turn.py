@@ -1,6 +1,9 @@
 """--multi-turn: D's kv_transfer_params of turn k reach P with turn k+1 (docs/architecture.md, "Multi-turn: bidirectional transfer")."""
 
+import json
 import time
+
+import pytest
 
 from .test_router_flow import STATELESS
 
@@ -172,3 +175,46 @@ async def test_params_recorded_before_the_client_sees_the_end_of_the_turn(make_c
         await r1.read()
     assert seen_by_p[0] == STATELESS
     assert seen_by_p[1]["remote_request_id"] == "d0-turn1"
+
+
+def _answer_params(raw: bytes, stream: bool):
+    """The client's view: the body's ``kv_transfer_params``, or every SSE event's."""
+    if not stream:
+        body = json.loads(raw)
+        return body["choices"][0]["text"], [body["kv_transfer_params"]]
+    events = [json.loads(line[5:]) for line in raw.split(b"\n")
+              if line.startswith(b"data:") and line != b"data: [DONE]"]
+    return ("".join(e["choices"][0]["text"] for e in events),
+            [e["kv_transfer_params"] for e in events if "kv_transfer_params" in e])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_decoder_params_stay_with_the_multi_turn_proxy(make_cluster, stream):
+    """In a conversation the proxy keeps D's params (for the next turn's P leg) and the client
+    gets null in their place, as from a vLLM decoder; the rest of the answer is D's."""
+    c = await make_cluster(multi_turn=True)
+    c.decoders[0].decoder_params = decoder_params("d0")
+    for turn in (1, 2):
+        status, _, raw = await c.post("/v1/chat/completions",
+                                      chat(turn, stream=stream, conversation_id="conv-x"))
+        assert status == 200, raw
+        text, seen = _answer_params(raw, stream)
+        assert text == "".join(c.decoders[0].chunks)
+        assert seen == [None], seen
+    # ... yet they were kept: turn 2's P leg carries turn 1's D params
+    got = c.prefillers[0].received[1].body["kv_transfer_params"]
+    assert got["remote_request_id"] == "d0-turn1"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["plain", "multi-turn-no-conversation"])
+async def test_decoder_params_pass_through_when_the_proxy_does_not_keep_them(make_cluster,
+                                                                             stream, multi_turn):
+    """Without a conversation the proxy keeps nothing and relays D's answer as it is, D's
+    params included (as vLLM's proxy does): a client-side router may keep them itself."""
+    c = await make_cluster(multi_turn=multi_turn)
+    c.decoders[0].decoder_params = decoder_params("d0")
+    status, _, raw = await c.post("/v1/chat/completions", chat(1, stream=stream))
+    assert status == 200, raw
+    _, seen = _answer_params(raw, stream)
+    assert [p["remote_request_id"] for p in seen] == ["d0-turn1"]
