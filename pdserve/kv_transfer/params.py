@@ -238,9 +238,11 @@ def block_id_groups(block_ids: list[int]) -> list[list[int]]:
 
 # ---------------------------------------------------------------------------- returned params
 def prefill_done_params(engine_id: str, block_ids: list[int], host: str, port: int,
-                        req_id: str, first_token: int | None) -> dict[str, Any]:
+                        req_id: str, first_token: int | None, tp_size: int = 1
+                        ) -> dict[str, Any]:
     """What a prefiller returns for the decoder leg: where its prompt KV is (kept under a
-    lease), and the first token it sampled (None: not sampled)."""
+    lease), and the first token it sampled (None: not sampled). ``tp_size`` is the
+    prefiller's ``EngineConfig.tensor_parallel_size`` (returned as ``tp_size``)."""
     params: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -249,7 +251,7 @@ def prefill_done_params(engine_id: str, block_ids: list[int], host: str, port: i
         "remote_host": host,
         "remote_port": port,
         "remote_request_id": req_id,
-        "tp_size": 1,
+        "tp_size": tp_size,
     }
     if first_token is not None:
         params[_FIRST_TOKEN] = first_token
@@ -258,10 +260,11 @@ def prefill_done_params(engine_id: str, block_ids: list[int], host: str, port: i
 
 def decoder_turn_params(engine_id: str, block_ids: list[int], num_tokens: int,
                         block_hashes: list[str], expiry_time: float, host: str, port: int,
-                        req_id: str) -> dict[str, Any]:
+                        req_id: str, tp_size: int = 1) -> dict[str, Any]:
     """What a bidirectional decoder returns at the end of a turn: where the turn's KV is kept
     (``expiry_time``: ``time.time()`` seconds at which the blocks are freed) for the next
-    turn's prefiller to pull."""
+    turn's prefiller to pull. ``tp_size`` is the decoder's
+    ``EngineConfig.tensor_parallel_size``."""
     return {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -273,7 +276,7 @@ def decoder_turn_params(engine_id: str, block_ids: list[int], num_tokens: int,
         "remote_host": host,
         "remote_port": port,
         "remote_request_id": req_id,
-        "tp_size": 1,
+        "tp_size": tp_size,
     }
 
 
