@@ -40,8 +40,9 @@ def cluster(server_pool, tmp_path_factory):
         "d_tp2": EngineServer(model, logs / "d_tp2.log",
                               nixl_config("kv_consumer", kv_handshake_timeout=HANDSHAKE_TIMEOUT_S),
                               [*COMMON, "-tp", "2"]),
+        # another shape under the same served name, so only its KV heads differ
         "p_wide": EngineServer(str(wide), logs / "p_wide.log", nixl_config("kv_producer"),
-                               COMMON),
+                               [*COMMON, "--served-model-name", model]),
     }
     proxies: list[ProxyServer] = []
     try:
