@@ -52,7 +52,9 @@ def create_connector(
         from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
 
         block_size = int(getattr(engine_config, "block_size", 16) or 16)
-        return NixlConnectorScheduler(kv_transfer_config, block_size, data_parallel_rank=dp_rank)
+        tp_size = int(getattr(engine_config, "tensor_parallel_size", 1) or 1)
+        return NixlConnectorScheduler(kv_transfer_config, block_size, data_parallel_rank=dp_rank,
+                                      tp_size=tp_size)
     from pdserve.kv_transfer.nixl.worker import NixlConnectorWorker
 
     return NixlConnectorWorker(kv_transfer_config, data_parallel_rank=dp_rank, tp=tp)

@@ -136,6 +136,7 @@ def decoder_keep_blocks(
     host: str,
     port: int,
     now: float | None = None,
+    tp_size: int = 1,
 ) -> tuple[SendSpec, dict[str, Any]] | None:
     """D's side at the end of a turn: the lease to register and the params to return.
 
@@ -146,6 +147,7 @@ def decoder_keep_blocks(
         ttl_s: ``decoder_kv_blocks_ttl``.
         engine_id, host, port: this instance's engine id and side channel.
         now: ``time.time()`` (default: now).
+        tp_size: this instance's TP size (returned as ``tp_size``).
 
     Returns:
         ``(SendSpec, kv_transfer_params)``, or None when no token has KV (nothing to keep).
@@ -162,5 +164,5 @@ def decoder_keep_blocks(
     spec = SendSpec(req_id=request.request_id, block_ids=kept, lease_duration=ttl_s,
                     renew_on_heartbeat=False, token_ids=list(request.all_token_ids[:num_tokens]))
     params = decoder_turn_params(engine_id, kept, num_tokens, encode_block_hashes(hashes),
-                                 now + ttl_s, host, port, request.request_id)
+                                 now + ttl_s, host, port, request.request_id, tp_size)
     return spec, params

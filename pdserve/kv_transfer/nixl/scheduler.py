@@ -6,7 +6,7 @@ Prefill → decode (docs/architecture.md, "Request flow of one P/D turn"):
 * **Prefiller (P)**, request with ``kv_transfer_params.do_remote_decode``: when it finishes
   normally, :meth:`request_finished` keeps its blocks (``delay_free``) under a lease and returns
   ``{do_remote_prefill: true, do_remote_decode: false, remote_engine_id, remote_block_ids,
-  remote_host, remote_port, remote_request_id, tp_size: 1}``. The worker side frees the blocks
+  remote_host, remote_port, remote_request_id, tp_size}``. The worker side frees the blocks
   (``finished_sending``) on the reader's "done"/"abort" notification or when the lease expires.
 * **Decoder (D)**, request with ``do_remote_prefill``: :meth:`get_num_new_matched_tokens`
   offers ``prompt_len - 1 - num_local_computed`` tokens, loaded asynchronously, so D reads only
@@ -108,13 +108,17 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         config: the validated transfer configuration.
         block_size: tokens per KV cache block (the engine's ``block_size``).
         data_parallel_rank: selects the side-channel port advertised to readers.
+        tp_size: the instance's TP size, returned to readers as ``tp_size`` (their handshake
+            with rank 0 learns it too).
     """
 
-    def __init__(self, config: KVTransferConfig, block_size: int, data_parallel_rank: int = 0):
+    def __init__(self, config: KVTransferConfig, block_size: int, data_parallel_rank: int = 0,
+                 tp_size: int = 1):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.config = config
         self.block_size = block_size
+        self.tp_size = tp_size
         self.engine_id = config.engine_id
         self.side_channel_host = config.side_channel_host
         self.side_channel_port = config.side_channel_port_for(data_parallel_rank)
@@ -361,12 +365,12 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         )
         self._leased.add(req_id)
         return True, prefill_done_params(self.engine_id, remote_ids, self.side_channel_host,
-                                         self.side_channel_port, req_id, first)
+                                         self.side_channel_port, req_id, first, self.tp_size)
 
     def _keep_for_next_turn(self, request: "Request", block_ids: list[int]):
         kept = decoder_keep_blocks(
             request, block_ids, self.block_size, self.config.decoder_kv_blocks_ttl,
-            self.engine_id, self.side_channel_host, self.side_channel_port,
+            self.engine_id, self.side_channel_host, self.side_channel_port, tp_size=self.tp_size,
         )
         if kept is None:
             return False, None

@@ -126,7 +126,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._info: dict[str, Any] | None = None
         self._compat: dict[str, Any] | None = None
         self._local: LocalKV | None = None
-        self._siblings: dict[int, str] = {}  # rank 0: the other ranks' agent names
+        # rank 0: the other ranks' agent metadata, and the names of those loaded (on first use)
+        self._sibling_metadata: dict[int, bytes] = {}
+        self._siblings: dict[int, str] = {}
         self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="nixl-sidechan")
         self._heartbeats: dict[str, _Heartbeat] = {}
         self._pending_notices: list[RemoteNotice] = []
@@ -229,8 +231,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             info.update(cuda_ipc.handshake_fields(kv_cache))  # host_id, pid, gpu_uuid, cuda_ipc
         self._info = info
         if self.tp.rank == 0:  # rank 0 forwards side-channel notices to the other ranks
-            self._siblings = {r: self.agent.load_agent(ranks[r]["agent_metadata"])
-                              for r in range(1, self.tp.size)}
+            self._sibling_metadata = {r: ranks[r]["agent_metadata"]
+                                      for r in range(1, self.tp.size)}
         logger.info(
             "NIXL: registered KV cache (%s, %d blocks x %d bytes, TP rank %d of %d, KV heads "
             "%d..%d) for engine %s; side channel %s:%d", self.agent.mem_type, spec.num_blocks,
@@ -445,13 +447,16 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 self.leases.note_unknown(req_id, kind)
 
     def _forward(self, notice: Notice, tp_rank: int | None) -> None:
-        """Rank 0: pass a side-channel notice on to the rank(s) it is for, by NIXL."""
-        ranks = self._siblings if tp_rank is None else \
-            {tp_rank: self._siblings[tp_rank]} if tp_rank in self._siblings else {}
-        for rank, name in ranks.items():
+        """Rank 0: pass a side-channel notice on to the rank(s) it is for, by NIXL (a rank not
+        reached lets its lease expire)."""
+        ranks = list(self._sibling_metadata) if tp_rank is None else \
+            [tp_rank] if tp_rank in self._sibling_metadata else []
+        for rank in ranks:
             try:
-                self.agent.send_notif(name, encode_notif(notice.kind, notice.req_id,
-                                                         notice.expected, notice.block_ids))
+                if rank not in self._siblings:  # loaded on first use
+                    self._siblings[rank] = self.agent.load_agent(self._sibling_metadata[rank])
+                self.agent.send_notif(self._siblings[rank], encode_notif(
+                    notice.kind, notice.req_id, notice.expected, notice.block_ids))
             except Exception as e:
                 self.stats.current.num_failed_notifications += 1
                 logger.warning("NIXL: forwarding a %s notice to TP rank %d failed: %s",
