@@ -42,6 +42,10 @@ class RMSNorm(CustomOp):
         self.eps = eps
         self.weight = new_parameter((hidden_size,), dtype, device)
 
+    def gain(self) -> torch.Tensor:
+        """The per-feature factor applied after normalising: ``weight`` ``[hidden]``."""
+        return self.weight
+
     def forward_torch(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``x`` ``[..., hidden]``; with ``residual`` (same shape) -> ``(out, x + residual)``."""
         if residual is None:
@@ -74,6 +78,11 @@ class GemmaRMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = new_parameter((hidden_size,), dtype, device)
+
+    def gain(self) -> torch.Tensor:
+        """The per-feature factor applied after normalising: ``1 + weight`` ``[hidden]``
+        (float32)."""
+        return 1.0 + self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., hidden]`` -> normalised ``[..., hidden]`` in ``x``'s dtype."""

@@ -32,7 +32,8 @@ from pdserve.attention.selector import select_attention_backend
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.custom_op import CustomOp
 from pdserve.layers.embedding import LMHead, VocabEmbedding
-from pdserve.distributed.parallel_state import get_tp_rank
+from pdserve.distributed.communication import tp_all_gather_object
+from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.layers.fused_moe import MoEConfig
 from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
@@ -349,15 +350,18 @@ class CausalLM(nn.Module):
     def kv_cache_scales(self) -> KVCacheScales:
         """Per-layer scales of an fp8 KV cache from the weights: an upper bound of every key and
         value a layer can produce, over 448, rounded up to a power of two (the method and why:
-        :mod:`pdserve.attention.kv_quant`)."""
+        :mod:`pdserve.attention.kv_quant`). The norms' gains come from ``norm.gain()`` (Gemma's
+        is ``1 + weight``). Under tensor parallelism each rank bounds its own heads and every
+        rank then takes the largest scale of each layer, so all ranks (and instances of other
+        TP sizes) store with the scales of TP 1."""
         k_scales, v_scales = [], []
         for layer in self.layers:
             attn = layer.self_attn
             qkv = attn.qkv_proj
             q, kv = qkv.q_size, qkv.kv_size
-            w, b, g = qkv.weight, qkv.bias, layer.input_layernorm.weight
+            w, b, g = qkv.weight, qkv.bias, layer.input_layernorm.gain()
             if attn.k_norm is not None:  # per-head RMS norm: |k| <= max|g_k| * sqrt(head_dim)
-                k_bound = attn.k_norm.weight.float().abs().max().item() * math.sqrt(attn.head_dim)
+                k_bound = attn.k_norm.gain().float().abs().max().item() * math.sqrt(attn.head_dim)
             else:  # a rotary pair keeps its norm: at most sqrt(2) times the larger bound
                 k_bound = math.sqrt(2) * projection_row_bounds(
                     w[q:q + kv], g, None if b is None else b[q:q + kv]).max().item()
@@ -365,6 +369,10 @@ class CausalLM(nn.Module):
                 w[q + kv:], g, None if b is None else b[q + kv:]).max().item()
             k_scales.append(scale_for_bound(k_bound))
             v_scales.append(scale_for_bound(v_bound))
+        if get_tp_size() > 1:  # every rank bounds its own heads: all ranks take the largest
+            per_rank = tp_all_gather_object((k_scales, v_scales))
+            k_scales = [max(r[0][i] for r in per_rank) for i in range(len(k_scales))]
+            v_scales = [max(r[1][i] for r in per_rank) for i in range(len(v_scales))]
         return KVCacheScales(tuple(k_scales), tuple(v_scales))
 
     @staticmethod

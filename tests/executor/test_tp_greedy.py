@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, KVCacheDtype
 from pdserve.distributed.sharding import TPShardingError
 from pdserve.engine.core import EngineCore
 from pdserve.engine.llm_engine import LLMEngine
@@ -28,10 +28,10 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 7, 45)]
 
 
-def _generate(path: str, tp: int, max_tokens: int = 10) -> list[list[int]]:
+def _generate(path: str, tp: int, max_tokens: int = 10, **engine) -> list[list[int]]:
     config = EngineConfig(model=path, device="cpu", tensor_parallel_size=tp, max_model_len=128,
                           num_gpu_blocks_override=64, block_size=16,
-                          max_num_batched_tokens=BUDGET, num_scheduler_steps=3)
+                          max_num_batched_tokens=BUDGET, num_scheduler_steps=3, **engine)
     engine = LLMEngine(config)
     try:
         outs = engine.generate(_prompts(), SamplingParams(temperature=0, max_tokens=max_tokens,
@@ -81,3 +81,12 @@ def test_tp2_greedy_equals_tp1_for_the_other_families(tmp_path, arch):
     single = _generate(path, 1)
     assert all(len(t) == 10 for t in single)
     assert _generate(path, 2) == single
+
+
+def test_tp2_greedy_equals_tp1_with_an_fp8_kv_cache(tiny_gemma3_path):
+    """With ``--kv-cache-dtype fp8`` every rank stores with the scales of TP 1 (the largest of
+    the ranks' per-head bounds), so the tokens stay those of one process (Gemma 3: its norms'
+    gain is ``1 + weight``)."""
+    single = _generate(tiny_gemma3_path, 1, kv_cache_dtype=KVCacheDtype.FP8_E4M3)
+    assert all(len(t) == 10 for t in single)
+    assert _generate(tiny_gemma3_path, 2, kv_cache_dtype=KVCacheDtype.FP8_E4M3) == single

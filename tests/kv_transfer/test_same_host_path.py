@@ -88,6 +88,19 @@ def test_copy_blocks_by_chunked_gather_when_fragmented():
     _check(dst, src, dst_ids, src_ids)
 
 
+def test_copy_blocks_gathers_fp8_caches_by_their_bytes():
+    """An fp8 KV cache (--kv-cache-dtype fp8) takes the chunked gather path too (index_copy_
+    has no fp8 kernels, so the bytes are moved)."""
+    dst, src = _caches(n_src=200, n_dst=220)
+    dst, src = dst.to(torch.float8_e4m3fn), (src % 300).to(torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(1)
+    n = MAX_RUN_COPIES + 40
+    src_ids = torch.randperm(200, generator=g)[:n].tolist()
+    dst_ids = torch.randperm(220, generator=g)[:n].tolist()
+    assert copy_blocks(dst, src, dst_ids, src_ids) >= 1
+    _check(dst.view(torch.uint8), src.view(torch.uint8), dst_ids, src_ids)
+
+
 @pytest.mark.parametrize("dst_ids, src_ids, match", [
     ([1, 2], [1], "differ in length"),
     ([50], [0], "destination block id out of range"),

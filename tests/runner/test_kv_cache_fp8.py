@@ -90,3 +90,16 @@ def test_fp8_greedy_tokens_and_logprobs_agree_with_the_full_precision_cache(smol
     assert common >= 0.5 * NUM_TOKENS * len(prompts), f"{common} tokens before divergence"
     assert sum(diffs) / len(diffs) < 0.06
     assert exact < len(diffs), "fp8 gave bit-identical log-probs: the cache was not quantized"
+
+
+def test_fp8_scales_bound_gemma3_whose_norms_scale_by_one_plus_weight(tiny_gemma3_path):
+    """Gemma's RMSNorms multiply by ``1 + weight``: the scales must bound what those norms let
+    through, so nothing saturates at e4m3's largest value (448)."""
+    engine = LLMEngine(EngineConfig(model=tiny_gemma3_path, kv_cache_dtype=KVCacheDtype.FP8_E4M3,
+                                    max_model_len=128, kv_cache_memory=8 << 20))
+    try:
+        engine.generate([[5 + 7 * i for i in range(40)], [900 + i for i in range(25)]],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert float(engine.core.runner.kv_cache.float().abs().max()) < 448
+    finally:
+        engine.shutdown()

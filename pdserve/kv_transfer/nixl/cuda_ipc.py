@@ -222,6 +222,8 @@ def copy_blocks(dst: torch.Tensor, src: torch.Tensor, dst_ids: list[int], src_id
         for d0, s0, n in runs:
             dst[d0:d0 + n].copy_(src[s0:s0 + n], non_blocking=True)
         return len(runs)
+    if dst.element_size() == 1:  # fp8 caches: index_copy_ has no fp8 kernels; move the bytes
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
     block_bytes = max(1, dst[0].numel() * dst.element_size())
     chunk = max(1, gather_chunk_bytes // block_bytes)
     d_idx = torch.tensor(dst_ids, dtype=torch.int64).to(dst.device, non_blocking=True)
