@@ -60,6 +60,8 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=INIT_TIMEOUT_S))
     group = dist.group.WORLD
+    if backend == "nccl":  # create the communicator now, never inside a CUDA graph capture
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
     cpu_group = group if backend == "gloo" else dist.new_group(list(range(size)), backend="gloo")
     _state = _TPState(rank, size, group, cpu_group)
     logger.info("tensor-parallel rank %d of %d on %s (%s)", rank, size, device, backend)

@@ -61,7 +61,8 @@ def check_tp_divisible(size: int, *, num_heads: int, num_kv_heads: int, vocab_si
     if num_heads % size:
         problems.append(f"{num_heads} attention heads are not divisible by {size}")
     if num_kv_heads % size and size % num_kv_heads:
-        problems.append(f"{num_kv_heads} KV heads neither divide by {size} nor divide {size}")
+        problems.append(f"{num_kv_heads} KV heads are neither divisible by {size} nor a divisor of "
+                        f"{size}")
     if vocab_size % size:
         problems.append(f"the vocabulary of {vocab_size} tokens is not divisible by {size}")
     if intermediate_size % size:

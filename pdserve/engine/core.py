@@ -101,8 +101,9 @@ class EngineCore:
 
     Args:
         config: the engine configuration.
-        runner: a model runner to use instead of building
-            :class:`pdserve.runner.model_runner.ModelRunner` (tests inject fakes).
+        runner: a model runner to use instead of building the executor of
+            ``config.tensor_parallel_size`` ranks (:func:`pdserve.executor.create_executor`: the
+            :class:`~pdserve.runner.model_runner.ModelRunner` at TP 1; tests inject fakes).
         connectors: ``(scheduler_side, worker_side)`` to use instead of creating them from
             ``config.kv_transfer_config`` (tests inject fakes).
 

@@ -7,9 +7,11 @@ rank 0, then every worker's answer is collected; the model's collectives go thro
 ``torch.distributed`` (:mod:`pdserve.distributed`). Control messages do not use
 ``torch.distributed``, so a dead worker is seen (its answer never comes, its process is gone)
 instead of hanging a collective: a watchdog thread waits on every worker process; when one
-exits unexpectedly it kills the other workers and, unless the engine core stops by itself
-within :data:`DEATH_GRACE_S` (the main thread's collective or answer wait fails), ends the
-engine-core process with exit code 1. Workers die with the engine core (``PR_SET_PDEATHSIG``).
+exits unexpectedly it kills the other workers and ends the engine-core process with exit code
+1: at once when the engine core is between calls (its loop would not notice), else unless the
+call fails and the engine core stops by itself within :data:`DEATH_GRACE_S` (the answer wait
+sees the death within a tenth of a second; a collective of gloo fails when its peer is gone;
+one of NCCL might wait forever). Workers die with the engine core (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ from pdserve.model_info import ModelInfo
 
 logger = logging.getLogger("pdserve.executor")
 
-#: Seconds the watchdog gives the engine core to fail by itself after a worker died, before it
-#: ends the process.
-DEATH_GRACE_S = 1.0
+#: Seconds the watchdog gives the engine core, inside an executor call, to fail by itself
+#: after a worker died, before it ends the process.
+DEATH_GRACE_S = 10.0
 #: Seconds a worker gets to exit after Shutdown before it is killed.
 SHUTDOWN_TIMEOUT_S = 10.0
 #: Seconds between liveness checks while waiting for the workers' answers.
@@ -99,11 +101,15 @@ class TPExecutor:
         self._merger = KVOutputMerger(self.size)
         self._poll_due: list[float] = []  # monotonic times at which ranks > 0 want a poll
         self._started = False
+        self._controls: list[Any] = []
+        self._results: Any = None
+        self._in_call = True  # start-up is a call: the watchdog lets it fail by itself
         try:
             self._start(connector_factory)
         except BaseException:
             self.shutdown()
             raise
+        self._in_call = False
 
     # ---------------------------------------------------------------- start-up
     def _start(self, connector_factory: ConnectorFactory | None) -> None:
@@ -118,6 +124,7 @@ class TPExecutor:
         from pdserve.runner.model_runner import ModelRunner
 
         config = self.config
+        check_model_splits(config)
         base = resolve_device(config.device)
         check_tp_devices(config, base, torch.cuda.device_count() if base.type == "cuda" else 0)
         self._ctx = zmq.Context()
@@ -125,7 +132,6 @@ class TPExecutor:
         self._results.bind(f"ipc://{self._tmpdir}/results")
         self._controls = []
         init_method = f"file://{self._tmpdir}/dist-init"
-        check_model_splits(config)
         # the workers import this very package, wherever it lies
         package_root = str(Path(pdserve.__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -182,8 +188,9 @@ class TPExecutor:
         self._dead = f"TP rank {rank} (pid {proc.pid}) exited with code {code}"
         logger.error("%s; stopping the instance", self._dead)
         self._kill_workers()
-        if not self._closing.wait(DEATH_GRACE_S):
+        if not self._closing.wait(DEATH_GRACE_S if self._in_call else 0.0):
             logger.error("engine core did not stop after TP rank %d died; exiting", rank)
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
             logging.shutdown()
             os._exit(1)
 
@@ -238,26 +245,32 @@ class TPExecutor:
 
     def determine_num_blocks(self) -> int:
         """The fewest KV blocks any rank can hold (every rank allocates that many)."""
+        self._in_call = True
         self._broadcast(NumBlocksRequest())
         counts = [int(self.runner.determine_num_blocks())]
         counts += [int(r.value) for r in self._collect()]
+        self._in_call = False
         if len(set(counts)) > 1:
             logger.info("KV blocks per rank %s; every rank uses %d", counts, min(counts))
         return min(counts)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks of KV cache on every rank."""
+        self._in_call = True
         self._broadcast(AllocateKVCache(num_blocks))
         self.runner.allocate_kv_cache(num_blocks)
         self._collect()
+        self._in_call = False
 
     def register_kv_caches(self, kv_cache: Any, spec: KVCacheSpec) -> None:
         """Register every rank's KV cache with its connector worker side at the same time
         (rank 0's with ``kv_cache`` / ``spec``; the workers' with their own)."""
+        self._in_call = True
         self._broadcast(RegisterKVCache())
         if self._rank0_connector is not None:
             self._rank0_connector.register_kv_cache(kv_cache, spec)
         self._collect()
+        self._in_call = False
 
     def set_kv_connector_worker(self, worker: KVConnectorWorkerSide | None) -> None:
         """Attach rank 0's connector worker side (given as :attr:`connector_worker`) to rank
@@ -273,9 +286,11 @@ class TPExecutor:
         Raises:
             RankFailedError: a rank failed or died.
         """
+        self._in_call = True
         self._broadcast(Execute(sched))
         out = self.runner.execute(sched)
         replies = self._collect()
+        self._in_call = False
         now = time.monotonic()
         self._poll_due = [now + r.next_poll_in for r in replies if r.next_poll_in is not None]
         outputs = [out.kv_connector_output] + [r.value for r in replies]
@@ -326,7 +341,8 @@ class TPExecutor:
         destroy_tensor_parallel()
         if self._ctx is not None:
             for sock in [*self._controls, self._results]:
-                sock.close(0)
+                if sock is not None:
+                    sock.close(0)
             self._ctx.term()
             self._ctx = None
         shutil.rmtree(self._tmpdir, ignore_errors=True)

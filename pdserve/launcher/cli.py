@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from pdserve.cli_types import port_list
+from pdserve.cli_types import port_list, positive_int
 from pdserve.config import DEFAULT_MODEL
 from pdserve.launcher.plan import (
     DEFAULT_PROXY_PORT,
@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefiller engines (kv_producer), default 1")
     p.add_argument("--num-decoders", type=int, default=1, metavar="M",
                    help="decoder engines (kv_consumer), default 1")
+    p.add_argument("--prefill-tp", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel size of each prefiller (its own N GPUs), default 1")
+    p.add_argument("--decode-tp", type=positive_int, default=1, metavar="M",
+                   help="tensor-parallel size of each decoder (its own M GPUs), default 1")
     p.add_argument("--multi-turn", action="store_true",
                    help="bidirectional KV transfer on P and D and the multi-turn proxy")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],

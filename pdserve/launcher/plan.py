@@ -45,7 +45,8 @@ class ChildSpec:
         port: the child's HTTP port.
         health_path: path that answers 200 once the child is ready.
         side_channel_port: NIXL side-channel port (engines only).
-        gpu: the ``CUDA_VISIBLE_DEVICES`` entry given to the child, or None.
+        gpu: the ``CUDA_VISIBLE_DEVICES`` value given to the child (one entry, or a
+            comma-joined set for a tensor-parallel engine), or None.
         gpu_memory_share: the ``--gpu-memory-utilization`` given to an engine that shares its
             GPU with others (None: not shared, or sized by ``--kv-cache-memory``).
     """
@@ -168,6 +169,33 @@ def assign_gpus(num_prefillers: int, num_decoders: int,
             [d_pool[i % len(d_pool)] for i in range(num_decoders)])
 
 
+def assign_tp_gpus(num_prefillers: int, num_decoders: int, prefill_tp: int, decode_tp: int,
+                   gpus: Sequence[str]) -> tuple[list[str | None], list[str | None]]:
+    """Places tensor-parallel engines: each engine gets its own set of GPUs (its TP size of
+    them, disjoint from every other engine's), prefillers first, as the comma-joined
+    ``CUDA_VISIBLE_DEVICES`` value of the engine (its ranks use devices ``0..tp-1`` of it).
+    Without GPUs every entry is None (CPU engines, any TP size).
+
+    Returns:
+        (GPUs per prefiller, GPUs per decoder).
+
+    Raises:
+        LaunchError: fewer GPUs than the engines need together (the message has the numbers).
+    """
+    if not gpus:
+        return [None] * num_prefillers, [None] * num_decoders
+    need = num_prefillers * prefill_tp + num_decoders * decode_tp
+    if need > len(gpus):
+        raise LaunchError(
+            f"{num_prefillers} prefiller(s) x TP {prefill_tp} + {num_decoders} decoder(s) x TP "
+            f"{decode_tp} need {need} GPUs, but {len(gpus)} are available "
+            f"({','.join(gpus)}); lower --prefill-tp/--decode-tp or the engine counts")
+    free = iter(gpus)
+    sets = [",".join(next(free) for _ in range(tp))
+            for tp in [prefill_tp] * num_prefillers + [decode_tp] * num_decoders]
+    return sets[:num_prefillers], sets[num_prefillers:]
+
+
 def kv_transfer_config(role: str, multi_turn: bool, progress_thread: bool = True) -> dict:
     """The ``--kv-transfer-config`` of one engine (keys: docs/configuration.md).
 
@@ -270,6 +298,10 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
                      "--kv-transfer-config.kv_connector"):
         raise LaunchError("kv_role and kv_connector are set by 'pdserve up' (prefillers are "
                           "kv_producer, decoders kv_consumer)")
+    if _option_given(engine_args, "-tp", "--tensor-parallel-size"):
+        raise LaunchError("the engines' tensor-parallel sizes are set by 'pdserve up'; use "
+                          "--prefill-tp/--decode-tp")
+    tp_sizes = {"prefill": opts.prefill_tp, "decode": opts.decode_tp}
 
     if opts.port == 0:  # any free port for the proxy
         opts.port = allocate_free_ports(1, opts.host if opts.host not in ("", "::") else ENGINE_HOST)[0]
@@ -307,7 +339,10 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
         gpus = []
     elif gpus is None:
         gpus = detect_gpus()
-    p_gpus, d_gpus = assign_gpus(n_p, n_d, gpus)
+    if opts.prefill_tp > 1 or opts.decode_tp > 1:
+        p_gpus, d_gpus = assign_tp_gpus(n_p, n_d, opts.prefill_tp, opts.decode_tp, gpus)
+    else:
+        p_gpus, d_gpus = assign_gpus(n_p, n_d, gpus)
     sharing: dict[str, int] = {}
     for gpu in p_gpus + d_gpus:
         if gpu is not None:
@@ -339,6 +374,8 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
                 args_i[:0] = ["--kv-events-endpoint", f"tcp://{ENGINE_HOST}:{next(event_ports)}",
                               "--kv-events-snapshot-endpoint",
                               f"tcp://{ENGINE_HOST}:{next(event_ports)}"]
+            if tp_sizes[role] > 1:
+                args_i[:0] = ["--tensor-parallel-size", str(tp_sizes[role])]
             gpu = gpu_list[i]
             env = {"PDSERVE_NIXL_SIDE_CHANNEL_HOST": ENGINE_HOST,
                    "PDSERVE_NIXL_SIDE_CHANNEL_PORT": str(side_ports[i]),

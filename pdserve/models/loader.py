@@ -1,5 +1,7 @@
-"""Model loading: Hugging Face directories (safetensors, sharded or not), GGUF files (through
-``transformers``, dequantized) and ``--load-format dummy`` (random weights, real config).
+"""Model loading: Hugging Face directories (safetensors, sharded or not), GGUF files
+(dequantized from their memory map, :mod:`pdserve.models.gguf_weights`) and ``--load-format
+dummy`` (random weights, real config). Checkpoint tensors are read lazily, so a tensor-parallel
+rank reads only its shard.
 
 :func:`load_model` is the entry point used by the model runner; it fills the torch-free
 :class:`pdserve.model_info.ModelInfo` that the rest of the engine (scheduler, front end,
@@ -23,6 +25,7 @@ from pdserve.builtin_models import resolve_model_path
 from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import check_tp_divisible
 from pdserve.layers.weights import LazyWeight
+from pdserve.models.gguf_weights import gguf_hf_config, iter_gguf
 from pdserve.model_info import ModelInfo
 from pdserve.models.llama import ArchConfig, CausalLM
 from pdserve.models.registry import SUPPORTED_ARCHITECTURES, model_class
@@ -240,16 +243,6 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:
                 yield name, LazyWeight.from_safetensors(fh.get_slice(name))
 
 
-def load_gguf_state(gguf_file: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Dequantize a GGUF model with ``transformers``; returns ``(hf_config_dict, state_dict)``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    hf = model.config.to_dict()
-    hf["architectures"] = [type(model).__name__]
-    return hf, dict(model.state_dict())
-
-
 def check_model_splits(config: EngineConfig) -> None:
     """Check before any rank starts that a Hugging Face directory's model splits over
     ``config.tensor_parallel_size`` ranks (a ``.gguf`` file is checked when it loads).
@@ -301,11 +294,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, device)
     path = Path(resolve_model_path(config.model))
     t0 = time.perf_counter()
-    state: dict[str, torch.Tensor] | None = None
+    gguf_file: Path | None = None
     if path.is_file() and path.suffix == ".gguf":
         if fmt == "safetensors":
             raise ValueError(f"{path} is a GGUF file but --load-format safetensors was given")
-        hf, state = load_gguf_state(path)
+        hf, gguf_file = gguf_hf_config(path), path
         gen_cfg = None
     elif path.is_dir():
         hf = _read_json(path / "config.json")
@@ -327,8 +320,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
                                            max_positions=max_len)
     if fmt == "dummy":
         model.init_dummy_weights(config.seed)
-    elif state is not None:
-        model.load_weights(state.items())
+    elif gguf_file is not None:
+        model.load_weights(iter_gguf(gguf_file, hf))
     else:
         model.load_weights(iter_safetensors(_safetensors_files(path)))
     model.eval()

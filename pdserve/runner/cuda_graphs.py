@@ -128,11 +128,22 @@ class CUDAGraphRunner:
         return {name: buf[:batch_size] for name, buf in self.buffers.items()}
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, agree: Callable[[str | None], bool] | None = None) -> bool:
         """Capture one graph per batch size, largest first, all in one memory pool.
 
         The buffers hold only padding values during capture, so the forward pass must be harmless
         on padding rows (see :class:`StaticInputSpec`).
+
+        Args:
+            agree: for a forward pass with collectives (tensor parallelism): called after each
+                batch size on every rank with this rank's capture error (None: captured);
+                returns whether every rank captured that size. All ranks then stop together at
+                the first size one of them failed, so no rank is left in a warm-up collective
+                the others never join. None: an error raises.
+
+        Returns:
+            True when every size was captured; False when ``agree`` said a rank failed (no
+            graph is kept).
         """
         self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.device(self.device):
@@ -146,11 +157,22 @@ class CUDAGraphRunner:
                 torch.cuda.current_stream().wait_stream(side)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    out = self.forward(inputs)
+                error = None
+                try:
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        out = self.forward(inputs)
+                except Exception as e:  # with agree: reported to every rank below
+                    if agree is None:
+                        raise
+                    error = f"{type(e).__name__}: {e}"
+                if agree is not None and not agree(error):
+                    self._graphs.clear()
+                    self._outputs.clear()
+                    return False
                 self._graphs[bs] = graph
                 self._outputs[bs] = out
             torch.cuda.synchronize()
+        return True
 
     def _fill(self, name: str, value: torch.Tensor, n: int, bs: int) -> None:
         buf = self.buffers[name]

@@ -288,23 +288,23 @@ class ModelRunner:
     def _capture_with_collectives(self, graphs: CUDAGraphRunner) -> bool:
         """Capture the decode graphs of a TP rank, NCCL all-reduces and all-gathers inside.
 
-        Every rank captures; when any rank failed, every rank drops its graphs (the ranks must
-        agree: a graph replay issues the same collectives as the eager pass, but one rank's
-        failure may stem from the collectives themselves) and decodes eagerly, with a warning
-        line saying so.
+        The ranks agree after each batch size (over the gloo CPU group); when any rank failed
+        to capture one, every rank drops its graphs and decodes eagerly, with a warning line
+        saying so (a replay and an eager pass issue the same collectives, but graphs of some
+        ranks only would be a needless asymmetry).
 
         Returns:
-            True when every rank captured.
+            True when every rank captured every size.
         """
-        error = None
-        try:
-            graphs.capture()
-        except Exception as e:  # capture of NCCL calls unsupported here: decode eagerly
-            error = f"{type(e).__name__}: {e}"
-        errors = [e for e in tp_all_gather_object(error) if e is not None]
-        if errors:
+        failures: list[str] = []
+
+        def agree(error: str | None) -> bool:
+            failures.extend(e for e in tp_all_gather_object(error) if e is not None)
+            return not failures
+
+        if not graphs.capture(agree):
             logger.warning("CUDA graph capture with tensor-parallel collectives failed (%s); "
-                           "decode steps run eagerly", errors[0])
+                           "decode steps run eagerly", failures[0])
             return False
         return True
 

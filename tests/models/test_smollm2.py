@@ -49,8 +49,8 @@ def test_builtin_answers_paris(smollm2_path):
 
 @pytest.mark.slow
 def test_gguf_file_loads_directly(smollm2_path):
-    """A .gguf path is dequantized by transformers (about 30 s): same weights and tokenizer as
-    the converted copy."""
+    """A .gguf path is dequantized from its memory map (about 30 s): same weights and tokenizer
+    as the converted copy (which transformers dequantized)."""
     gguf = str(smollm2.builtin_gguf_path())
     from_gguf = load_model(EngineConfig(model=gguf))
     converted = load_model(EngineConfig(model=smollm2_path))

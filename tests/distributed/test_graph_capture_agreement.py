@@ -1,0 +1,47 @@
+"""CUDA-graph capture at TP > 1 (the agreement of ModelRunner._capture_with_collectives, run on
+two gloo ranks with a stand-in for the graph runner): the ranks stop together at the first
+batch size any of them failed to capture, and all then decode eagerly; when every size
+captured, all keep their graphs."""
+
+from __future__ import annotations
+
+import torch
+import torch.multiprocessing as mp
+
+SIZES = [8, 4, 2, 1]
+
+
+class _Graphs:
+    """The capture protocol of CUDAGraphRunner.capture(agree), without CUDA: ``fail`` is the
+    batch size this rank fails to capture (None: none)."""
+
+    def __init__(self, fail: int | None):
+        self.fail, self.tried = fail, []
+
+    def capture(self, agree) -> bool:
+        for bs in SIZES:
+            self.tried.append(bs)
+            if not agree("boom" if bs == self.fail else None):
+                return False
+        return True
+
+
+def _rank(rank: int, init: str, failing_rank: int | None) -> None:
+    from pdserve.distributed import init_tensor_parallel
+    from pdserve.runner.model_runner import ModelRunner
+
+    init_tensor_parallel(rank, 2, torch.device("cpu"), init)
+    graphs = _Graphs(2 if rank == failing_rank else None)
+    captured = ModelRunner._capture_with_collectives(None, graphs)
+    if failing_rank is None:
+        assert captured and graphs.tried == SIZES
+    else:  # both ranks stop after size 2, the one rank 1 failed
+        assert not captured and graphs.tried == [8, 4, 2], graphs.tried
+
+
+def test_all_ranks_fall_back_when_one_fails(tmp_path):
+    mp.spawn(_rank, args=(f"file://{tmp_path}/init", 1), nprocs=2, join=True)
+
+
+def test_all_ranks_keep_graphs_when_all_captured(tmp_path):
+    mp.spawn(_rank, args=(f"file://{tmp_path}/init", None), nprocs=2, join=True)
