@@ -269,7 +269,8 @@ class LoadTracker:
         spec = load.spec
         route = remote.route
         if remote.ipc is not None:  # same GPU: CUDA IPC copy, "done" sent when it finishes
-            handle, state = remote.ipc.post_read(spec.local_block_ids, spec.remote_read_block_ids)
+            handle, state = remote.ipc.post_read(spec.local_block_ids,
+                                                 spec.remote_read_block_ids)
             load.handles = [handle]
             load.nbytes = len(spec.local_block_ids) * self.agent.block_bytes
             load.ndesc = len(block_runs(spec.local_block_ids, spec.remote_read_block_ids))
@@ -279,7 +280,8 @@ class LoadTracker:
         try:
             for read in route.reads:
                 owner = remote.agents[read.src_rank]
-                notif = encode_notif("done", spec.remote.request_id, route.expected[read.src_rank])
+                notif = encode_notif("done", spec.remote.request_id,
+                                     route.expected[read.src_rank])
                 if route.whole(read):
                     handle, state = self.agent.post_read(
                         owner, spec.local_block_ids, spec.remote_read_block_ids, notif)

@@ -4,9 +4,10 @@ One :class:`NixlConnectorWorker` per tensor-parallel rank, in that rank's proces
 rank's NIXL agent (its KV shard registered once), on rank 0 the instance's side-channel server
 (so every instance can be read from, in both directions; it answers handshakes for every rank,
 whose agent metadata the ranks exchange at registration, and forwards side-channel notices to
-the other ranks by NIXL notification), the lease table of blocks kept for remote readers (:mod:`.leases`), heartbeats and
-notices to remote owners, and the wake-up and polling schedule of the engine loop. Its own loads
-live in :mod:`.loads` (handshake, claim, READ, failure) and the handshaken remote engines in
+the other ranks by NIXL notification), the lease table of blocks kept for remote readers
+(:mod:`.leases`), heartbeats and notices to remote owners, and the wake-up and polling
+schedule of the engine loop. Its own loads live in :mod:`.loads` (handshake, claim, READ,
+failure) and the handshaken remote engines in
 :mod:`.remotes`. Nothing here blocks the engine loop: handshakes and side-channel notices run on
 a small thread pool (only ZMQ happens there); lease claims, on the transfer's critical path, are
 sent without blocking from the engine thread over one persistent connection per remote
