@@ -65,6 +65,13 @@ def descendants(root: int, table: dict[int, list[str]] | None = None) -> dict[in
     return found
 
 
+def new_descendants(before: dict[int, int]) -> dict[int, int]:
+    """The live descendants of this process that are not in ``before`` (an earlier
+    :func:`descendants` of it): what a test started, not the session's shared servers."""
+    return {pid: start for pid, start in descendants(os.getpid()).items()
+            if before.get(pid) != start}
+
+
 def still_running(procs: dict[int, int]) -> list[int]:
     """The pids of ``procs`` (pid -> start time) that still exist and are not zombies."""
     left = []

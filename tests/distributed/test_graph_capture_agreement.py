@@ -28,15 +28,20 @@ class _Graphs:
 
 def _rank(rank: int, init: str, failing_rank: int | None) -> None:
     from pdserve.distributed import init_tensor_parallel
+    from pdserve.distributed.parallel_state import destroy_tensor_parallel
     from pdserve.runner.model_runner import ModelRunner
 
     init_tensor_parallel(rank, 2, torch.device("cpu"), init)
-    graphs = _Graphs(2 if rank == failing_rank else None)
-    captured = ModelRunner._capture_with_collectives(None, graphs)
-    if failing_rank is None:
-        assert captured and graphs.tried == SIZES
-    else:  # both ranks stop after size 2, the one rank 1 failed
-        assert not captured and graphs.tried == [8, 4, 2], graphs.tried
+    try:
+        graphs = _Graphs(2 if rank == failing_rank else None)
+        captured = ModelRunner._capture_with_collectives(None, graphs)
+        if failing_rank is None:
+            assert captured and graphs.tried == SIZES
+        else:  # both ranks stop after size 2, the one rank 1 failed
+            assert not captured and graphs.tried == [8, 4, 2], graphs.tried
+    finally:
+        # gloo's threads must stop before the process exits (else an abort at exit)
+        destroy_tensor_parallel()
 
 
 def test_all_ranks_fall_back_when_one_fails(tmp_path):

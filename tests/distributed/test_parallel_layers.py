@@ -49,6 +49,16 @@ def _lazy(path: str):
 
 def _rank_main(rank: int, size: int, init: str, path: str, num_kv_heads: int) -> None:
     from pdserve.distributed import init_tensor_parallel
+    from pdserve.distributed.parallel_state import destroy_tensor_parallel
+
+    try:
+        _check_layers(rank, size, init, path, num_kv_heads)
+    finally:  # gloo's threads must stop before the process exits (else an abort at exit)
+        destroy_tensor_parallel()
+
+
+def _check_layers(rank: int, size: int, init: str, path: str, num_kv_heads: int) -> None:
+    from pdserve.distributed import init_tensor_parallel
     from pdserve.distributed.sharding import kv_head_range
     from pdserve.layers.embedding import LMHead, VocabEmbedding
     from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear

@@ -14,7 +14,7 @@ from pdserve.engine.outputs import SchedulerOutput
 from pdserve.executor.multiproc import RankFailedError, TPExecutor
 from pdserve.testing.fake_connectors import failing_worker, scripted_worker
 
-from processes import descendants, still_running
+from processes import descendants, new_descendants, still_running
 
 
 def _config(path: str) -> EngineConfig:
@@ -27,6 +27,7 @@ def _step(ex: TPExecutor, meta: dict):
 
 
 def test_connector_per_rank_registered_polled_and_merged(tiny_llama_path):
+    before = descendants(os.getpid())
     ex = TPExecutor(_config(tiny_llama_path), connector_factory=scripted_worker)
     try:
         ex.allocate_kv_cache(ex.determine_num_blocks())
@@ -34,7 +35,7 @@ def test_connector_per_rank_registered_polled_and_merged(tiny_llama_path):
         worker.register_kv_cache(ex.kv_cache, ex.kv_cache_spec)
         ex.set_kv_connector_worker(worker)
         # rank 0 in this process, rank 1 in another; each holds 1 of the 2 KV heads
-        pid1 = next(iter(descendants(os.getpid())))
+        pid1 = next(iter(new_descendants(before)))
         gathered = [(0, os.getpid(), 1, 2), (1, pid1, 1, 2)]
         assert [tuple(g) for g in ex.connector_worker.rank0.gathered] == gathered
         assert ex.kv_cache_spec.num_kv_heads == 1 and ex.kv_cache_spec.total_num_kv_heads == 2
@@ -56,10 +57,11 @@ def test_connector_per_rank_registered_polled_and_merged(tiny_llama_path):
             _step(ex, {"fail_rank": 1})
     finally:
         ex.shutdown()
-    assert not still_running(descendants(os.getpid()))
+    assert not still_running(new_descendants(before))
 
 
 def test_rank_failing_at_startup_leaves_no_process(tiny_llama_path):
+    before = descendants(os.getpid())
     with pytest.raises(RankFailedError, match="TP rank 1 failed: .*scripted start-up failure"):
         TPExecutor(_config(tiny_llama_path), connector_factory=failing_worker)
-    assert not still_running(descendants(os.getpid()))
+    assert not still_running(new_descendants(before))

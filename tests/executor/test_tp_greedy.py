@@ -17,7 +17,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
-from processes import descendants, still_running
+from processes import descendants, new_descendants, still_running
 
 #: a step computes at most this many tokens: the 45-token prompt is prefilled in 3 chunks
 BUDGET = 16
@@ -44,10 +44,11 @@ def _generate(path: str, tp: int, max_tokens: int = 10, **engine) -> list[list[i
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 def test_tp2_greedy_equals_tp1(request, model):
     path = request.getfixturevalue(f"{model}_path")
+    before = descendants(os.getpid())
     single = _generate(path, 1)
     assert all(len(t) == 10 for t in single)
     assert _generate(path, 2) == single
-    assert not still_running(descendants(os.getpid()))
+    assert not still_running(new_descendants(before))
 
 
 def test_tp2_greedy_equals_tp1_with_one_kv_head_replicated(tmp_path):
@@ -64,11 +65,12 @@ def test_smollm2_tp3_greedy_equals_tp1(smollm2_path):
 
 def test_smollm2_tp2_is_refused_naming_the_numbers(smollm2_path):
     config = EngineConfig(model=smollm2_path, device="cpu", tensor_parallel_size=2)
+    before = descendants(os.getpid())
     with pytest.raises(TPShardingError, match=r"tensor_parallel_size 2: 9 attention heads are "
                                               r"not divisible by 2; 3 KV heads are neither "
                                               r"divisible by 2 nor a divisor of 2"):
         EngineCore(config)
-    assert not still_running(descendants(os.getpid()))
+    assert not still_running(new_descendants(before))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "gemma3"])

@@ -49,7 +49,7 @@ def _runner(config: EngineConfig, gpu: FakeGpu, weights: int, activations: int):
     r._cuda_mem_at_start = start
     r._weights_bytes = weights
     r.device = torch.device("cuda", 0)
-    r.dtype = torch.bfloat16
+    r.dtype = r.kv_cache_dtype = torch.bfloat16
     r.block_size = 16
     r.max_model_len = 4096
     r.arch = types.SimpleNamespace(num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB/block
