@@ -42,7 +42,8 @@ class _SamplingFields(_Request):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    # a 64-bit signed integer, as vLLM bounds it (the engine core's messages carry int64)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     max_tokens: int | None = Field(None, ge=1)
     min_tokens: int = Field(0, ge=0)
     stop: str | list[str] | None = None

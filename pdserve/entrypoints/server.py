@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__
-from pdserve.config import DEFAULT_MODEL, EngineConfig
+from pdserve.config import EngineConfig
 from pdserve.engine.kv_events import default_snapshot_endpoint
 from pdserve.entrypoints.auth import APIKeyMiddleware
 from pdserve.entrypoints.chat_completions import ChatCompletionsHandler
@@ -184,12 +184,13 @@ def check_paths(config: EngineConfig) -> None:
         StartupError: ``model`` is neither the built-in name nor an existing path, or
             ``tokenizer`` is given and does not exist.
     """
-    from pdserve.builtin_models import is_builtin
+    from pdserve.builtin_models import BUILTIN_NAMES, is_builtin
 
     if not is_builtin(config.model) and not os.path.exists(os.path.expanduser(config.model)):
         raise StartupError(
             f"model {config.model!r} not found: give a local Hugging Face directory, a .gguf "
-            f"file, or the built-in name {DEFAULT_MODEL!r} (nothing is downloaded)")
+            f"file, or a built-in name ({', '.join(map(repr, BUILTIN_NAMES))}; nothing is "
+            "downloaded)")
     if config.tokenizer is not None and not os.path.exists(os.path.expanduser(config.tokenizer)):
         raise StartupError(f"tokenizer {config.tokenizer!r} not found (a local directory)")
 

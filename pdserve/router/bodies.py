@@ -42,7 +42,8 @@ def check_client_body(body: Any) -> None:
 
     ``n`` / ``best_of`` > 1 are refused: the prefill leg computes one sequence and the decode
     leg would have to fork it, which the engines do not do; silently returning one choice would
-    lose the others.
+    lose the others. A ``prompt`` list of several prompts (strings or token lists; a list of
+    token ids is one prompt) is refused for the same reason.
 
     Raises:
         ProxyError: 400 with an OpenAI-style body naming the offending field.
@@ -60,6 +61,14 @@ def check_client_body(body: Any) -> None:
             raise ProxyError(400, f"'{field}' > 1 is not supported by the disaggregated proxy "
                              f"(got {value}); send {value} separate requests instead",
                              INVALID_REQUEST, field)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        # several prompts: one prefill leg would answer for all of them, and D would read one
+        # prompt's KV for another (the lease's token digest refuses it)
+        raise ProxyError(400, f"a list of {len(prompt)} prompts is not supported by the "
+                         "disaggregated proxy; send one request per prompt", INVALID_REQUEST,
+                         "prompt")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ProxyError(400, f"'stream' must be a boolean, got {stream!r}", INVALID_REQUEST, "stream")

@@ -41,6 +41,8 @@ BAD_BODIES = [
     (COMPLETIONS, {"prompt": "x", "n": 0}, "n", None),
     (COMPLETIONS, {"prompt": "x", "n": True}, "n", None),
     (COMPLETIONS, {"prompt": "x", "seed": "abc"}, "seed", None),
+    (COMPLETIONS, {"prompt": "x", "seed": 2**70}, "seed", None),  # beyond int64 (500 before)
+    (COMPLETIONS, {"prompt": "x", "seed": -(2**63) - 1}, "seed", None),
     (COMPLETIONS, {"prompt": "x", "presence_penalty": 3}, "presence_penalty", None),
     (COMPLETIONS, {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", None),
     (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", None),

@@ -173,6 +173,12 @@ async def test_bad_client_bodies_are_400_and_reach_no_instance(make_cluster):
          "instead", "n"),
         (json.dumps(dict(BODY, stream="true")).encode(), "'stream' must be a boolean, got 'true'",
          "stream"),
+        (json.dumps(dict(BODY, prompt=["Hi", "Bye"])).encode(),
+         "a list of 2 prompts is not supported by the disaggregated proxy; send one request per "
+         "prompt", "prompt"),
+        (json.dumps(dict(BODY, prompt=[[1, 2], [3]])).encode(),
+         "a list of 2 prompts is not supported by the disaggregated proxy; send one request per "
+         "prompt", "prompt"),
     ]
     for data, message, param in cases:
         status, headers, raw = await c.post("/v1/completions", data,
