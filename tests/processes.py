@@ -72,6 +72,19 @@ def new_descendants(before: dict[int, int]) -> dict[int, int]:
             if before.get(pid) != start}
 
 
+def with_command(procs: dict[int, int], needle: str) -> dict[int, int]:
+    """The entries of ``procs`` whose command line contains ``needle``."""
+    found = {}
+    for pid, start in procs.items():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle.encode() in f.read():
+                    found[pid] = start
+        except OSError:
+            pass
+    return found
+
+
 def still_running(procs: dict[int, int]) -> list[int]:
     """The pids of ``procs`` (pid -> start time) that still exist and are not zombies."""
     left = []

@@ -14,7 +14,11 @@ from pdserve.engine.outputs import SchedulerOutput
 from pdserve.executor.multiproc import RankFailedError, TPExecutor
 from pdserve.testing.fake_connectors import failing_worker, scripted_worker
 
-from processes import descendants, new_descendants, still_running
+from processes import descendants, new_descendants, still_running, with_command
+
+#: the command of a TP worker process (what these tests start; the session's shared servers
+#: and their children run beside them)
+WORKER = "pdserve.executor.worker"
 
 
 def _config(path: str) -> EngineConfig:
@@ -35,7 +39,7 @@ def test_connector_per_rank_registered_polled_and_merged(tiny_llama_path):
         worker.register_kv_cache(ex.kv_cache, ex.kv_cache_spec)
         ex.set_kv_connector_worker(worker)
         # rank 0 in this process, rank 1 in another; each holds 1 of the 2 KV heads
-        pid1 = next(iter(new_descendants(before)))
+        pid1 = next(iter(with_command(new_descendants(before), WORKER)))
         gathered = [(0, os.getpid(), 1, 2), (1, pid1, 1, 2)]
         assert [tuple(g) for g in ex.connector_worker.rank0.gathered] == gathered
         assert ex.kv_cache_spec.num_kv_heads == 1 and ex.kv_cache_spec.total_num_kv_heads == 2
@@ -57,11 +61,11 @@ def test_connector_per_rank_registered_polled_and_merged(tiny_llama_path):
             _step(ex, {"fail_rank": 1})
     finally:
         ex.shutdown()
-    assert not still_running(new_descendants(before))
+    assert not still_running(with_command(new_descendants(before), WORKER))
 
 
 def test_rank_failing_at_startup_leaves_no_process(tiny_llama_path):
     before = descendants(os.getpid())
     with pytest.raises(RankFailedError, match="TP rank 1 failed: .*scripted start-up failure"):
         TPExecutor(_config(tiny_llama_path), connector_factory=failing_worker)
-    assert not still_running(new_descendants(before))
+    assert not still_running(with_command(new_descendants(before), WORKER))
