@@ -22,7 +22,33 @@ from pdserve.layers.weights import (
 )
 
 
-class VocabEmbedding(nn.Module):
+class _VocabRows(nn.Module):
+    """A ``[vocab_size, hidden_size]`` matrix split by vocabulary rows over the TP ranks: this
+    rank holds rows ``[vocab_start, vocab_start + num_local)`` and loads only those.
+
+    Raises:
+        TPShardingError: ``vocab_size`` does not split over the TP size.
+    """
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.tp_size = get_tp_size()
+        self.vocab_size = vocab_size
+        self.vocab_start, self.num_local = shard_range(vocab_size, self.tp_size, get_tp_rank())
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight,
+                      shard_id: int | None = None) -> None:
+        """Copy this rank's vocabulary rows of the checkpoint matrix.
+
+        Raises:
+            ValueError: a shard id, or a shape mismatch.
+        """
+        if self.tp_size > 1:
+            loaded = narrow_weight(loaded, 0, self.vocab_size, self.vocab_start, self.num_local)
+        default_weight_loader(param, loaded, shard_id)
+
+
+class VocabEmbedding(_VocabRows):
     """Token ids -> embeddings, the vocabulary split over the TP ranks.
 
     Args:
@@ -39,23 +65,9 @@ class VocabEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device):
-        super().__init__()
-        self.tp_size = get_tp_size()
-        self.vocab_size = vocab_size
-        self.vocab_start, self.num_local = shard_range(vocab_size, self.tp_size, get_tp_rank())
+        super().__init__(vocab_size)
         self.weight = new_parameter((self.num_local, hidden_size), dtype, device,
                                     self.weight_loader)
-
-    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight,
-                      shard_id: int | None = None) -> None:
-        """Copy this rank's vocabulary rows of the checkpoint matrix.
-
-        Raises:
-            ValueError: a shard id, or a shape mismatch.
-        """
-        if self.tp_size > 1:
-            loaded = narrow_weight(loaded, 0, self.vocab_size, self.vocab_start, self.num_local)
-        default_weight_loader(param, loaded, shard_id)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids`` ``[T]`` int64 -> ``[T, hidden_size]``."""
@@ -68,7 +80,7 @@ class VocabEmbedding(nn.Module):
         return tp_all_reduce(out)
 
 
-class LMHead(nn.Module):
+class LMHead(_VocabRows):
     """Hidden states -> float32 logits over the vocabulary; each rank computes its vocabulary
     rows' logits and the ranks all-gather them.
 
@@ -84,24 +96,10 @@ class LMHead(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, tie_to: VocabEmbedding | None = None):
-        super().__init__()
-        self.tp_size = get_tp_size()
-        self.vocab_size = vocab_size
-        self.vocab_start, self.num_local = shard_range(vocab_size, self.tp_size, get_tp_rank())
+        super().__init__(vocab_size)
         self.weight = (tie_to.weight if tie_to is not None
                        else new_parameter((self.num_local, hidden_size), dtype, device,
                                           self.weight_loader))
-
-    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight,
-                      shard_id: int | None = None) -> None:
-        """Copy this rank's vocabulary rows of the checkpoint matrix.
-
-        Raises:
-            ValueError: a shard id, or a shape mismatch.
-        """
-        if self.tp_size > 1:
-            loaded = narrow_weight(loaded, 0, self.vocab_size, self.vocab_start, self.num_local)
-        default_weight_loader(param, loaded, shard_id)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[S, hidden_size]`` -> ``[S, vocab_size]`` float32 logits (every rank)."""
