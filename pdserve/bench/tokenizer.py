@@ -41,7 +41,9 @@ def load_tokenizer(source: str) -> Any:
         if path.is_file() and path.suffix == ".gguf":
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         if path.is_dir():
-            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            from pdserve.tokenizer import tokenizer_from_dir
+
+            return tokenizer_from_dir(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise TokenizerLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
     raise TokenizerLoadError(
