@@ -1,11 +1,15 @@
-"""End to end for the families of issue 17 (tests/families.py): through ``pdserve proxy
---multi-turn`` in front of a bidirectional P/D pair, a completion and a three-turn chat give the
-single instance's greedy output, with prompts past the rope-scaling threshold; P pulls the
-history from D on turns 2 and 3.
+"""End to end for the families of issue 17 (tests/families.py, and the tiny Gemma 3 with a
+sliding window of 8 tokens): through ``pdserve proxy --multi-turn`` in front of a bidirectional
+P/D pair, a completion and a three-turn chat give a single instance's greedy output, with prompts
+past the rope-scaling threshold and longer than the sliding window; P pulls the history from D on
+turns 2 and 3.
 
-One module-scoped cluster per family: a plain instance (the oracle), P (no prefix cache of its
-own, so history it does not compute was pulled from D), D and the proxy (the same settings as the
-shared pool's ``p_bidir`` / ``d_bidir``, tests/servers.py).
+One module-scoped cluster per family: P (no prefix cache of its own, so history it does not
+compute was pulled from D), D and the proxy (the same settings as the shared pool's ``p_bidir`` /
+``d_bidir``, tests/servers.py). The single-instance oracle is P itself, asked directly with no
+``kv_transfer_params``: a producer serves such a request as a plain instance, and without a
+prefix cache it computes every oracle prompt from scratch. Oracle requests are sent before the
+counters a test compares are read.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ SYSTEM = ("You are a careful assistant. Answer every question about the history 
           "harbour town, its ships, its lighthouse keepers and its fishing families in detail.")
 
 
-@pytest.fixture(scope="module", params=["qwen2-yarn", "llama3-rope", "qwen3-moe"])
+@pytest.fixture(scope="module", params=["qwen2-yarn", "llama3-rope", "qwen3-moe", "gemma3"])
 def cluster(request, tmp_path_factory):
     name = request.param
-    model = make_family_model(name, tmp_path_factory.mktemp(name))
+    if name == "gemma3":
+        model = request.getfixturevalue("tiny_gemma3_path")
+    else:
+        model = make_family_model(name, tmp_path_factory.mktemp(name))
     logs = tmp_path_factory.mktemp(f"{name}-logs")
     servers = {
-        "single": EngineServer(model, logs / "single.log", None, POOL_COMMON),
         "p": EngineServer(model, logs / "p.log",
                           nixl_config("kv_producer", bidirectional_kv_xfer=True),
                           [*POOL_COMMON, "--no-enable-prefix-caching"]),
@@ -45,7 +51,7 @@ def cluster(request, tmp_path_factory):
         start_all(list(servers.values()))
         proxy = ProxyServer([servers["p"]], [servers["d"]], logs / "proxy.log", ["--multi-turn"])
         proxy.wait_ready()
-        yield {"name": name, "model": model, "proxy": proxy, **servers}
+        yield {"name": name, "model": model, "proxy": proxy, "single": servers["p"], **servers}
     finally:
         for process in [proxy, *servers.values()]:
             if process is not None:
