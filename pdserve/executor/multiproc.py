@@ -196,9 +196,28 @@ class TPExecutor:
 
     # ---------------------------------------------------------------- messages
     def _broadcast(self, msg: Any) -> None:
+        """Send ``msg`` to every worker.
+
+        A control socket whose worker is gone has no peer, and a plain ``send`` on it would
+        block for ever; sends never block here, and a send that cannot go out is retried until
+        the worker is found dead.
+
+        Raises:
+            RankFailedError: a worker died before it could be sent ``msg``.
+        """
+        import zmq
+
         raw = pickle.dumps(msg)
         for ctl in self._controls:
-            ctl.send(raw)
+            while True:
+                try:
+                    ctl.send(raw, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    dead = self._dead or self._exited_worker()
+                    if dead:
+                        raise RankFailedError(dead) from None
+                    time.sleep(_ANSWER_POLL_S)
 
     def _collect(self) -> list[WorkerReply]:
         """Every worker's answer to the last broadcast, by rank (1..N-1).
@@ -321,6 +340,8 @@ class TPExecutor:
         elif self._dead is None:
             try:
                 self._broadcast(Shutdown())
+            except RankFailedError as e:  # a worker is gone: the wait and kill below apply
+                logger.warning("could not send Shutdown to every TP worker: %s", e)
             except Exception:  # sockets already gone: the kill below still applies
                 logger.exception("could not send Shutdown to the TP workers")
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S

@@ -6,6 +6,7 @@ empty one), and the ranks' reports are merged; a rank failing at start-up leaves
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -39,7 +40,8 @@ def test_connector_per_rank_registered_polled_and_merged(tiny_llama_path):
         worker.register_kv_cache(ex.kv_cache, ex.kv_cache_spec)
         ex.set_kv_connector_worker(worker)
         # rank 0 in this process, rank 1 in another; each holds 1 of the 2 KV heads
-        pid1 = next(iter(with_command(new_descendants(before), WORKER)))
+        workers = with_command(new_descendants(before), WORKER)
+        pid1 = next(iter(workers))
         gathered = [(0, os.getpid(), 1, 2), (1, pid1, 1, 2)]
         assert [tuple(g) for g in ex.connector_worker.rank0.gathered] == gathered
         assert ex.kv_cache_spec.num_kv_heads == 1 and ex.kv_cache_spec.total_num_kv_heads == 2
@@ -59,8 +61,19 @@ def test_connector_per_rank_registered_polled_and_merged(tiny_llama_path):
         # a rank that fails in a step fails the step, naming it
         with pytest.raises(RankFailedError, match="TP rank 1 failed: RuntimeError: scripted"):
             _step(ex, {"fail_rank": 1})
+        # the failed rank exits; shutting down after it is gone must not wait on it
+        deadline = time.monotonic() + 60
+        while still_running({pid1: workers[pid1]}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not still_running({pid1: workers[pid1]})
+        time.sleep(0.5)  # the worker's control connection is closed by now
+        # as on a busy machine where the watchdog thread has not run yet: the executor has
+        # not noticed the exit, and shutdown must find it instead of waiting to send to it
+        ex._dead = None
     finally:
+        t0 = time.monotonic()
         ex.shutdown()
+        assert time.monotonic() - t0 < 30, "shutdown waited on a dead rank"
     assert not still_running(with_command(new_descendants(before), WORKER))
 
 
