@@ -160,12 +160,14 @@ def convert(out_dir: Path) -> None:
         FileNotFoundError: the package is not installed.
     """
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
+    from transformers import GemmaTokenizer
 
     module = _package_module()
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{NAME}-gguf.") as tmp:
         gguf_file = module.assemble(Path(tmp) / module.MODEL_NAME)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        # the class AutoTokenizer picks for this file; naming it skips AutoTokenizer's own parse
+        # of the whole file (through gguf.GGUFReader) for the model config
+        tokenizer = GemmaTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
         gguf = read_gguf(gguf_file)
         config = hf_config(gguf)
         state = gguf_state_dict(gguf)
