@@ -6,10 +6,12 @@ The conversion dequantizes with the ``gguf`` package's numpy routines directly (
 two cores, where loading the GGUF through ``transformers`` takes minutes) and applies what
 ``transformers``' GGUF loader applies for Gemma 3: llama.cpp stores Gemma's RMSNorm weights as
 ``1 + w``, so 1 is subtracted from every ``*norm.weight``
-(``transformers.modeling_gguf_pytorch_utils.Gemma2TensorProcessor``). The config is read from
-the same parsed file, with the key mapping of ``transformers.integrations.ggml`` for
-``gemma3`` (parsing the GGUF metadata costs ten-odd seconds, so it is done once); the tokenizer
-comes from ``transformers``' GGUF tokenizer converter.
+(``transformers.modeling_gguf_pytorch_utils.Gemma2TensorProcessor``). The file is parsed once
+(:func:`pdserve.gguf_file.read_gguf`); the config is read from that parse, with the key mapping
+of ``transformers.integrations.ggml`` for ``gemma3``; the tokenizer comes from ``transformers``'
+GGUF tokenizer converter through ``GemmaTokenizer`` (the class ``AutoTokenizer`` picks, named
+directly because ``AutoTokenizer`` would first parse the whole file once more, slowly, for the
+model type). About twenty seconds of CPU in all.
 :func:`pdserve.builtin_models.ensure_converted` runs :func:`convert` under its lock.
 """
 

