@@ -7,7 +7,7 @@ The header is read with the fast reader of ``transformers`` 5
 where ``gguf.GGUFReader`` builds a numpy field for every element of every metadata array (tens
 of seconds for the same file). That reader offers the metadata alone through a public function
 (``read_gguf_metadata``) but not the tensor table, so :func:`read_gguf` uses two of its private
-helpers and falls back to ``gguf.GGUFReader`` when they are missing or changed.
+helpers and falls back to ``gguf.GGUFReader`` when they are missing, changed or fail.
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 logger = logging.getLogger("pdserve.model")
 
@@ -41,7 +44,7 @@ class GgufTensor:
     """
 
     name: str
-    ggml_type: Any
+    ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
 
@@ -72,7 +75,7 @@ def read_gguf(path: Path) -> GgufFile:
     """Parse a GGUF file's metadata and tensor table once (no tensor data is read).
 
     Raises:
-        ValueError: not a GGUF file, or one with a value type the reader does not know.
+        ValueError: not a GGUF file (from ``gguf.GGUFReader``).
     """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quant_shape_to_byte_shape
@@ -106,7 +109,7 @@ _PLAIN_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": n
 
 def _read_header_fast(path: Path):
     """``(metadata, [(name, shape, ggml_type, offset)], end of the tensor table, memory map)``
-    through ``transformers``' GGUF reader, or None when its helpers are unavailable."""
+    through ``transformers``' GGUF reader, or None when that reader is unavailable or fails."""
     try:
         # Private helpers of transformers/integrations/gguf/reader.py: the public
         # read_gguf_metadata() returns the tensor names but not their types and offsets.
@@ -119,8 +122,11 @@ def _read_header_fast(path: Path):
         blob = _mapped(str(path))
         metadata, tensor_count, pos = _read_metadata(blob, str(path), STRING_ARRAYS)
         entries, table_end = _read_tensor_table(blob, tensor_count, pos)
-    except (ImportError, TypeError) as e:  # helpers gone or their signatures changed
-        logger.info("transformers' GGUF reader unavailable (%s); using gguf.GGUFReader", e)
+    except (ImportError, TypeError, ValueError) as e:
+        # helpers gone or changed, or a value type that reader does not know: gguf.GGUFReader
+        # reads what it can (and raises its own error for a file that is not GGUF)
+        logger.info("transformers' GGUF reader cannot read %s (%s); using gguf.GGUFReader",
+                    path, e)
         return None
     return metadata, entries, table_end, blob
 
