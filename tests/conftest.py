@@ -3,7 +3,7 @@
 Model fixtures return directory paths as ``str`` (what ``EngineConfig.model`` takes):
 
 - ``smollm2_path``: the converted built-in SmolLM2-135M-Instruct (in ``$PDSERVE_CACHE_DIR`` or
-  ``~/.cache/pdserve``; converted once, about 30 s, then reused across sessions);
+  ``~/.cache/pdserve``; converted once, about 15 s of CPU, then reused across sessions);
 - ``tiny_llama_path`` / ``tiny_qwen3_path`` / ``tiny_gemma3_path``: tiny random models written
   once per session;
 - ``server_pool``: real ``pdserve serve`` instances of the tiny Llama shared by every test that
