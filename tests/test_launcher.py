@@ -503,7 +503,9 @@ def test_unstartable_child_is_a_clear_error(tmp_path, capsys):
     rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port())],
                        commands=_UnstartableProxy(tmp_path), gpus=[])
     assert rc == 1
-    assert "error: cannot start proxy" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "error: cannot start proxy" in out
+    assert "killed" not in out, out  # the proxy never ran: nothing to wait out, nothing killed
     engines = [c for c in _status(log_dir)["children"] if c["role"] != "proxy"]
     assert len(engines) == 2
     for child in engines:  # started before the proxy failed, then stopped
