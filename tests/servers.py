@@ -31,13 +31,13 @@ from typing import Any, Callable
 
 import httpx
 from processes import (MAX_WAIT_S, STALL_TIMEOUT_S, Process, descendants, still_running,
-                       wait_progressing)
+                       stop_together, wait_progressing)
 
 __all__ = ["BIDIR_TTL_S", "BLOCK_SIZE", "HANDSHAKE_TIMEOUT_S", "LOAD_FACTOR", "MAX_WAIT_S",
            "POOL_COMMON", "POOL_SPECS", "SHORT_LEASE_S", "STALL_TIMEOUT_S", "EngineServer",
            "Process", "ProxyServer", "RedisServer", "ServerPool", "Spec", "UpDeployment", "decode_leg",
            "descendants", "free_port", "generate", "nixl_config", "prefill_leg", "sse_events",
-           "start_all", "still_running", "wait_progressing"]
+           "start_all", "still_running", "stop_together", "wait_progressing"]
 
 
 #: Arguments shared by the pooled tiny-model instances (greedy outputs do not depend on them).
@@ -407,12 +407,8 @@ class ServerPool:
 
     def close(self) -> None:
         """Stops every proxy, then every instance (all signalled first, then waited for)."""
-        for group in (list(self.proxies.values()), list(self.servers.values())):
-            for p in group:
-                if p.proc.poll() is None:
-                    p.proc.terminate()
-            for p in group:
-                p.stop()
+        stop_together(list(self.proxies.values()))
+        stop_together(list(self.servers.values()))
 
 
 # --------------------------------------------------------------------------------- requests

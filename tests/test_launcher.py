@@ -433,7 +433,16 @@ def test_child_ignoring_sigterm_is_killed(tmp_path, capsys):
         assert not _alive(child["pid"])
 
 
-def test_grandchildren_are_stopped_with_their_parent(tmp_path):
+def _short_leftover_wait(monkeypatch) -> None:
+    """Processes left in a stopped child's group are looked for after 0.5 s instead of
+    :data:`~pdserve.launcher.supervisor.LEFTOVER_EXIT_S` (the fakes' leftovers never exit)."""
+    from pdserve.launcher import supervisor
+
+    monkeypatch.setattr(supervisor, "LEFTOVER_EXIT_S", 0.5)
+
+
+def test_grandchildren_are_stopped_with_their_parent(tmp_path, monkeypatch):
+    _short_leftover_wait(monkeypatch)
     log_dir = tmp_path / "logs"
     cmds = FakeCommands(tmp_path, {"decode": ["--grandchild"]})
     thread = _signal_when_ready(log_dir)
@@ -503,7 +512,9 @@ def test_unstartable_child_is_a_clear_error(tmp_path, capsys):
     rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port())],
                        commands=_UnstartableProxy(tmp_path), gpus=[])
     assert rc == 1
-    assert "error: cannot start proxy" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "error: cannot start proxy" in out
+    assert "killed" not in out, out  # the proxy never ran: nothing to wait out, nothing killed
     engines = [c for c in _status(log_dir)["children"] if c["role"] != "proxy"]
     assert len(engines) == 2
     for child in engines:  # started before the proxy failed, then stopped
@@ -525,7 +536,8 @@ def test_ctrl_c_reports_nothing_left_behind_when_helpers_exit_by_themselves(tmp_
     assert not _alive(int((tmp_path / "decode-0.helper").read_text()))
 
 
-def test_processes_really_left_behind_are_reported(tmp_path, capsys):
+def test_processes_really_left_behind_are_reported(tmp_path, capsys, monkeypatch):
+    _short_leftover_wait(monkeypatch)
     log_dir = tmp_path / "logs"
     cmds = FakeCommands(tmp_path, {"decode": ["--grandchild"]})
     thread = _signal_when_ready(log_dir, signal.SIGINT)

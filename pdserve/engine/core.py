@@ -14,6 +14,7 @@ Splitting the loop from the resources it orders would spread one life cycle over
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -380,6 +381,10 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses) -> None:
                 )
             )
         )
+        # The model, caches and imports live as long as the process: the garbage collector
+        # skips them from now on (no full pass over them in the loop or at exit).
+        gc.collect()  # start-up's own garbage is freed, not frozen
+        gc.freeze()
         try:
             _core_loop(core, in_sock, out_sock, encoder, decoder, parent, addresses.remote)
         except BaseException as e:

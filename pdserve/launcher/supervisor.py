@@ -282,19 +282,20 @@ class Launcher:
         Returns:
             The names of the children that had to be killed.
         """
-        for child in self.children:
+        # A child whose command could not be started has no process to wait for.
+        started = [c for c in self.children if c.proc is not None]
+        for child in started:
             if child.poll() is None:
                 child.signal(sig)
         deadline = time.monotonic() + self.shutdown_timeout
-        while time.monotonic() < deadline and any(c.poll() is None for c in self.children):
+        while time.monotonic() < deadline and any(c.poll() is None for c in started):
             time.sleep(0.05)
-        killed = [c.spec.name for c in self.children if c.poll() is None]
-        for child in self.children:
+        killed = [c.spec.name for c in started if c.poll() is None]
+        for child in started:
             if child.poll() is None:
                 child.signal_group(signal.SIGKILL)
-        for child in self.children:
-            if child.proc is not None:
-                child.proc.wait()
+        for child in started:
+            child.proc.wait()
         # Helpers a child started may need a moment to notice that it is gone and exit by
         # themselves (multiprocessing's resource tracker ignores SIGTERM and waits for its
         # pipe to close): only what is still running after that was left behind.

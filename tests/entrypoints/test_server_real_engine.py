@@ -82,10 +82,13 @@ def _start_server(model: str, log_path) -> EngineServer:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_path: str, tmp_path_factory) -> Iterator[str]:
+def server(tiny_llama_path: str, tmp_path_factory, request) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    srv = _start_server(tiny_llama_path, log)
+    srv = EngineServer(tiny_llama_path, log, None, SERVE_ARGS)
     try:
+        # the offline outputs (an in-process engine) are computed while the server starts
+        request.getfixturevalue("offline")
+        srv.wait_ready()
         yield srv.url
     finally:
         srv.stop()

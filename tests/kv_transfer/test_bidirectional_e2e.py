@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import pytest
 
-from servers import BIDIR_TTL_S as TTL_S, BLOCK_SIZE as B
+from servers import BIDIR_TTL_S as TTL_S, BLOCK_SIZE as B, LOAD_FACTOR, POOL_COMMON
+from servers import EngineServer, ProxyServer, nixl_config, start_all, stop_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 THRESHOLD = 64  # kv_recompute_threshold (the default)
 MAX_TOKENS = 12
+#: ``decoder_kv_blocks_ttl`` of the expiry test's own decoder (s): nothing is pulled from it, so
+#: it need not outlast P's pull safety margin like the pooled decoder's :data:`TTL_S`.
+SHORT_TTL_S = 1.0 * LOAD_FACTOR
 
 SYSTEM = ("You are a careful assistant. Answer every question about the history of the old "
           "harbour town, its ships, its lighthouse keepers and its fishing families in detail.")
@@ -215,18 +219,36 @@ def test_short_history_below_threshold_is_recomputed(cluster, tokenizer):
     assert delta["pdserve:prompt_tokens_computed_total"] == delta["pdserve:prompt_tokens_total"]
 
 
-def test_expired_decoder_blocks_are_recomputed(cluster, tokenizer):
+@pytest.fixture
+def short_ttl_cluster(cluster, tmp_path):
+    """``cluster`` with its own decoder whose ``decoder_kv_blocks_ttl`` is short (and a
+    multi-turn proxy in front of the pooled P and it): a turn's blocks expire after about a
+    second instead of the pooled decoder's :data:`TTL_S`."""
+    d = EngineServer(cluster["model"], tmp_path / "d_short_ttl.log",
+                     nixl_config("kv_consumer", decoder_kv_blocks_ttl=SHORT_TTL_S,
+                                 bidirectional_kv_xfer=True), POOL_COMMON)
+    proxy = None
+    try:
+        start_all([d])
+        proxy = ProxyServer([cluster["p"]], [d], tmp_path / "proxy-short-ttl.log",
+                            ["--multi-turn"])
+        proxy.wait_ready()
+        yield {**cluster, "proxy": proxy, "d": d}
+    finally:
+        stop_together([*([proxy] if proxy is not None else []), d])
+
+
+def test_expired_decoder_blocks_are_recomputed(short_ttl_cluster, tokenizer):
+    cluster = short_ttl_cluster
     messages = [{"role": "system", "content": SYSTEM}, user_message(40)]
     expired0 = cluster["d"].metrics().get("pdserve:nixl_num_kv_expired_reqs", 0.0)
     answer, _ = turn(cluster, messages, "expiring")
-    # wait until D's TTL freed this turn's blocks (and counted it). Other conversations'
-    # turns expire too and move the same counter, so the event waited for is D holding no
-    # block at all: nobody pulls this turn's blocks, only its TTL frees them, and every older
-    # turn expires before it.
+    # wait until D's TTL freed this turn's blocks (and counted it): nobody pulls them, only
+    # their TTL frees them
     cluster["d"].wait_metrics(
         lambda m: m.get("pdserve:nixl_num_kv_expired_reqs", 0.0) > expired0
         and m.get("pdserve:kv_cache_free_blocks") == m.get("pdserve:kv_cache_total_blocks"),
-        TTL_S + 60)
+        SHORT_TTL_S + 60)
     messages += [{"role": "assistant", "content": answer}, user_message(41)]
     answer, delta = turn(cluster, messages, "expiring")
     assert answer == single_answer(cluster, messages)

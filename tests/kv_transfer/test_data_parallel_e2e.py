@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from servers import BIDIR_TTL_S, HANDSHAKE_TIMEOUT_S, POOL_COMMON
 from servers import EngineServer, ProxyServer, descendants, generate, nixl_config, start_all
-from servers import prefill_leg, still_running
+from servers import prefill_leg, still_running, stop_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -51,8 +51,7 @@ def cluster(server_pool, tmp_path_factory):
     finally:
         if proxy is not None:
             proxy.stop()
-        for s in (p, d):
-            s.stop()
+        stop_together([p, d])
 
 
 def rank_metrics(server: EngineServer) -> dict[tuple[str, str], float]:

@@ -21,13 +21,13 @@ def summary_lines(server: EngineServer) -> list[str]:
             if LINE in line]
 
 
-def test_summary_line_after_one_short_transfer_then_idle(tiny_llama_path, tmp_path):
-    p = EngineServer(tiny_llama_path, tmp_path / "p.log",
-               nixl_config("kv_producer", kv_metrics_log_interval=INTERVAL_S), COMMON)
+def test_summary_line_after_one_short_transfer_then_idle(server_pool, tiny_llama_path, tmp_path):
+    # the line checked is the decoder's (it reads the KV): the session's pooled producer serves
     d = EngineServer(tiny_llama_path, tmp_path / "d.log",
                nixl_config("kv_consumer", kv_metrics_log_interval=INTERVAL_S), COMMON)
     try:
-        start_all([p, d])
+        p = server_pool.get("p")["p"]
+        start_all([d])
         body = {"model": tiny_llama_path, "prompt": list(range(1000, 1200)), "max_tokens": 2,
                 "temperature": 0}
         params = prefill_leg(p, "completions", body)
@@ -46,4 +46,3 @@ def test_summary_line_after_one_short_transfer_then_idle(tiny_llama_path, tmp_pa
         assert len(summary_lines(d)) == 1, summary_lines(d)
     finally:
         d.stop()
-        p.stop()

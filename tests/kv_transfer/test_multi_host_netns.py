@@ -23,7 +23,8 @@ from netns import Hosts, NetnsUnavailable
 from processes import Process
 from servers import HANDSHAKE_TIMEOUT_S, POOL_COMMON
 from servers import EngineServer, ProxyServer, decode_leg, descendants, free_port, generate
-from servers import nixl_config, prefill_leg, start_all, still_running, wait_progressing
+from servers import nixl_config, prefill_leg, start_all, still_running, stop_together
+from servers import wait_progressing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -68,8 +69,7 @@ def cluster(hosts, base):
     finally:
         if proxy is not None:
             proxy.stop()
-        for s in (p, d):
-            s.stop()
+        stop_together([p, d])
 
 
 def completion(cluster, i: int) -> dict:

@@ -8,6 +8,7 @@ token computed on D) and that P's blocks are all free again afterwards.
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 import threading
 
@@ -321,9 +322,12 @@ def test_producer_killed_after_answering(cluster, tmp_path):
             legs[name] = (body, prefill_leg(victim, "completions", body),
                           reference(cluster, "completions", body))
         victim.kill()
-        for name, (body, params, expected) in legs.items():
-            _expect_failure_or_recompute(cluster, cluster[name], "completions", body, params,
-                                         expected)
+        # both decoders at once: each waits out its own handshake timeout with the dead peer
+        with concurrent.futures.ThreadPoolExecutor(len(legs)) as pool:
+            for done in [pool.submit(_expect_failure_or_recompute, cluster, cluster[name],
+                                     "completions", body, params, expected)
+                         for name, (body, params, expected) in legs.items()]:
+                done.result()
     finally:
         victim.stop()
 

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from servers import EngineServer, ProxyServer, nixl_config, start_all
+from servers import EngineServer, ProxyServer, nixl_config, start_all, stop_together
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -45,8 +45,7 @@ def cluster(tiny_llama_path, tmp_path_factory):
     finally:
         if proxy is not None:
             proxy.stop()
-        for s in servers.values():
-            s.stop()
+        stop_together(list(servers.values()))
 
 
 def ask(cluster, prompt_len: int, max_tokens: int = 4, seed: int = 0, **extra) -> httpx.Response:

@@ -1,5 +1,9 @@
 """``pdserve serve`` refuses unusable KV transfer settings at start-up with a clear message and a
-non-zero exit code (no server left running)."""
+non-zero exit code (no server left running).
+
+Each check starts a server on a model directory that cannot be loaded: the expected message
+(instead of the model's load error) shows both that the check reports clearly and that it runs
+before the model loads, with one process start per check."""
 
 from __future__ import annotations
 
@@ -37,23 +41,6 @@ def test_bad_config_exits_before_loading_anything(tiny_llama_path, busy_port):
     assert "unknown kv_role 'kv_prefill'" in r.stderr
 
 
-def test_side_channel_port_in_use(tiny_llama_path, busy_port):
-    r = serve(tiny_llama_path, ["--kv-transfer-config", '{"kv_role":"kv_producer"}'], busy_port)
-    assert r.returncode != 0
-    assert f"127.0.0.1:{busy_port}" in r.stderr and "already in use" in r.stderr
-
-
-def test_missing_nixl_backend(tiny_llama_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
-    r = serve(tiny_llama_path, ["--kv-transfer-config.kv_role", "kv_consumer",
-                                "--kv-transfer-config.kv_connector_extra_config.backends+",
-                                "NO_SUCH_BACKEND"], free)
-    assert r.returncode != 0
-    assert "NO_SUCH_BACKEND" in r.stderr and "not available" in r.stderr
-
-
 @pytest.fixture
 def unloadable_model(tmp_path):
     """A model directory that exists (so the server starts the engine) but cannot be loaded:
@@ -65,12 +52,15 @@ def unloadable_model(tmp_path):
 
 
 def test_side_channel_port_in_use_is_found_before_the_model_loads(unloadable_model, busy_port):
+    # the message names the busy address, and comes before the (failing) model load
     r = serve(unloadable_model, ["--kv-transfer-config", '{"kv_role":"kv_consumer"}'], busy_port)
     assert r.returncode != 0
     assert f"127.0.0.1:{busy_port}" in r.stderr and "already in use" in r.stderr, r.stderr
 
 
 def test_missing_nixl_backend_is_found_before_the_model_loads(unloadable_model, busy_port):
+    # the message names the missing backend, and comes before the (failing) model load (and
+    # before the side channel's bind: the port is busy)
     r = serve(unloadable_model, ["--kv-transfer-config.kv_role", "kv_producer",
                                  "--kv-transfer-config.kv_connector_extra_config.backends+",
                                  "NO_SUCH_BACKEND"], busy_port)

@@ -22,7 +22,8 @@ import pytest
 from pdserve.engine.block_manager import block_hashes
 from pdserve.router.config import ProxyConfig
 from pdserve.router.proxy import start_proxy
-from servers import EngineServer, ProxyServer, RedisServer, free_port, nixl_config, start_all
+from servers import (EngineServer, ProxyServer, RedisServer, free_port, nixl_config, start_all,
+                     stop_together)
 
 from .fakes import wait_until
 
@@ -47,14 +48,14 @@ def events_args() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_path, tmp_path_factory):
+def cluster(server_pool, tmp_path_factory):
+    tiny_llama_path = server_pool.model
     logs = tmp_path_factory.mktemp("kv-aware-logs")
     bidir = {"bidirectional_kv_xfer": True}
     servers: dict[str, EngineServer] = {}
     redis = None
     try:
         redis = RedisServer(logs / "redis.log")
-        servers["single"] = EngineServer(tiny_llama_path, logs / "single.log", None, COMMON)
         for name in ("p0", "p1"):
             servers[name] = EngineServer(tiny_llama_path, logs / f"{name}.log",
                                          nixl_config("kv_producer", **bidir),
@@ -63,14 +64,16 @@ def cluster(tiny_llama_path, tmp_path_factory):
             servers[name] = EngineServer(tiny_llama_path, logs / f"{name}.log",
                                          nixl_config("kv_consumer", decoder_kv_blocks_ttl=30.0,
                                                      **bidir), COMMON + events_args())
+        server_pool.start("single")
         redis.wait_ready()
         start_all(list(servers.values()))  # readiness waits scale to the machine (tests/processes.py)
-        yield {"model": tiny_llama_path, "redis": redis, "logs": logs, **servers}
+        # the oracle: the session's pooled plain instance (greedy outputs do not depend on the
+        # number of KV blocks)
+        single = server_pool.get("single")["single"]
+        yield {"model": tiny_llama_path, "redis": redis, "logs": logs, "single": single,
+               **servers}
     finally:
-        for s in servers.values():
-            s.stop()
-        if redis is not None:
-            redis.stop()
+        stop_together([*servers.values(), *([redis] if redis is not None else [])])
 
 
 def counters(cluster, names=("p0", "p1"), metric=COMPUTED) -> dict[str, float]:
@@ -209,8 +212,7 @@ def replicas(cluster):
             proxy.wait_ready()
         yield made
     finally:
-        for proxy in made:
-            proxy.stop()
+        stop_together(made)
 
 
 def proxy_metric(proxy: ProxyServer, name: str) -> float:
