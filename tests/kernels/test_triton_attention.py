@@ -466,7 +466,7 @@ class _EagerGraphRunner(cuda_graphs.CUDAGraphRunner):
         self._graphs = {bs: _EagerReplay(self, bs) for bs in self.capture_sizes}
 
 
-def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch):
+def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch, request):
     """The runner's graph decode step (input building, padding to a captured size, sampling
     outside) gives the eager step's greedy tokens; run on the fused kernels under the
     interpreter with the graph replay replaced by an eager call."""
@@ -478,6 +478,11 @@ def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch):
 
     if not HAS_CUDA:  # on a GPU the real graphs are captured and replayed
         monkeypatch.setattr(runner_mod, "CUDAGraphRunner", _EagerGraphRunner)
+        # Fewer context splits (the interpreter runs every program in Python): batches of one
+        # still split in two; both runs use the same kernel configuration.
+        monkeypatch.setenv("PDSERVE_DECODE_KERNEL_CONFIG", '{"min_splits": 1, "programs_per_sm": 1}')
+        pd.decode_kernel_config.cache_clear()
+        request.addfinalizer(pd.decode_kernel_config.cache_clear)
     outputs = {}
     for use_graphs in (False, True):
         runner = runner_mod.ModelRunner(EngineConfig(
