@@ -329,6 +329,23 @@ def test_silu_and_mul_matches_torch(dtype):
         act.silu_and_mul(x[:, :79])
 
 
+@pytest.fixture
+def few_decode_splits(monkeypatch):
+    """Under the interpreter, which runs every program in Python: the decode kernel splits a
+    context only where there are fewer than 4 (sequence, KV head) programs (so a batch of one
+    sequence with 2 KV heads still splits in two and runs the merge kernel). The split and merge
+    arithmetic itself is checked against the reference by the paged-decode tests above. On a
+    GPU this changes nothing."""
+    if HAS_CUDA:
+        yield
+        return
+    monkeypatch.setenv("PDSERVE_DECODE_KERNEL_CONFIG", '{"min_splits": 1, "programs_per_sm": 1}')
+    pd.decode_kernel_config.cache_clear()
+    yield
+    monkeypatch.delenv("PDSERVE_DECODE_KERNEL_CONFIG")
+    pd.decode_kernel_config.cache_clear()
+
+
 def _tiny_model(qk_norm: bool, block_size: int = 4):
     from pdserve.models.llama import ArchConfig, CausalLM
 
@@ -358,7 +375,7 @@ def _use_kernels(model, enabled: bool):
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_fused_model_path_matches_torch_path(qk_norm):
+def test_fused_model_path_matches_torch_path(qk_norm, few_decode_splits):
     """Fused forward (mixed batch) and the graph-safe decode step equal the torch path."""
     from pdserve.attention import build_attention_metadata, decode_metadata
 
@@ -477,11 +494,7 @@ def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch, re
 
     if not HAS_CUDA:  # on a GPU the real graphs are captured and replayed
         monkeypatch.setattr(runner_mod, "CUDAGraphRunner", _EagerGraphRunner)
-        # Fewer context splits (the interpreter runs every program in Python): batches of one
-        # still split in two; both runs use the same kernel configuration.
-        monkeypatch.setenv("PDSERVE_DECODE_KERNEL_CONFIG", '{"min_splits": 1, "programs_per_sm": 1}')
-        pd.decode_kernel_config.cache_clear()
-        request.addfinalizer(pd.decode_kernel_config.cache_clear)
+        request.getfixturevalue("few_decode_splits")  # both runs use the same configuration
     outputs = {}
     for use_graphs in (False, True):
         runner = runner_mod.ModelRunner(EngineConfig(
