@@ -484,8 +484,10 @@ class _EagerGraphRunner(cuda_graphs.CUDAGraphRunner):
 
 def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch, request):
     """The runner's graph decode step (input building, padding to a captured size, sampling
-    outside) gives the eager step's greedy tokens; run on the fused kernels under the
-    interpreter with the graph replay replaced by an eager call."""
+    outside) gives the eager step's greedy tokens. On a GPU both runs use the fused kernels.
+    Without CUDA the graph run uses them under the interpreter, with the graph replay replaced
+    by an eager call, and the eager run takes the torch attention path (which the fused path
+    equals: test_fused_model_path_matches_torch_path), halving the interpreter's work."""
     import random
 
     from model_driver import DrivenRequest, MiniScheduler, greedy
@@ -500,7 +502,7 @@ def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch, re
         runner = runner_mod.ModelRunner(EngineConfig(
             model=tiny_qwen3_path, device=DEVICE.type, dtype="float32", max_model_len=64,
             block_size=4, max_num_seqs=5, num_gpu_blocks_override=64))
-        _use_kernels(runner.model, True)
+        _use_kernels(runner.model, use_graphs or HAS_CUDA)
         runner.use_cuda_graphs = use_graphs
         runner.allocate_kv_cache(64)
         assert (runner.decode_graphs is not None) == use_graphs
