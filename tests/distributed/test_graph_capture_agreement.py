@@ -5,9 +5,6 @@ captured, all keep their graphs."""
 
 from __future__ import annotations
 
-import torch
-import torch.multiprocessing as mp
-
 SIZES = [8, 4, 2, 1]
 
 
@@ -26,27 +23,21 @@ class _Graphs:
         return True
 
 
-def _rank(rank: int, init: str, failing_rank: int | None) -> None:
-    from pdserve.distributed import init_tensor_parallel
-    from pdserve.distributed.parallel_state import destroy_tensor_parallel
+def _rank(rank: int, failing_rank: int | None) -> None:
+    """On one of the package's two TP ranks (``tp2`` fixture)."""
     from pdserve.runner.model_runner import ModelRunner
 
-    init_tensor_parallel(rank, 2, torch.device("cpu"), init)
-    try:
-        graphs = _Graphs(2 if rank == failing_rank else None)
-        captured = ModelRunner._capture_with_collectives(None, graphs)
-        if failing_rank is None:
-            assert captured and graphs.tried == SIZES
-        else:  # both ranks stop after size 2, the one rank 1 failed
-            assert not captured and graphs.tried == [8, 4, 2], graphs.tried
-    finally:
-        # gloo's threads must stop before the process exits (else an abort at exit)
-        destroy_tensor_parallel()
+    graphs = _Graphs(2 if rank == failing_rank else None)
+    captured = ModelRunner._capture_with_collectives(None, graphs)
+    if failing_rank is None:
+        assert captured and graphs.tried == SIZES
+    else:  # both ranks stop after size 2, the one rank 1 failed
+        assert not captured and graphs.tried == [8, 4, 2], graphs.tried
 
 
-def test_all_ranks_fall_back_when_one_fails(tmp_path):
-    mp.spawn(_rank, args=(f"file://{tmp_path}/init", 1), nprocs=2, join=True)
+def test_all_ranks_fall_back_when_one_fails(tp2):
+    tp2.run(_rank, 1)
 
 
-def test_all_ranks_keep_graphs_when_all_captured(tmp_path):
-    mp.spawn(_rank, args=(f"file://{tmp_path}/init", None), nprocs=2, join=True)
+def test_all_ranks_keep_graphs_when_all_captured(tp2):
+    tp2.run(_rank, None)

@@ -7,7 +7,6 @@ layers hold the whole weight."""
 from __future__ import annotations
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from pdserve.layers.weights import LazyWeight
@@ -47,25 +46,13 @@ def _lazy(path: str):
     return get, reads
 
 
-def _rank_main(rank: int, size: int, init: str, path: str, num_kv_heads: int) -> None:
-    from pdserve.distributed import init_tensor_parallel
-    from pdserve.distributed.parallel_state import destroy_tensor_parallel
-
-    try:
-        _check_layers(rank, size, init, path, num_kv_heads)
-    finally:  # gloo's threads must stop before the process exits (else an abort at exit)
-        destroy_tensor_parallel()
-
-
-def _check_layers(rank: int, size: int, init: str, path: str, num_kv_heads: int) -> None:
-    from pdserve.distributed import init_tensor_parallel
+def _check_layers(rank: int, size: int, path: str, num_kv_heads: int) -> None:
+    """On TP rank ``rank`` of ``size`` (at 2, one of the package's two ranks: ``tp2`` fixture)."""
     from pdserve.distributed.sharding import kv_head_range
     from pdserve.layers.embedding import LMHead, VocabEmbedding
     from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 
     torch.set_num_threads(1)
-    if size > 1:
-        init_tensor_parallel(rank, size, torch.device("cpu"), init)
     w = _weights(num_kv_heads)
     get, reads = _lazy(path)
     cpu, f32 = torch.device("cpu"), torch.float32
@@ -111,25 +98,21 @@ def _check_layers(rank: int, size: int, init: str, path: str, num_kv_heads: int)
     torch.testing.assert_close(head(x), F.linear(x, w["embed"]))
 
 
-def _run(tmp_path, size: int, num_kv_heads: int) -> None:
+def _save(tmp_path, num_kv_heads: int) -> str:
     from safetensors.torch import save_file
 
     path = str(tmp_path / "w.safetensors")
     save_file({k: v for k, v in _weights(num_kv_heads).items() if k != "x"}, path)
-    init = f"file://{tmp_path}/init"
-    if size == 1:
-        _rank_main(0, 1, init, path, num_kv_heads)
-    else:
-        mp.spawn(_rank_main, args=(size, init, path, num_kv_heads), nprocs=size, join=True)
+    return path
 
 
 def test_tp1_layers_hold_the_whole_weight(tmp_path):
-    _run(tmp_path, 1, 2)
+    _check_layers(0, 1, _save(tmp_path, 2), 2)
 
 
-def test_tp2_layers_equal_unsharded_kv_heads_split(tmp_path):
-    _run(tmp_path, 2, 2)
+def test_tp2_layers_equal_unsharded_kv_heads_split(tmp_path, tp2):
+    tp2.run(_check_layers, 2, _save(tmp_path, 2), 2)
 
 
-def test_tp2_layers_equal_unsharded_kv_heads_replicated(tmp_path):
-    _run(tmp_path, 2, 1)
+def test_tp2_layers_equal_unsharded_kv_heads_replicated(tmp_path, tp2):
+    tp2.run(_check_layers, 2, _save(tmp_path, 1), 1)

@@ -1,0 +1,122 @@
+"""Compiles every pdserve Triton kernel for sm_90 (no GPU needed: Triton's bundled ptxas), with
+the interpreter off; run as a script in a fresh process (``hopper_compile`` fixture of
+tests/kernels/conftest.py). Prints ``ok GROUP LABEL`` per compiled configuration, or
+``FAIL GROUP LABEL`` and the traceback on stderr, then ``done``.
+
+Groups: ``attention`` (paged decode and its merge, KV store, RMS norm, rotary, SwiGLU, the
+sampler's Gumbel-max draw) and ``moe`` (the grouped GEMM), checked by tests/kernels/test_triton_attention.py
+and tests/kernels/test_triton_moe.py. The interpreter accepts code the compiler rejects, so the
+configurations cover every constexpr branch the kernels take in production.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def _compile(group: str, label: str, fn, types: dict, consts: dict, aligned, **opts) -> None:
+    """Compile ``fn`` for sm_90 with ``types`` (argument name -> Triton type; unnamed: i32) and
+    ``consts`` (constexpr values); the arguments for which ``aligned(name)`` holds are marked
+    16-divisible, as the JIT specialises 16-byte aligned pointers and strides at run time."""
+    try:
+        names = fn.arg_names
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if aligned(n)}
+        src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                        constexprs={(names.index(k),): v for k, v in consts.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        assert kernel.asm["cubin"], label
+        print(f"ok {group} {label}", flush=True)
+    except Exception:  # noqa: BLE001  (reported per configuration)
+        print(f"FAIL {group} {label}", flush=True)
+        print(f"--- {group} {label}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+
+
+def attention() -> None:
+    from pdserve.kernels import activation as act
+    from pdserve.kernels import kv_cache as kvk, paged_decode as pd, rms_norm as rn, rotary as rot
+    from pdserve.kernels import sampling as ts
+
+    def aligned(n):
+        return n.endswith("_ptr") or (n.startswith("stride") and not n.startswith("stride_pm"))
+
+    for dt, splits in (("bf16", (False, True)), ("fp32", (True,))):
+        types = {"out_ptr": "*" + dt, "q_ptr": "*" + dt, "kv_ptr": "*" + dt,
+                 "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "scale_log2": "fp32",
+                 "v_scale": "fp32"}
+        for split in splits:
+            _compile("attention", f"paged_decode_{dt}_split{int(split)}",
+                     pd._paged_decode_split_kernel, types, dict(
+                         QUERY_GROUP=2, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                         BLOCK_SIZE=16, BLOCK_N=32, SPLIT=split,
+                         DOT_PRECISION="ieee" if dt == "fp32" else "tf32", DOT_IN_FP32=False,
+                         SLIDING=split, KV_FP8=False), aligned, num_warps=4, num_stages=2)
+        # an fp8 (e4m3) KV cache read with bf16 queries (--kv-cache-dtype fp8)
+        if dt == "bf16":
+            _compile("attention", "paged_decode_bf16_fp8_kv", pd._paged_decode_split_kernel,
+                     dict(types, kv_ptr="*fp8e4nv"),
+                     dict(QUERY_GROUP=2, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                          BLOCK_SIZE=16, BLOCK_N=32, SPLIT=True, DOT_PRECISION="tf32",
+                          DOT_IN_FP32=False, SLIDING=False, KV_FP8=True),
+                     aligned, num_warps=4, num_stages=2)
+    _compile("attention", "paged_decode_reduce", pd._paged_decode_reduce_kernel,
+             {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
+              "part_sum_ptr": "*fp32"}, dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=64),
+             aligned, num_warps=4)
+    for kv_dt, quantize in (("*bf16", False), ("*fp8e4nv", True)):
+        _compile("attention", f"store_kv_quantize{int(quantize)}", kvk._store_kv_kernel,
+                 {"k_ptr": "*bf16", "v_ptr": "*bf16", "kv_ptr": kv_dt, "slot_mapping_ptr": "*i64",
+                  "k_inv_scale": "fp32", "v_inv_scale": "fp32"},
+                 dict(NUM_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
+                      QUANTIZE=quantize), aligned, num_warps=4)
+    _compile("attention", "rms_norm", rn._rms_norm_kernel,
+             {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
+              "eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=1024), aligned, num_warps=4)
+    _compile("attention", "rotary", rot._rotary_kernel,
+             {"x_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+              "norm_weight_ptr": "*bf16", "eps": "fp32"},
+             dict(NUM_HEADS=16, HEADS_PAD=16, HEAD_DIM=128, HALF=64, HALF_PAD=64, HAS_NORM=True),
+             aligned, num_warps=4)
+    _compile("attention", "silu_and_mul", act._silu_and_mul_kernel,
+             {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024), aligned, num_warps=4)
+    _compile("attention", "gumbel_argmax", ts._gumbel_argmax_kernel,
+             {"logits_ptr": "*fp32", "temps_ptr": "*fp32", "seeds_ptr": "*i64",
+              "positions_ptr": "*i64", "out_ptr": "*i64"}, dict(BLOCK_V=2048), aligned,
+             num_warps=8)
+
+
+def moe() -> None:
+    from pdserve.kernels import moe as moe_kernels
+
+    def aligned(n):
+        return n.endswith("_ptr") or n in ("stride_am", "stride_we", "stride_wn", "stride_cm")
+
+    for dt, block_m, dot_fp32 in (("bf16", 16, False), ("bf16", 32, False), ("bf16", 64, False),
+                                   ("fp32", 64, True)):
+        _compile("moe", f"grouped_gemm_{dt}_m{block_m}", moe_kernels._grouped_gemm_kernel,
+                 {"a_ptr": "*" + dt, "w_ptr": "*" + dt, "c_ptr": "*" + dt, "weights_ptr": "*fp32",
+                  "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_rows_ptr": "*i32"},
+                 dict(A_ROW_DIV=8, MUL_WEIGHT=True, DOT_IN_FP32=dot_fp32, BLOCK_M=block_m,
+                      BLOCK_N=64, BLOCK_K=64), aligned, num_warps=4)
+
+
+#: labels each group must report
+EXPECTED = {
+    "attention": {"paged_decode_bf16_split0", "paged_decode_bf16_split1",
+                  "paged_decode_bf16_fp8_kv", "paged_decode_fp32_split1", "paged_decode_reduce",
+                  "store_kv_quantize0", "store_kv_quantize1", "rms_norm", "rotary",
+                  "silu_and_mul", "gumbel_argmax"},
+    "moe": {"grouped_gemm_bf16_m16", "grouped_gemm_bf16_m32", "grouped_gemm_bf16_m64",
+            "grouped_gemm_fp32_m64"},
+}
+
+if __name__ == "__main__":
+    attention()
+    moe()
+    print("done", flush=True)
