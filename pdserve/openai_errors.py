@@ -1,6 +1,7 @@
-"""The ``type`` names of OpenAI-style error bodies by HTTP status, shared by the engine server
-(:mod:`pdserve.entrypoints.errors`) and the proxy (:mod:`pdserve.router.errors`), so that a client
-sees one name for one kind of error whichever of them answered (no dependencies)."""
+"""The ``type`` names of OpenAI-style error bodies by HTTP status, and the messages of the
+request rules both check, shared by the engine server (:mod:`pdserve.entrypoints.errors`) and the
+proxy (:mod:`pdserve.router.errors`), so that a client sees one name for one kind of error
+whichever of them answered (no dependencies)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ ERROR_TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+
+
+#: ``stream_options`` in a request that does not stream (vLLM's rule and wording).
+STREAM_OPTIONS_WITHOUT_STREAM = "Stream options can only be defined when `stream=True`."
 
 
 def error_type(status: int) -> str:

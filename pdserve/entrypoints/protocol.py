@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pdserve.openai_errors import STREAM_OPTIONS_WITHOUT_STREAM
+
 # Largest ``n`` accepted: each choice is one engine request.
 MAX_N = 128
 # Most alternatives per token for logprobs / top_logprobs (SamplingParams.validate's bound).
@@ -56,6 +58,12 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError(STREAM_OPTIONS_WITHOUT_STREAM)
+        return self
 
     @field_validator("stop_token_ids")
     @classmethod

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.openai_errors import STREAM_OPTIONS_WITHOUT_STREAM
 from pdserve.router.errors import INVALID_REQUEST, ProxyError
 
 #: ``kv_transfer_params`` of a stateless prefill request: P must keep the blocks for a remote
@@ -72,6 +73,9 @@ def check_client_body(body: Any) -> None:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ProxyError(400, f"'stream' must be a boolean, got {stream!r}", INVALID_REQUEST, "stream")
+    if body.get("stream_options") is not None and not stream:
+        # D would refuse it after P's prefill (the engines' rule, as vLLM's)
+        raise ProxyError(400, STREAM_OPTIONS_WITHOUT_STREAM, INVALID_REQUEST, "stream_options")
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise ProxyError(400, "'kv_transfer_params' must be an object", INVALID_REQUEST,

@@ -56,11 +56,17 @@ def test_decode_leg_body_is_client_body_plus_prefill_params():
     ([1, 2], 400, None), ({"n": 2}, 400, "n"), ({"best_of": 3}, 400, "best_of"),
     ({"n": 0}, 400, "n"), ({"n": "2"}, 400, "n"), ({"stream": "yes"}, 400, "stream"),
     ({"kv_transfer_params": [1]}, 400, "kv_transfer_params"),
+    ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"stream": False, "stream_options": {}}, 400, "stream_options"),
 ])
 def test_check_client_body_refuses(body, status, param):
     with pytest.raises(ProxyError) as e:
         check_client_body(body)
     assert (e.value.status, e.value.param) == (status, param)
+
+
+def test_check_client_body_accepts_stream_options_of_a_stream():
+    check_client_body({"stream": True, "stream_options": {"include_usage": True}})
 
 
 def test_check_client_body_accepts_n_1():
