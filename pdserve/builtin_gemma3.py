@@ -55,7 +55,6 @@ _CONFIG_KEYS = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.sliding_window": "sliding_window",
 }
-_TOKEN_IDS = ("bos", "eos", "padding", "unknown")
 
 
 def _package_module():
@@ -113,12 +112,8 @@ def hf_config(gguf: GgufFile) -> dict:
     kwargs = {name: metadata[f"gemma3.{key}"] for key, name in _CONFIG_KEYS.items()
               if f"gemma3.{key}" in metadata}
     kwargs["vocab_size"] = len(metadata["tokenizer.ggml.tokens"])
-    kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in gguf.tensors)
-    for token in _TOKEN_IDS:
-        key = f"tokenizer.ggml.{token}_token_id"
-        if key in metadata:
-            name = {"padding": "pad", "unknown": "unk"}.get(token, token)
-            kwargs[f"{name}_token_id"] = metadata[key]
+    kwargs["tie_word_embeddings"] = gguf.ties_word_embeddings()
+    kwargs.update(gguf.config_token_ids())
     config = Gemma3TextConfig(**kwargs).to_dict()
     for key in ("_name_or_path", "transformers_version"):
         config.pop(key, None)

@@ -195,10 +195,8 @@ def _llama_config_kwargs(gguf: GgufFile) -> dict:
         for key, name in GGUF_CONFIG_MAPPING[section].items():
             if name is not None and f"{section}.{key}" in metadata:
                 kwargs[name] = metadata[f"{section}.{key}"]
-    for key, name in (("bos", "bos"), ("eos", "eos"), ("unknown", "unk"), ("padding", "pad")):
-        if f"tokenizer.ggml.{key}_token_id" in metadata:
-            kwargs[f"{name}_token_id"] = metadata[f"tokenizer.ggml.{key}_token_id"]
-    kwargs["tie_word_embeddings"] = all(t.name != "output.weight" for t in gguf.tensors)
+    kwargs.update(gguf.config_token_ids())
+    kwargs["tie_word_embeddings"] = gguf.ties_word_embeddings()
     return kwargs
 
 

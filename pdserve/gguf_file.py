@@ -70,6 +70,21 @@ class GgufFile:
     metadata: dict[str, Any]
     tensors: tuple[GgufTensor, ...]
 
+    def config_token_ids(self) -> dict[str, int]:
+        """The special-token ids of the metadata as Hugging Face config arguments
+        (``bos_token_id``, ``eos_token_id``, ``pad_token_id``, ``unk_token_id``), those present."""
+        return {f"{name}_token_id": self.metadata[f"tokenizer.ggml.{key}_token_id"]
+                for key, name in _TOKEN_ID_KEYS
+                if f"tokenizer.ggml.{key}_token_id" in self.metadata}
+
+    def ties_word_embeddings(self) -> bool:
+        """True when the file has no ``output.weight``: the LM head is the token embedding."""
+        return all(t.name != "output.weight" for t in self.tensors)
+
+
+# GGUF special-token key (``tokenizer.ggml.KEY_token_id``) -> Hugging Face config name prefix
+_TOKEN_ID_KEYS = (("bos", "bos"), ("eos", "eos"), ("padding", "pad"), ("unknown", "unk"))
+
 
 def read_gguf(path: Path) -> GgufFile:
     """Parse a GGUF file's metadata and tensor table once (no tensor data is read).
