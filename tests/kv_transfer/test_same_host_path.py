@@ -12,15 +12,10 @@ import time
 import pytest
 import torch
 
-from pdserve.kv_transfer.nixl import cuda_ipc
-from pdserve.kv_transfer.nixl.cuda_ipc import (
-    MAX_RUN_COPIES,
-    CudaIpcPeer,
-    IpcExport,
-    copy_blocks,
-    handshake_fields,
-    remote_facts,
-)
+from pdserve.kv_transfer.nixl import same_host
+from pdserve.kv_transfer.nixl.cuda_ipc import IpcExport
+from pdserve.kv_transfer.nixl.direct_read import MAX_RUN_COPIES, DirectPeer, copy_blocks
+from pdserve.kv_transfer.nixl.same_host import handshake_fields, remote_facts
 from pdserve.kv_transfer.nixl.transfer_path import (
     PROBE_MIN_BYTES,
     PeerFacts,
@@ -48,6 +43,25 @@ GPU = PeerFacts("host|boot", 100, "GPU-a", True)
 ])
 def test_choose_read_path(setting, remote, path):
     got, reason = choose_read_path(setting, GPU, remote)
+    assert got is path and reason
+
+
+MIRROR = PeerFacts("host|boot", 100, "GPU-a", True, has_host_mirror=True)
+
+
+@pytest.mark.parametrize("setting, remote, path", [
+    (SameHostTransport.AUTO, PeerFacts("host|boot", 200, "GPU-b", False, True),
+     ReadPath.SHARED_HOST),
+    (SameHostTransport.CUDA_IPC, PeerFacts("host|boot", 200, None, False, True),
+     ReadPath.SHARED_HOST),
+    (SameHostTransport.NIXL, PeerFacts("host|boot", 200, "GPU-a", False, True), ReadPath.NIXL),
+    (SameHostTransport.AUTO, PeerFacts("other|boot", 200, "GPU-a", False, True), ReadPath.NIXL),
+    (SameHostTransport.AUTO, PeerFacts("host|boot", 200, "GPU-a", True, False), ReadPath.NIXL),
+])
+def test_choose_read_path_in_host_buffer_mode(setting, remote, path):
+    """A reader with a host mirror reads a same-host peer's shared mirror (any GPU, never by
+    CUDA IPC), and NIXL otherwise."""
+    got, reason = choose_read_path(setting, MIRROR, remote)
     assert got is path and reason
 
 
@@ -120,7 +134,7 @@ def test_copy_blocks_rejects_other_geometry():
 
 def test_peer_on_cpu_copies_and_reports_telemetry():
     dst, src = _caches()
-    peer = CudaIpcPeer(dst, src)
+    peer = DirectPeer(dst, src)
     handle, state = peer.post_read([7, 8], [1, 2])
     assert state == "DONE" and peer.check(handle) == "DONE"
     post_s, xfer_s, nbytes, ops = peer.telemetry(handle)
@@ -133,12 +147,14 @@ def test_handshake_fields_on_cpu_and_parsing():
     fields = handshake_fields(torch.zeros(2, 3))
     assert fields["pid"] == os.getpid() and socket.gethostname() in fields["host_id"]
     assert fields["gpu_uuid"] is None and fields["cuda_ipc"] is None
-    facts, export = remote_facts(fields)
-    assert export is None and facts == PeerFacts(fields["host_id"], os.getpid(), None, False)
+    assert fields["host_mirror"] is None
+    facts, export, mirror = remote_facts(fields)
+    assert export is None and mirror is None
+    assert facts == PeerFacts(fields["host_id"], os.getpid(), None, False)
     # an owner from before these fields: nothing same-host
-    facts, export = remote_facts({"engine_id": "x"})
-    assert export is None and choose_read_path(SameHostTransport.AUTO, GPU, facts)[0] \
-        is ReadPath.NIXL
+    facts, export, mirror = remote_facts({"engine_id": "x"})
+    assert export is None and mirror is None
+    assert choose_read_path(SameHostTransport.AUTO, GPU, facts)[0] is ReadPath.NIXL
 
 
 def test_ipc_export_wire_round_trip_and_validation():
@@ -153,8 +169,8 @@ def test_ipc_export_wire_round_trip_and_validation():
                      ("storage_size_bytes", True), ("event_sync_required", 1)):
         with pytest.raises(ValueError):
             IpcExport.from_wire({**wire, key: bad})
-    facts, parsed = remote_facts({"host_id": "h", "pid": 3, "gpu_uuid": "GPU-a",
-                                  "cuda_ipc": {**wire, "dtype": "nope"}})
+    facts, parsed, _ = remote_facts({"host_id": "h", "pid": 3, "gpu_uuid": "GPU-a",
+                                     "cuda_ipc": {**wire, "dtype": "nope"}})
     assert parsed is None and not facts.has_ipc_handle
 
 
@@ -162,8 +178,8 @@ def test_connect_peer_on_cpu_records_nixl_and_warns_when_cuda_ipc_was_asked(capl
     paths = TransferPaths()
     info = {"mem_type": "DRAM", **handshake_fields(torch.zeros(2, 3))}
     with caplog.at_level(logging.WARNING):
-        assert cuda_ipc.connect_peer(SameHostTransport.CUDA_IPC, torch.zeros(2, 3), info, "p",
-                                     paths, "DRAM") is None
+        assert same_host.connect_peer(SameHostTransport.CUDA_IPC, torch.zeros(2, 3), None, info,
+                                      "p", paths, "DRAM") is None
     assert "same_host_transport is 'cuda_ipc'" in caplog.text
     assert paths.path_of("p") is ReadPath.NIXL
     assert paths.take_delta() == {"p": {"transport": "nixl", "mem": "DRAM->DRAM",
@@ -225,17 +241,17 @@ def test_worker_reads_through_the_same_host_peer_and_notifies_the_owner(monkeypa
     reader_kv = torch.zeros(shape)
     opened, posted = [], []
 
-    class CountingPeer(CudaIpcPeer):
+    class CountingPeer(DirectPeer):
         def post_read(self, local_ids, remote_ids):
             posted.append((list(local_ids), list(remote_ids)))
             return super().post_read(local_ids, remote_ids)
 
-    def fake_connect(setting, local, info, peer, paths, local_mem):
+    def fake_connect(setting, local, mirror, info, peer, paths, local_mem):
         paths.set_path(peer, ReadPath.CUDA_IPC, "test stand-in", info["mem_type"], local_mem)
         opened.append(CountingPeer(local, owner_kv))
         return opened[-1]
 
-    monkeypatch.setattr(cuda_ipc, "connect_peer", fake_connect)
+    monkeypatch.setattr(same_host, "connect_peer", fake_connect)
     owner, owner_id = _worker("kv_producer", owner_kv, monkeypatch)
     reader, _ = _worker("kv_consumer", reader_kv, monkeypatch)
     try:

@@ -11,8 +11,11 @@ run on a side CUDA stream, polled by CUDA events. UCX moves host memory between 
 one machine without TCP (shared memory, CMA), which is the point of the mode where UCX does not
 move GPU memory well.
 
-The mirror costs as much pinned host memory as the KV cache. The copies work on CPU tensors as
-well (synchronously), which is how the CPU tests drive the mode.
+The mirror costs as much pinned host memory as the KV cache. It lives in an anonymous memory file
+(:mod:`.shared_host`) where the platform has them, so that a reader on the same host copies the
+owner's mirror blocks straight into its GPU cache instead of a NIXL READ (the path is chosen per
+peer, :mod:`.transfer_path`; ``same_host_transport: "nixl"`` keeps NIXL). The copies work on CPU
+tensors as well (synchronously), which is how the CPU tests drive the mode.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from pdserve.kv_transfer.nixl import shared_host
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +72,42 @@ class HostMirror:
     def __init__(self, kv_cache: torch.Tensor):
         self.cache = kv_cache
         cuda = kv_cache.is_cuda
-        self.host = torch.empty(kv_cache.shape, dtype=kv_cache.dtype, pin_memory=cuda)
+        self._shared: shared_host.SharedHostBuffer | None = None
+        if shared_host.supported():
+            try:
+                self._shared = shared_host.SharedHostBuffer(tuple(kv_cache.shape),
+                                                            kv_cache.dtype, pin=cuda)
+            except OSError as e:
+                logger.warning("the KV host buffer cannot be shared with readers on this host "
+                               "(%s); they will use NIXL READs", e)
+        if self._shared is not None and self._shared.tensor is not None \
+                and (self._shared.pinned or not cuda):
+            self.host = self._shared.tensor
+        else:
+            if self._shared is not None:
+                self._shared.close()
+                self._shared = None
+            self.host = torch.empty(kv_cache.shape, dtype=kv_cache.dtype, pin_memory=cuda)
         self._stream = torch.cuda.Stream(kv_cache.device) if cuda else None
         self._staging: dict[str, _Staging] = {}
-        logger.info("KV host buffer: %.2f GiB of %s host memory mirrors the KV cache",
+        logger.info("KV host buffer: %.2f GiB of %s%s host memory mirrors the KV cache",
                     self.host.numel() * self.host.element_size() / 2**30,
-                    "pinned" if cuda else "plain")
+                    "pinned" if cuda else "plain", " shared" if self._shared else "")
+
+    def export(self) -> shared_host.MirrorExport | None:
+        """How a reader on this host maps the mirror, or None when it is not shared."""
+        return self._shared.export() if self._shared is not None else None
+
+    def close(self) -> None:
+        """Wait for staging copies and release a shared mirror (call after NIXL deregistered
+        it)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._staging.clear()
+        if self._shared is not None:
+            self.host = None  # type: ignore[assignment]
+            self._shared.close()
+            self._shared = None
 
     def _copy(self, block_ids: list[int], to_host: bool) -> _Copy:
         src, dst = (self.cache, self.host) if to_host else (self.host, self.cache)

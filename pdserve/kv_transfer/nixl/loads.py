@@ -10,9 +10,11 @@ Any failure ends the load with the request id in ``finished_recving``, its desti
 ``invalid_block_ids`` and its :class:`~pdserve.kv_transfer.base.KVLoadError` in ``load_errors``;
 the owner is told to drop its lease ("abort") when it can be reached.
 
-A peer on this instance's GPU is read by a CUDA IPC copy (:mod:`.cuda_ipc`, "done" sent when it
-completes) instead of the READ; in host-buffer mode (:mod:`.host_buffer`) the READ fills the
-pinned host mirror and a copy to the GPU follows (phase ``unstage``).
+A peer on this instance's GPU (CUDA IPC, :mod:`.cuda_ipc`) or, in host-buffer mode, with a
+shared host mirror on this host (:mod:`.shared_host`) is read by a direct copy
+(:mod:`.direct_read`, "done" sent when it completes) instead of the READ; in host-buffer mode
+(:mod:`.host_buffer`) a READ fills the pinned host mirror and a copy to the GPU follows (phase
+``unstage``).
 
 Across TP sizes (:mod:`.tp_plan`): every reader rank claims the lease at the owner's side
 channel (its rank 0) and posts one READ per owner rank it reads (whole blocks, or the byte
@@ -65,7 +67,7 @@ class Load:
     phase: str = "handshake"  # handshake -> claim -> xfer (-> unstage: host-buffer mode)
     claim: int | None = None  # SideChannelClient ticket
     handles: list[Any] = field(default_factory=list)  # one per owner rank read
-    mover: Any = None  # what posted the read: the NixlAgent or a CudaIpcPeer (same interface)
+    mover: Any = None  # what posted the read: the NixlAgent or a DirectPeer (same interface)
     unstage: Any = None  # host-buffer mode: the mirror -> GPU copy after the READ
     t_start: float = field(default_factory=time.perf_counter)  # handed to the worker
     t_claim: float = 0.0  # claim sent
@@ -268,9 +270,9 @@ class LoadTracker:
         records what they move. Raises what posting raises (posted READs are released)."""
         spec = load.spec
         route = remote.route
-        if remote.ipc is not None:  # same GPU: CUDA IPC copy, "done" sent when it finishes
-            handle, state = remote.ipc.post_read(spec.local_block_ids,
-                                                 spec.remote_read_block_ids)
+        if remote.direct is not None:  # same host: direct copy, "done" sent when it finishes
+            handle, state = remote.direct.post_read(spec.local_block_ids,
+                                                    spec.remote_read_block_ids)
             load.handles = [handle]
             load.nbytes = len(spec.local_block_ids) * self.agent.block_bytes
             load.ndesc = len(block_runs(spec.local_block_ids, spec.remote_read_block_ids))
@@ -308,12 +310,12 @@ class LoadTracker:
         spec = load.spec
         remote = self.remotes.get(spec.remote.endpoint)
         t0 = time.perf_counter()
-        load.mover = remote.ipc or self.agent
+        load.mover = remote.direct or self.agent
         try:
             states = self._post_reads(load, remote)
         except Exception as e:
-            if remote.ipc is not None:
-                self._fail(req_id, KVLoadFailure.TRANSPORT, f"posting the CUDA IPC copy failed: {e}",
+            if remote.direct is not None:
+                self._fail(req_id, KVLoadFailure.TRANSPORT, f"posting the direct copy failed: {e}",
                            notify_remote=True)
                 return
             # The remote agent is gone (NIXL_ERR_REMOTE_DISCONNECT: the peer died or
@@ -377,11 +379,11 @@ class LoadTracker:
                 xfer_s = max(t[1] for t in teles)  # READs of several owner ranks run together
             if all(t[3] > 0 for t in teles):
                 ndesc = sum(t[3] for t in teles)
-        if mirror is not None:  # host-buffer mode: the READ and the copy to the GPU
+        if mirror is not None and load.mover is self.agent:  # the READ and the copy to the GPU
             xfer_s = elapsed
         self._stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)
         self._paths.observe(spec.remote.endpoint.engine_id, nbytes, xfer_s)
-        if load.mover is not self.agent:  # a CUDA IPC copy: tell the owner as NIXL would
+        if load.mover is not self.agent:  # a direct copy: tell the owner as NIXL would
             self._notify(RemoteNotice(spec.remote, "done"))
         else:  # owner ranks this rank notifies without reading them
             remote = self.remotes.get(spec.remote.endpoint)

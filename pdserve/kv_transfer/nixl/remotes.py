@@ -83,7 +83,8 @@ class RemoteState:
         route: what this rank reads from which remote rank, and whom it notifies.
         info: its rank 0's ``get_info`` payload (``instance_id``, ``lease_duration``, ...).
         clock_offset_s: remote ``time.time()`` minus local ``time.time()``.
-        ipc: the CUDA IPC reader of a peer on this instance's GPU (``cuda_ipc.py``), or None.
+        direct: the direct reader of a peer on this host (``same_host.py``: CUDA IPC on this
+            GPU, or its shared host mirror in host-buffer mode), or None.
     """
 
     endpoint: RemoteEndpoint
@@ -93,7 +94,7 @@ class RemoteState:
     route: Route | None = None
     info: dict[str, Any] | None = None
     clock_offset_s: float = 0.0
-    ipc: Any = None
+    direct: Any = None
 
     @property
     def ready(self) -> bool:
@@ -132,21 +133,22 @@ class RemoteRegistry:
         client: the engine thread's side-channel client (connected ahead of the first claim).
         local: returns this rank's :class:`LocalKV` (None before registration).
         wake: called from the handshake thread when it finishes (wakes the engine loop).
-        connect_ipc: ``connect_ipc(remote, info)`` at a finished handshake: the CUDA IPC reader
-            of a peer on this GPU, or None (NIXL reads it).
+        connect_same_host: ``connect_same_host(remote, info)`` at a finished handshake: the
+            direct reader of a peer on this host (``same_host.py``), or None (NIXL reads it).
     """
 
     def __init__(self, config: KVTransferConfig, agent: NixlAgent, pool: cf.ThreadPoolExecutor,
                  client: SideChannelClient, local: Callable[[], LocalKV | None],
                  wake: Callable[[], None],
-                 connect_ipc: Callable[[RemoteState, dict[str, Any]], Any] = lambda r, i: None):
+                 connect_same_host: Callable[[RemoteState, dict[str, Any]], Any]
+                 = lambda r, i: None):
         self.config = config
         self._agent = agent
         self._pool = pool
         self._client = client
         self._local = local
         self._wake = wake
-        self._connect_ipc = connect_ipc
+        self._connect_same_host = connect_same_host
         self._remotes: dict[tuple[str, str, int], RemoteState] = {}
         # endpoint key -> clock offset, measured since the last take_clock_offsets()
         self._new_clock_offsets: dict[tuple[str, str, int], float] = {}
@@ -248,7 +250,7 @@ class RemoteRegistry:
                 remote.agents, remote.agent, remote.route = agents, agents[0], route
                 remote.info = infos[0]
                 remote.clock_offset_s = offset
-                remote.ipc = self._connect_ipc(remote, infos[0])
+                remote.direct = self._connect_same_host(remote, infos[0])
                 self._new_clock_offsets[ep.key] = offset
                 logger.info("NIXL: handshake with engine %s at %s:%d done (%d remote blocks, "
                             "TP %d -> %d, reads from ranks %s)", ep.engine_id, ep.host, ep.port,
@@ -278,8 +280,8 @@ class RemoteRegistry:
                     remote.agent.name, why)
         for agent in (remote.agents or {0: remote.agent}).values():
             self._agent.remove_remote(agent.name)
-        if remote.ipc is not None:
-            remote.ipc.close()
+        if remote.direct is not None:
+            remote.direct.close()
         return remote
 
     def lease_duration(self, remote: RemoteState) -> float:
@@ -299,7 +301,7 @@ class RemoteRegistry:
         return out
 
     def close(self) -> None:
-        """Close the CUDA IPC readers of the remotes."""
+        """Close the direct (same-host) readers of the remotes."""
         for remote in self._remotes.values():
-            if remote.ipc is not None:
-                remote.ipc.close()
+            if remote.direct is not None:
+                remote.direct.close()

@@ -1,10 +1,13 @@
-"""Which path carries the KV reads from one peer (pdserve's same-GPU CUDA IPC copy or a NIXL
-READ), why, and how fast the first sizable read went; torch-free.
+"""Which path carries the KV reads from one peer (pdserve's same-GPU CUDA IPC copy, its copy
+from a same-host peer's shared host mirror, or a NIXL READ), why, and how fast the first
+sizable read went; torch-free.
 
 Selection (:func:`choose_read_path`), per peer, once after its handshake: with
 ``same_host_transport`` ``auto`` (the default) or ``cuda_ipc``, reads use CUDA IPC when both KV
 caches are on the *same GPU* (same host identity, same GPU UUID, different processes) and the
-owner exported an IPC handle; otherwise they are NIXL READs. ``nixl`` always uses NIXL.
+owner exported an IPC handle; in host-buffer mode (``kv_buffer_device: "cpu"``) they copy from
+the owner's shared host mirror when both run on the *same host* and the owner shares its
+mirror; otherwise they are NIXL READs. ``nixl`` always uses NIXL.
 
 Monitoring (:class:`TransferPaths`): the chosen path is logged and reported to the front end in
 the connector stats (key ``transfer_paths``, shown on ``/metrics`` as
@@ -35,8 +38,8 @@ class SameHostTransport(enum.Enum):
     """``kv_connector_extra_config.same_host_transport``: how reads from a peer on the same GPU
     travel."""
 
-    AUTO = "auto"  # CUDA IPC when possible, else NIXL
-    CUDA_IPC = "cuda_ipc"  # the same, with a warning when it is not possible
+    AUTO = "auto"  # CUDA IPC (or a shared host mirror in host-buffer mode) when possible, else NIXL
+    CUDA_IPC = "cuda_ipc"  # the same, with a warning when CUDA IPC is not possible
     NIXL = "nixl"  # always NIXL
 
 
@@ -44,6 +47,7 @@ class ReadPath(enum.Enum):
     """The path that carries one peer's reads."""
 
     CUDA_IPC = "cuda_ipc"  # pdserve's device-to-device copy (kv_transfer/nixl/cuda_ipc.py)
+    SHARED_HOST = "shared_host"  # a copy from the peer's shared host mirror (shared_host.py)
     NIXL = "nixl"  # a NIXL READ (UCX picks the transport)
 
 
@@ -52,16 +56,19 @@ class PeerFacts:
     """What one side advertises about where its KV cache lives (handshake fields).
 
     Attributes:
-        host_id: hostname and boot id (:func:`pdserve.kv_transfer.nixl.cuda_ipc.host_identity`).
+        host_id: hostname and boot id (:func:`pdserve.kv_transfer.nixl.same_host.host_identity`).
         pid: process id.
         gpu_uuid: UUID of the KV cache's GPU, or None for a CPU cache.
         has_ipc_handle: the owner exported a CUDA IPC handle of its KV cache.
+        has_host_mirror: host-buffer mode: the owner shares its host mirror (a reader: it keeps
+            one, i.e. runs in host-buffer mode).
     """
 
     host_id: str
     pid: int
     gpu_uuid: str | None
     has_ipc_handle: bool = False
+    has_host_mirror: bool = False
 
 
 def choose_read_path(setting: SameHostTransport, local: PeerFacts,
@@ -77,6 +84,10 @@ def choose_read_path(setting: SameHostTransport, local: PeerFacts,
         return ReadPath.NIXL, "same_host_transport is 'nixl'"
     if local.host_id != remote.host_id:
         return ReadPath.NIXL, "the peer runs on another host"
+    if local.has_host_mirror:  # host-buffer mode: host memory to this GPU, never CUDA IPC
+        if not remote.has_host_mirror:
+            return ReadPath.NIXL, "the peer shares no host mirror"
+        return ReadPath.SHARED_HOST, "both instances keep a host mirror on this host"
     if local.gpu_uuid is None or remote.gpu_uuid is None:
         return ReadPath.NIXL, "a KV cache is not in GPU memory"
     if local.gpu_uuid != remote.gpu_uuid:
@@ -86,6 +97,11 @@ def choose_read_path(setting: SameHostTransport, local: PeerFacts,
     if not remote.has_ipc_handle:
         return ReadPath.NIXL, "the peer exported no CUDA IPC handle"
     return ReadPath.CUDA_IPC, "both KV caches are on the same GPU"
+
+
+_PATH_WORDS = {ReadPath.CUDA_IPC: "pdserve's CUDA IPC copy",
+               ReadPath.SHARED_HOST: "pdserve's copy from the peer's shared host mirror",
+               ReadPath.NIXL: "NIXL READs"}
 
 
 @dataclass
@@ -108,8 +124,7 @@ class TransferPaths:
         mem = f"{remote_mem}->{local_mem}"
         self._peers[peer] = _PeerPath(path, mem)
         self._changed.add(peer)
-        logger.info("KV reads from engine %s (%s) use %s: %s", peer, mem,
-                    "pdserve's CUDA IPC copy" if path is ReadPath.CUDA_IPC else "NIXL READs",
+        logger.info("KV reads from engine %s (%s) use %s: %s", peer, mem, _PATH_WORDS[path],
                     reason)
 
     def path_of(self, peer: str) -> ReadPath | None:

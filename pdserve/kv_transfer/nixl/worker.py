@@ -20,8 +20,10 @@ is readable (a claim answer, a side-channel notice, a finished handshake) or unt
 for held blocks; lease and heartbeat deadlines).
 
 A peer whose KV cache is on this instance's GPU is read by a CUDA IPC copy instead of the READ
-("done" sent when it completes; :mod:`.cuda_ipc`); in host-buffer mode the READ moves pinned host
-mirrors of the caches and a copy to the GPU follows it (:mod:`.host_buffer`).
+("done" sent when it completes; :mod:`.cuda_ipc`); in host-buffer mode a peer on this host is
+read by a copy from its shared host mirror (:mod:`.shared_host`), and otherwise the READ moves
+pinned host mirrors of the caches and a copy to the GPU follows it (:mod:`.host_buffer`); the
+path of each peer is chosen at its handshake (:mod:`.same_host`).
 
 Restarted peers: every worker picks a random ``instance_id`` when its process starts (part of
 its NIXL agent name, in its handshake info, and in every claim answer), so a reader tells a
@@ -46,7 +48,7 @@ from typing import Any
 from pdserve.engine.outputs import KVConnectorOutput
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide, TPRank
 from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.kv_transfer.nixl import cuda_ipc, host_buffer
+from pdserve.kv_transfer.nixl import host_buffer, same_host
 from pdserve.kv_transfer.nixl.agent import NixlAgent
 from pdserve.kv_transfer.nixl.leases import LeaseTable
 from pdserve.kv_transfer.nixl.loads import XFER_POLL_INTERVAL_S, XFER_SPIN_S, LoadTracker
@@ -136,7 +138,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._bg_notices: list[cf.Future] = []
         self._out = KVConnectorOutput()
         self.stats = StatsRecorder(config.kv_metrics_log_interval)
-        # Same-GPU reads by CUDA IPC (cuda_ipc.py); the path of every peer, for logs and metrics
+        # Same-host reads (same_host.py); the path of every peer, for logs and metrics
         self._same_host = SameHostTransport(config.same_host_transport)
         self.paths = TransferPaths()
         self._kv_cache: Any = None
@@ -146,7 +148,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         # Lease claims: non-blocking requests from the engine thread over persistent connections.
         self._client = SideChannelClient()
         self.remotes = RemoteRegistry(config, self.agent, self._pool, self._client,
-                                      lambda: self._local, self._waker.wake, self._connect_ipc)
+                                      lambda: self._local, self._waker.wake,
+                                      self._connect_same_host)
         self.loads = LoadTracker(config, self.agent, self.remotes, self._client, self.stats,
                                  lambda: self._out, lambda n: self._pending_notices.append(n),
                                  lambda: self._mirror, self.paths)
@@ -195,7 +198,6 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 f"{total_kv_heads(spec)} KV heads, the KV cache spec says {spec.num_kv_heads}")
         if mirrored:  # host-buffer mode (host_buffer.py): NIXL moves the pinned host mirror
             self._mirror = host_buffer.HostMirror(kv_cache)
-            self._same_host = SameHostTransport.NIXL
         self.agent.register_kv_cache(self._mirror.host if mirrored else kv_cache, spec.block_bytes)
         self.spec = spec
         self._kv_cache = kv_cache
@@ -228,8 +230,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             "total_num_kv_heads": total_kv_heads(spec),
             "ranks": [{k: v for k, v in r.items() if k != "instance_id"} for r in ranks],
         }
-        if self.tp.size == 1:  # same-GPU CUDA IPC reads: TP 1 on both sides
-            info.update(cuda_ipc.handshake_fields(kv_cache))  # host_id, pid, gpu_uuid, cuda_ipc
+        if self.tp.size == 1:  # same-host reads (CUDA IPC, shared host mirror): TP 1 both sides
+            # host_id, pid, gpu_uuid, cuda_ipc, host_mirror
+            info.update(same_host.handshake_fields(kv_cache, self._mirror))
         self._info = info
         if self.tp.rank == 0:  # rank 0 forwards side-channel notices to the other ranks
             self._sibling_metadata = {r: ranks[r]["agent_metadata"]
@@ -390,17 +393,18 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.stats.maybe_log()
 
     # ------------------------------------------------------------------- handshakes, loads
-    def _connect_ipc(self, remote: RemoteState, info: dict[str, Any]) -> Any:
-        """At a finished handshake: the CUDA IPC reader of a peer on this GPU, or None
-        (:func:`~pdserve.kv_transfer.nixl.cuda_ipc.connect_peer`); NIXL unless both
-        instances run TP 1 (a CUDA IPC copy moves whole blocks)."""
+    def _connect_same_host(self, remote: RemoteState, info: dict[str, Any]) -> Any:
+        """At a finished handshake: the direct reader of a peer on this GPU (CUDA IPC) or, in
+        host-buffer mode, on this host (its shared mirror), or None
+        (:func:`~pdserve.kv_transfer.nixl.same_host.connect_peer`); NIXL unless both
+        instances run TP 1 (a direct copy moves whole blocks)."""
         if not remote.route.src_tp == remote.route.dst_tp == 1:
             self.paths.set_path(remote.endpoint.engine_id, ReadPath.NIXL,
                                 f"TP {remote.route.src_tp} -> {remote.route.dst_tp}",
                                 str(info.get("mem_type", "?")), self.agent.mem_type)
             return None
-        return cuda_ipc.connect_peer(self._same_host, self._kv_cache, info,
-                                     remote.endpoint.engine_id, self.paths, self.agent.mem_type)
+        return same_host.connect_peer(self._same_host, self._kv_cache, self._mirror, info,
+                                      remote.endpoint.engine_id, self.paths, self.agent.mem_type)
 
     def _finish_handshakes(self) -> None:
         failures = self.remotes.finish()
@@ -550,3 +554,5 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.loads.close()
         self.remotes.close()
         self.agent.close()
+        if self._mirror is not None:
+            self._mirror.close()

@@ -1,0 +1,210 @@
+"""Reads of a peer's KV blocks that this process can address directly: the owner's KV cache
+opened by CUDA IPC on the same GPU (:mod:`.cuda_ipc`), or the owner's host mirror mapped from
+shared memory in host-buffer mode (:mod:`.shared_host`). The reader copies the claimed blocks
+itself on a side CUDA stream; :class:`DirectPeer` has the transfer interface of
+:class:`~pdserve.kv_transfer.nixl.agent.NixlAgent` (post, check, telemetry, release), so the
+load tracker treats it like a NIXL READ and sends the owner "done" when it completes.
+
+:func:`copy_blocks` is plain torch indexing and runs on CPU tensors too (tests stand in two CPU
+tensors for the two caches; :class:`DirectPeer` then copies synchronously).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.kv_transfer.nixl.agent import block_runs
+
+# Same device: up to this many runs of consecutive blocks are copied run by run (no temporary
+# memory); beyond, blocks are gathered and scattered (index_select / index_copy_) in chunks of
+# at most GATHER_CHUNK_BYTES of temporary device memory. From host to device every run is one
+# copy (an asynchronous DMA from pinned memory).
+MAX_RUN_COPIES = 64
+GATHER_CHUNK_BYTES = 64 << 20
+
+
+@dataclass
+class CopyPlan:
+    """A validated block copy, ready to issue (:func:`plan_copy`).
+
+    Attributes:
+        runs: ``[(dst_start, src_start, num_blocks), ...]`` when copied run by run, else None.
+        dst_idx, src_idx: ``int64 [n]`` block ids on the tensors' devices for the gather path.
+        chunk: blocks per gather chunk.
+    """
+
+    runs: list[tuple[int, int, int]] | None
+    dst_idx: torch.Tensor | None = None
+    src_idx: torch.Tensor | None = None
+    chunk: int = 0
+
+
+def plan_copy(dst: torch.Tensor, src: torch.Tensor, dst_ids: list[int], src_ids: list[int],
+              gather_chunk_bytes: int = GATHER_CHUNK_BYTES) -> CopyPlan:
+    """Validate a block copy ``src[src_ids[i]] -> dst[dst_ids[i]]`` and choose how to issue it
+    (all host-side work, so that a timed copy measures the copy alone).
+
+    Args:
+        dst: ``[num_dst_blocks, ...]`` destination cache.
+        src: ``[num_src_blocks, ...]`` source cache; same per-block shape and dtype, on the same
+            device or in (pinned) host memory.
+        dst_ids, src_ids: block ids, same length.
+        gather_chunk_bytes: temporary memory bound of the gather path.
+
+    Raises:
+        ValueError: different lengths, per-block shapes or dtypes, or a block id out of range.
+    """
+    if len(dst_ids) != len(src_ids):
+        raise ValueError("destination and source block lists differ in length")
+    if dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
+        raise ValueError(f"block shapes/dtypes differ: {tuple(dst.shape[1:])} {dst.dtype} vs "
+                         f"{tuple(src.shape[1:])} {src.dtype}")
+    if any(not 0 <= b < dst.shape[0] for b in dst_ids):
+        raise ValueError(f"destination block id out of range (0..{dst.shape[0] - 1})")
+    if any(not 0 <= b < src.shape[0] for b in src_ids):
+        raise ValueError(f"source block id out of range (0..{src.shape[0] - 1})")
+    runs = block_runs(dst_ids, src_ids)
+    if len(runs) <= MAX_RUN_COPIES or dst.device != src.device:
+        return CopyPlan(runs)
+    block_bytes = max(1, dst[0].numel() * dst.element_size())
+    return CopyPlan(
+        None,
+        torch.tensor(dst_ids, dtype=torch.int64).to(dst.device, non_blocking=True),
+        torch.tensor(src_ids, dtype=torch.int64).to(src.device, non_blocking=True),
+        max(1, gather_chunk_bytes // block_bytes))
+
+
+def issue_copy(dst: torch.Tensor, src: torch.Tensor, plan: CopyPlan) -> int:
+    """Issue a planned copy on the current stream; returns the copy operations issued."""
+    if plan.runs is not None:
+        for d0, s0, n in plan.runs:
+            dst[d0:d0 + n].copy_(src[s0:s0 + n], non_blocking=True)
+        return len(plan.runs)
+    if dst.element_size() == 1:  # fp8 caches: index_copy_ has no fp8 kernels; move the bytes
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    ops = 0
+    for i in range(0, len(plan.dst_idx), plan.chunk):
+        dst.index_copy_(0, plan.dst_idx[i:i + plan.chunk],
+                        src.index_select(0, plan.src_idx[i:i + plan.chunk]))
+        ops += 1
+    return ops
+
+
+def copy_blocks(dst: torch.Tensor, src: torch.Tensor, dst_ids: list[int], src_ids: list[int],
+                gather_chunk_bytes: int = GATHER_CHUNK_BYTES) -> int:
+    """Copy blocks ``src[src_ids[i]]`` into ``dst[dst_ids[i]]`` on the current stream
+    (:func:`plan_copy` then :func:`issue_copy`): runs of blocks consecutive on both sides as
+    slices when there are at most :data:`MAX_RUN_COPIES` of them or the source is in host
+    memory, otherwise gathered and scattered in chunks of at most ``gather_chunk_bytes``.
+
+    Returns:
+        The number of copy operations issued (runs or chunks).
+
+    Raises:
+        ValueError: see :func:`plan_copy`.
+    """
+    if not dst_ids and len(src_ids) == 0:
+        return 0
+    return issue_copy(dst, src, plan_copy(dst, src, dst_ids, src_ids, gather_chunk_bytes))
+
+
+@dataclass
+class _Copy:
+    """One posted copy (the handle :class:`DirectPeer` returns)."""
+
+    nbytes: int
+    num_ops: int
+    post_s: float
+    start: Any = None  # torch.cuda.Event (None on CPU: the copy is done)
+    end: Any = None
+    wall_s: float = 0.0
+
+
+class DirectPeer:
+    """Reads from one owner's KV blocks mapped into this process.
+
+    Args:
+        local: the reader's KV cache ``[num_blocks, L, 2, H_kv, block_size, D]``.
+        remote: the owner's blocks with the same per-block shape and dtype: its KV cache
+            opened by CUDA IPC on the reader's GPU, its host mirror mapped from shared memory
+            (pinned for the reader's GPU), or any tensor on the reader's device (tests).
+        on_close: called by :meth:`close` after the copies in flight finished (unmapping).
+
+    Raises:
+        ValueError: per-block shapes or dtypes differ, or the remote lives on another device
+            (other than host memory read into a CUDA cache).
+    """
+
+    def __init__(self, local: torch.Tensor, remote: torch.Tensor, on_close: Any = None):
+        if local.shape[1:] != remote.shape[1:] or local.dtype != remote.dtype:
+            raise ValueError(f"KV caches differ per block: local {tuple(local.shape)} "
+                             f"{local.dtype}, remote {tuple(remote.shape)} {remote.dtype}")
+        if local.device != remote.device and not (local.is_cuda and remote.device.type == "cpu"):
+            raise ValueError(f"KV caches on different devices: {local.device} vs {remote.device}")
+        self.local = local
+        self.remote = remote
+        self.num_blocks = int(remote.shape[0])
+        self.block_bytes = local[0].numel() * local.element_size()
+        self._stream = torch.cuda.Stream(local.device) if local.is_cuda else None
+        self._on_close = on_close
+
+    def post_read(self, local_ids: list[int], remote_ids: list[int]) -> tuple[_Copy, str]:
+        """Start copying remote blocks into local blocks on the side stream (after the work
+        already queued on the current stream, which may still use the destination blocks).
+        The CUDA events around the copy are recorded after the host-side planning, so the
+        telemetry's copy time is the copy's own.
+
+        Returns:
+            ``(handle, state)`` with state ``"DONE"`` or ``"PROC"``.
+
+        Raises:
+            ValueError: a block id out of range (see :func:`plan_copy`).
+        """
+        t0 = time.perf_counter()
+        nbytes = len(local_ids) * self.block_bytes
+        with torch.inference_mode():
+            plan = plan_copy(self.local, self.remote, local_ids, remote_ids)
+        if self._stream is None:
+            with torch.inference_mode():
+                ops = issue_copy(self.local, self.remote, plan)
+            wall = time.perf_counter() - t0
+            return _Copy(nbytes, ops, post_s=wall, wall_s=wall), "DONE"
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        self._stream.wait_stream(torch.cuda.current_stream(self.local.device))
+        # inference mode like the opened tensor and the engine's own KV writes
+        with torch.inference_mode(), torch.cuda.stream(self._stream):
+            start.record()
+            ops = issue_copy(self.local, self.remote, plan)
+            end.record()
+        handle = _Copy(nbytes, ops, post_s=time.perf_counter() - t0, start=start, end=end)
+        return handle, self.check(handle)
+
+    def check(self, handle: _Copy) -> str:
+        """``"DONE"`` or ``"PROC"`` (never blocks)."""
+        return "DONE" if handle.end is None or handle.end.query() else "PROC"
+
+    def telemetry(self, handle: _Copy) -> tuple[float, float, int, int]:
+        """``(post_s, copy_s, bytes, copy operations)`` of a finished copy (the copy time is
+        the CUDA events' elapsed time on CUDA)."""
+        xfer = handle.wall_s if handle.end is None else handle.start.elapsed_time(handle.end) / 1e3
+        return handle.post_s, xfer, handle.nbytes, handle.num_ops
+
+    def release(self, handle: _Copy) -> None:
+        """Forget a copy. An unfinished one is waited for (it takes milliseconds), so that its
+        destination blocks are not written after the caller frees them."""
+        if handle.end is not None and not handle.end.query():
+            handle.end.synchronize()
+
+    def close(self) -> None:
+        """Wait for copies in flight and drop the mapping of the owner's blocks."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self.remote = None  # type: ignore[assignment]
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
