@@ -19,7 +19,7 @@ from model_driver import DrivenRequest, MiniScheduler, greedy
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama_path):
-    r = ModelRunner(EngineConfig(model=tiny_llama_path, max_model_len=128,
+    r = ModelRunner(EngineConfig(model=tiny_llama_path, device="cpu", max_model_len=128,
                                  num_gpu_blocks_override=32))
     r.allocate_kv_cache(r.determine_num_blocks())
     return r
@@ -41,7 +41,7 @@ def test_model_info_and_kv_cache_layout(runner):
 
 
 def test_kv_written_to_the_right_slots(tiny_llama_path):
-    r = ModelRunner(EngineConfig(model=tiny_llama_path, max_model_len=128,
+    r = ModelRunner(EngineConfig(model=tiny_llama_path, device="cpu", max_model_len=128,
                                  num_gpu_blocks_override=8))
     r.allocate_kv_cache(8)
     blocks = [5, 2]  # 20 tokens: block 5 full, 4 tokens of block 2
@@ -54,7 +54,7 @@ def test_kv_written_to_the_right_slots(tiny_llama_path):
 
 
 def test_cpu_sizing(tiny_llama_path):
-    cfg = EngineConfig(model=tiny_llama_path, max_model_len=128, max_num_seqs=4)
+    cfg = EngineConfig(model=tiny_llama_path, device="cpu", max_model_len=128, max_num_seqs=4)
     r = ModelRunner(cfg)
     bb = r.block_bytes
     assert bb == 2 * 2 * 2 * 16 * 16 * 4
@@ -70,7 +70,7 @@ def test_cpu_sizing(tiny_llama_path):
 
 
 def test_allocation_logs_blocks_and_tokens(tiny_llama_path, caplog):
-    r = ModelRunner(EngineConfig(model=tiny_llama_path, max_model_len=64))
+    r = ModelRunner(EngineConfig(model=tiny_llama_path, device="cpu", max_model_len=64))
     with caplog.at_level(logging.INFO, logger="pdserve.model"):
         r.allocate_kv_cache(12)
     msg = " ".join(rec.getMessage() for rec in caplog.records if rec.name == "pdserve.model")
@@ -172,15 +172,15 @@ def test_malformed_requests_raise(runner):
 
 
 def test_execute_before_allocation_fails(tiny_llama_path):
-    r = ModelRunner(EngineConfig(model=tiny_llama_path, max_model_len=64))
+    r = ModelRunner(EngineConfig(model=tiny_llama_path, device="cpu", max_model_len=64))
     req = ScheduledRequest("a", [1, 2], 0, [0], True, SamplingParams(), [1, 2], [])
     with pytest.raises(RuntimeError, match="allocate_kv_cache"):
         r.execute(SchedulerOutput(scheduled=[req]))
 
 
 def test_bfloat16_on_cpu(tiny_qwen3_path):
-    r = ModelRunner(EngineConfig(model=tiny_qwen3_path, dtype="bfloat16", max_model_len=64,
-                                 num_gpu_blocks_override=8))
+    r = ModelRunner(EngineConfig(model=tiny_qwen3_path, device="cpu", dtype="bfloat16",
+                                 max_model_len=64, num_gpu_blocks_override=8))
     r.allocate_kv_cache(8)
     assert r.model_info.dtype == "bfloat16" and r.kv_cache.dtype == torch.bfloat16
     assert r.kv_cache_spec.element_size == 2

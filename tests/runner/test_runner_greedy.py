@@ -37,7 +37,7 @@ def _hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 
 
 def _runner(path: str) -> ModelRunner:
-    runner = ModelRunner(EngineConfig(model=path, max_model_len=256, block_size=B,
+    runner = ModelRunner(EngineConfig(model=path, device="cpu", max_model_len=256, block_size=B,
                                       num_gpu_blocks_override=NUM_BLOCKS))
     runner.allocate_kv_cache(runner.determine_num_blocks())
     return runner
