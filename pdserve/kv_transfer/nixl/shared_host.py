@@ -11,9 +11,10 @@ GPU. Reading the owner's mirror directly is one host-to-device DMA from pinned m
 file has no name, so nothing is left in ``/dev/shm`` when a process dies; the kernel frees it
 when the last process maps it no more.
 
-Both sides pin the mapping for the GPU (``cudaHostRegister``; measured on one H200 host: about
-0.6 s per 4 GiB for the owner, which also faults the pages in, and 0.09 s per GiB for a reader),
-once. On CPU the same file is mapped without pinning (tests).
+Both sides pin the mapping for the GPU (``cudaHostRegister``), once: measured on one H200 host,
+about 0.6 s per GiB for the owner, which also faults the pages in, and 0.09 s per GiB for a
+reader (docs/benchmarks.md, "P/D on one GPU"). On CPU the same file is mapped without pinning
+(tests).
 """
 
 from __future__ import annotations
