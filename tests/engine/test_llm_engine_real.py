@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import engine_fakes
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
@@ -21,10 +22,12 @@ def prompt(length: int, salt: int = 0) -> list[int]:
 
 PROMPTS = [prompt(n, salt=i) for i, n in enumerate(LENGTHS)]
 
+pytestmark = pytest.mark.usefixtures("scheduling_mode")
+
 
 def make_engine(path: str, **kw) -> LLMEngine:
     args = dict(model=path, dtype="float32", device="cpu", block_size=BS, max_model_len=128,
-                num_gpu_blocks_override=256)
+                num_gpu_blocks_override=256, async_scheduling=engine_fakes.ASYNC_SCHEDULING)
     args.update(kw)
     return LLMEngine(EngineConfig(**args))
 
@@ -38,7 +41,7 @@ def assert_all_free(engine: LLMEngine) -> None:
 @pytest.fixture(scope="module")
 def one_at_a_time(tiny_llama_path) -> list[list[int]]:
     """Greedy tokens of each prompt run alone, without prefix caching."""
-    engine = make_engine(tiny_llama_path, enable_prefix_caching=False)
+    engine = make_engine(tiny_llama_path, enable_prefix_caching=False, async_scheduling=False)
     try:
         outs = [engine.generate([p], GREEDY)[0] for p in PROMPTS]
         assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
