@@ -203,12 +203,15 @@ class FakeRemote:
         release: request ids whose held blocks the "decoder" has read; reported in
             finished_sending on the next poll.
         load_error: the reason reported with a poisoned load (``load_errors``), or None.
+        first_tokens: request id -> the "prefiller's" first token, reported with its finished
+            load (``KVConnectorOutput.first_tokens``).
     """
 
     load_delay_steps: int = 2
     poison: dict[str, set[int]] = field(default_factory=dict)
     load_error: KVLoadError | None = None
     release: set[str] = field(default_factory=set)
+    first_tokens: dict[str, int] = field(default_factory=dict)
     added: list[str] = field(default_factory=list)
     finished_calls: list[tuple[str, list[int]]] = field(default_factory=list)
     matched_calls: list[tuple[str, int]] = field(default_factory=list)
@@ -296,6 +299,8 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
             entry[0] -= 1
             if entry[0] <= 0 or rid in finished_req_ids:
                 out.finished_recving.add(rid)
+                if rid in self.remote.first_tokens:
+                    out.first_tokens[rid] = self.remote.first_tokens[rid]
                 out.invalid_block_ids |= entry[1]
                 if entry[1] and self.remote.load_error is not None:
                     out.load_errors[rid] = self.remote.load_error
