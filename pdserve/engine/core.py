@@ -181,8 +181,8 @@ class EngineCore:
         self.overlap: OverlappedSteps | None = None
         if config.async_scheduling:
             if config.tensor_parallel_size > 1:
-                logger.warning("--async-scheduling is not supported with tensor parallelism; "
-                               "steps run synchronously")
+                logger.info("tensor parallelism: engine steps run synchronously "
+                            "(--async-scheduling applies at TP 1)")
             else:
                 self.overlap = OverlappedSteps(self.scheduler, runner)
         # KV events (--kv-events-endpoint): the block manager records, the publisher sends.

@@ -364,8 +364,9 @@ def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> 
                 if 0 <= t < vocab:
                     rows.append(i)
                     cols.append(t)
-    if rows:
-        logits[rows, cols] = float("-inf")
+    if rows:  # index tensors copied without waiting for the device (overlapped steps)
+        idx = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device, non_blocking=True)
+        logits[idx[0], idx[1]] = float("-inf")
 
 
 def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

@@ -311,9 +311,9 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
         return out
 
 
-# async_scheduling of the engines built here unless a test says otherwise (the
-# ``scheduling_mode`` fixture of tests/engine/conftest.py sets it)
-ASYNC_SCHEDULING = False
+# async_scheduling of the engines built here unless a test says otherwise: the engine's
+# default (the ``scheduling_mode`` fixture of tests/engine/conftest.py sets each mode)
+ASYNC_SCHEDULING = EngineConfig.async_scheduling
 
 
 def make_config(**kw: Any) -> EngineConfig:
