@@ -5,10 +5,11 @@
 :class:`pdserve.engine.async_engine.AsyncEngine` spawns, speaking the protocol of
 :mod:`pdserve.engine.messages` over ZMQ.
 
-Why one module of about 470 lines: the class is the engine loop's one owner of its resources
+Why one module of about 520 lines: the class is the engine loop's one owner of its resources
 (scheduler, runner, connector sides, KV-event publisher) and of their start-up order, wait
 deadlines and shutdown; the process entry point next to it only wires sockets to those methods.
 Splitting the loop from the resources it orders would spread one life cycle over two files.
+The overlapped step (``--async-scheduling``) lives in :mod:`pdserve.engine.async_step`.
 """
 
 from __future__ import annotations

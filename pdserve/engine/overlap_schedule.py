@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from pdserve.engine.admission import admit_waiting
 from pdserve.engine.outputs import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import Scheduler
@@ -37,7 +38,11 @@ if TYPE_CHECKING:
 
 def uses_penalties(req: Request) -> bool:
     """True when the request's next token depends on the values of its earlier tokens."""
-    sp = req.sampling_params
+    return uses_penalties_params(req.sampling_params)
+
+
+def uses_penalties_params(sp: SamplingParams) -> bool:
+    """True when sampling with ``sp`` applies a repetition, presence or frequency penalty."""
     return sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
 
 
@@ -97,13 +102,22 @@ def schedule_overlapped(sched: "Scheduler", running_step: SchedulerOutput) -> Sc
 
 def _round_next(sched: "Scheduler", running_step: SchedulerOutput) -> bool:
     """True when a multi-step round may follow ``running_step``: rounds are on, every running
-    request decodes in it, and no waiting request could be admitted."""
+    request decodes in it, no waiting request could be admitted, and nothing rules a round out
+    (the conditions of :func:`~pdserve.engine.multi_step.schedule_multi_step`)."""
     if sched.num_scheduler_steps <= 1:
         return False
     if sched.waiting and len(sched.running) < sched.max_num_seqs:
         return False
-    return (len(running_step.scheduled) == len(sched.running)
-            and all(sr.sample and len(sr.token_ids) == 1 for sr in running_step.scheduled))
+    if sched.waiting_for_remote or sched.has_pending_kv_work():
+        return False
+    if len(running_step.scheduled) != len(sched.running):
+        return False
+    for sr in running_step.scheduled:
+        sp = sr.sampling_params
+        if (not sr.sample or len(sr.token_ids) != 1 or sp.logprobs is not None
+                or uses_penalties_params(sp) or sr.output_position() + 1 < sp.min_tokens):
+            return False
+    return True
 
 
 def _scheduled(req: Request, start: int, num_new: int, pending: bool) -> ScheduledRequest:

@@ -9,10 +9,12 @@ registers it with the KV connector's worker side itself
 :meth:`ModelRunner.set_kv_connector_worker`; the runner then drives the worker around every
 forward pass.
 
-Why one module of about 510 lines: it is the one ``run()`` of the engine (nano-vllm's shape),
+Why one module of about 610 lines: it is the one ``run()`` of the engine (nano-vllm's shape),
 the only place that owns tensors: KV cache sizing (the arithmetic itself is torch-free, in
 :mod:`pdserve.memory_budget`), input preparation, the forward pass, CUDA-graph replay,
-multi-step rounds and sampling share its device buffers and must change together.
+multi-step rounds, overlapped steps (``execute_async``; the launched step and the device-side
+input feeding are in :mod:`pdserve.runner.overlap`) and sampling share its device buffers and
+must change together.
 """
 
 from __future__ import annotations
