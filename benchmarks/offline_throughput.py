@@ -14,6 +14,11 @@ scheduling, after vLLM's option of that name): an offline batch does not stream,
 of 16 tokens cost nothing, and the host schedules once per 16 decode steps. The engine's own
 default is 1; ``--num-scheduler-steps 1`` measures that.
 
+``--async-scheduling both`` runs pdserve twice on the same requests, with overlapped scheduling
+(the engine default: step n+1 is launched before step n's tokens are read) and with synchronous
+steps, and prints both lines (``pdserve`` and ``pdserve-sync``) and their ratio: the issue #15
+before/after figure in one call, e.g. ``--skip-hf --num-scheduler-steps 1 --async-scheduling both``.
+
 ``transformers`` cannot give each sequence of a batch its own output length, so it runs the
 requests in batches of ``--hf-batch-size`` (sorted by output length, which favours it: less
 padding) with ``max_new_tokens`` = the longest output of the batch, and only the requested
@@ -29,6 +34,8 @@ Examples::
     # a quick check on a CPU (tiny random Qwen3, a few short requests)
     python benchmarks/offline_throughput.py --model-preset tiny-qwen3 --num-prompts 8 \\
         --min-len 4 --max-len 16 --dtype float32
+    # the engine default (token-by-token steps), overlapped scheduling on and off
+    python benchmarks/offline_throughput.py --skip-hf --num-scheduler-steps 1 --async-scheduling both
     # issue #17's families (one GPU): Qwen3-30B-A3B (MoE, about 61 GB of bf16 weights; each
     # engine loads its own copy, one after the other) and Qwen2.5-7B shaped, dummy weights;
     # transformers on the longest-output requests only (--hf-max-prompts) keeps its part short
@@ -40,6 +47,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -169,21 +177,26 @@ def _free_device_memory() -> None:
 
 
 class StepTimer:
-    """Wraps ``runner.execute`` to split the engine's wall time into model-runner steps with a
-    prefill (or chunk), pure-decode steps, and the rest (scheduler, detokenising, bookkeeping).
-    ``execute`` returns host lists, so each call's time includes its GPU work; a multi-step
-    round counts as ``num_steps`` steps of equal length."""
+    """Wraps ``runner.execute`` (and ``execute_async``) to split the engine's wall time into
+    model-runner steps with a prefill (or chunk), pure-decode steps, and the rest (scheduler,
+    detokenising, bookkeeping). ``execute`` returns host lists, so each call's time includes its
+    GPU work; ``execute_async`` (overlapped scheduling) only launches a step, so its time is the
+    host's part and the GPU work shows up where the engine waits for the tokens, outside the
+    runner. A multi-step round counts as ``num_steps`` steps of equal length."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, label: str = "pdserve"):
         self.runner = runner
+        self.label = label
         self.inner = runner.execute
+        self.inner_async = runner.execute_async
         self.times = {"prefill": [], "decode": []}
         self.decode_batch: list[int] = []
-        runner.execute = self._execute
+        runner.execute = lambda sched: self._execute(self.inner, sched)
+        runner.execute_async = lambda sched: self._execute(self.inner_async, sched)
 
-    def _execute(self, sched):
+    def _execute(self, inner, sched):
         t = time.perf_counter()
-        out = self.inner(sched)
+        out = inner(sched)
         kind = "prefill" if any(len(r.token_ids) > 1 for r in sched.scheduled) else "decode"
         elapsed = time.perf_counter() - t
         if kind == "decode":  # a multi-step round counts as its num_steps steps
@@ -196,6 +209,7 @@ class StepTimer:
     def report(self, total_s: float) -> None:
         """Print the split (seconds, steps, mean step time)."""
         self.runner.execute = self.inner
+        self.runner.execute_async = self.inner_async
         inside = 0.0
         for kind, ts in self.times.items():
             inside += sum(ts)
@@ -204,10 +218,10 @@ class StepTimer:
             longest = max(ts) * 1e3 if ts else 0.0
             extra = (f", mean batch {sum(self.decode_batch) / len(self.decode_batch):.0f}"
                      if kind == "decode" and self.decode_batch else "")
-            print(f"[pdserve] {kind} steps: {len(ts)}, {sum(ts):.2f} s in the runner, "
+            print(f"[{self.label}] {kind} steps: {len(ts)}, {sum(ts):.2f} s in the runner, "
                   f"{mean:.2f} ms/step (median {median:.2f}, max {longest:.2f}){extra}",
                   flush=True)
-        print(f"[pdserve] outside the runner (scheduler, engine): {total_s - inside:.2f} s",
+        print(f"[{self.label}] outside the runner (scheduler, engine): {total_s - inside:.2f} s",
               flush=True)
 
 
@@ -223,14 +237,14 @@ def profile_decode_steps(engine, work: Workload, args: argparse.Namespace) -> No
     from pdserve.engine.sampling_params import SamplingParams
 
     runner = engine.core.runner
-    inner = runner.execute
+    inner, inner_async = runner.execute, runner.execute_async
     longest = max(work.output_lens)  # max_model_len leaves room for this many after any prompt
     calls = longest // args.num_scheduler_steps  # decode runner calls of the longest request
     count = min(args.profile_decode, max(1, calls // 2))
     first = max(1, min(100 // args.num_scheduler_steps, calls - count - 1))
     state = {"n": 0, "prof": None, "t0": 0.0, "wall": 0.0, "batch": 0, "steps": 0}
 
-    def execute(sched):
+    def execute(sched, run=inner):
         decode = all(len(r.token_ids) == 1 for r in sched.scheduled) and sched.scheduled
         if decode:
             state["n"] += 1
@@ -242,7 +256,7 @@ def profile_decode_steps(engine, work: Workload, args: argparse.Namespace) -> No
             if first <= state["n"] < first + count:
                 state["batch"] += len(sched.scheduled) * sched.num_steps
                 state["steps"] += sched.num_steps
-        out = inner(sched)
+        out = run(sched)
         if decode and state["n"] == first + count - 1:
             _sync(args.device)
             state["wall"] = time.perf_counter() - state["t0"]
@@ -250,13 +264,14 @@ def profile_decode_steps(engine, work: Workload, args: argparse.Namespace) -> No
         return out
 
     runner.execute = execute
+    runner.execute_async = lambda sched: execute(sched, inner_async)
     try:
         n = min(args.max_num_seqs, len(work.prompts))
         max_tokens = min(longest, (first + count + 2) * args.num_scheduler_steps + 20)
         engine.generate(work.prompts[:n], SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                                          temperature=1.0))
     finally:
-        runner.execute = inner
+        runner.execute, runner.execute_async = inner, inner_async
     prof = state["prof"]
     if prof is None or not state["wall"]:
         print("[profile] too few decode steps to profile", flush=True)
@@ -273,8 +288,11 @@ def profile_decode_steps(engine, work: Workload, args: argparse.Namespace) -> No
           flush=True)
 
 
-def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Result:
-    """Generate the workload with :class:`pdserve.engine.llm_engine.LLMEngine`."""
+def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace,
+                async_scheduling: bool = True) -> Result:
+    """Generate the workload with :class:`pdserve.engine.llm_engine.LLMEngine`, with overlapped
+    scheduling (result ``pdserve``) or synchronous steps (``pdserve-sync``)."""
+    label = "pdserve" if async_scheduling else "pdserve-sync"
     from pdserve.config import EngineConfig, KVCacheDtype
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
@@ -294,10 +312,12 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Re
         enforce_eager=args.enforce_eager,
         num_scheduler_steps=args.num_scheduler_steps,
         kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
+        async_scheduling=async_scheduling,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(config)
-    print(f"[pdserve] engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"[{label}] engine ready in {time.perf_counter() - t0:.1f} s (async_scheduling "
+          f"{async_scheduling})", flush=True)
     try:
         params = [
             SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature, top_p=1.0)
@@ -307,14 +327,14 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Re
         engine.generate(work.prompts[: min(4, len(work.prompts))],
                         SamplingParams(max_tokens=4, ignore_eos=True))
         _sync(args.device)
-        stats = StepTimer(engine.core.runner)
+        stats = StepTimer(engine.core.runner, label)
         t0 = time.perf_counter()
         outputs = engine.generate(work.prompts, params)
         _sync(args.device)
         seconds = time.perf_counter() - t0
         stats.report(seconds)
         attn = engine.core.runner.model.attn_backend
-        print(f"[pdserve] prefill attention: {attn.last_prefill_impl}", flush=True)
+        print(f"[{label}] prefill attention: {attn.last_prefill_impl}", flush=True)
         if args.profile_decode:
             profile_decode_steps(engine, work, args)
     finally:
@@ -328,7 +348,7 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace) -> Re
     produced = sum(len(o.token_ids) for o in outputs)
     if produced != work.num_output_tokens:
         raise RuntimeError(f"pdserve produced {produced} tokens, {work.num_output_tokens} were asked for")
-    return Result("pdserve", seconds, len(outputs), work.num_prompt_tokens, produced)
+    return Result(label, seconds, len(outputs), work.num_prompt_tokens, produced)
 
 
 def run_transformers(model_dir: Path, work: Workload, args: argparse.Namespace) -> Result:
@@ -413,6 +433,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-scheduler-steps", type=int, default=16,
                    help="pdserve decode steps per scheduling round (multi-step scheduling; "
                         "offline batches do not stream, so the default is 16; 1 = every step)")
+    p.add_argument("--async-scheduling", choices=["on", "off", "both"], default="on",
+                   help="pdserve with overlapped scheduling (on, the engine default), with "
+                        "synchronous steps (off), or both one after the other on the same "
+                        "requests (results 'pdserve' and 'pdserve-sync')")
     p.add_argument("--hf-batch-size", type=int, default=128)
     p.add_argument("--hf-max-prompts", type=int, default=0,
                    help="run transformers on only the N longest-output requests (0 = all)")
@@ -438,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{work.num_output_tokens} output tokens, model {args.model_preset} (dummy weights), "
           f"dtype {args.dtype}, pdserve kv_cache_dtype {args.kv_cache_dtype}, "
           f"num_scheduler_steps {args.num_scheduler_steps}, "
+          f"async_scheduling {args.async_scheduling}, "
           f"torch {torch.__version__}"
           + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", CPU"),
           flush=True)
@@ -446,13 +471,17 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     try:
         model_dir = write_model_config(tmp / args.model_preset, args.model_preset)
-        runs = ([] if args.skip_pdserve else [run_pdserve]) + ([] if args.skip_hf else [run_transformers])
-        for run in runs:
+        modes = {"on": [True], "off": [False], "both": [True, False]}[args.async_scheduling]
+        runs = ([] if args.skip_pdserve else
+                [(f"run_pdserve(async_scheduling={m})",
+                  functools.partial(run_pdserve, async_scheduling=m)) for m in modes])
+        runs += [] if args.skip_hf else [("run_transformers", run_transformers)]
+        for name, run in runs:
             try:
                 r = run(model_dir, work, args)
             except Exception as exc:  # report and still run the other engine
-                failures.append(f"{run.__name__}: {type(exc).__name__}: {exc}")
-                print(f"[{run.__name__}] FAILED: {exc!r}", file=sys.stderr, flush=True)
+                failures.append(f"{name}: {type(exc).__name__}: {exc}")
+                print(f"[{name}] FAILED: {exc!r}", file=sys.stderr, flush=True)
                 continue
             results.append(r)
             print(f"[{r.engine}] {r.output_tokens} output tokens in {r.seconds:.2f} s = "
@@ -466,9 +495,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.output_tokens_per_s:>16,.0f}")
     by = {r.engine: r for r in results}
     ratio = None
-    if "pdserve" in by and "transformers" in by:
-        ratio = by["pdserve"].output_tokens_per_s / by["transformers"].output_tokens_per_s
-        print(f"pdserve / transformers = {ratio:.1f}x")
+    ours = by.get("pdserve") or by.get("pdserve-sync")
+    if ours is not None and "transformers" in by:
+        ratio = ours.output_tokens_per_s / by["transformers"].output_tokens_per_s
+        print(f"{ours.engine} / transformers = {ratio:.1f}x")
+    if "pdserve" in by and "pdserve-sync" in by:
+        print(f"overlapped / synchronous steps = "
+              f"{by['pdserve'].output_tokens_per_s / by['pdserve-sync'].output_tokens_per_s:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as fh:
             json.dump({"args": vars(args),

@@ -77,6 +77,14 @@ class EngineConfig:
             and reads tokens back once per round, so its per-step work overlaps the GPU. Tokens
             then reach clients in bursts of up to this many, and new requests wait up to one
             round. 1 (the default) schedules every step.
+        async_scheduling: overlapped scheduling (``--async-scheduling``): the engine core
+            schedules and launches step n+1 while the device still runs step n; step n+1's
+            decodes take step n's sampled tokens on the device, and the host reads step n's
+            tokens after step n+1 is launched, so they reach clients one step later and the
+            device never waits for the host between steps. Outputs are those of the
+            synchronous path; steps it cannot overlap run synchronously
+            (:mod:`pdserve.engine.async_step` lists them). On by default; ignored at
+            tensor-parallel size > 1.
         kv_transfer_config: parsed ``--kv-transfer-config`` (None: no connector).
         trust_remote_code: passed to transformers when reading configs/tokenizers.
         kv_events_endpoint: ZMQ endpoint on which the engine core publishes its prefix-cache
@@ -123,6 +131,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
     num_scheduler_steps: int = 1
+    async_scheduling: bool = True
     kv_transfer_config: KVTransferConfig | None = None
     trust_remote_code: bool = False
     kv_events_endpoint: str | None = None

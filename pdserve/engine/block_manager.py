@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from itertools import chain
 from typing import TYPE_CHECKING, Sequence
 
 from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -117,6 +118,10 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # tokens found
         self._events: list[KVEvent] | None = None  # None: KV events off
+        # Overlapped scheduling: requests of the launched step(s) the device may still be
+        # running, and the block lists of such requests freed meanwhile (held until released).
+        self._in_flight: frozenset[str] = frozenset()
+        self._deferred: list[tuple[str, list[int]]] = []
 
     # ---------------------------------------------------------------- KV events
     def enable_events(self) -> None:
@@ -356,6 +361,35 @@ class KVCacheManager:
         request.block_ids = []
         if not blocks:
             return
+        if rid in self._in_flight:
+            self._deferred.append((rid, blocks))
+            return
+        self._release(blocks)
+
+    def set_in_flight(self, req_ids: "set[str] | frozenset[str]") -> None:
+        """Overlapped scheduling: name the requests of the steps launched but not yet known to
+        be complete on the device. :meth:`free` of such a request keeps its blocks (they stay
+        referenced, neither free nor reusable) until a later call no longer names it, since the
+        device may still write that step's KV into them (an extra token of a request that
+        finished one step earlier, or one aborted meanwhile). A KV load from another instance
+        into a reused block would otherwise race with that write."""
+        self._in_flight = frozenset(req_ids)
+        if not self._deferred:
+            return
+        keep = []
+        for rid, blocks in self._deferred:
+            if rid in self._in_flight:
+                keep.append((rid, blocks))
+            else:
+                self._release(blocks)
+        self._deferred = keep
+
+    @property
+    def num_deferred_blocks(self) -> int:
+        """Blocks of freed requests still held for a launched step (see :meth:`set_in_flight`)."""
+        return sum(len(blocks) for _, blocks in self._deferred)
+
+    def _release(self, blocks: list[int]) -> None:
         for block_id in reversed(blocks):
             rc = self.ref_counts[block_id] - 1
             if rc < 0:
@@ -378,7 +412,7 @@ class KVCacheManager:
             AssertionError: when reference counts, the free queue and the hash map disagree.
         """
         held: dict[int, int] = {}
-        for blocks in self._req_blocks.values():
+        for blocks in chain(self._req_blocks.values(), (b for _, b in self._deferred)):
             for b in blocks:
                 held[b] = held.get(b, 0) + 1
         for b in range(self.num_blocks):

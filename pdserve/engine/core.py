@@ -5,10 +5,11 @@
 :class:`pdserve.engine.async_engine.AsyncEngine` spawns, speaking the protocol of
 :mod:`pdserve.engine.messages` over ZMQ.
 
-Why one module of about 470 lines: the class is the engine loop's one owner of its resources
+Why one module of about 520 lines: the class is the engine loop's one owner of its resources
 (scheduler, runner, connector sides, KV-event publisher) and of their start-up order, wait
 deadlines and shutdown; the process entry point next to it only wires sockets to those methods.
 Splitting the loop from the resources it orders would spread one life cycle over two files.
+The overlapped step (``--async-scheduling``) lives in :mod:`pdserve.engine.async_step`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import traceback
 from typing import Any
 
 from pdserve.config import EngineConfig
+from pdserve.engine.async_step import OverlappedSteps
 from pdserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -175,6 +177,15 @@ class EngineCore:
             self.config, self.num_blocks, self.connector, eos_token_ids=self.eos_token_ids
         )
         self._connector_stats: list[dict[str, Any]] = []
+        # --async-scheduling: steps two deep (pdserve/engine/async_step.py); TP ranks run
+        # synchronous steps only.
+        self.overlap: OverlappedSteps | None = None
+        if config.async_scheduling:
+            if config.tensor_parallel_size > 1:
+                logger.info("tensor parallelism: engine steps run synchronously "
+                            "(--async-scheduling applies at TP 1)")
+            else:
+                self.overlap = OverlappedSteps(self.scheduler, runner)
         # KV events (--kv-events-endpoint): the block manager records, the publisher sends.
         self.kv_events: KVEventPublisher | None = None
         if config.kv_events_endpoint:
@@ -225,7 +236,8 @@ class EngineCore:
     # ---------------------------------------------------------------- stepping
     def has_work(self) -> bool:
         """True when a step could make progress or the connector needs polling."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_work()
+        return (self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_work()
+                or (self.overlap is not None and self.overlap.in_flight))
 
     def step(self) -> tuple[list[EngineCoreOutput], bool]:
         """One engine step: schedule, execute, commit.
@@ -234,18 +246,25 @@ class EngineCore:
         finished requests must be reported to the runner), the runner still executes an empty
         batch so the connector gets polled.
 
+        With ``--async-scheduling`` the step is :meth:`OverlappedSteps.step
+        <pdserve.engine.async_step.OverlappedSteps.step>`: the outputs are those of the step
+        launched one call earlier.
+
         Returns:
             ``(outputs, computed)``: per-request deltas and whether any token was computed.
         """
-        sched = self.scheduler.schedule()
-        if not sched.scheduled and not sched.finished_req_ids and not self.scheduler.has_pending_kv_work():
-            return [], False
-        out = self.runner.execute(sched)
-        outputs = self.scheduler.update_from_output(sched, out)
-        kv_out = out.kv_connector_output
+        if self.overlap is not None:
+            outputs, computed, out = self.overlap.step()
+        else:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled and not sched.finished_req_ids and not self.scheduler.has_pending_kv_work():
+                return [], False
+            out = self.runner.execute(sched)
+            outputs, computed = self.scheduler.update_from_output(sched, out), bool(sched.scheduled)
+        kv_out = out.kv_connector_output if out is not None else None
         if kv_out is not None and kv_out.stats:
             self._connector_stats.append(kv_out.stats)
-        return outputs, bool(sched.scheduled)
+        return outputs, computed
 
     def wait_timeout_s(self, progressed: bool) -> float:
         """Seconds the core loop may block waiting for input or a connector wake-up before it

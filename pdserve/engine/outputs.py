@@ -13,7 +13,7 @@ shared by reference, not copied.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import KVLoadError
@@ -40,6 +40,13 @@ class ScheduledRequest:
         prompt_token_ids: the prompt (for the repetition penalty).
         output_token_ids: the tokens generated so far (for penalties and ``min_tokens``).
         eos_token_id: EOS id, suppressed while fewer than ``min_tokens`` tokens exist.
+        input_from_previous_step: overlapped scheduling (:mod:`pdserve.engine.async_step`):
+            ``token_ids`` is one placeholder (:data:`PLACEHOLDER_TOKEN`) for the token the
+            runner sampled for this request in the previous step, which the host does not know
+            yet; the runner takes it from that step's sampled tokens on the device.
+        num_output_tokens: output tokens before this step's sample, the one sampled by the
+            previous step included when ``input_from_previous_step`` (its output position);
+            -1 means ``len(output_token_ids)``. Read it through :meth:`output_position`.
     """
 
     req_id: str
@@ -51,6 +58,17 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_id: int | None = None
+    input_from_previous_step: bool = False
+    num_output_tokens: int = -1
+
+    def output_position(self) -> int:
+        """Output tokens that exist before the token this step samples (the position of that
+        token among the outputs): seeded draws, ``min_tokens`` and forced tokens key on it."""
+        return len(self.output_token_ids) if self.num_output_tokens < 0 else self.num_output_tokens
+
+
+# token_ids of a ScheduledRequest whose input is the previous step's sampled token (on device)
+PLACEHOLDER_TOKEN = -1
 
 
 @dataclass
@@ -169,3 +187,13 @@ class EngineCoreOutput:
     num_transferred_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+
+
+class PendingStep(Protocol):
+    """A step launched by ``runner.execute_async(sched)`` whose results the host reads later
+    (overlapped scheduling, :mod:`pdserve.engine.async_step`)."""
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step's sampled tokens (on CUDA: its event) and return the step's
+        output, as ``runner.execute(sched)`` would have."""
+        ...

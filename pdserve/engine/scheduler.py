@@ -295,7 +295,8 @@ class Scheduler:
                 )
                 continue
             outputs.append(self.append_token(req, token, out.logprobs.get(sr.req_id)))
-        remote_kv.sync_loads.clear()
+        for sr in sched.scheduled:  # not clear(): an overlapped next step may have loads too
+            remote_kv.sync_loads.pop(sr.req_id, None)
 
         if kv_out is not None:
             outputs.extend(remote_kv.process_kv_output(kv_out, invalid))

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-scheduler-steps", type=positive_int, default=None,
                    help="decode steps per scheduling round when all running requests decode "
                         "(multi-step scheduling; tokens stream in bursts of this many; default 1)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlapped scheduling: prepare and launch step n+1 while the device "
+                        "runs step n; each token reaches the client one step later (default: "
+                        "on; --no-async-scheduling runs every step synchronously)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* "
                         "(default: $PDSERVE_API_KEY if set)")
@@ -126,7 +130,7 @@ def engine_config_from_args(args: argparse.Namespace, kv_transfer_config: Any) -
         data_parallel_join_timeout=args.data_parallel_join_timeout,
     )
     for name in ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization",
-                 "num_scheduler_steps"):
+                 "num_scheduler_steps", "async_scheduling"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value

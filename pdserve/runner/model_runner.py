@@ -9,10 +9,12 @@ registers it with the KV connector's worker side itself
 :meth:`ModelRunner.set_kv_connector_worker`; the runner then drives the worker around every
 forward pass.
 
-Why one module of about 510 lines: it is the one ``run()`` of the engine (nano-vllm's shape),
+Why one module of about 610 lines: it is the one ``run()`` of the engine (nano-vllm's shape),
 the only place that owns tensors: KV cache sizing (the arithmetic itself is torch-free, in
 :mod:`pdserve.memory_budget`), input preparation, the forward pass, CUDA-graph replay,
-multi-step rounds and sampling share its device buffers and must change together.
+multi-step rounds, overlapped steps (``execute_async``; the launched step and the device-side
+input feeding are in :mod:`pdserve.runner.overlap`) and sampling share its device buffers and
+must change together.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import kv_head_range
 from pdserve.models.loader import load_model, model_max_len, resolve_device, tp_device
 from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
+from pdserve.runner.overlap import DeviceTokens, PendingRunnerStep, feed_previous_tokens
 from pdserve.runner.sampler import Sampler
 
 logger = logging.getLogger("pdserve.model")
@@ -136,6 +139,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_spec: KVCacheSpec | None = None
         self._connector: KVConnectorWorkerSide | None = None
+        # the last execute_async step's sampled tokens: inputs of the next step's placeholders
+        self._previous_tokens: DeviceTokens | None = None
         # CUDA graphs of pure-decode steps (built by allocate_kv_cache; None = eager).
         self.decode_graphs: CUDAGraphRunner | None = None
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
@@ -353,6 +358,7 @@ class ModelRunner:
                 beyond ``max_model_len``).
         """
         self.sampler.drop(sched.finished_req_ids)
+        self._previous_tokens = None
         worker = self._connector
         if worker is not None:
             worker.bind_connector_metadata(sched.kv_connector_metadata)
@@ -374,9 +380,64 @@ class ModelRunner:
             out.kv_connector_output = worker.get_finished(sched.finished_req_ids)
         return out
 
+    @torch.inference_mode()
+    def execute_async(self, sched: SchedulerOutput) -> PendingRunnerStep:
+        """Launch one engine step whose sampled tokens stay on the device (overlapped
+        scheduling, :mod:`pdserve.engine.async_step`): as :meth:`execute`, except that
+        placeholder inputs (``input_from_previous_step``) take the previous
+        ``execute_async`` step's sampled tokens on the device, and the result is read later
+        through the returned step. A batch with logprobs or penalties samples on the host
+        (:meth:`Sampler.samples_on_host <pdserve.runner.sampler.Sampler.samples_on_host>`).
+
+        Raises:
+            RuntimeError: the KV cache was not allocated.
+            ValueError: a malformed scheduled request, a multi-step round, or a placeholder
+                whose request the previous step did not sample.
+        """
+        if sched.num_steps > 1:
+            raise ValueError("multi-step rounds run through execute()")
+        if self.kv_cache is None:
+            raise RuntimeError("allocate_kv_cache() must be called before execute_async()")
+        self.sampler.drop(sched.finished_req_ids)
+        worker = self._connector
+        if worker is not None:
+            worker.bind_connector_metadata(sched.kv_connector_metadata)
+            worker.start_load_kv()
+        sampled: list[ScheduledRequest] = []
+        logprobs = {}
+        tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        if sched.scheduled:
+            sampled, logits = self._forward_logits(sched.scheduled, self.kv_cache,
+                                                   self._previous_tokens)
+        if sampled and self.sampler.samples_on_host(sampled):
+            token_list, lps = self.sampler.sample(logits, sampled)
+            tokens = torch.tensor(token_list, dtype=torch.int64).to(self.device, non_blocking=True)
+            logprobs = {r.req_id: lp for r, lp in zip(sampled, lps) if lp is not None}
+        elif sampled:
+            tokens = self.sampler.sample_on_device(logits, sampled)
+        req_ids = [r.req_id for r in sampled]
+        self._previous_tokens = DeviceTokens({rid: i for i, rid in enumerate(req_ids)}, tokens)
+        kv_out = worker.get_finished(sched.finished_req_ids) if worker is not None else None
+        return PendingRunnerStep(req_ids, tokens, logprobs, kv_out)
+
     def _forward_and_sample(self, scheduled: list[ScheduledRequest], kv_cache: torch.Tensor):
         """Flatten the batch (prefills first, then single-token decodes), run the model and
         sample. Returns ``(sampled_requests, token_ids, logprobs)`` in matching order."""
+        sampled, logits = self._forward_logits(scheduled, kv_cache)
+        if not sampled:
+            return [], [], []
+        tokens, logprobs = self.sampler.sample(logits, sampled)
+        return sampled, tokens, logprobs
+
+    def _forward_logits(self, scheduled: list[ScheduledRequest], kv_cache: torch.Tensor,
+                        previous: DeviceTokens | None = None):
+        """Flatten the batch (prefills first, then single-token decodes) and run the model
+        (replaying a decode graph when it can); placeholder inputs are fed from ``previous``.
+
+        Returns:
+            ``(sampled_requests, logits)``: the requests with ``sample=True`` and their
+            ``[len(sampled_requests), vocab]`` float32 logits (None when none samples).
+        """
         prefills = [r for r in scheduled if len(r.token_ids) > 1]
         decodes = [r for r in scheduled if len(r.token_ids) == 1]
         if len(prefills) + len(decodes) != len(scheduled):
@@ -385,7 +446,8 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and not prefills and kv_cache is self.kv_cache
                 and len(decodes) <= graphs.max_batch_size):
-            return self._decode_with_graph(decodes, graphs)
+            return self._decode_with_graph(decodes, graphs, previous)
+        fed: list[tuple[int, str]] = []  # (input row, req_id) of placeholders
         input_ids: list[int] = []
         positions: list[int] = []
         logits_idx: list[int] = []
@@ -398,6 +460,8 @@ class ModelRunner:
                 logits_idx.append(len(input_ids) - 1)
                 sampled.append(r)
         for r in decodes:
+            if r.input_from_previous_step:
+                fed.append((len(input_ids), r.req_id))
             input_ids.append(r.token_ids[0])
             positions.append(r.num_computed_tokens)
             if r.sample:
@@ -414,11 +478,9 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         idx_t = torch.tensor(logits_idx, dtype=torch.int64).to(dev, non_blocking=True)
+        feed_previous_tokens(ids_t, fed, previous)
         logits = self.model(ids_t, pos_t, kv_cache, meta, idx_t)
-        if not sampled:
-            return [], [], []
-        tokens, logprobs = self.sampler.sample(logits, sampled)
-        return sampled, tokens, logprobs
+        return sampled, (logits if sampled else None)
 
     def _multi_step_decode(self, decodes: list[ScheduledRequest], num_steps: int
                            ) -> dict[str, list[int]]:
@@ -479,9 +541,10 @@ class ModelRunner:
                 out[r.req_id].append(tok)
         return out
 
-    def _replay_decode_graph(self, decodes: list[ScheduledRequest], graphs: CUDAGraphRunner
-                             ) -> torch.Tensor:
-        """Fill the graph's static inputs for a pure-decode batch and replay it.
+    def _replay_decode_graph(self, decodes: list[ScheduledRequest], graphs: CUDAGraphRunner,
+                             previous: DeviceTokens | None = None) -> torch.Tensor:
+        """Fill the graph's static inputs for a pure-decode batch (placeholder tokens fed from
+        ``previous`` on the device) and replay it.
 
         Returns:
             ``[len(decodes), vocab]`` float32 logits (a view of the graph's output buffer).
@@ -514,30 +577,35 @@ class ModelRunner:
         counts = torch.tensor(num_blocks, dtype=torch.int64)
         table = torch.zeros((len(decodes), rows), dtype=torch.int32)
         table[torch.arange(rows)[None, :] < counts[:, None]] = flat
+        ids_t = torch.tensor(ids, dtype=torch.int64)
+        fed = [(i, r.req_id) for i, r in enumerate(decodes) if r.input_from_previous_step]
+        if fed:
+            ids_t = ids_t.to(self.device, non_blocking=True)
+            feed_previous_tokens(ids_t, fed, previous)
         return graphs.run({
-            "input_ids": torch.tensor(ids, dtype=torch.int64),
+            "input_ids": ids_t,
             "positions": torch.tensor(positions, dtype=torch.int64),
             "slot_mapping": torch.tensor(slots, dtype=torch.int64),
             "block_tables": table,
             "context_lens": torch.tensor(lens, dtype=torch.int32),
         })
 
-    def _decode_with_graph(self, decodes: list[ScheduledRequest], graphs: CUDAGraphRunner):
-        """A pure-decode step replayed from the captured graph of the next padded batch size,
-        then sampled outside the graph. Same return value as :meth:`_forward_and_sample`.
+    def _decode_with_graph(self, decodes: list[ScheduledRequest], graphs: CUDAGraphRunner,
+                           previous: DeviceTokens | None = None):
+        """A pure-decode step replayed from the captured graph of the next padded batch size;
+        sampling happens outside the graph. Same return value as :meth:`_forward_logits`.
 
         Raises:
             ValueError: a position beyond ``max_model_len`` or a block table too short.
         """
-        logits = self._replay_decode_graph(decodes, graphs)
+        logits = self._replay_decode_graph(decodes, graphs, previous)
         sampled = [r for r in decodes if r.sample]
         if not sampled:
-            return [], [], []
+            return [], None
         if len(sampled) != len(decodes):
             rows_idx = [i for i, r in enumerate(decodes) if r.sample]
             logits = logits[torch.tensor(rows_idx, device=logits.device)]
-        tokens, logprobs = self.sampler.sample(logits, sampled)
-        return sampled, tokens, logprobs
+        return sampled, logits
 
     def shutdown(self) -> None:
         """Release the KV cache and the weights (the connector is shut down by its owner)."""

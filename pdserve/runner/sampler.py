@@ -118,6 +118,28 @@ class Sampler:
                 out_lp[i] = TokenLogprobs(token_id=token_list[i], logprob=chosen[j], top=top)
         return token_list, out_lp
 
+    @staticmethod
+    def samples_on_host(reqs: Sequence[ScheduledRequest]) -> bool:
+        """True when :meth:`sample` must read tokens on the host (logprobs) or needs output
+        token values (penalties); otherwise :meth:`sample_on_device` gives the same tokens."""
+        return any(r.sampling_params.logprobs is not None or _has_penalty(r.sampling_params)
+                   for r in reqs)
+
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """:meth:`sample` for a batch without logprobs or penalties, leaving the tokens on the
+        device (overlapped scheduling: nothing here waits for the GPU).
+
+        Args:
+            logits: ``[S, vocab]`` float32, row ``i`` belongs to ``reqs[i]``; modified in place.
+            reqs: the requests being sampled, in row order.
+
+        Returns:
+            ``[S]`` int64 tokens on the device, those :meth:`sample` would return.
+        """
+        apply_min_tokens(logits, reqs)
+        return self.draw(logits, self.plan(reqs))
+
     def plan(self, reqs: Sequence[ScheduledRequest]) -> "SamplingPlan":
         """The per-row drawing parameters of ``reqs`` as device tensors, built once so that
         :meth:`draw` can run several times (one per decode step of a multi-step round) without
@@ -147,7 +169,7 @@ class Sampler:
         if any(p.min_p > 0.0 for p in rp):
             plan.min_p = torch.tensor([p.min_p for p in rp], dtype=torch.float32, device=dev)[:, None]
         unseeded = [j for j, p in enumerate(rp) if p.seed is None]
-        plan.seeded = [(j, params[i].seed, len(reqs[i].output_token_ids))
+        plan.seeded = [(j, params[i].seed, reqs[i].output_position())
                        for j, i in enumerate(sampled) if params[i].seed is not None]
         if plan.seeded and unseeded:
             plan.unseeded_rows = torch.tensor(unseeded, dtype=torch.int64, device=dev)
@@ -174,7 +196,7 @@ class Sampler:
                 seed = self._row_seeds[r.req_id] = self._seed_rng.getrandbits(31)
             seeds.append(seed)
         host = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32)
-        ints = torch.tensor([[s, len(r.output_token_ids), p.top_k if p.top_k > 0 else 2**62]
+        ints = torch.tensor([[s, r.output_position(), p.top_k if p.top_k > 0 else 2**62]
                              for s, r, p in zip(seeds, reqs, params)], dtype=torch.int64)
         host, ints = host.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
         plan.temperatures = host[:, 0].contiguous()
@@ -288,6 +310,10 @@ class SamplingPlan:
     unit_temperatures: torch.Tensor | None = None
 
 
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> None:
     """Repetition, presence and frequency penalties, in place on ``logits`` ``[S, V]``.
 
@@ -330,7 +356,7 @@ def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> 
     vocab = logits.shape[1]
     for i, r in enumerate(reqs):
         p = r.sampling_params
-        if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+        if p.min_tokens and r.output_position() < p.min_tokens:
             ids = list(p.stop_token_ids)
             if r.eos_token_id is not None:
                 ids.append(r.eos_token_id)
@@ -338,8 +364,9 @@ def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> 
                 if 0 <= t < vocab:
                     rows.append(i)
                     cols.append(t)
-    if rows:
-        logits[rows, cols] = float("-inf")
+    if rows:  # index tensors copied without waiting for the device (overlapped steps)
+        idx = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device, non_blocking=True)
+        logits[idx[0], idx[1]] = float("-inf")
 
 
 def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

@@ -79,6 +79,8 @@ class FakeModelRunner:
         self.worker: Any = None
         self.steps: list[SchedulerOutput] = []
         self.num_executes = 0
+        self._launched: list[FakePendingStep] = []  # execute_async steps not yet "run"
+        self._previous: dict[str, int] = {}  # the last run step's sampled tokens
 
     def determine_num_blocks(self) -> int:
         return self.num_blocks
@@ -101,18 +103,53 @@ class FakeModelRunner:
         return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._run_launched()
+        self._previous = {}
         self.num_executes += 1
         if sched.scheduled:
             self.steps.append(sched)
         if self.worker is not None:
             self.worker.bind_connector_metadata(sched.kv_connector_metadata)
             self.worker.start_load_kv()
+        out = ModelRunnerOutput()
+        out.sampled_token_ids = self._compute(sched)
+        if self.worker is not None:
+            out.kv_connector_output = self.worker.get_finished(sched.finished_req_ids)
+        return out
+
+    def execute_async(self, sched: SchedulerOutput) -> "FakePendingStep":
+        """Overlapped scheduling's launch: connector work happens now (as on the host), the
+        "device" work (KV writes, sampling) only when a result is asked for, in launch order:
+        the latest a real device could run it, so that a block reused too early by the engine
+        (e.g. for a KV load) is overwritten by a late write and the tokens show it."""
+        self.num_executes += 1
+        if sched.scheduled:
+            self.steps.append(sched)
+        if self.worker is not None:
+            self.worker.bind_connector_metadata(sched.kv_connector_metadata)
+            self.worker.start_load_kv()
+        step = FakePendingStep(self, sched)
+        self._launched.append(step)
+        if self.worker is not None:
+            step.kv_out = self.worker.get_finished(sched.finished_req_ids)
+        return step
+
+    def _run_launched(self, until: "FakePendingStep | None" = None) -> None:
+        while self._launched:
+            step = self._launched.pop(0)
+            step.tokens = self._previous = self._compute(step.sched)
+            if step is until:
+                return
+
+    def _compute(self, sched: SchedulerOutput) -> dict[str, int]:
         # Write every scheduled token's KV first (as a layer-wise forward pass does), then read.
         for sr in sched.scheduled:
             for i, tok in enumerate(sr.token_ids):
+                if sr.input_from_previous_step:
+                    tok = self._previous[sr.req_id]
                 pos = sr.num_computed_tokens + i
                 self.kv[self._slot(sr.block_ids, pos)] = (pos, tok)
-        out = ModelRunnerOutput()
+        sampled: dict[str, int] = {}
         for sr in sched.scheduled:
             if not sr.sample:
                 continue
@@ -120,16 +157,29 @@ class FakeModelRunner:
             seq = [self.kv[self._slot(sr.block_ids, p)] for p in range(end)]
             tok = reference_next_token(seq)
             if self.force is not None:
-                forced = self.force(sr.req_id, len(sr.output_token_ids))
+                forced = self.force(sr.req_id, sr.output_position())
                 if forced is not None:
                     tok = forced
-            out.sampled_token_ids[sr.req_id] = tok
-        if self.worker is not None:
-            out.kv_connector_output = self.worker.get_finished(sched.finished_req_ids)
-        return out
+            sampled[sr.req_id] = tok
+        return sampled
 
     def shutdown(self) -> None:
         pass
+
+
+class FakePendingStep:
+    """A step launched by :meth:`FakeModelRunner.execute_async`."""
+
+    def __init__(self, runner: FakeModelRunner, sched: SchedulerOutput):
+        self.runner = runner
+        self.sched = sched
+        self.tokens: dict[str, int] | None = None
+        self.kv_out: KVConnectorOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self.tokens is None:
+            self.runner._run_launched(until=self)
+        return ModelRunnerOutput(sampled_token_ids=dict(self.tokens), kv_connector_output=self.kv_out)
 
 
 # ------------------------------------------------------------------ fake KV connector
@@ -153,12 +203,15 @@ class FakeRemote:
         release: request ids whose held blocks the "decoder" has read; reported in
             finished_sending on the next poll.
         load_error: the reason reported with a poisoned load (``load_errors``), or None.
+        first_tokens: request id -> the "prefiller's" first token, reported with its finished
+            load (``KVConnectorOutput.first_tokens``).
     """
 
     load_delay_steps: int = 2
     poison: dict[str, set[int]] = field(default_factory=dict)
     load_error: KVLoadError | None = None
     release: set[str] = field(default_factory=set)
+    first_tokens: dict[str, int] = field(default_factory=dict)
     added: list[str] = field(default_factory=list)
     finished_calls: list[tuple[str, list[int]]] = field(default_factory=list)
     matched_calls: list[tuple[str, int]] = field(default_factory=list)
@@ -246,6 +299,8 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
             entry[0] -= 1
             if entry[0] <= 0 or rid in finished_req_ids:
                 out.finished_recving.add(rid)
+                if rid in self.remote.first_tokens:
+                    out.first_tokens[rid] = self.remote.first_tokens[rid]
                 out.invalid_block_ids |= entry[1]
                 if entry[1] and self.remote.load_error is not None:
                     out.load_errors[rid] = self.remote.load_error
@@ -256,7 +311,13 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
         return out
 
 
+# async_scheduling of the engines built here unless a test says otherwise: the engine's
+# default (the ``scheduling_mode`` fixture of tests/engine/conftest.py sets each mode)
+ASYNC_SCHEDULING = EngineConfig.async_scheduling
+
+
 def make_config(**kw: Any) -> EngineConfig:
+    kw.setdefault("async_scheduling", ASYNC_SCHEDULING)
     kw.setdefault("block_size", 4)
     kw.setdefault("max_num_batched_tokens", 64)
     kw.setdefault("max_num_seqs", 16)

@@ -49,9 +49,12 @@ async def wait_all_free(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(tiny_llama_path):
-    eng = await AsyncEngine.start(EngineConfig(model=tiny_llama_path, **ARGS))
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[False, True],
+                        ids=["sync", "async"])
+async def engine(tiny_llama_path, request):
+    """The shared engine, with synchronous steps and with overlapped scheduling."""
+    eng = await AsyncEngine.start(EngineConfig(model=tiny_llama_path, async_scheduling=request.param,
+                                               **ARGS))
     try:
         yield eng
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import engine_fakes
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
@@ -21,10 +22,12 @@ def prompt(length: int, salt: int = 0) -> list[int]:
 
 PROMPTS = [prompt(n, salt=i) for i, n in enumerate(LENGTHS)]
 
+pytestmark = pytest.mark.usefixtures("scheduling_mode")
+
 
 def make_engine(path: str, **kw) -> LLMEngine:
     args = dict(model=path, dtype="float32", device="cpu", block_size=BS, max_model_len=128,
-                num_gpu_blocks_override=256)
+                num_gpu_blocks_override=256, async_scheduling=engine_fakes.ASYNC_SCHEDULING)
     args.update(kw)
     return LLMEngine(EngineConfig(**args))
 
@@ -38,7 +41,7 @@ def assert_all_free(engine: LLMEngine) -> None:
 @pytest.fixture(scope="module")
 def one_at_a_time(tiny_llama_path) -> list[list[int]]:
     """Greedy tokens of each prompt run alone, without prefix caching."""
-    engine = make_engine(tiny_llama_path, enable_prefix_caching=False)
+    engine = make_engine(tiny_llama_path, enable_prefix_caching=False, async_scheduling=False)
     try:
         outs = [engine.generate([p], GREEDY)[0] for p in PROMPTS]
         assert all(o.finish_reason == "length" and len(o.token_ids) == 10 for o in outs)
@@ -170,3 +173,63 @@ def test_multi_step_rounds_stop_at_max_model_len_and_keep_seeded_sampling(tiny_l
     (single, single_reasons), (multi, multi_reasons) = results
     assert len(single[0]) == 70 - 60 and single_reasons[0] == "length"
     assert multi == single and multi_reasons == single_reasons
+
+
+def _overlapped_steps(engine: LLMEngine) -> list[int]:
+    """Wraps the runner's ``execute_async`` so the test sees how many decodes of each
+    launched step took the previous step's token on the device."""
+    fed: list[int] = []
+    runner = engine.core.runner
+    inner = runner.execute_async
+
+    def execute_async(sched):
+        fed.append(sum(sr.input_from_previous_step for sr in sched.scheduled))
+        return inner(sched)
+
+    runner.execute_async = execute_async
+    return fed
+
+
+def test_sampling_options_give_the_synchronous_tokens(tiny_llama_path, scheduling_mode):
+    """Seeded sampling (with top-k / top-p / min-p, and twice the same seed, as ``n > 1``
+    children), penalties, logprobs, ``min_tokens`` and stop tokens in one batch: the tokens,
+    finish reasons and logprobs of the engine equal those of synchronous steps."""
+    ref_engine = make_engine(tiny_llama_path, async_scheduling=False)
+    try:
+        ref_tokens = ref_engine.generate([PROMPTS[5]], GREEDY)[0].token_ids
+    finally:
+        ref_engine.shutdown()
+    params = [
+        SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, top_k=20, top_p=0.9, min_p=0.05, max_tokens=12,
+                       ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[ref_tokens[3]]),
+        SamplingParams(temperature=0.0, max_tokens=10, min_tokens=6, stop_token_ids=[ref_tokens[1]]),
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=8, repetition_penalty=1.3,
+                       frequency_penalty=0.5, presence_penalty=0.2, ignore_eos=True),
+    ]
+    prompts = [PROMPTS[2], PROMPTS[2], PROMPTS[6], PROMPTS[5], PROMPTS[5], PROMPTS[3], PROMPTS[4]]
+    results = []
+    for async_scheduling in (False, scheduling_mode):
+        engine = make_engine(tiny_llama_path, async_scheduling=async_scheduling)
+        try:
+            fed = _overlapped_steps(engine) if async_scheduling else []
+            outs = engine.generate(prompts, params)
+            results.append(outs)
+            if async_scheduling:
+                assert sum(fed) > 0, "no step was overlapped"
+            assert_all_free(engine)
+        finally:
+            engine.shutdown()
+    sync, tested = results
+    for s, t in zip(sync, tested):
+        assert (t.token_ids, t.finish_reason, t.stop_reason) == (s.token_ids, s.finish_reason,
+                                                                 s.stop_reason)
+        assert [(lp.token_id, [i for i, _ in lp.top]) for lp in t.logprobs] == \
+            [(lp.token_id, [i for i, _ in lp.top]) for lp in s.logprobs]
+        assert [lp.logprob for lp in t.logprobs] == pytest.approx([lp.logprob for lp in s.logprobs])
+    assert tested[0].token_ids == tested[1].token_ids
+    assert tested[3].finish_reason == "stop" and tested[3].token_ids == ref_tokens[:4]
+    assert len(tested[4].token_ids) >= 6 and len(tested[5].logprobs) == 6

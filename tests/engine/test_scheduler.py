@@ -19,6 +19,9 @@ from engine_fakes import (
 from pdserve.engine.request import RequestStatus
 
 
+pytestmark = pytest.mark.usefixtures("scheduling_mode")
+
+
 def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 30) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(0, 900) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

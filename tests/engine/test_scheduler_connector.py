@@ -20,6 +20,9 @@ from pdserve.kv_transfer.base import KVLoadError, KVLoadFailure
 REMOTE = {"remote": True}
 
 
+pytestmark = pytest.mark.usefixtures("scheduling_mode")
+
+
 def test_remote_load_waits_then_computes_only_the_last_token():
     remote = FakeRemote(load_delay_steps=3)
     core, runner = make_core(remote=remote)

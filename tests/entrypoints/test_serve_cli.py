@@ -47,6 +47,7 @@ def test_every_option_reaches_engine_config() -> None:
         "--no-enable-prefix-caching", "--max-model-len", "1024", "--max-num-batched-tokens",
         "512", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5", "--kv-cache-memory",
         "1GiB", "--num-gpu-blocks-override", "64", "--enforce-eager", "--trust-remote-code",
+        "--no-async-scheduling",
     ])
     kv = object()
     cfg = engine_config_from_args(args, kv)
@@ -55,7 +56,10 @@ def test_every_option_reaches_engine_config() -> None:
         dtype="bfloat16", device="cpu", seed=5, block_size=32, enable_prefix_caching=False,
         max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=8,
         gpu_memory_utilization=0.5, kv_cache_memory=2**30, num_gpu_blocks_override=64,
-        enforce_eager=True, kv_transfer_config=kv, trust_remote_code=True)
+        enforce_eager=True, kv_transfer_config=kv, trust_remote_code=True,
+        async_scheduling=False)
+    on = build_parser().parse_args(["--async-scheduling"])
+    assert engine_config_from_args(on, None).async_scheduling is True
 
 
 @pytest.mark.parametrize("argv", [

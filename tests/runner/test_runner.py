@@ -158,6 +158,36 @@ def test_logprobs_through_runner(runner):
         assert math.isclose(lp.top[0][1], lp.logprob, rel_tol=1e-6) and lp.logprob <= 0
 
 
+def test_execute_async_feeds_the_previous_steps_token_on_the_device(runner):
+    """A placeholder decode (``input_from_previous_step``) reads the token the previous
+    ``execute_async`` step sampled: the same tokens as ``execute`` with the token known, for a
+    greedy and a seeded request; a placeholder with no previous sample is an error."""
+    prompt = list(range(400, 413))
+    greedy_p, seeded_p = SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=5)
+
+    def prefill(rid, params, blocks):
+        return ScheduledRequest(rid, prompt, 0, blocks, True, params, prompt, [])
+
+    def decode(rid, params, blocks, token, fed):
+        return ScheduledRequest(rid, [-1 if fed else token], len(prompt), blocks, True, params,
+                                prompt, [] if fed else [token], input_from_previous_step=fed,
+                                num_output_tokens=1 if fed else -1)
+
+    reqs = [("g", greedy_p, [0]), ("s", seeded_p, [1])]
+    first = runner.execute(SchedulerOutput(scheduled=[prefill(*r) for r in reqs]))
+    second = runner.execute(SchedulerOutput(scheduled=[
+        decode(*r, first.sampled_token_ids[r[0]], False) for r in reqs]))
+    runner.execute(SchedulerOutput(finished_req_ids={"g", "s"}))
+
+    step1 = runner.execute_async(SchedulerOutput(scheduled=[prefill(*r) for r in reqs]))
+    step2 = runner.execute_async(SchedulerOutput(scheduled=[decode(*r, 0, True) for r in reqs]))
+    assert step1.result().sampled_token_ids == first.sampled_token_ids
+    assert step2.result().sampled_token_ids == second.sampled_token_ids
+    with pytest.raises(ValueError, match="previous step"):
+        runner.execute_async(SchedulerOutput(scheduled=[decode("x", greedy_p, [2], 0, True)]))
+    runner.execute(SchedulerOutput(finished_req_ids={"g", "s"}))
+
+
 def test_malformed_requests_raise(runner):
     p = SamplingParams(temperature=0)
     with pytest.raises(ValueError, match="no tokens"):

@@ -1,0 +1,92 @@
+"""The runner's side of overlapped scheduling: sampled tokens kept on the device for the next
+step's inputs, and a launched step whose tokens the host reads later.
+
+On CUDA a step's ``[S]`` sampled tokens are copied (non-blocking) into pinned host memory and a
+CUDA event is recorded after the copy; :meth:`PendingRunnerStep.result` waits on that event
+only, so the host that launched step n+1 before asking for step n's tokens never waits for step
+n+1. Step n+1's decodes whose input is step n's token (``ScheduledRequest.
+input_from_previous_step``) get it by a device-side gather from step n's tokens
+(:func:`feed_previous_tokens`). On CPU torch runs synchronously: the same code gives the same
+tokens, without the overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput, TokenLogprobs
+
+
+@dataclass
+class DeviceTokens:
+    """The sampled tokens of the last launched step, on the device.
+
+    Attributes:
+        rows: req_id -> its row in ``tokens``.
+        tokens: ``[S]`` int64 on the runner's device.
+    """
+
+    rows: dict[str, int]
+    tokens: torch.Tensor
+
+
+def feed_previous_tokens(input_ids: torch.Tensor, rows: list[tuple[int, str]],
+                         previous: DeviceTokens | None) -> None:
+    """Write the previous step's sampled token of each request into its input row, on the
+    device and without waiting for it.
+
+    Args:
+        input_ids: ``[T]`` int64 input tokens of the step, on the device; modified in place.
+        rows: ``(row in input_ids, req_id)`` of the placeholder rows.
+        previous: the previous step's tokens.
+
+    Raises:
+        ValueError: a request was not sampled in the previous step (a scheduling bug).
+    """
+    if not rows:
+        return
+    missing = [rid for _, rid in rows if previous is None or rid not in previous.rows]
+    if missing:
+        raise ValueError(f"requests {missing[:5]} take their input token from a previous step "
+                         "that did not sample them")
+    dev = input_ids.device
+    dst = torch.tensor([i for i, _ in rows], dtype=torch.int64).to(dev, non_blocking=True)
+    src = torch.tensor([previous.rows[rid] for _, rid in rows], dtype=torch.int64
+                       ).to(dev, non_blocking=True)
+    input_ids[dst] = previous.tokens[src]
+
+
+class PendingRunnerStep:
+    """A launched step (``ModelRunner.execute_async``); implements
+    :class:`~pdserve.engine.outputs.PendingStep`.
+
+    Args:
+        req_ids: the sampled requests, in row order of ``tokens``.
+        tokens: ``[S]`` int64 sampled tokens on the device.
+        logprobs: req_id -> logprobs, for the requests that asked (sampled on the host).
+        kv_connector_output: the connector's report of this step, or None.
+    """
+
+    def __init__(self, req_ids: list[str], tokens: torch.Tensor,
+                 logprobs: dict[str, TokenLogprobs], kv_connector_output: KVConnectorOutput | None):
+        self._req_ids = req_ids
+        self._logprobs = logprobs
+        self._kv_out = kv_connector_output
+        self._event: torch.cuda.Event | None = None
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for this step's tokens (its event only) and return its output."""
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = self._host.tolist()
+        return ModelRunnerOutput(sampled_token_ids=dict(zip(self._req_ids, tokens)),
+                                 logprobs=self._logprobs, kv_connector_output=self._kv_out)
