@@ -41,8 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import MODEL_PRESETS, write_model_config  # noqa: E402
 
 
-def measure_tpot(model_dir: Path, eager: bool, args: argparse.Namespace) -> dict:
-    """TPOT and TTFT-ish time of one engine mode (seconds)."""
+def measure_tpot(model_dir: Path, eager: bool, args: argparse.Namespace,
+                 async_scheduling: bool = True) -> dict:
+    """TPOT and TTFT-ish time of one engine mode (seconds), with overlapped scheduling on or
+    off."""
     from pdserve.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
@@ -59,6 +61,7 @@ def measure_tpot(model_dir: Path, eager: bool, args: argparse.Namespace) -> dict
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,
         enforce_eager=eager,
+        async_scheduling=async_scheduling,
     )
     t0 = time.perf_counter()
     engine = LLMEngine(config)
@@ -90,7 +93,8 @@ def measure_tpot(model_dir: Path, eager: bool, args: argparse.Namespace) -> dict
             torch.cuda.empty_cache()
     t1, tn = statistics.median(one), statistics.median(full)
     return {
-        "mode": "eager" if eager else "graphs",
+        "mode": ("eager" if eager else "graphs") + ("" if async_scheduling else "-sync"),
+        "async_scheduling": async_scheduling,
         "startup_s": startup,
         "time_to_1_token_s": t1,
         f"time_to_{args.output_len}_tokens_s": tn,
@@ -249,6 +253,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
     p.add_argument("--kernels", action="store_true", help="also time the Triton kernels (CUDA)")
     p.add_argument("--skip-engine", action="store_true", help="only the kernel timings")
+    p.add_argument("--async-scheduling", choices=["on", "off", "both"], default="on",
+                   help="overlapped scheduling (the engine default: on), synchronous steps, or "
+                        "both in the same run")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     if args.output_len < 2:
@@ -273,15 +280,18 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tempfile.mkdtemp(prefix="pdserve-tpot-"))
         try:
             model_dir = write_model_config(tmp / args.model_preset, args.model_preset)
-            for mode in args.modes:
+            overlap = {"on": [True], "off": [False], "both": [True, False]}[args.async_scheduling]
+            for mode, async_on in [(m, a) for m in args.modes for a in overlap]:
                 try:
-                    r = measure_tpot(model_dir, eager=mode == "eager", args=args)
+                    r = measure_tpot(model_dir, eager=mode == "eager", args=args,
+                                     async_scheduling=async_on)
                 except Exception as exc:
                     results["failures"].append(f"{mode}: {type(exc).__name__}: {exc}")
                     print(f"[{mode}] FAILED: {exc!r}", file=sys.stderr, flush=True)
                     continue
                 results["engine"].append(r)
-                label = mode + (" (enforce_eager=False)" if mode == "graphs" else "")
+                label = r["mode"] + (" (enforce_eager=False)" if mode == "graphs" else "") \
+                    + (", overlapped scheduling" if async_on else ", synchronous steps")
                 print(f"[{label}] TPOT {r['tpot_ms']:.3f} ms (1 token "
                       f"{r['time_to_1_token_s'] * 1e3:.1f} ms, "
                       f"engine start {r['startup_s']:.1f} s)", flush=True)
@@ -297,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                 results["failures"].append(f"kernels: {type(exc).__name__}: {exc}")
                 print(f"[kernels] FAILED: {exc!r}", file=sys.stderr, flush=True)
     if results["engine"]:
-        print("\nmode     batch-1 TPOT (ms)")
+        print("\nmode          batch-1 TPOT (ms)")
         for r in results["engine"]:
-            print(f"{r['mode']:<8} {r['tpot_ms']:>17.3f}")
+            print(f"{r['mode']:<13} {r['tpot_ms']:>17.3f}")
     if args.output_json:
         with open(args.output_json, "w") as fh:
             json.dump({"args": vars(args), **results}, fh, indent=2)
