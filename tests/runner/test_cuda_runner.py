@@ -121,8 +121,9 @@ def test_cuda_graph_decode_matches_eager_bf16(tiny_qwen3_path):
 
 def test_cuda_graph_multi_step_rounds_match_single_steps(tiny_qwen3_path):
     """Multi-step rounds (token fed back on the GPU, slots and context lengths advanced in the
-    graph's static inputs) give the same greedy and seeded-sampled tokens as ordinary graph
-    decode steps; a request stopping inside a round keeps only its tokens up to the stop."""
+    graph's static inputs) and overlapped single steps (the previous step's token fed on the
+    GPU) give the same greedy and seeded-sampled tokens as synchronous graph decode steps; a
+    request stopping inside a round keeps only its tokens up to the stop."""
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
 
@@ -132,21 +133,24 @@ def test_cuda_graph_multi_step_rounds_match_single_steps(tiny_qwen3_path):
               SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, seed=8, max_tokens=24, ignore_eos=True)]
     results = {}
-    for steps in (1, 8):
+    for steps, overlap in ((1, False), (1, True), (8, False)):
         engine = LLMEngine(EngineConfig(model=tiny_qwen3_path, device="cuda", dtype="float32",
                                         max_model_len=256, max_num_seqs=8,
                                         num_gpu_blocks_override=NUM_BLOCKS,
-                                        num_scheduler_steps=steps))
+                                        num_scheduler_steps=steps, async_scheduling=overlap))
         try:
             assert engine.core.runner.decode_graphs is not None
-            rounds = []
-            inner = engine.core.runner.execute
-            engine.core.runner.execute = lambda s: (rounds.append(s.num_steps), inner(s))[1]
-            results[steps] = [o.token_ids for o in engine.generate(prompts, params)]
-            assert (max(rounds) == 8) == (steps == 8)
+            rounds, launched = [], []
+            runner = engine.core.runner
+            inner, inner_async = runner.execute, runner.execute_async
+            runner.execute = lambda s: (rounds.append(s.num_steps), inner(s))[1]
+            runner.execute_async = lambda s: (launched.append(s.num_steps), inner_async(s))[1]
+            results[steps, overlap] = [o.token_ids for o in engine.generate(prompts, params)]
+            assert (max(rounds, default=1) == 8) == (steps == 8)
+            assert bool(launched) == overlap
             kvm = engine.kv_cache_manager
             assert kvm.num_free_blocks == kvm.num_blocks
         finally:
             engine.shutdown()
-    assert results[8] == results[1]
-    assert all(len(t) == 24 for t in results[8])
+    assert results[8, False] == results[1, False] == results[1, True]
+    assert all(len(t) == 24 for t in results[8, False])
