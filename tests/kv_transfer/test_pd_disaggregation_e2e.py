@@ -257,7 +257,15 @@ def test_forged_block_ids(cluster, decoder, forge):
     forged = [(b + 100) % 1024 for b in ids] if forge == "shifted" else [10**6 + b for b in ids]
     _expect_failure_or_recompute(cluster, d, "completions", body,
                                  dict(params, remote_block_ids=forged), expected)
-    p.wait_all_blocks_free(timeout_s=10)  # D's abort notice released the real lease
+    # The forged params named the real request: P refused the claim and ignored the abort
+    # notice naming the forged blocks, so the honest decode still reads the real lease.
+    before = counters(d.metrics())
+    out = decode_leg(d, "completions", body, params)
+    assert out["status"] == 200 and out["text"] == expected, out
+    after = counters(d.wait_metrics(lambda m: counters(m)["requests"] > before["requests"]))
+    assert after["failed"] == before["failed"]
+    assert after["transferred"] - before["transferred"] == 45
+    p.wait_all_blocks_free(timeout_s=10)  # the honest read's "done" ended the lease
 
 
 @pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])

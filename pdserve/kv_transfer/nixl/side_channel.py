@@ -22,10 +22,11 @@ instances' ``REQ`` sockets:
     token the prefiller sampled (the decoder uses it, not the one a client relayed).
     ``instance_id`` (also in ``get_info``'s info) is new at every process start: a reader whose
     handshake named another instance knows the remote restarted and handshakes again.
-``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str[, "tp_rank": int,
-"expected": int]}``
+``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str, "block_ids": [int][,
+"tp_rank": int, "expected": int]}``
     -> ``{"ok": True}``: the same control messages as the NIXL notifications, for readers
     that could not load this agent's metadata (for example after a compatibility mismatch).
+    A notice acts only on a lease holding exactly ``block_ids`` (:mod:`.leases`).
     Without ``tp_rank`` a notice is for every TP rank of the instance (rank 0 forwards it);
     ``expected`` is the count a "done" carries (:mod:`.notifications`).
     ``"kind": "release", "block_ids": [int]`` is the proxy's early release of a lease the
