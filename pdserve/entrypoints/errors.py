@@ -17,7 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.openai_errors import error_type
+from pdserve.kv_transfer.base import KVLoadFailure
+from pdserve.openai_errors import UPSTREAM_ERROR, UPSTREAM_UNAVAILABLE, error_type
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,24 @@ def error_body(
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
     """A 400 ``BadRequestError``."""
     return OpenAIError(message, 400, param=param, code=code)
+
+
+def kv_load_error(message: str, failure: KVLoadFailure) -> OpenAIError:
+    """The client error of a request whose KV load failed under ``kv_load_failure_policy``
+    ``fail`` (``message``: the engine's, starting with the failure's phrase).
+
+    A reference the client relayed in ``kv_transfer_params`` that the owner refuses (unknown or
+    expired request, other tokens or blocks, a first token that is not the prefiller's) is a
+    400 ``BadRequestError`` with ``param`` ``kv_transfer_params``. A failure of the remote or
+    the transport is the remote's, as the proxy reports its upstreams' (``upstream_error``,
+    ``upstream_unavailable``): a prefiller that did not answer in time (unreachable or gone)
+    is a 503; a transport error or an incompatible remote KV cache a 502.
+    """
+    if failure.caused_by_params:
+        return bad_request(f"invalid kv_transfer_params: {message}", param="kv_transfer_params")
+    if failure is KVLoadFailure.TIMEOUT:
+        return OpenAIError(message, 503, type_=UPSTREAM_UNAVAILABLE)
+    return OpenAIError(message, 502, type_=UPSTREAM_ERROR)
 
 
 def model_not_found(name: str | None, served: str) -> OpenAIError:
