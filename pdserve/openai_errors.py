@@ -35,6 +35,13 @@ UPSTREAM_TIMEOUT = "upstream_timeout"
 STREAM_OPTIONS_WITHOUT_STREAM = "Stream options can only be defined when `stream=True`."
 
 
+def error_body(message: str, err_type: str, status: int, param: str | None = None) -> dict:
+    """The error object every pdserve server answers (engine and proxy alike), vLLM's
+    ``ErrorResponse``: ``{"error": {"message", "type", "param", "code"}}`` with ``code`` the HTTP
+    status as an integer."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
 def error_type(status: int) -> str:
     """The ``type`` of an error answered with ``status``: :data:`ERROR_TYPES`, else
     ``BadRequestError`` for another 4xx and ``InternalServerError`` for a 5xx."""

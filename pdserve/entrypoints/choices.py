@@ -65,12 +65,9 @@ def failed_request_error(state: ChoiceState) -> OpenAIError:
         return kv_load_error(state.error or "", state.kv_load_failure)
     if state.finish_reason == "abort":
         return OpenAIError(
-            state.error or "The request was aborted by the engine.", 503,
-            code="request_aborted",
-        )
+            state.error or "The request was aborted by the engine.", 503)
     return OpenAIError(
-        state.error or "The engine failed the request.", 500, code="engine_request_failed",
-    )
+        state.error or "The engine failed the request.", 500)
 
 
 def usage_of(states: Sequence[ChoiceState]) -> UsageInfo:

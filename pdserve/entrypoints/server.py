@@ -102,8 +102,7 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
         try:
             await engine.check_health()
         except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
-            return OpenAIError(f"The engine is not running: {e}", 503,
-                               code="engine_dead").response()
+            return OpenAIError(f"The engine is not running: {e}", 503).response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/kv_events")
@@ -112,8 +111,8 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
         ``--kv-events-endpoint`` is off. The proxy's ``--routing kv-aware`` reads it."""
         config = engine.config
         if not config.kv_events_endpoint:
-            return OpenAIError("KV events are off (start with --kv-events-endpoint)", 404,
-                               code="not_found").response()
+            return OpenAIError("KV events are off (start with --kv-events-endpoint)",
+                               404).response()
         snapshot = (config.kv_events_snapshot_endpoint
                     or default_snapshot_endpoint(config.kv_events_endpoint))
         return JSONResponse({"endpoint": config.kv_events_endpoint,

@@ -235,7 +235,7 @@ def _expect_failure_or_recompute(cluster, d: Server, endpoint: str, body: dict, 
             assert out["status"] == status, out
         if status == 400:
             error = out["error"]["error"]
-            assert error["param"] == "kv_transfer_params", error
+            assert error["param"] == "kv_transfer_params" and error["code"] == 400, error
             assert "kv_transfer_params" in error["message"], error
         assert out["text"] is None
     else:
