@@ -107,6 +107,22 @@ async def test_non_json_body_is_the_same_400_as_any_other(client: httpx.AsyncCli
         assert_openai_error(r, 400, "BadRequestError", message_has="JSON")
 
 
+@pytest.mark.parametrize("params", [
+    {"do_remote_prefill": 1},
+    {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "h",
+     "remote_port": 5600, "remote_request_id": "r", "remote_block_ids": ["3"]},
+    {"do_remote_prefill": True, "remote_engine_id": "p"},
+])
+async def test_malformed_kv_transfer_params_are_400_without_a_connector(
+        client: httpx.AsyncClient, fake_engine: FakeEngine, params: dict) -> None:
+    """The fake engine has no KV connector: malformed params are still refused at the edge."""
+    assert fake_engine.config.kv_transfer_config is None
+    r = await client.post(COMPLETIONS, json={"prompt": "x", "kv_transfer_params": params})
+    assert_openai_error(r, 400, "BadRequestError", param="kv_transfer_params",
+                        message_has="kv_transfer_params")
+    assert fake_engine.calls == {}
+
+
 @pytest.mark.parametrize("raw", [b"[1, 2]", b'"a string"', b"17"])
 async def test_body_not_an_object_is_400(client: httpx.AsyncClient, raw: bytes) -> None:
     r = await client.post(CHAT, content=raw, headers={"content-type": "application/json"})
