@@ -207,6 +207,50 @@ async def test_unknown_fields_are_ignored(client: httpx.AsyncClient,
     assert len(fake_engine.calls) == 2
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    (CHAT, {"tools": [TOOL]}, "tools"),
+    (CHAT, {"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"function_call": "auto"}, "function_call"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"logit_bias": {"50": -100}}, "logit_bias"),
+    (COMPLETIONS, {"logit_bias": {"50": 5}}, "logit_bias"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages"),
+    (CHAT, {"messages": [{"role": "system", "content": None}, *USER_HI]}, "messages"),
+])
+async def test_unsupported_fields_are_400_not_ignored(client: httpx.AsyncClient,
+                                                      fake_engine: FakeEngine, path: str,
+                                                      extra: dict, param: str) -> None:
+    """Fields pdserve does not implement would change the answer if honoured: a 400 naming
+    the field, before the engine sees the request."""
+    base = {"prompt": "x"} if path == COMPLETIONS else {"messages": USER_HI}
+    r = await client.post(path, json={**base, "max_tokens": 2, **extra})
+    assert_openai_error(r, 400, "BadRequestError", param=param)
+    assert "not supported" in r.json()["error"]["message"] or "needs 'content'" in \
+        r.json()["error"]["message"]
+    assert fake_engine.calls == {}
+
+
+async def test_unsupported_fields_in_the_forms_that_ask_nothing_are_accepted(
+        client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
+    none = {"tools": [], "tool_choice": "none", "function_call": "none", "logit_bias": {},
+            "response_format": {"type": "text"}, "functions": None}
+    r = await client.post(CHAT, json={"messages": [*USER_HI, {"role": "assistant"}],
+                                      "max_tokens": 2, **none})
+    assert r.status_code == 200, r.text
+    r = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2, "logit_bias": None,
+                                             "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+
+
 # A proxied prefill leg: max_tokens 1 and no min_tokens, the client's limits beside them.
 P_LEG = {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
          "max_tokens": 1}
