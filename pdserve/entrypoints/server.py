@@ -303,6 +303,13 @@ def run_server(args: argparse.Namespace) -> int:
     except data_parallel.DataParallelConfigError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
+    from pdserve.tp_precheck import TPShardingError, check_splits
+
+    try:  # before any engine process starts
+        check_splits(config.model, config.tensor_parallel_size)
+    except TPShardingError as e:
+        print(f"pdserve serve: error: {e}", file=sys.stderr)
+        return 2
     kv = config.kv_transfer_config
     if (kv is not None and not data_parallel.is_loopback(args.host)
             and data_parallel.is_loopback(kv.side_channel_host)):
