@@ -120,13 +120,33 @@ def compat_hash(fields: dict[str, Any]) -> str:
 
 
 def compat_mismatch(local: dict[str, Any], remote: dict[str, Any]) -> str:
-    """Human-readable list of differing compatibility fields (empty when equal)."""
+    """Human-readable list of differing compatibility fields (empty when equal); per-layer
+    ``kv_scales`` are summarised (:func:`scales_mismatch`)."""
     diffs = [
-        f"{k}: local={local.get(k)!r} remote={remote.get(k)!r}"
+        scales_mismatch(local.get(k), remote.get(k), local.get("num_layers")) if k == "kv_scales"
+        else f"{k}: local={local.get(k)!r} remote={remote.get(k)!r}"
         for k in sorted(set(local) | set(remote))
         if local.get(k) != remote.get(k)
     ]
     return "; ".join(diffs)
+
+
+def scales_mismatch(local: Any, remote: Any, num_layers: Any, shown: int = 2) -> str:
+    """How two fp8 caches' ``kv_scales`` (per layer: all key scales, then all value scales)
+    differ: how many layers, and the first ``shown`` of them, not every scale."""
+    local, remote = list(local or ()), list(remote or ())
+    if len(local) != len(remote) or not isinstance(num_layers, int) or \
+            len(local) != 2 * num_layers:
+        return (f"kv_scales: local has {len(local) or 'none'}, remote {len(remote) or 'none'} "
+                f"(per-layer key and value scales of an fp8 KV cache)")
+    differ = [layer for layer in range(num_layers)
+              if (local[layer], local[num_layers + layer])
+              != (remote[layer], remote[num_layers + layer])]
+    first = "; ".join(
+        f"layer {layer}: local k={local[layer]:.6g} v={local[num_layers + layer]:.6g}, remote "
+        f"k={remote[layer]:.6g} v={remote[num_layers + layer]:.6g}" for layer in differ[:shown])
+    more = f"; ... ({len(differ) - shown} more)" if len(differ) > shown else ""
+    return f"kv_scales differ in {len(differ)} of {num_layers} layers ({first}{more})"
 
 
 def _bind_address(host: str) -> str:
