@@ -126,7 +126,8 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
         config = engine.config.kv_transfer_config
         try:
             ref = kv_release.parse_release(
-                config, body.get("kv_transfer_params") if isinstance(body, dict) else None)
+                config, body.get("kv_transfer_params") if isinstance(body, dict) else None,
+                engine.config.data_parallel_size)
         except KVTransferParamsError as e:
             raise bad_request(str(e), param="kv_transfer_params") from None
         try:

@@ -175,12 +175,13 @@ def test_expired_multi_turn_blocks_are_counted_apart(pair):
     assert sum(s["num_kv_turns_expired"] for s in acc["stats"]) == 1
 
 
-def test_release_frees_a_lease_at_once_only_for_its_blocks(pair):
+def test_release_frees_a_lease_at_once_only_for_its_blocks(pair, monkeypatch):
     """The proxy's early release (the decode leg will not read): exactly the leased blocks."""
     from pdserve.kv_transfer.config import KVTransferConfig
     from pdserve.kv_transfer.nixl.release import parse_release, send_release
 
     p, _ = pair
+    monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_PORT", str(p.port))  # P's front end's view
     lease(p, "p-rel", [22, 23])
     config = KVTransferConfig.from_dict(dict(make_config("kv_producer"), engine_id=p.engine_id))
     params = {"remote_engine_id": p.engine_id, "remote_host": "127.0.0.1",
