@@ -88,14 +88,15 @@ def test_proxy_relays_the_400_of_a_field_pdserve_does_not_support(cluster):
     gets P's 400 naming the field (vLLM's error shape: ``code`` is the status)."""
     via_proxy = client(cluster["proxy"].url)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    before = {n: cluster["servers"][n].metrics().get("pdserve:prompt_tokens_computed_total", 0.0)
-              for n in ("p0", "p1")}
+    def computed() -> dict[str, float]:
+        return {n: cluster["servers"][n].metrics().get("pdserve:prompt_tokens_computed_total", 0.0)
+                for n in ("p0", "p1")}
+
+    before = computed()
     with pytest.raises(openai.BadRequestError) as e:
         via_proxy.chat.completions.create(model=cluster["model"], max_tokens=4, tools=[tool],
                                           messages=[{"role": "user", "content": "hi"}])
     assert e.value.status_code == 400
     assert e.value.body["param"] == "tools" and e.value.body["code"] == 400, e.value.body
     assert "not supported" in e.value.body["message"]
-    after = {n: cluster["servers"][n].metrics().get("pdserve:prompt_tokens_computed_total", 0.0)
-             for n in ("p0", "p1")}
-    assert after == before  # nothing was prefilled
+    assert computed() == before  # nothing was prefilled
