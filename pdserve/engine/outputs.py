@@ -170,5 +170,5 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     num_transferred_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
-    error: str | None = None
     kv_load_failure: KVLoadFailure | None = None
+    error: str | None = None
