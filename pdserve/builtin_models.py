@@ -91,6 +91,11 @@ def converted_dir(name: str = BUILTIN_NAME) -> Path:
     return cache_root() / name
 
 
+def is_converted(name: str = BUILTIN_NAME) -> bool:
+    """True when the built-in model ``name`` was converted already (its directory is complete)."""
+    return (converted_dir(name) / _COMPLETE_MARKER).is_file()
+
+
 def ensure_converted(name: str = BUILTIN_NAME) -> Path:
     """Return the converted directory of the built-in model ``name``, converting its GGUF once
     if needed.

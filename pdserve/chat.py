@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, TextIO
 
 import httpx
+from pdserve.cli_types import Parser
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 HELP_TEXT = "commands: /reset = new conversation, /exit or Ctrl-D = quit, /help = this text"
@@ -210,7 +211,7 @@ def discover_model(client: httpx.Client) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve chat`` argument parser."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="pdserve chat", epilog=HELP_TEXT,
         description="Interactive chat against an OpenAI-compatible endpoint: streams the answer, "
                     "keeps a conversation_id, and shows each turn's TTFT and KV reuse.")

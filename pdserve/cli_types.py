@@ -1,14 +1,32 @@
-"""Argparse value validators shared by every command line (``serve``, ``proxy``, ``up``).
+"""Argparse value validators and the parser class shared by every command line (``serve``,
+``proxy``, ``up``, ``chat``, ``bench``).
 
 Each function takes the option's text and returns the typed value, or raises
 :class:`argparse.ArgumentTypeError`, which argparse turns into ``prog: error: ...`` and exit
-code 2. Torch-free, so the CLI entry points stay fast to start.
+code 2. :class:`Parser` prints a one-line usage before that error instead of the whole usage
+block. Torch-free, so the CLI entry points stay fast to start.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+from typing import NoReturn
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors print one short usage line and the error (exit code 2),
+    ``usage: PROG [options] (see PROG --help)``, rather than the whole usage block (``--help``
+    still shows everything)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print the short usage and ``PROG: error: MESSAGE`` to stderr; exit with code 2."""
+        self.exit(2, f"usage: {self.prog} [options] (see {self.prog} --help)\n"
+                     f"{self.prog}: error: {message}\n")
+
+
+#: A word that is a negative number (a value, e.g. of ``--decode-dp -1``, not an option).
+NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 # Size suffixes: binary (KiB, MiB, GiB, TiB) and decimal (K/KB, M/MB, G/GB, T/TB), any case.
 _SIZE_UNITS = {
@@ -53,9 +71,10 @@ def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"invalid integer {text!r}: the value must be a positive integer") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+        raise argparse.ArgumentTypeError(f"must be >= 1 (a positive integer), got {text}")
     return value
 
 

@@ -23,8 +23,23 @@ ERROR_TYPES = {
 }
 
 
+#: ``type`` of an error whose cause is an instance the answering server relied on: the proxy's
+#: upstream (prefill or decode instance), or the prefiller a decoder loads KV from. Unreachable
+#: (or silent): 503; failed or answered something unusable: 502; timed out (the proxy): 504.
+UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+UPSTREAM_ERROR = "upstream_error"
+UPSTREAM_TIMEOUT = "upstream_timeout"
+
+
 #: ``stream_options`` in a request that does not stream (vLLM's rule and wording).
 STREAM_OPTIONS_WITHOUT_STREAM = "Stream options can only be defined when `stream=True`."
+
+
+def error_body(message: str, err_type: str, status: int, param: str | None = None) -> dict:
+    """The error object every pdserve server answers (engine and proxy alike), vLLM's
+    ``ErrorResponse``: ``{"error": {"message", "type", "param", "code"}}`` with ``code`` the HTTP
+    status as an integer."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
 def error_type(status: int) -> str:

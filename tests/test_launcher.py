@@ -622,3 +622,37 @@ def test_plan_with_data_parallel_engines():
     with pytest.raises(LaunchError, match="data-parallel rank"):
         _plan(["--port", str(base + 1), "--prefill-dp", "2",
                "--prefill-side-channel-ports", str(base)])
+
+
+def _exit_code(call) -> int:
+    try:
+        return call()
+    except SystemExit as e:  # argparse's errors exit (the console script's exit code)
+        return e.code
+
+
+def test_a_negative_count_says_it_must_be_a_positive_integer(capsys):
+    """``--decode-dp -1`` is a value, not an option: the error names the option and says the
+    value must be a positive integer (it said "expected one argument")."""
+    for argv in (["--decode-dp", "-1"], ["--num-prefillers", "-2"], ["--prefill-dp", "0"],
+                 ["--prefill-tp", "-1"]):
+        assert _exit_code(lambda: launcher.main(argv, gpus=[])) == 2
+        err = capsys.readouterr().err
+        assert argv[0] in err and "positive integer" in err, err
+        assert "expected one argument" not in err
+
+
+@pytest.mark.parametrize("argv", [["serve", "--bogus"], ["proxy", "--bogus"],
+                                  ["up", "--port", "x"], ["chat", "--bogus"],
+                                  ["bench", "multi-turn", "--bogus"]],
+                         ids=lambda argv: argv[0])
+def test_argument_errors_print_one_short_usage_line(argv, capsys):
+    """Every subcommand: an argument error prints ``usage: pdserve X [options] (see pdserve X
+    --help)`` and the error, not the whole usage block; exit code 2."""
+    from pdserve.cli import main as pdserve_main
+
+    assert _exit_code(lambda: pdserve_main(argv)) == 2
+    prog = "pdserve " + " ".join(a for a in argv if not a.startswith("-") and a != "x")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0] == f"usage: {prog} [options] (see {prog} --help)", err
+    assert err[1].startswith(f"{prog}: error: "), err

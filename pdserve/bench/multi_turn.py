@@ -21,13 +21,14 @@ from pdserve.bench.plot import StatsFileError, load_stats_file, plot_ttft_by_tur
 from pdserve.bench.runner import RunConfig, RunResult, run_benchmark
 from pdserve.bench.stats import format_summary, format_ttft_comparison, summarize
 from pdserve.bench.tokenizer import BUILTIN_MODEL, TokenizerLoadError, load_tokenizer
+from pdserve.cli_types import Parser
 
 PROG = "pdserve bench multi-turn"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``pdserve bench multi-turn``."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=PROG,
         description="Replay multi-turn chats against an OpenAI-compatible /v1/chat/completions "
         "endpoint and report TTFT, TPOT, latency and throughput, split into turn 1 and turns 2+.",

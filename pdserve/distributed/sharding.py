@@ -10,9 +10,11 @@ head ``r*H//T`` (each head replicated ``T/H`` times).
 
 from __future__ import annotations
 
+# The start-up rule lives in a torch-free module (this package's __init__ imports torch), so the
+# command lines can check it before any engine process starts.
+from pdserve.tp_precheck import TPShardingError, check_tp_divisible
 
-class TPShardingError(ValueError):
-    """The model cannot be split over the requested TP size (the message names the numbers)."""
+__all__ = ["TPShardingError", "check_tp_divisible", "kv_head_range", "shard_range"]
 
 
 def shard_range(total: int, size: int, rank: int) -> tuple[int, int]:
@@ -42,31 +44,3 @@ def kv_head_range(num_kv_heads: int, size: int, rank: int) -> tuple[int, int]:
     if size % num_kv_heads:
         raise TPShardingError(f"TP size {size} is not a multiple of the {num_kv_heads} KV heads")
     return rank * num_kv_heads // size, 1
-
-
-def check_tp_divisible(size: int, *, num_heads: int, num_kv_heads: int, vocab_size: int,
-                       intermediate_size: int) -> None:
-    """Check at start-up that a model splits over ``size`` ranks.
-
-    Requires ``num_heads % size == 0``, ``num_kv_heads % size == 0`` or
-    ``size % num_kv_heads == 0``, ``vocab_size % size == 0`` and
-    ``intermediate_size % size == 0``.
-
-    Raises:
-        TPShardingError: one sentence per failed condition, naming the numbers.
-    """
-    if size == 1:
-        return
-    problems = []
-    if num_heads % size:
-        problems.append(f"{num_heads} attention heads are not divisible by {size}")
-    if num_kv_heads % size and size % num_kv_heads:
-        problems.append(f"{num_kv_heads} KV heads are neither divisible by {size} nor a divisor of "
-                        f"{size}")
-    if vocab_size % size:
-        problems.append(f"the vocabulary of {vocab_size} tokens is not divisible by {size}")
-    if intermediate_size % size:
-        problems.append(f"intermediate_size {intermediate_size} is not divisible by {size}")
-    if problems:
-        raise TPShardingError(f"the model cannot run with tensor_parallel_size {size}: "
-                              + "; ".join(problems))

@@ -13,6 +13,7 @@ from typing import Any
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.base import KVLoadFailure
 
 
 @dataclass
@@ -34,6 +35,7 @@ class RequestOutput:
         num_transferred_tokens: prompt tokens whose KV came from another instance.
         kv_transfer_params: the connector's params for the client (last delta only).
         error: the reason when ``finish_reason == "error"``.
+        kv_load_failure: why the KV load failed, when that is the error.
     """
 
     request_id: str
@@ -49,6 +51,7 @@ class RequestOutput:
     error: str | None = None
     stop_reason: int | str | None = None
     num_transferred_tokens: int = 0
+    kv_load_failure: KVLoadFailure | None = None
 
 
 @dataclass
@@ -168,4 +171,5 @@ def process_output(o: EngineCoreOutput, st: RequestState) -> RequestOutput:
         num_transferred_tokens=o.num_transferred_tokens,
         kv_transfer_params=o.kv_transfer_params,
         error=o.error,
+        kv_load_failure=o.kv_load_failure,
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.base import KVLoadError
+from pdserve.kv_transfer.base import KVLoadError, KVLoadFailure
 
 
 @dataclass
@@ -175,6 +175,8 @@ class EngineCoreOutput:
         num_transferred_tokens: prompt tokens whose KV came from another instance.
         kv_transfer_params: params to return to the client (on the finishing output).
         error: human-readable reason when ``finish_reason == "error"``.
+        kv_load_failure: why the request's KV load failed, when that is the error (the front
+            end's HTTP status depends on it).
     """
 
     request_id: str
@@ -186,6 +188,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     num_transferred_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    kv_load_failure: KVLoadFailure | None = None
     error: str | None = None
 
 

@@ -205,14 +205,14 @@ class RemoteKV:
             # cause); only without one is the first invalid local block all there is to say.
             where = (f"block {req.block_ids[bad_block]} of request {rid}" if error is None
                      else f"request {rid}")
-            return [
-                sched.finish(
-                    req,
-                    RequestStatus.FINISHED_ERROR,
-                    f"KV cache load from the remote instance failed{why} ({where}); "
-                    f"kv_load_failure_policy is 'fail'",
-                )
-            ]
+            out = sched.finish(
+                req,
+                RequestStatus.FINISHED_ERROR,
+                f"KV cache load from the remote instance failed{why} ({where}); "
+                f"kv_load_failure_policy is 'fail'",
+            )
+            out.kv_load_failure = error.reason if error is not None else None
+            return [out]
         good = max(num_local, bad_block * sched.block_size)
         good = min(good, req.num_tokens - 1)
         logger.warning(

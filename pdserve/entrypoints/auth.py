@@ -36,7 +36,7 @@ class APIKeyMiddleware:
             if not hmac.compare_digest(header, self._expected):
                 err = OpenAIError(
                     "Invalid or missing API key: send 'Authorization: Bearer <key>'.", 401,
-                    code="invalid_api_key", type_="AuthenticationError",
+                    type_="AuthenticationError",
                 )
                 await JSONResponse(err.body(), status_code=401,
                                    headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from pdserve.entrypoints.errors import OpenAIError
+from pdserve.entrypoints.errors import OpenAIError, kv_load_error
+from pdserve.kv_transfer.base import KVLoadFailure
 from pdserve.entrypoints.protocol import PromptTokensDetails, UsageInfo
 
 
@@ -18,7 +19,7 @@ class ChoiceState:
         text: generated text (deltas joined; stop strings removed by the engine).
         token_ids: generated tokens.
         logprobs: one ``TokenLogprobs`` per generated token, when requested.
-        finish_reason / error: from the finishing output.
+        finish_reason / error / kv_load_failure: from the finishing output.
         num_prompt_tokens / num_cached_tokens / num_output_tokens: token accounting.
         kv_transfer_params: the engine's params for the client (on the finishing output).
     """
@@ -30,6 +31,7 @@ class ChoiceState:
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    kv_load_failure: KVLoadFailure | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
@@ -51,20 +53,21 @@ class ChoiceState:
         self.num_output_tokens = out.num_output_tokens or len(self.token_ids)
         if out.finished:
             self.finish_reason = out.finish_reason
-            self.error = getattr(out, "error", None)
+            self.error = out.error
+            self.kv_load_failure = out.kv_load_failure
             self.kv_transfer_params = out.kv_transfer_params
 
 
 def failed_request_error(state: ChoiceState) -> OpenAIError:
-    """The error to report for a choice that finished with ``error`` or ``abort``."""
+    """The error to report for a choice that finished with ``error`` or ``abort`` (a failed KV
+    load: :func:`~pdserve.entrypoints.errors.kv_load_error`)."""
+    if state.kv_load_failure is not None:
+        return kv_load_error(state.error or "", state.kv_load_failure)
     if state.finish_reason == "abort":
         return OpenAIError(
-            state.error or "The request was aborted by the engine.", 503,
-            code="request_aborted",
-        )
+            state.error or "The request was aborted by the engine.", 503)
     return OpenAIError(
-        state.error or "The engine failed the request.", 500, code="engine_request_failed",
-    )
+        state.error or "The engine failed the request.", 500)
 
 
 def usage_of(states: Sequence[ChoiceState]) -> UsageInfo:

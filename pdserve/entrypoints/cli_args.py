@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.cli_types import bind_port, fraction, parse_size, port, positive_float, positive_int
+from pdserve.cli_types import (Parser, bind_port, fraction, parse_size, port, positive_float,
+                               positive_int)
 from pdserve.config import DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, EngineConfig, KVCacheDtype
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve serve`` parser (``--kv-transfer-config`` is extracted before it runs)."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="pdserve serve",
         description="OpenAI-compatible server for one engine instance (single, prefiller or "
                     "decoder).",

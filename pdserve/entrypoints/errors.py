@@ -1,8 +1,10 @@
 """OpenAI-style error bodies and the FastAPI exception handlers that produce them.
 
 Every error the server returns has the body
-``{"error": {"message": str, "type": str, "param": str | None, "code": str | int | None}}``,
-the shape the official ``openai`` client parses into its exception classes. Bad input is a 4xx;
+``{"error": {"message": str, "type": str, "param": str | None, "code": int}}`` with ``code`` the
+HTTP status (vLLM's ``ErrorResponse``; the proxy's errors have the same shape, see
+:func:`pdserve.openai_errors.error_body`), which the official ``openai`` client parses into its
+exception classes. Bad input is a 4xx;
 a 5xx means the engine failed a request or a bug, never the client's input.
 """
 
@@ -17,7 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.openai_errors import error_type
+from pdserve.kv_transfer.base import KVLoadFailure
+from pdserve.openai_errors import UPSTREAM_ERROR, UPSTREAM_UNAVAILABLE, error_body, error_type
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +31,6 @@ class OpenAIError(Exception):
         message: human-readable reason.
         status: HTTP status code.
         param: the request field at fault, if any.
-        code: machine-readable code (e.g. ``model_not_found``); defaults to None.
         type_: error type; defaults to the name for ``status``
             (:data:`pdserve.openai_errors.ERROR_TYPES`).
     """
@@ -39,41 +41,50 @@ class OpenAIError(Exception):
         status: int = 400,
         *,
         param: str | None = None,
-        code: str | int | None = None,
         type_: str | None = None,
     ):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
-        self.code = code
         self.type = type_ or error_type(status)
 
     def body(self) -> dict[str, Any]:
-        """The JSON body ``{"error": {...}}``."""
-        return error_body(self.message, self.type, self.param, self.code)
+        """The JSON body ``{"error": {...}}`` (``code``: the status)."""
+        return error_body(self.message, self.type, self.status, self.param)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def error_body(
-    message: str, type_: str, param: str | None = None, code: str | int | None = None
-) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
     """A 400 ``BadRequestError``."""
-    return OpenAIError(message, 400, param=param, code=code)
+    return OpenAIError(message, 400, param=param)
+
+
+def kv_load_error(message: str, failure: KVLoadFailure) -> OpenAIError:
+    """The client error of a request whose KV load failed under ``kv_load_failure_policy``
+    ``fail`` (``message``: the engine's, starting with the failure's phrase).
+
+    A reference the client relayed in ``kv_transfer_params`` that the owner refuses (unknown or
+    expired request, other tokens or blocks, a first token that is not the prefiller's) is a
+    400 ``BadRequestError`` with ``param`` ``kv_transfer_params``. A failure of the remote or
+    the transport is the remote's, as the proxy reports its upstreams' (``upstream_error``,
+    ``upstream_unavailable``): a prefiller that did not answer in time (unreachable or gone)
+    is a 503; a transport error or an incompatible remote KV cache a 502.
+    """
+    if failure.caused_by_params:
+        return bad_request(f"invalid kv_transfer_params: {message}", param="kv_transfer_params")
+    if failure is KVLoadFailure.TIMEOUT:
+        return OpenAIError(message, 503, type_=UPSTREAM_UNAVAILABLE)
+    return OpenAIError(message, 502, type_=UPSTREAM_ERROR)
 
 
 def model_not_found(name: str | None, served: str) -> OpenAIError:
     """A 404 for a ``model`` this server does not serve."""
     return OpenAIError(
         f"The model '{name}' does not exist; this server serves '{served}'.",
-        404, param="model", code="model_not_found", type_="NotFoundError",
+        404, param="model", type_="NotFoundError",
     )
 
 
@@ -98,7 +109,7 @@ def validation_error_to_openai(errors: list[dict[str, Any]]) -> OpenAIError:
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     if kind == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
-        return bad_request(f"Malformed JSON body: {detail}".rstrip(": "), code="invalid_json")
+        return bad_request(f"Malformed JSON body: {detail}".rstrip(": "))
     if not loc:
         if kind == "missing":
             return bad_request("The request body is missing; send a JSON object.")
@@ -125,7 +136,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(json.JSONDecodeError)
     async def _json_error(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
-        return bad_request(f"Malformed JSON body: {exc}", code="invalid_json").response()
+        return bad_request(f"Malformed JSON body: {exc}").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -149,6 +160,5 @@ def engine_exception_to_error(exc: BaseException) -> OpenAIError:
         return bad_request(str(exc))
     name = type(exc).__name__
     if name == "EngineDeadError":
-        return OpenAIError(f"The engine is not running: {exc}", 503, code="engine_dead")
-    return OpenAIError(f"The engine failed the request: {name}: {exc}", 500,
-                       code="engine_request_failed")
+        return OpenAIError(f"The engine is not running: {exc}", 503)
+    return OpenAIError(f"The engine failed the request: {name}: {exc}", 500)

@@ -6,6 +6,12 @@ out-of-range value is a 400, never a silent coercion. Field names follow the Ope
 that are not OpenAI's (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``repetition_penalty``, ``kv_transfer_params``, ``chat_template_kwargs``) follow vLLM's so that its
 users find the same knobs.
+
+OpenAI fields pdserve does not implement are refused with a 400 naming them rather than ignored,
+since ignoring them silently changes what the client gets: ``logit_bias`` (unless empty),
+``response_format`` (unless ``{"type": "text"}``), and for chat ``tools`` (unless empty),
+``tool_choice`` (unless ``"none"``), ``functions`` and ``function_call`` (unless ``"none"``), and
+a user, system or developer message without ``content``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,24 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # accepted only in the forms that ask for nothing (see the module docstring)
+    logit_bias: Any = None
+    response_format: Any = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: Any) -> Any:
+        if v is not None and v != {}:
+            raise ValueError("logit_bias is not supported by pdserve (leave it out or send {})")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, v: Any) -> Any:
+        if v is not None and v != {"type": "text"}:
+            raise ValueError('pdserve supports only the response_format {"type": "text"} '
+                             '(structured output is not supported)')
+        return v
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_SamplingFields":
@@ -148,6 +172,12 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> "ChatMessage":
+        if self.content is None and self.role in ("system", "developer", "user"):
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
+
     def text(self) -> str | None:
         """The content as one string (text parts joined)."""
         if self.content is None or isinstance(self.content, str):
@@ -181,6 +211,26 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # tool and function calling are not supported: accepted only when they ask for nothing
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: Any) -> Any:
+        if v is not None and v != []:
+            raise ValueError("tool and function calling are not supported by pdserve")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _choice_none_only(cls, v: Any) -> Any:
+        if v is not None and v != "none":
+            raise ValueError('tool and function calling are not supported by pdserve (only '
+                             '"none" is accepted)')
+        return v
 
     @field_validator("messages")
     @classmethod

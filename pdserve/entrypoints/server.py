@@ -102,8 +102,7 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
         try:
             await engine.check_health()
         except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
-            return OpenAIError(f"The engine is not running: {e}", 503,
-                               code="engine_dead").response()
+            return OpenAIError(f"The engine is not running: {e}", 503).response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/kv_events")
@@ -112,8 +111,8 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
         ``--kv-events-endpoint`` is off. The proxy's ``--routing kv-aware`` reads it."""
         config = engine.config
         if not config.kv_events_endpoint:
-            return OpenAIError("KV events are off (start with --kv-events-endpoint)", 404,
-                               code="not_found").response()
+            return OpenAIError("KV events are off (start with --kv-events-endpoint)",
+                               404).response()
         snapshot = (config.kv_events_snapshot_endpoint
                     or default_snapshot_endpoint(config.kv_events_endpoint))
         return JSONResponse({"endpoint": config.kv_events_endpoint,
@@ -127,7 +126,8 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
         config = engine.config.kv_transfer_config
         try:
             ref = kv_release.parse_release(
-                config, body.get("kv_transfer_params") if isinstance(body, dict) else None)
+                config, body.get("kv_transfer_params") if isinstance(body, dict) else None,
+                engine.config.data_parallel_size)
         except KVTransferParamsError as e:
             raise bad_request(str(e), param="kv_transfer_params") from None
         try:
@@ -303,6 +303,13 @@ def run_server(args: argparse.Namespace) -> int:
         data_parallel.validate(config)
     except data_parallel.DataParallelConfigError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
+    from pdserve.tp_precheck import TPShardingError, check_splits
+
+    try:  # before any engine process starts
+        check_splits(config.model, config.tensor_parallel_size)
+    except TPShardingError as e:
+        print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 2
     kv = config.kv_transfer_config
     if (kv is not None and not data_parallel.is_loopback(args.host)

@@ -219,7 +219,7 @@ class OpenAIServing:
             raise bad_request(
                 f"The prompt is {prompt_len} tokens long; this model's maximum context length "
                 f"(max_model_len) is {self.max_model_len} tokens, which leaves no room for "
-                f"output.", param=prompt_param, code="context_length_exceeded")
+                f"output.", param=prompt_param)
         room = self.max_model_len - prompt_len
         if requested is None:
             return room
@@ -227,8 +227,7 @@ class OpenAIServing:
             raise bad_request(
                 f"The prompt ({prompt_len} tokens) plus max_tokens ({requested}) is "
                 f"{prompt_len + requested} tokens, more than this model's maximum context length "
-                f"(max_model_len) of {self.max_model_len} tokens.", param="max_tokens",
-                code="context_length_exceeded")
+                f"(max_model_len) of {self.max_model_len} tokens.", param="max_tokens")
         return requested
 
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,

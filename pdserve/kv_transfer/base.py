@@ -121,6 +121,13 @@ class KVLoadFailure(enum.Enum):
     INVALID_REFERENCE = "invalid reference"
     """The params name blocks the owner does not have, or are malformed."""
 
+    @property
+    def caused_by_params(self) -> bool:
+        """True when the client's ``kv_transfer_params`` are at fault (a lease refused for the
+        request, tokens or blocks they name, an invalid reference, a relayed first token that
+        is not the prefiller's); False when the remote instance or the transport failed."""
+        return self in (KVLoadFailure.LEASE_REFUSED, KVLoadFailure.INVALID_REFERENCE)
+
 
 @dataclass(frozen=True)
 class KVLoadError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.config import EngineConfig
 from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide, TPRank
 from pdserve.kv_transfer.config import KVTransferConfig, KVTransferConfigError
 
@@ -19,7 +20,7 @@ ROLES = ("scheduler", "worker")
 def create_connector(
     kv_transfer_config: KVTransferConfig,
     role: str,
-    engine_config: Any = None,
+    engine_config: EngineConfig | None = None,
     tp: TPRank = TPRank(),
 ) -> KVConnectorSchedulerSide | KVConnectorWorkerSide:
     """Build one side of the configured connector.
@@ -27,9 +28,9 @@ def create_connector(
     Args:
         kv_transfer_config: the validated configuration.
         role: ``"scheduler"`` or ``"worker"``.
-        engine_config: the :class:`pdserve.config.EngineConfig` (the scheduler side reads
-            ``block_size``, default 16 without one); its ``data_parallel_rank`` (default 0)
-            selects the side-channel port ``base + rank``.
+        engine_config: the instance's configuration (None: :class:`EngineConfig`'s defaults).
+            The scheduler side reads ``block_size`` and ``tensor_parallel_size``; the
+            ``data_parallel_rank`` selects the side-channel port ``base + rank``.
         tp: where the worker side sits in the instance's tensor-parallel group (one worker
             side per TP rank, each in its rank's process); the scheduler side ignores it.
 
@@ -47,14 +48,14 @@ def create_connector(
         raise ValueError(f"unknown connector role {role!r}; expected one of {list(ROLES)}")
     if kv_transfer_config.kv_connector != "NixlConnector":
         raise KVTransferConfigError(f"unknown kv_connector {kv_transfer_config.kv_connector!r}")
-    dp_rank = int(getattr(engine_config, "data_parallel_rank", 0))
+    config = engine_config if engine_config is not None else EngineConfig()
+    dp_rank = config.data_parallel_rank
     if role == "scheduler":
         from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
 
-        block_size = int(getattr(engine_config, "block_size", 16) or 16)
-        tp_size = int(getattr(engine_config, "tensor_parallel_size", 1) or 1)
-        return NixlConnectorScheduler(kv_transfer_config, block_size, data_parallel_rank=dp_rank,
-                                      tp_size=tp_size)
+        return NixlConnectorScheduler(kv_transfer_config, config.block_size,
+                                      data_parallel_rank=dp_rank,
+                                      tp_size=config.tensor_parallel_size)
     from pdserve.kv_transfer.nixl.worker import NixlConnectorWorker
 
     return NixlConnectorWorker(kv_transfer_config, data_parallel_rank=dp_rank, tp=tp)

@@ -33,7 +33,7 @@ accepted in both the flat and the per-group form (:func:`parse_block_id_groups`)
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -44,6 +44,9 @@ from pdserve.kv_transfer.nixl.metadata import (
     RemoteKVRef,
     parse_block_id_groups,
 )
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.config import KVTransferConfig
 
 __all__ = [
     "KVRole", "KVTransferParams", "KVTransferParamsError", "MAX_KV_CACHE_GROUPS",
@@ -222,25 +225,28 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
         return dict(self.wire)
 
 
-def parse_request_params(raw: Any, kv_transfer_config: Any, vocab_size: int | None
-                         ) -> KVTransferParams | None:
-    """The front end's one parse of a request's ``kv_transfer_params``.
+def parse_request_params(raw: Any, kv_transfer_config: "KVTransferConfig | None",
+                         vocab_size: int | None) -> KVTransferParams | None:
+    """The front end's one parse of a request's ``kv_transfer_params``, the same with or without
+    a KV connector: malformed params are refused either way; well-formed params on an instance
+    without a connector are accepted and ignored (nothing here performs a transfer), as vLLM
+    ignores them without a connector.
 
     Args:
         raw: the request's ``kv_transfer_params``.
         kv_transfer_config: this instance's
             :class:`~pdserve.kv_transfer.config.KVTransferConfig`, or None without a connector
-            (then the params are not checked: nothing here performs a transfer).
+            (then a prefill leg's decoder fields are checked as without bidirectional pulls).
         vocab_size: the model's vocabulary size (bounds ``first_token_id``), or None.
 
     Raises:
-        KVTransferParamsError: with a connector, a field the requested transfer needs is
-            missing or mistyped (the message names it), or a block id is beyond
-            :data:`MAX_BLOCK_ID`; with or without one, an integer beyond 64 bits.
+        KVTransferParamsError: a field the leg names is missing or mistyped (the message names
+            it), a block id is beyond :data:`MAX_BLOCK_ID`, or an integer beyond 64 bits.
     """
     params = KVTransferParams.parse(raw)
-    if params is not None and kv_transfer_config is not None:
-        params.check(bool(kv_transfer_config.bidirectional_kv_xfer), vocab_size)
+    if params is not None:
+        bidirectional = kv_transfer_config is not None and kv_transfer_config.bidirectional_kv_xfer
+        params.check(bool(bidirectional), vocab_size)
     if params is not None:
         try:  # the engine core gets the params over msgpack, whose integers have 64 bits
             msgspec.msgpack.encode(params.wire)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from pdserve.cli_types import port_list, positive_int
+from pdserve.cli_types import NEGATIVE_NUMBER, Parser, port_list, positive_int
 from pdserve.config import DEFAULT_MODEL
 from pdserve.launcher.plan import (
     DEFAULT_PROXY_PORT,
@@ -111,7 +111,7 @@ def _print_ready(launcher: Launcher, opts: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve up`` argument parser (engine options are not declared: they pass through)."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="pdserve up", allow_abbrev=False,
         description="Start prefiller(s), decoder(s) and the proxy on this host, wait until they "
                     "are healthy, and keep them running until Ctrl-C.",
@@ -199,7 +199,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     while i < len(argv):
         word = argv[i]
         name = word.split("=", 1)[0]
-        if word.startswith("-") and len(word) > 1 and name not in known:
+        if word.startswith("-") and len(word) > 1 and name not in known \
+                and not NEGATIVE_NUMBER.match(word):  # "-1" is a value (refused by its type)
             unknown.append(word)
             takes_value = _engine_option_takes_value(name)
             if takes_value is None:

@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pdserve.tp_precheck import TPShardingError, check_splits
+
 DEFAULT_PROXY_PORT = 8000
 ENGINE_HOST = "127.0.0.1"
 # Fraction of a GPU's memory that the engines sharing it may use together when
@@ -334,8 +336,10 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
         LaunchError: a given port is busy or repeated, or the numbers of ports do not match.
     """
     n_p, n_d = opts.num_prefillers, opts.num_decoders
-    if n_p < 1 or n_d < 1:
-        raise LaunchError("--num-prefillers and --num-decoders must be at least 1")
+    for flag, value in (("--num-prefillers", n_p), ("--num-decoders", n_d),
+                        ("--prefill-dp", opts.prefill_dp), ("--decode-dp", opts.decode_dp)):
+        if value < 1:
+            raise LaunchError(f"{flag} must be a positive integer (at least 1), got {value}")
     engine_args = list(opts.engine_args)
     if _option_given(engine_args, "--host", "--port"):
         raise LaunchError("--host/--port of the engines are chosen by 'pdserve up'; "
@@ -352,6 +356,11 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
         raise LaunchError("the engines' tensor-parallel sizes are set by 'pdserve up'; use "
                           "--prefill-tp/--decode-tp")
     tp_sizes = {"prefill": opts.prefill_tp, "decode": opts.decode_tp}
+    for role, tp in tp_sizes.items():
+        try:  # torch-free: from the model's config.json or GGUF metadata
+            check_splits(opts.model, tp)
+        except TPShardingError as e:
+            raise LaunchError(f"--{role}-tp {tp}: {e}") from None
 
     if opts.port == 0:  # any free port for the proxy
         opts.port = allocate_free_ports(1, opts.host if opts.host not in ("", "::") else ENGINE_HOST)[0]
@@ -374,8 +383,6 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
         ensure_port_free(opts.host if flag == "--port" else ENGINE_HOST, port, flag)
 
     dp_p, dp_d = opts.prefill_dp, opts.decode_dp
-    if dp_p < 1 or dp_d < 1:
-        raise LaunchError("--prefill-dp and --decode-dp must be at least 1")
     for flag, ports, dp in (("--prefill-side-channel-ports", opts.prefill_side_channel_ports, dp_p),
                             ("--decode-side-channel-ports", opts.decode_side_channel_ports, dp_d)):
         for base in ports or ():  # the other ranks' ports, base + 1 .. base + dp - 1

@@ -111,7 +111,7 @@ def pair_instances(hosts: list[str] | None, ports: list[int] | None, role: str) 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve proxy`` argument parser."""
-    p = argparse.ArgumentParser(
+    p = cli_types.Parser(
         prog="pdserve proxy",
         description="OpenAI-compatible P->D disaggregation proxy: each request is prefilled on a "
         "prefiller (max_tokens=1) and decoded on a decoder that pulls the KV cache.",

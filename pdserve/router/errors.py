@@ -12,9 +12,9 @@ through unchanged when it already has that shape, otherwise it is wrapped into i
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from pdserve.openai_errors import error_type
+from pdserve.openai_errors import (UPSTREAM_ERROR, UPSTREAM_TIMEOUT, UPSTREAM_UNAVAILABLE,
+                                   error_body, error_type)
 
 #: ``type`` strings used for errors the proxy produces itself: the engine's names for 400, 401,
 #: 404, 405 and 413 (:func:`pdserve.openai_errors.error_type`), and the proxy's own for failed
@@ -24,14 +24,9 @@ AUTHENTICATION = error_type(401)
 NOT_FOUND = error_type(404)
 METHOD_NOT_ALLOWED = error_type(405)
 REQUEST_TOO_LARGE = error_type(413)
-UPSTREAM_UNAVAILABLE = "upstream_unavailable"
-UPSTREAM_ERROR = "upstream_error"
-UPSTREAM_TIMEOUT = "upstream_timeout"
-
-
-def error_body(message: str, err_type: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI-style error object for ``status`` (an HTTP status code)."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+__all__ = ["INVALID_REQUEST", "AUTHENTICATION", "NOT_FOUND", "METHOD_NOT_ALLOWED",
+           "REQUEST_TOO_LARGE", "UPSTREAM_UNAVAILABLE", "UPSTREAM_ERROR", "UPSTREAM_TIMEOUT",
+           "ProxyError", "error_body", "error_bytes", "normalize_upstream_error"]
 
 
 def error_bytes(message: str, err_type: str, status: int, param: str | None = None) -> bytes:

@@ -355,6 +355,7 @@ class Result:
     num_cached_tokens: int = 0
     num_transferred_tokens: int = 0
     kv_transfer_params: dict | None = None
+    kv_load_failure: Any = None
 
 
 def add(core: EngineCore, rid: str, prompt: list[int], kv_transfer_params: dict | None = None, **sp: Any):
@@ -380,6 +381,7 @@ def collect(results: dict[str, Result], outputs) -> None:
             assert r.finish_reason is None, f"{o.request_id} finished twice"
             r.finish_reason, r.stop_reason, r.error = o.finish_reason, o.stop_reason, o.error
             r.kv_transfer_params = o.kv_transfer_params
+            r.kv_load_failure = o.kv_load_failure
 
 
 def run_until_done(core: EngineCore, results: dict[str, Result] | None = None, max_steps: int = 10_000,

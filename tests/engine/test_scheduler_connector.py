@@ -119,6 +119,7 @@ def test_failed_load_error_names_the_cause_not_a_local_block(reason):
     add(core, "d", list(range(200, 210)), kv_transfer_params=REMOTE, max_tokens=4)
     res = run_until_done(core)
     message = res["d"].error
+    assert res["d"].kv_load_failure is reason  # the front end's HTTP status depends on it
     if reason is None:
         assert "(block " in message and " of request d)" in message, message
     else:

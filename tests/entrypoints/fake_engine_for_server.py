@@ -24,6 +24,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.async_engine import EngineDeadError, EngineStats, RequestOutput
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.base import KVLoadFailure
 
 SPECIAL_TOKENS = ["<eos>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 0
@@ -64,6 +65,7 @@ class FakeEngine:
         self.token_delay_s = 0.0
         self.gate: asyncio.Event | None = None
         self.fail_reason: str | None = None
+        self.fail_kv_load: KVLoadFailure | None = None  # the failure is a KV load's, of this kind
         self.fail_after = 1
         self.dead = False
         self.cached_tokens = 0
@@ -122,6 +124,7 @@ class FakeEngine:
                     finished = True
                     yield RequestOutput(request_id=request_id, finished=True,
                                         finish_reason="error", error=self.fail_reason,
+                                        kv_load_failure=self.fail_kv_load,
                                         num_prompt_tokens=len(prompt_token_ids),
                                         num_output_tokens=i)
                     return

@@ -270,14 +270,46 @@ async def test_engine_error_streaming(client: httpx.AsyncClient,
                        for e in events[:-2])
 
 
+@pytest.mark.parametrize(("failure", "status", "type_"), [
+    ("LEASE_REFUSED", 400, "BadRequestError"),
+    ("INVALID_REFERENCE", 400, "BadRequestError"),
+    ("TRANSPORT", 502, "upstream_error"),
+    ("ENGINE_MISMATCH", 502, "upstream_error"),
+    ("TIMEOUT", 503, "upstream_unavailable"),
+])
+async def test_failed_kv_load_status_names_who_failed(client: httpx.AsyncClient,
+                                                      fake_engine: FakeEngine, failure: str,
+                                                      status: int, type_: str) -> None:
+    """A KV load that failed because of the relayed ``kv_transfer_params`` is the client's 400
+    (naming the field and the reason); one the prefiller or the transport failed is a 502/503,
+    as the proxy reports a failed upstream. The same body comes in-band when streaming."""
+    from pdserve.kv_transfer.base import KVLoadFailure
+
+    kind = KVLoadFailure[failure]
+    fake_engine.fail_reason = (f"KV cache load from the remote instance failed: {kind.value}: "
+                               f"no (request x); kv_load_failure_policy is 'fail'")
+    fake_engine.fail_kv_load = kind
+    fake_engine.fail_after = 0
+    body = {"prompt": "hi", "max_tokens": 4}
+    r = await client.post(COMPLETIONS, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"]) == (type_, status)
+    assert kind.value in err["message"]
+    if status == 400:
+        assert err["param"] == "kv_transfer_params" and "kv_transfer_params" in err["message"]
+    events = parse_sse((await client.post(COMPLETIONS, json=dict(body, stream=True))).text)
+    assert events[-1] == "[DONE]" and events[-2] == r.json()
+
+
 async def test_engine_dead_is_503(client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
     fake_engine.dead = True
     r = await client.post(COMPLETIONS, json={"prompt": "hi"})
     assert r.status_code == 503
-    assert r.json()["error"]["code"] == "engine_dead"
+    assert r.json()["error"]["code"] == 503
     r = await client.post(COMPLETIONS, json={"prompt": "hi", "stream": True})
     events = parse_sse(r.text)
-    assert events[-2]["error"]["code"] == "engine_dead" and events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == 503 and events[-1] == "[DONE]"
 
 
 async def test_models_endpoint(fake_engine: FakeEngine) -> None:

@@ -26,6 +26,7 @@ def _free_port() -> int:
 async def test_release_reaches_the_side_channel_with_the_block_ids(monkeypatch) -> None:
     port = _free_port()
     monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_PORT", str(port))
     kv = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_producer",
                                      "engine_id": "eng-p"})
     got: queue.SimpleQueue = queue.SimpleQueue()
@@ -47,6 +48,11 @@ async def test_release_reaches_the_side_channel_with_the_block_ids(monkeypatch) 
             assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
             r = await c.post(RELEASE, json={"kv_transfer_params": {"remote_engine_id": "eng-p"}})
             assert r.status_code == 400
+            # the notice goes only to this instance's own side channel, never to a port the
+            # client names
+            elsewhere = dict(params, remote_port=_free_port())
+            r = await c.post(RELEASE, json={"kv_transfer_params": elsewhere})
+            assert r.status_code == 400 and "side-channel port" in r.json()["error"]["message"]
     finally:
         server.close()
     assert got.empty()

@@ -149,7 +149,8 @@ async def test_decoder_uses_handed_ids_only_for_the_same_rendered_text(client, f
     text, digest = rendered_digest(fake_engine, MESSAGES)
     own = fake_engine.tokenizer.encode(text, add_special_tokens=False)
     handed = list(reversed(own))  # different from D's own tokenization, so use is visible
-    params = {"do_remote_prefill": True, "remote_block_ids": [1],
+    params = {"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "p",
+              "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "r",
               prompt_handoff.KEY: prompt_handoff.encode(handed, digest)}
     body = {"messages": MESSAGES, "max_tokens": 2, "kv_transfer_params": params}
     r = await client.post("/v1/chat/completions", json=body)

@@ -3,7 +3,11 @@ check of N ranks, and ``pdserve up --prefill-tp N --decode-tp M`` (arguments, GP
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -56,8 +60,9 @@ def _free_port() -> int:
 
 
 def _plan(argv: list[str], gpus: list[str]):
-    return build_plan(parse_args(["--port", str(_free_port()), *argv]), ChildCommands(python="py"),
-                      gpus=gpus)
+    # a model the launcher cannot read: its TP split is the engine's to check
+    return build_plan(parse_args(["--port", str(_free_port()), *argv, "my-model"]),
+                      ChildCommands(python="py"), gpus=gpus)
 
 
 def _tp_of(argv: list[str]) -> int:
@@ -89,3 +94,65 @@ def test_up_prefill_and_decode_tp():
         _plan(["--", "-tp", "2"], [])
     with pytest.raises(SystemExit):
         parse_args(["--decode-tp", "0"])
+
+
+def _model_dir(tmp_path, heads: int, kv_heads: int, vocab: int = 64, intermediate: int = 32):
+    d = tmp_path / f"m{heads}-{kv_heads}-{vocab}-{intermediate}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "vocab_size": vocab, "intermediate_size": intermediate,
+        "hidden_size": 16 * heads, "num_hidden_layers": 1}))
+    return str(d)
+
+
+def test_up_refuses_a_tp_size_the_model_does_not_split_over_before_starting(tmp_path, capsys):
+    """Heads, KV heads and vocabulary are checked from config.json (or, for the built-in model
+    before its conversion, its GGUF metadata) before any process starts: one line, exit 2."""
+    from pdserve.launcher.cli import main as up_main
+
+    port = str(_free_port())
+    for argv, flag in ((["--prefill-tp", "2"], "--prefill-tp 2"),
+                       (["--decode-tp", "2"], "--decode-tp 2")):
+        with pytest.raises(LaunchError, match=f"{flag}: .*9 attention heads are not divisible"):
+            build_plan(parse_args(["--port", port, *argv]), ChildCommands(python="py"),
+                       gpus=["0", "1", "2"])  # the built-in SmolLM2: 9 heads, 3 KV heads
+        assert up_main(["--port", port, *argv], commands=ChildCommands(python="py"),
+                       gpus=["0", "1", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"pdserve up: error: {flag}: "), err
+    bad = _model_dir(tmp_path, heads=4, kv_heads=4, vocab=63)
+    with pytest.raises(LaunchError, match="vocabulary of 63 tokens"):
+        build_plan(parse_args(["--port", port, "--decode-tp", "2", bad]),
+                   ChildCommands(python="py"), gpus=["0", "1", "2"])
+    good = _model_dir(tmp_path, heads=4, kv_heads=1)  # one KV head replicated over 2 ranks
+    build_plan(parse_args(["--port", port, "--prefill-tp", "2", "--decode-tp", "2", good]),
+               ChildCommands(python="py"), gpus=["0", "1", "2", "3"])
+
+
+@pytest.mark.parametrize("converted", [True, False], ids=["converted", "gguf-metadata"])
+def test_the_launchers_split_check_does_not_import_torch(tmp_path, converted):
+    """The built-in model's numbers come from its converted config.json, or before the one-time
+    conversion (an empty cache directory) from its packaged GGUF's metadata; neither imports
+    torch, and nothing is converted."""
+    code = ("import sys; from pdserve.tp_precheck import split_numbers; "
+            "n = split_numbers('smollm2-135m-instruct'); "
+            "assert (n.num_heads, n.num_kv_heads, n.vocab_size) == (9, 3, 49152), n; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    if not converted:
+        env["PDSERVE_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert converted or list(tmp_path.iterdir()) == []
+
+
+def test_serve_refuses_a_tp_size_the_model_does_not_split_over_before_starting(capsys):
+    from pdserve.entrypoints.server import main as serve_main
+
+    assert serve_main(["-tp", "2", "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("pdserve serve: error: the model cannot run with "
+                             "tensor_parallel_size 2: 9 attention heads"), err

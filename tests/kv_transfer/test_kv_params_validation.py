@@ -151,6 +151,34 @@ def test_integers_beyond_64_bits_are_refused_without_a_connector_too():
         parse_request_params({"unknown_extra": [10**30]}, None, None)
 
 
+@pytest.mark.parametrize("bad", [
+    {"do_remote_prefill": "yes"},
+    dict(p_returned_params(), remote_port="5600"),
+    dict(p_returned_params(), remote_block_ids=[[3, -1]]),
+    {k: v for k, v in p_returned_params().items() if k != "remote_request_id"},
+    dict(p_returned_params(), first_token_id=-1),
+    dict(p_returned_params(), first_token_id=500),  # outside the vocabulary below
+])
+def test_malformed_params_are_refused_without_a_connector_too(bad):
+    """The edge parses the params the same way whether or not a connector is configured."""
+    from pdserve.kv_transfer.params import parse_request_params
+
+    with pytest.raises(KVTransferParamsError, match="kv_transfer_params"):
+        parse_request_params(bad, CONSUMER, 100)
+    with pytest.raises(KVTransferParamsError, match="kv_transfer_params"):
+        parse_request_params(bad, None, 100)
+
+
+def test_well_formed_params_without_a_connector_are_accepted():
+    """vLLM ignores kv_transfer_params without a connector; so does pdserve (no transfer)."""
+    from pdserve.kv_transfer.params import KVRole, parse_request_params
+
+    for raw in (p_returned_params(), PREFILL_KV_PARAMS, dict(PREFILL_KV_PARAMS,
+                                                             **d_returned_params())):
+        assert parse_request_params(raw, None, 100) is not None
+    assert parse_request_params(p_returned_params(), None, 100).role is KVRole.DECODE
+
+
 def test_several_kv_cache_groups_are_refused_clearly():
     with pytest.raises(KVTransferParamsError, match="2 KV-cache groups"):
         validate_kv_transfer_params(CONSUMER, dict(p_returned_params(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.config import EngineConfig
 from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.engine.outputs import KVConnectorOutput
 from pdserve.engine.request import Request, RequestStatus
@@ -15,9 +16,8 @@ from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
 B = 4
 
 
-class _EngineConfig:
-    block_size = B
-    extra: dict = {}
+def _EngineConfig() -> EngineConfig:
+    return EngineConfig(block_size=B)
 
 
 @pytest.fixture
@@ -187,3 +187,20 @@ def test_factory_roles(env):
     cfg = KVTransferConfig(kv_role="kv_consumer")
     with pytest.raises(ValueError, match="unknown connector role"):
         create_connector(cfg, "runner")
+
+
+def test_factory_reads_the_engine_config_it_is_given(env):
+    """The scheduler side takes block size, TP size and data-parallel rank from the
+    EngineConfig (typed access: an object that is not one is an error, not silent defaults)."""
+    cfg = KVTransferConfig(kv_role="kv_consumer")
+    s = create_connector(cfg, "scheduler", EngineConfig(block_size=8, tensor_parallel_size=2,
+                                                        data_parallel_rank=3))
+    assert (s.block_size, s.tp_size, s.side_channel_port) == (8, 2, 6103)
+    d = create_connector(cfg, "scheduler")  # no config: EngineConfig's defaults
+    assert (d.block_size, d.tp_size, d.side_channel_port) == (16, 1, 6100)
+
+    class NotAnEngineConfig:
+        block_size = 8
+
+    with pytest.raises(AttributeError):
+        create_connector(cfg, "scheduler", NotAnEngineConfig())

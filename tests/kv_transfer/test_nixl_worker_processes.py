@@ -139,7 +139,8 @@ def test_claim_answer_wakes_the_reader_and_side_channel_notice_wakes_the_owner(p
     # a notice over the side channel (readers that cannot use NIXL notifications) wakes P
     lease(p, "p-wake2", [4])
     reply = side_channel_request("127.0.0.1", p.port, {"type": "notify", "kind": "abort",
-                                                      "request_id": "p-wake2"}, 10.0)
+                                                      "request_id": "p-wake2",
+                                                      "block_ids": [4]}, 10.0)
     assert reply.get("ok"), reply
     assert p.wait_wakeup(20.0)["woke"]
     assert "p-wake2" in p.step()["finished_sending"]
@@ -174,12 +175,13 @@ def test_expired_multi_turn_blocks_are_counted_apart(pair):
     assert sum(s["num_kv_turns_expired"] for s in acc["stats"]) == 1
 
 
-def test_release_frees_a_lease_at_once_only_for_its_blocks(pair):
+def test_release_frees_a_lease_at_once_only_for_its_blocks(pair, monkeypatch):
     """The proxy's early release (the decode leg will not read): exactly the leased blocks."""
     from pdserve.kv_transfer.config import KVTransferConfig
     from pdserve.kv_transfer.nixl.release import parse_release, send_release
 
     p, _ = pair
+    monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_PORT", str(p.port))  # P's front end's view
     lease(p, "p-rel", [22, 23])
     config = KVTransferConfig.from_dict(dict(make_config("kv_producer"), engine_id=p.engine_id))
     params = {"remote_engine_id": p.engine_id, "remote_host": "127.0.0.1",
@@ -239,7 +241,20 @@ def test_forged_block_ids_fail_the_load(pair):
     d.bind(recv_meta("d-range", ref_to(p, "p-forged", [15, 10_000]), [26, 27], [15, 10_000]))
     acc = d.step_until(lambda a: "d-range" in a["finished_recving"])
     assert set(acc["invalid_block_ids"]) == {26, 27}
-    # the failed reader told the owner to drop the lease
+    # The failed reader's abort notices name the forged blocks: the owner keeps the real lease.
+    # An abort for another lease, sent after them on the same path, shows they were all seen.
+    lease(p, "p-marker", [29])
+    d.bind(NixlConnectorMetadata(notices=[RemoteNotice(ref_to(p, "p-marker", [29]), "abort")]))
+    d.step()
+    acc = p.step_until(lambda a: "p-marker" in a["finished_sending"], timeout_s=10)
+    assert "p-forged" not in acc["finished_sending"]
+    # the honest reader still reads the real lease, and its "done" ends it
+    d.bind(recv_meta("d-honest", ref_to(p, "p-forged", [15, 16]), [24, 25], [15, 16]))
+    acc = d.step_until(lambda a: "d-honest" in a["finished_recving"])
+    assert not acc["invalid_block_ids"]
+    numel = d.blocks([24])[0].numel()
+    assert [torch.equal(b, block_pattern(r, numel)) for r, b in zip([15, 16], d.blocks([24, 25]))] \
+        == [True, True]
     p.step_until(lambda a: "p-forged" in a["finished_sending"], timeout_s=10)
 
 

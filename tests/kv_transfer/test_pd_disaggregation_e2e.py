@@ -223,11 +223,20 @@ def test_abort_before_read_frees_producer_blocks(cluster):
 
 # --------------------------------------------------------------------------- failure injection
 def _expect_failure_or_recompute(cluster, d: Server, endpoint: str, body: dict, params: dict,
-                                 expected: str) -> None:
+                                 expected: str, status: int | None = None) -> None:
+    """``fail``: the request fails with ``status`` (400: the relayed params are at fault; 502 /
+    503: the prefiller or the transport; None: any 5xx). ``recompute``: the right answer."""
     before = counters(d.metrics())
     out = decode_leg(d, endpoint, body, params)
     if d is cluster["d_fail"]:
-        assert out["status"] >= 500, out
+        if status is None:
+            assert out["status"] >= 500, out
+        else:
+            assert out["status"] == status, out
+        if status == 400:
+            error = out["error"]["error"]
+            assert error["param"] == "kv_transfer_params" and error["code"] == 400, error
+            assert "kv_transfer_params" in error["message"], error
         assert out["text"] is None
     else:
         assert out["status"] == 200, out
@@ -242,7 +251,7 @@ def test_unreachable_side_channel(cluster, decoder):
     expected = reference(cluster, "completions", body)
     params = prefill_leg(p, "completions", body)
     params = dict(params, remote_port=free_port())  # nobody listens there
-    _expect_failure_or_recompute(cluster, d, "completions", body, params, expected)
+    _expect_failure_or_recompute(cluster, d, "completions", body, params, expected, 503)
     p.wait_all_blocks_free(timeout_s=SHORT_LEASE_S + 10)  # P never heard from D: lease expiry
 
 
@@ -256,8 +265,17 @@ def test_forged_block_ids(cluster, decoder, forge):
     (ids,) = params["remote_block_ids"]
     forged = [(b + 100) % 1024 for b in ids] if forge == "shifted" else [10**6 + b for b in ids]
     _expect_failure_or_recompute(cluster, d, "completions", body,
-                                 dict(params, remote_block_ids=forged), expected)
-    p.wait_all_blocks_free(timeout_s=10)  # D's abort notice released the real lease
+                                 dict(params, remote_block_ids=forged), expected, 400)
+    # The forged params named the real request: P refused the claim and ignored the abort
+    # notice naming the forged blocks, so the honest decode still reads the real lease.
+    before = counters(d.metrics())
+    out = decode_leg(d, "completions", body, params)
+    assert out["status"] == 200 and out["text"] == expected, out
+    after = counters(d.wait_metrics(lambda m: counters(m)["requests"] > before["requests"]))
+    assert after["failed"] == before["failed"]  # the claim was granted: the lease was intact
+    # (recompute put the prompt's full blocks into D's prefix cache: only the rest moves)
+    assert after["transferred"] > before["transferred"]
+    p.wait_all_blocks_free(timeout_s=10)  # the honest read's "done" ended the lease
 
 
 @pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])
@@ -272,7 +290,7 @@ def test_relayed_first_token_is_checked_against_the_prefillers(cluster, decoder)
     first = params["first_token_id"]
     forged = first - 1 if first > 0 else first + 1  # another id inside the vocabulary
     _expect_failure_or_recompute(cluster, d, "completions", body,
-                                 dict(params, first_token_id=forged), expected)
+                                 dict(params, first_token_id=forged), expected, 400)
     p.wait_all_blocks_free(timeout_s=10)  # D's abort notice released the lease
 
 
@@ -287,7 +305,7 @@ def test_params_of_another_prompt_never_load_its_kv(cluster, decoder):
     body_x, body_y = completion_body(cluster, x, False), completion_body(cluster, y, False)
     expected_y = reference(cluster, "completions", body_y)
     params_x = prefill_leg(p, "completions", body_x)
-    _expect_failure_or_recompute(cluster, d, "completions", body_y, params_x, expected_y)
+    _expect_failure_or_recompute(cluster, d, "completions", body_y, params_x, expected_y, 400)
     p.wait_all_blocks_free(timeout_s=10)
     again = decode_leg(d, "completions", body_y, prefill_leg(p, "completions", body_y))
     assert again["status"] == 200 and again["text"] == expected_y, again
@@ -303,7 +321,7 @@ def test_failed_handshake_frees_producer_blocks(cluster, decoder):
     expected = reference(cluster, "completions", body)
     params = prefill_leg(p, "completions", body)
     wrong = dict(params, remote_engine_id="some-other-engine")
-    _expect_failure_or_recompute(cluster, d, "completions", body, wrong, expected)
+    _expect_failure_or_recompute(cluster, d, "completions", body, wrong, expected, 502)
     p.wait_all_blocks_free(timeout_s=10)  # abort sent over the side channel
 
 

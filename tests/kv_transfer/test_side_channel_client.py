@@ -123,3 +123,24 @@ def test_waker_is_readable_from_wake_until_drain():
     finally:
         waker.close()
     waker.wake()  # after close: ignored
+
+
+def test_fp8_scale_mismatch_says_how_many_layers_differ_not_every_scale():
+    """Two fp8 caches with other per-layer scales: the compatibility message counts the layers
+    that differ and shows the first two, not the 2 x num_layers scales of each side."""
+    from pdserve.kv_transfer.nixl.side_channel import compat_mismatch
+
+    layers = 30
+    local = {"dtype": "float8_e4m3fn", "num_layers": layers,
+             "kv_scales": [0.01] * layers + [0.02] * layers}
+    remote_scales = list(local["kv_scales"])
+    for layer in (3, 7, 20):
+        remote_scales[layer] = 0.5  # key scale
+    remote_scales[layers + 9] = 0.25  # value scale of layer 9
+    message = compat_mismatch(local, dict(local, kv_scales=remote_scales))
+    assert message.startswith("kv_scales differ in 4 of 30 layers (layer 3: local k=0.01 "
+                              "v=0.02, remote k=0.5 v=0.02; layer 7: "), message
+    assert "(2 more)" in message and "layer 9" not in message and len(message) < 200, message
+    auto = compat_mismatch(local, dict(local, dtype="float32", kv_scales=[]))
+    assert "dtype: local='float8_e4m3fn' remote='float32'" in auto
+    assert "kv_scales: local has 60, remote none" in auto and "0.01" not in auto

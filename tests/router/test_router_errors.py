@@ -202,6 +202,10 @@ async def test_proxy_400s_have_the_engines_error_type(make_cluster):
                                   {"Content-Type": "application/json"})
     assert status == 400
     assert json.loads(raw)["error"]["type"] == engine_400["error"]["type"] == "BadRequestError"
+    # one shape (vLLM's ErrorResponse): the same fields, ``code`` the status as an integer
+    proxy_400 = json.loads(raw)["error"]
+    assert set(proxy_400) == set(engine_400["error"]) == {"message", "type", "param", "code"}
+    assert proxy_400["code"] == engine_400["error"]["code"] == 400
 
 
 async def test_too_large_body_is_413(make_cluster, monkeypatch):

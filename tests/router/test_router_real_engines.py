@@ -81,3 +81,22 @@ def test_proxy_relays_engine_errors(cluster):
         via_proxy.completions.create(model=cluster["model"], prompt="x", max_tokens=12,
                                      temperature=-1.0)
     assert e.value.status_code == 400 and e.value.body is not None
+
+
+def test_proxy_relays_the_400_of_a_field_pdserve_does_not_support(cluster):
+    """Tool calling through the proxy: P refuses the body before prefilling it, and the client
+    gets P's 400 naming the field (vLLM's error shape: ``code`` is the status)."""
+    via_proxy = client(cluster["proxy"].url)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    def computed() -> dict[str, float]:
+        return {n: cluster["servers"][n].metrics().get("pdserve:prompt_tokens_computed_total", 0.0)
+                for n in ("p0", "p1")}
+
+    before = computed()
+    with pytest.raises(openai.BadRequestError) as e:
+        via_proxy.chat.completions.create(model=cluster["model"], max_tokens=4, tools=[tool],
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == "tools" and e.value.body["code"] == 400, e.value.body
+    assert "not supported" in e.value.body["message"]
+    assert computed() == before  # nothing was prefilled

@@ -6,6 +6,11 @@ reader rank that tells this rank, see :mod:`.tp_plan`), a reader's "abort" notif
 end of the lease (counted as an expired request). Heartbeats from a reader whose request
 still waits in its queue extend a renewable lease; a successful claim (the reader's check right
 before its READ) extends it too. The side-channel thread claims; the engine thread does the rest.
+
+Every reader notice (done, abort, heartbeat) and the proxy's early release name the lease's
+block ids; a notice whose ids are not exactly the lease's is ignored. So a reader holding forged
+params (the right request id, other block ids) whose claim is refused cannot end, or keep alive,
+the lease of the request it named: the honest reader still finds it.
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ class LeaseTable:
         self._lock = threading.RLock()
         self._leases: dict[str, Lease] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()
-        # notices seen before their lease: req_id -> (kind, forget-at, dones, expected)
-        self._early: dict[str, tuple[str, float, int, int]] = {}
+        # notices seen before their lease: (req_id, block ids named) -> (kind, forget-at, dones,
+        # expected)
+        self._early: dict[tuple[str, tuple[int, ...]], tuple[str, float, int, int]] = {}
 
     def __len__(self) -> int:
         with self._lock:
@@ -87,7 +93,8 @@ class LeaseTable:
                                          None if token_ids is None else list(token_ids),
                                          first_token)
             self._closed.pop(req_id, None)
-            early = self._early.pop(req_id, None)
+            # notices that named other blocks (forged params) are not this lease's: they expire
+            early = self._early.pop((req_id, tuple(block_ids)), None)
             if early is None:
                 return None
             kind, _, dones, expected = early
@@ -109,21 +116,37 @@ class LeaseTable:
         """The proxy's release of a lease its decode leg will not read: ends the lease when it
         holds exactly ``block_ids``. Returns True when it did."""
         with self._lock:
-            lease = self._leases.get(req_id)
-            if lease is None or not isinstance(block_ids, list) or \
-                    list(block_ids) != lease.block_ids:
+            if not self._holds(req_id, block_ids):
                 return False
             del self._leases[req_id]
             self._remember(req_id, "released: the decode leg will not read it")
             return True
 
-    def done(self, req_id: str, expected: int = 1, now: float | None = None) -> bool:
-        """A reader's "done" notice: ends the lease once ``expected`` of them arrived (a notice
-        for a lease not registered yet is remembered). Returns True when the lease ended."""
+    def abort(self, req_id: str, block_ids: Any, now: float | None = None) -> bool:
+        """A reader's "abort" notice (it will not read): ends the lease when it holds exactly
+        ``block_ids`` (an abort for a lease not registered yet is remembered). Returns True when
+        the lease ended."""
+        with self._lock:
+            if req_id not in self._leases:
+                self.note_unknown(req_id, "abort", 1, now, block_ids)
+                return False
+            if not self._holds(req_id, block_ids):
+                return False
+            del self._leases[req_id]
+            self._remember(req_id, "aborted by reader")
+            return True
+
+    def done(self, req_id: str, expected: int = 1, now: float | None = None,
+             block_ids: Any = None) -> bool:
+        """A reader's "done" notice for the lease holding exactly ``block_ids``: ends the lease
+        once ``expected`` of them arrived (a notice for a lease not registered yet is
+        remembered; one naming other blocks is ignored). Returns True when the lease ended."""
         with self._lock:
             lease = self._leases.get(req_id)
             if lease is None:
-                self.note_unknown(req_id, "done", expected, now)
+                self.note_unknown(req_id, "done", expected, now, block_ids)
+                return False
+            if not self._holds(req_id, block_ids):
                 return False
             lease.dones += 1
             if lease.dones < expected:
@@ -133,25 +156,30 @@ class LeaseTable:
             return True
 
     def note_unknown(self, req_id: str, kind: str, expected: int = 1,
-                     now: float | None = None) -> None:
-        """Remember a done/abort notice for a lease not registered yet ("done" notices are
-        counted; an "abort" wins)."""
+                     now: float | None = None, block_ids: Any = None) -> None:
+        """Remember a done/abort notice naming ``block_ids`` for a lease not registered yet
+        ("done" notices are counted; an "abort" wins; they apply to the lease only when it holds
+        exactly those blocks)."""
         now = time.monotonic() if now is None else now
+        if not _is_block_list(block_ids):
+            return
         with self._lock:
             if req_id in self._closed:
                 return
-            prev = self._early.get(req_id)
+            key = (req_id, tuple(block_ids))
+            prev = self._early.get(key)
             if kind == "done" and prev is not None and prev[0] == "abort":
                 return
             dones = (prev[2] if prev is not None else 0) + (kind == "done")
-            self._early[req_id] = (kind, now + _EARLY_NOTICE_TTL_S, dones, expected)
+            self._early[key] = (kind, now + _EARLY_NOTICE_TTL_S, dones, expected)
 
-    def renew(self, req_id: str, now: float | None = None) -> bool:
-        """Heartbeat: extend a renewable lease to ``now + duration``. True if extended."""
+    def renew(self, req_id: str, block_ids: Any, now: float | None = None) -> bool:
+        """Heartbeat naming ``block_ids``: extend a renewable lease holding exactly them to
+        ``now + duration``. True if extended."""
         now = time.monotonic() if now is None else now
         with self._lock:
             lease = self._leases.get(req_id)
-            if lease is None or not lease.renewable:
+            if lease is None or not lease.renewable or not self._holds(req_id, block_ids):
                 return False
             lease.expiry = max(lease.expiry, now + lease.duration_s)
             return True
@@ -214,7 +242,7 @@ class LeaseTable:
         early notices), or None when there is none."""
         with self._lock:
             times = [lease.expiry for lease in self._leases.values()]
-            times.extend(t for _, t, _, _ in self._early.values())
+            times.extend(early[1] for early in self._early.values())
         return min(times, default=None)
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -234,11 +262,22 @@ class LeaseTable:
             for rid, _ in expired:
                 del self._leases[rid]
                 self._remember(rid, "lease expired")
-            for rid in [r for r, (_, t, _, _) in self._early.items() if t <= now]:
-                del self._early[rid]
+            for key in [k for k, early in self._early.items() if early[1] <= now]:
+                del self._early[key]
         return expired
+
+    def _holds(self, req_id: str, block_ids: Any) -> bool:
+        """True when an open lease of ``req_id`` holds exactly ``block_ids`` (lock held)."""
+        lease = self._leases.get(req_id)
+        return lease is not None and _is_block_list(block_ids) and \
+            list(block_ids) == lease.block_ids
 
     def _remember(self, req_id: str, reason: str) -> None:
         self._closed[req_id] = reason
         while len(self._closed) > _CLOSED_MEMORY:
             self._closed.popitem(last=False)
+
+
+def _is_block_list(block_ids: Any) -> bool:
+    return isinstance(block_ids, list) and all(
+        isinstance(b, int) and not isinstance(b, bool) for b in block_ids)

@@ -283,7 +283,7 @@ class LoadTracker:
             for read in route.reads:
                 owner = remote.agents[read.src_rank]
                 notif = encode_notif("done", spec.remote.request_id,
-                                     route.expected[read.src_rank])
+                                     route.expected[read.src_rank], spec.remote.block_ids)
                 if route.whole(read):
                     handle, state = self.agent.post_read(
                         owner, spec.local_block_ids, spec.remote_read_block_ids, notif)

@@ -4,8 +4,9 @@
 Two encodings are read: ``pdserve1|kind|req_id`` (one notice closes a lease) and
 ``pdserve2|`` + msgpack ``{"k": kind, "r": req_id, "n": expected, "b": block_ids}``, written
 since TP: ``expected`` is how many "done" notices the receiving owner rank gets for the request
-(:func:`pdserve.kv_transfer.nixl.tp_plan.expected_notices`), ``block_ids`` the ids of a
-"release" that rank 0 forwards to its sibling ranks.
+(:func:`pdserve.kv_transfer.nixl.tp_plan.expected_notices`), ``block_ids`` the owner's block
+ids the reader's params named (an owner acts on a notice only when they are exactly the lease's,
+see :mod:`.leases`; the old form carries none, so it ends no lease).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Notice:
         kind: ``"done"``, ``"abort"``, ``"heartbeat"`` or ``"release"``.
         req_id: the owner's request id.
         expected: "done" notices the owner rank receives for this request in all (>= 1).
-        block_ids: the lease's block ids (``"release"`` only), else None.
+        block_ids: the lease's block ids as the sender knows them (None in the old form).
     """
 
     kind: str

@@ -2,9 +2,11 @@
 
 The proxy calls ``POST /v1/kv_transfer/release`` on P with the ``kv_transfer_params`` P returned
 when the decode leg will not read them (D refused the request, no decoder was reachable, the
-client went away between the legs). P's front end checks the params name this instance and
-sends a ``release`` notice (request id and block ids) to its own side channel; the worker closes
-the lease when it holds exactly those blocks for that request, and counts it
+client went away between the legs). P's front end checks the params name this instance (its
+engine id, and the side-channel port of one of its data-parallel ranks) and sends a ``release``
+notice (request id and block ids) to its own side channel; the worker closes the lease only when
+it holds exactly those blocks for that request (a forged release naming another request's id
+with other block ids leaves that lease alone), and counts it
 (``pdserve:kv_leases_released_early_total``). Without the call the lease still ends by itself,
 so a proxy that dies leaks nothing.
 """
@@ -24,12 +26,14 @@ RELEASE_NOTICE = "release"
 RELEASE_TIMEOUT_S = 5.0
 
 
-def parse_release(config: KVTransferConfig | None, params: Any) -> RemoteKVRef:
-    """The lease a release names, checked against this instance.
+def parse_release(config: KVTransferConfig | None, params: Any,
+                  data_parallel_size: int = 1) -> RemoteKVRef:
+    """The lease a release names, checked against this instance (``data_parallel_size``: its
+    ranks, each with side-channel port ``base + rank``).
 
     Raises:
         KVTransferParamsError: no KV connector here, malformed params, or params naming another
-            engine.
+            engine or a port that is not one of this instance's side channels.
     """
     if config is None:
         raise KVTransferParamsError("this instance has no KV transfer configuration")
@@ -40,6 +44,11 @@ def parse_release(config: KVTransferConfig | None, params: Any) -> RemoteKVRef:
         raise KVTransferParamsError(
             f"kv_transfer_params name engine {ref.endpoint.engine_id!r}, not this instance "
             f"({config.engine_id!r})")
+    ports = [config.side_channel_port_for(rank) for rank in range(data_parallel_size)]
+    if ref.endpoint.port not in ports:
+        raise KVTransferParamsError(
+            f"kv_transfer_params.remote_port {ref.endpoint.port} is not a side-channel port of "
+            f"this instance ({', '.join(map(str, ports))})")
     return ref
 
 

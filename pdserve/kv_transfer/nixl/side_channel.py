@@ -22,10 +22,11 @@ instances' ``REQ`` sockets:
     token the prefiller sampled (the decoder uses it, not the one a client relayed).
     ``instance_id`` (also in ``get_info``'s info) is new at every process start: a reader whose
     handshake named another instance knows the remote restarted and handshakes again.
-``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str[, "tp_rank": int,
-"expected": int]}``
+``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str, "block_ids": [int][,
+"tp_rank": int, "expected": int]}``
     -> ``{"ok": True}``: the same control messages as the NIXL notifications, for readers
     that could not load this agent's metadata (for example after a compatibility mismatch).
+    A notice acts only on a lease holding exactly ``block_ids`` (:mod:`.leases`).
     Without ``tp_rank`` a notice is for every TP rank of the instance (rank 0 forwards it);
     ``expected`` is the count a "done" carries (:mod:`.notifications`).
     ``"kind": "release", "block_ids": [int]`` is the proxy's early release of a lease the
@@ -119,13 +120,33 @@ def compat_hash(fields: dict[str, Any]) -> str:
 
 
 def compat_mismatch(local: dict[str, Any], remote: dict[str, Any]) -> str:
-    """Human-readable list of differing compatibility fields (empty when equal)."""
+    """Human-readable list of differing compatibility fields (empty when equal); per-layer
+    ``kv_scales`` are summarised (:func:`scales_mismatch`)."""
     diffs = [
-        f"{k}: local={local.get(k)!r} remote={remote.get(k)!r}"
+        scales_mismatch(local.get(k), remote.get(k), local.get("num_layers")) if k == "kv_scales"
+        else f"{k}: local={local.get(k)!r} remote={remote.get(k)!r}"
         for k in sorted(set(local) | set(remote))
         if local.get(k) != remote.get(k)
     ]
     return "; ".join(diffs)
+
+
+def scales_mismatch(local: Any, remote: Any, num_layers: Any, shown: int = 2) -> str:
+    """How two fp8 caches' ``kv_scales`` (per layer: all key scales, then all value scales)
+    differ: how many layers, and the first ``shown`` of them, not every scale."""
+    local, remote = list(local or ()), list(remote or ())
+    if len(local) != len(remote) or not isinstance(num_layers, int) or \
+            len(local) != 2 * num_layers:
+        return (f"kv_scales: local has {len(local) or 'none'}, remote {len(remote) or 'none'} "
+                f"(per-layer key and value scales of an fp8 KV cache)")
+    differ = [layer for layer in range(num_layers)
+              if (local[layer], local[num_layers + layer])
+              != (remote[layer], remote[num_layers + layer])]
+    first = "; ".join(
+        f"layer {layer}: local k={local[layer]:.6g} v={local[num_layers + layer]:.6g}, remote "
+        f"k={remote[layer]:.6g} v={remote[num_layers + layer]:.6g}" for layer in differ[:shown])
+    more = f"; ... ({len(differ) - shown} more)" if len(differ) > shown else ""
+    return f"kv_scales differ in {len(differ)} of {num_layers} layers ({first}{more})"
 
 
 def _bind_address(host: str) -> str:

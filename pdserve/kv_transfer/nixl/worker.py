@@ -441,15 +441,13 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 self.stats.current.num_kv_leases_released_early += 1
                 logger.debug("NIXL: lease of request %s released early", req_id)
         elif kind == "heartbeat":
-            self.leases.renew(req_id)
+            self.leases.renew(req_id, notice.block_ids)
         elif kind == "done":
-            if self.leases.done(req_id, notice.expected):
+            if self.leases.done(req_id, notice.expected, block_ids=notice.block_ids):
                 self._out.finished_sending.add(req_id)
-        elif kind == "abort":
-            if self.leases.close(req_id, "aborted by reader"):
+        elif kind == "abort":  # ignored unless it names the lease's own blocks (forged params)
+            if self.leases.abort(req_id, notice.block_ids):
                 self._out.finished_sending.add(req_id)
-            else:
-                self.leases.note_unknown(req_id, kind)
 
     def _forward(self, notice: Notice, tp_rank: int | None) -> None:
         """Rank 0: pass a side-channel notice on to the rank(s) it is for, by NIXL (a rank not
@@ -491,21 +489,22 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 self._forward(notice, tp_rank)
 
     def _send_to(self, ref: RemoteKVRef, kind: str, tp_rank: int | None = None) -> None:
-        """Send one notification to the remote ranks this rank notifies (or to ``tp_rank``) by
-        NIXL if the remote agents are loaded, else by the side channel in the background (so a
-        notice never waits for a handshake)."""
+        """Send one notification naming the remote's request and block ids to the remote ranks
+        this rank notifies (or to ``tp_rank``) by NIXL if the remote agents are loaded, else by
+        the side channel in the background (so a notice never waits for a handshake)."""
         remote = self.remotes.get(ref.endpoint)
         if remote is not None and remote.ready:
             route = remote.route
             ranks = route.targets if tp_rank is None else (tp_rank,)
             try:
                 for rank in ranks:
-                    self.agent.send_notif(remote.agents[rank].name,
-                                          encode_notif(kind, ref.request_id, route.expected[rank]))
+                    self.agent.send_notif(remote.agents[rank].name, encode_notif(
+                        kind, ref.request_id, route.expected[rank], ref.block_ids))
                 return
             except Exception as e:  # the peer vanished: forget it, send by the side channel
                 self.loads.forget_remote(ref.endpoint, f"a {kind} notification failed: {e}")
-        message = {"type": "notify", "kind": kind, "request_id": ref.request_id}
+        message = {"type": "notify", "kind": kind, "request_id": ref.request_id,
+                   "block_ids": list(ref.block_ids)}
         if tp_rank is not None and remote is not None and remote.route is not None:
             message.update(tp_rank=tp_rank, expected=remote.route.expected[tp_rank])
         self._bg_notices.append(self._pool.submit(
