@@ -253,8 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
     p.add_argument("--kernels", action="store_true", help="also time the Triton kernels (CUDA)")
     p.add_argument("--skip-engine", action="store_true", help="only the kernel timings")
-    p.add_argument("--async-scheduling", choices=["on", "off", "both"], default="off",
-                   help="overlapped scheduling, synchronous steps (the engine default), or "
+    p.add_argument("--async-scheduling", choices=["on", "off", "both"], default="on",
+                   help="overlapped scheduling (the engine default: on), synchronous steps, or "
                         "both in the same run")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)

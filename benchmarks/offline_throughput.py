@@ -15,8 +15,8 @@ of 16 tokens cost nothing, and the host schedules once per 16 decode steps. The 
 default is 1; ``--num-scheduler-steps 1`` measures that.
 
 ``--async-scheduling both`` runs pdserve twice on the same requests, with overlapped scheduling
-(step n+1 is launched before step n's tokens are read) and with synchronous steps (the engine
-default), and prints both lines (``pdserve`` and ``pdserve-sync``) and their ratio: the issue #15
+(the engine default: step n+1 is launched before step n's tokens are read) and with synchronous
+steps, and prints both lines (``pdserve`` and ``pdserve-sync``) and their ratio: the issue #15
 before/after figure in one call, e.g. ``--skip-hf --num-scheduler-steps 1 --async-scheduling both``.
 
 ``transformers`` cannot give each sequence of a batch its own output length, so it runs the
@@ -34,7 +34,7 @@ Examples::
     # a quick check on a CPU (tiny random Qwen3, a few short requests)
     python benchmarks/offline_throughput.py --model-preset tiny-qwen3 --num-prompts 8 \\
         --min-len 4 --max-len 16 --dtype float32
-    # token-by-token steps (the engine default), overlapped scheduling on and off
+    # the engine default (token-by-token steps), overlapped scheduling on and off
     python benchmarks/offline_throughput.py --skip-hf --num-scheduler-steps 1 --async-scheduling both
     # issue #17's families (one GPU): Qwen3-30B-A3B (MoE, about 61 GB of bf16 weights; each
     # engine loads its own copy, one after the other) and Qwen2.5-7B shaped, dummy weights;
@@ -433,9 +433,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-scheduler-steps", type=int, default=16,
                    help="pdserve decode steps per scheduling round (multi-step scheduling; "
                         "offline batches do not stream, so the default is 16; 1 = every step)")
-    p.add_argument("--async-scheduling", choices=["on", "off", "both"], default="off",
-                   help="pdserve with overlapped scheduling (on), with synchronous steps (off, "
-                        "the engine default), or both one after the other on the same "
+    p.add_argument("--async-scheduling", choices=["on", "off", "both"], default="on",
+                   help="pdserve with overlapped scheduling (on, the engine default), with "
+                        "synchronous steps (off), or both one after the other on the same "
                         "requests (results 'pdserve' and 'pdserve-sync')")
     p.add_argument("--hf-batch-size", type=int, default=128)
     p.add_argument("--hf-max-prompts", type=int, default=0,

@@ -83,9 +83,8 @@ class EngineConfig:
             tokens after step n+1 is launched, so they reach clients one step later and the
             device never waits for the host between steps. Outputs are those of the
             synchronous path; steps it cannot overlap run synchronously
-            (:mod:`pdserve.engine.async_step` lists them). Off by default: on one H200 it made
-            offline generation 1.34x faster but a server at 64 streams slower (docs/
-            benchmarks.md, "Overlapped scheduling"); ignored at tensor-parallel size > 1.
+            (:mod:`pdserve.engine.async_step` lists them). On by default; ignored at
+            tensor-parallel size > 1.
         kv_transfer_config: parsed ``--kv-transfer-config`` (None: no connector).
         trust_remote_code: passed to transformers when reading configs/tokenizers.
         kv_events_endpoint: ZMQ endpoint on which the engine core publishes its prefix-cache
@@ -132,7 +131,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
     num_scheduler_steps: int = 1
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     kv_transfer_config: KVTransferConfig | None = None
     trust_remote_code: bool = False
     kv_events_endpoint: str | None = None

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlapped scheduling: prepare and launch step n+1 while the device "
                         "runs step n; each token reaches the client one step later (default: "
-                        "off, every step synchronous)")
+                        "on; --no-async-scheduling runs every step synchronously)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* "
                         "(default: $PDSERVE_API_KEY if set)")
