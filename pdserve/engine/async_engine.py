@@ -1,6 +1,6 @@
 """Front-end client of the engine core(s), used by the HTTP server.
 
-:class:`AsyncEngine` spawns :func:`pdserve.engine.core.run_engine_core` in its own process
+:class:`AsyncEngine` spawns :func:`pdserve.engine.core_loop.run_engine_core` in its own process
 (multiprocessing ``spawn``), so tokenisation, HTTP handling and detokenisation on the server's
 event loop never stall the decoding loop. The two talk over ZMQ sockets with the messages of
 :mod:`pdserve.engine.messages` (one :class:`pdserve.engine.core_client.CoreClient` per core).

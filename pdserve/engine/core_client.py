@@ -265,7 +265,7 @@ def spawn_core(config: EngineConfig, addresses: CoreAddresses, rank: int,
     it (a ``multiprocessing.Process``)."""
     import multiprocessing
 
-    from pdserve.engine.core import run_engine_core
+    from pdserve.engine.core_loop import run_engine_core
 
     mp = multiprocessing.get_context("spawn")
     proc = mp.Process(target=run_engine_core, args=(config, addresses),

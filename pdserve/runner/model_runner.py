@@ -9,24 +9,20 @@ registers it with the KV connector's worker side itself
 :meth:`ModelRunner.set_kv_connector_worker`; the runner then drives the worker around every
 forward pass.
 
-Why one module of about 610 lines: it is the one ``run()`` of the engine (nano-vllm's shape),
-the only place that owns tensors: KV cache sizing (the arithmetic itself is torch-free, in
-:mod:`pdserve.memory_budget`), input preparation, the forward pass, CUDA-graph replay,
-multi-step rounds, overlapped steps (``execute_async``; the launched step and the device-side
-input feeding are in :mod:`pdserve.runner.overlap`) and sampling share its device buffers and
-must change together.
+The runner loads the model, sizes and owns the KV cache and runs one step (input preparation,
+the forward pass, sampling); the arithmetic of the cache size is torch-free, in
+:mod:`pdserve.memory_budget`. Its CUDA graphs of decode steps are captured and replayed by
+:mod:`pdserve.runner.decode_graphs`, multi-step rounds run in :mod:`pdserve.runner.multi_step`
+and overlapped steps (``execute_async``) are launched by :mod:`pdserve.runner.overlap`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import dataclasses
 import logging
 import math
 import sys
-import time
-from itertools import chain
 
 import torch
 
@@ -34,15 +30,17 @@ from pdserve.config import EngineConfig
 from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.attention.kv_quant import kv_cache_torch_dtype
-from pdserve.attention.metadata import decode_metadata
 from pdserve.model_info import ModelInfo
 from pdserve.memory_budget import kv_cache_budget, requested_bytes
-from pdserve.distributed.communication import tp_all_gather_object
 from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import kv_head_range
 from pdserve.models.loader import load_model, model_max_len, resolve_device, tp_device
-from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
-from pdserve.runner.overlap import DeviceTokens, PendingRunnerStep, feed_previous_tokens
+from pdserve.runner.cuda_graphs import CUDAGraphRunner
+from pdserve.runner.decode_graphs import capture_decode_graphs, decode_with_graph
+from pdserve.runner.multi_step import multi_step_decode
+from pdserve.runner.overlap import (
+    DeviceTokens, PendingRunnerStep, StepLauncher, feed_previous_tokens,
+)
 from pdserve.runner.sampler import Sampler
 
 logger = logging.getLogger("pdserve.model")
@@ -139,8 +137,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_spec: KVCacheSpec | None = None
         self._connector: KVConnectorWorkerSide | None = None
-        # the last execute_async step's sampled tokens: inputs of the next step's placeholders
-        self._previous_tokens: DeviceTokens | None = None
+        # launches execute_async steps; keeps the last one's sampled tokens on the device
+        self._launcher = StepLauncher(self)
         # CUDA graphs of pure-decode steps (built by allocate_kv_cache; None = eager).
         self.decode_graphs: CUDAGraphRunner | None = None
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
@@ -237,7 +235,7 @@ class ModelRunner:
                 output_token_ids=[])
             for i in range(num_seqs)
         ]
-        self._forward_and_sample(reqs, scratch)
+        self.forward_and_sample(reqs, scratch)
         del scratch
 
     def _new_cache(self, num_blocks: int) -> torch.Tensor:
@@ -262,7 +260,9 @@ class ModelRunner:
             element_size=self.kv_cache.element_size(), model_name=self.model_info.name,
             total_num_kv_heads=a.num_kv_heads, kv_scales=self._kv_scales_for_spec())
         if self.use_cuda_graphs:
-            self._capture_decode_graphs(num_blocks)
+            graphs = capture_decode_graphs(self, num_blocks)
+            if graphs is not None:
+                self.decode_graphs = graphs
         total = num_blocks * self.block_bytes
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s on %s "
                     "(%.1f sequences of max_model_len=%d)", num_blocks, self.block_size,
@@ -280,59 +280,6 @@ class ModelRunner:
     def max_blocks_per_seq(self) -> int:
         """Width of a block table row: blocks of a ``max_model_len``-token sequence."""
         return -(-self.max_model_len // self.block_size)
-
-    def _capture_decode_graphs(self, num_blocks: int) -> None:
-        """Capture the model's forward pass of a pure-decode step (one token per sequence, on
-        :func:`~pdserve.attention.metadata.decode_metadata` of the static buffers) for padded
-        batch sizes up to ``min(max_num_seqs, num_blocks)`` (a running sequence holds at least
-        one block)."""
-        max_bs = max(1, min(self.config.max_num_seqs, num_blocks))
-        specs = {
-            "input_ids": StaticInputSpec((), torch.int64, 0),
-            "positions": StaticInputSpec((), torch.int64, 0),
-            "slot_mapping": StaticInputSpec((), torch.int64, -1),  # padding rows write nothing
-            "block_tables": StaticInputSpec((self.max_blocks_per_seq,), torch.int32, 0),
-            "context_lens": StaticInputSpec((), torch.int32, 0),  # padding rows attend to nothing
-        }
-        kv_cache = self.kv_cache
-        model = self.model
-
-        def forward(inp: dict[str, torch.Tensor]) -> torch.Tensor:
-            meta = decode_metadata(inp["slot_mapping"], inp["block_tables"], inp["context_lens"])
-            return model(inp["input_ids"], inp["positions"], kv_cache, meta)
-
-        t0 = time.perf_counter()
-        graphs = CUDAGraphRunner(forward, specs, default_capture_sizes(max_bs), self.device)
-        if get_tp_size() == 1:
-            graphs.capture()
-        elif not self._capture_with_collectives(graphs):
-            return
-        self.decode_graphs = graphs
-        logger.info("captured CUDA graphs of decode steps for batch sizes %s in %.1f s",
-                    graphs.capture_sizes, time.perf_counter() - t0)
-
-    def _capture_with_collectives(self, graphs: CUDAGraphRunner) -> bool:
-        """Capture the decode graphs of a TP rank, NCCL all-reduces and all-gathers inside.
-
-        The ranks agree after each batch size (over the gloo CPU group); when any rank failed
-        to capture one, every rank drops its graphs and decodes eagerly, with a warning line
-        saying so (a replay and an eager pass issue the same collectives, but graphs of some
-        ranks only would be a needless asymmetry).
-
-        Returns:
-            True when every rank captured every size.
-        """
-        failures: list[str] = []
-
-        def agree(error: str | None) -> bool:
-            failures.extend(e for e in tp_all_gather_object(error) if e is not None)
-            return not failures
-
-        if not graphs.capture(agree):
-            logger.warning("CUDA graph capture with tensor-parallel collectives failed (%s); "
-                           "decode steps run eagerly", failures[0])
-            return False
-        return True
 
     def set_kv_connector_worker(self, worker: KVConnectorWorkerSide | None) -> None:
         """Attach (or detach with None) the KV connector's worker side.
@@ -358,7 +305,7 @@ class ModelRunner:
                 beyond ``max_model_len``).
         """
         self.sampler.drop(sched.finished_req_ids)
-        self._previous_tokens = None
+        self._launcher.previous = None
         worker = self._connector
         if worker is not None:
             worker.bind_connector_metadata(sched.kv_connector_metadata)
@@ -367,11 +314,11 @@ class ModelRunner:
         if sched.scheduled and sched.num_steps > 1:
             if self.kv_cache is None:
                 raise RuntimeError("allocate_kv_cache() must be called before execute()")
-            out.sampled_token_id_lists = self._multi_step_decode(sched.scheduled, sched.num_steps)
+            out.sampled_token_id_lists = multi_step_decode(self, sched.scheduled, sched.num_steps)
         elif sched.scheduled:
             if self.kv_cache is None:
                 raise RuntimeError("allocate_kv_cache() must be called before execute()")
-            sampled, tokens, logprobs = self._forward_and_sample(sched.scheduled, self.kv_cache)
+            sampled, tokens, logprobs = self.forward_and_sample(sched.scheduled, self.kv_cache)
             for req, tok, lp in zip(sampled, tokens, logprobs):
                 out.sampled_token_ids[req.req_id] = tok
                 if lp is not None:
@@ -383,60 +330,41 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput) -> PendingRunnerStep:
         """Launch one engine step whose sampled tokens stay on the device (overlapped
-        scheduling, :mod:`pdserve.engine.async_step`): as :meth:`execute`, except that
-        placeholder inputs (``input_from_previous_step``) take the previous
-        ``execute_async`` step's sampled tokens on the device, and the result is read later
-        through the returned step. A batch with logprobs or penalties samples on the host
-        (:meth:`Sampler.samples_on_host <pdserve.runner.sampler.Sampler.samples_on_host>`).
+        scheduling, :mod:`pdserve.engine.async_step`); see :meth:`StepLauncher.launch
+        <pdserve.runner.overlap.StepLauncher.launch>` for what differs from :meth:`execute` and
+        the errors raised."""
+        return self._launcher.launch(sched, self._connector)
+
+    def forward_and_sample(self, scheduled: list[ScheduledRequest], kv_cache: torch.Tensor):
+        """Flatten the batch (prefills first, then single-token decodes), run the model on
+        ``kv_cache`` and sample on the host.
+
+        Returns:
+            ``(sampled_requests, token_ids, logprobs)`` in matching order: the requests with
+            ``sample=True``, one token id each, and their logprobs (None where not asked).
 
         Raises:
-            RuntimeError: the KV cache was not allocated.
-            ValueError: a malformed scheduled request, a multi-step round, or a placeholder
-                whose request the previous step did not sample.
+            ValueError: as :meth:`forward_logits`.
         """
-        if sched.num_steps > 1:
-            raise ValueError("multi-step rounds run through execute()")
-        if self.kv_cache is None:
-            raise RuntimeError("allocate_kv_cache() must be called before execute_async()")
-        self.sampler.drop(sched.finished_req_ids)
-        worker = self._connector
-        if worker is not None:
-            worker.bind_connector_metadata(sched.kv_connector_metadata)
-            worker.start_load_kv()
-        sampled: list[ScheduledRequest] = []
-        logprobs = {}
-        tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-        if sched.scheduled:
-            sampled, logits = self._forward_logits(sched.scheduled, self.kv_cache,
-                                                   self._previous_tokens)
-        if sampled and self.sampler.samples_on_host(sampled):
-            token_list, lps = self.sampler.sample(logits, sampled)
-            tokens = torch.tensor(token_list, dtype=torch.int64).to(self.device, non_blocking=True)
-            logprobs = {r.req_id: lp for r, lp in zip(sampled, lps) if lp is not None}
-        elif sampled:
-            tokens = self.sampler.sample_on_device(logits, sampled)
-        req_ids = [r.req_id for r in sampled]
-        self._previous_tokens = DeviceTokens({rid: i for i, rid in enumerate(req_ids)}, tokens)
-        kv_out = worker.get_finished(sched.finished_req_ids) if worker is not None else None
-        return PendingRunnerStep(req_ids, tokens, logprobs, kv_out)
-
-    def _forward_and_sample(self, scheduled: list[ScheduledRequest], kv_cache: torch.Tensor):
-        """Flatten the batch (prefills first, then single-token decodes), run the model and
-        sample. Returns ``(sampled_requests, token_ids, logprobs)`` in matching order."""
-        sampled, logits = self._forward_logits(scheduled, kv_cache)
+        sampled, logits = self.forward_logits(scheduled, kv_cache)
         if not sampled:
             return [], [], []
         tokens, logprobs = self.sampler.sample(logits, sampled)
         return sampled, tokens, logprobs
 
-    def _forward_logits(self, scheduled: list[ScheduledRequest], kv_cache: torch.Tensor,
-                        previous: DeviceTokens | None = None):
+    def forward_logits(self, scheduled: list[ScheduledRequest], kv_cache: torch.Tensor,
+                       previous: DeviceTokens | None = None):
         """Flatten the batch (prefills first, then single-token decodes) and run the model
         (replaying a decode graph when it can); placeholder inputs are fed from ``previous``.
 
         Returns:
             ``(sampled_requests, logits)``: the requests with ``sample=True`` and their
             ``[len(sampled_requests), vocab]`` float32 logits (None when none samples).
+
+        Raises:
+            ValueError: a request scheduled with no tokens, a position beyond
+                ``max_model_len``, a block table too short, or a placeholder whose request
+                ``previous`` did not sample.
         """
         prefills = [r for r in scheduled if len(r.token_ids) > 1]
         decodes = [r for r in scheduled if len(r.token_ids) == 1]
@@ -446,7 +374,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and not prefills and kv_cache is self.kv_cache
                 and len(decodes) <= graphs.max_batch_size):
-            return self._decode_with_graph(decodes, graphs, previous)
+            return decode_with_graph(self, decodes, graphs, previous)
         fed: list[tuple[int, str]] = []  # (input row, req_id) of placeholders
         input_ids: list[int] = []
         positions: list[int] = []
@@ -481,131 +409,6 @@ class ModelRunner:
         feed_previous_tokens(ids_t, fed, previous)
         logits = self.model(ids_t, pos_t, kv_cache, meta, idx_t)
         return sampled, (logits if sampled else None)
-
-    def _multi_step_decode(self, decodes: list[ScheduledRequest], num_steps: int
-                           ) -> dict[str, list[int]]:
-        """A multi-step round (:attr:`SchedulerOutput.num_steps`): ``num_steps`` decode steps in
-        which each step's sampled tokens are the next step's inputs, read back to the host once
-        at the end. With CUDA graphs the steps after the first only update the graph's static
-        inputs on the device (token, position, slot, context length) and replay, so the host
-        never waits for the GPU inside the round; without them each step is an ordinary step.
-
-        Returns:
-            req_id -> its ``num_steps`` sampled tokens, in order.
-
-        Raises:
-            ValueError: a request that is not a sampled single-token decode, or positions
-                beyond ``max_model_len``.
-        """
-        if any(len(r.token_ids) != 1 or not r.sample for r in decodes):
-            raise ValueError("a multi-step round takes only sampled single-token decodes")
-        last = max(r.num_computed_tokens for r in decodes) + num_steps
-        if last > self.max_model_len:
-            raise ValueError(f"a multi-step round reaches {last} tokens, beyond max_model_len="
-                             f"{self.max_model_len}")
-        graphs = self.decode_graphs
-        if graphs is None or len(decodes) > graphs.max_batch_size:
-            return self._multi_step_eager(decodes, num_steps)
-        n = len(decodes)
-        plan = self.sampler.plan(decodes)
-        tokens = torch.empty((num_steps, n), dtype=torch.int64, device=self.device)
-        logits = self._replay_decode_graph(decodes, graphs)
-        buf = graphs.buffers
-        bs = self.block_size
-        for step in range(num_steps):
-            if step:
-                positions = buf["positions"][:n]
-                positions.add_(1)
-                buf["context_lens"][:n].add_(1)
-                buf["input_ids"][:n].copy_(tokens[step - 1])
-                blocks = buf["block_tables"][:n].gather(1, (positions // bs).unsqueeze(1)).squeeze(1)
-                torch.add(positions % bs, blocks.to(torch.int64), alpha=bs,
-                          out=buf["slot_mapping"][:n])
-                logits = graphs.replay(n)
-            tokens[step] = self.sampler.draw(logits, plan, step)
-        rows = tokens.t().tolist()
-        return {r.req_id: row for r, row in zip(decodes, rows)}
-
-    def _multi_step_eager(self, decodes: list[ScheduledRequest], num_steps: int
-                          ) -> dict[str, list[int]]:
-        """:meth:`_multi_step_decode` as ordinary steps (CPU, ``enforce_eager``, or a batch
-        larger than the captured graphs); the host sees every step's tokens."""
-        out: dict[str, list[int]] = {r.req_id: [] for r in decodes}
-        for step in range(num_steps):
-            batch = [dataclasses.replace(
-                r, token_ids=[out[r.req_id][-1]] if step else r.token_ids,
-                num_computed_tokens=r.num_computed_tokens + step,
-                output_token_ids=r.output_token_ids + out[r.req_id]) for r in decodes]
-            sampled, tokens, _ = self._forward_and_sample(batch, self.kv_cache)
-            for r, tok in zip(sampled, tokens):
-                out[r.req_id].append(tok)
-        return out
-
-    def _replay_decode_graph(self, decodes: list[ScheduledRequest], graphs: CUDAGraphRunner,
-                             previous: DeviceTokens | None = None) -> torch.Tensor:
-        """Fill the graph's static inputs for a pure-decode batch (placeholder tokens fed from
-        ``previous`` on the device) and replay it.
-
-        Returns:
-            ``[len(decodes), vocab]`` float32 logits (a view of the graph's output buffer).
-
-        Raises:
-            ValueError: a position beyond ``max_model_len`` or a block table too short.
-        """
-        bs = self.block_size
-        width = self.max_blocks_per_seq
-        ids, positions, slots, lens, num_blocks = [], [], [], [], []
-        for r in decodes:
-            n = r.num_computed_tokens
-            if n >= self.max_model_len:
-                raise ValueError(f"a scheduled request reaches {n + 1} tokens, beyond "
-                                 f"max_model_len={self.max_model_len}")
-            need = n // bs + 1
-            if len(r.block_ids) < need:
-                raise ValueError(f"block table of {len(r.block_ids)} blocks cannot hold {n + 1} "
-                                 f"tokens (block_size {bs})")
-            ids.append(r.token_ids[0])
-            positions.append(n)
-            slots.append(r.block_ids[n // bs] * bs + n % bs)
-            lens.append(n + 1)
-            num_blocks.append(min(len(r.block_ids), width))
-        # Block tables: one flat host list scattered into a [B, widest row] tensor.
-        rows = max(num_blocks)
-        flat = torch.tensor(list(chain.from_iterable(
-            r.block_ids if len(r.block_ids) <= width else r.block_ids[:width] for r in decodes)),
-            dtype=torch.int32)
-        counts = torch.tensor(num_blocks, dtype=torch.int64)
-        table = torch.zeros((len(decodes), rows), dtype=torch.int32)
-        table[torch.arange(rows)[None, :] < counts[:, None]] = flat
-        ids_t = torch.tensor(ids, dtype=torch.int64)
-        fed = [(i, r.req_id) for i, r in enumerate(decodes) if r.input_from_previous_step]
-        if fed:
-            ids_t = ids_t.to(self.device, non_blocking=True)
-            feed_previous_tokens(ids_t, fed, previous)
-        return graphs.run({
-            "input_ids": ids_t,
-            "positions": torch.tensor(positions, dtype=torch.int64),
-            "slot_mapping": torch.tensor(slots, dtype=torch.int64),
-            "block_tables": table,
-            "context_lens": torch.tensor(lens, dtype=torch.int32),
-        })
-
-    def _decode_with_graph(self, decodes: list[ScheduledRequest], graphs: CUDAGraphRunner,
-                           previous: DeviceTokens | None = None):
-        """A pure-decode step replayed from the captured graph of the next padded batch size;
-        sampling happens outside the graph. Same return value as :meth:`_forward_logits`.
-
-        Raises:
-            ValueError: a position beyond ``max_model_len`` or a block table too short.
-        """
-        logits = self._replay_decode_graph(decodes, graphs, previous)
-        sampled = [r for r in decodes if r.sample]
-        if not sampled:
-            return [], None
-        if len(sampled) != len(decodes):
-            rows_idx = [i for i, r in enumerate(decodes) if r.sample]
-            logits = logits[torch.tensor(rows_idx, device=logits.device)]
-        return sampled, logits
 
     def shutdown(self) -> None:
         """Release the KV cache and the weights (the connector is shut down by its owner)."""

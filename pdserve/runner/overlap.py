@@ -1,5 +1,5 @@
-"""The runner's side of overlapped scheduling: sampled tokens kept on the device for the next
-step's inputs, and a launched step whose tokens the host reads later.
+"""The runner's side of overlapped scheduling: launching a step (``ModelRunner.execute_async``)
+whose sampled tokens stay on the device for the next step's inputs and reach the host later.
 
 On CUDA a step's ``[S]`` sampled tokens are copied (non-blocking) into pinned host memory and a
 CUDA event is recorded after the copy; :meth:`PendingRunnerStep.result` waits on that event
@@ -13,10 +13,21 @@ tokens, without the overlap.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput, TokenLogprobs
+from pdserve.engine.outputs import (
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from pdserve.kv_transfer.base import KVConnectorWorkerSide
+
+if TYPE_CHECKING:
+    from pdserve.runner.model_runner import ModelRunner
 
 
 @dataclass
@@ -90,3 +101,64 @@ class PendingRunnerStep:
         tokens = self._host.tolist()
         return ModelRunnerOutput(sampled_token_ids=dict(zip(self._req_ids, tokens)),
                                  logprobs=self._logprobs, kv_connector_output=self._kv_out)
+
+
+class StepLauncher:
+    """Launches the overlapped steps of a model runner (``ModelRunner.execute_async``) and
+    keeps the last one's sampled tokens on the device, for the placeholder inputs of the next.
+
+    Args:
+        runner: the model runner whose steps it launches.
+
+    Attributes:
+        previous: the last launched step's sampled tokens; None until a step is launched and
+            after a synchronous step (``ModelRunner.execute`` resets it).
+    """
+
+    def __init__(self, runner: "ModelRunner"):
+        self.runner = runner
+        self.previous: DeviceTokens | None = None
+
+    def launch(self, sched: SchedulerOutput, worker: KVConnectorWorkerSide | None
+               ) -> PendingRunnerStep:
+        """Launch one engine step whose sampled tokens stay on the device: as
+        ``ModelRunner.execute``, except that placeholder inputs (``input_from_previous_step``)
+        take the previous launched step's sampled tokens on the device, and the result is read
+        later through the returned step. A batch with logprobs or penalties samples on the host
+        (:meth:`Sampler.samples_on_host <pdserve.runner.sampler.Sampler.samples_on_host>`).
+
+        Args:
+            sched: the step's scheduler output.
+            worker: the KV connector's worker side attached to the runner, or None.
+
+        Raises:
+            RuntimeError: the KV cache was not allocated.
+            ValueError: a malformed scheduled request, a multi-step round, or a placeholder
+                whose request the previous step did not sample.
+        """
+        runner = self.runner
+        if sched.num_steps > 1:
+            raise ValueError("multi-step rounds run through execute()")
+        if runner.kv_cache is None:
+            raise RuntimeError("allocate_kv_cache() must be called before execute_async()")
+        runner.sampler.drop(sched.finished_req_ids)
+        if worker is not None:
+            worker.bind_connector_metadata(sched.kv_connector_metadata)
+            worker.start_load_kv()
+        sampled: list[ScheduledRequest] = []
+        logprobs = {}
+        tokens = torch.empty(0, dtype=torch.int64, device=runner.device)
+        if sched.scheduled:
+            sampled, logits = runner.forward_logits(sched.scheduled, runner.kv_cache,
+                                                    self.previous)
+        if sampled and runner.sampler.samples_on_host(sampled):
+            token_list, lps = runner.sampler.sample(logits, sampled)
+            tokens = torch.tensor(token_list, dtype=torch.int64).to(runner.device,
+                                                                    non_blocking=True)
+            logprobs = {r.req_id: lp for r, lp in zip(sampled, lps) if lp is not None}
+        elif sampled:
+            tokens = runner.sampler.sample_on_device(logits, sampled)
+        req_ids = [r.req_id for r in sampled]
+        self.previous = DeviceTokens({rid: i for i, rid in enumerate(req_ids)}, tokens)
+        kv_out = worker.get_finished(sched.finished_req_ids) if worker is not None else None
+        return PendingRunnerStep(req_ids, tokens, logprobs, kv_out)

@@ -1,4 +1,4 @@
-"""CUDA-graph capture at TP > 1 (the agreement of ModelRunner._capture_with_collectives, run on
+"""CUDA-graph capture at TP > 1 (the agreement of decode_graphs.capture_with_collectives, run on
 two gloo ranks with a stand-in for the graph runner): the ranks stop together at the first
 batch size any of them failed to capture, and all then decode eagerly; when every size
 captured, all keep their graphs."""
@@ -25,10 +25,10 @@ class _Graphs:
 
 def _rank(rank: int, failing_rank: int | None) -> None:
     """On one of the package's two TP ranks (``tp2`` fixture)."""
-    from pdserve.runner.model_runner import ModelRunner
+    from pdserve.runner.decode_graphs import capture_with_collectives
 
     graphs = _Graphs(2 if rank == failing_rank else None)
-    captured = ModelRunner._capture_with_collectives(None, graphs)
+    captured = capture_with_collectives(graphs)
     if failing_rank is None:
         assert captured and graphs.tried == SIZES
     else:  # both ranks stop after size 2, the one rank 1 failed

@@ -14,7 +14,10 @@ import zmq
 from engine_fakes import FakeConnectorWorker, FakeRemote, make_core
 from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.engine import core as core_mod
-from pdserve.engine.messages import AddRequest, Shutdown, StepOutputs, make_encoder, make_output_decoder
+from pdserve.engine import core_loop
+from pdserve.engine.messages import (
+    AddRequest, Shutdown, StepOutputs, make_encoder, make_input_decoder, make_output_decoder,
+)
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.kv_transfer.wakeup import Waker
@@ -90,7 +93,7 @@ def test_finished_transfer_wakes_the_core_loop(monkeypatch):
 
     def run():
         try:
-            core_mod._core_loop(core, core_in, core_out, enc, core_mod.make_input_decoder(), os.getppid())
+            core_loop._core_loop(core, core_in, core_out, enc, make_input_decoder(), os.getppid())
         except BaseException as e:  # reported by the test
             loop_error.append(e)
 
@@ -165,8 +168,8 @@ def test_transfer_summary_line_is_written_while_the_core_idles(monkeypatch):
 
     def run():
         try:
-            core_mod._core_loop(core, core_in, core_out, enc, core_mod.make_input_decoder(),
-                                os.getppid())
+            core_loop._core_loop(core, core_in, core_out, enc, make_input_decoder(),
+                                 os.getppid())
         except BaseException as e:  # reported by the test
             loop_error.append(e)
 

@@ -492,10 +492,11 @@ def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch, re
 
     from model_driver import DrivenRequest, MiniScheduler, greedy
     from pdserve.config import EngineConfig
+    from pdserve.runner import decode_graphs
     from pdserve.runner import model_runner as runner_mod
 
     if not HAS_CUDA:  # on a GPU the real graphs are captured and replayed
-        monkeypatch.setattr(runner_mod, "CUDAGraphRunner", _EagerGraphRunner)
+        monkeypatch.setattr(decode_graphs, "CUDAGraphRunner", _EagerGraphRunner)
         request.getfixturevalue("few_decode_splits")  # both runs use the same configuration
     outputs = {}
     for use_graphs in (False, True):

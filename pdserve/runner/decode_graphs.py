@@ -1,0 +1,162 @@
+"""The model runner's CUDA graphs of pure-decode steps: their capture (also across
+tensor-parallel ranks) and a decode batch's replay.
+
+A pure-decode step (one token per sequence) of at most the largest captured batch size is
+replayed from the graph of the next padded size (:mod:`pdserve.runner.cuda_graphs`: static
+buffers, padding rows that write and attend to nothing); sampling runs outside the graph. The
+runner decides when a step takes this path (:meth:`ModelRunner.forward_logits
+<pdserve.runner.model_runner.ModelRunner.forward_logits>`); multi-step rounds replay the same
+graphs (:mod:`pdserve.runner.multi_step`). docs/architecture.md, "Model runner".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.attention.metadata import decode_metadata
+from pdserve.distributed.communication import tp_all_gather_object
+from pdserve.distributed.parallel_state import get_tp_size
+from pdserve.engine.outputs import ScheduledRequest
+from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
+from pdserve.runner.overlap import DeviceTokens, feed_previous_tokens
+
+if TYPE_CHECKING:
+    from pdserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("pdserve.model")
+
+
+def capture_decode_graphs(runner: "ModelRunner", num_blocks: int) -> CUDAGraphRunner | None:
+    """Capture the model's forward pass of a pure-decode step (one token per sequence, on
+    :func:`~pdserve.attention.metadata.decode_metadata` of the static buffers) for padded
+    batch sizes up to ``min(max_num_seqs, num_blocks)`` (a running sequence holds at least
+    one block), on the runner's allocated KV cache.
+
+    Returns:
+        The captured graphs, or None when a tensor-parallel rank failed to capture (every rank
+        then decodes eagerly, :func:`capture_with_collectives`).
+    """
+    max_bs = max(1, min(runner.config.max_num_seqs, num_blocks))
+    specs = {
+        "input_ids": StaticInputSpec((), torch.int64, 0),
+        "positions": StaticInputSpec((), torch.int64, 0),
+        "slot_mapping": StaticInputSpec((), torch.int64, -1),  # padding rows write nothing
+        "block_tables": StaticInputSpec((runner.max_blocks_per_seq,), torch.int32, 0),
+        "context_lens": StaticInputSpec((), torch.int32, 0),  # padding rows attend to nothing
+    }
+    kv_cache = runner.kv_cache
+    model = runner.model
+
+    def forward(inp: dict[str, torch.Tensor]) -> torch.Tensor:
+        meta = decode_metadata(inp["slot_mapping"], inp["block_tables"], inp["context_lens"])
+        return model(inp["input_ids"], inp["positions"], kv_cache, meta)
+
+    t0 = time.perf_counter()
+    graphs = CUDAGraphRunner(forward, specs, default_capture_sizes(max_bs), runner.device)
+    if get_tp_size() == 1:
+        graphs.capture()
+    elif not capture_with_collectives(graphs):
+        return None
+    logger.info("captured CUDA graphs of decode steps for batch sizes %s in %.1f s",
+                graphs.capture_sizes, time.perf_counter() - t0)
+    return graphs
+
+
+def capture_with_collectives(graphs: CUDAGraphRunner) -> bool:
+    """Capture the decode graphs of a TP rank, NCCL all-reduces and all-gathers inside.
+
+    The ranks agree after each batch size (over the gloo CPU group); when any rank failed
+    to capture one, every rank drops its graphs and decodes eagerly, with a warning line
+    saying so (a replay and an eager pass issue the same collectives, but graphs of some
+    ranks only would be a needless asymmetry).
+
+    Returns:
+        True when every rank captured every size.
+    """
+    failures: list[str] = []
+
+    def agree(error: str | None) -> bool:
+        failures.extend(e for e in tp_all_gather_object(error) if e is not None)
+        return not failures
+
+    if not graphs.capture(agree):
+        logger.warning("CUDA graph capture with tensor-parallel collectives failed (%s); "
+                       "decode steps run eagerly", failures[0])
+        return False
+    return True
+
+
+def replay_decode_graph(runner: "ModelRunner", decodes: list[ScheduledRequest],
+                        graphs: CUDAGraphRunner, previous: DeviceTokens | None = None
+                        ) -> torch.Tensor:
+    """Fill the graph's static inputs for a pure-decode batch (placeholder tokens fed from
+    ``previous`` on the device) and replay it.
+
+    Returns:
+        ``[len(decodes), vocab]`` float32 logits (a view of the graph's output buffer).
+
+    Raises:
+        ValueError: a position beyond ``max_model_len`` or a block table too short.
+    """
+    bs = runner.block_size
+    width = runner.max_blocks_per_seq
+    max_model_len = runner.max_model_len
+    ids, positions, slots, lens, num_blocks = [], [], [], [], []
+    for r in decodes:
+        n = r.num_computed_tokens
+        if n >= max_model_len:
+            raise ValueError(f"a scheduled request reaches {n + 1} tokens, beyond "
+                             f"max_model_len={max_model_len}")
+        need = n // bs + 1
+        if len(r.block_ids) < need:
+            raise ValueError(f"block table of {len(r.block_ids)} blocks cannot hold {n + 1} "
+                             f"tokens (block_size {bs})")
+        ids.append(r.token_ids[0])
+        positions.append(n)
+        slots.append(r.block_ids[n // bs] * bs + n % bs)
+        lens.append(n + 1)
+        num_blocks.append(min(len(r.block_ids), width))
+    # Block tables: one flat host list scattered into a [B, widest row] tensor.
+    rows = max(num_blocks)
+    flat = torch.tensor(list(chain.from_iterable(
+        r.block_ids if len(r.block_ids) <= width else r.block_ids[:width] for r in decodes)),
+        dtype=torch.int32)
+    counts = torch.tensor(num_blocks, dtype=torch.int64)
+    table = torch.zeros((len(decodes), rows), dtype=torch.int32)
+    table[torch.arange(rows)[None, :] < counts[:, None]] = flat
+    ids_t = torch.tensor(ids, dtype=torch.int64)
+    fed = [(i, r.req_id) for i, r in enumerate(decodes) if r.input_from_previous_step]
+    if fed:
+        ids_t = ids_t.to(runner.device, non_blocking=True)
+        feed_previous_tokens(ids_t, fed, previous)
+    return graphs.run({
+        "input_ids": ids_t,
+        "positions": torch.tensor(positions, dtype=torch.int64),
+        "slot_mapping": torch.tensor(slots, dtype=torch.int64),
+        "block_tables": table,
+        "context_lens": torch.tensor(lens, dtype=torch.int32),
+    })
+
+
+def decode_with_graph(runner: "ModelRunner", decodes: list[ScheduledRequest],
+                      graphs: CUDAGraphRunner, previous: DeviceTokens | None = None):
+    """A pure-decode step replayed from the captured graph of the next padded batch size;
+    sampling happens outside the graph. Same return value as :meth:`ModelRunner.forward_logits
+    <pdserve.runner.model_runner.ModelRunner.forward_logits>`.
+
+    Raises:
+        ValueError: a position beyond ``max_model_len`` or a block table too short.
+    """
+    logits = replay_decode_graph(runner, decodes, graphs, previous)
+    sampled = [r for r in decodes if r.sample]
+    if not sampled:
+        return [], None
+    if len(sampled) != len(decodes):
+        rows_idx = [i for i, r in enumerate(decodes) if r.sample]
+        logits = logits[torch.tensor(rows_idx, device=logits.device)]
+    return sampled, logits
