@@ -99,21 +99,23 @@ def test_read_moves_blocks_merges_descriptors_and_notifies_owner(pair):
 def test_first_token_comes_from_the_owners_claim_answer(pair):
     """P's lease keeps the first token its prefill sampled and a granted claim answers it: D
     reports P's token with the finished load, and a relayed token that differs fails the load
-    (before any READ) and releases P's lease."""
+    (before any READ) without ending P's lease: the honest reader then reads it."""
     p, d = pair
-    for d_req, relayed in (("d-first", 42), ("d-forged", 43)):
-        p_req = "p-" + d_req
+    for p_req, loads in (("p-first", [("d-first", 42)]),
+                         ("p-forged", [("d-forged", 43), ("d-honest-first", 42)])):
         p.bind(NixlConnectorMetadata(reqs_to_send={
             p_req: SendSpec(p_req, [7, 8], 30.0, first_token=42)}))
         p.step()
-        d.bind(NixlConnectorMetadata(reqs_to_recv={d_req: RecvSpec(
-            d_req, ref_to(p, p_req, [7, 8]), [14, 15], [7, 8], num_tokens=8,
-            first_token=relayed)}))
-        acc = d.step_until(lambda a: d_req in a["finished_recving"])
-        if relayed == 42:
-            assert not acc["invalid_block_ids"] and acc["first_tokens"] == {d_req: 42}
-        else:
-            assert acc["invalid_block_ids"] == {14, 15} and not acc["first_tokens"]
+        for d_req, relayed in loads:
+            d.bind(NixlConnectorMetadata(reqs_to_recv={d_req: RecvSpec(
+                d_req, ref_to(p, p_req, [7, 8]), [14, 15], [7, 8], num_tokens=8,
+                first_token=relayed)}))
+            acc = d.step_until(lambda a: d_req in a["finished_recving"])
+            if relayed == 42:
+                assert not acc["invalid_block_ids"] and acc["first_tokens"] == {d_req: 42}
+            else:
+                assert acc["invalid_block_ids"] == {14, 15} and not acc["first_tokens"]
+                assert p_req not in p.step()["finished_sending"]
         p.step_until(lambda a: p_req in a["finished_sending"], timeout_s=10)
 
 

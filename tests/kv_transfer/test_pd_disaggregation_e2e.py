@@ -291,7 +291,10 @@ def test_relayed_first_token_is_checked_against_the_prefillers(cluster, decoder)
     forged = first - 1 if first > 0 else first + 1  # another id inside the vocabulary
     _expect_failure_or_recompute(cluster, d, "completions", body,
                                  dict(params, first_token_id=forged), expected, 400)
-    p.wait_all_blocks_free(timeout_s=10)  # D's abort notice released the lease
+    # the forged params left P's lease alone: the honest decode reads it, and its "done" ends it
+    out = decode_leg(d, "completions", body, params)
+    assert out["status"] == 200 and out["text"] == expected, out
+    p.wait_all_blocks_free(timeout_s=10)
 
 
 @pytest.mark.parametrize("decoder", ["d_fail", "d_rec"])
@@ -306,6 +309,9 @@ def test_params_of_another_prompt_never_load_its_kv(cluster, decoder):
     expected_y = reference(cluster, "completions", body_y)
     params_x = prefill_leg(p, "completions", body_x)
     _expect_failure_or_recompute(cluster, d, "completions", body_y, params_x, expected_y, 400)
+    # P refused the claim and kept X's lease: X's honest decode still reads it
+    out_x = decode_leg(d, "completions", body_x, params_x)
+    assert out_x["status"] == 200 and out_x["text"] == reference(cluster, "completions", body_x)
     p.wait_all_blocks_free(timeout_s=10)
     again = decode_leg(d, "completions", body_y, prefill_leg(p, "completions", body_y))
     assert again["status"] == 200 and again["text"] == expected_y, again

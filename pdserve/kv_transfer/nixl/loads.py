@@ -196,9 +196,12 @@ class LoadTracker:
                 if reply is None:
                     continue  # not answered yet
                 if not reply.get("ok"):
+                    # No abort notice: this reader holds nothing, and one naming the lease's
+                    # blocks would let a forged reference (right ids, other tokens) end the
+                    # lease an honest reader is about to claim.
                     self._fail(req_id, KVLoadFailure.LEASE_REFUSED,
                                f"remote refused the read: {reply.get('reason')}",
-                               notify_remote=True)
+                               notify_remote=False)
                     continue
                 if self._remote_restarted(req_id, load, reply):
                     continue
@@ -213,10 +216,12 @@ class LoadTracker:
                 if spec.first_token is not None:  # the decoder uses the owner's, never the relayed
                     owner_first = reply.get("first_token_id")
                     if owner_first != spec.first_token:
+                        # the relayed params are not P's own: leave the lease to the honest
+                        # reader (no abort notice; it ends by that read or its expiry)
                         self._fail(
                             req_id, KVLoadFailure.INVALID_REFERENCE,
                             f"the first token relayed by the client ({spec.first_token}) is not "
-                            f"the prefiller's ({owner_first})", notify_remote=True)
+                            f"the prefiller's ({owner_first})", notify_remote=False)
                         continue
                     load.first_token = owner_first
                 if load.aborted:
