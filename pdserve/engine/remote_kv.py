@@ -171,6 +171,13 @@ class RemoteKV:
             self.sched.kv_cache_manager.free(req)
         return params
 
+    def release_held(self, rid: str) -> None:
+        """A finished request held for a transfer was aborted by the front end (its client is
+        gone): the connector may end the hold at once (``release_kept_blocks``)."""
+        held = self.held.get(rid)
+        if held is not None and held.until_sent and self.connector is not None:
+            self.connector.release_kept_blocks(rid)
+
     # ---------------------------------------------------------------- connector
     def first_invalid_block(
         self, req: Request, load: tuple[int, int], invalid: set[int]

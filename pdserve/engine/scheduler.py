@@ -140,11 +140,14 @@ class Scheduler:
             self.connector.request_added(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Abort requests in any state; unknown or already finished ids are ignored. Their blocks
-        are freed (or kept while the connector still needs them) and the connector is told."""
+        """Abort requests in any state; unknown ids are ignored. Their blocks are freed (or kept
+        while the connector still needs them) and the connector is told. A finished request
+        whose blocks are held for a remote reader (a prefiller's lease) has that hold ended:
+        its front end aborts it only when the client left before getting the params."""
         for rid in request_ids:
             req = self.requests.get(rid)
-            if req is None:
+            if req is None:  # finished; blocks it holds for a reader nobody will send are freed
+                self.remote_kv.release_held(rid)
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)

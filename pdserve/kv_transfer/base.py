@@ -196,6 +196,12 @@ class KVConnectorSchedulerSide(abc.ABC):
         id appears in ``finished_recving`` (the worker reports it once nothing writes them).
         """
 
+    def release_kept_blocks(self, req_id: str) -> None:
+        """Optional hook: a finished request whose blocks :meth:`request_finished` kept for a
+        remote reader was aborted by its front end (its client went away before it got the
+        ``kv_transfer_params``), so no reader will come: end the hold now (its id then appears
+        in ``finished_sending``). Default: nothing (the hold ends by itself)."""
+
     def request_added(self, request: "Request") -> None:
         """Optional hook: a request entered the scheduler's queue (before any scheduling).
 

@@ -214,6 +214,7 @@ class FakeRemote:
     first_tokens: dict[str, int] = field(default_factory=dict)
     added: list[str] = field(default_factory=list)
     finished_calls: list[tuple[str, list[int]]] = field(default_factory=list)
+    released_kept: list[str] = field(default_factory=list)
     matched_calls: list[tuple[str, int]] = field(default_factory=list)
     alloc_calls: list[tuple[str, list[int], int]] = field(default_factory=list)
     outputs_seen: list[KVConnectorOutput] = field(default_factory=list)
@@ -255,6 +256,10 @@ class FakeConnectorScheduler(KVConnectorSchedulerSide):
 
     def update_connector_output(self, output):
         self.remote.outputs_seen.append(output)
+
+    def release_kept_blocks(self, req_id):
+        self.remote.released_kept.append(req_id)
+        self.remote.release.add(req_id)  # the worker ends the hold: reported on the next poll
 
     def request_finished(self, request, block_ids):
         self.remote.finished_calls.append((request.request_id, list(block_ids)))

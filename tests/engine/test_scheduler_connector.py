@@ -173,6 +173,26 @@ def test_delay_free_keeps_blocks_until_finished_sending():
     assert_all_free(core)
 
 
+def test_abort_after_the_finish_ends_the_hold_for_the_reader(scheduling_mode):
+    """A finished prefill whose blocks are held for a reader is aborted by its front end (the
+    client left before it got the params): the connector ends the hold at once and the blocks
+    come back; aborting an id that holds nothing does not call it."""
+    remote = FakeRemote()
+    core, _ = make_core(remote=remote, enable_prefix_caching=False)
+    add(core, "p", list(range(20, 30)), kv_transfer_params={"do_remote_decode": True},
+        max_tokens=1)
+    add(core, "q", list(range(40, 45)), max_tokens=1)
+    run_until_done(core)
+    assert core.stats()["num_held_for_transfer"] == 1
+    core.abort_requests(["q", "unknown"])
+    assert remote.released_kept == []
+    core.abort_requests(["p"])
+    assert remote.released_kept == ["p"]
+    core.step()
+    assert not core.scheduler.has_pending_kv_work()
+    assert_all_free(core)
+
+
 def test_abort_while_waiting_for_remote_kvs_frees_after_the_load_ends():
     remote = FakeRemote(load_delay_steps=50)
     core, runner = make_core(remote=remote)

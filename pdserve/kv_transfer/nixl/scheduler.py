@@ -351,6 +351,12 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             return self._keep_for_next_turn(request, block_ids)
         return False, None
 
+    def release_kept_blocks(self, req_id: str) -> None:
+        """The front end aborted a finished prefill whose blocks are leased (its client left
+        before getting the params): the worker ends the lease now (``release_sends``)."""
+        if req_id in self._leased:
+            self._meta.release_sends.add(req_id)
+
     def _keep_for_decoder(self, request: "Request", block_ids: list[int]):
         req_id = request.request_id
         prompt_len = len(request.prompt_token_ids)

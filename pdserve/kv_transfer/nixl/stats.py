@@ -52,8 +52,10 @@ class TransferStats:
         num_kv_turns_expired: among those, a decoder's multi-turn blocks that no prefiller
             pulled before their TTL (expected in normal traffic: the conversation ended or
             moved to another instance).
-        num_kv_leases_released_early: leases the proxy released because their decode leg
-            will not read them (D refused, unreachable, client gone).
+        num_kv_leases_released_early: leases released before a read or their expiry because
+            their decode leg will not read them (the proxy's release: D refused, unreachable,
+            client gone between the legs; or the prefill's client gone before it got the
+            params).
     """
 
     xfer_time_s: list[float] = field(default_factory=list)

@@ -261,8 +261,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         for req_id in metadata.release_sends:
             if self._mirror is not None and self._mirror.cancel(req_id):
                 self._out.finished_sending.add(req_id)  # released while being staged
-            elif self.leases.close(req_id, "released"):
+            elif self.leases.close(req_id, "released"):  # its client left before the params
                 self._out.finished_sending.add(req_id)
+                self.stats.current.num_kv_leases_released_early += 1
         for endpoint in metadata.handshakes:
             self.remotes.ensure(endpoint)
         for req_id, ref in metadata.heartbeat_start.items():
