@@ -337,6 +337,7 @@ class AsyncEngine:
         core = self._pick_core()
         self._requests[request_id] = (st, core)
         core.outstanding += 1
+        delivered = False  # the caller got the finished output
         try:
             core.send(
                 AddRequest(
@@ -350,13 +351,17 @@ class AsyncEngine:
                 item = await st.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.finished:
+                    delivered = True
                 yield item
                 if item.finished:
                     return
         finally:
             core.outstanding -= 1
             self._requests.pop(request_id, None)
-            if not st.finished:
+            if not st.finished or not delivered:
+                # Unfinished: abort it. Finished but its output never reached the caller (the
+                # client left meanwhile): the core ends a lease it holds for a remote reader.
                 st.finished = True
                 self._send_abort(core, [request_id])
 

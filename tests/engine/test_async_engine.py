@@ -211,6 +211,26 @@ async def test_cancelled_task_aborts_the_request(engine):
     await wait_all_free(engine)
 
 
+async def test_a_finished_output_the_caller_never_took_is_aborted_in_the_core(engine,
+                                                                              monkeypatch):
+    """The request finished in the core, but its caller left before taking the finished
+    output (the HTTP client went away meanwhile): the front end still sends the abort, so the
+    core can end a lease it holds for a remote reader that will never come; a caller that took
+    the finished output sends none."""
+    sent: list[str] = []
+    inner = engine._send_abort
+    monkeypatch.setattr(engine, "_send_abort",
+                        lambda core, ids: (sent.extend(ids), inner(core, ids))[1])
+    agen = engine.generate("left", prompt(12, 3), greedy(max_tokens=3))
+    first = await agen.__anext__()
+    assert not first.finished
+    await wait_all_free(engine)  # finished in the core; its last output waits in the queue
+    await agen.aclose()
+    assert sent == ["left"]
+    await run(engine, "taken", prompt(12, 4), greedy(max_tokens=3))
+    assert sent == ["left"]
+
+
 async def test_invalid_requests_raise_value_error(engine):
     with pytest.raises(ValueError, match="max_model_len"):
         await run(engine, "long", prompt(129), greedy())
