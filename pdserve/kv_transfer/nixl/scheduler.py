@@ -29,11 +29,13 @@ first token) and builds the params it returns with :mod:`pdserve.kv_transfer.par
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.request import RequestStatus
 from pdserve.kv_transfer.base import KVConnectorSchedulerSide
 from pdserve.kv_transfer.config import KVLoadFailurePolicy, KVTransferConfig
 from pdserve.kv_transfer.nixl.bidirectional import (
@@ -57,26 +59,26 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_NORMAL_FINISH = ("stop", "length")
+# Finishes after which blocks are kept for a remote reader (not aborts or errors).
+_NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
-PREFILL = "prefill"  # D reads P's prompt KV
-PULL = "pull"  # P reads back the KV of the previous turn from D
+
+class LoadKind(enum.Enum):
+    """Whose KV a request's remote reference names."""
+
+    PREFILL = "prefill"  # D reads P's prompt KV
+    PULL = "pull"  # P reads back the KV of the previous turn from D
 
 
 @dataclass
 class _LoadPlan:
     """What :meth:`get_num_new_matched_tokens` offered, until the blocks are allocated."""
 
-    kind: str
+    kind: LoadKind
     remote: RemoteKVRef | None
     num_local_tokens: int
     num_tokens: int
     error: str | None = None
-
-
-def _finish_reason(request: "Request") -> str | None:
-    status = getattr(request, "status", None)
-    return getattr(status, "finish_reason", None)
 
 
 def may_use_first_token(request: "Request") -> bool:
@@ -124,7 +126,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self.side_channel_port = config.side_channel_port_for(data_parallel_rank)
         self._plans: dict[str, _LoadPlan] = {}
         self._waiting: dict[str, RemoteKVRef] = {}  # remote known, blocks not allocated yet
-        self._inflight: dict[str, str] = {}  # req_id -> kind, load handed to the worker
+        self._inflight: dict[str, LoadKind] = {}  # req_id -> kind, load handed to the worker
         self._aborted_inflight: set[str] = set()  # finished while loading
         self._consumed: set[str] = set()  # remote KV already used or declined
         self._from_prefiller: set[str] = set()  # decoder requests of a P/D flow
@@ -135,19 +137,19 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self._meta = NixlConnectorMetadata()
 
     # ------------------------------------------------------------------------------- params
-    def _source(self, request: "Request") -> tuple[str | None, RemoteKVRef | None, str | None]:
+    def _source(self, request: "Request") -> tuple[LoadKind | None, RemoteKVRef | None, str | None]:
         """``(kind, remote, error)`` of the remote KV a request's params point at.
 
-        ``kind`` is :data:`PREFILL`, :data:`PULL` or None (nothing to load). ``error`` is set
+        ``kind`` is a :class:`LoadKind` or None (nothing to load). ``error`` is set
         when the params name remote KV but are malformed.
         """
         params = request.kv_transfer_params
         if params is None or request.request_id in self._consumed:
             return None, None, None
         if params.role is KVRole.DECODE:
-            return PREFILL, params.remote, params.remote_error
+            return LoadKind.PREFILL, params.remote, params.remote_error
         if self.config.bidirectional_kv_xfer and params.pulls_decoder_kv:
-            return PULL, params.remote, None
+            return LoadKind.PULL, params.remote, None
         return None, None, None
 
     def _start_waiting(self, req_id: str, ref: RemoteKVRef, heartbeat: bool) -> None:
@@ -170,7 +172,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         (decoder side) the heartbeats that keep P's lease alive while the request waits."""
         kind, ref, _ = self._source(request)
         if ref is not None and request.request_id not in self._waiting:
-            self._start_waiting(request.request_id, ref, heartbeat=kind == PREFILL)
+            self._start_waiting(request.request_id, ref, heartbeat=kind is LoadKind.PREFILL)
 
     # ---------------------------------------------------------------------------- the contract
     def get_num_new_matched_tokens(
@@ -189,7 +191,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         kind, ref, error = self._source(request)
         if kind is None:
             return 0, False
-        if kind == PULL:
+        if kind is LoadKind.PULL:
             return self._plan_pull(request, num_computed_tokens, ref, error)
         req_id = request.request_id
         self._from_prefiller.add(req_id)
@@ -211,7 +213,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
                 )
             if req_id not in self._waiting:
                 self._start_waiting(req_id, ref, heartbeat=True)
-        self._plans[req_id] = _LoadPlan(PREFILL, ref, num_computed_tokens, num_tokens, error)
+        self._plans[req_id] = _LoadPlan(LoadKind.PREFILL, ref, num_computed_tokens, num_tokens, error)
         return num_tokens, True
 
     def _plan_pull(self, request: "Request", num_local: int, ref: RemoteKVRef | None,
@@ -232,7 +234,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         if req_id not in self._waiting:
             self._start_waiting(req_id, decision.ref, heartbeat=False)
         self._pulls.add(req_id)
-        self._plans[req_id] = _LoadPlan(PULL, decision.ref, num_local, decision.num_tokens)
+        self._plans[req_id] = _LoadPlan(LoadKind.PULL, decision.ref, num_local, decision.num_tokens)
         return decision.num_tokens, True
 
     def update_state_after_alloc(
@@ -278,11 +280,11 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             remote_read_block_ids=remote_ids,
             num_tokens=num_external_tokens,
             error=error,
-            min_lease_left_s=PULL_SAFETY_MARGIN_S if plan.kind == PULL else 0.0,
+            min_lease_left_s=PULL_SAFETY_MARGIN_S if plan.kind is LoadKind.PULL else 0.0,
             digest_tokens=end,
             token_digest=token_digest(request.all_token_ids[:end]),
             first_token=(request.kv_transfer_params.first_token
-                         if plan.kind == PREFILL and end >= request.num_tokens
+                         if plan.kind is LoadKind.PREFILL and end >= request.num_tokens
                          and may_use_first_token(request) else None),
         )
         self._waiting.pop(req_id, None)
@@ -340,7 +342,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self._consumed.discard(req_id)
         if ref is not None and (kind is not None or waiting_ref is not None):
             self._meta.notices.append(RemoteNotice(ref, "abort"))
-        normal = _finish_reason(request) in _NORMAL_FINISH
+        normal = request.status in _NORMAL_FINISH
         params = request.kv_transfer_params
         # --- owner side: keep the prompt's blocks for the decoder
         if normal and params is not None and params.role is KVRole.PREFILL:
