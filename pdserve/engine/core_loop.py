@@ -37,6 +37,7 @@ from pdserve.engine.messages import (
     make_input_decoder,
 )
 from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.kv_transfer.wakeup import sync_poller
 
 logger = logging.getLogger("pdserve.engine.core")  # the engine core's log lines, one name
 
@@ -112,21 +113,6 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses) -> None:
             os._exit(exit_code)
 
 
-def _sync_wakeup_handles(poller: Any, registered: list[Any], handles: list[Any]) -> list[Any]:
-    """(Un)register the connector's wake-up handles that changed; returns the new list."""
-    import zmq
-
-    if handles == registered:
-        return registered
-    for h in registered:
-        if not any(h is x for x in handles):
-            poller.unregister(h)
-    for h in handles:
-        if not any(h is x for x in registered):
-            poller.register(h, zmq.POLLIN)
-    return list(handles)
-
-
 def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, decoder: Any, parent: int,
                remote: bool = False) -> None:
     import zmq
@@ -153,7 +139,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
         timeout_s = core.wait_timeout_s(progressed)
         if stats_stale:
             timeout_s = min(timeout_s, max(0.0, last_stats_time + STATS_INTERVAL_S - time.monotonic()))
-        wakeups = _sync_wakeup_handles(poller, wakeups, core.wakeup_handles())
+        wakeups = sync_poller(poller, wakeups, core.wakeup_handles())
         early_outputs: list[EngineCoreOutput] = []
         events = dict(poller.poll(timeout_s * 1000))
         if snapshot_sock is not None and events.pop(snapshot_sock, None):

@@ -34,6 +34,7 @@ from pdserve.executor.messages import (
     WorkerInit,
     WorkerReply,
 )
+from pdserve.kv_transfer.wakeup import sync_poller
 
 logger = logging.getLogger("pdserve.executor")
 
@@ -134,14 +135,7 @@ def _serve(worker: RankWorker, ctl: Any, res: Any, parent: int) -> None:
     while True:
         timeout = IDLE_POLL_S
         if conn is not None:
-            handles = list(conn.wakeup_handles())
-            for h in registered:
-                if not any(h is x for x in handles):
-                    poller.unregister(h)
-            for h in handles:
-                if not any(h is x for x in registered):
-                    poller.register(h, zmq.POLLIN)
-            registered = handles
+            registered = sync_poller(poller, registered, list(conn.wakeup_handles()))
             log_in = conn.next_stats_log_in()
             if log_in is not None:
                 timeout = min(timeout, max(0.0, log_in))

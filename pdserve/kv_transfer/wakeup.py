@@ -9,6 +9,7 @@ timeout. The same pattern as asyncio's self-pipe.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 class Waker:
@@ -59,3 +60,19 @@ class Waker:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def sync_poller(poller: Any, registered: list[Any], handles: list[Any]) -> list[Any]:
+    """(Un)register in a ``zmq.Poller`` the wake-up handles (sockets or file descriptors) that
+    changed since ``registered``; returns the list now registered (``handles``)."""
+    import zmq
+
+    if handles == registered:
+        return registered
+    for h in registered:
+        if not any(h is x for x in handles):
+            poller.unregister(h)
+    for h in handles:
+        if not any(h is x for x in registered):
+            poller.register(h, zmq.POLLIN)
+    return list(handles)
