@@ -107,8 +107,6 @@ def copy_blocks(dst: torch.Tensor, src: torch.Tensor, dst_ids: list[int], src_id
     Raises:
         ValueError: see :func:`plan_copy`.
     """
-    if not dst_ids and len(src_ids) == 0:
-        return 0
     return issue_copy(dst, src, plan_copy(dst, src, dst_ids, src_ids, gather_chunk_bytes))
 
 

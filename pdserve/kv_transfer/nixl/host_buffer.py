@@ -80,8 +80,7 @@ class HostMirror:
             except OSError as e:
                 logger.warning("the KV host buffer cannot be shared with readers on this host "
                                "(%s); they will use NIXL READs", e)
-        if self._shared is not None and self._shared.tensor is not None \
-                and (self._shared.pinned or not cuda):
+        if self._shared is not None and (self._shared.pinned or not cuda):
             self.host = self._shared.tensor
         else:
             if self._shared is not None:
