@@ -7,6 +7,10 @@ that many consecutive free ports, rank ``r`` listening on ``base + r``); prefill
 are placed on separate GPUs when there are several (each data-parallel rank counts as one
 engine). The child commands come from a :class:`ChildCommands` object, which tests
 replace with fakes.
+
+The module stays whole (past 450 lines): ports, GPUs, KV-transfer configs and command lines are
+the inputs of the one plan :func:`build_plan` makes; the port helpers (about 90 lines) are the
+part that could stand apart.
 """
 
 from __future__ import annotations
