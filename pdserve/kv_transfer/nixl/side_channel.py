@@ -39,9 +39,6 @@ connection per remote, for the engine thread.
 
 The module stays whole (past 450 lines): it is one protocol, the server, both clients and the
 compatibility fields they exchange.
-
-The module stays whole (past 450 lines): the server, the client and the validation of the
-messages above are one wire protocol, kept in one place so both ends change together.
 """
 
 from __future__ import annotations
