@@ -11,7 +11,9 @@ For each batch size it times :func:`pdserve.kernels.paged_decode.paged_decode_at
 layer, for the default launch (:func:`~pdserve.kernels.paged_decode.decode_kernel_config`) and
 for a sweep of ``block_n`` x ``num_warps`` x ``num_stages`` x split counts, each call replayed in a
 CUDA graph (``triton.testing.do_bench_cudagraph``, median). Bandwidth counts the K and V bytes the
-kernel must read (context tokens x Hkv x head_dim x 2 x 2 bytes). Baselines, same run, same bytes:
+kernel must read (context tokens x Hkv x head_dim x 2 x bytes per value: 2, or 1 with
+``--kv-cache-dtype fp8``, where ``--fp8-dot`` adds the dtype of the dot products to the sweep).
+Baselines, same run, same bytes:
 
 * ``read``: ``torch.sum`` over a contiguous bf16 buffer (bytes read / time);
 * ``copy``: ``Tensor.copy_`` between two contiguous buffers (bytes read + written / time).
@@ -59,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-warps", default="2,4,8")
     p.add_argument("--num-stages", default="2,3,4")
     p.add_argument("--splits", default="auto,1,2,4,8,16")
+    p.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="fp8: an e4m3 cache (half the bytes), as --kv-cache-dtype fp8 stores it")
+    p.add_argument("--fp8-dot", default="fp16",
+                   help="with an fp8 cache: the dtypes the dot products run in, swept (fp16,bf16)")
     p.add_argument("--json", default=None)
     p.add_argument("--best-config-out", default=None)
     return p.parse_args(argv)
@@ -80,11 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(x) for x in args.batch_sizes.split(",")]
     cases = {b: make_batch(b, args.min_len, args.max_len, gen) for b in batches}
     total_blocks = max(sum(-(-n // bs) for n in lens) for lens in cases.values()) + 8
-    kv = torch.empty(total_blocks, args.num_layers, 2, hkv, bs, d, device=dev, dtype=dt)
-    kv.normal_()
+    fp8 = args.kv_cache_dtype == "fp8"
+    kv = torch.empty(total_blocks, args.num_layers, 2, hkv, bs, d, device=dev,
+                     dtype=torch.float8_e4m3fn if fp8 else dt)
+    for lay in range(args.num_layers):  # one layer at a time: no second full-size buffer
+        kv[:, lay].copy_(torch.randn(kv[:, lay].shape, device=dev, dtype=dt))
+    elt = kv.element_size()
+    dots = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    fp8_dots = [x for x in args.fp8_dot.split(",")] if fp8 else [None]
     layer = args.num_layers // 2
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | KV cache "
-          f"{kv.numel() * 2 / 2**30:.1f} GiB, {args.num_layers} layers, Hq={hq} Hkv={hkv} D={d} "
+          f"{kv.numel() * elt / 2**30:.1f} GiB {args.kv_cache_dtype}, {args.num_layers} layers, Hq={hq} Hkv={hkv} D={d} "
           f"block {bs} | default launch {ta.decode_kernel_config()}", flush=True)
 
     def bench_us(fn) -> float:
@@ -102,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     scores: dict[tuple, list[float]] = {}
     for batch, lens in cases.items():
-        gb = sum(lens) * hkv * d * 2 * 2 / 1e9
+        gb = sum(lens) * hkv * d * 2 * elt / 1e9
         src = torch.empty(int(gb * 1e9) // 2, device=dev, dtype=dt).normal_()
         dst = torch.empty_like(src)
         read_us = bench_us(lambda: src.sum(dtype=torch.float32))
@@ -137,29 +149,35 @@ def main(argv: list[str] | None = None) -> int:
                          "copy_TB/s": round(copy_bw / 1e3, 3)})
             if key is not None:
                 scores.setdefault(key, []).append(bw / read_bw)
-            print(f"  {label:<46} {us:8.1f} us  {bw / 1e3:5.2f} TB/s  {bw / read_bw:5.0%} of read",
+            print(f"  {label:<56} {us:8.1f} us  {bw / 1e3:5.2f} TB/s  {bw / read_bw:5.0%} of read",
                   flush=True)
 
         run(f"default (splits={ta.choose_num_splits(batch, hkv, dev)})", None)
-        for bn, w, st, sp in sweep_points():
+        for (bn, w, st, sp), dot in itertools.product(sweep_points(), fp8_dots):
             splits = None if sp == "auto" else int(sp)
-            label = f"block_n={bn} warps={w} stages={st} splits={sp}"
+            label = f"block_n={bn} warps={w} stages={st} splits={sp}" + (f" dot={dot}" if dot else "")
+            extra = {"fp8_dot_dtype": dots[dot]} if dot else {}
             try:
-                run(label, (bn, w, st, sp), block_n=bn, num_warps=w, num_stages=st, num_splits=splits)
+                run(label, (bn, w, st, sp, dot), block_n=bn, num_warps=w, num_stages=st,
+                    num_splits=splits, **extra)
             except triton.runtime.errors.OutOfResources as e:
-                print(f"  {label:<46} skipped: {e}", flush=True)
+                print(f"  {label:<56} skipped: {e}", flush=True)
 
     # Best launch: highest geometric mean of (bandwidth / read bandwidth) over the batch sizes.
     full = {k: v for k, v in scores.items() if len(v) == len(batches)}
     best_key = max(full, key=lambda k: math.prod(full[k]) ** (1 / len(batches)))
-    bn, w, st, sp = best_key
+    bn, w, st, sp, dot = best_key
     gmean = math.prod(full[best_key]) ** (1 / len(batches))
-    print(f"\nbest launch over batch sizes {batches}: block_n={bn} warps={w} stages={st} "
-          f"splits={sp} ({gmean:.0%} of read bandwidth, geometric mean)", flush=True)
+    print(f"\nbest launch over batch sizes {batches} ({args.kv_cache_dtype} cache): block_n={bn} "
+          f"warps={w} stages={st} splits={sp}{f' dot={dot}' if dot else ''} ({gmean:.0%} of read "
+          "bandwidth, geometric mean)", flush=True)
     best = {"block_n": bn, "num_warps": w, "num_stages": st}
+    if fp8:  # the config keys of an fp8 cache (pdserve.kernels.paged_decode.DecodeKernelConfig)
+        best = {f"fp8_{key}": value for key, value in best.items()}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "best": best | {"splits": sp}, "best_of_read": gmean}, f, indent=1)
+            json.dump({"rows": rows, "best": best | {"splits": sp, "fp8_dot": dot},
+                       "kv_cache_dtype": args.kv_cache_dtype, "best_of_read": gmean}, f, indent=1)
     if args.best_config_out:
         with open(args.best_config_out, "w") as f:
             json.dump(best, f)

@@ -235,6 +235,29 @@ def kernel_benchmarks(args: argparse.Namespace) -> list[dict]:
 
         add("qk_norm+rope", f"T={t}", "triton fused (q and k)", bench(fused))
         add("qk_norm+rope", f"T={t}", "torch (layer ops)", bench(torch_version))
+
+    # --- linear layers at decode batch sizes: the Triton kernel for 1-2 rows vs F.linear
+    from pdserve.kernels import gemv
+
+    inter = cfg["intermediate_size"]
+    projections = {"qkv_proj": ((hq + 2 * hkv) * d, hidden), "o_proj": (hidden, hq * d),
+                   "gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
+    for name, (n, k) in projections.items():
+        if not on_gpu:
+            n, k = 24, 40
+        w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
+        for m in ((1, 2, 4) if on_gpu else (1, 2)):
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            gbytes = n * k * 2 / 1e9
+            add(name, f"rows={m} {n}x{k}", "torch F.linear",
+                bench(lambda: torch.nn.functional.linear(x, w)), gbytes)
+            if m <= gemv.MAX_ROWS:
+                ref = torch.nn.functional.linear(x.float(), w.float())
+                err = ((gemv.small_batch_linear(x, w).float() - ref).norm() / ref.norm()).item()
+                if not err < 1e-2:
+                    raise RuntimeError(f"small_batch_linear disagrees with F.linear: {err}")
+                add(name, f"rows={m} {n}x{k}", "triton small_batch_linear",
+                    bench(lambda: gemv.small_batch_linear(x, w)), gbytes)
     return rows
 
 

@@ -225,13 +225,14 @@ class StepTimer:
               flush=True)
 
 
-def profile_decode_steps(engine, work: Workload, args: argparse.Namespace) -> None:
+def profile_decode_steps(engine, work: Workload, args: argparse.Namespace, batch: int) -> None:
     """Untimed extra run: ``torch.profiler`` over ``--profile-decode`` decode runner calls (from
-    the 100th, fewer on short workloads; a multi-step round is one call) of a batch of the workload's first ``--max-num-seqs``
-    requests.
+    the 100th, fewer on short workloads; a multi-step round is one call) of a batch of the
+    workload's first ``batch`` requests.
 
     Prints the wall time per step, the device (kernel) time per step, their ratio (how busy the
-    GPU was), and the kernels with the most device time."""
+    GPU was), and a per-kernel table: device time per step (µs), launches per step and share of
+    the step's kernel time, kernels with the most device time first."""
     from torch.profiler import ProfilerActivity, profile
 
     from pdserve.engine.sampling_params import SamplingParams
@@ -266,7 +267,7 @@ def profile_decode_steps(engine, work: Workload, args: argparse.Namespace) -> No
     runner.execute = execute
     runner.execute_async = lambda sched: execute(sched, inner_async)
     try:
-        n = min(args.max_num_seqs, len(work.prompts))
+        n = min(batch, len(work.prompts))
         max_tokens = min(longest, (first + count + 2) * args.num_scheduler_steps + 20)
         engine.generate(work.prompts[:n], SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                                          temperature=1.0))
@@ -284,8 +285,13 @@ def profile_decode_steps(engine, work: Workload, args: argparse.Namespace) -> No
           f"{state['batch'] / steps:.0f}: wall {wall_ms:.2f} ms/step, GPU kernels "
           f"{device_us / 1e3 / steps:.2f} ms/step ({device_us / 1e3 / steps / wall_ms:.0%} busy; "
           "the profiler itself adds host time)", flush=True)
-    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60),
-          flush=True)
+    kernels = sorted((e for e in events if (getattr(e, "self_device_time_total", 0) or 0) > 0
+                      and e.device_type.name == "CUDA"),
+                     key=lambda e: -e.self_device_time_total)
+    print(f"[profile] batch {batch}: kernel | us/step | launches/step | share", flush=True)
+    for e in kernels[:14]:
+        print(f"[profile]   {e.key[:70]:<70} | {e.self_device_time_total / steps:8.1f} | "
+              f"{e.count / steps:5.1f} | {e.self_device_time_total / device_us:5.1%}", flush=True)
 
 
 def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace,
@@ -324,8 +330,11 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace,
             for n in work.output_lens
         ]
         # Warm-up: compiles Triton kernels and fills allocator caches outside the timed run.
-        engine.generate(work.prompts[: min(4, len(work.prompts))],
-                        SamplingParams(max_tokens=4, ignore_eos=True))
+        # Prompts of the workload's own spread of lengths and enough steps that prefills, mixed
+        # prefill + decode steps and decodes meet the shapes the run will (four short requests
+        # left compilations inside the timed run on a fresh machine: a 0.39 s decode step).
+        engine.generate(work.prompts[: min(32, len(work.prompts))],
+                        SamplingParams(max_tokens=32, ignore_eos=True))
         _sync(args.device)
         stats = StepTimer(engine.core.runner, label)
         t0 = time.perf_counter()
@@ -336,7 +345,9 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace,
         attn = engine.core.runner.model.attn_backend
         print(f"[{label}] prefill attention: {attn.last_prefill_impl}", flush=True)
         if args.profile_decode:
-            profile_decode_steps(engine, work, args)
+            for batch in ([int(b) for b in args.profile_batches.split(",")] if args.profile_batches
+                          else [args.max_num_seqs]):
+                profile_decode_steps(engine, work, args, batch)
     finally:
         engine.shutdown()
         del engine
@@ -442,6 +453,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run transformers on only the N longest-output requests (0 = all)")
     p.add_argument("--profile-decode", type=int, default=0, metavar="N",
                    help="after the timed run, profile N decode steps of an extra untimed run")
+    p.add_argument("--profile-batches", default="", metavar="B1,B2",
+                   help="batch sizes of the --profile-decode runs (default: --max-num-seqs)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-pdserve", action="store_true")
     p.add_argument("--output-json", default=None, help="also write the results here")

@@ -74,6 +74,9 @@ class DecodeKernelConfig:
         programs_per_sm: programs per streaming multiprocessor that the split count aims for.
         min_splits: fewest context splits per (sequence, kv head), whatever the batch size; it
             bounds the longest program to ``1 / min_splits`` of the longest context.
+        fp8_block_n, fp8_num_warps, fp8_num_stages: ``block_n``, ``num_warps`` and
+            ``num_stages`` for an fp8 cache (its loads are converted in registers, which moves
+            the best launch: two warps were 22% faster than four at batch 256 on an H200).
 
     The defaults come from ``benchmarks/decode_attention.py`` on an H200 (docs/benchmarks.md);
     ``PDSERVE_DECODE_KERNEL_CONFIG`` (JSON with any of these keys) overrides them, for tuning on
@@ -85,6 +88,9 @@ class DecodeKernelConfig:
     num_stages: int = 2
     programs_per_sm: int = 2
     min_splits: int = 4
+    fp8_block_n: int = 64
+    fp8_num_warps: int = 2
+    fp8_num_stages: int = 2
 
 
 @functools.lru_cache(maxsize=1)
@@ -194,6 +200,7 @@ def _paged_decode_split_kernel(
     DOT_IN_FP32: tl.constexpr,
     SLIDING: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_DOT_FP16: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -224,6 +231,8 @@ def _paged_decode_split_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if FP8_DOT_FP16:
+        q = q.to(tl.float16)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -240,6 +249,7 @@ def _paged_decode_split_kernel(
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(k_base + stride_kv_kv + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:  # exact: every e4m3 value is a 16-bit (and fp32) float
+            # (fp16 when FP8_DOT_FP16: one hardware conversion per pair on Hopper)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
 
@@ -349,6 +359,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_dot_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache (decode step).
 
@@ -371,7 +382,7 @@ def paged_decode_attention(
         max_context_len: optional upper bound of ``context_lens`` known on the host, used only to
             avoid pointless splits; leave None under CUDA graphs.
         block_n: tokens per inner iteration (power of two, at least 16); default
-            :func:`decode_kernel_config` (at most 16 for ``head_dim`` over 128).
+            :func:`decode_kernel_config` for the cache's dtype (16 for ``head_dim`` over 128).
         num_warps: Triton warps per program; default :func:`decode_kernel_config`.
         num_stages: Triton software-pipelining depth of the context loop; default
             :func:`decode_kernel_config`.
@@ -379,6 +390,10 @@ def paged_decode_attention(
             ``W`` positions of each context (Mistral's and Gemma 3's local layers).
         k_scale, v_scale: the layer's scales of an fp8 cache (stored value times scale is the
             key / value); ignored for a cache in ``q``'s dtype.
+        fp8_dot_dtype: with an fp8 cache and a 16-bit ``q``, the dtype the keys, values and query
+            are widened to for the dot products: ``torch.float16`` (the default: e4m3 to fp16 is
+            one hardware conversion per pair of values on Hopper, and exact) or ``q.dtype``. A
+            16-bit ``q`` outside fp16's range (above 65,504 in magnitude) needs ``q.dtype``.
 
     Returns:
         ``out``: ``[num_seqs, num_q_heads, head_dim]`` in ``q``'s dtype.
@@ -416,6 +431,10 @@ def paged_decode_attention(
         raise ValueError("q, kv_cache and block_tables need a contiguous last dimension")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or at least 1, got {sliding_window}")
+    if fp8_dot_dtype is None:
+        fp8_dot_dtype = torch.float16 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    if fp8_dot_dtype not in (torch.float16, q.dtype):
+        raise ValueError(f"fp8_dot_dtype must be torch.float16 or q's dtype {q.dtype}, got {fp8_dot_dtype}")
 
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -429,9 +448,11 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be in [1, {MAX_NUM_SPLITS}], got {num_splits}")
     cfg = decode_kernel_config()
     if block_n is None:
-        block_n = cfg.block_n if head_dim <= 128 else 16
-    num_warps = cfg.num_warps if num_warps is None else num_warps
-    num_stages = cfg.num_stages if num_stages is None else num_stages
+        block_n = (cfg.fp8_block_n if kv_fp8 else cfg.block_n) if head_dim <= 128 else 16
+    if num_warps is None:
+        num_warps = cfg.fp8_num_warps if kv_fp8 else cfg.num_warps
+    if num_stages is None:
+        num_stages = cfg.fp8_num_stages if kv_fp8 else cfg.num_stages
 
     group = num_q_heads // num_kv_heads
     kv_layer = kv_cache[:, layer]  # [num_blocks, 2, Hkv, block_size, D]
@@ -488,6 +509,7 @@ def paged_decode_attention(
         DOT_IN_FP32=q.device.type != "cuda",
         SLIDING=sliding_window is not None,
         KV_FP8=kv_fp8,
+        FP8_DOT_FP16=kv_fp8 and fp8_dot_dtype == torch.float16 and q.dtype != torch.float16,
         num_warps=num_warps,
         num_stages=num_stages,
     )

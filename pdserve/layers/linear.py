@@ -8,6 +8,10 @@ it) and the ``weight_loader`` that copies a checkpoint tensor (or one shard of a
 in, narrowing it to the rank's slice there (reading only that slice when the checkpoint tensor
 is a :class:`~pdserve.layers.weights.LazyWeight`). At TP 1 every layer holds the whole weight
 and runs exactly the one ``F.linear`` of an unsharded layer.
+
+With the model's Triton ops on (:class:`~pdserve.layers.custom_op.CustomOp`), an input of at most
+:data:`pdserve.kernels.gemv.MAX_ROWS` rows (a decode step of one or two sequences) goes to
+:func:`pdserve.kernels.gemv.small_batch_linear`, which reads the weight faster than cuBLAS there.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 from pdserve.distributed.communication import tp_all_reduce
 from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import kv_head_range, shard_range
+from pdserve.layers.custom_op import CustomOp
 from pdserve.layers.weights import (
     LoadedWeight,
     copy_checked,
@@ -28,7 +33,7 @@ from pdserve.layers.weights import (
 )
 
 
-class Linear(nn.Module):
+class Linear(CustomOp):
     """``y = x W^T + b``, the whole weight on every rank (replicated).
 
     Args:
@@ -64,9 +69,19 @@ class Linear(nn.Module):
         :func:`pdserve.layers.weights.default_weight_loader`)."""
         default_weight_loader(param, loaded, shard_id)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, input_size]`` -> ``[T, output_size]``."""
         return F.linear(x, self.weight, self.bias)
+
+    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        """As :meth:`forward_torch`; at most ``MAX_ROWS`` rows by the small-batch kernel."""
+        return self._project(x, self.bias)
+
+    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)`` by the op :attr:`use_triton` picks for ``x``'s row count."""
+        if self.use_triton and x.dim() == 2 and 0 < x.shape[0] <= _gemv().MAX_ROWS:
+            return _gemv().small_batch_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class MergedLinear(Linear):
@@ -205,6 +220,14 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, input_size]`` (this rank's slice) -> ``[T, output_size]`` (the sum)."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = tp_all_reduce(F.linear(x, self.weight))
+            return self._project(x, self.bias)
+        y = tp_all_reduce(self._project(x, None))
         return y if self.bias is None else y + self.bias
+
+
+def _gemv():
+    """:mod:`pdserve.kernels.gemv`, imported on first use (it needs Triton, which a CPU-only
+    install may lack; layers with :attr:`CustomOp.use_triton` off never import it)."""
+    from pdserve.kernels import gemv
+
+    return gemv

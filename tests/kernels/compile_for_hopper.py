@@ -56,14 +56,17 @@ def attention() -> None:
                          QUERY_GROUP=2, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
                          BLOCK_SIZE=16, BLOCK_N=32, SPLIT=split,
                          DOT_PRECISION="ieee" if dt == "fp32" else "tf32", DOT_IN_FP32=False,
-                         SLIDING=split, KV_FP8=False), aligned, num_warps=4, num_stages=2)
+                         SLIDING=split, KV_FP8=False, FP8_DOT_FP16=False), aligned, num_warps=4, num_stages=2)
         # an fp8 (e4m3) KV cache read with bf16 queries (--kv-cache-dtype fp8)
-        if dt == "bf16":
-            _compile("attention", "paged_decode_bf16_fp8_kv", pd._paged_decode_split_kernel,
+        # (dot products in fp16, the default, and in the query's bf16)
+        for label, dot_fp16 in (("paged_decode_bf16_fp8_kv", True), ("paged_decode_bf16_fp8_kv_bf16_dot", False)):
+            if dt != "bf16":
+                break
+            _compile("attention", label, pd._paged_decode_split_kernel,
                      dict(types, kv_ptr="*fp8e4nv"),
                      dict(QUERY_GROUP=2, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128,
-                          BLOCK_SIZE=16, BLOCK_N=32, SPLIT=True, DOT_PRECISION="tf32",
-                          DOT_IN_FP32=False, SLIDING=False, KV_FP8=True),
+                          BLOCK_SIZE=16, BLOCK_N=64, SPLIT=True, DOT_PRECISION="tf32",
+                          DOT_IN_FP32=False, SLIDING=False, KV_FP8=True, FP8_DOT_FP16=dot_fp16),
                      aligned, num_warps=4, num_stages=2)
     _compile("attention", "paged_decode_reduce", pd._paged_decode_reduce_kernel,
              {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
@@ -85,10 +88,23 @@ def attention() -> None:
              aligned, num_warps=4)
     _compile("attention", "silu_and_mul", act._silu_and_mul_kernel,
              {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024), aligned, num_warps=4)
-    _compile("attention", "gumbel_argmax", ts._gumbel_argmax_kernel,
-             {"logits_ptr": "*fp32", "temps_ptr": "*fp32", "seeds_ptr": "*i64",
-              "positions_ptr": "*i64", "out_ptr": "*i64"}, dict(BLOCK_V=2048), aligned,
-             num_warps=8)
+    for one_piece in (True, False):
+        _compile("attention", f"gumbel_argmax_one_piece{int(one_piece)}", ts._gumbel_argmax_kernel,
+                 {"logits_ptr": "*fp32", "temps_ptr": "*fp32", "seeds_ptr": "*i64",
+                  "positions_ptr": "*i64", "out_ptr": "*i64" if one_piece else "*i32",
+                  "best_ptr": "*fp32"}, dict(BLOCK_V=2048, ONE_PIECE=one_piece), aligned,
+                 num_warps=8)
+    from pdserve.kernels import gemv
+
+    for rows, bias in ((1, False), (2, True)):
+        _compile("attention", f"gemv_rows{rows}", gemv._gemv_kernel,
+                 {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16"},
+                 dict(HAS_BIAS=bias, BLOCK_M=rows, BLOCK_N=gemv._BLOCK_N, BLOCK_K=gemv._BLOCK_K),
+                 lambda n: n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn", "stride_ym"),
+                 num_warps=4, num_stages=3)
+    _compile("attention", "gumbel_merge_pieces", ts._merge_pieces_kernel,
+             {"best_ptr": "*fp32", "winner_ptr": "*i32", "out_ptr": "*i64"},
+             dict(PIECES_PAD=64), aligned, num_warps=1)
 
 
 def moe() -> None:
@@ -109,9 +125,11 @@ def moe() -> None:
 #: labels each group must report
 EXPECTED = {
     "attention": {"paged_decode_bf16_split0", "paged_decode_bf16_split1",
-                  "paged_decode_bf16_fp8_kv", "paged_decode_fp32_split1", "paged_decode_reduce",
+                  "paged_decode_bf16_fp8_kv", "paged_decode_bf16_fp8_kv_bf16_dot",
+                  "paged_decode_fp32_split1", "paged_decode_reduce",
                   "store_kv_quantize0", "store_kv_quantize1", "rms_norm", "rotary",
-                  "silu_and_mul", "gumbel_argmax"},
+                  "silu_and_mul", "gumbel_argmax_one_piece1", "gumbel_argmax_one_piece0",
+                  "gumbel_merge_pieces", "gemv_rows1", "gemv_rows2"},
     "moe": {"grouped_gemm_bf16_m16", "grouped_gemm_bf16_m32", "grouped_gemm_bf16_m64",
             "grouped_gemm_fp32_m64"},
 }

@@ -62,9 +62,10 @@ def test_store_kv_cache_quantizes_with_the_layer_scales():
                 assert stored[b, 1, :, :, off].abs().sum() == 0, "a skipped slot was written"
 
 
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_dtype,dot_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_reads_fp8_cache_with_scales(q_dtype, num_splits):
+def test_paged_decode_reads_fp8_cache_with_scales(q_dtype, dot_dtype, num_splits):
     context_lens = [1, 15, 17, 100, 0]
     q, kv, bt, ctx = make_paged_case(context_lens, 4, 2, 64, 16, torch.float32, seed=5)
     k_scale, v_scale = 0.25, 2.0
@@ -77,7 +78,7 @@ def test_paged_decode_reads_fp8_cache_with_scales(q_dtype, num_splits):
     q = q.to(q_dtype)
     out = torch.full_like(q, float("nan"))
     pd.paged_decode_attention(q, fp8, 1, bt, ctx, 0.125, out=out, num_splits=num_splits,
-                              k_scale=k_scale, v_scale=v_scale)
+                              k_scale=k_scale, v_scale=v_scale, fp8_dot_dtype=dot_dtype)
     ref = reference_decode(q, deq, 1, bt, ctx, 0.125)
     assert not out.isnan().any()
     tol = 1e-5 if q_dtype == torch.float32 else 1e-2

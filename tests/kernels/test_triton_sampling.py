@@ -106,6 +106,34 @@ def test_draws_follow_softmax_of_logits_over_temperature():
     assert ((freq - expect).abs() <= 4 * se + 1e-3).all(), (freq, expect)
 
 
+@pytest.mark.parametrize("pieces", [2, 3, 5])
+def test_vocabulary_pieces_draw_what_one_pass_draws(pieces):
+    """Rows whose vocabulary several programs share draw the reference's tokens, ties across
+    pieces included (the lowest index wins), greedy and sampled rows alike."""
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 6, 70
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).to(DEV)
+    logits[0, [5, 40, 69]] = 50.0  # greedy row: equal maxima in different pieces
+    logits[1, :] = float("-inf")
+    logits[1, [66, 20]] = 1.0  # only two tokens allowed, in different pieces
+    temps = torch.tensor([0.0, 1.0, 0.0, 0.5, 1.0, 2.0], device=DEV)
+    seeds = torch.randint(0, 2**31, (rows,), generator=gen).to(DEV)
+    positions = torch.randint(0, 5000, (rows,), generator=gen).to(DEV)
+    out = ts.gumbel_argmax(logits, temps, seeds, positions, step=2, pieces=pieces)
+    assert out.tolist() == _reference(logits, temps, seeds, positions, step=2)
+    assert out[0].item() == 5
+    assert out.tolist() == ts.gumbel_argmax(logits, temps, seeds, positions, step=2, pieces=1).tolist()
+
+
+def test_vocab_pieces_fill_the_gpu_and_stay_in_range():
+    dev = torch.device("cpu")
+    assert ts.vocab_pieces(1, 151936, dev) == 4  # the interpreter counts one multiprocessor
+    assert ts.vocab_pieces(256, 151936, dev) == 1
+    assert ts.vocab_pieces(1, 100, dev) == 1  # never shorter than one block
+    with pytest.raises(ValueError, match="pieces"):
+        ts.gumbel_argmax(torch.zeros(2, 4, device=DEV), *_args(2, 1.0), pieces=65)
+
+
 def test_noise_depends_only_on_seed_and_position():
     rows = 16
     logits = torch.zeros(rows, 50, device=DEV)  # uniform: the token is decided by the noise alone
