@@ -224,8 +224,7 @@ def kernel_benchmarks(args: argparse.Namespace) -> list[dict]:
         pos = torch.randint(0, 4096, (t,), device=dev)
 
         def fused():
-            rot.rotary_embedding(q, pos, cos, sin, norm_weight=wq)
-            rot.rotary_embedding(k, pos, cos, sin, norm_weight=wq)
+            rot.rotary_embedding_qk(q, k, pos, cos, sin, wq, wq)
 
         def torch_version():
             c = cos[pos].to(dt).unsqueeze(1)

@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-#: The most rows :func:`small_batch_linear` takes; more rows go to ``F.linear`` (cuBLAS was as
-#: fast or faster from 4 rows on in the H200 measurements).
+#: The most rows :func:`small_batch_linear` takes (see :func:`preferred` for when it is used).
 MAX_ROWS = 2
 _BLOCK_N = 4
 _BLOCK_K = 512
@@ -64,6 +63,16 @@ def _gemv_kernel(
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+def preferred(rows: int, out_features: int, in_features: int) -> bool:
+    """Whether :func:`small_batch_linear` beats cuBLAS for this product, by the H200 timings of
+    Qwen3-0.6B's projections (docs/benchmarks.md, "Batch-1 decode latency"): at one row always
+    (``o_proj`` 12.4 -> 3.0 µs, ``down_proj`` 6.3 -> 3.7, ``qkv_proj`` 3.8 -> 3.4, ``gate_up_proj``
+    4.8 -> 4.7); at two rows only for a weight no wider than it is long (``o_proj``,
+    ``down_proj``; ``qkv_proj`` and ``gate_up_proj`` were 20% slower than cuBLAS); never from
+    three rows on."""
+    return rows == 1 or (rows == 2 and out_features <= in_features)
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,

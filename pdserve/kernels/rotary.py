@@ -15,25 +15,11 @@ from pdserve.kernels.common import next_power_of_2
 
 
 @triton.jit
-def _rotary_kernel(
-    x_ptr,
-    positions_ptr,
-    cos_ptr,
-    sin_ptr,
-    norm_weight_ptr,
-    stride_x_t,
-    stride_x_h,
-    stride_cs,
-    eps,
-    NUM_HEADS: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+def _rotate_heads(
+    x_ptr, token, pos, cos_ptr, sin_ptr, norm_weight_ptr, stride_x_t, stride_x_h, stride_cs, eps,
+    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
     offs_h = tl.arange(0, HEADS_PAD)
     offs_j = tl.arange(0, HALF_PAD)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_j[None, :] < HALF)
@@ -57,6 +43,41 @@ def _rotary_kernel(
     tl.store(base + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
 
 
+@triton.jit
+def _rotary_kernel(
+    x_ptr,  # program_id(1) == 0: [T, X_HEADS, HEAD_DIM]
+    y_ptr,  # program_id(1) == 1: [T, Y_HEADS, HEAD_DIM] (a second tensor, e.g. the keys)
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    x_norm_ptr,
+    y_norm_ptr,
+    stride_x_t,
+    stride_x_h,
+    stride_y_t,
+    stride_y_h,
+    stride_cs,
+    x_eps,
+    y_eps,
+    X_HEADS: tl.constexpr,
+    X_HEADS_PAD: tl.constexpr,
+    Y_HEADS: tl.constexpr,
+    Y_HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rotate_heads(x_ptr, token, pos, cos_ptr, sin_ptr, x_norm_ptr, stride_x_t, stride_x_h,
+                      stride_cs, x_eps, X_HEADS, X_HEADS_PAD, HEAD_DIM, HALF, HALF_PAD, HAS_NORM)
+    else:
+        _rotate_heads(y_ptr, token, pos, cos_ptr, sin_ptr, y_norm_ptr, stride_y_t, stride_y_h,
+                      stride_cs, y_eps, Y_HEADS, Y_HEADS_PAD, HEAD_DIM, HALF, HALF_PAD, HAS_NORM)
+
+
 def rotary_embedding(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -68,7 +89,7 @@ def rotary_embedding(
     """Rotary position embedding (Su et al., RoFormer, 2021), "rotate half" (GPT-NeoX) layout, in
     place; optionally preceded by a per-head RMSNorm (Qwen3's ``q_norm``/``k_norm``).
 
-    Call it once for q and once for k.
+    :func:`rotary_embedding_qk` does queries and keys in one launch.
 
     Args:
         x: ``[num_tokens, num_heads, head_dim]``, modified in place (last dim contiguous; the token
@@ -81,10 +102,57 @@ def rotary_embedding(
 
     Returns:
         ``x``.
+
+    Raises:
+        ValueError: on shape or layout mismatches.
     """
+    _check(x, positions, cos, sin, norm_weight)
+    _launch(x, None, positions, cos, sin, norm_weight, None, eps, eps)
+    return x
+
+
+def rotary_embedding_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    q_eps: float = 1e-6,
+    k_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_embedding` of queries and keys in one launch (one program per token and
+    tensor); both get their norm or neither.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``, in place.
+        k: ``[num_tokens, num_kv_heads, head_dim]``, in place.
+        positions, cos, sin: as :func:`rotary_embedding`.
+        q_norm_weight, k_norm_weight: ``[head_dim]`` RMSNorm weights, both or neither.
+        q_eps, k_eps: their epsilons.
+
+    Returns:
+        ``(q, k)``.
+
+    Raises:
+        ValueError: on shape or layout mismatches, or only one norm weight.
+    """
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("give both q and k norm weights or neither")
+    _check(q, positions, cos, sin, q_norm_weight)
+    _check(k, positions, cos, sin, k_norm_weight)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"q and k head dims differ: {q.shape[2]} and {k.shape[2]}")
+    _launch(q, k, positions, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps)
+    return q, k
+
+
+def _check(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           norm_weight: torch.Tensor | None) -> None:
     if x.dim() != 3:
         raise ValueError(f"x must be [num_tokens, num_heads, head_dim], got {tuple(x.shape)}")
-    num_tokens, num_heads, head_dim = x.shape
+    num_tokens, _, head_dim = x.shape
     if head_dim % 2 or cos.shape[-1] != head_dim // 2 or sin.shape != cos.shape:
         raise ValueError(f"cos/sin {tuple(cos.shape)} must be [max_position, head_dim // 2] "
                          f"for head_dim {head_dim}")
@@ -94,25 +162,38 @@ def rotary_embedding(
         raise ValueError(f"norm_weight must be [head_dim], got {tuple(norm_weight.shape)}")
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
         raise ValueError("x, cos and sin need a contiguous last dimension (and equal cos/sin strides)")
+
+
+def _launch(x: torch.Tensor, y: torch.Tensor | None, positions: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor, x_norm: torch.Tensor | None, y_norm: torch.Tensor | None,
+            x_eps: float, y_eps: float) -> None:
+    num_tokens, _, head_dim = x.shape
     if num_tokens == 0:
-        return x
+        return
+    other = x if y is None else y
     half = head_dim // 2
-    _rotary_kernel[(num_tokens,)](
+    _rotary_kernel[(num_tokens, 1 if y is None else 2)](
         x,
+        other,
         positions,
         cos,
         sin,
-        norm_weight if norm_weight is not None else cos,
+        cos if x_norm is None else x_norm,
+        cos if y_norm is None else y_norm,
         x.stride(0),
         x.stride(1),
+        other.stride(0),
+        other.stride(1),
         cos.stride(0),
-        eps,
-        NUM_HEADS=num_heads,
-        HEADS_PAD=next_power_of_2(num_heads),
+        x_eps,
+        y_eps,
+        X_HEADS=x.shape[1],
+        X_HEADS_PAD=next_power_of_2(x.shape[1]),
+        Y_HEADS=other.shape[1],
+        Y_HEADS_PAD=next_power_of_2(other.shape[1]),
         HEAD_DIM=head_dim,
         HALF=half,
         HALF_PAD=next_power_of_2(half),
-        HAS_NORM=norm_weight is not None,
+        HAS_NORM=x_norm is not None,
         num_warps=4,
     )
-    return x

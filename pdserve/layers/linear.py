@@ -9,9 +9,10 @@ in, narrowing it to the rank's slice there (reading only that slice when the che
 is a :class:`~pdserve.layers.weights.LazyWeight`). At TP 1 every layer holds the whole weight
 and runs exactly the one ``F.linear`` of an unsharded layer.
 
-With the model's Triton ops on (:class:`~pdserve.layers.custom_op.CustomOp`), an input of at most
-:data:`pdserve.kernels.gemv.MAX_ROWS` rows (a decode step of one or two sequences) goes to
-:func:`pdserve.kernels.gemv.small_batch_linear`, which reads the weight faster than cuBLAS there.
+With the model's Triton ops on (:class:`~pdserve.layers.custom_op.CustomOp`), a decode step of one
+sequence (and of two, for weights no wider than long) goes to
+:func:`pdserve.kernels.gemv.small_batch_linear`, which reads the weight faster than cuBLAS there
+(:func:`pdserve.kernels.gemv.preferred`).
 """
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ class Linear(CustomOp):
         return F.linear(x, self.weight, self.bias)
 
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
-        """As :meth:`forward_torch`; at most ``MAX_ROWS`` rows by the small-batch kernel."""
+        """As :meth:`forward_torch`; one or two rows by the small-batch kernel where
+        :func:`pdserve.kernels.gemv.preferred` says so."""
         return self._project(x, self.bias)
 
     def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` by the op :attr:`use_triton` picks for ``x``'s row count."""
-        if self.use_triton and x.dim() == 2 and 0 < x.shape[0] <= _gemv().MAX_ROWS:
+        if self.use_triton and x.dim() == 2 and _gemv().preferred(x.shape[0], *self.weight.shape):
             return _gemv().small_batch_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 

@@ -216,13 +216,12 @@ class RotaryEmbedding(CustomOp):
                        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`forward_torch`, in place on ``q`` and ``k`` (which may be strided views into
-        a fused QKV projection) with :func:`pdserve.kernels.rotary.rotary_embedding`; returns
+        a fused QKV projection) with :func:`pdserve.kernels.rotary.rotary_embedding_qk`; returns
         ``(q, k)``."""
         from pdserve.kernels import rotary as kernels
 
         cos, sin = self.cos_cache, self.sin_cache
         if q_norm is None:
-            return (kernels.rotary_embedding(q, positions, cos, sin),
-                    kernels.rotary_embedding(k, positions, cos, sin))
-        return (kernels.rotary_embedding(q, positions, cos, sin, q_norm.weight, q_norm.eps),
-                kernels.rotary_embedding(k, positions, cos, sin, k_norm.weight, k_norm.eps))
+            return kernels.rotary_embedding_qk(q, k, positions, cos, sin)
+        return kernels.rotary_embedding_qk(q, k, positions, cos, sin, q_norm.weight, k_norm.weight,
+                                           q_norm.eps, k_norm.eps)

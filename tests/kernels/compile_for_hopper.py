@@ -82,9 +82,11 @@ def attention() -> None:
              {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
               "eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=1024), aligned, num_warps=4)
     _compile("attention", "rotary", rot._rotary_kernel,
-             {"x_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-              "norm_weight_ptr": "*bf16", "eps": "fp32"},
-             dict(NUM_HEADS=16, HEADS_PAD=16, HEAD_DIM=128, HALF=64, HALF_PAD=64, HAS_NORM=True),
+             {"x_ptr": "*bf16", "y_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32",
+              "sin_ptr": "*fp32", "x_norm_ptr": "*bf16", "y_norm_ptr": "*bf16", "x_eps": "fp32",
+              "y_eps": "fp32"},
+             dict(X_HEADS=16, X_HEADS_PAD=16, Y_HEADS=8, Y_HEADS_PAD=8, HEAD_DIM=128, HALF=64,
+                  HALF_PAD=64, HAS_NORM=True),
              aligned, num_warps=4)
     _compile("attention", "silu_and_mul", act._silu_and_mul_kernel,
              {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024), aligned, num_warps=4)

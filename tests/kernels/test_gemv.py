@@ -54,7 +54,7 @@ def test_layers_take_the_kernel_for_few_rows_only(cls, monkeypatch):
     calls = []
     real = gemv.small_batch_linear
     monkeypatch.setattr(gemv, "small_batch_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    args = (32, [12, 8]) if cls is MergedLinear else (32, 20)
+    args = (32, [12, 8]) if cls is MergedLinear else (32, 20)  # out_features <= in_features
     layer = cls(*args, True, torch.float32, DEVICE)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -67,3 +67,9 @@ def test_layers_take_the_kernel_for_few_rows_only(cls, monkeypatch):
         layer.use_triton = True
         assert torch.allclose(layer(x), ref, rtol=1e-5, atol=1e-5)
     assert calls == [1, 2]  # only with the Triton ops on, only up to MAX_ROWS rows
+
+
+def test_preferred_follows_the_measured_shapes():
+    assert gemv.preferred(1, 6144, 1024)  # one row: always
+    assert gemv.preferred(2, 1024, 3072) and not gemv.preferred(2, 4096, 1024)
+    assert not gemv.preferred(3, 16, 1024)

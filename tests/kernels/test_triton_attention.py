@@ -316,6 +316,29 @@ def test_rotary_embedding_in_place_on_qkv_view(with_norm):
     assert torch.equal(qkv[:, (hq + hk) * dim :], v_in), "v must be left alone"
 
 
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rotary_embedding_qk_one_launch_equals_two(with_norm):
+    """Queries and keys in one launch, each with its own norm weight and epsilon, equal the
+    reference; v (after k in the fused projection) is left alone."""
+    gen = torch.Generator().manual_seed(7)
+    t, hq, hk, dim = 4, 4, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hk) * dim, generator=gen).to(DEVICE)
+    q = qkv[:, : hq * dim].view(t, hq, dim)
+    k = qkv[:, hq * dim : (hq + hk) * dim].view(t, hk, dim)
+    positions = torch.tensor([1, 2, 50, 300], device=DEVICE)
+    cos, sin = (x.to(DEVICE) for x in rope_tables(512, dim))
+    wq, wk = (torch.randn(dim, generator=gen).to(DEVICE) if with_norm else None for _ in range(2))
+    q_in, k_in, v_in = q.clone(), k.clone(), qkv[:, (hq + hk) * dim :].clone()
+    if with_norm:
+        q_in, k_in = torch_rms_norm(q_in, wq, 1e-6), torch_rms_norm(k_in, wk, 1e-3)
+    rot.rotary_embedding_qk(q, k, positions, cos, sin, wq, wk, 1e-6, 1e-3)
+    assert rel_err(q, torch_rope(q_in, positions, cos, sin)) < 1e-5
+    assert rel_err(k, torch_rope(k_in, positions, cos, sin)) < 1e-5
+    assert torch.equal(qkv[:, (hq + hk) * dim :], v_in), "v must be left alone"
+    with pytest.raises(ValueError, match="both"):
+        rot.rotary_embedding_qk(q, k, positions, cos, sin, wq if with_norm else cos[0], None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_matches_torch(dtype):
     gen = torch.Generator().manual_seed(8)
