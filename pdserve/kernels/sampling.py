@@ -29,6 +29,7 @@ import triton.language as tl
 _BLOCK_V = 2048
 # Programs the draw aims for per streaming multiprocessor: rows times vocabulary pieces.
 _PROGRAMS_PER_SM = 4
+_MAX_PIECES = 64
 
 
 @triton.jit(do_not_specialize=[5])  # step (argument 5) changes every call
@@ -77,7 +78,7 @@ def _gumbel_argmax_kernel(
         tl.store(best_ptr + row * pieces + pc, top)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[3])  # pieces (argument 3) follows the batch size
 def _merge_pieces_kernel(best_ptr, winner_ptr, out_ptr, pieces, vocab, PIECES_PAD: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, PIECES_PAD)
@@ -99,7 +100,7 @@ def vocab_pieces(rows: int, vocab: int, device: torch.device) -> int:
     else:
         sms = 1  # interpreter runs: one program per row unless the caller asks for pieces
     want = -(-_PROGRAMS_PER_SM * sms // max(1, rows))
-    return max(1, min(want, -(-vocab // _BLOCK_V), 64))
+    return max(1, min(want, -(-vocab // _BLOCK_V), _MAX_PIECES))
 
 
 def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
@@ -137,8 +138,8 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
             raise ValueError(f"{name} must be a contiguous [{rows}], got {tuple(t.shape)}")
     if pieces is None:
         pieces = vocab_pieces(rows, vocab, logits.device)
-    if not 1 <= pieces <= 64:
-        raise ValueError(f"pieces must be in [1, 64], got {pieces}")
+    if not 1 <= pieces <= _MAX_PIECES:
+        raise ValueError(f"pieces must be in [1, {_MAX_PIECES}], got {pieces}")
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not rows:
@@ -157,6 +158,7 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     _gumbel_argmax_kernel[(rows, pieces)](logits, logits.stride(0), temperatures, seeds, positions,
                                           step, winners, best, vocab, piece, BLOCK_V=block_v,
                                           ONE_PIECE=False, num_warps=8)
-    _merge_pieces_kernel[(rows,)](best, winners, out, pieces, vocab,
-                                  PIECES_PAD=triton.next_power_of_2(pieces), num_warps=1)
+    # one compiled variant for every piece count (a new one inside a timed step costs ~0.1 s)
+    _merge_pieces_kernel[(rows,)](best, winners, out, pieces, vocab, PIECES_PAD=_MAX_PIECES,
+                                  num_warps=1)
     return out
