@@ -15,12 +15,9 @@ captured in CUDA graphs.
 The decode-attention kernel follows the split-K ("flash-decoding") scheme of Dao et al., *Flash-
 Decoding for long-context inference* (2023): the context of each sequence is cut into
 ``num_splits`` pieces that run as separate programs, each keeping an online softmax (Milakov &
-Gimelshein, *Online normalizer calculation for softmax*, 2018), and the pieces are merged with
-their log-sum-exp weights by whichever program of a (sequence, kv head) finishes last, which it
-learns from an atomic counter per (sequence, kv head) (:func:`merge_counters`); the same
-"last block does the reduction" pattern as CUDA's ``threadFenceReduction`` sample. A separate
-merge kernel cost 12.7 µs per layer at batch 256 on an H200 (5% of a decode step). All pieces
-of one launch have the same length, ``ceil(max_context_len / num_splits)`` tokens, where the kernel reads the batch's longest context
+Gimelshein, *Online normalizer calculation for softmax*, 2018), and a second kernel merges the
+pieces with their log-sum-exp weights. All pieces of one launch have the same length,
+``ceil(max_context_len / num_splits)`` tokens, where the kernel reads the batch's longest context
 from ``context_lens`` itself; so the grid is the same for every step of a given batch size (what
 CUDA graphs need), and a long context is cut into more pieces than a short one (whose last pieces
 are empty and return at once). Cutting every context into the same number of pieces instead leaves
@@ -39,8 +36,8 @@ output, so the dot products run in the query's dtype as for a 16-bit cache
 :class:`pdserve.attention.triton_backend.TritonAttentionBackend` runs this kernel for the
 decode rows of a step. Import this module only where Triton is installed.
 
-The module stays whole past ~450 lines: the split kernel and its merge, their launch
-configuration, counters and the launcher that checks their shared preconditions are one unit.
+The module stays whole past ~450 lines: the split and merge kernels, their launch configuration
+and the launcher that checks their shared preconditions are one unit.
 """
 
 from __future__ import annotations
@@ -150,26 +147,6 @@ def choose_num_splits(
     return min(splits, MAX_NUM_SPLITS)
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-# Entries of the first counter buffer on a device (256 KiB): 1,024 sequences x 64 kv heads.
-_MIN_COUNTERS = 1 << 16
-
-
-def merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``n`` entries on ``device`` for the split kernel's
-    per-(sequence, kv head) piece counters, which each launch leaves zero again.
-
-    One buffer per device serves every launch (the layers of a step run one after another on
-    one stream). It is allocated at the first split launch, at least :data:`_MIN_COUNTERS`
-    entries, normally before any CUDA graph is captured (the runner's warm-up steps run eagerly);
-    a larger need allocates a larger buffer and keeps the old one alive, since captured graphs
-    point at it."""
-    bufs = _COUNTERS.setdefault(torch.device(device), [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 # Arguments that change from step to step outside CUDA graphs (the block-table width follows the
 # longest context of the batch; the split count and the number of sequences follow the batch size). Triton would otherwise
 # compile a new variant whenever one of them turns divisible by 16 or equal to 1, which cost
@@ -189,7 +166,6 @@ def _paged_decode_split_kernel(
     part_out_ptr,  # [S, Hq, P, D] fp32 normalised partial outputs (SPLIT)
     part_max_ptr,  # [S, Hq, P] fp32 running max of log2-scaled scores (SPLIT)
     part_sum_ptr,  # [S, Hq, P] fp32 softmax denominators (SPLIT)
-    counters_ptr,  # [>= S * Hkv] int32, zero between launches: pieces done per (seq, kv head)
     q_ptr,
     kv_ptr,  # the layer's view: [num_blocks, 2, Hkv, block_size, D]
     block_tables_ptr,
@@ -213,7 +189,6 @@ def _paged_decode_split_kernel(
     stride_po_p,
     stride_pm_s,
     stride_pm_h,
-    num_kv_heads,
     QUERY_GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -312,52 +287,60 @@ def _paged_decode_split_kernel(
         pm = seq * stride_pm_s + heads * stride_pm_h + split
         tl.store(part_max_ptr + pm, m_i, mask=g_mask)
         tl.store(part_sum_ptr + pm, l_i, mask=g_mask)
-        # The last piece of (seq, kv head) to finish merges them all (no second kernel): every
-        # thread's stores precede the barrier, the barrier precedes the release of the counter
-        # increment, and the last program's acquire precedes its loads, which bypass L1.
-        tl.debug_barrier()
-        counter = counters_ptr + seq * num_kv_heads + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            _merge_pieces(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, heads, g_mask,
-                          offs_d, d_mask, num_splits, stride_o_s, stride_o_h, stride_po_s,
-                          stride_po_h, stride_po_p, stride_pm_s, stride_pm_h)
-            tl.store(counter, 0)  # zero again for the next launch
     else:
         o = out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + offs_d[None, :]
         tl.store(o, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
-def _merge_pieces(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq, heads, g_mask, offs_d,
-                  d_mask, num_splits, stride_o_s, stride_o_h, stride_po_s, stride_po_h,
-                  stride_po_p, stride_pm_s, stride_pm_h):
-    """Merge the ``num_splits`` pieces of one (sequence, kv head) into ``out`` by their
-    log-sum-exp weights; empty pieces (l == 0, m == -inf, output never written) weigh 0."""
-    pm = part_max_ptr + seq * stride_pm_s + heads * stride_pm_h
-    ps = part_sum_ptr + seq * stride_pm_s + heads * stride_pm_h
-    m_max = tl.full(heads.shape, float("-inf"), tl.float32)
-    for p in range(0, num_splits):
-        m_max = tl.maximum(m_max, tl.load(pm + p, mask=g_mask, other=float("-inf"),
-                                          cache_modifier=".cg"))
+def _paged_decode_reduce_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    num_splits,
+    stride_o_s,
+    stride_o_h,
+    stride_po_s,
+    stride_po_h,
+    stride_po_p,
+    stride_pm_s,
+    stride_pm_h,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_p = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    p_mask = offs_p < num_splits
+    d_mask = offs_d < HEAD_DIM
+
+    pm = seq * stride_pm_s + head * stride_pm_h + offs_p
+    m = tl.load(part_max_ptr + pm, mask=p_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + pm, mask=p_mask, other=0.0)
+    m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row with no context at all
-    total = tl.zeros(heads.shape, tl.float32)
-    acc = tl.zeros([heads.shape[0], offs_d.shape[0]], tl.float32)
-    po = part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h + offs_d[None, :]
-    for p in range(0, num_splits):
-        m = tl.load(pm + p, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(ps + p, mask=g_mask, other=0.0, cache_modifier=".cg")
-        w = tl.exp2(m - m_max) * l
-        # an empty piece left its partial output unwritten: never read it (0 * NaN is NaN)
-        part = tl.load(po + p * stride_po_p, mask=(g_mask & (l > 0))[:, None] & d_mask[None, :],
-                       other=0.0, cache_modifier=".cg")
-        acc += part * w[:, None]
-        total += w
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    # Empty splits have l == 0 and m == -inf: their weight is 0.
+    w = tl.exp2(m - m_max) * l
+    po = part_out_ptr + seq * stride_po_s + head * stride_po_h
+    # Empty pieces left their partial output unwritten: never read it (0 * NaN would be NaN).
+    parts = tl.load(
+        po + offs_p[:, None] * stride_po_p + offs_d[None, :],
+        mask=(p_mask & (l > 0))[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_o_s + head * stride_o_h + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
 
 
 _paged_decode_split_kernel = _jit_without_specialising(_paged_decode_split_kernel)
+_paged_decode_reduce_kernel = _jit_without_specialising(_paged_decode_reduce_kernel)
 
 
 def paged_decode_attention(
@@ -394,7 +377,7 @@ def paged_decode_attention(
         scale: softmax scale, usually ``head_dim ** -0.5``.
         out: optional ``[num_seqs, num_q_heads, head_dim]`` output buffer (e.g. a static CUDA graph
             buffer); allocated when None.
-        num_splits: context splits per sequence (1 = nothing to merge); default
+        num_splits: context splits per sequence (1 = no merge kernel); default
             :func:`choose_num_splits`.
         max_context_len: optional upper bound of ``context_lens`` known on the host, used only to
             avoid pointless splits; leave None under CUDA graphs.
@@ -480,11 +463,9 @@ def paged_decode_attention(
         )
         part_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
-        counters = merge_counters(q.device, num_seqs * num_kv_heads)
     else:  # unused placeholders of the right kind
         part_out = out
         part_max = part_sum = context_lens
-        counters = context_lens
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (num_seqs, num_kv_heads, num_splits)
     _paged_decode_split_kernel[grid](
@@ -492,7 +473,6 @@ def paged_decode_attention(
         part_out,
         part_max,
         part_sum,
-        counters,
         q,
         kv_layer,
         block_tables,
@@ -516,7 +496,6 @@ def paged_decode_attention(
         part_out.stride(2) if split else 0,
         part_max.stride(0) if split else 0,
         part_max.stride(1) if split else 0,
-        num_kv_heads,
         QUERY_GROUP=group,
         GROUP_PAD=max(16, _next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -534,4 +513,23 @@ def paged_decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if split:
+        _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_max.stride(0),
+            part_max.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=_next_power_of_2(head_dim),
+            SPLITS_PAD=_next_power_of_2(num_splits),
+            num_warps=4,
+        )
     return out

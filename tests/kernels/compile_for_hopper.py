@@ -48,8 +48,7 @@ def attention() -> None:
     for dt, splits in (("bf16", (False, True)), ("fp32", (True,))):
         types = {"out_ptr": "*" + dt, "q_ptr": "*" + dt, "kv_ptr": "*" + dt,
                  "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
-                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "counters_ptr": "*i32",
-                 "scale_log2": "fp32",
+                 "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "scale_log2": "fp32",
                  "v_scale": "fp32"}
         for split in splits:
             _compile("attention", f"paged_decode_{dt}_split{int(split)}",
@@ -69,6 +68,10 @@ def attention() -> None:
                           BLOCK_SIZE=16, BLOCK_N=64, SPLIT=True, DOT_PRECISION="tf32",
                           DOT_IN_FP32=False, SLIDING=False, KV_FP8=True, FP8_DOT_FP16=dot_fp16),
                      aligned, num_warps=4, num_stages=2)
+    _compile("attention", "paged_decode_reduce", pd._paged_decode_reduce_kernel,
+             {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
+              "part_sum_ptr": "*fp32"}, dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=64),
+             aligned, num_warps=4)
     for kv_dt, quantize in (("*bf16", False), ("*fp8e4nv", True)):
         _compile("attention", f"store_kv_quantize{int(quantize)}", kvk._store_kv_kernel,
                  {"k_ptr": "*bf16", "v_ptr": "*bf16", "kv_ptr": kv_dt, "slot_mapping_ptr": "*i64",
@@ -125,7 +128,7 @@ def moe() -> None:
 EXPECTED = {
     "attention": {"paged_decode_bf16_split0", "paged_decode_bf16_split1",
                   "paged_decode_bf16_fp8_kv", "paged_decode_bf16_fp8_kv_bf16_dot",
-                  "paged_decode_fp32_split1",
+                  "paged_decode_fp32_split1", "paged_decode_reduce",
                   "store_kv_quantize0", "store_kv_quantize1", "rms_norm", "rotary",
                   "silu_and_mul", "gumbel_argmax_one_piece1", "gumbel_argmax_one_piece0",
                   "gumbel_merge_pieces", "gemv_rows1", "gemv_rows2"},

@@ -153,22 +153,6 @@ def test_paged_decode_short_sequence_next_to_long_one_never_reads_empty_pieces(m
     assert (out[-1] == 0).all()
 
 
-def test_paged_decode_merge_counters_are_zero_after_each_launch():
-    """The last piece of a (sequence, kv head) merges and zeroes its counter: launches with
-    different split counts on one counter buffer each write every output row (the output starts
-    as NaN) and leave the counters zero."""
-    context_lens = [5, 200, 64, 130]
-    q, kv, bt, ctx = make_paged_case(context_lens, 4, 2, 64, 16, torch.float32, seed=9)
-    ref = reference_decode(q, kv, 0, bt, ctx, 0.125)
-    counters = pd.merge_counters(q.device, len(context_lens) * 2)
-    for splits in (3, 5, 2):
-        out = torch.full_like(q, float("nan"))
-        pd.paged_decode_attention(q, kv, 0, bt, ctx, 0.125, out=out, num_splits=splits, block_n=16)
-        assert rel_err(out, ref) < 1e-5, f"{splits} splits"
-        assert pd.merge_counters(q.device, 1) is counters
-        assert not counters.any(), "a counter was left non-zero"
-
-
 def test_decode_kernel_config_from_environment(monkeypatch):
     monkeypatch.setenv("PDSERVE_DECODE_KERNEL_CONFIG", '{"block_n": 64, "min_splits": 4}')
     pd.decode_kernel_config.cache_clear()
@@ -372,7 +356,7 @@ def test_silu_and_mul_matches_torch(dtype):
 def few_decode_splits(monkeypatch):
     """Under the interpreter, which runs every program in Python: the decode kernel splits a
     context only where there are fewer than 4 (sequence, KV head) programs (so a batch of one
-    sequence with 2 KV heads still splits in two and merges the pieces). The split and merge
+    sequence with 2 KV heads still splits in two and runs the merge kernel). The split and merge
     arithmetic itself is checked against the reference by the paged-decode tests above. On a
     GPU this changes nothing."""
     if HAS_CUDA:
@@ -625,22 +609,6 @@ def test_paged_decode_long_context_on_gpu():
     q, kv, bt, ctx = make_paged_case([4000, 1, 2500, 16], 16, 8, 128, 16, torch.bfloat16, num_layers=1)
     out = pd.paged_decode_attention(q, kv, 0, bt, ctx, 128**-0.5)
     assert rel_err(out, reference_decode(q, kv, 0, bt, ctx, 128**-0.5)) < REL_TOL[torch.bfloat16]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_paged_decode_merge_of_many_pieces_on_gpu():
-    """Many programs finishing in any order: 200 sequences x 8 kv heads x 16 pieces, launched
-    20 times on one counter buffer, always equal the 1-piece launch."""
-    gen = torch.Generator().manual_seed(11)
-    lens = torch.randint(1, 2000, (200,), generator=gen).tolist()
-    q, kv, bt, ctx = make_paged_case(lens, 16, 8, 128, 16, torch.bfloat16, num_layers=1)
-    one = pd.paged_decode_attention(q, kv, 0, bt, ctx, 128**-0.5, num_splits=1).float()
-    for _ in range(20):
-        out = torch.full_like(q, float("nan"))
-        pd.paged_decode_attention(q, kv, 0, bt, ctx, 128**-0.5, out=out, num_splits=16)
-        assert rel_err(out, one) < 1e-2
-    assert not pd.merge_counters(q.device, 1).any()
 
 
 def test_triton_backend_matches_torch_backend_on_mixed_batch():
