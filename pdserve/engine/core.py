@@ -14,8 +14,9 @@ import dataclasses
 import logging
 from typing import Any
 
+from pdserve import phase_trace
 from pdserve.config import EngineConfig
-from pdserve.engine.async_step import OverlappedSteps
+from pdserve.engine.async_step import OverlappedSteps, launch_phase
 from pdserve.engine.messages import AddRequest
 from pdserve.engine.kv_events import KVEventPublisher, default_snapshot_endpoint
 from pdserve.engine.outputs import EngineCoreOutput
@@ -234,7 +235,11 @@ class EngineCore:
             sched = self.scheduler.schedule()
             if not sched.scheduled and not sched.finished_req_ids and not self.scheduler.has_pending_kv_work():
                 return [], False
+            if sched.scheduled and phase_trace.enabled():
+                phase_trace.mark(launch_phase(sched))
             out = self.runner.execute(sched)
+            if sched.scheduled:
+                phase_trace.mark("core.result")
             outputs, computed = self.scheduler.update_from_output(sched, out), bool(sched.scheduled)
         kv_out = out.kv_connector_output if out is not None else None
         if kv_out is not None and kv_out.stats:
