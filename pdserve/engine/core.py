@@ -250,8 +250,9 @@ class EngineCore:
         """Seconds the core loop may block waiting for input or a connector wake-up before it
         must step again.
 
-        0 after a step that computed tokens, or while finished requests or connector metadata
-        wait to be delivered; :data:`KV_POLL_INTERVAL_S` while requests wait for blocks or a
+        0 after a step that computed tokens, after a step in which a KV load finished (its
+        request can be scheduled now), or while finished requests or connector metadata wait
+        to be delivered; :data:`KV_POLL_INTERVAL_S` while requests wait for blocks or a
         batch slot; while only KV work is pending, the connector worker's ``next_poll_in()``
         (it wakes the loop itself through :meth:`wakeup_handles` for everything else), or
         the base class default of one :data:`KV_POLL_INTERVAL_S` tick; otherwise
@@ -267,7 +268,7 @@ class EngineCore:
 
     def _step_wait_s(self, progressed: bool) -> float:
         sched = self.scheduler
-        if progressed or sched.finished_req_ids:
+        if progressed or sched.finished_req_ids or sched.loaded_since_schedule:
             return 0.0
         if self.connector is not None and self.connector.has_pending_metadata():
             return 0.0
