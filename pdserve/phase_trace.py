@@ -21,6 +21,7 @@ docs/architecture.md ("Phase trace").
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import TextIO
 
@@ -31,6 +32,7 @@ _dir = os.environ.get(ENV) or None
 _role = "?"
 _file: TextIO | None = None
 _pid = 0
+_lock = threading.Lock()  # engine thread and side-channel thread share the file
 
 
 def enabled() -> bool:
@@ -57,17 +59,20 @@ def mark(phase: str) -> None:
     if _dir is None:
         return
     global _file, _pid
-    if _file is None or _pid != os.getpid():  # first mark, or a forked child
-        _pid = os.getpid()
-        _file = open(os.path.join(_dir, f"{_pid}.trace"), "a", buffering=1)
-        _file.write(f"# role {_role}\n")
-    _file.write(f"{time.time():.6f} {phase}\n")
+    now = time.time()
+    with _lock:
+        if _file is None or _pid != os.getpid():  # first mark, or a forked child
+            _pid = os.getpid()
+            _file = open(os.path.join(_dir, f"{_pid}.trace"), "a", buffering=1)
+            _file.write(f"# role {_role}\n")
+        _file.write(f"{now:.6f} {phase}\n")
 
 
 def configure(directory: str | None) -> None:
     """Turn tracing on (into ``directory``) or off (None) in this process; for tests and
     drivers that set the variable after import."""
     global _dir, _file
-    if _file is not None:
-        _file.close()
-    _dir, _file = directory, None
+    with _lock:
+        if _file is not None:
+            _file.close()
+        _dir, _file = directory, None
