@@ -212,13 +212,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--json", default=None, help="also write the timeline and turns here")
+    ap.add_argument("--work-dir", default=None,
+                    help="where the traces and the deployment's logs go (default: a new "
+                         "temporary directory, kept)")
     args = ap.parse_args(argv)
 
     import os
 
     from pdserve import phase_trace
 
-    trace_dir = Path(tempfile.mkdtemp(prefix="pd_phases_"))
+    if args.work_dir:
+        trace_dir = Path(args.work_dir)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        trace_dir = Path(tempfile.mkdtemp(prefix="pd_phases_"))
     os.environ[phase_trace.ENV] = str(trace_dir)  # the deployment's processes inherit it
     phase_trace.configure(str(trace_dir))
     phase_trace.set_role("client")
@@ -229,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         _stop(proc)
     phase_trace.configure(None)
     rows = timeline(read_traces(trace_dir), args.turns)
-    print(f"mode {args.mode}, model {args.model}, device {args.device}; turns 2+, medians "
-          f"(ms from the client's send)")
+    print(f"mode {args.mode}, model {args.model}, device {args.device}; traces and logs in "
+          f"{trace_dir}; turns 2+, medians (ms from the client's send)")
     prev = 0.0
     for name, ms, n in rows:
         print(f"{ms:9.2f} {ms - prev:+8.2f}  {name}  (n={n})")
