@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
+from pdserve import phase_trace
 from pdserve.config import EngineConfig
 from pdserve.engine.core_client import (
     CoreClient,
@@ -347,6 +348,7 @@ class AsyncEngine:
                     kv_transfer_params=kv_transfer_params,
                 )
             )
+            phase_trace.mark("ae.sent")
             while True:
                 item = await st.queue.get()
                 if isinstance(item, BaseException):
@@ -394,6 +396,8 @@ class AsyncEngine:
 
     # ================================================================ output handling
     def _handle_step_outputs(self, core: CoreClient, msg: StepOutputs) -> None:
+        if msg.outputs:
+            phase_trace.mark("ae.recv")
         if msg.stats is not None:
             core.stats = EngineStats.from_snapshot(msg.stats)
         for delta in msg.connector_stats:

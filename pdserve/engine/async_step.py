@@ -39,11 +39,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pdserve import phase_trace
 from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, PendingStep, SchedulerOutput
 from pdserve.engine.overlap_schedule import schedule_overlapped
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import Scheduler
+
+
+def launch_phase(step: SchedulerOutput) -> str:
+    """The phase-trace name of launching ``step``: ``core.launch_prefill`` when it computes a
+    prompt chunk (more than one token of a request), else ``core.launch``."""
+    prefill = any(len(sr.token_ids) > 1 for sr in step.scheduled)
+    return "core.launch_prefill" if prefill else "core.launch"
 
 
 class OverlappedSteps:
@@ -88,6 +96,7 @@ class OverlappedSteps:
         if nxt is not None:
             self._launch(nxt, running)
         out = pending.result()
+        phase_trace.mark("core.result")
         outputs = sched.update_from_output(running, out)
         kvm = sched.kv_cache_manager
         kvm.set_in_flight({sr.req_id for sr in nxt.scheduled} if nxt is not None else set())
@@ -96,6 +105,8 @@ class OverlappedSteps:
     def _launch(self, step: SchedulerOutput, running: SchedulerOutput | None) -> None:
         """Launch ``step``; the blocks of its requests and of ``running``'s stay held until they
         are known to be done."""
+        if phase_trace.enabled():
+            phase_trace.mark(launch_phase(step))
         ids = {sr.req_id for sr in step.scheduled}
         if running is not None:
             ids.update(sr.req_id for sr in running.scheduled)

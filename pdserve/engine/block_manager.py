@@ -69,10 +69,19 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int = _
     Returns:
         ``len(token_ids) // block_size`` hashes; hash ``i`` identifies tokens ``0 .. (i+1)*B - 1``.
     """
+    num_tokens = len(token_ids) // block_size * block_size
+    if num_tokens == 0:
+        return []
+    # One pack of all the tokens, then each block's hash over a slice of it: the same bytes as
+    # hash_block's, without packing block by block (a few thousand tokens cost half as much).
+    data = struct.pack(f"<{num_tokens}q", *token_ids[:num_tokens])
+    step = 8 * block_size
+    sha256, from_bytes = hashlib.sha256, int.from_bytes
     hashes: list[int] = []
     h = parent_hash
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        h = hash_block(h, token_ids[start : start + block_size])
+    for start in range(0, 8 * num_tokens, step):
+        h = from_bytes(sha256(h.to_bytes(8, "little") + data[start:start + step]).digest()[:8],
+                       "little")
         hashes.append(h)
     return hashes
 
@@ -178,12 +187,9 @@ class KVCacheManager:
         hashes = self._req_hashes.setdefault(request.request_id, [])
         num_full = num_tokens // self.block_size
         if len(hashes) < num_full:
-            tokens = request.all_token_ids
             bs = self.block_size
-            h = hashes[-1] if hashes else _ROOT_HASH
-            for i in range(len(hashes), num_full):
-                h = hash_block(h, tokens[i * bs : (i + 1) * bs])
-                hashes.append(h)
+            hashes.extend(block_hashes(request.all_token_ids[len(hashes) * bs : num_full * bs], bs,
+                                       hashes[-1] if hashes else _ROOT_HASH))
         return hashes
 
     # ---------------------------------------------------------------- prefix cache

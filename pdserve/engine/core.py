@@ -14,8 +14,9 @@ import dataclasses
 import logging
 from typing import Any
 
+from pdserve import phase_trace
 from pdserve.config import EngineConfig
-from pdserve.engine.async_step import OverlappedSteps
+from pdserve.engine.async_step import OverlappedSteps, launch_phase
 from pdserve.engine.messages import AddRequest
 from pdserve.engine.kv_events import KVEventPublisher, default_snapshot_endpoint
 from pdserve.engine.outputs import EngineCoreOutput
@@ -234,7 +235,11 @@ class EngineCore:
             sched = self.scheduler.schedule()
             if not sched.scheduled and not sched.finished_req_ids and not self.scheduler.has_pending_kv_work():
                 return [], False
+            if sched.scheduled and phase_trace.enabled():
+                phase_trace.mark(launch_phase(sched))
             out = self.runner.execute(sched)
+            if sched.scheduled:
+                phase_trace.mark("core.result")
             outputs, computed = self.scheduler.update_from_output(sched, out), bool(sched.scheduled)
         kv_out = out.kv_connector_output if out is not None else None
         if kv_out is not None and kv_out.stats:
@@ -245,8 +250,9 @@ class EngineCore:
         """Seconds the core loop may block waiting for input or a connector wake-up before it
         must step again.
 
-        0 after a step that computed tokens, or while finished requests or connector metadata
-        wait to be delivered; :data:`KV_POLL_INTERVAL_S` while requests wait for blocks or a
+        0 after a step that computed tokens, after a step in which a KV load finished (its
+        request can be scheduled now), or while finished requests or connector metadata wait
+        to be delivered; :data:`KV_POLL_INTERVAL_S` while requests wait for blocks or a
         batch slot; while only KV work is pending, the connector worker's ``next_poll_in()``
         (it wakes the loop itself through :meth:`wakeup_handles` for everything else), or
         the base class default of one :data:`KV_POLL_INTERVAL_S` tick; otherwise
@@ -262,7 +268,7 @@ class EngineCore:
 
     def _step_wait_s(self, progressed: bool) -> float:
         sched = self.scheduler
-        if progressed or sched.finished_req_ids:
+        if progressed or sched.finished_req_ids or sched.loaded_since_schedule:
             return 0.0
         if self.connector is not None and self.connector.has_pending_metadata():
             return 0.0

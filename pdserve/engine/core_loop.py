@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any
 
+from pdserve import phase_trace
 from pdserve.config import EngineConfig
 from pdserve.engine.core import IDLE_POLL_INTERVAL_S, EngineCore
 from pdserve.engine.messages import (
@@ -57,6 +58,9 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses) -> None:
     Startup failures are sent to the front end as :class:`StartupFailed` (then exit code 1);
     failures while running as :class:`CoreFailed`. Exits on its own when the parent dies.
     """
+    kv = config.kv_transfer_config
+    phase_trace.set_role(phase_trace.kv_role_prefix(kv.kv_role if kv is not None else None)
+                         + ".core")
     import zmq
 
     logging.basicConfig(
@@ -155,7 +159,9 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
                     break
                 msg = decoder.decode(raw)
                 if isinstance(msg, AddRequest):
+                    phase_trace.mark("core.add")
                     rejected = core.add_request(msg)
+                    phase_trace.mark("core.added")
                     if rejected is not None:
                         early_outputs.append(rejected)
                 elif isinstance(msg, AbortRequests):
@@ -198,5 +204,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
                 stats_stale = changed
         if outputs or conn_stats or stats is not None or (
                 remote and now - last_sent >= HEARTBEAT_INTERVAL_S):
+            if outputs:
+                phase_trace.mark("core.send_out")
             out_sock.send(encoder.encode(StepOutputs(outputs=outputs, stats=stats, connector_stats=conn_stats)))
             last_sent = now

@@ -274,6 +274,7 @@ class RemoteKV:
                     continue
             req.status = RequestStatus.WAITING
             sched.waiting.appendleft(req)
+            sched.loaded_since_schedule = True
         for rid in kv_out.finished_sending:
             held = self.held.get(rid)
             if held is not None:

@@ -103,6 +103,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_remote: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
+        # A request whose KV load finished went back to ``waiting`` after the last schedule():
+        # it can run now, so the core steps again without waiting for a poll tick.
+        self.loaded_since_schedule = False
 
         self.prompt_tokens_total = 0
         self.prompt_tokens_computed_total = 0
@@ -162,6 +165,7 @@ class Scheduler:
         """Pick this step's work (see the module docstring for the policy), or a multi-step
         decode round (:func:`~pdserve.engine.multi_step.schedule_multi_step`) when
         ``num_scheduler_steps > 1`` allows."""
+        self.loaded_since_schedule = False
         if self.num_scheduler_steps > 1:
             multi = schedule_multi_step(self)
             if multi is not None:

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve import phase_trace
 from pdserve.entrypoints.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -49,19 +50,24 @@ class ChatCompletionsHandler:
         self.tokens = TokenText(serving.tokenizer)
 
     async def __call__(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        phase_trace.mark("api.in")
         arrival = time.monotonic()
         s = self.serving
         s.check_model(req.model)
         kv = s.kv_params(req)
+        phase_trace.mark("api.kv")
         prompt = await s.chat_prompt(req, kv)
+        phase_trace.mark("api.prompt")
         response_id = new_request_id("chatcmpl")
         jobs = s.make_jobs(response_id, req, [prompt], req.requested_max_tokens(),
                            req.num_logprobs(), prompt_param="messages", kv=kv)
+        phase_trace.mark("api.jobs")
         if req.stream:
             return EventStreamResponse(self._stream(req, response_id, jobs, arrival))
         states = await cancel_on_disconnect(raw, s.collect(jobs, arrival, [0] * len(jobs)))
         if states is None:
             return Response(status_code=499)
+        phase_trace.mark("api.collected")
         return JSONResponse(self._response(req, response_id, states).model_dump())
 
     def _logprobs(self, req: ChatCompletionRequest, entries: list[Any]) -> ChatLogprobs | None:

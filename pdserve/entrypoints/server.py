@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve import __version__
+from pdserve import __version__, phase_trace
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_events import default_snapshot_endpoint
 from pdserve.entrypoints.auth import APIKeyMiddleware
@@ -312,6 +312,8 @@ def run_server(args: argparse.Namespace) -> int:
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 2
     kv = config.kv_transfer_config
+    phase_trace.set_role(phase_trace.kv_role_prefix(kv.kv_role if kv is not None else None)
+                         + ".api")
     if (kv is not None and not data_parallel.is_loopback(args.host)
             and data_parallel.is_loopback(kv.side_channel_host)):
         logger.warning(

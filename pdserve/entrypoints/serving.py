@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from pdserve import phase_trace
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.entrypoints.chat_tokenization import SegmentCachedEncoder, _sample_chats
 from pdserve.kv_transfer import prompt_handoff
@@ -341,6 +342,7 @@ class OpenAIServing:
                     continue
                 if isinstance(item, BaseException):
                     raise engine_exception_to_error(item) from item
+                phase_trace.mark("api.item")
                 now = time.monotonic()
                 if item.new_token_ids and index not in first_token_at:
                     first_token_at[index] = now
@@ -431,6 +433,7 @@ class OpenAIServing:
                         if remaining == 0 and not include_usage:
                             extra["kv_transfer_params"] = first_kv_transfer_params(
                                 list(states.values()))
+                    phase_trace.mark("api.chunk")
                     yield chunk([choice_of(index, out,
                                            st.finish_reason if out.finished else None)], **extra)
             if include_usage:

@@ -21,6 +21,8 @@ import sys
 from array import array
 from typing import Any
 
+import numpy as np
+
 KEY = "prompt_tokens"
 
 
@@ -62,12 +64,8 @@ def decode(value: Any, digest: str, vocab_size: int | None = None) -> list[int] 
         return None
     if not data or len(data) % 4:
         return None
-    arr = array("I")
-    if arr.itemsize != 4:  # pragma: no cover
+    # numpy: the range check of a few thousand ids in C (a Python max() costs ~0.3 ms)
+    ids = np.frombuffer(data, dtype="<u4")
+    if vocab_size is not None and int(ids.max()) >= vocab_size:
         return None
-    arr.frombytes(data)
-    if sys.byteorder != "little":  # pragma: no cover
-        arr.byteswap()
-    if vocab_size is not None and max(arr) >= vocab_size:
-        return None
-    return arr.tolist()
+    return ids.tolist()

@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdserve import phase_trace
 from pdserve.router.bodies import (check_client_body, conversation_key, decode_leg_body,
                                    prefill_leg_body)
 from pdserve.router.config import ProxyConfig
@@ -194,6 +195,7 @@ class DisaggProxy:
             self.metrics.count_request(endpoint, turn.status)
 
     async def _generate_turn(self, request: web.Request, turn: Turn) -> web.StreamResponse:
+        phase_trace.mark("px.in")
         if not self._authorized(request):
             raise ProxyError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                              AUTHENTICATION)
@@ -206,12 +208,14 @@ class DisaggProxy:
             body = json.loads(raw)
         except ValueError as e:
             raise ProxyError(400, f"request body is not valid JSON: {e}", INVALID_REQUEST) from None
+        phase_trace.mark("px.parsed")
         check_client_body(body)
         store = self.state_store
         conv_id = None
         if store is not None:
             conv_id = conversation_key(body, request.headers.get("X-Session-ID"))
         state = await store.load(conv_id) if conv_id else None
+        phase_trace.mark("px.state")
         headers = self._upstream_headers(request, turn.request_id)
         path = request.path
         token_ids = None
@@ -227,10 +231,13 @@ class DisaggProxy:
         p_body = prefill_leg_body(body, state.kv_transfer_params if state else None)
         if state is not None and state.kv_transfer_params:
             self.metrics.kv_params_forwarded.inc()
+        phase_trace.mark("px.p_body_built")
         p_order = self._route(self.prefillers, state.prefiller_url if state else None, token_ids, turn)
         p_up, p_resp = await self.client.open(p_order, self.prefillers, path,
                                               _encode(p_body).encode(), headers, turn)
+        phase_trace.mark("px.p_hdr")
         p_raw = await self.client.read_body(p_up, p_resp, turn)
+        phase_trace.mark("px.p_read")
         self.client.check_status(p_up, p_resp, p_raw)
         try:
             p_answer = json.loads(p_raw)
@@ -240,8 +247,10 @@ class DisaggProxy:
         if p_params is not None and not isinstance(p_params, dict):
             raise self.client.invalid_response(p_up, "kv_transfer_params is not an object")
 
+        phase_trace.mark("px.p_parsed")
         # Decode leg.
         d_data = _encode(decode_leg_body(body, p_params)).encode()
+        phase_trace.mark("px.d_body_built")
         d_order = self._route(self.decoders, state.decoder_url if state else None, token_ids, turn)
         try:
             d_up, d_resp = await self.client.open(d_order, self.decoders, path, d_data, headers,
@@ -249,6 +258,7 @@ class DisaggProxy:
         except BaseException:  # no decoder reachable, or the client went away between the legs
             self.decode_guard.release(p_up, p_params, headers)
             raise
+        phase_trace.mark("px.d_hdr")
         if body.get("stream") is True and d_resp.status == 200:
             return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id)
         d_raw = await self.client.read_body(d_up, d_resp, turn)
@@ -306,6 +316,7 @@ class DisaggProxy:
                     sep = b"" if last.endswith(b"\n\n") else b"\n\n"
                     await out.write_eof(sep + b"data: " + err.body() + b"\n\n" + _SSE_DONE)
                     break
+                phase_trace.mark("px.chunk")
                 if not chunk:
                     finished = True
                     await out.write_eof(watcher.flush() if watcher is not None else b"")

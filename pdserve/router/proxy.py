@@ -15,6 +15,7 @@ import sys
 
 from aiohttp import web
 
+from pdserve import phase_trace
 from pdserve.router.app import DisaggProxy
 from pdserve.router.config import ProxyConfig, parse_args
 
@@ -91,6 +92,7 @@ async def _serve(config: ProxyConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``pdserve proxy``; returns the process exit code (2 for bad flags)."""
     config = parse_args(list(sys.argv[1:] if argv is None else argv))
+    phase_trace.set_role("proxy")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop

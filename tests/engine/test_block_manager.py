@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
@@ -46,6 +47,19 @@ def test_block_hashes_are_chained_and_cover_full_blocks_only():
     b = [7, 7, 7, 7] + a[4:8]
     assert block_hashes(b, BS)[1] != h[1]
     assert h[1] == hash_block(h[0], a[4:8])
+
+
+def test_block_hashes_equal_chained_hash_block_over_long_prompts():
+    # block_hashes packs all tokens at once; every hash must still be hash_block's chain.
+    rng = random.Random(5)
+    tokens = [rng.randrange(0, 2**40) for _ in range(16 * 300 + 7)]
+    for parent in (0, 2**64 - 1, 12345):
+        expected, h = [], parent
+        for start in range(0, len(tokens) - 15, 16):
+            h = hash_block(h, tokens[start:start + 16])
+            expected.append(h)
+        assert block_hashes(tokens, 16, parent) == expected
+    assert block_hashes(tokens[:15], 16) == []
 
 
 def test_block_hashes_are_stable_across_processes():

@@ -11,7 +11,7 @@ import time
 import pytest
 import zmq
 
-from engine_fakes import FakeConnectorWorker, FakeRemote, make_core
+from engine_fakes import FakeConnectorWorker, FakeRemote, add, make_core
 from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.engine import core as core_mod
 from pdserve.engine import core_loop
@@ -189,3 +189,23 @@ def test_transfer_summary_line_is_written_while_the_core_idles(monkeypatch):
         ctx.term()
     assert not thread.is_alive()
     assert not loop_error, loop_error
+
+
+def test_core_steps_at_once_when_a_finished_load_makes_a_request_runnable():
+    # The step that reports a finished load puts its request back in the waiting queue; the
+    # loop must schedule it at once, not one KV poll tick later.
+    remote = FakeRemote(load_delay_steps=1)
+    core, _ = make_core(remote=remote)
+    add(core, "r", list(range(1, 10)), {"remote": True}, max_tokens=2)
+    sched = core.scheduler
+    for _ in range(20):
+        core.step()
+        if any(r.request_id == "r" for r in sched.waiting) and "r" not in sched.waiting_for_remote:
+            break
+    else:
+        pytest.fail("the load never finished")
+    assert not sched.running
+    assert core.wait_timeout_s(False) == 0.0
+    core.step()  # schedules the request's last prompt token
+    assert not sched.loaded_since_schedule
+    assert not any(r.request_id == "r" for r in sched.waiting)

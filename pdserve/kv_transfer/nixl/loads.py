@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pdserve import phase_trace
 from pdserve.engine.outputs import KVConnectorOutput
 from pdserve.kv_transfer.base import KVLoadError, KVLoadFailure
 from pdserve.kv_transfer.config import KVTransferConfig
@@ -175,6 +176,7 @@ class LoadTracker:
                         notify_remote=True,
                     )
                     continue
+                phase_trace.mark("kv.claim_send")
                 load.t_claim = time.perf_counter()
                 load.claim = self._client.send(
                     spec.remote.endpoint.host, spec.remote.endpoint.port,
@@ -205,6 +207,7 @@ class LoadTracker:
                     continue
                 if self._remote_restarted(req_id, load, reply):
                     continue
+                phase_trace.mark("kv.claim_ok")
                 load.claim_s = time.perf_counter() - load.t_claim
                 left = float(reply.get("lease_expiry_in") or 0.0)
                 if spec.min_lease_left_s > 0 and left < spec.min_lease_left_s:
@@ -333,6 +336,7 @@ class LoadTracker:
             self._fail(req_id, KVLoadFailure.TRANSPORT, f"posting the NIXL READ failed: {e}",
                        notify_remote=True)
             return
+        phase_trace.mark("kv.posted")
         load.post_s = time.perf_counter() - t0
         load.t_post = t0
         load.phase = "xfer"
@@ -395,6 +399,7 @@ class LoadTracker:
             for rank in (remote.route.targets if remote is not None else ()):
                 if rank not in load.read_ranks:
                     self._notify(RemoteNotice(spec.remote, "done", tp_rank=rank))
+        phase_trace.mark("kv.done")
         del self._loads[req_id]
         out = self._output()
         out.finished_recving.add(req_id)

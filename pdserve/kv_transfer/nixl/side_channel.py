@@ -55,6 +55,7 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from pdserve import phase_trace
 from pdserve.kv_transfer.base import KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -302,6 +303,7 @@ class SideChannelServer:
             else:
                 self._reply(ident, {"ok": True, "info": dict(answer, time=time.time())}, seq)
         elif kind == "claim":
+            phase_trace.mark("sc.claim_in")
             req_id, block_ids = msg.get("request_id"), msg.get("block_ids")
             if not isinstance(req_id, str) or not isinstance(block_ids, list):
                 self._reply(ident, {"ok": False, "reason": "malformed claim"}, seq)
@@ -336,6 +338,7 @@ class SideChannelServer:
     def _try_claim(self, ident: bytes, req_id: str, block_ids: list[int], deadline: float,
                    seq: Any = None, tokens: tuple[Any, Any] = (None, None)) -> None:
         status, reason, left, *first = self._claim(req_id, block_ids, *tokens)
+        phase_trace.mark("sc.claim_" + status)
         if status == "wait" and time.monotonic() < deadline:
             self._pending_claims.append((ident, req_id, block_ids, deadline, seq, tokens))
             return
