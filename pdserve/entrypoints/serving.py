@@ -5,6 +5,9 @@ thread, checks lengths against ``max_model_len``, builds :class:`SamplingParams`
 through ``engine.generate`` (one engine request per choice: prompt index x ``n``), merges their
 outputs, aborts whatever is unfinished when the consumer goes away, and records TTFT / TPOT /
 end-to-end latency.
+
+It stays whole past ~450 lines: one class, whose steps (prompt, limits, sampling, jobs, run,
+collect / stream) share the request's validated state from parse to the last chunk.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ Restarted peers: a claim answered by another ``instance_id`` than the handshaken
 restarted, with the same engine id or on the same host and port) drops the cached agent and
 sends the load back to the handshake; a READ that cannot be posted (``NIXL_ERR_REMOTE_DISCONNECT``)
 does the same; a READ that fails drops the agent so later loads handshake afresh.
+
+It stays whole past ~450 lines: :class:`LoadTracker` is one state machine (handshake, claim,
+post, poll, end), and its failure paths act on the same load record.
 """
 
 from __future__ import annotations
