@@ -104,6 +104,15 @@ class _SamplingFields(_Request):
         return [s for s in stops if s]
 
 
+def _check_unicode(text: str, what: str) -> None:
+    """Raise ValueError when ``text`` cannot be encoded as UTF-8 (a lone surrogate such as the
+    JSON escape ``\\ud800``), which the tokenizer would refuse deep inside the request."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: {e.reason} at character {e.start}") from None
+
+
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body.
 
@@ -137,6 +146,9 @@ class CompletionRequest(_SamplingFields):
                 "prompt must be a string, a list of strings, a list of token ids, "
                 "or a list of token-id lists"
             )
+        for text in [v] if isinstance(v, str) else v:
+            if isinstance(text, str):
+                _check_unicode(text, "prompt")
         return v
 
     @field_validator("echo")
@@ -193,6 +205,9 @@ class ChatMessage(_Request):
                     raise ValueError(
                         f"only text content parts are supported, got type {part.type!r}"
                     )
+                _check_unicode(part.text, "content")
+        elif isinstance(v, str):
+            _check_unicode(v, "content")
         return v
 
 

@@ -239,6 +239,22 @@ async def test_unsupported_fields_are_400_not_ignored(client: httpx.AsyncClient,
     assert fake_engine.calls == {}
 
 
+@pytest.mark.parametrize("path,body,param", [
+    (COMPLETIONS, '{"prompt": "\\ud800abc", "max_tokens": 2}', "prompt"),
+    (COMPLETIONS, '{"prompt": ["ok", "x\\udfff"], "max_tokens": 2}', "prompt"),
+    (CHAT, '{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}', "messages"),
+    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "messages"),
+])
+async def test_lone_surrogates_are_400(client: httpx.AsyncClient, fake_engine: FakeEngine,
+                                       path: str, body: str, param: str) -> None:
+    """A JSON escape of half a UTF-16 pair decodes to text the tokenizer refuses (a 500 before):
+    a 400 naming the field, before the engine sees the request."""
+    r = await client.post(path, content=body.encode(), headers={"Content-Type": "application/json"})
+    assert_openai_error(r, 400, "BadRequestError", param=param, message_has="not valid Unicode")
+    assert fake_engine.calls == {}
+
+
 async def test_unsupported_fields_in_the_forms_that_ask_nothing_are_accepted(
         client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
     none = {"tools": [], "tool_choice": "none", "function_call": "none", "logit_bias": {},
