@@ -111,7 +111,7 @@ class KVLoadFailure(enum.Enum):
     """Why a KV load failed; its value is the phrase the client's error message starts with."""
 
     ENGINE_MISMATCH = "engine mismatch"
-    """The remote is another engine than the params name, or its KV cache is incompatible."""
+    """The remote's KV cache is incompatible with this instance's (dtype, geometry, model)."""
     LEASE_REFUSED = "lease refused"
     """The owner no longer holds those blocks for those tokens, or frees them too soon."""
     TRANSPORT = "transport error"
@@ -119,7 +119,8 @@ class KVLoadFailure(enum.Enum):
     TIMEOUT = "timeout"
     """The owner's side channel did not answer, or the READ did not finish, in time."""
     INVALID_REFERENCE = "invalid reference"
-    """The params name blocks the owner does not have, or are malformed."""
+    """The params name blocks the owner does not have, an engine that is not the one at the
+    side channel they name, or are malformed."""
 
     @property
     def caused_by_params(self) -> bool:

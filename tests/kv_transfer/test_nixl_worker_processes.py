@@ -284,7 +284,7 @@ def test_failed_loads_report_why(pair):
     acc = d.step_until(lambda a: len(a.get("load_errors", {})) == 4, timeout_s=20)
     assert acc["load_errors"] == {
         "why-refused": "LEASE_REFUSED", "why-range": "INVALID_REFERENCE",
-        "why-engine": "ENGINE_MISMATCH", "why-timeout": "TIMEOUT",
+        "why-engine": "INVALID_REFERENCE", "why-timeout": "TIMEOUT",
     }
     p.bind(NixlConnectorMetadata(release_sends={"p-why"}))
     p.step()

@@ -43,6 +43,11 @@ class HandshakeMismatch(SideChannelError):
     """The remote answered the handshake but is another engine, or its KV cache differs."""
 
 
+class WrongEngine(HandshakeMismatch):
+    """The side channel the params point at belongs to another engine than they name: the
+    params are stale (that engine restarted) or wrong, a fault of the reference."""
+
+
 @dataclass(frozen=True)
 class LocalKV:
     """What a handshake checks and plans against: this rank's side.
@@ -188,7 +193,7 @@ class RemoteRegistry:
         info = self._request_info(endpoint, 0)
         t1 = time.time()
         if info.get("engine_id") != endpoint.engine_id:
-            raise HandshakeMismatch(
+            raise WrongEngine(
                 f"the side channel at {endpoint.host}:{endpoint.port} belongs to engine "
                 f"{info.get('engine_id')!r}, not {endpoint.engine_id!r} (restarted or wrong host)"
             )
@@ -262,6 +267,7 @@ class RemoteRegistry:
                 del self._remotes[ep.key]
                 reachable = not isinstance(e, SideChannelTimeout)
                 kind = (KVLoadFailure.TIMEOUT if not reachable else
+                        KVLoadFailure.INVALID_REFERENCE if isinstance(e, WrongEngine) else
                         KVLoadFailure.ENGINE_MISMATCH
                         if isinstance(e, (HandshakeMismatch, ValueError)) else
                         KVLoadFailure.TRANSPORT)
