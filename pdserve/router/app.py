@@ -18,7 +18,9 @@ SSE ``data: {"error": ...}`` event, then ``data: [DONE]``; the client going away
 upstream request is closed, which makes the instance's server abort it (during the prefill leg: P
 aborts and frees the blocks, no decode leg is sent). Work D will not do is not left to P
 (:mod:`pdserve.router.decode_guard`): no prefill while no decoder is reachable (503); P's blocks
-released at once when the decode leg will not read them.
+released at once when the decode leg will not read them, and in multi-turn mode the blocks D keeps
+for a request without a conversation (nobody will pull them through this proxy, and D would hold
+them for ``decoder_kv_blocks_ttl``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ _JSON = "application/json"
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 _SSE_DONE = b"data: [DONE]\n\n"
+#: Bytes every ``kv_transfer_params`` object a decoder keeps blocks with contains.
+_D_PARAMS_NEEDLE = b'"remote_request_id"'
 
 
 class DisaggProxy:
@@ -260,20 +264,24 @@ class DisaggProxy:
             raise
         phase_trace.mark("px.d_hdr")
         if body.get("stream") is True and d_resp.status == 200:
-            return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id)
+            return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id, headers)
         d_raw = await self.client.read_body(d_up, d_resp, turn)
         if d_resp.status >= 400:  # D refused the request: it will not read P's blocks
             self.decode_guard.release(p_up, p_params, headers)
         self.client.check_status(d_up, d_resp, d_raw)
-        if conv_id:
+        keep = conv_id is not None
+        if keep or (self.state_store is not None and _D_PARAMS_NEEDLE in d_raw):
             try:
                 d_answer = json.loads(d_raw)
             except ValueError:
                 d_answer = None  # relayed as it is; there is just nothing to remember
             d_params = d_answer.get("kv_transfer_params") if isinstance(d_answer, dict) else None
-            await self._record_turn(conv_id, p_up, d_up,
-                                    d_params if isinstance(d_params, dict) else None)
-            if isinstance(d_params, dict):  # the proxy keeps them; the client gets null
+            d_params = d_params if isinstance(d_params, dict) else None
+            if keep:
+                await self._record_turn(conv_id, p_up, d_up, d_params)
+            elif d_params is not None:  # nobody will pull them through this proxy
+                self.decode_guard.release(d_up, d_params, headers)
+            if d_params is not None:  # the proxy kept or released them; the client gets null
                 d_answer["kv_transfer_params"] = None
                 d_raw = _encode(d_answer).encode()
         turn.status = d_resp.status
@@ -291,14 +299,15 @@ class DisaggProxy:
 
     async def _relay_stream(self, request: web.Request, turn: Turn, d_up: Upstream,
                             d_resp: aiohttp.ClientResponse, p_up: Upstream,
-                            conv_id: str | None) -> web.StreamResponse:
-        """Forward D's SSE stream chunk by chunk; in a conversation, record D's
-        ``kv_transfer_params`` and forward them as null (:class:`KVParamsWatcher` with strip)."""
+                            conv_id: str | None, headers: dict[str, str]) -> web.StreamResponse:
+        """Forward D's SSE stream chunk by chunk; in multi-turn mode record D's
+        ``kv_transfer_params`` for the conversation (or release them on D when the request has
+        none) and forward them as null (:class:`KVParamsWatcher` with strip)."""
         out = web.StreamResponse(status=200, headers={
             "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.request_id})
-        watcher = KVParamsWatcher(strip=True) if conv_id else None
+        watcher = KVParamsWatcher(strip=True) if self.state_store is not None else None
         recorded = False
         content = d_resp.content
         finished = False
@@ -327,7 +336,11 @@ class DisaggProxy:
                         # Record D's params before the client can see the end of the turn: a
                         # client that sends its next turn as soon as it reads the final event
                         # must find them (else P would try the blocks it already pulled).
-                        await self._record_turn(conv_id, p_up, d_up, watcher.kv_transfer_params)
+                        if conv_id:
+                            await self._record_turn(conv_id, p_up, d_up,
+                                                    watcher.kv_transfer_params)
+                        else:
+                            self.decode_guard.release(d_up, watcher.kv_transfer_params, headers)
                         recorded = True
                 if content.at_eof():  # D's last chunk: send it with the end of the response
                     finished = True

@@ -7,6 +7,8 @@
   to free them at once (``POST /v1/kv_transfer/release`` with the ``kv_transfer_params`` P
   returned; pdserve/kv_transfer/nixl/release.py) instead of at the end of its lease. A failed
   call only means the lease runs out as before.
+* After the decode leg, in multi-turn mode: the blocks D keeps for a request without a
+  conversation are released on D the same way (the proxy will never pull them).
 """
 
 from __future__ import annotations
@@ -64,14 +66,15 @@ class DecodeLegGuard:
             self._metrics.prefills_skipped.inc()
         return any(results)
 
-    def release(self, p_up: Upstream, p_params: dict[str, Any] | None,
+    def release(self, owner: Upstream, params: dict[str, Any] | None,
                 headers: dict[str, str]) -> None:
-        """Ask P, in the background, to free the blocks it keeps for this request's decode leg
-        (nothing when P returned no params)."""
-        if not p_params or p_params.get("remote_request_id") is None:
+        """Ask the instance that returned ``params`` (P for its decode leg, or D for the next
+        turn), in the background, to free the blocks it keeps for them (nothing when it returned
+        no params)."""
+        if not params or params.get("remote_request_id") is None:
             return
-        data = _encode({"kv_transfer_params": p_params}).encode()
-        task = asyncio.get_running_loop().create_task(self._post(p_up, data, headers))
+        data = _encode({"kv_transfer_params": params}).encode()
+        task = asyncio.get_running_loop().create_task(self._post(owner, data, headers))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -21,8 +21,9 @@ Names (kept here until the project-wide ``pdserve/metrics.py`` takes them over):
   decoder's ``kv_transfer_params`` of the previous turn (P may pull the history from D).
 * ``pdserve:proxy_state_store_errors_total{op}``: state store operations (``load`` /
   ``record``) that failed or were skipped after a failure; those turns were served as recompute.
-* ``pdserve:proxy_kv_leases_released_total{outcome}``: prefill leases the proxy asked P to free
-  because the decode leg will not read them (``released``, ``not_held``, ``failed``).
+* ``pdserve:proxy_kv_leases_released_total{outcome}``: leases the proxy asked an instance to free
+  early: P's when the decode leg will not read them, and in multi-turn mode D's for a request
+  without a conversation (``released``, ``not_held``, ``failed``).
 * ``pdserve:proxy_prefills_skipped_total``: requests answered 503 before the prefill leg because
   no decode instance was reachable.
 """
@@ -77,7 +78,7 @@ class ProxyMetrics:
             self.state_store_errors.labels(op=op)
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self.kv_releases = Counter("pdserve:proxy_kv_leases_released",
-                                   "Prefill leases the proxy asked P to free early",
+                                   "KV leases the proxy asked P (or, multi-turn, D) to free early",
                                    ["outcome"], registry=self.registry)
         self.prefills_skipped = Counter("pdserve:proxy_prefills_skipped",
                                         "Requests refused before prefill: no decoder reachable",

@@ -1,5 +1,6 @@
 """--multi-turn: D's kv_transfer_params of turn k reach P with turn k+1 (docs/architecture.md, "Multi-turn: bidirectional transfer")."""
 
+import asyncio
 import json
 import time
 
@@ -207,14 +208,35 @@ async def test_decoder_params_stay_with_the_multi_turn_proxy(make_cluster, strea
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-@pytest.mark.parametrize("multi_turn", [False, True], ids=["plain", "multi-turn-no-conversation"])
-async def test_decoder_params_pass_through_when_the_proxy_does_not_keep_them(make_cluster,
-                                                                             stream, multi_turn):
-    """Without a conversation the proxy keeps nothing and relays D's answer as it is, D's
-    params included (as vLLM's proxy does): a client-side router may keep them itself."""
-    c = await make_cluster(multi_turn=multi_turn)
+async def test_decoder_params_pass_through_the_stateless_proxy(make_cluster, stream):
+    """The stateless proxy keeps nothing and relays D's answer as it is, D's params included
+    (as vLLM's proxy does): a client-side router may keep them itself."""
+    c = await make_cluster(multi_turn=False)
     c.decoders[0].decoder_params = decoder_params("d0")
     status, _, raw = await c.post("/v1/chat/completions", chat(1, stream=stream))
     assert status == 200, raw
     _, seen = _answer_params(raw, stream)
     assert [p["remote_request_id"] for p in seen] == ["d0-turn1"]
+    assert c.decoders[0].released == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_multi_turn_proxy_releases_what_d_keeps_for_a_request_without_conversation(
+        make_cluster, stream):
+    """In multi-turn mode D keeps every request's blocks for the next turn; without a
+    conversation nobody will pull them through the proxy, so it releases them on D at once (D
+    held them for decoder_kv_blocks_ttl and new requests waited for blocks) and the client gets
+    null, as in a conversation."""
+    c = await make_cluster(multi_turn=True)
+    c.decoders[0].decoder_params = decoder_params("d0")
+    status, _, raw = await c.post("/v1/chat/completions", chat(1, stream=stream))
+    assert status == 200, raw
+    text, seen = _answer_params(raw, stream)
+    assert text == "".join(c.decoders[0].chunks)
+    assert seen == [None], seen
+    for _ in range(100):  # the release is sent in the background
+        if c.decoders[0].released:
+            break
+        await asyncio.sleep(0.01)
+    assert [p["remote_request_id"] for p in c.decoders[0].released] == ["d0-turn1"]
+    assert c.prefillers[0].released == []  # P's blocks were read by D: nothing to release
