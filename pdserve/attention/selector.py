@@ -26,10 +26,14 @@ def select_attention_backend(device: torch.device, num_heads: int, num_kv_heads:
 
     Raises:
         ImportError: ``PDSERVE_ATTENTION_BACKEND=triton`` on CUDA without Triton.
-        ValueError: a bad head geometry (see :class:`AttentionBackend`).
+        ValueError: ``PDSERVE_ATTENTION_BACKEND`` is not one of :data:`BACKEND_CHOICES`, or a
+            bad head geometry (see :class:`AttentionBackend`).
     """
     args = (num_heads, num_kv_heads, head_dim, block_size, scale)
     choice = os.environ.get("PDSERVE_ATTENTION_BACKEND", "auto").lower()
+    if choice not in BACKEND_CHOICES:
+        raise ValueError(f"PDSERVE_ATTENTION_BACKEND={choice!r} is not one of "
+                         f"{', '.join(BACKEND_CHOICES)}")
     if device.type == "cuda" and choice in ("auto", "triton"):
         try:
             return TritonAttentionBackend(*args)

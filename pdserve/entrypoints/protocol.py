@@ -10,8 +10,10 @@ users find the same knobs.
 OpenAI fields pdserve does not implement are refused with a 400 naming them rather than ignored,
 since ignoring them silently changes what the client gets: ``logit_bias`` (unless empty),
 ``response_format`` (unless ``{"type": "text"}``), and for chat ``tools`` (unless empty),
-``tool_choice`` (unless ``"none"``), ``functions`` and ``function_call`` (unless ``"none"``), and
-a user, system or developer message without ``content``.
+``tool_choice`` (unless ``"none"``), ``functions`` and ``function_call`` (unless ``"none"``),
+a user, system or developer message without ``content``, and vLLM's ``prompt_logprobs``,
+``include_stop_str_in_output`` (unless false) and the completions ``suffix`` (unless empty).
+``null`` for a field with a plain default (``n``, ``stream``, ...) means that default.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+#: Fields whose ``null`` means their default.
+_NULL_IS_DEFAULT = ("n", "stream", "min_tokens", "ignore_eos", "echo", "add_generation_prompt")
+
+
 class _SamplingFields(_Request):
     """Sampling and stopping fields shared by both endpoints (None: the default)."""
 
@@ -67,6 +73,32 @@ class _SamplingFields(_Request):
     # accepted only in the forms that ask for nothing (see the module docstring)
     logit_bias: Any = None
     response_format: Any = None
+    prompt_logprobs: Any = None
+    include_stop_str_in_output: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """``null`` for a field with a plain default means that default (OpenAI's and vLLM's
+        servers accept ``"n": null``, ``"stream": null``)."""
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
+            data = {k: v for k, v in data.items() if not (k in _NULL_IS_DEFAULT and v is None)}
+        return data
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("prompt_logprobs is not supported by pdserve (leave it out)")
+        return v
+
+    @field_validator("include_stop_str_in_output")
+    @classmethod
+    def _stop_str_left_out(cls, v: Any) -> Any:
+        if v is not None and v is not False:
+            raise ValueError("include_stop_str_in_output is not supported by pdserve (the stop "
+                             "string is always left out)")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -125,6 +157,14 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    suffix: Any = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: Any) -> Any:
+        if v is not None and v != "":
+            raise ValueError("suffix is not supported by pdserve (leave it out)")
+        return v
 
     @field_validator("prompt", mode="before")
     @classmethod

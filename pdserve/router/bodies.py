@@ -63,8 +63,8 @@ def check_client_body(body: Any) -> None:
                              f"(got {value}); send {value} separate requests instead",
                              INVALID_REQUEST, field)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and len(prompt) > 1 and all(
+            isinstance(p, (str, list)) for p in prompt):
         # several prompts: one prefill leg would answer for all of them, and D would read one
         # prompt's KV for another (the lease's token digest refuses it)
         raise ProxyError(400, f"a list of {len(prompt)} prompts is not supported by the "

@@ -223,6 +223,9 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
     (CHAT, {"logit_bias": {"50": -100}}, "logit_bias"),
     (COMPLETIONS, {"logit_bias": {"50": 5}}, "logit_bias"),
+    (COMPLETIONS, {"suffix": "x"}, "suffix"),
+    (COMPLETIONS, {"prompt_logprobs": 5}, "prompt_logprobs"),
+    (CHAT, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     (CHAT, {"messages": [{"role": "user"}]}, "messages"),
     (CHAT, {"messages": [{"role": "system", "content": None}, *USER_HI]}, "messages"),
 ])
@@ -263,7 +266,20 @@ async def test_unsupported_fields_in_the_forms_that_ask_nothing_are_accepted(
                                       "max_tokens": 2, **none})
     assert r.status_code == 200, r.text
     r = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2, "logit_bias": None,
-                                             "response_format": {"type": "text"}})
+                                             "response_format": {"type": "text"}, "suffix": "",
+                                             "include_stop_str_in_output": False})
+    assert r.status_code == 200, r.text
+
+
+async def test_null_means_the_default(client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
+    """OpenAI's and vLLM's servers take ``"n": null`` and ``"stream": null`` as their defaults."""
+    r = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2, "n": None,
+                                             "stream": None, "min_tokens": None,
+                                             "ignore_eos": None, "echo": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    r = await client.post(CHAT, json={"messages": USER_HI, "max_tokens": 2, "n": None,
+                                      "stream": None, "add_generation_prompt": None})
     assert r.status_code == 200, r.text
 
 

@@ -81,3 +81,14 @@ def test_conversation_key_body_then_header():
     with pytest.raises(ProxyError) as e:
         conversation_key({"conversation_id": {"x": 1}}, None)
     assert e.value.status == 400 and e.value.param == "conversation_id"
+
+
+def test_only_lists_of_prompts_are_refused_as_several_prompts():
+    """A list of strings or of token lists is several prompts (refused); a malformed list is
+    left to the engine, whose message says what a prompt may be."""
+    for several in (["a", "b"], [[1, 2], [3]]):
+        with pytest.raises(ProxyError) as err:
+            check_client_body({"prompt": several})
+        assert err.value.param == "prompt"
+    for other in ([1.5, 2], ["a", 5], [1, 2, 3]):
+        check_client_body({"prompt": other})
