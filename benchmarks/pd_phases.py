@@ -27,7 +27,6 @@ import collections
 import json
 import random
 import shlex
-import signal
 import socket
 import statistics
 import subprocess
@@ -37,6 +36,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from pd_multi_turn import _stop  # noqa: E402  (stops a launcher as Ctrl-C would)
 
 
 def read_traces(directory: Path) -> list[tuple[float, str, str]]:
@@ -135,16 +136,6 @@ def _start(args: argparse.Namespace, work: Path) -> tuple[subprocess.Popen, str]
         time.sleep(0.5)
     proc.kill()
     raise SystemExit(f"pdserve serve not ready after {args.startup_timeout} s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _converse(args: argparse.Namespace, url: str, mark) -> list[dict]:
