@@ -327,7 +327,8 @@ def test_failed_handshake_frees_producer_blocks(cluster, decoder):
     expected = reference(cluster, "completions", body)
     params = prefill_leg(p, "completions", body)
     wrong = dict(params, remote_engine_id="some-other-engine")
-    _expect_failure_or_recompute(cluster, d, "completions", body, wrong, expected, 502)
+    # params naming another engine than the one at their side channel are at fault: 400
+    _expect_failure_or_recompute(cluster, d, "completions", body, wrong, expected, 400)
     p.wait_all_blocks_free(timeout_s=10)  # abort sent over the side channel
 
 
