@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.common import multiprocessor_count
 from pdserve.kernels.common import next_power_of_2 as _next_power_of_2
 
 _LOG2_E = 1.4426950408889634
@@ -116,13 +117,6 @@ def decode_kernel_config() -> DecodeKernelConfig:
     return DecodeKernelConfig(**values)
 
 
-@functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter runs: any small number keeps the test grids small
-
-
 def choose_num_splits(
     num_seqs: int,
     num_kv_heads: int,
@@ -140,7 +134,8 @@ def choose_num_splits(
         An int in ``[1, MAX_NUM_SPLITS]``.
     """
     cfg = decode_kernel_config()
-    target = cfg.programs_per_sm * _num_sms(device)
+    # interpreter runs: any small number of multiprocessors keeps the test grids small
+    target = cfg.programs_per_sm * multiprocessor_count(device, cpu_stand_in=4)
     splits = max(cfg.min_splits, math.ceil(target / max(1, num_seqs * num_kv_heads)))
     if max_context_len is not None:
         splits = min(splits, max(1, math.ceil(max_context_len / _MIN_TOKENS_PER_SPLIT)))

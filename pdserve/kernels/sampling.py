@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.common import multiprocessor_count
+
 _BLOCK_V = 2048
 # Programs the draw aims for per streaming multiprocessor: rows times vocabulary pieces.
 _PROGRAMS_PER_SM = 4
@@ -95,10 +97,8 @@ def vocab_pieces(rows: int, vocab: int, device: torch.device) -> int:
     ``_PROGRAMS_PER_SM`` programs per multiprocessor in all (one row alone would leave all but
     one of them idle), never a piece shorter than ``_BLOCK_V`` entries. Depends on shapes only,
     so a CUDA graph captures a fixed grid."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 1  # interpreter runs: one program per row unless the caller asks for pieces
+    # interpreter runs: one program per row unless the caller asks for pieces
+    sms = multiprocessor_count(device, cpu_stand_in=1)
     want = -(-_PROGRAMS_PER_SM * sms // max(1, rows))
     return max(1, min(want, -(-vocab // _BLOCK_V), _MAX_PIECES))
 
