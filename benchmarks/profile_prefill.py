@@ -25,6 +25,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
@@ -56,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=20, help="rows of the profiler table")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", default=None,
+                   help="a model directory (config.json; dummy weights) instead of Qwen3-0.6B, "
+                        "e.g. one made by benchmarks/make_llama8b_dummy.py")
+    p.add_argument("--cached", type=int, default=0, metavar="N",
+                   help="every step is one prefill of --tokens new tokens after N tokens "
+                        "already in the cache (a later turn of a multi-turn chat), plus the "
+                        "decodes")
     return p.parse_args(argv)
 
 
@@ -91,7 +99,10 @@ class StepMaker:
         self.next_block = 0
         params = SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0, ignore_eos=True)
         reqs, budget = [], a.tokens
-        if chunked:
+        if a.cached:
+            reqs.append(self._req(a.tokens, a.cached, params))
+            budget = 0
+        elif chunked:
             chunk = min(budget, self.rng.randint(a.min_len, a.max_len))
             reqs.append(self._req(chunk, self.rng.randint(a.min_len, a.max_len), params))
             budget -= chunk
@@ -109,7 +120,7 @@ class StepMaker:
     def blocks_needed(self) -> int:
         a, bs = self.args, self.bs
         fresh = -(-a.tokens // bs) + a.tokens // a.min_len + 2
-        chunked = -(-2 * a.max_len // bs)
+        chunked = -(-(2 * a.max_len + a.cached + a.tokens) // bs)
         decodes = a.decodes * -(-(a.max_len + 1) // bs)
         return fresh + chunked + decodes
 
@@ -137,17 +148,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, "
           + (f"{torch.cuda.get_device_name()}, cuDNN {torch.backends.cudnn.version()}"
              if on_cuda else "CPU")
-          + f"; model {preset} (dummy weights), {dtype}", flush=True)
+          + f"; model {args.model_dir or preset} (dummy weights), {dtype}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="pdserve-prefill-") as tmp:
-        model_dir = write_model_config(Path(tmp) / preset, preset)
-        vocab = 1024 if args.tiny else 151936
+        if args.model_dir:
+            model_dir = Path(args.model_dir)
+            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        else:
+            model_dir = write_model_config(Path(tmp) / preset, preset)
+            vocab = 1024 if args.tiny else 151936
         maker = StepMaker(args, vocab, args.block_size)
         num_blocks = maker.blocks_needed()
         t0 = time.perf_counter()
         runner = ModelRunner(EngineConfig(
             model=str(model_dir), load_format="dummy", dtype=dtype, device=device,
-            seed=args.seed, block_size=args.block_size, max_model_len=4 * args.max_len,
+            seed=args.seed, block_size=args.block_size, max_model_len=max(4 * args.max_len, args.cached + args.tokens + 16),
             max_num_seqs=256, max_num_batched_tokens=args.tokens + args.decodes,
             num_gpu_blocks_override=num_blocks, enforce_eager=True))
         runner.allocate_kv_cache(num_blocks)

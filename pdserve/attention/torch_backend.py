@@ -189,6 +189,13 @@ class TorchAttentionBackend(AttentionBackend):
             self._varlen_ok[key] = ok
         return ok
 
+    def _packed_prefill_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, meta: AttentionMetadata
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The varlen prefill's keys and values: :func:`packed_prefill_kv` with the layer's
+        scales (a backend with a gather kernel overrides it)."""
+        return packed_prefill_kv(layer, key, value, kv_cache, meta, *self.kv_scale(layer))
+
     def _prefill_into(self, layer: int, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                       out: torch.Tensor, sliding_window: int | None = None) -> None:
@@ -202,7 +209,7 @@ class TorchAttentionBackend(AttentionBackend):
         window = (sliding_window if sliding_window and sliding_window < meta.max_prefill_context_len
                   else None)
         if self._can_use_varlen(query):
-            k, v = packed_prefill_kv(layer, key, value, kv_cache, meta, *self.kv_scale(layer))
+            k, v = self._packed_prefill_kv(layer, key, value, kv_cache, meta)
             try:
                 out[:p] = flash_varlen_prefill(
                     query[:p], k, v, meta.prefill_cu_seqlens_q, meta.prefill_cu_seqlens_k,

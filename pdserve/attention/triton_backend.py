@@ -1,5 +1,5 @@
-"""The CUDA attention backend: Triton KV writes and split-K paged decode; prefill as the torch
-backend (one FlashAttention varlen call per layer)."""
+"""The CUDA attention backend: Triton KV writes, context gathers and split-K paged decode;
+prefill as the torch backend (one FlashAttention varlen call per layer)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pdserve.attention.torch_backend import TorchAttentionBackend
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
-    """CUDA backend: KV writes (:mod:`pdserve.kernels.kv_cache`) and batched decode attention
+    """CUDA backend: KV writes and the gather of prefill contexts with cached tokens
+    (:mod:`pdserve.kernels.kv_cache`) and batched decode attention
     (:mod:`pdserve.kernels.paged_decode`, split-K) with Triton kernels; prefill as in
     :class:`TorchAttentionBackend`.
 
@@ -33,6 +34,17 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
         self._kv_cache_kernels = kv_cache
         self._decode_kernels = paged_decode
+
+    def _packed_prefill_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, meta: AttentionMetadata
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the torch backend, with the contexts of cached prefills gathered by a Triton kernel
+        (:func:`pdserve.kernels.kv_cache.gather_kv_cache`)."""
+        if meta.prefill_kv_block is None:
+            return super()._packed_prefill_kv(layer, key, value, kv_cache, meta)
+        return self._kv_cache_kernels.gather_kv_cache(
+            kv_cache, layer, meta.prefill_kv_block, meta.prefill_kv_offset, key.dtype,
+            *self.kv_scale(layer))
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,

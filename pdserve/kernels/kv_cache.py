@@ -1,4 +1,5 @@
-"""KV cache write (Triton): this step's keys and values of one layer into their paged slots.
+"""KV cache moves (Triton): this step's keys and values of one layer into their paged slots,
+and the keys and values of whole prefill contexts out of them, packed for a varlen kernel.
 
 Layout of ``kv_cache``: docs/architecture.md ("KV cache layout"). Tokens with a negative slot
 (padding rows of a CUDA-graph batch) are skipped. An fp8 (e4m3) cache stores
@@ -148,3 +149,105 @@ def store_kv_cache(
         QUANTIZE=quantize,
         num_warps=4,
     )
+
+
+@triton.jit
+def _gather_kv_kernel(
+    kv_ptr,  # the layer's view: [num_blocks, 2, Hkv, block_size, D]
+    block_ptr,
+    offset_ptr,
+    k_out_ptr,  # [T, Hkv, D], contiguous
+    v_out_ptr,
+    stride_kv_b,
+    stride_kv_kv,
+    stride_kv_h,
+    stride_kv_t,
+    k_scale,
+    v_scale,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    DEQUANTIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.load(block_ptr + token).to(tl.int64)
+    offset = tl.load(offset_ptr + token).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    src = (kv_ptr + block * stride_kv_b + offset * stride_kv_t + offs_h[:, None] * stride_kv_h
+           + offs_d[None, :])
+    k = tl.load(src, mask=mask)
+    v = tl.load(src + stride_kv_kv, mask=mask)
+    if DEQUANTIZE:
+        k = k.to(tl.float32) * k_scale
+        v = v.to(tl.float32) * v_scale
+    dst = token * (NUM_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(k_out_ptr + dst, k.to(k_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_out_ptr + dst, v.to(v_out_ptr.dtype.element_ty), mask=mask)
+
+
+def gather_kv_cache(
+    kv_cache: torch.Tensor,
+    layer: int,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    dtype: torch.dtype,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the given cache slots of one layer, packed token after token: the
+    contexts of a step's prefills for the varlen prefill attention. One program per token copies
+    its ``[num_kv_heads, head_dim]`` keys and values (torch's advanced indexing of the same slots
+    ran at about 300 GB/s on an H200).
+
+    Args:
+        kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``, last dim
+            contiguous; fp8 (e4m3) entries are multiplied by the layer's scale.
+        layer: index into dim 1 of ``kv_cache``.
+        blocks, offsets: ``[T]`` int32/int64 cache block and in-block offset of each token.
+        dtype: dtype of the result (the activations' dtype).
+        k_scale, v_scale: the layer's scales of an fp8 cache (ignored otherwise).
+
+    Returns:
+        ``(k, v)``, each ``[T, num_kv_heads, head_dim]`` contiguous in ``dtype``.
+
+    Raises:
+        ValueError: on shape mismatches or a layer out of range.
+    """
+    if kv_cache.dim() != 6 or kv_cache.shape[2] != 2 or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must be [num_blocks, num_layers, 2, Hkv, block_size, D] with a "
+                         f"contiguous last dim, got {tuple(kv_cache.shape)}")
+    if not 0 <= layer < kv_cache.shape[1]:
+        raise ValueError(f"layer {layer} out of range for {kv_cache.shape[1]} layers")
+    if blocks.dim() != 1 or blocks.shape != offsets.shape:
+        raise ValueError(f"blocks and offsets must both be [T], got {tuple(blocks.shape)} and "
+                         f"{tuple(offsets.shape)}")
+    num_tokens = blocks.shape[0]
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[5]
+    k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=dtype, device=kv_cache.device)
+    v = torch.empty_like(k)
+    if num_tokens == 0:
+        return k, v
+    kv_layer = kv_cache[:, layer]
+    _gather_kv_kernel[(num_tokens,)](
+        kv_layer,
+        blocks,
+        offsets,
+        k,
+        v,
+        kv_layer.stride(0),
+        kv_layer.stride(1),
+        kv_layer.stride(2),
+        kv_layer.stride(3),
+        k_scale,
+        v_scale,
+        NUM_HEADS=num_kv_heads,
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=next_power_of_2(head_dim),
+        DEQUANTIZE=kv_cache.dtype == torch.float8_e4m3fn,
+        num_warps=4,
+    )
+    return k, v

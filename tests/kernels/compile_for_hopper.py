@@ -78,6 +78,12 @@ def attention() -> None:
                   "k_inv_scale": "fp32", "v_inv_scale": "fp32"},
                  dict(NUM_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16,
                       QUANTIZE=quantize), aligned, num_warps=4)
+    for kv_dt, dequantize in (("*bf16", False), ("*fp8e4nv", True)):
+        _compile("attention", f"gather_kv_dequantize{int(dequantize)}", kvk._gather_kv_kernel,
+                 {"kv_ptr": kv_dt, "block_ptr": "*i64", "offset_ptr": "*i64", "k_out_ptr": "*bf16",
+                  "v_out_ptr": "*bf16", "k_scale": "fp32", "v_scale": "fp32"},
+                 dict(NUM_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                      DEQUANTIZE=dequantize), aligned, num_warps=4)
     _compile("attention", "rms_norm", rn._rms_norm_kernel,
              {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
               "eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=1024), aligned, num_warps=4)
@@ -129,7 +135,8 @@ EXPECTED = {
     "attention": {"paged_decode_bf16_split0", "paged_decode_bf16_split1",
                   "paged_decode_bf16_fp8_kv", "paged_decode_bf16_fp8_kv_bf16_dot",
                   "paged_decode_fp32_split1", "paged_decode_reduce",
-                  "store_kv_quantize0", "store_kv_quantize1", "rms_norm", "rotary",
+                  "store_kv_quantize0", "store_kv_quantize1", "gather_kv_dequantize0",
+                  "gather_kv_dequantize1", "rms_norm", "rotary",
                   "silu_and_mul", "gumbel_argmax_one_piece1", "gumbel_argmax_one_piece0",
                   "gumbel_merge_pieces", "gemv_rows1", "gemv_rows2"},
     "moe": {"grouped_gemm_bf16_m16", "grouped_gemm_bf16_m32", "grouped_gemm_bf16_m64",

@@ -256,6 +256,39 @@ def test_store_then_attend_round_trip():
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_kv_cache_equals_indexing(dtype):
+    """The Triton gather of prefill contexts returns what the torch backend's advanced indexing
+    of the same slots returns (3 KV heads: a padded head tile)."""
+    gen = torch.Generator().manual_seed(6)
+    num_blocks, layers, heads, bs, dim = 7, 3, 3, 4, 64
+    kv = torch.randn(num_blocks, layers, 2, heads, bs, dim, generator=gen).to(DEVICE, dtype)
+    blocks = torch.tensor([5, 5, 5, 0, 6, 2, 2, 3], dtype=torch.int64, device=DEVICE)
+    offsets = torch.tensor([0, 1, 3, 2, 0, 3, 1, 0], dtype=torch.int64, device=DEVICE)
+    k, v = kvk.gather_kv_cache(kv, 1, blocks, offsets, dtype)
+    assert k.shape == (8, heads, dim) and k.is_contiguous() and k.dtype == dtype
+    assert torch.equal(k, kv[blocks, 1, 0, :, offsets])
+    assert torch.equal(v, kv[blocks, 1, 1, :, offsets])
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    assert kvk.gather_kv_cache(kv, 1, empty, empty, dtype)[0].shape == (0, heads, dim)
+    with pytest.raises(ValueError, match="layer"):
+        kvk.gather_kv_cache(kv, 3, blocks, offsets, dtype)
+
+
+def test_gather_kv_cache_dequantizes_fp8():
+    """From an fp8 cache the gather multiplies by the layer's scales, as the torch backend's
+    dequantize does."""
+    from pdserve.attention.kv_quant import FP8_KV_DTYPE, dequantize
+
+    gen = torch.Generator().manual_seed(7)
+    kv = (torch.randn(4, 2, 2, 2, 8, 32, generator=gen) * 50).to(FP8_KV_DTYPE).to(DEVICE)
+    blocks = torch.tensor([3, 1, 1], dtype=torch.int64, device=DEVICE)
+    offsets = torch.tensor([7, 0, 5], dtype=torch.int64, device=DEVICE)
+    k, v = kvk.gather_kv_cache(kv, 0, blocks, offsets, torch.float32, 0.5, 0.25)
+    assert torch.equal(k, dequantize(kv[blocks, 0, 0, :, offsets], 0.5, torch.float32))
+    assert torch.equal(v, dequantize(kv[blocks, 0, 1, :, offsets], 0.25, torch.float32))
+
+
 def torch_rms_norm(x, w, eps):
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
