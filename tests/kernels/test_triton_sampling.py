@@ -3,7 +3,7 @@
 Without CUDA the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
 ``triton`` is imported) on small shapes. The interpreter runs one Python program per row (about
 30 ms each), so statistical checks run on a numpy copy of the kernel's formula (:func:`_reference`,
-Triton's Philox-4x32-10 ``tl.rand`` included) over many rows, and the kernel is checked to draw
+Triton's Philox-4x32-10 ``tl.rand4x`` included) over many rows, and the kernel is checked to draw
 exactly the reference's tokens on a few dozen rows.
 """
 
@@ -37,20 +37,21 @@ def test_greedy_rows_take_the_argmax_and_the_lowest_index_on_ties():
 
 
 def _philox_uniform(keys: np.ndarray, offs: np.ndarray) -> np.ndarray:
-    """Triton's ``tl.rand(key, offs)`` for int32 ``offs``: Philox-4x32 with 10 rounds (Salmon et
-    al., 2011; constants and the counter/key layout of ``triton/language/random.py``), first
-    output word mapped to ``[0, 1)`` as ``uint_to_uniform_float`` does.
+    """The kernel's uniform for vocabulary entry ``v``: output word ``v % 4`` of Triton's
+    ``tl.rand4x(key, v // 4)`` for int32 offsets: Philox-4x32 with 10 rounds (Salmon et al.,
+    2011; constants and the counter/key layout of ``triton/language/random.py``), the word mapped
+    to ``[0, 1)`` as ``uint_to_uniform_float`` does.
 
     Args:
         keys: ``[R, 1]`` uint64 Philox keys (low word is key 0, high word key 1).
-        offs: ``[1, V]`` non-negative offsets (the counter's first word).
+        offs: ``[1, V]`` non-negative vocabulary indices.
 
     Returns:
         ``[R, V]`` float32 uniforms.
     """
     m32 = np.uint64(0xFFFFFFFF)
     ra, rb = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
-    c0 = np.broadcast_to(offs.astype(np.uint64), (keys.shape[0], offs.shape[1]))
+    c0 = np.broadcast_to((offs // 4).astype(np.uint64), (keys.shape[0], offs.shape[1]))
     c1 = c2 = c3 = np.zeros_like(c0)
     k0, k1 = keys & m32, keys >> np.uint64(32)
     for _ in range(10):
@@ -58,7 +59,9 @@ def _philox_uniform(keys: np.ndarray, offs: np.ndarray) -> np.ndarray:
         c0, c2, c1, c3 = ((p2 >> np.uint64(32)) ^ c1 ^ k0, (p0 >> np.uint64(32)) ^ c3 ^ k1,
                           p2 & m32, p0 & m32)
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
-    x = c0.astype(np.uint32).view(np.int32)
+    words = np.stack([c0, c1, c2, c3])  # [4, R, V]: the four outputs of each entry's call
+    x = np.take_along_axis(words, np.broadcast_to(offs % 4, c0.shape)[None], 0)[0]
+    x = x.astype(np.uint32).view(np.int32)
     x = np.where(x < 0, ~x, x)
     return x.astype(np.float32) * np.float32(4.6566127342e-10)
 
