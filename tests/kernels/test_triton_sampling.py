@@ -192,3 +192,42 @@ def test_fused_sampler_masks_and_seeds():
     assert alone[0] == batched[1]
     sampler.drop([r.req_id for r in reqs] + ["x", "y"])
     assert sampler.num_generators == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_reads_model_dtype_logits_as_their_float32_upcast(dtype):
+    """bf16 / float16 logits (the LM head's output) draw what their float32 upcast draws: the
+    kernel converts its loads to float32."""
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 12, 300
+    logits = (torch.randn(rows, vocab, generator=gen) + 5).to(dtype).to(DEV)
+    temps = torch.tensor([0.0, 0.5, 0.8, 1.0, 1.3, 2.0] * 2, device=DEV)
+    seeds = torch.randint(0, 2**31, (rows,), generator=gen).to(DEV)
+    positions = torch.randint(0, 5000, (rows,), generator=gen).to(DEV)
+    out = ts.gumbel_argmax(logits, temps, seeds, positions, step=1, pieces=2)
+    up = ts.gumbel_argmax(logits.float(), temps, seeds, positions, step=1, pieces=2)
+    assert out.tolist() == up.tolist() == _reference(logits, temps, seeds, positions, step=1)
+
+
+def test_fused_sampler_on_bf16_logits_draws_as_on_their_upcast():
+    """The fused sampler on bf16 logits: greedy only, unmasked (the kernel reads the bf16
+    logits), masked (the masks work on a float32 copy) and with penalties, the tokens of the
+    float32 upcast; the input is left unmodified."""
+    gen = torch.Generator().manual_seed(6)
+    rows = 24
+    # large logits: bf16 steps of 1/4 near 40, so a temperature division in bf16 would move draws
+    logits = (torch.randn(rows, 256, generator=gen) * 2 + 40).to(torch.bfloat16).to(DEV)
+    before = logits.clone()
+    greedy = [SamplingParams(temperature=0.0)]
+    plain = greedy + [SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.2)]
+    masked = plain + [SamplingParams(temperature=0.4, top_k=50, seed=4),
+                      SamplingParams(temperature=0.6, top_p=0.95, min_p=0.01)]
+    penalised = masked + [SamplingParams(temperature=0.9, seed=5, repetition_penalty=1.2)]
+    for kinds, n_out in ((greedy, 3), (plain, 3), (masked, 3), (penalised, 3)):
+        batch = [_req(f"r{i}", kinds[i % len(kinds)], n_out) for i in range(rows)]
+        got = Sampler(DEV, seed=3, fused=True).sample(logits, batch)[0]
+        assert got == Sampler(DEV, seed=3, fused=True).sample(logits.float(), batch)[0]
+        if not Sampler.samples_on_host(batch):
+            dev = Sampler(DEV, seed=3, fused=True).sample_on_device(logits, batch)
+            assert dev.tolist() == got
+    assert torch.equal(logits, before)
