@@ -4,7 +4,7 @@ the logits.
 Drawing from ``softmax(x / T)`` equals taking ``argmax(x / T + g)`` with ``g`` i.i.d. standard
 Gumbel noise, ``g = -log(-log(u))``, ``u ~ U(0, 1)`` (the Gumbel-max trick: E. J. Gumbel,
 *Statistical theory of extreme values*, 1954; Maddison, Tarlow & Minka, *A* Sampling*, 2014).
-The torch sampler needs five passes over the ``[rows, vocab]`` float32 logits for this
+The torch sampler needs five passes over the ``[rows, vocab]`` logits for this
 (temperature division, softmax, noise, division, argmax); this kernel reads them once, which on
 an H200 with Qwen3's 151,936-token vocabulary and 256 rows saves about 0.6 ms per decode step.
 A few rows alone would leave most of the GPU idle (one program per row took 121 µs for one row on
@@ -13,9 +13,14 @@ winners.
 
 The uniform noise comes from Triton's counter-based Philox generator (Salmon et al., *Parallel
 random numbers: as easy as 1, 2, 3*, 2011) keyed by ``seed * 2**32 + position`` per row, where
-``position`` is the index of the token being drawn in the request's output. So a request's draws
-depend only on its seed and how many tokens it has produced: not on the batch, not on how steps
-are grouped into multi-step rounds, and not on the engine's history.
+``position`` is the index of the token being drawn in the request's output. One Philox-4x32-10
+call gives four 32-bit words, so vocabulary entry ``v`` takes word ``v % 4`` of the call at
+counter ``v // 4``: a quarter of the generator work of one call per entry (the generator, not
+the read of the logits, bounds the kernel's time on an H200 with 151,936 entries a row). The
+noise of an entry depends only on the row's key and the entry's index, so a request's draws
+depend only on its seed and how many tokens it has produced: not on the batch, not on how the
+vocabulary is cut into pieces, not on how steps are grouped into multi-step rounds, and not on
+the engine's history.
 
 Import only where Triton is installed (the CUDA path of the model runner).
 """
@@ -56,22 +61,29 @@ def _gumbel_argmax_kernel(
     inv_temp = 1.0 / tl.where(greedy, 1.0, temp)
     key = tl.load(seeds_ptr + row).to(tl.uint64) * 4294967296 + (
         tl.load(positions_ptr + row) + step).to(tl.uint64)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK_V], tl.int32)
+    # The tile as [BLOCK_V // 4, 4] (row-major, contiguous in memory): entry v = 4 * c + w takes
+    # output word w of Philox at counter c, so one Philox call serves four entries (v0 is a
+    # multiple of 4: pieces are whole blocks).
+    quad = tl.arange(0, BLOCK_V // 4)[:, None]
+    word = tl.arange(0, 4)[None, :]
+    best = tl.full([BLOCK_V // 4, 4], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK_V // 4, 4], tl.int32)
     base = logits_ptr + row.to(tl.int64) * stride_row
     for v0 in range(pc * piece, tl.minimum(pc * piece + piece, vocab), BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
+        offs = v0 + 4 * quad + word
         mask = offs < vocab
         x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
         if not greedy:
-            u = tl.rand(key, offs)
+            u0, u1, u2, u3 = tl.rand4x(key, v0 // 4 + tl.arange(0, BLOCK_V // 4))
+            u = tl.where(word == 0, u0[:, None], tl.where(word == 1, u1[:, None],
+                         tl.where(word == 2, u2[:, None], u3[:, None])))
             x = x - tl.log(-tl.log(u))  # u == 0 gives -inf: never drawn
-        take = x > best
+        take = x > best  # strict: each slot keeps its lowest index among equal values
         best = tl.where(take, x, best)
         best_idx = tl.where(take, offs, best_idx)
-    top = tl.max(best, 0)
-    # lowest index among the lanes holding the maximum (deterministic ties)
-    winner = tl.min(tl.where(best == top, best_idx, vocab), 0)
+    top = tl.max(tl.max(best, 1), 0)
+    # lowest index among the slots holding the maximum (deterministic ties)
+    winner = tl.min(tl.min(tl.where(best == top, best_idx, vocab), 1), 0)
     if ONE_PIECE:
         tl.store(out_ptr + row, winner.to(tl.int64))
     else:
@@ -114,7 +126,8 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     depend on ``pieces``.
 
     Args:
-        logits: ``[S, V]`` float32 or bf16, last dim contiguous (masked tokens at ``-inf``).
+        logits: ``[S, V]`` float32, bfloat16 or float16 (loads are converted to float32), last
+            dim contiguous (masked tokens at ``-inf``).
         temperatures: ``[S]`` float32, contiguous; 0 marks a greedy row.
         seeds: ``[S]`` int64 in ``[0, 2**31)``, contiguous: the Philox key of each row.
         positions: ``[S]`` int64, contiguous: output position of the token each row draws at

@@ -81,8 +81,10 @@ class VocabEmbedding(_VocabRows):
 
 
 class LMHead(_VocabRows):
-    """Hidden states -> float32 logits over the vocabulary; each rank computes its vocabulary
-    rows' logits and the ranks all-gather them.
+    """Hidden states -> logits over the vocabulary, in the weights' dtype; each rank computes
+    its vocabulary rows' logits and the ranks all-gather them. Consumers that compute on the
+    logits upcast them to float32 themselves (the sampler, :mod:`pdserve.runner.sampler`), so
+    a decode step whose tokens are argmax or the fused draw makes no float32 copy.
 
     Args:
         vocab_size, hidden_size: the checkpoint's matrix ``[vocab_size, hidden_size]``.
@@ -102,5 +104,6 @@ class LMHead(_VocabRows):
                                           self.weight_loader))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[S, hidden_size]`` -> ``[S, vocab_size]`` float32 logits (every rank)."""
-        return tp_all_gather(F.linear(hidden, self.weight).float(), dim=-1)
+        """``hidden`` ``[S, hidden_size]`` -> ``[S, vocab_size]`` logits in the weights' dtype
+        (every rank)."""
+        return tp_all_gather(F.linear(hidden, self.weight), dim=-1)

@@ -255,8 +255,8 @@ class Gemma3ForCausalLM(CausalLM):
             hidden = hidden[logits_indices]
         logits = self.lm_head(self.norm(hidden))
         cap = self.cfg.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+        if cap is not None:  # float32: the capped values are not rounded to the model dtype
+            logits = torch.tanh(logits.float() / cap) * cap
         return logits
 
     @torch.no_grad()

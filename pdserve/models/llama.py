@@ -300,7 +300,9 @@ class CausalLM(nn.Module):
                 every token (a CUDA-graph decode step).
 
         Returns:
-            ``[S, vocab_size]`` float32 logits (``S = T`` without ``logits_indices``).
+            ``[S, vocab_size]`` logits in the model's dtype (``S = T`` without
+            ``logits_indices``); float32 where the model post-processes them (Gemma 3's final
+            soft-capping).
         """
         hidden = self.embed_tokens(input_ids)
         residual = None

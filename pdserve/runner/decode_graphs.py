@@ -98,7 +98,8 @@ def replay_decode_graph(runner: "ModelRunner", decodes: list[ScheduledRequest],
     ``previous`` on the device) and replay it.
 
     Returns:
-        ``[len(decodes), vocab]`` float32 logits (a view of the graph's output buffer).
+        ``[len(decodes), vocab]`` logits in the model's dtype (a view of the graph's output
+        buffer, which the sampler leaves unmodified).
 
     Raises:
         ValueError: a position beyond ``max_model_len`` or a block table too short.

@@ -220,13 +220,14 @@ class ModelRunner:
 
     def _profile_run(self, num_tokens: int, num_seqs: int) -> None:
         """A forward pass of ``num_tokens`` prompt tokens in ``num_seqs`` requests (sampled with
-        top-p, the costliest sampler path) on a scratch KV cache, to measure peak memory."""
+        a repetition penalty and top-p, the costliest sampler path: a float32 copy of the
+        logits, then the masks' sort) on a scratch KV cache, to measure peak memory."""
         from pdserve.engine.sampling_params import SamplingParams
 
         per_seq = max(1, num_tokens // num_seqs)
         blocks_per_seq = math.ceil(per_seq / self.block_size)
         scratch = self._new_cache(num_seqs * blocks_per_seq)
-        params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1)
+        params = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1, max_tokens=1)
         reqs = [
             ScheduledRequest(
                 req_id=f"profile-{i}", token_ids=[0] * per_seq, num_computed_tokens=0,
@@ -359,7 +360,9 @@ class ModelRunner:
 
         Returns:
             ``(sampled_requests, logits)``: the requests with ``sample=True`` and their
-            ``[len(sampled_requests), vocab]`` float32 logits (None when none samples).
+            ``[len(sampled_requests), vocab]`` logits in the model's dtype (as
+            :meth:`CausalLM.forward <pdserve.models.llama.CausalLM.forward>`; None when none
+            samples).
 
         Raises:
             ValueError: a request scheduled with no tokens, a position beyond

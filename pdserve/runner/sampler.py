@@ -17,6 +17,12 @@ Order of operations per row (as in vLLM):
    requests in the batch or on where earlier tokens were drawn; the others share one generator
    seeded from the engine seed. On CUDA a fused kernel draws the same distribution by the
    Gumbel-max trick (:mod:`pdserve.kernels.sampling`), keyed the same way.
+
+The logits arrive in the model's dtype (bf16 on CUDA) and are never modified. Every step that
+computes on them (penalties, ``min_tokens``, logprobs, temperature, the masks, the torch draw)
+works on a float32 copy holding the same numbers; argmax of greedy rows and the fused draw
+without masks read the model-dtype logits directly (the kernel converts its loads to float32),
+so a plain decode step makes no float32 copy of its ``[S, vocab]`` logits at all.
 """
 
 from __future__ import annotations
@@ -86,7 +92,8 @@ class Sampler:
         """Sample one token per row.
 
         Args:
-            logits: ``[S, vocab]`` float32, row ``i`` belongs to ``reqs[i]``; modified in place.
+            logits: ``[S, vocab]`` float32, bfloat16 or float16 (the model's dtype), row ``i``
+                belongs to ``reqs[i]``; left unmodified.
             reqs: the requests being sampled, in row order.
 
         Returns:
@@ -94,9 +101,11 @@ class Sampler:
             when the request asked for logprobs, else None.
         """
         params = [r.sampling_params for r in reqs]
-        apply_penalties(logits, reqs)
-        apply_min_tokens(logits, reqs)
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want_lp or any(_has_penalty(p) for p in params) or _any_min_tokens(reqs):
+            logits = _float32_copy(logits)
+            apply_penalties(logits, reqs)
+            apply_min_tokens(logits, reqs)
         logprobs_rows = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
 
         tokens = self.draw(logits, self.plan(reqs))
@@ -131,13 +140,16 @@ class Sampler:
         device (overlapped scheduling: nothing here waits for the GPU).
 
         Args:
-            logits: ``[S, vocab]`` float32, row ``i`` belongs to ``reqs[i]``; modified in place.
+            logits: ``[S, vocab]`` float32, bfloat16 or float16 (the model's dtype), row ``i``
+                belongs to ``reqs[i]``; left unmodified.
             reqs: the requests being sampled, in row order.
 
         Returns:
             ``[S]`` int64 tokens on the device, those :meth:`sample` would return.
         """
-        apply_min_tokens(logits, reqs)
+        if _any_min_tokens(reqs):
+            logits = _float32_copy(logits)
+            apply_min_tokens(logits, reqs)
         return self.draw(logits, self.plan(reqs))
 
     def plan(self, reqs: Sequence[ScheduledRequest]) -> "SamplingPlan":
@@ -210,16 +222,18 @@ class Sampler:
         return plan
 
     def draw(self, logits: torch.Tensor, plan: "SamplingPlan", step: int = 0) -> torch.Tensor:
-        """One token per row of ``logits`` ``[S, V]`` (float32, left unmodified) as described
-        by ``plan``: argmax for greedy rows; for the others temperature, top-k / top-p / min-p
-        masks and a random draw (the fused Gumbel-max kernel on CUDA, the exponential race
-        elsewhere). ``step`` is the step inside a multi-step round (the fused draw's noise
-        follows the output position). Returns ``[S]`` int64 on the device, without waiting for
-        the GPU."""
+        """One token per row of ``logits`` ``[S, V]`` (float32, bfloat16 or float16; left
+        unmodified) as described by ``plan``: argmax for greedy rows; for the others
+        temperature, top-k / top-p / min-p masks and a random draw (the fused Gumbel-max kernel
+        on CUDA, the exponential race elsewhere). Argmax and the fused draw without masks read
+        ``logits`` in their dtype; temperature division, the masks and the exponential race
+        work in float32 (the division by the float32 temperatures makes the float32 copy).
+        ``step`` is the step inside a multi-step round (the fused draw's noise follows the
+        output position). Returns ``[S]`` int64 on the device, without waiting for the GPU."""
         if plan.fused and plan.any_random:
             if plan.scale is None:
                 return self._gumbel_argmax(logits, plan.temperatures, plan.seeds, plan.positions, step)
-            scaled = logits / plan.scale
+            scaled = logits / plan.scale  # float32 ([S, 1] float32 scale)
             if plan.top_k is not None or plan.top_p is not None:
                 mask_top_k_top_p(scaled, plan.top_k, plan.top_p)
             if plan.min_p is not None:
@@ -228,7 +242,7 @@ class Sampler:
         if not plan.any_random:
             return logits.argmax(dim=-1)
         rows = logits if plan.random_rows is None else logits[plan.random_rows]
-        scaled = rows / plan.temperatures
+        scaled = rows / plan.temperatures  # float32 ([R, 1] float32 temperatures)
         if plan.top_k is not None or plan.top_p is not None:
             mask_top_k_top_p(scaled, plan.top_k, plan.top_p)
         if plan.min_p is not None:
@@ -312,6 +326,17 @@ class SamplingPlan:
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _any_min_tokens(reqs: Sequence[ScheduledRequest]) -> bool:
+    """True when some request is still below its ``min_tokens`` (:func:`apply_min_tokens`)."""
+    return any(r.sampling_params.min_tokens and r.output_position() < r.sampling_params.min_tokens
+               for r in reqs)
+
+
+def _float32_copy(logits: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of ``logits`` to modify (a copy even when they are float32 already)."""
+    return logits.to(torch.float32, copy=True)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> None:

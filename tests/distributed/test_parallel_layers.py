@@ -96,6 +96,12 @@ def _check_layers(rank: int, size: int, path: str, num_kv_heads: int) -> None:
     torch.testing.assert_close(embed(ids), F.embedding(ids, w["embed"]))
     head = LMHead(VOCAB, HIDDEN, f32, cpu, tie_to=embed)
     torch.testing.assert_close(head(x), F.linear(x, w["embed"]))
+    # logits come in the weights' dtype: no float32 copy (the sampler upcasts where it computes)
+    head16 = LMHead(VOCAB, HIDDEN, torch.bfloat16, cpu)
+    head16.weight_loader(head16.weight, get("embed"))
+    logits16 = head16(x.bfloat16())
+    assert logits16.dtype == torch.bfloat16 and logits16.shape == (x.shape[0], VOCAB)
+    torch.testing.assert_close(logits16, F.linear(x.bfloat16(), w["embed"].bfloat16()))
 
 
 def _save(tmp_path, num_kv_heads: int) -> str:

@@ -102,6 +102,13 @@ def attention() -> None:
                   "positions_ptr": "*i64", "out_ptr": "*i64" if one_piece else "*i32",
                   "best_ptr": "*fp32"}, dict(BLOCK_V=2048, ONE_PIECE=one_piece), aligned,
                  num_warps=8)
+    # the decode step's draw: bf16 logits straight from the LM head, a vocabulary (and so the
+    # piece length) divisible by 16 as the JIT specialises it for Qwen3's 151,936 entries
+    _compile("attention", "gumbel_argmax_bf16", ts._gumbel_argmax_kernel,
+             {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "seeds_ptr": "*i64",
+              "positions_ptr": "*i64", "out_ptr": "*i32", "best_ptr": "*fp32"},
+             dict(BLOCK_V=2048, ONE_PIECE=False), lambda n: aligned(n) or n in ("vocab", "piece"),
+             num_warps=8)
     from pdserve.kernels import gemv
 
     for rows, bias in ((1, False), (2, True)):
@@ -138,7 +145,7 @@ EXPECTED = {
                   "store_kv_quantize0", "store_kv_quantize1", "gather_kv_dequantize0",
                   "gather_kv_dequantize1", "rms_norm", "rotary",
                   "silu_and_mul", "gumbel_argmax_one_piece1", "gumbel_argmax_one_piece0",
-                  "gumbel_merge_pieces", "gemv_rows1", "gemv_rows2"},
+                  "gumbel_argmax_bf16", "gumbel_merge_pieces", "gemv_rows1", "gemv_rows2"},
     "moe": {"grouped_gemm_bf16_m16", "grouped_gemm_bf16_m32", "grouped_gemm_bf16_m64",
             "grouped_gemm_fp32_m64"},
 }

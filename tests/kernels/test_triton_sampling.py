@@ -3,7 +3,7 @@
 Without CUDA the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
 ``triton`` is imported) on small shapes. The interpreter runs one Python program per row (about
 30 ms each), so statistical checks run on a numpy copy of the kernel's formula (:func:`_reference`,
-Triton's Philox-4x32-10 ``tl.rand`` included) over many rows, and the kernel is checked to draw
+Triton's Philox-4x32-10 ``tl.rand4x`` included) over many rows, and the kernel is checked to draw
 exactly the reference's tokens on a few dozen rows.
 """
 
@@ -37,20 +37,21 @@ def test_greedy_rows_take_the_argmax_and_the_lowest_index_on_ties():
 
 
 def _philox_uniform(keys: np.ndarray, offs: np.ndarray) -> np.ndarray:
-    """Triton's ``tl.rand(key, offs)`` for int32 ``offs``: Philox-4x32 with 10 rounds (Salmon et
-    al., 2011; constants and the counter/key layout of ``triton/language/random.py``), first
-    output word mapped to ``[0, 1)`` as ``uint_to_uniform_float`` does.
+    """The kernel's uniform for vocabulary entry ``v``: output word ``v % 4`` of Triton's
+    ``tl.rand4x(key, v // 4)`` for int32 offsets: Philox-4x32 with 10 rounds (Salmon et al.,
+    2011; constants and the counter/key layout of ``triton/language/random.py``), the word mapped
+    to ``[0, 1)`` as ``uint_to_uniform_float`` does.
 
     Args:
         keys: ``[R, 1]`` uint64 Philox keys (low word is key 0, high word key 1).
-        offs: ``[1, V]`` non-negative offsets (the counter's first word).
+        offs: ``[1, V]`` non-negative vocabulary indices.
 
     Returns:
         ``[R, V]`` float32 uniforms.
     """
     m32 = np.uint64(0xFFFFFFFF)
     ra, rb = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
-    c0 = np.broadcast_to(offs.astype(np.uint64), (keys.shape[0], offs.shape[1]))
+    c0 = np.broadcast_to((offs // 4).astype(np.uint64), (keys.shape[0], offs.shape[1]))
     c1 = c2 = c3 = np.zeros_like(c0)
     k0, k1 = keys & m32, keys >> np.uint64(32)
     for _ in range(10):
@@ -58,7 +59,9 @@ def _philox_uniform(keys: np.ndarray, offs: np.ndarray) -> np.ndarray:
         c0, c2, c1, c3 = ((p2 >> np.uint64(32)) ^ c1 ^ k0, (p0 >> np.uint64(32)) ^ c3 ^ k1,
                           p2 & m32, p0 & m32)
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
-    x = c0.astype(np.uint32).view(np.int32)
+    words = np.stack([c0, c1, c2, c3])  # [4, R, V]: the four outputs of each entry's call
+    x = np.take_along_axis(words, np.broadcast_to(offs % 4, c0.shape)[None], 0)[0]
+    x = x.astype(np.uint32).view(np.int32)
     x = np.where(x < 0, ~x, x)
     return x.astype(np.float32) * np.float32(4.6566127342e-10)
 
@@ -189,3 +192,42 @@ def test_fused_sampler_masks_and_seeds():
     assert alone[0] == batched[1]
     sampler.drop([r.req_id for r in reqs] + ["x", "y"])
     assert sampler.num_generators == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_reads_model_dtype_logits_as_their_float32_upcast(dtype):
+    """bf16 / float16 logits (the LM head's output) draw what their float32 upcast draws: the
+    kernel converts its loads to float32."""
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 12, 300
+    logits = (torch.randn(rows, vocab, generator=gen) + 5).to(dtype).to(DEV)
+    temps = torch.tensor([0.0, 0.5, 0.8, 1.0, 1.3, 2.0] * 2, device=DEV)
+    seeds = torch.randint(0, 2**31, (rows,), generator=gen).to(DEV)
+    positions = torch.randint(0, 5000, (rows,), generator=gen).to(DEV)
+    out = ts.gumbel_argmax(logits, temps, seeds, positions, step=1, pieces=2)
+    up = ts.gumbel_argmax(logits.float(), temps, seeds, positions, step=1, pieces=2)
+    assert out.tolist() == up.tolist() == _reference(logits, temps, seeds, positions, step=1)
+
+
+def test_fused_sampler_on_bf16_logits_draws_as_on_their_upcast():
+    """The fused sampler on bf16 logits: greedy only, unmasked (the kernel reads the bf16
+    logits), masked (the masks work on a float32 copy) and with penalties, the tokens of the
+    float32 upcast; the input is left unmodified."""
+    gen = torch.Generator().manual_seed(6)
+    rows = 24
+    # large logits: bf16 steps of 1/4 near 40, so a temperature division in bf16 would move draws
+    logits = (torch.randn(rows, 256, generator=gen) * 2 + 40).to(torch.bfloat16).to(DEV)
+    before = logits.clone()
+    greedy = [SamplingParams(temperature=0.0)]
+    plain = greedy + [SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.2)]
+    masked = plain + [SamplingParams(temperature=0.4, top_k=50, seed=4),
+                      SamplingParams(temperature=0.6, top_p=0.95, min_p=0.01)]
+    penalised = masked + [SamplingParams(temperature=0.9, seed=5, repetition_penalty=1.2)]
+    for kinds, n_out in ((greedy, 3), (plain, 3), (masked, 3), (penalised, 3)):
+        batch = [_req(f"r{i}", kinds[i % len(kinds)], n_out) for i in range(rows)]
+        got = Sampler(DEV, seed=3, fused=True).sample(logits, batch)[0]
+        assert got == Sampler(DEV, seed=3, fused=True).sample(logits.float(), batch)[0]
+        if not Sampler.samples_on_host(batch):
+            dev = Sampler(DEV, seed=3, fused=True).sample_on_device(logits, batch)
+            assert dev.tolist() == got
+    assert torch.equal(logits, before)

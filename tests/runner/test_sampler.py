@@ -207,3 +207,86 @@ def test_logprobs_are_temperature_free_but_penalised():
     _, (lp,) = Sampler(CPU).sample(logits.clone(), [req])
     ref = torch.log_softmax(torch.tensor([1.0, 2.0, 2.0]), dim=-1)
     assert dict(lp.top) == pytest.approx({i: ref[i].item() for i in range(3)})
+
+
+
+def _bf16_batch(host_steps: bool):
+    """Logits in bf16 (the model dtype on CUDA) and requests of every kind of draw: greedy,
+    seeded, shared-generator, top-k / top-p / min-p; with ``host_steps`` also penalties,
+    min_tokens and logprobs (which make the sampler work on a float32 copy)."""
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 64, 1000
+    # flat and away from 0: bf16 rounding of logits / T (steps of 2**-5 near 5) would move draws
+    logits = (torch.randn(rows, vocab, generator=gen) + 5).to(torch.bfloat16)
+    kinds = [SamplingParams(temperature=0),
+             SamplingParams(temperature=0.7, seed=1),
+             SamplingParams(temperature=1.3),  # the shared generator
+             SamplingParams(temperature=0.9, seed=2, top_k=20),
+             SamplingParams(temperature=1.1, seed=3, top_p=0.8),
+             SamplingParams(temperature=0.8, seed=4, min_p=0.05)]
+    if host_steps:
+        kinds += [SamplingParams(temperature=0.6, seed=5, repetition_penalty=1.3,
+                                 presence_penalty=0.4, frequency_penalty=0.3),
+                  SamplingParams(temperature=0, min_tokens=10),
+                  SamplingParams(temperature=1.0, seed=6, logprobs=3),
+                  SamplingParams(temperature=0, logprobs=2, frequency_penalty=0.5)]
+    reqs = []
+    for i in range(rows):
+        p = kinds[i % len(kinds)]
+        top = logits[i].float().topk(4).indices.tolist()
+        # the EOS / stop ids of the min_tokens rows are their best tokens: min_tokens decides
+        p = dataclasses.replace(p, stop_token_ids=[top[1]]) if p.min_tokens else p
+        reqs.append(_req(f"r{i}", p, prompt=top[:2], output=top[1:4], eos=top[0]))
+    return logits, reqs
+
+
+@pytest.mark.parametrize("host_steps", [False, True])
+def test_bf16_logits_sample_as_their_float32_upcast(host_steps):
+    """The sampler on model-dtype (bf16) logits draws what it draws on their float32 upcast
+    (the same numbers), on the host and on the device: greedy, seeded and shared-generator
+    draws, top-k / top-p / min-p; with ``host_steps`` penalties, min_tokens and logprobs too
+    (logprobs equal); the input logits, bf16 or float32, are left unmodified."""
+    logits, reqs = _bf16_batch(host_steps)
+    before = logits.clone()
+    up = logits.float()
+    for steps in range(3):  # several positions of the seeded rows
+        batch = [dataclasses.replace(r, output_token_ids=r.output_token_ids + [1] * steps)
+                 for r in reqs]
+        toks, lps = Sampler(CPU, seed=9).sample(logits, batch)
+        ref_toks, ref_lps = Sampler(CPU, seed=9).sample(up, batch)
+        assert toks == ref_toks
+        assert lps == ref_lps
+        assert torch.equal(logits, before)
+        assert torch.equal(up, before.float())  # float32 input: not modified either
+        if Sampler.samples_on_host(batch):
+            continue
+        on_device = Sampler(CPU, seed=9).sample_on_device(logits, batch)
+        assert on_device.tolist() == Sampler(CPU, seed=9).sample_on_device(up, batch).tolist()
+        assert on_device.tolist() == ref_toks and torch.equal(logits, before)
+    greedy = [i for i, r in enumerate(reqs) if r.sampling_params.temperature == 0]
+    g_reqs = [reqs[i] for i in greedy]
+    g_toks, _ = Sampler(CPU).sample(logits[greedy], g_reqs)  # a greedy-only batch: argmax
+    assert g_toks == Sampler(CPU).sample(up[greedy], g_reqs)[0]
+    if not host_steps:
+        assert g_toks == up[greedy].argmax(dim=-1).tolist()
+        assert Sampler(CPU).sample_on_device(logits[greedy], g_reqs).tolist() == g_toks
+    else:
+        want = [r.sampling_params.logprobs is not None for r in reqs]
+        assert [lp is not None for lp in lps] == want and any(want)
+        # the rows under min_tokens would take their EOS / stop token without it
+        assert all(t not in (r.eos_token_id, *r.sampling_params.stop_token_ids)
+                   for t, r in zip(toks, batch) if r.sampling_params.min_tokens)
+
+
+def test_sample_on_device_applies_min_tokens_on_a_copy():
+    """min_tokens on the device path: bf16 logits give their float32 upcast's tokens, EOS and
+    stop ids stay out, and the input logits are left unmodified."""
+    logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 1.0, 0.0]] * 2).to(torch.bfloat16)
+    before = logits.clone()
+    reqs = [_req("a", SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[3]), eos=2),
+            _req("b", SamplingParams(temperature=0.5, seed=1, min_tokens=1, stop_token_ids=[3]),
+                 eos=2)]
+    toks = Sampler(CPU).sample_on_device(logits, reqs)
+    assert toks.tolist()[0] == 4 and toks.tolist()[1] not in (2, 3)
+    assert toks.tolist() == Sampler(CPU).sample_on_device(logits.float(), reqs).tolist()
+    assert torch.equal(logits, before)
