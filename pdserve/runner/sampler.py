@@ -207,16 +207,23 @@ class Sampler:
             if seed is None:
                 seed = self._row_seeds[r.req_id] = self._seed_rng.getrandbits(31)
             seeds.append(seed)
-        host = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32)
-        ints = torch.tensor([[s, r.output_position(), p.top_k if p.top_k > 0 else 2**62]
-                             for s, r, p in zip(seeds, reqs, params)], dtype=torch.int64)
+        # One row per field, each row a multiple of 16 bytes long: every field starts 16-byte
+        # aligned on the device and is read in place. (Triton specialises a kernel on the
+        # alignment of its pointers: one-row batches, whose column views were left in place by
+        # .contiguous(), compiled a second Gumbel-draw variant, 0.43 s inside an H200 step.)
+        n = len(params)
+        pad = [0] * (-n % 4)
+        host = torch.tensor([[p.temperature for p in params] + pad, [p.top_p for p in params] + pad,
+                             [p.min_p for p in params] + pad], dtype=torch.float32)
+        ints = torch.tensor([seeds + pad, [r.output_position() for r in reqs] + pad,
+                             [p.top_k if p.top_k > 0 else 2**62 for p in params] + pad],
+                            dtype=torch.int64)
         host, ints = host.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
-        plan.temperatures = host[:, 0].contiguous()
-        plan.seeds, plan.positions = ints[:, 0].contiguous(), ints[:, 1].contiguous()
+        plan.temperatures, plan.seeds, plan.positions = host[0, :n], ints[0, :n], ints[1, :n]
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params if p.temperature):
-            plan.top_k = ints[:, 2:3] if any(p.top_k > 0 for p in params) else None
-            plan.top_p = host[:, 1:2] if any(p.top_p < 1.0 for p in params) else None
-            plan.min_p = host[:, 2:3] if any(p.min_p > 0.0 for p in params) else None
+            plan.top_k = ints[2, :n, None] if any(p.top_k > 0 for p in params) else None
+            plan.top_p = host[1, :n, None] if any(p.top_p < 1.0 for p in params) else None
+            plan.min_p = host[2, :n, None] if any(p.min_p > 0.0 for p in params) else None
             plan.scale = torch.where(plan.temperatures > 0, plan.temperatures, 1.0)[:, None]
             plan.unit_temperatures = (plan.temperatures > 0).to(torch.float32)
         return plan

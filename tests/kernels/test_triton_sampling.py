@@ -194,6 +194,23 @@ def test_fused_sampler_masks_and_seeds():
     assert sampler.num_generators == 0
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_fused_plan_rows_start_16_byte_aligned(rows):
+    """The fused plan's per-row tensors start 16-byte aligned whatever the batch size: Triton
+    compiles one kernel variant per pointer alignment, and a one-row batch used to get a second
+    one (a compilation inside a decode step)."""
+    sampler = Sampler(DEV, seed=3, fused=True)
+    reqs = [_req(f"r{i}", SamplingParams(temperature=1.0 + i, top_k=2 + i, top_p=0.9, seed=i), i)
+            for i in range(rows)]
+    plan = sampler.plan(reqs)
+    for t in (plan.temperatures, plan.seeds, plan.positions, plan.top_k, plan.top_p):
+        assert t.data_ptr() % 16 == 0
+    assert plan.temperatures.tolist() == [1.0 + i for i in range(rows)]
+    assert plan.seeds.tolist() == list(range(rows)) and plan.positions.tolist() == list(range(rows))
+    assert plan.top_k[:, 0].tolist() == [2 + i for i in range(rows)]
+    assert plan.top_p.shape == (rows, 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_reads_model_dtype_logits_as_their_float32_upcast(dtype):
     """bf16 / float16 logits (the LM head's output) draw what their float32 upcast draws: the
