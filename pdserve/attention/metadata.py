@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.host_tensors import int_tensor, padded_rows
+
 
 @dataclass
 class PrefillSpan:
@@ -136,7 +138,7 @@ def build_attention_metadata(
                 f"block table of {len(block_ids)} blocks cannot hold {ctx} tokens "
                 f"(block_size {block_size})"
             )
-        table = torch.tensor(block_ids[:num_blocks], dtype=torch.int64)
+        table = int_tensor(block_ids[:num_blocks] if len(block_ids) > num_blocks else block_ids)
         if any_cached:
             # Slots of the whole context (positions 0 .. ctx - 1): the keys of the packed
             # prefill attention; the new tokens are its tail.
@@ -171,7 +173,6 @@ def build_attention_metadata(
         lens = [n + 1 for _, n in decodes]
         max_len = max(lens)
         max_blocks = -(-max_len // block_size)
-        rows = []
         dslots = []
         for (block_ids, n), seq_len in zip(decodes, lens):
             if len(block_ids) * block_size < seq_len:
@@ -179,12 +180,11 @@ def build_attention_metadata(
                     f"block table of {len(block_ids)} blocks cannot hold {seq_len} tokens "
                     f"(block_size {block_size})"
                 )
-            row = block_ids[:max_blocks]
-            rows.append(row + [0] * (max_blocks - len(row)))
             dslots.append(block_ids[n // block_size] * block_size + n % block_size)
-        slots.append(torch.tensor(dslots, dtype=torch.int64))
-        decode_tables = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
-        decode_lens = torch.tensor(lens, dtype=torch.int32).to(device, non_blocking=True)
+        slots.append(int_tensor(dslots))
+        decode_tables = padded_rows([b for b, _ in decodes], max_blocks, torch.int32).to(
+            device, non_blocking=True)
+        decode_lens = int_tensor(lens, torch.int32).to(device, non_blocking=True)
         key_pos = torch.arange(max_blocks * block_size, dtype=torch.int32, device=device)
         decode_mask = (key_pos[None, :] < decode_lens[:, None])[None, :, None, :]
 
@@ -194,8 +194,8 @@ def build_attention_metadata(
     cu_q = cu_k = kv_block = kv_offset = None
     if prefills:
         zero = torch.zeros(1, dtype=torch.int32)
-        q_lens = torch.tensor(query_lens, dtype=torch.int32)
-        k_lens = torch.tensor(context_lens, dtype=torch.int32) if any_cached else q_lens
+        q_lens = int_tensor(query_lens, torch.int32)
+        k_lens = int_tensor(context_lens, torch.int32) if any_cached else q_lens
         cu = torch.cat([zero, q_lens.cumsum(0, dtype=torch.int32),
                         zero, k_lens.cumsum(0, dtype=torch.int32)]).to(device)
         cu_q, cu_k = cu[: len(prefills) + 1], cu[len(prefills) + 1:]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +22,7 @@ from pdserve.distributed.communication import tp_all_gather_object
 from pdserve.distributed.parallel_state import get_tp_size
 from pdserve.engine.outputs import ScheduledRequest
 from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
+from pdserve.host_tensors import int_tensor, padded_rows
 from pdserve.runner.overlap import DeviceTokens, feed_previous_tokens
 
 if TYPE_CHECKING:
@@ -122,25 +122,19 @@ def replay_decode_graph(runner: "ModelRunner", decodes: list[ScheduledRequest],
         slots.append(r.block_ids[n // bs] * bs + n % bs)
         lens.append(n + 1)
         num_blocks.append(min(len(r.block_ids), width))
-    # Block tables: one flat host list scattered into a [B, widest row] tensor.
-    rows = max(num_blocks)
-    flat = torch.tensor(list(chain.from_iterable(
-        r.block_ids if len(r.block_ids) <= width else r.block_ids[:width] for r in decodes)),
-        dtype=torch.int32)
-    counts = torch.tensor(num_blocks, dtype=torch.int64)
-    table = torch.zeros((len(decodes), rows), dtype=torch.int32)
-    table[torch.arange(rows)[None, :] < counts[:, None]] = flat
-    ids_t = torch.tensor(ids, dtype=torch.int64)
+    # Block tables: a [B, widest row] host tensor, filled row by row through numpy.
+    table = padded_rows([r.block_ids for r in decodes], max(num_blocks), torch.int32)
+    ids_t = int_tensor(ids)
     fed = [(i, r.req_id) for i, r in enumerate(decodes) if r.input_from_previous_step]
     if fed:
         ids_t = ids_t.to(runner.device, non_blocking=True)
         feed_previous_tokens(ids_t, fed, previous)
     return graphs.run({
         "input_ids": ids_t,
-        "positions": torch.tensor(positions, dtype=torch.int64),
-        "slot_mapping": torch.tensor(slots, dtype=torch.int64),
+        "positions": int_tensor(positions),
+        "slot_mapping": int_tensor(slots),
         "block_tables": table,
-        "context_lens": torch.tensor(lens, dtype=torch.int32),
+        "context_lens": int_tensor(lens, torch.int32),
     })
 
 

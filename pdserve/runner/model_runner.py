@@ -37,6 +37,7 @@ from pdserve.distributed.sharding import kv_head_range
 from pdserve.models.loader import load_model, model_max_len, resolve_device, tp_device
 from pdserve.runner.cuda_graphs import CUDAGraphRunner
 from pdserve.runner.decode_graphs import capture_decode_graphs, decode_with_graph
+from pdserve.host_tensors import int_tensor
 from pdserve.runner.multi_step import multi_step_decode
 from pdserve.runner.overlap import (
     DeviceTokens, PendingRunnerStep, StepLauncher, feed_previous_tokens,
@@ -406,9 +407,9 @@ class ModelRunner:
             [(r.num_computed_tokens, r.block_ids, len(r.token_ids)) for r in prefills],
             [(r.block_ids, r.num_computed_tokens) for r in decodes], self.device)
         dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        idx_t = torch.tensor(logits_idx, dtype=torch.int64).to(dev, non_blocking=True)
+        ids_t = int_tensor(input_ids).to(dev, non_blocking=True)
+        pos_t = int_tensor(positions).to(dev, non_blocking=True)
+        idx_t = int_tensor(logits_idx).to(dev, non_blocking=True)
         feed_previous_tokens(ids_t, fed, previous)
         logits = self.model(ids_t, pos_t, kv_cache, meta, idx_t)
         return sampled, (logits if sampled else None)

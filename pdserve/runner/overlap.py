@@ -25,6 +25,7 @@ from pdserve.engine.outputs import (
     TokenLogprobs,
 )
 from pdserve.kv_transfer.base import KVConnectorWorkerSide
+from pdserve.host_tensors import int_tensor
 
 if TYPE_CHECKING:
     from pdserve.runner.model_runner import ModelRunner
@@ -63,9 +64,8 @@ def feed_previous_tokens(input_ids: torch.Tensor, rows: list[tuple[int, str]],
         raise ValueError(f"requests {missing[:5]} take their input token from a previous step "
                          "that did not sample them")
     dev = input_ids.device
-    dst = torch.tensor([i for i, _ in rows], dtype=torch.int64).to(dev, non_blocking=True)
-    src = torch.tensor([previous.rows[rid] for _, rid in rows], dtype=torch.int64
-                       ).to(dev, non_blocking=True)
+    dst = int_tensor([i for i, _ in rows]).to(dev, non_blocking=True)
+    src = int_tensor([previous.rows[rid] for _, rid in rows]).to(dev, non_blocking=True)
     input_ids[dst] = previous.tokens[src]
 
 
@@ -153,8 +153,7 @@ class StepLauncher:
                                                     self.previous)
         if sampled and runner.sampler.samples_on_host(sampled):
             token_list, lps = runner.sampler.sample(logits, sampled)
-            tokens = torch.tensor(token_list, dtype=torch.int64).to(runner.device,
-                                                                    non_blocking=True)
+            tokens = int_tensor(token_list).to(runner.device, non_blocking=True)
             logprobs = {r.req_id: lp for r, lp in zip(sampled, lps) if lp is not None}
         elif sampled:
             tokens = runner.sampler.sample_on_device(logits, sampled)

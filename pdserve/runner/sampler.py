@@ -31,6 +31,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdserve.engine.outputs import ScheduledRequest, TokenLogprobs
@@ -213,11 +214,12 @@ class Sampler:
         # .contiguous(), compiled a second Gumbel-draw variant, 0.43 s inside an H200 step.)
         n = len(params)
         pad = [0] * (-n % 4)
-        host = torch.tensor([[p.temperature for p in params] + pad, [p.top_p for p in params] + pad,
-                             [p.min_p for p in params] + pad], dtype=torch.float32)
-        ints = torch.tensor([seeds + pad, [r.output_position() for r in reqs] + pad,
-                             [p.top_k if p.top_k > 0 else 2**62 for p in params] + pad],
-                            dtype=torch.int64)
+        host = torch.from_numpy(np.array(
+            [[p.temperature for p in params] + pad, [p.top_p for p in params] + pad,
+             [p.min_p for p in params] + pad], dtype=np.float32))
+        ints = torch.from_numpy(np.array(
+            [seeds + pad, [r.output_position() for r in reqs] + pad,
+             [p.top_k if p.top_k > 0 else 2**62 for p in params] + pad], dtype=np.int64))
         host, ints = host.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
         plan.temperatures, plan.seeds, plan.positions = host[0, :n], ints[0, :n], ints[1, :n]
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params if p.temperature):
