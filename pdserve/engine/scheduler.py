@@ -272,6 +272,7 @@ class Scheduler:
         invalid = set(kv_out.invalid_block_ids) if kv_out is not None else set()
         kvm = self.kv_cache_manager
         remote_kv = self.remote_kv
+        sync_loads = remote_kv.sync_loads  # usually empty: no KV loaded in this step
 
         for sr in sched.scheduled:
             req = self.requests.get(sr.req_id)
@@ -290,7 +291,8 @@ class Scheduler:
             req.num_computed_tokens = start + num_new
             if start < req.num_prompt_tokens:
                 self.prompt_tokens_computed_total += min(req.num_computed_tokens, req.num_prompt_tokens) - start
-            remote_kv.commit_sync_load(req)
+            if sync_loads:
+                remote_kv.commit_sync_load(req)
             kvm.cache_blocks(req, req.num_computed_tokens)
             if not sr.sample:
                 continue
@@ -302,8 +304,9 @@ class Scheduler:
                 )
                 continue
             outputs.append(self.append_token(req, token, out.logprobs.get(sr.req_id)))
-        for sr in sched.scheduled:  # not clear(): an overlapped next step may have loads too
-            remote_kv.sync_loads.pop(sr.req_id, None)
+        if sync_loads:  # not clear(): an overlapped next step may have loads too
+            for sr in sched.scheduled:
+                sync_loads.pop(sr.req_id, None)
 
         if kv_out is not None:
             outputs.extend(remote_kv.process_kv_output(kv_out, invalid))
