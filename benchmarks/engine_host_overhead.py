@@ -123,6 +123,7 @@ def run_once(prompts, params, async_scheduling: bool, profile: bool = False):
     None)``."""
     block_size = 16
     num_blocks = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params)) // block_size + 2 * len(prompts)
+    num_blocks = max(num_blocks, MAX_MODEL_LEN // block_size)  # one request of max_model_len fits
     runner = InstantRunner(num_blocks, block_size)
     config = EngineConfig(model="instant", block_size=block_size, max_model_len=MAX_MODEL_LEN,
                           async_scheduling=async_scheduling)
