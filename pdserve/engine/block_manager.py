@@ -188,7 +188,7 @@ class KVCacheManager:
         num_full = num_tokens // self.block_size
         if len(hashes) < num_full:
             bs = self.block_size
-            hashes.extend(block_hashes(request.all_token_ids[len(hashes) * bs : num_full * bs], bs,
+            hashes.extend(block_hashes(request.token_ids(len(hashes) * bs, num_full * bs), bs,
                                        hashes[-1] if hashes else _ROOT_HASH))
         return hashes
 

@@ -123,16 +123,9 @@ def _round_next(sched: "Scheduler", running_step: SchedulerOutput) -> bool:
 def _scheduled(req: Request, start: int, num_new: int, pending: bool) -> ScheduledRequest:
     """``req``'s tokens ``start .. start + num_new - 1``; with ``pending``, the one token is the
     placeholder of the output sampled by the running step."""
-    if pending:
-        token_ids = [PLACEHOLDER_TOKEN]
-    elif start >= req.num_prompt_tokens:
-        p = req.num_prompt_tokens
-        token_ids = req.output_token_ids[start - p : start - p + num_new]
-    else:
-        token_ids = req.all_token_ids[start : start + num_new]
     return ScheduledRequest(
         req_id=req.request_id,
-        token_ids=token_ids,
+        token_ids=[PLACEHOLDER_TOKEN] if pending else req.token_ids(start, start + num_new),
         num_computed_tokens=start,
         block_ids=req.block_ids,
         sample=start + num_new == req.num_tokens + pending,

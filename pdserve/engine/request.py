@@ -98,5 +98,15 @@ class Request:
         """Prompt followed by output tokens (a new list)."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``start .. end - 1`` of :attr:`all_token_ids` (a new list), without copying
+        the whole sequence first."""
+        p = self.num_prompt_tokens
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     def is_finished(self) -> bool:
         return self.status.finished

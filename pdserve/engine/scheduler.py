@@ -220,14 +220,10 @@ class Scheduler:
         """Append ``req``'s next ``num_new`` tokens (from ``num_computed_tokens`` on) to ``out``."""
         start = req.num_computed_tokens
         end = start + num_new
-        if start >= req.num_prompt_tokens:
-            token_ids = req.output_token_ids[start - req.num_prompt_tokens : end - req.num_prompt_tokens]
-        else:
-            token_ids = req.all_token_ids[start:end]
         out.scheduled.append(
             ScheduledRequest(
                 req_id=req.request_id,
-                token_ids=token_ids,
+                token_ids=req.token_ids(start, end),
                 num_computed_tokens=start,
                 block_ids=req.block_ids,
                 sample=end == req.num_tokens,
