@@ -67,8 +67,9 @@ def schedule_overlapped(sched: "Scheduler", running_step: SchedulerOutput) -> Sc
         return None
     in_step = {sr.req_id: sr for sr in running_step.scheduled}
     # (request, first position to compute, tokens known to the host + in flight, whether the
-    # last of those is in flight)
-    plan: list[tuple[Request, int, int, bool]] = []
+    # last of those is in flight); decodes first, then prefills, each in running order
+    decodes: list[tuple[Request, int, int, bool]] = []
+    prefills: list[tuple[Request, int, int, bool]] = []
     for req in sched.running:
         sr = in_step.get(req.request_id)
         start = req.num_computed_tokens
@@ -85,13 +86,12 @@ def schedule_overlapped(sched: "Scheduler", running_step: SchedulerOutput) -> Sc
                 total += 1
         if start >= total:
             continue
-        plan.append((req, start, total, pending))
-    plan.sort(key=lambda item: item[1] < item[0].num_prompt_tokens)  # decodes first, stable
+        (prefills if start < req.num_prompt_tokens else decodes).append((req, start, total, pending))
 
     out = SchedulerOutput()
     budget = sched.max_num_batched_tokens
     kvm = sched.kv_cache_manager
-    for req, start, total, pending in plan:
+    for req, start, total, pending in decodes + prefills:
         if budget <= 0:
             break
         num_new = min(total - start, budget)
