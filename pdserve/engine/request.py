@@ -39,9 +39,11 @@ class RequestStatus(enum.Enum):
         }.get(self)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One sequence being served by the engine core.
+    """One sequence being served by the engine core. Requests compare (and hash) by identity:
+    removing one from the scheduler's queues finds it without comparing every field of the
+    requests before it.
 
     Attributes:
         request_id: unique id (the front end derives child ids for ``n`` > 1).
