@@ -188,7 +188,7 @@ class KVCacheManager:
         num_full = num_tokens // self.block_size
         if len(hashes) < num_full:
             bs = self.block_size
-            hashes.extend(block_hashes(request.all_token_ids[len(hashes) * bs : num_full * bs], bs,
+            hashes.extend(block_hashes(request.token_ids(len(hashes) * bs, num_full * bs), bs,
                                        hashes[-1] if hashes else _ROOT_HASH))
         return hashes
 
@@ -235,11 +235,13 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
+        done = self._req_num_cached.get(rid, 0)
+        if num_computed_tokens // self.block_size <= done:
+            return  # no block filled since the last call (most decode steps)
         blocks = self._req_blocks.get(rid)
         if not blocks:
             return
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
-        done = self._req_num_cached.get(rid, 0)
         if num_full <= done:
             return
         hashes = self._request_hashes(request, num_full * self.block_size)

@@ -49,8 +49,9 @@ def uses_penalties_params(sp: SamplingParams) -> bool:
 def finishes_by_length(sched: "Scheduler", req: Request) -> bool:
     """True when the token ``req`` samples in the step now running certainly finishes it
     (``max_tokens`` or ``max_model_len`` reached, whatever the token is)."""
-    return (req.num_output_tokens + 1 >= req.sampling_params.max_tokens
-            or req.num_tokens + 1 >= sched.max_model_len)
+    num_output_tokens = len(req.output_token_ids)
+    return (num_output_tokens + 1 >= req.sampling_params.max_tokens
+            or req.num_prompt_tokens + num_output_tokens + 1 >= sched.max_model_len)
 
 
 def schedule_overlapped(sched: "Scheduler", running_step: SchedulerOutput) -> SchedulerOutput | None:
@@ -65,33 +66,39 @@ def schedule_overlapped(sched: "Scheduler", running_step: SchedulerOutput) -> Sc
     if running_step.num_steps > 1 or sched.remote_kv.sync_loads or _round_next(sched, running_step):
         return None
     in_step = {sr.req_id: sr for sr in running_step.scheduled}
-    # (request, first position to compute, tokens known to the host + in flight)
-    plan: list[tuple[Request, int, bool]] = []
+    # (request, first position to compute, tokens known to the host + in flight, whether the
+    # last of those is in flight); decodes first, then prefills, each in running order
+    decodes: list[tuple[Request, int, int, bool]] = []
+    prefills: list[tuple[Request, int, int, bool]] = []
     for req in sched.running:
         sr = in_step.get(req.request_id)
-        start = req.num_computed_tokens + (len(sr.token_ids) if sr is not None else 0)
-        pending = sr is not None and sr.sample
-        if pending:
-            if finishes_by_length(sched, req):
-                continue
-            if uses_penalties(req):
-                return None
-        if start >= req.num_tokens + pending:
+        start = req.num_computed_tokens
+        total = req.num_tokens
+        pending = False
+        if sr is not None:
+            start += len(sr.token_ids)
+            if sr.sample:
+                if finishes_by_length(sched, req):
+                    continue
+                if uses_penalties(req):
+                    return None
+                pending = True
+                total += 1
+        if start >= total:
             continue
-        plan.append((req, start, pending))
-    plan.sort(key=lambda item: item[1] < item[0].num_prompt_tokens)  # decodes first, stable
+        (prefills if start < req.num_prompt_tokens else decodes).append((req, start, total, pending))
 
     out = SchedulerOutput()
     budget = sched.max_num_batched_tokens
     kvm = sched.kv_cache_manager
-    for req, start, pending in plan:
+    for req, start, total, pending in decodes + prefills:
         if budget <= 0:
             break
-        num_new = min(req.num_tokens + pending - start, budget)
+        num_new = min(total - start, budget)
         # room for the in-flight step's tokens too: num_computed_tokens is not advanced yet
         if kvm.allocate_slots(req, start - req.num_computed_tokens + num_new) is None:
             return None  # preemption: only the synchronous path preempts
-        out.scheduled.append(_scheduled(req, start, num_new, pending))
+        out.scheduled.append(_scheduled(req, start, num_new, total, pending))
         budget -= num_new
     budget = admit_waiting(sched, out, budget)
     if not out.scheduled:
@@ -120,27 +127,21 @@ def _round_next(sched: "Scheduler", running_step: SchedulerOutput) -> bool:
     return True
 
 
-def _scheduled(req: Request, start: int, num_new: int, pending: bool) -> ScheduledRequest:
-    """``req``'s tokens ``start .. start + num_new - 1``; with ``pending``, the one token is the
-    placeholder of the output sampled by the running step."""
-    if pending:
-        token_ids = [PLACEHOLDER_TOKEN]
-    elif start >= req.num_prompt_tokens:
-        p = req.num_prompt_tokens
-        token_ids = req.output_token_ids[start - p : start - p + num_new]
-    else:
-        token_ids = req.all_token_ids[start : start + num_new]
+def _scheduled(req: Request, start: int, num_new: int, total: int, pending: bool) -> ScheduledRequest:
+    """``req``'s tokens ``start .. start + num_new - 1`` of ``total`` (known to the host plus
+    the one in flight); with ``pending``, the one token is the placeholder of the output
+    sampled by the running step."""
     return ScheduledRequest(
         req_id=req.request_id,
-        token_ids=token_ids,
+        token_ids=[PLACEHOLDER_TOKEN] if pending else req.token_ids(start, start + num_new),
         num_computed_tokens=start,
         block_ids=req.block_ids,
-        sample=start + num_new == req.num_tokens + pending,
+        sample=start + num_new == total,
         sampling_params=req.sampling_params,
         prompt_token_ids=req.prompt_token_ids,
         output_token_ids=req.output_token_ids,
         eos_token_id=req.eos_token_id,
         input_from_previous_step=pending,
-        num_output_tokens=req.num_output_tokens + pending if pending else -1,
+        num_output_tokens=len(req.output_token_ids) + 1 if pending else -1,
     )
 

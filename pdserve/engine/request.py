@@ -39,13 +39,16 @@ class RequestStatus(enum.Enum):
         }.get(self)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One sequence being served by the engine core.
+    """One sequence being served by the engine core. Requests compare (and hash) by identity:
+    removing one from the scheduler's queues finds it without comparing every field of the
+    requests before it.
 
     Attributes:
         request_id: unique id (the front end derives child ids for ``n`` > 1).
-        prompt_token_ids: prompt tokens, length ``num_prompt_tokens``.
+        prompt_token_ids: prompt tokens, length ``num_prompt_tokens``; not changed after
+            creation.
         sampling_params: how to sample and when to stop.
         kv_transfer_params: the request's parsed ``kv_transfer_params``
             (:class:`~pdserve.kv_transfer.params.KVTransferParams`) or None; the connector
@@ -59,6 +62,8 @@ class Request:
         block_ids: the request's block table (physical block ids, in token order).
         arrival_time: ``time.monotonic()`` at arrival (seconds).
         error: a human-readable reason when ``status`` is ``FINISHED_ERROR``.
+        num_prompt_tokens: ``len(prompt_token_ids)``, set once at creation (the scheduler
+            reads it several times per request and step).
     """
 
     request_id: str
@@ -76,10 +81,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     error: str | None = None
+    num_prompt_tokens: int = field(init=False)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -88,12 +93,22 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
         """Prompt followed by output tokens (a new list)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``start .. end - 1`` of :attr:`all_token_ids` (a new list), without copying
+        the whole sequence first."""
+        p = self.num_prompt_tokens
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     def is_finished(self) -> bool:
         return self.status.finished

@@ -220,14 +220,10 @@ class Scheduler:
         """Append ``req``'s next ``num_new`` tokens (from ``num_computed_tokens`` on) to ``out``."""
         start = req.num_computed_tokens
         end = start + num_new
-        if start >= req.num_prompt_tokens:
-            token_ids = req.output_token_ids[start - req.num_prompt_tokens : end - req.num_prompt_tokens]
-        else:
-            token_ids = req.all_token_ids[start:end]
         out.scheduled.append(
             ScheduledRequest(
                 req_id=req.request_id,
-                token_ids=token_ids,
+                token_ids=req.token_ids(start, end),
                 num_computed_tokens=start,
                 block_ids=req.block_ids,
                 sample=end == req.num_tokens,
@@ -272,6 +268,9 @@ class Scheduler:
         invalid = set(kv_out.invalid_block_ids) if kv_out is not None else set()
         kvm = self.kv_cache_manager
         remote_kv = self.remote_kv
+        sync_loads = remote_kv.sync_loads  # usually empty: no KV loaded in this step
+        multi_step = sched.num_steps > 1
+        sampled, logprobs = out.sampled_token_ids, out.logprobs
 
         for sr in sched.scheduled:
             req = self.requests.get(sr.req_id)
@@ -282,28 +281,30 @@ class Scheduler:
                 if failed is not None:
                     outputs.extend(failed)
                     continue
-            if sched.num_steps > 1:
+            if multi_step:
                 outputs.append(commit_multi_step(self, req, out.sampled_token_id_lists.get(sr.req_id)))
                 continue
-            num_new = len(sr.token_ids)
             start = req.num_computed_tokens
-            req.num_computed_tokens = start + num_new
+            end = start + len(sr.token_ids)
+            req.num_computed_tokens = end
             if start < req.num_prompt_tokens:
-                self.prompt_tokens_computed_total += min(req.num_computed_tokens, req.num_prompt_tokens) - start
-            remote_kv.commit_sync_load(req)
-            kvm.cache_blocks(req, req.num_computed_tokens)
+                self.prompt_tokens_computed_total += min(end, req.num_prompt_tokens) - start
+            if sync_loads:
+                remote_kv.commit_sync_load(req)
+            kvm.cache_blocks(req, end)
             if not sr.sample:
                 continue
-            token = out.sampled_token_ids.get(sr.req_id)
+            token = sampled.get(sr.req_id)
             if token is None:
                 self.running.remove(req)
                 outputs.append(
                     self.finish(req, RequestStatus.FINISHED_ERROR, "the model runner sampled no token")
                 )
                 continue
-            outputs.append(self.append_token(req, token, out.logprobs.get(sr.req_id)))
-        for sr in sched.scheduled:  # not clear(): an overlapped next step may have loads too
-            remote_kv.sync_loads.pop(sr.req_id, None)
+            outputs.append(self.append_token(req, token, logprobs.get(sr.req_id)))
+        if sync_loads:  # not clear(): an overlapped next step may have loads too
+            for sr in sched.scheduled:
+                sync_loads.pop(sr.req_id, None)
 
         if kv_out is not None:
             outputs.extend(remote_kv.process_kv_output(kv_out, invalid))
@@ -325,13 +326,13 @@ class Scheduler:
             req.first_token_time = time.monotonic()
         self.generation_tokens_total += 1
         sp = req.sampling_params
-        n_out = req.num_output_tokens
+        n_out = len(req.output_token_ids)
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and (token == req.eos_token_id or token in self.eos_token_ids):
                 return RequestStatus.FINISHED_STOPPED, None
             if token in sp.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token
-        if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= sp.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 
