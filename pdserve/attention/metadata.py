@@ -157,7 +157,7 @@ def build_attention_metadata(
     spans: list[PrefillSpan] = []
     start = 0
     if prefills:
-        dev_tables = torch.cat(tables).to(device).split([len(t) for t in tables])
+        dev_tables = torch.cat(tables).to(device, non_blocking=True).split([len(t) for t in tables])
         for (num_computed, _, query_len), table in zip(prefills, dev_tables):
             ctx = num_computed + query_len
             mask = None
@@ -190,17 +190,17 @@ def build_attention_metadata(
 
     slot_mapping = (
         torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64)
-    ).to(device)
+    ).to(device, non_blocking=True)
     cu_q = cu_k = kv_block = kv_offset = None
     if prefills:
         zero = torch.zeros(1, dtype=torch.int32)
         q_lens = int_tensor(query_lens, torch.int32)
         k_lens = int_tensor(context_lens, torch.int32) if any_cached else q_lens
         cu = torch.cat([zero, q_lens.cumsum(0, dtype=torch.int32),
-                        zero, k_lens.cumsum(0, dtype=torch.int32)]).to(device)
+                        zero, k_lens.cumsum(0, dtype=torch.int32)]).to(device, non_blocking=True)
         cu_q, cu_k = cu[: len(prefills) + 1], cu[len(prefills) + 1:]
         if any_cached:
-            kv = torch.cat(kv_slots).to(device)
+            kv = torch.cat(kv_slots).to(device, non_blocking=True)
             kv_block, kv_offset = kv // block_size, kv % block_size
     return AttentionMetadata(
         slot_mapping=slot_mapping,
