@@ -153,5 +153,5 @@ def decode_with_graph(runner: "ModelRunner", decodes: list[ScheduledRequest],
         return [], None
     if len(sampled) != len(decodes):
         rows_idx = [i for i, r in enumerate(decodes) if r.sample]
-        logits = logits[torch.tensor(rows_idx, device=logits.device)]
+        logits = logits[int_tensor(rows_idx).to(logits.device, non_blocking=True)]
     return sampled, logits
