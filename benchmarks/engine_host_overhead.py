@@ -9,15 +9,16 @@ own (small) time is measured too and subtracted. Times are CPU time of the engin
 (``time.thread_time``), so that other processes on a shared machine disturb them less than
 they would wall time.
 
-The workload is ``benchmarks/offline_throughput.py``'s: ``--num-prompts`` requests (256) whose
-prompt and output lengths are drawn uniformly from ``--min-len .. --max-len`` (100..1024, seed
-0), random token ids, ``ignore_eos``, the engine's default limits (2048 batched tokens, 256
-sequences, 16-token blocks, prefix caching on) and enough KV blocks that nothing is preempted.
+The workload is shaped like ``benchmarks/offline_throughput.py``'s: ``--num-prompts`` requests
+(256) whose prompt and output lengths are drawn uniformly from ``--min-len .. --max-len``
+(100..1024; Python's ``random`` with seed 0, so not the same draws), random token ids,
+``ignore_eos``, the engine's default limits (2048 batched tokens, 256 sequences, 16-token
+blocks, prefix caching on) and enough KV blocks that nothing is preempted.
 
-Each mode (overlapped scheduling, the engine default, and synchronous steps) runs ``--repeats``
-times (3) on the same requests, alternating, and the median (and the best run) is printed: host milliseconds per
-engine step and microseconds per generated token. ``--profile`` prints a cProfile top list of
-one more run per mode.
+Each mode (overlapped scheduling, the engine default, and synchronous steps) runs
+``--repeats`` times (3) on the same requests, alternating, and the median (and the best run)
+is printed: host milliseconds per engine step and microseconds per generated token.
+``--profile`` prints a cProfile top list of one more run per mode.
 
 Usage::
 
@@ -122,7 +123,8 @@ def run_once(prompts, params, async_scheduling: bool, profile: bool = False):
     """One ``generate`` over the workload; returns ``(host CPU s, steps, tokens, profile or
     None)``."""
     block_size = 16
-    num_blocks = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params)) // block_size + 2 * len(prompts)
+    num_tokens = sum(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+    num_blocks = num_tokens // block_size + 2 * len(prompts)
     num_blocks = max(num_blocks, MAX_MODEL_LEN // block_size)  # one request of max_model_len fits
     runner = InstantRunner(num_blocks, block_size)
     config = EngineConfig(model="instant", block_size=block_size, max_model_len=MAX_MODEL_LEN,
@@ -167,9 +169,10 @@ def main() -> int:
         seconds = statistics.median(s for s, _, _ in runs[m])
         best = min(s for s, _, _ in runs[m])
         _, steps, tokens = runs[m][0]
+        each = ", ".join(f"{s:.3f}" for s, _, _ in runs[m])
         print(f"{name:>10}: {steps} steps, {tokens} tokens, host {seconds:.3f} s: "
               f"{1e3 * seconds / steps:.3f} ms/step, {1e6 * seconds / tokens:.2f} us/token "
-              f"(best {1e6 * best / tokens:.2f} us/token; runs: {', '.join(f'{s:.3f}' for s, _, _ in runs[m])} s)")
+              f"(best {1e6 * best / tokens:.2f} us/token; runs: {each} s)")
     if args.profile:
         for m in modes:
             _, _, _, prof = run_once(prompts, params, m, profile=True)

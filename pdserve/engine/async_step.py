@@ -93,22 +93,22 @@ class OverlappedSteps:
         running, pending = self._running
         nxt = schedule_overlapped(sched, running)
         self._running = None
+        launched: frozenset[str] = frozenset()
         if nxt is not None:
-            self._launch(nxt, running)
+            launched = self._launch(nxt, running)
         out = pending.result()
         phase_trace.mark("core.result")
         outputs = sched.update_from_output(running, out)
-        kvm = sched.kv_cache_manager
-        kvm.set_in_flight({sr.req_id for sr in nxt.scheduled} if nxt is not None else set())
+        sched.kv_cache_manager.set_in_flight(launched)
         return outputs, True, out
 
-    def _launch(self, step: SchedulerOutput, running: SchedulerOutput | None) -> None:
+    def _launch(self, step: SchedulerOutput, running: SchedulerOutput | None) -> frozenset[str]:
         """Launch ``step``; the blocks of its requests and of ``running``'s stay held until they
-        are known to be done."""
+        are known to be done. Returns the ids of ``step``'s requests."""
         if phase_trace.enabled():
             phase_trace.mark(launch_phase(step))
-        ids = {sr.req_id for sr in step.scheduled}
-        if running is not None:
-            ids.update(sr.req_id for sr in running.scheduled)
-        self.scheduler.kv_cache_manager.set_in_flight(ids)
+        ids = frozenset([sr.req_id for sr in step.scheduled])
+        held = ids if running is None else ids.union([sr.req_id for sr in running.scheduled])
+        self.scheduler.kv_cache_manager.set_in_flight(held)
         self._running = (step, self.runner.execute_async(step))
+        return ids
