@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 from dataclasses import dataclass, field
@@ -45,25 +44,6 @@ class GenerationOutput:
     error: str | None = None
 
 
-@contextlib.contextmanager
-def _older_objects_frozen():
-    """Leave the objects that exist on entry (the model, the caches, imported modules, the
-    caller's data) out of the garbage collector's passes until exit, as the engine-core process
-    does for its whole life (pdserve/engine/core_loop.py): each step allocates objects, so full
-    passes come during generation, and over a process with torch imported one takes about 0.1 s
-    of host time in which no step is launched. Objects made inside are collected as usual; the
-    older ones are handed back to the collector on exit. Nothing is changed when the collector
-    is off or objects are frozen already (the caller's freeze is left as it is)."""
-    if not gc.isenabled() or gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 class LLMEngine:
     """Runs an :class:`EngineCore` in the calling thread.
 
@@ -76,6 +56,18 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, runner: Any = None, connectors: tuple[Any, Any] | None = None):
         self.core = EngineCore(config, runner=runner, connectors=connectors)
         self._next_id = 0
+        # The model, caches and imported modules live as long as the engine: as the engine-core
+        # process does for its whole life (pdserve/engine/core_loop.py), they sit out the
+        # garbage collector's passes until shutdown. Each step allocates objects, so full passes
+        # come during generation, and over a process with torch imported one took about 90 ms
+        # in which no step is launched (H200, benchmarks/offline_throughput.py --watch-pauses;
+        # freezing only inside generate() without the collect first still let two such passes
+        # into a timed run under Python 3.12). Nothing is changed when the collector is off or
+        # objects are frozen already (the caller's freeze is left as it is).
+        self._froze_objects = gc.isenabled() and not gc.get_freeze_count()
+        if self._froze_objects:
+            gc.collect()  # start-up's own garbage is freed, not frozen
+            gc.freeze()
 
     @property
     def scheduler(self):
@@ -92,8 +84,7 @@ class LLMEngine:
         kv_transfer_params: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[GenerationOutput]:
         """Generate for all prompts at once (continuous batching) and return results in prompt
-        order. While it steps, the objects older than the call sit out the garbage collector's
-        passes (:func:`_older_objects_frozen`).
+        order.
 
         Args:
             prompts: token id lists.
@@ -129,25 +120,24 @@ class LLMEngine:
             if rejected is not None:
                 res.finish_reason, res.error = rejected.finish_reason, rejected.error
         pending = {rid for rid in order if results[rid].finish_reason is None}
-        with _older_objects_frozen():
-            while pending:
-                outputs, progressed = self.core.step()
-                if not progressed and not outputs:
-                    time.sleep(0.001)  # only transfers pending: poll without spinning
-                for o in outputs:
-                    res = results.get(o.request_id)
-                    if res is None:
-                        continue
-                    res.token_ids.extend(o.new_token_ids)
-                    res.logprobs.extend(o.new_logprobs)
-                    res.num_cached_tokens = o.num_cached_tokens
-                    res.num_transferred_tokens = o.num_transferred_tokens
-                    if o.finish_reason is not None:
-                        res.finish_reason = o.finish_reason
-                        res.stop_reason = o.stop_reason
-                        res.kv_transfer_params = o.kv_transfer_params
-                        res.error = o.error
-                        pending.discard(o.request_id)
+        while pending:
+            outputs, progressed = self.core.step()
+            if not progressed and not outputs:
+                time.sleep(0.001)  # only transfers pending: poll without spinning
+            for o in outputs:
+                res = results.get(o.request_id)
+                if res is None:
+                    continue
+                res.token_ids.extend(o.new_token_ids)
+                res.logprobs.extend(o.new_logprobs)
+                res.num_cached_tokens = o.num_cached_tokens
+                res.num_transferred_tokens = o.num_transferred_tokens
+                if o.finish_reason is not None:
+                    res.finish_reason = o.finish_reason
+                    res.stop_reason = o.stop_reason
+                    res.kv_transfer_params = o.kv_transfer_params
+                    res.error = o.error
+                    pending.discard(o.request_id)
         return [results[rid] for rid in order]
 
     def drain_kv_work(self, timeout_s: float = 60.0) -> None:
@@ -169,4 +159,8 @@ class LLMEngine:
         return self.core.stats()
 
     def shutdown(self) -> None:
+        """Stop the engine core; objects frozen at construction go back to the collector."""
         self.core.shutdown()
+        if self._froze_objects:
+            self._froze_objects = False
+            gc.unfreeze()

@@ -1,5 +1,5 @@
-"""LLMEngine.generate leaves the objects older than the call out of the garbage collector's
-passes while it steps, and hands them back when it returns."""
+"""LLMEngine keeps the objects that exist at its construction out of the garbage collector's
+passes until shutdown (as the engine-core process does), and leaves a caller's freeze alone."""
 
 from __future__ import annotations
 
@@ -28,25 +28,42 @@ def _engine_seeing_freeze_counts() -> tuple[LLMEngine, list[int]]:
     return LLMEngine(engine_fakes.make_config(), runner=runner), counts
 
 
-def test_older_objects_are_frozen_during_generate_only():
+def test_objects_are_frozen_from_construction_to_shutdown():
     if gc.get_freeze_count():
         pytest.skip("objects are frozen already in this process")
     engine, counts = _engine_seeing_freeze_counts()
+    # (frozen objects still die by reference counting: the count may only shrink)
+    assert gc.get_freeze_count() > 0  # the model, caches and modules sit out the passes
     out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=6))
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 6
-    assert counts and all(c > 0 for c in counts), counts  # the model and caches sat out
-    assert gc.get_freeze_count() == 0  # all handed back
+    assert counts and all(c > 0 for c in counts), counts  # while it steps
+    assert gc.get_freeze_count() > 0  # still frozen between calls
     engine.shutdown()
+    assert gc.get_freeze_count() == 0  # all handed back
+    engine.shutdown()  # a second shutdown unfreezes nothing more
+    assert gc.get_freeze_count() == 0
 
 
 def test_a_callers_freeze_is_left_alone():
-    engine, counts = _engine_seeing_freeze_counts()
     gc.collect()
     gc.freeze()
     try:
+        engine, counts = _engine_seeing_freeze_counts()
         engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))
         assert counts and all(c > 0 for c in counts)
-        assert gc.get_freeze_count() > 0  # not unfrozen by generate
+        engine.shutdown()
+        assert gc.get_freeze_count() > 0  # not unfrozen by the engine
     finally:
         gc.unfreeze()
+
+
+def test_nothing_is_frozen_with_the_collector_off():
+    if gc.get_freeze_count():
+        pytest.skip("objects are frozen already in this process")
+    gc.disable()
+    try:
+        engine, _ = _engine_seeing_freeze_counts()
+        assert gc.get_freeze_count() == 0
         engine.shutdown()
+    finally:
+        gc.enable()
