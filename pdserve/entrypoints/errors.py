@@ -113,6 +113,8 @@ def validation_error_to_openai(errors: list[dict[str, Any]]) -> OpenAIError:
     if not loc:
         if kind == "missing":
             return bad_request("The request body is missing; send a JSON object.")
+        if kind in ("value_error", "assertion_error"):  # a check of the whole request
+            return bad_request(_clean_msg(str(err.get("msg", "invalid request"))))
         return bad_request(f"The request body must be a JSON object: {_clean_msg(err['msg'])}")
     # Drop pydantic's union-member tags such as "str" / "list[int]" / "function-after[...]".
     path = [p for p in loc if not (("[" in p and "]" in p) or p in ("str", "int", "float", "bool"))]

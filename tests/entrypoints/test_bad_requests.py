@@ -129,6 +129,14 @@ async def test_body_not_an_object_is_400(client: httpx.AsyncClient, raw: bytes) 
     assert_openai_error(r, 400, "BadRequestError", message_has="JSON object")
 
 
+async def test_whole_request_check_is_400_with_its_own_message(client: httpx.AsyncClient) -> None:
+    """A check across fields (a model validator, no field location) says what is wrong, not
+    that the body is not a JSON object."""
+    r = await client.post(CHAT, json={"messages": USER_HI, "top_logprobs": 2})
+    assert_openai_error(r, 400, "BadRequestError")
+    assert r.json()["error"]["message"] == "top_logprobs requires logprobs=true"
+
+
 async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
     for path, body in ((COMPLETIONS, {"prompt": "x"}), (CHAT, {"messages": USER_HI})):
         r = await client.post(path, json={**body, "model": "gpt-17"})
