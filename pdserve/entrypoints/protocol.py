@@ -32,9 +32,10 @@ MAX_LOGPROBS = 20
 
 
 class _Request(BaseModel):
-    """Base of request bodies: strict types for known fields, unknown fields allowed."""
+    """Base of request bodies: strict types for known fields (floats finite), unknown fields
+    allowed."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):

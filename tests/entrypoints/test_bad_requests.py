@@ -129,6 +129,18 @@ async def test_body_not_an_object_is_400(client: httpx.AsyncClient, raw: bytes) 
     assert_openai_error(r, 400, "BadRequestError", message_has="JSON object")
 
 
+@pytest.mark.parametrize("raw,param", [(b'{"prompt": "x", "temperature": NaN}', "temperature"),
+                                       (b'{"prompt": "x", "repetition_penalty": Infinity}',
+                                        "repetition_penalty")])
+async def test_non_finite_floats_are_400(client: httpx.AsyncClient, fake_engine: FakeEngine,
+                                         raw: bytes, param: str) -> None:
+    """Python's JSON reader accepts NaN and Infinity: such a sampling value is refused as not
+    finite (not, e.g., as above a bound it is not above)."""
+    r = await client.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, "BadRequestError", param=param, message_has="finite")
+    assert fake_engine.calls == {}
+
+
 async def test_whole_request_check_is_400_with_its_own_message(client: httpx.AsyncClient) -> None:
     """A check across fields (a model validator, no field location) says what is wrong, not
     that the body is not a JSON object."""
