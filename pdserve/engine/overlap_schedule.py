@@ -30,20 +30,9 @@ from typing import TYPE_CHECKING
 from pdserve.engine.admission import admit_waiting
 from pdserve.engine.outputs import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import Scheduler
-
-
-def uses_penalties(req: Request) -> bool:
-    """True when the request's next token depends on the values of its earlier tokens."""
-    return uses_penalties_params(req.sampling_params)
-
-
-def uses_penalties_params(sp: SamplingParams) -> bool:
-    """True when sampling with ``sp`` applies a repetition, presence or frequency penalty."""
-    return sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
 
 
 def finishes_by_length(sched: "Scheduler", req: Request) -> bool:
@@ -80,7 +69,7 @@ def schedule_overlapped(sched: "Scheduler", running_step: SchedulerOutput) -> Sc
             if sr.sample:
                 if finishes_by_length(sched, req):
                     continue
-                if uses_penalties(req):
+                if req.sampling_params.uses_penalties:
                     return None
                 pending = True
                 total += 1
@@ -122,7 +111,7 @@ def _round_next(sched: "Scheduler", running_step: SchedulerOutput) -> bool:
     for sr in running_step.scheduled:
         sp = sr.sampling_params
         if (not sr.sample or len(sr.token_ids) != 1 or sp.logprobs is not None
-                or uses_penalties_params(sp) or sr.output_position() + 1 < sp.min_tokens):
+                or sp.uses_penalties or sr.output_position() + 1 < sp.min_tokens):
             return False
     return True
 

@@ -54,6 +54,13 @@ class SamplingParams:
         """True when sampling reduces to argmax (temperature 0)."""
         return self.temperature == 0.0
 
+    @property
+    def uses_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty applies: the next token then
+        depends on the values of the earlier ones."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
     def validate(self) -> None:
         """Check ranges.
 

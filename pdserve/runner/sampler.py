@@ -103,7 +103,7 @@ class Sampler:
         """
         params = [r.sampling_params for r in reqs]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want_lp or any(_has_penalty(p) for p in params) or _any_min_tokens(reqs):
+        if want_lp or any(p.uses_penalties for p in params) or _any_min_tokens(reqs):
             logits = _float32_copy(logits)
             apply_penalties(logits, reqs)
             apply_min_tokens(logits, reqs)
@@ -132,7 +132,7 @@ class Sampler:
     def samples_on_host(reqs: Sequence[ScheduledRequest]) -> bool:
         """True when :meth:`sample` must read tokens on the host (logprobs) or needs output
         token values (penalties); otherwise :meth:`sample_on_device` gives the same tokens."""
-        return any(r.sampling_params.logprobs is not None or _has_penalty(r.sampling_params)
+        return any(r.sampling_params.logprobs is not None or r.sampling_params.uses_penalties
                    for r in reqs)
 
     @torch.inference_mode()
@@ -333,14 +333,15 @@ class SamplingPlan:
     unit_temperatures: torch.Tensor | None = None
 
 
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+def _below_min_tokens(r: ScheduledRequest) -> bool:
+    """True when ``r`` samples a token before its ``min_tokens`` are out (EOS and stop tokens
+    are then masked)."""
+    return bool(r.sampling_params.min_tokens) and r.output_position() < r.sampling_params.min_tokens
 
 
 def _any_min_tokens(reqs: Sequence[ScheduledRequest]) -> bool:
     """True when some request is still below its ``min_tokens`` (:func:`apply_min_tokens`)."""
-    return any(r.sampling_params.min_tokens and r.output_position() < r.sampling_params.min_tokens
-               for r in reqs)
+    return any(_below_min_tokens(r) for r in reqs)
 
 
 def _float32_copy(logits: torch.Tensor) -> torch.Tensor:
@@ -353,10 +354,7 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> N
 
     Only rows whose request uses a penalty are touched.
     """
-    rows = [i for i, r in enumerate(reqs)
-            if r.sampling_params.repetition_penalty != 1.0
-            or r.sampling_params.presence_penalty != 0.0
-            or r.sampling_params.frequency_penalty != 0.0]
+    rows = [i for i, r in enumerate(reqs) if r.sampling_params.uses_penalties]
     if not rows:
         return
     vocab = logits.shape[1]
@@ -389,8 +387,8 @@ def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> 
     cols: list[int] = []
     vocab = logits.shape[1]
     for i, r in enumerate(reqs):
-        p = r.sampling_params
-        if p.min_tokens and r.output_position() < p.min_tokens:
+        if _below_min_tokens(r):
+            p = r.sampling_params
             ids = list(p.stop_token_ids)
             if r.eos_token_id is not None:
                 ids.append(r.eos_token_id)
