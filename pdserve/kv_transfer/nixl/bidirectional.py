@@ -160,9 +160,10 @@ def decoder_keep_blocks(
         return None
     kept = list(block_ids[:num_blocks])
     now = time.time() if now is None else now
-    hashes = block_hashes(request.all_token_ids[:num_tokens], block_size)
+    tokens = request.token_ids(0, num_tokens)
+    hashes = block_hashes(tokens, block_size)
     spec = SendSpec(req_id=request.request_id, block_ids=kept, lease_duration=ttl_s,
-                    renew_on_heartbeat=False, token_ids=list(request.all_token_ids[:num_tokens]))
+                    renew_on_heartbeat=False, token_ids=tokens)
     params = decoder_turn_params(engine_id, kept, num_tokens, encode_block_hashes(hashes),
                                  now + ttl_s, host, port, request.request_id, tp_size)
     return spec, params

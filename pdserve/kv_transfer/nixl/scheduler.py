@@ -282,7 +282,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             error=error,
             min_lease_left_s=PULL_SAFETY_MARGIN_S if plan.kind is LoadKind.PULL else 0.0,
             digest_tokens=end,
-            token_digest=token_digest(request.all_token_ids[:end]),
+            token_digest=token_digest(request.token_ids(0, end)),
             first_token=(request.kv_transfer_params.first_token
                          if plan.kind is LoadKind.PREFILL and end >= request.num_tokens
                          and may_use_first_token(request) else None),
