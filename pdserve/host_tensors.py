@@ -43,6 +43,5 @@ def padded_rows(rows: list[list[int]], width: int, dtype: torch.dtype = torch.in
     """
     out = np.zeros((len(rows), width), dtype=_NUMPY_DTYPES[dtype])
     for i, row in enumerate(rows):
-        n = min(len(row), width)
-        out[i, :n] = row[:n] if n < len(row) else row
+        out[i, :min(len(row), width)] = row[:width]
     return torch.from_numpy(out)

@@ -138,7 +138,7 @@ def build_attention_metadata(
                 f"block table of {len(block_ids)} blocks cannot hold {ctx} tokens "
                 f"(block_size {block_size})"
             )
-        table = int_tensor(block_ids[:num_blocks] if len(block_ids) > num_blocks else block_ids)
+        table = int_tensor(block_ids[:num_blocks])
         if any_cached:
             # Slots of the whole context (positions 0 .. ctx - 1): the keys of the packed
             # prefill attention; the new tokens are its tail.
