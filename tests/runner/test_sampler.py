@@ -11,13 +11,13 @@ import torch
 
 from pdserve.engine.outputs import ScheduledRequest
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.runner.sampler import (
-    Sampler,
+from pdserve.runner.logits_processors import (
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p,
 )
+from pdserve.runner.sampler import Sampler
 
 CPU = torch.device("cpu")
 
