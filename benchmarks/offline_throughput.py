@@ -201,6 +201,8 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace,
         kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
         async_scheduling=async_scheduling,
     )
+    if args.piecewise_cuda_graph_max_tokens is not None:
+        config.piecewise_cuda_graph_max_tokens = args.piecewise_cuda_graph_max_tokens
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     print(f"[{label}] engine ready in {time.perf_counter() - t0:.1f} s (async_scheduling "
@@ -324,6 +326,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="pdserve without CUDA graphs")
+    p.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None, metavar="N",
+                   help="pdserve's steps with prefills of up to N tokens replay CUDA graphs "
+                        "between attention calls (default: the engine's, 8192; 0: eager)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="pdserve's KV cache: 'auto' = --dtype, 'fp8' = float8 e4m3 (half the "
                         "bytes of bf16); transformers always uses --dtype")

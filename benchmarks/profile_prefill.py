@@ -41,6 +41,7 @@ from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.runner.model_runner import ModelRunner  # noqa: E402
+from pdserve.runner.piecewise_graphs import PiecewiseGraphs, piecewise_capture_sizes  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="every step is one prefill of --tokens new tokens after N tokens "
                         "already in the cache (a later turn of a multi-turn chat), plus the "
                         "decodes")
+    p.add_argument("--piecewise", action="store_true",
+                   help="time every mode twice: eagerly and with the stages between attentions "
+                        "replayed from CUDA graphs (pdserve/runner/piecewise_graphs.py; the "
+                        "engine's default), shown as MODE+graphs")
     return p.parse_args(argv)
 
 
@@ -169,6 +174,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"runner ready in {time.perf_counter() - t0:.1f} s ({num_blocks} KV blocks)",
               flush=True)
         attn = runner.model.attn_backend
+        pieces = None
+        if args.piecewise:
+            pieces = PiecewiseGraphs(runner.model, piecewise_capture_sizes(
+                args.tokens + args.decodes), capture=on_cuda)
+            pieces.capture()
+        variants = [(mode, False) for mode in modes]
+        if pieces is not None:
+            variants = [(mode, graphs) for mode in modes for graphs in (False, True)]
+
+        def label(mode: str, graphs: bool) -> str:
+            return mode + ("+graphs" if graphs else "")
 
         def run(sched: SchedulerOutput) -> float:
             t = time.perf_counter()
@@ -176,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             return time.perf_counter() - t
 
         summary = {}
-        for mode in modes:
+        for mode, graphs in variants:
             attn.prefill_mode = mode
+            runner.piecewise_graphs = pieces if graphs else None
             run(maker.step(chunked=True))  # warm-up: Triton compiles, allocator caches
             run(maker.step(chunked=False))
             times = []
@@ -185,22 +202,24 @@ def main(argv: list[str] | None = None) -> int:
                 sched = maker.step(chunked=i % 2 == 1)
                 dt = run(sched)
                 times.append(dt)
-                print(f"[{mode:>12}] step {i}: {dt * 1e3:8.1f} ms  {describe(sched)}  "
-                      f"(prefill attention: {attn.last_prefill_impl})", flush=True)
-            summary[mode] = times
+                print(f"[{label(mode, graphs):>15}] step {i}: {dt * 1e3:8.1f} ms  "
+                      f"{describe(sched)}  (prefill attention: {attn.last_prefill_impl})",
+                      flush=True)
+            summary[label(mode, graphs)] = times
 
         activities = [torch.profiler.ProfilerActivity.CPU]
         if on_cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         sort_by = "self_device_time_total" if on_cuda else "self_cpu_time_total"
-        for mode in modes:
+        for mode, graphs in variants:
             attn.prefill_mode = mode
+            runner.piecewise_graphs = pieces if graphs else None
             sched = maker.step(chunked=True)
             with torch.profiler.profile(activities=activities) as prof:
                 dt = run(sched)
             events = prof.key_averages()
             calls = sum(e.count for e in events)
-            print(f"\n=== profile, prefill mode {mode}: one step, {dt * 1e3:.1f} ms under the "
+            print(f"\n=== profile, prefill mode {label(mode, graphs)}: one step, {dt * 1e3:.1f} ms under the "
                   f"profiler, {describe(sched)}, {calls} operator calls ===")
             print(events.table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=60))
             if on_cuda:  # host-side costs (e.g. cuDNN plan builds) hide from the device table
@@ -211,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nsummary (ms per step over the timed steps):")
         for mode, times in summary.items():
             ts = sorted(times)
-            print(f"  {mode:>12}: mean {sum(ts) / len(ts) * 1e3:8.1f}, "
+            print(f"  {mode:>15}: mean {sum(ts) / len(ts) * 1e3:8.1f}, "
                   f"median {ts[len(ts) // 2] * 1e3:8.1f}, max {ts[-1] * 1e3:8.1f}")
         runner.shutdown()
     return 0

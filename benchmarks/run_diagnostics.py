@@ -152,8 +152,10 @@ class StepTimer:
 class PauseWatch:
     """Finds where the host stalls during the timed run: a watcher thread samples the engine
     thread's Python stack whenever one runner call, or the time between two runner calls, has
-    lasted ``threshold_ms``; garbage-collector passes of ``threshold_ms / 4`` or more and Triton
-    compilations (with their duration) are recorded too. :meth:`report` prints them."""
+    lasted ``threshold_ms``; garbage-collector passes of ``threshold_ms / 4`` or more (for a
+    full pass also how many objects, of which types, it left in the oldest generation: what the
+    next full pass walks again) and Triton compilations (with their duration) are recorded too.
+    :meth:`report` prints them."""
 
     def __init__(self, timer: "StepTimer", threshold_ms: float = 40.0):
         import gc
@@ -164,7 +166,8 @@ class PauseWatch:
         self.t0 = time.perf_counter()
         self.main = threading.get_ident()
         self.samples: list[tuple[float, str, str]] = []  # (seconds into run, where, stack)
-        self.gc_passes: list[tuple[float, int, float]] = []  # (t, generation, ms)
+        # (t, generation, ms, for a full pass: what is left in generation 2)
+        self.gc_passes: list[tuple[float, int, float, str]] = []
         self.compiles: list[tuple[float, str, float]] = []  # (t, kernel, ms)
         self._gc_start = 0.0
         self._stop = threading.Event()
@@ -198,7 +201,18 @@ class PauseWatch:
             return
         ms = (time.perf_counter() - self._gc_start) * 1e3
         if ms >= self.threshold * 250:
-            self.gc_passes.append((self._gc_start - self.t0, info.get("generation", -1), ms))
+            gen = info.get("generation", -1)
+            what = ""
+            if gen == 2:  # what the next full pass walks again: the survivors, by type
+                from collections import Counter
+
+                objs = self._gc.get_objects(2)
+                top = Counter(type(o).__qualname__ for o in objs).most_common(6)
+                what = (f"; {len(objs)} objects left in generation 2 "
+                        f"({self._gc.get_freeze_count()} frozen), most: "
+                        + ", ".join(f"{name} {n}" for name, n in top))
+                del objs
+            self.gc_passes.append((self._gc_start - self.t0, gen, ms, what))
 
     def _watch(self) -> None:
         import traceback
@@ -229,8 +243,8 @@ class PauseWatch:
         print(f"[pauses] host stalls over {self.threshold * 1e3:.0f} ms: {len(self.samples)}; "
               f"GC passes over {self.threshold * 250:.0f} ms: {len(self.gc_passes)}; "
               f"Triton compilations: {len(self.compiles)}", flush=True)
-        for t, gen, ms in self.gc_passes:
-            print(f"[pauses]   GC generation {gen} at {t:.3f} s: {ms:.1f} ms", flush=True)
+        for t, gen, ms, what in self.gc_passes:
+            print(f"[pauses]   GC generation {gen} at {t:.3f} s: {ms:.1f} ms{what}", flush=True)
         for t, name, ms in self.compiles:
             print(f"[pauses]   compiled {name} at {t:.3f} s: {ms:.1f} ms", flush=True)
         for t, where, text in self.samples:

@@ -71,6 +71,11 @@ class EngineConfig:
         kv_cache_memory: bytes reserved for the KV cache (CPU; on CUDA overrides the fraction).
         num_gpu_blocks_override: fixed number of KV blocks (tests).
         enforce_eager: disable CUDA graphs.
+        piecewise_cuda_graph_max_tokens: steps with prefill tokens of at most this many tokens
+            (and at most ``max_num_batched_tokens``) replay the model's stages between
+            attentions from CUDA graphs (:mod:`pdserve.runner.piecewise_graphs`; CUDA, not with
+            ``enforce_eager``); 0 runs every such step eagerly. The default, 8192, covers every
+            step of budgets up to 8192 tokens.
         num_scheduler_steps: decode steps run back to back per scheduling round when every
             running request is decoding (multi-step scheduling, as vLLM's option of that name):
             the sampled tokens stay on the GPU and feed the next step, and the host schedules
@@ -130,6 +135,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
+    piecewise_cuda_graph_max_tokens: int = 8192
     num_scheduler_steps: int = 1
     async_scheduling: bool = True
     kv_transfer_config: KVTransferConfig | None = None

@@ -79,7 +79,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Write this step's K/V of layer ``layer`` into the cache, then attend.
 
         Args:
@@ -93,7 +94,9 @@ class AttentionBackend(ABC):
                 ``q`` attends only to positions ``q - W + 1 .. q`` (the window of Mistral and of
                 Gemma 3's local layers, Hugging Face's ``kv_idx > q_idx - sliding_window``).
                 Keys outside the window stay in the cache; they are only not attended.
+            out: where to write the output (``[T, num_heads, head_dim]``, contiguous, the
+                query's dtype), e.g. a CUDA graph's static buffer; None allocates it.
 
         Returns:
-            ``[T, num_heads, head_dim]`` attention output.
+            ``[T, num_heads, head_dim]`` attention output (``out`` when given).
         """

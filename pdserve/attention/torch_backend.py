@@ -164,12 +164,14 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         sliding_window: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend (contract of
         :meth:`pdserve.attention.base.AttentionBackend.forward`)."""
         value = value.contiguous()
         write_kv(kv_cache, layer, key, value, meta, *self.kv_scale(layer))
-        out = torch.empty_like(query)
+        if out is None:
+            out = torch.empty_like(query)
         self._prefill_into(layer, query, key, value, kv_cache, meta, out, sliding_window)
         if meta.num_decodes:
             p = meta.num_prefill_tokens

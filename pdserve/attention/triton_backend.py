@@ -48,13 +48,14 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Same contract as :meth:`pdserve.attention.base.AttentionBackend.forward`; ``key`` and
         ``value`` may be strided views (e.g. into a fused QKV projection)."""
         k_scale, v_scale = self.kv_scale(layer)
         self._kv_cache_kernels.store_kv_cache(key, value, kv_cache, layer, meta.slot_mapping,
                                               k_scale, v_scale)
-        out = torch.empty_like(query)
+        if out is None:
+            out = torch.empty_like(query)
         self._prefill_into(layer, query, key, value, kv_cache, meta, out, sliding_window)
         if meta.num_decodes:
             p = meta.num_prefill_tokens

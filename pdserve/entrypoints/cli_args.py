@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.cli_types import (Parser, bind_port, fraction, parse_size, port, positive_float,
-                               positive_int)
+from pdserve.cli_types import (Parser, bind_port, fraction, non_negative_int, parse_size, port,
+                               positive_float, positive_int)
 from pdserve.config import DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, EngineConfig, KVCacheDtype
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpu-blocks-override", type=positive_int, default=None,
                    help="fixed number of KV cache blocks")
     p.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    p.add_argument("--piecewise-cuda-graph-max-tokens", type=non_negative_int, default=None,
+                   metavar="N",
+                   help="steps with prefills of at most N tokens replay the stages between "
+                        "attention calls from CUDA graphs (default 8192; 0: eager)")
     p.add_argument("--num-scheduler-steps", type=positive_int, default=None,
                    help="decode steps per scheduling round when all running requests decode "
                         "(multi-step scheduling; tokens stream in bursts of this many; default 1)")
@@ -131,7 +135,7 @@ def engine_config_from_args(args: argparse.Namespace, kv_transfer_config: Any) -
         data_parallel_join_timeout=args.data_parallel_join_timeout,
     )
     for name in ("max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization",
-                 "num_scheduler_steps", "async_scheduling"):
+                 "num_scheduler_steps", "async_scheduling", "piecewise_cuda_graph_max_tokens"):
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.attention.metadata import AttentionMetadata
 from pdserve.attention.selector import select_attention_backend
 from pdserve.layers import rotary
 from pdserve.layers.activation import GeluTanhAndMul
@@ -34,7 +33,7 @@ from pdserve.layers.embedding import LMHead, VocabEmbedding
 from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pdserve.layers.norm import GemmaRMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
-from pdserve.models.llama import ArchConfig, CausalLM
+from pdserve.models.llama import ArchConfig, CausalLM, DecoderLayer, LayerState, LlamaAttention
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -133,13 +132,14 @@ def gemma3_arch_config(hf: dict[str, Any], eos: list[int]) -> ArchConfig:
     )
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(LlamaAttention):
     """Grouped-query attention with Gemma's per-head q/k norm, the layer's rotary embedding and
-    window (None on global layers)."""
+    window (None on global layers); the KV write, attention and output projection of
+    :class:`~pdserve.models.llama.LlamaAttention`."""
 
     def __init__(self, cfg: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
                  dtype: torch.dtype, device: torch.device):
-        super().__init__()
+        nn.Module.__init__(self)  # LlamaAttention.__init__ would build Llama's norms
         d = cfg.head_dim
         self.layer_idx = layer_idx
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d,
@@ -155,19 +155,16 @@ class Gemma3Attention(nn.Module):
         self.sliding_window = cfg.layer_sliding_window(layer_idx)
         self.backend = None  # set by CausalLM.set_attention_backend
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """``hidden`` ``[T, hidden_size]`` (normalised) -> ``[T, hidden_size]``; writes this
-        layer's K/V of the step into ``kv_cache``."""
+    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``hidden`` ``[T, hidden_size]`` (normalised) -> normed, rotated queries
+        ``[T, num_heads, head_dim]`` and keys, and values ``[T, num_kv_heads, head_dim]``."""
         t = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
         q, k = self.rotary_emb(positions, q, k)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta,
-                                 sliding_window=self.sliding_window)
-        return self.o_proj(o.reshape(t, self.qkv_proj.q_size))
+        return q, k, v.view(t, self.num_kv_heads, self.head_dim)
 
 
 class Gemma3MLP(nn.Module):
@@ -185,13 +182,14 @@ class Gemma3MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
     """One Gemma 3 layer: ``h += post_norm(attn(pre_norm(h)))``, then
-    ``h += post_ff_norm(mlp(pre_ff_norm(h)))``."""
+    ``h += post_ff_norm(mlp(pre_ff_norm(h)))`` (the stages and ``forward`` of
+    :class:`~pdserve.models.llama.DecoderLayer`, with the stream as the state)."""
 
     def __init__(self, cfg: ArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
                  dtype: torch.dtype, device: torch.device):
-        super().__init__()
+        nn.Module.__init__(self)  # DecoderLayer.__init__ would build Llama's norms and MLP
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype, device)
         self.self_attn = Gemma3Attention(cfg, layer_idx, rotary_emb, dtype, device)
@@ -200,13 +198,20 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = Gemma3MLP(cfg, dtype, device)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """``hidden`` ``[T, hidden_size]`` (the residual stream) -> the next layer's stream."""
-        attn = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        hidden = hidden + self.post_attention_layernorm(attn)
+    def attention_inputs(self, positions: torch.Tensor, state: LayerState
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LayerState]:
+        """The pre-attention norm and the query/key/value projection of the stream
+        ``state = (hidden,)``; contract of :meth:`pdserve.models.llama.DecoderLayer.attention_inputs`
+        (the state handed on is the stream)."""
+        q, k, v = self.self_attn.project_qkv(positions, self.input_layernorm(state[0]))
+        return q, k, v, state
+
+    def attention_output(self, o: torch.Tensor, state: LayerState) -> LayerState:
+        """``h += post_norm(o_proj(o))``, then ``h += post_ff_norm(mlp(pre_ff_norm(h)))``:
+        the next layer's ``(stream,)``."""
+        hidden = state[0] + self.post_attention_layernorm(self.self_attn.project_out(o))
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+        return (hidden + self.post_feedforward_layernorm(mlp),)
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -243,16 +248,15 @@ class Gemma3ForCausalLM(CausalLM):
         self.set_attention_backend(select_attention_backend(
             device, attn.num_heads, attn.num_kv_heads, cfg.head_dim, block_size, scale))
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """One step; arguments and result as :meth:`pdserve.models.llama.CausalLM.forward`."""
-        hidden = self.embed_tokens(input_ids) * self.embed_scale
-        for layer in self.layers:
-            hidden = layer(positions, hidden, kv_cache, attn_metadata)
-        if logits_indices is not None:
-            hidden = hidden[logits_indices]
+    def embed(self, input_ids: torch.Tensor) -> LayerState:
+        """``(embeddings * sqrt(hidden_size),)``: the stream into the first layer."""
+        return (self.embed_tokens(input_ids) * self.embed_scale,)
+
+    def compute_logits(self, state: LayerState,
+                       logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and LM head of the stream's rows ``logits_indices``, soft-capped when the
+        model says so (then float32)."""
+        hidden = state[0] if logits_indices is None else state[0][logits_indices]
         logits = self.lm_head(self.norm(hidden))
         cap = self.cfg.final_logit_softcapping
         if cap is not None:  # float32: the capped values are not rounded to the model dtype

@@ -11,9 +11,14 @@ tensors through each parameter's ``weight_loader``.
 There is one forward path, :meth:`CausalLM.forward`: the flattened tokens of a mixed batch
 (prefill chunks and decodes), their positions, the KV cache and an
 :class:`~pdserve.attention.metadata.AttentionMetadata`, returning logits for the tokens that are
-sampled. Whether it runs eagerly or is captured in a CUDA graph is the runner's choice; which
-ops run (torch or Triton) follows the attention backend, set in one place
-(:meth:`CausalLM.set_attention_backend`).
+sampled. It is written in stages, which the model runner may also call one by one:
+:meth:`CausalLM.embed`, then per layer :meth:`DecoderLayer.attention_inputs` (norm, QKV
+projection, rotary), :meth:`DecoderLayer.attend` (the KV write and paged attention) and
+:meth:`DecoderLayer.attention_output` (output projection, norm, MLP), then
+:meth:`CausalLM.compute_logits`. Whether a stage runs eagerly or is replayed from a CUDA graph is
+the runner's choice (a whole decode step; the stages between attentions of a small mixed step,
+:mod:`pdserve.runner.piecewise_graphs`); which ops run (torch or Triton) follows the attention
+backend, set in one place (:meth:`CausalLM.set_attention_backend`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers import rotary
 from pdserve.layers.rotary import RotaryEmbedding
+
+# What one decoder layer hands the next, ``[T, hidden_size]`` tensors: ``(embeddings,)`` into
+# the first layer, then ``(mlp_out, residual)`` (Llama family) or ``(stream,)`` (Gemma 3). The
+# model runner passes it along without looking inside (:mod:`pdserve.runner.piecewise_graphs`).
+LayerState = tuple[torch.Tensor, ...]
 
 
 @dataclass
@@ -147,19 +157,35 @@ class LlamaAttention(nn.Module):
         self.sliding_window = cfg.layer_sliding_window(layer_idx)
         self.backend: AttentionBackend | None = None  # set by CausalLM.set_attention_backend
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """``hidden`` ``[T, hidden_size]`` (normalised) -> ``[T, hidden_size]``; writes this
-        layer's K/V of the step into ``kv_cache``."""
+    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``hidden`` ``[T, hidden_size]`` (normalised) -> queries ``[T, num_heads, head_dim]``
+        and keys (both normed when the model has q/k norms, then rotated), values
+        ``[T, num_kv_heads, head_dim]``; they may be strided views of one projection."""
         t = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, k = self.rotary_emb(positions, q.view(t, self.num_heads, self.head_dim),
                                k.view(t, self.num_kv_heads, self.head_dim), self.q_norm,
                                self.k_norm)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta,
-                                 sliding_window=self.sliding_window)
-        return self.o_proj(o.reshape(t, self.qkv_proj.q_size))
+        return q, k, v.view(t, self.num_kv_heads, self.head_dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Write this layer's K/V of the step into ``kv_cache`` and attend through the model's
+        backend (:meth:`pdserve.attention.base.AttentionBackend.forward`, with ``out``)."""
+        return self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta,
+                                    sliding_window=self.sliding_window, out=out)
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[T, num_heads, head_dim]`` -> ``[T, hidden_size]``."""
+        return self.o_proj(o.reshape(o.shape[0], self.qkv_proj.q_size))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``hidden`` ``[T, hidden_size]`` (normalised) -> ``[T, hidden_size]``; writes this
+        layer's K/V of the step into ``kv_cache``."""
+        q, k, v = self.project_qkv(positions, hidden)
+        return self.project_out(self.attend(q, k, v, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -197,30 +223,59 @@ class DecoderLayer(nn.Module):
         mixture-of-experts, override this)."""
         return LlamaMLP(cfg, dtype, device)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer.
+    def attention_inputs(self, positions: torch.Tensor, state: LayerState
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LayerState]:
+        """The part of the layer before attention: the input norm (adding the previous layer's
+        output to the residual stream) and the query/key/value projection.
 
         Args:
             positions: ``[T]`` int64 positions.
-            hidden: ``[T, hidden_size]``: the previous layer's MLP output (the embeddings for
-                layer 0).
-            residual: ``[T, hidden_size]`` residual stream, or None for layer 0 (then ``hidden``
-                is the stream).
-            kv_cache, meta: as :meth:`CausalLM.forward`.
+            state: ``(hidden, residual)`` from :meth:`CausalLM.embed` (``(embeddings,)``) or
+                the previous layer's :meth:`attention_output`.
 
         Returns:
-            ``(mlp_out, residual)``; the layer's output is their sum (added by the next norm).
+            ``(q, k, v, state)``: as :meth:`LlamaAttention.project_qkv`, and the state that
+            :meth:`attention_output` takes.
         """
-        if residual is None:
-            residual = hidden
-            x = self.input_layernorm(hidden)
+        if len(state) == 1:  # layer 0: the embeddings are the residual stream
+            residual = state[0]
+            x = self.input_layernorm(residual)
         else:
-            x, residual = self.input_layernorm(hidden, residual)
-        attn_out = self.self_attn(positions, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(attn_out, residual)
+            x, residual = self.input_layernorm(*state)
+        q, k, v = self.self_attn.project_qkv(positions, x)
+        return q, k, v, (residual,)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's attention (:meth:`LlamaAttention.attend`): ``[T, num_heads, head_dim]``."""
+        return self.self_attn.attend(q, k, v, kv_cache, meta, out)
+
+    def attention_output(self, o: torch.Tensor, state: LayerState) -> LayerState:
+        """The part of the layer after attention: output projection, post-attention norm
+        (adding to the residual stream) and MLP.
+
+        Args:
+            o: ``[T, num_heads, head_dim]`` from :meth:`attend`.
+            state: from :meth:`attention_inputs`.
+
+        Returns:
+            ``(mlp_out, residual)``, each ``[T, hidden_size]``; the layer's output is their sum
+            (added by the next norm).
+        """
+        x, residual = self.post_attention_layernorm(self.self_attn.project_out(o), state[0])
         return self.mlp(x), residual
+
+    def forward(self, positions: torch.Tensor, state: LayerState, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> LayerState:
+        """One layer: :meth:`attention_inputs`, :meth:`attend`, :meth:`attention_output`.
+
+        Args:
+            positions: ``[T]`` int64 positions.
+            state: as :meth:`attention_inputs`.
+            kv_cache, meta: as :meth:`CausalLM.forward`.
+        """
+        q, k, v, state = self.attention_inputs(positions, state)
+        return self.attention_output(self.attend(q, k, v, kv_cache, meta), state)
 
 
 # HF projection names stored stacked in one of our parameters -> (our name, shard index).
@@ -304,10 +359,20 @@ class CausalLM(nn.Module):
             ``logits_indices``); float32 where the model post-processes them (Gemma 3's final
             soft-capping).
         """
-        hidden = self.embed_tokens(input_ids)
-        residual = None
+        state = self.embed(input_ids)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+            state = layer(positions, state, kv_cache, attn_metadata)
+        return self.compute_logits(state, logits_indices)
+
+    def embed(self, input_ids: torch.Tensor) -> LayerState:
+        """The first layer's state: ``(embeddings,)``, ``[T, hidden_size]``."""
+        return (self.embed_tokens(input_ids),)
+
+    def compute_logits(self, state: LayerState,
+                       logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer's state -> logits ``[S, vocab_size]`` of the rows ``logits_indices``
+        (every row when None), as :meth:`forward` returns them."""
+        hidden, residual = state
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         x, _ = self.norm(hidden, residual)

@@ -1,5 +1,5 @@
-"""The model runner's CUDA graphs of pure-decode steps: their capture (also across
-tensor-parallel ranks) and a decode batch's replay.
+"""The model runner's CUDA graphs: capture of pure-decode steps and of the piecewise stages of
+steps with prefills (also across tensor-parallel ranks), and a decode batch's replay.
 
 A pure-decode step (one token per sequence) of at most the largest captured batch size is
 replayed from the graph of the next padded size (:mod:`pdserve.runner.cuda_graphs`: static
@@ -24,6 +24,7 @@ from pdserve.engine.outputs import ScheduledRequest
 from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
 from pdserve.host_tensors import int_tensor, padded_rows
 from pdserve.runner.overlap import DeviceTokens, feed_previous_tokens
+from pdserve.runner.piecewise_graphs import PiecewiseGraphs, piecewise_capture_sizes
 
 if TYPE_CHECKING:
     from pdserve.runner.model_runner import ModelRunner
@@ -60,20 +61,40 @@ def capture_decode_graphs(runner: "ModelRunner", num_blocks: int) -> CUDAGraphRu
     graphs = CUDAGraphRunner(forward, specs, default_capture_sizes(max_bs), runner.device)
     if get_tp_size() == 1:
         graphs.capture()
-    elif not capture_with_collectives(graphs):
+    elif not capture_with_collectives(graphs, "decode steps"):
         return None
     logger.info("captured CUDA graphs of decode steps for batch sizes %s in %.1f s",
                 graphs.capture_sizes, time.perf_counter() - t0)
     return graphs
 
 
-def capture_with_collectives(graphs: CUDAGraphRunner) -> bool:
-    """Capture the decode graphs of a TP rank, NCCL all-reduces and all-gathers inside.
+def capture_piecewise_graphs(runner: "ModelRunner") -> PiecewiseGraphs | None:
+    """Capture the model's stages between attentions (:mod:`pdserve.runner.piecewise_graphs`)
+    for steps of up to ``min(piecewise_cuda_graph_max_tokens, max_num_batched_tokens)`` tokens.
 
-    The ranks agree after each batch size (over the gloo CPU group); when any rank failed
-    to capture one, every rank drops its graphs and decodes eagerly, with a warning line
-    saying so (a replay and an eager pass issue the same collectives, but graphs of some
-    ranks only would be a needless asymmetry).
+    Returns:
+        The captured pieces; None when the option is 0, or when a tensor-parallel rank failed
+        to capture (every rank then runs those steps eagerly).
+    """
+    cfg = runner.config
+    max_tokens = min(cfg.piecewise_cuda_graph_max_tokens, cfg.max_num_batched_tokens)
+    if max_tokens < 1:
+        return None
+    pieces = PiecewiseGraphs(runner.model, piecewise_capture_sizes(max_tokens))
+    if get_tp_size() == 1:
+        pieces.capture()
+    elif not capture_with_collectives(pieces, "steps with prefills"):
+        return None
+    return pieces
+
+
+def capture_with_collectives(graphs: CUDAGraphRunner | PiecewiseGraphs, what: str) -> bool:
+    """Capture the graphs of a TP rank, NCCL all-reduces and all-gathers inside.
+
+    The ranks agree after each size (over the gloo CPU group); when any rank failed to
+    capture one, every rank drops these graphs and runs ``what`` (e.g. ``"decode steps"``)
+    eagerly, with a warning line saying so (a replay and an eager pass issue the same
+    collectives, but graphs of some ranks only would be a needless asymmetry).
 
     Returns:
         True when every rank captured every size.
@@ -86,7 +107,7 @@ def capture_with_collectives(graphs: CUDAGraphRunner) -> bool:
 
     if not graphs.capture(agree):
         logger.warning("CUDA graph capture with tensor-parallel collectives failed (%s); "
-                       "decode steps run eagerly", failures[0])
+                       "%s run eagerly", failures[0], what)
         return False
     return True
 

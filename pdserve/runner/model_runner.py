@@ -11,8 +11,10 @@ forward pass.
 
 The runner loads the model, sizes and owns the KV cache and runs one step (input preparation,
 the forward pass, sampling); the arithmetic of the cache size is torch-free, in
-:mod:`pdserve.memory_budget`. Its CUDA graphs of decode steps are captured and replayed by
-:mod:`pdserve.runner.decode_graphs`, multi-step rounds run in :mod:`pdserve.runner.multi_step`
+:mod:`pdserve.memory_budget`. Its CUDA graphs are captured by :mod:`pdserve.runner.decode_graphs`
+(which also replays decode steps; steps with prefills of up to
+``piecewise_cuda_graph_max_tokens`` tokens replay :mod:`pdserve.runner.piecewise_graphs`),
+multi-step rounds run in :mod:`pdserve.runner.multi_step`
 and overlapped steps (``execute_async``) are launched by :mod:`pdserve.runner.overlap`.
 """
 
@@ -36,9 +38,12 @@ from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import kv_head_range
 from pdserve.models.loader import load_model, model_max_len, resolve_device, tp_device
 from pdserve.runner.cuda_graphs import CUDAGraphRunner
-from pdserve.runner.decode_graphs import capture_decode_graphs, decode_with_graph
+from pdserve.runner.decode_graphs import (
+    capture_decode_graphs, capture_piecewise_graphs, decode_with_graph,
+)
 from pdserve.host_tensors import int_tensor
 from pdserve.runner.multi_step import multi_step_decode
+from pdserve.runner.piecewise_graphs import PiecewiseGraphs
 from pdserve.runner.overlap import (
     DeviceTokens, PendingRunnerStep, StepLauncher, feed_previous_tokens,
 )
@@ -140,10 +145,15 @@ class ModelRunner:
         self._connector: KVConnectorWorkerSide | None = None
         # launches execute_async steps; keeps the last one's sampled tokens on the device
         self._launcher = StepLauncher(self)
-        # CUDA graphs of pure-decode steps (built by allocate_kv_cache; None = eager).
+        # CUDA graphs of pure-decode steps, and of the stages between attentions of steps with
+        # prefills (both built by allocate_kv_cache; None = eager).
         self.decode_graphs: CUDAGraphRunner | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                 and self.model.attn_backend.supports_cuda_graphs)
+        if config.piecewise_cuda_graph_max_tokens < 0:
+            raise ValueError("piecewise_cuda_graph_max_tokens must be >= 0, got "
+                             f"{config.piecewise_cuda_graph_max_tokens}")
         if self.device.type == "cpu":
             tune_cpu_malloc()
         self._weights_bytes = (torch.cuda.memory_allocated(self.device)
@@ -262,9 +272,8 @@ class ModelRunner:
             element_size=self.kv_cache.element_size(), model_name=self.model_info.name,
             total_num_kv_heads=a.num_kv_heads, kv_scales=self._kv_scales_for_spec())
         if self.use_cuda_graphs:
-            graphs = capture_decode_graphs(self, num_blocks)
-            if graphs is not None:
-                self.decode_graphs = graphs
+            self.decode_graphs = capture_decode_graphs(self, num_blocks)
+            self.piecewise_graphs = capture_piecewise_graphs(self)
         total = num_blocks * self.block_bytes
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s on %s "
                     "(%.1f sequences of max_model_len=%d)", num_blocks, self.block_size,
@@ -357,7 +366,8 @@ class ModelRunner:
     def forward_logits(self, scheduled: list[ScheduledRequest], kv_cache: torch.Tensor,
                        previous: DeviceTokens | None = None):
         """Flatten the batch (prefills first, then single-token decodes) and run the model
-        (replaying a decode graph when it can); placeholder inputs are fed from ``previous``.
+        (replaying a decode graph, or the piecewise graphs of a small step with prefills, when it
+        can); placeholder inputs are fed from ``previous``.
 
         Returns:
             ``(sampled_requests, logits)``: the requests with ``sample=True`` and their
@@ -411,13 +421,19 @@ class ModelRunner:
         pos_t = int_tensor(positions).to(dev, non_blocking=True)
         idx_t = int_tensor(logits_idx).to(dev, non_blocking=True)
         feed_previous_tokens(ids_t, fed, previous)
-        logits = self.model(ids_t, pos_t, kv_cache, meta, idx_t)
+        pieces = self.piecewise_graphs
+        if (pieces is not None and kv_cache is self.kv_cache
+                and len(input_ids) <= pieces.max_tokens):
+            logits = pieces.run(ids_t, pos_t, kv_cache, meta, idx_t)
+        else:
+            logits = self.model(ids_t, pos_t, kv_cache, meta, idx_t)
         return sampled, (logits if sampled else None)
 
     def shutdown(self) -> None:
         """Release the KV cache and the weights (the connector is shut down by its owner)."""
         self._connector = None
         self.decode_graphs = None
+        self.piecewise_graphs = None
         self.kv_cache = None
         self.kv_cache_spec = None
         self.model = None  # type: ignore[assignment]

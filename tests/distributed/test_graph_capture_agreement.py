@@ -28,7 +28,7 @@ def _rank(rank: int, failing_rank: int | None) -> None:
     from pdserve.runner.decode_graphs import capture_with_collectives
 
     graphs = _Graphs(2 if rank == failing_rank else None)
-    captured = capture_with_collectives(graphs)
+    captured = capture_with_collectives(graphs, "decode steps")
     if failing_rank is None:
         assert captured and graphs.tried == SIZES
     else:  # both ranks stop after size 2, the one rank 1 failed

@@ -99,12 +99,14 @@ def test_cuda_sizing_by_memory_utilisation(tiny_llama_path):
 
 def test_cuda_graph_decode_matches_eager_bf16(tiny_qwen3_path):
     """bf16 greedy tokens with decode steps replayed from CUDA graphs equal the eager ones
-    (batch sizes that are capture sizes: the same kernels on the same shapes)."""
+    (batch sizes that are capture sizes: the same kernels on the same shapes; prefills eager,
+    as their padded piecewise graphs would run other GEMM shapes: tests/runner/
+    test_cuda_piecewise.py)."""
     outputs = {}
     for eager in (True, False):
         runner = ModelRunner(EngineConfig(model=tiny_qwen3_path, device="cuda", max_model_len=256,
                                           max_num_seqs=8, num_gpu_blocks_override=NUM_BLOCKS,
-                                          enforce_eager=eager))
+                                          enforce_eager=eager, piecewise_cuda_graph_max_tokens=0))
         runner.allocate_kv_cache(NUM_BLOCKS)
         assert (runner.decode_graphs is None) == eager
         if not eager:
