@@ -1,5 +1,6 @@
 """LLMEngine keeps the objects that exist at its construction out of the garbage collector's
-passes until shutdown (as the engine-core process does), and leaves a caller's freeze alone."""
+passes until shutdown (as the engine-core process does), also when a caller froze objects before
+(then nothing is unfrozen at shutdown)."""
 
 from __future__ import annotations
 
@@ -44,13 +45,17 @@ def test_objects_are_frozen_from_construction_to_shutdown():
     assert gc.get_freeze_count() == 0
 
 
-def test_a_callers_freeze_is_left_alone():
+def test_a_callers_small_freeze_does_not_stop_the_engines():
+    """Some objects frozen before (375 on the H200 machine): the engine still freezes what
+    exists at its construction, and leaves everything frozen at shutdown."""
     gc.collect()
     gc.freeze()
     try:
+        before = gc.get_freeze_count()
         engine, counts = _engine_seeing_freeze_counts()
+        assert gc.get_freeze_count() > before  # the engine's own objects too
         engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))
-        assert counts and all(c > 0 for c in counts)
+        assert counts and all(c > before for c in counts)
         engine.shutdown()
         assert gc.get_freeze_count() > 0  # not unfrozen by the engine
     finally:
