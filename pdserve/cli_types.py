@@ -62,20 +62,25 @@ def parse_size(text: str) -> int:
     return value
 
 
+def _int_at_least(text: str, low: int, what: str) -> int:
+    """``text`` as an integer >= ``low`` (``what`` names the values allowed in the message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid integer {text!r}: the value must be {what}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low} ({what}), got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1.
 
     Raises:
         argparse.ArgumentTypeError: not an integer, or below 1.
     """
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid integer {text!r}: the value must be a positive integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (a positive integer), got {text}")
-    return value
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
@@ -84,14 +89,7 @@ def non_negative_int(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not an integer, or negative.
     """
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid integer {text!r}: the value must be an integer >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:

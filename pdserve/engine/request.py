@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.params import KVTransferParams

@@ -67,6 +67,23 @@ def padded_batch_size(num_seqs: int, capture_sizes: Sequence[int]) -> int | None
     return capture_sizes[i] if i < len(capture_sizes) else None
 
 
+def warm_up(fn: Callable[[], Any], times: int) -> torch.cuda.Stream:
+    """Run ``fn`` ``times`` times eagerly on a side stream before its capture (Triton compiles,
+    cuBLAS picks its kernels, the allocator caches its blocks), then wait for the device.
+
+    Returns:
+        The side stream (a capture may run on it: not the legacy default stream).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    return side
+
+
 class CUDAGraphRunner:
     """Static input buffers plus one captured CUDA graph per batch size.
 
@@ -149,13 +166,7 @@ class CUDAGraphRunner:
         with torch.cuda.device(self.device):
             for bs in reversed(self.capture_sizes):
                 inputs = self._views(bs)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(self.num_warmup):
-                        self.forward(inputs)
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
+                warm_up(lambda: self.forward(inputs), self.num_warmup)
                 graph = torch.cuda.CUDAGraph()
                 error = None
                 try:

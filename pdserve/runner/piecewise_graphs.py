@@ -45,7 +45,7 @@ import torch
 
 from pdserve.attention.metadata import AttentionMetadata
 from pdserve.models.llama import CausalLM, LayerState
-from pdserve.runner.cuda_graphs import padded_batch_size
+from pdserve.runner.cuda_graphs import padded_batch_size, warm_up
 
 logger = logging.getLogger("pdserve.model")
 
@@ -193,14 +193,7 @@ class PiecewiseGraphs:
         with torch.cuda.device(self.device):
             for size in reversed(self.sizes):
                 functions, carry = self._piece_functions(size)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(self.num_warmup):
-                        for fn in functions:
-                            fn()
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
+                side = warm_up(lambda fns=functions: [fn() for fn in fns], self.num_warmup)
                 error, graphs = None, []
                 try:
                     with torch.cuda.stream(side):
