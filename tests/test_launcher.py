@@ -364,6 +364,24 @@ def test_main_reports_bad_ports(capsys):
     assert "not free" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("engine_args", [["--piecewise-cuda-graph-max-tokens", "-1"],
+                                         ["--max-num-seqs", "abc"], ["--no-such-option"]])
+def test_bad_engine_options_stop_before_anything_starts(engine_args, tmp_path, capsys):
+    """An engine option ``pdserve serve`` would refuse is an error of ``pdserve up`` (exit code
+    2, one usage line and the error), before any child starts."""
+    cmds = FakeCommands(tmp_path)
+    rc = launcher.main(["--log-dir", str(tmp_path / "logs"), "--", *engine_args],
+                       commands=cmds, gpus=[])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "usage: pdserve up [options] (see pdserve up --help)", err
+    assert err[1].startswith("pdserve up: error: engine option: ") and len(err) == 2, err
+    assert not (tmp_path / "logs").exists()  # nothing was started
+    assert launcher.engine_args_error("m", ["--piecewise-cuda-graph-max-tokens", "0",
+                                            "--kv-transfer-config.kv_connector_extra_config"
+                                            ".kv_lease_duration", "60"]) is None
+
+
 # ------------------------------------------------------------------ supervising fake children
 
 

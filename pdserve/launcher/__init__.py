@@ -11,7 +11,7 @@ ready-to-paste examples, and supervises the children until Ctrl-C.
 * :mod:`~pdserve.launcher.cli`: argparse, pass-through of engine options, progress and banner.
 """
 
-from pdserve.launcher.cli import build_parser, main, parse_args, usage_banner
+from pdserve.launcher.cli import build_parser, engine_args_error, main, parse_args, usage_banner
 from pdserve.launcher.plan import (
     ENGINE_HOST,
     SHARED_GPU_MEMORY_FRACTION,
@@ -33,6 +33,7 @@ from pdserve.launcher.supervisor import STATUS_FILE_NAME, Launcher
 __all__ = [
     "ENGINE_HOST", "SHARED_GPU_MEMORY_FRACTION", "STATUS_FILE_NAME", "Child", "ChildCommands",
     "ChildSpec", "LaunchError", "Launcher", "allocate_free_ports", "assign_gpus", "build_parser",
-    "build_plan", "connect_host", "detect_gpus", "ensure_port_free", "kv_transfer_config", "main",
+    "build_plan", "connect_host", "detect_gpus", "engine_args_error", "ensure_port_free",
+    "kv_transfer_config", "main",
     "option_value", "parse_args", "tail_lines", "usage_banner",
 ]

@@ -177,6 +177,43 @@ def _engine_option_takes_value(option: str) -> bool | None:
     return action.nargs != 0
 
 
+class _EngineArgError(Exception):
+    """An engine option ``pdserve serve`` would refuse."""
+
+
+def engine_args_error(model: str, engine_args: Sequence[str]) -> str | None:
+    """The error ``pdserve serve`` would exit with (code 2) on ``engine_args``, found before
+    anything starts; None when they parse (or the server is not installed in this build).
+
+    ``--kv-transfer-config.*`` keys are left to the engines: ``pdserve up`` completes that
+    configuration itself (role, connector), so it is checked there.
+    """
+    try:
+        from pdserve.entrypoints.cli_args import build_parser as serve_parser
+    except ImportError:
+        return None
+    rest: list[str] = []
+    i = 0
+    while i < len(engine_args):
+        word = engine_args[i]
+        if word.startswith("--kv-transfer-config"):
+            i += 1 if "=" in word else 2
+            continue
+        rest.append(word)
+        i += 1
+    parser = serve_parser()
+
+    def refuse(message: str):
+        raise _EngineArgError(message)
+
+    parser.error = refuse  # type: ignore[method-assign]
+    try:
+        parser.parse_args([model, *rest])
+    except _EngineArgError as e:
+        return str(e)
+    return None
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parses ``pdserve up`` options; unknown options and everything after ``--`` end up in
     ``engine_args``.
@@ -226,6 +263,11 @@ def main(argv: Sequence[str] | None = None, *, commands: ChildCommands | None = 
         gpus: GPUs to place engines on (default: :func:`detect_gpus`).
     """
     opts = parse_args(sys.argv[1:] if argv is None else argv)
+    error = engine_args_error(opts.model, opts.engine_args)
+    if error is not None:
+        print(f"usage: pdserve up [options] (see pdserve up --help)\n"
+              f"pdserve up: error: engine option: {error}", file=sys.stderr)
+        return 2
     commands = commands or ChildCommands()
     try:
         specs = build_plan(opts, commands, gpus=gpus)

@@ -558,7 +558,8 @@ def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch, re
     for use_graphs in (False, True):
         runner = runner_mod.ModelRunner(EngineConfig(
             model=tiny_qwen3_path, device=DEVICE.type, dtype="float32", max_model_len=64,
-            block_size=4, max_num_seqs=5, num_gpu_blocks_override=64))
+            block_size=4, max_num_seqs=5, num_gpu_blocks_override=64,
+            piecewise_cuda_graph_max_tokens=0))  # prefills eager: decode graphs only
         _use_kernels(runner.model, use_graphs or HAS_CUDA)
         runner.use_cuda_graphs = use_graphs
         runner.allocate_kv_cache(64)
