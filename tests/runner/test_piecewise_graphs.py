@@ -106,6 +106,23 @@ def test_padding_rows_do_not_reach_the_real_rows(tiny_qwen3_path):
     runner.shutdown()
 
 
+def test_a_step_replays_the_smallest_size_that_holds_it(tiny_qwen3_path):
+    runner = _runner(tiny_qwen3_path)
+    pieces = PiecewiseGraphs(runner.model, SIZES, capture=False)
+    pieces.capture()
+    ran: list[int] = []
+    for size, functions in pieces._pieces.items():
+        first = functions[0]
+        functions[0] = lambda first=first, size=size: (ran.append(size), first())[1]
+    for n, want in ((5, 16), (16, 16), (17, 32), (33, 64)):
+        meta = runner.model.attn_backend.build_metadata([(0, list(range(5)), n)], [],
+                                                        runner.device)
+        pieces.run(torch.tensor(_prompt(n, n)), torch.arange(n), runner.kv_cache, meta,
+                   torch.tensor([n - 1]))
+        assert ran[-1] == want, (n, ran)
+    runner.shutdown()
+
+
 def test_capture_sizes_and_errors(tiny_llama_path):
     assert piecewise_capture_sizes(512) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
     assert piecewise_capture_sizes(100) == [16, 32, 64, 112]
