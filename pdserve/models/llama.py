@@ -180,13 +180,6 @@ class LlamaAttention(nn.Module):
         """Attention output ``[T, num_heads, head_dim]`` -> ``[T, hidden_size]``."""
         return self.o_proj(o.reshape(o.shape[0], self.qkv_proj.q_size))
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """``hidden`` ``[T, hidden_size]`` (normalised) -> ``[T, hidden_size]``; writes this
-        layer's K/V of the step into ``kv_cache``."""
-        q, k, v = self.project_qkv(positions, hidden)
-        return self.project_out(self.attend(q, k, v, kv_cache, meta))
-
 
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: fused gate|up projection (column-parallel), ``silu(gate) * up``, down

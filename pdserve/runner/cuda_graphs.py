@@ -84,6 +84,29 @@ def warm_up(fn: Callable[[], Any], times: int) -> torch.cuda.Stream:
     return side
 
 
+def capture_agreed(capture: Callable[[], Any],
+                   agree: Callable[[str | None], bool] | None) -> tuple[bool, Any]:
+    """Run one size's ``capture()``; with ``agree`` (tensor parallelism), hand its error (None:
+    captured) to every rank and learn whether every rank captured that size.
+
+    Returns:
+        ``(ok, result)``: ``ok`` False when a rank failed (``result`` is then None).
+
+    Raises:
+        Exception: ``capture``'s own error when ``agree`` is None.
+    """
+    error, result = None, None
+    try:
+        result = capture()
+    except Exception as e:  # with agree: reported to every rank below
+        if agree is None:
+            raise
+        error = f"{type(e).__name__}: {e}"
+    if agree is not None and not agree(error):
+        return False, None
+    return True, result
+
+
 class CUDAGraphRunner:
     """Static input buffers plus one captured CUDA graph per batch size.
 
@@ -168,15 +191,13 @@ class CUDAGraphRunner:
                 inputs = self._views(bs)
                 warm_up(lambda: self.forward(inputs), self.num_warmup)
                 graph = torch.cuda.CUDAGraph()
-                error = None
-                try:
+
+                def capture(graph=graph, inputs=inputs):
                     with torch.cuda.graph(graph, pool=self._pool):
-                        out = self.forward(inputs)
-                except Exception as e:  # with agree: reported to every rank below
-                    if agree is None:
-                        raise
-                    error = f"{type(e).__name__}: {e}"
-                if agree is not None and not agree(error):
+                        return self.forward(inputs)
+
+                ok, out = capture_agreed(capture, agree)
+                if not ok:
                     self._graphs.clear()
                     self._outputs.clear()
                     return False

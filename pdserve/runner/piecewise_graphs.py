@@ -45,7 +45,7 @@ import torch
 
 from pdserve.attention.metadata import AttentionMetadata
 from pdserve.models.llama import CausalLM, LayerState
-from pdserve.runner.cuda_graphs import padded_batch_size, warm_up
+from pdserve.runner.cuda_graphs import capture_agreed, padded_batch_size, warm_up
 
 logger = logging.getLogger("pdserve.model")
 
@@ -194,16 +194,13 @@ class PiecewiseGraphs:
             for size in reversed(self.sizes):
                 functions, carry = self._piece_functions(size)
                 side = warm_up(lambda fns=functions: [fn() for fn in fns], self.num_warmup)
-                error, graphs = None, []
-                try:
+
+                def capture(side=side, functions=functions):
                     with torch.cuda.stream(side):
-                        for fn in functions:
-                            graphs.append(_capture(fn, self._pool))
-                except Exception as e:  # with agree: reported to every rank below
-                    if agree is None:
-                        raise
-                    error = f"{type(e).__name__}: {e}"
-                if agree is not None and not agree(error):
+                        return [_capture(fn, self._pool) for fn in functions]
+
+                ok, graphs = capture_agreed(capture, agree)
+                if not ok:
                     self._pieces.clear()
                     self._carry.clear()
                     return False

@@ -41,3 +41,23 @@ def test_all_ranks_fall_back_when_one_fails(tp2):
 
 def test_all_ranks_keep_graphs_when_all_captured(tp2):
     tp2.run(_rank, None)
+
+
+def test_capture_agreed_reports_a_failed_size_or_raises_alone():
+    """``cuda_graphs.capture_agreed`` (one size of either graph runner): its error goes to
+    ``agree`` with tensor parallelism, the answer decides, and alone the error raises."""
+    import pytest
+
+    from pdserve.runner.cuda_graphs import capture_agreed
+
+    def boom():
+        raise RuntimeError("no capture")
+
+    seen = []
+    assert capture_agreed(lambda: "graph", lambda e: seen.append(e) or True) == (True, "graph")
+    assert capture_agreed(boom, lambda e: seen.append(e) or False) == (False, None)
+    assert capture_agreed(lambda: "graph", lambda e: seen.append(e) or False) == (False, None)
+    assert seen == [None, "RuntimeError: no capture", None]
+    assert capture_agreed(lambda: "graph", None) == (True, "graph")
+    with pytest.raises(RuntimeError, match="no capture"):
+        capture_agreed(boom, None)
