@@ -19,6 +19,11 @@ projection, rotary), :meth:`DecoderLayer.attend` (the KV write and paged attenti
 the runner's choice (a whole decode step; the stages between attentions of a small mixed step,
 :mod:`pdserve.runner.piecewise_graphs`); which ops run (torch or Triton) follows the attention
 backend, set in one place (:meth:`CausalLM.set_attention_backend`).
+
+The module stays whole past ~450 lines: it is one family's definition (its parsed config, the
+attention, MLP and decoder layer with their stages, and the model whose weight loading and fp8
+scales walk those layers), which the other families (:mod:`pdserve.models.qwen3_moe`,
+:mod:`pdserve.models.gemma3`) subclass piece by piece.
 """
 
 from __future__ import annotations
