@@ -62,6 +62,11 @@ _LOG2_E = 1.4426950408889634
 # the parallelism gains).
 _MIN_TOKENS_PER_SPLIT = 64
 MAX_NUM_SPLITS = 64
+# Pieces (query heads x splits) one merge program reads. With one head per program most programs
+# had a few hundred bytes to read (the merge took 8.1 us per layer at batch 137 on an H200); four
+# heads of four pieces made the whole decode attention 4-6% faster at batch 137-256
+# (docs/benchmarks.md, "Decode attention merge").
+_REDUCE_PIECES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,38 +305,40 @@ def _paged_decode_reduce_kernel(
     stride_po_p,
     stride_pm_s,
     stride_pm_h,
+    NUM_HEADS: tl.constexpr,
+    HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
+    # One program merges the pieces of HEADS query heads of one sequence: [HEADS, pieces, D].
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    offs_h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     offs_p = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    p_mask = offs_p < num_splits
+    hp_mask = (offs_h < NUM_HEADS)[:, None] & (offs_p < num_splits)[None, :]
     d_mask = offs_d < HEAD_DIM
 
-    pm = seq * stride_pm_s + head * stride_pm_h + offs_p
-    m = tl.load(part_max_ptr + pm, mask=p_mask, other=float("-inf"))
-    l = tl.load(part_sum_ptr + pm, mask=p_mask, other=0.0)
-    m_max = tl.max(m, 0)
+    pm = seq * stride_pm_s + offs_h[:, None] * stride_pm_h + offs_p[None, :]
+    m = tl.load(part_max_ptr + pm, mask=hp_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + pm, mask=hp_mask, other=0.0)
+    m_max = tl.max(m, 1)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row with no context at all
     # Empty splits have l == 0 and m == -inf: their weight is 0.
-    w = tl.exp2(m - m_max) * l
-    po = part_out_ptr + seq * stride_po_s + head * stride_po_h
+    w = tl.exp2(m - m_max[:, None]) * l
+    po = (
+        part_out_ptr
+        + seq * stride_po_s
+        + offs_h[:, None, None] * stride_po_h
+        + offs_p[None, :, None] * stride_po_p
+        + offs_d[None, None, :]
+    )
     # Empty pieces left their partial output unwritten: never read it (0 * NaN would be NaN).
-    parts = tl.load(
-        po + offs_p[:, None] * stride_po_p + offs_d[None, :],
-        mask=(p_mask & (l > 0))[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + seq * stride_o_s + head * stride_o_h + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d_mask,
-    )
+    parts = tl.load(po, mask=(hp_mask & (l > 0))[:, :, None] & d_mask[None, None, :], other=0.0)
+    total = tl.sum(w, 1)
+    out = tl.sum(parts * w[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]
+    o = out_ptr + seq * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
+    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=(offs_h < NUM_HEADS)[:, None] & d_mask[None, :])
 
 
 _paged_decode_split_kernel = _jit_without_specialising(_paged_decode_split_kernel)
@@ -509,7 +516,9 @@ def paged_decode_attention(
         num_stages=num_stages,
     )
     if split:
-        _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
+        splits_pad = _next_power_of_2(num_splits)
+        heads = max(1, min(_REDUCE_PIECES // splits_pad, _next_power_of_2(num_q_heads)))
+        _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_q_heads, heads))](
             out,
             part_out,
             part_max,
@@ -522,9 +531,11 @@ def paged_decode_attention(
             part_out.stride(2),
             part_max.stride(0),
             part_max.stride(1),
+            NUM_HEADS=num_q_heads,
+            HEADS=heads,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=_next_power_of_2(head_dim),
-            SPLITS_PAD=_next_power_of_2(num_splits),
+            SPLITS_PAD=splits_pad,
             num_warps=4,
         )
     return out

@@ -68,10 +68,13 @@ def attention() -> None:
                           BLOCK_SIZE=16, BLOCK_N=64, SPLIT=True, DOT_PRECISION="tf32",
                           DOT_IN_FP32=False, SLIDING=False, KV_FP8=True, FP8_DOT_FP16=dot_fp16),
                      aligned, num_warps=4, num_stages=2)
-    _compile("attention", "paged_decode_reduce", pd._paged_decode_reduce_kernel,
-             {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
-              "part_sum_ptr": "*fp32"}, dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=64),
-             aligned, num_warps=4)
+    # the most pieces (one head per program) and four heads of four pieces each
+    for label, heads, splits_pad in (("paged_decode_reduce", 1, 64), ("paged_decode_reduce_4x4", 4, 4)):
+        _compile("attention", label, pd._paged_decode_reduce_kernel,
+                 {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
+                  "part_sum_ptr": "*fp32"},
+                 dict(NUM_HEADS=16, HEADS=heads, HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=splits_pad),
+                 aligned, num_warps=4)
     for kv_dt, quantize in (("*bf16", False), ("*fp8e4nv", True)):
         _compile("attention", f"store_kv_quantize{int(quantize)}", kvk._store_kv_kernel,
                  {"k_ptr": "*bf16", "v_ptr": "*bf16", "kv_ptr": kv_dt, "slot_mapping_ptr": "*i64",
@@ -141,7 +144,7 @@ def moe() -> None:
 EXPECTED = {
     "attention": {"paged_decode_bf16_split0", "paged_decode_bf16_split1",
                   "paged_decode_bf16_fp8_kv", "paged_decode_bf16_fp8_kv_bf16_dot",
-                  "paged_decode_fp32_split1", "paged_decode_reduce",
+                  "paged_decode_fp32_split1", "paged_decode_reduce", "paged_decode_reduce_4x4",
                   "store_kv_quantize0", "store_kv_quantize1", "gather_kv_dequantize0",
                   "gather_kv_dequantize1", "rms_norm", "rotary",
                   "silu_and_mul", "gumbel_argmax_one_piece1", "gumbel_argmax_one_piece0",
