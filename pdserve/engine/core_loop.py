@@ -11,7 +11,6 @@ wake-ups").
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import signal
@@ -39,6 +38,7 @@ from pdserve.engine.messages import (
 )
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.kv_transfer.wakeup import sync_poller
+from pdserve.process_gc import freeze_start_up_objects
 
 logger = logging.getLogger("pdserve.engine.core")  # the engine core's log lines, one name
 
@@ -99,8 +99,7 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses) -> None:
         )
         # The model, caches and imports live as long as the process: the garbage collector
         # skips them from now on (no full pass over them in the loop or at exit).
-        gc.collect()  # start-up's own garbage is freed, not frozen
-        gc.freeze()
+        freeze_start_up_objects()
         try:
             _core_loop(core, in_sock, out_sock, encoder, decoder, parent, addresses.remote)
         except BaseException as e:

@@ -12,6 +12,7 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.messages import AddRequest
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.process_gc import freeze_start_up_objects
 from pdserve.kv_transfer.params import KVTransferParams
 
 
@@ -56,22 +57,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, runner: Any = None, connectors: tuple[Any, Any] | None = None):
         self.core = EngineCore(config, runner=runner, connectors=connectors)
         self._next_id = 0
-        # The model, caches and imported modules live as long as the engine: as the engine-core
-        # process does for its whole life (pdserve/engine/core_loop.py), they sit out the
-        # garbage collector's passes until shutdown. Each step allocates objects, so full passes
-        # come during generation, and over a process with torch imported one took about 90 ms
-        # in which no step is launched (H200, benchmarks/offline_throughput.py --watch-pauses;
-        # freezing only inside generate() without the collect first still let two such passes
-        # into a timed run under Python 3.12). Objects are frozen also when some were frozen
-        # already: on the H200 machine 375 objects were frozen before the engine was built, and
-        # skipping the freeze then left 200k objects to two 130-140 ms passes in one timed run.
-        # Shutdown hands everything back only when nothing was frozen before (a caller's freeze
-        # is left as it is). Nothing is changed when the collector is off.
-        self._unfreeze_at_shutdown = False
-        if gc.isenabled():
-            self._unfreeze_at_shutdown = not gc.get_freeze_count()
-            gc.collect()  # start-up's own garbage is freed, not frozen
-            gc.freeze()
+        # The model, caches and imported modules live as long as the engine: as in the
+        # engine-core process (pdserve/engine/core_loop.py), they sit out the garbage
+        # collector's passes until shutdown (pdserve/process_gc.py says why). Freezing only
+        # inside generate() without the collect first still let two full passes into a timed
+        # run under Python 3.12. Shutdown hands everything back only when nothing was frozen
+        # before (a caller's freeze is left as it is).
+        self._unfreeze_at_shutdown = freeze_start_up_objects()
 
     @property
     def scheduler(self):

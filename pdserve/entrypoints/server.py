@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -40,6 +39,7 @@ from pdserve.entrypoints.protocol import (
 )
 from pdserve.entrypoints.serving import OpenAIServing
 from pdserve.kv_transfer.nixl import release as kv_release
+from pdserve.process_gc import freeze_start_up_objects
 from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError
 from pdserve.kv_transfer.nixl.side_channel import SideChannelError
 from pdserve.metrics import ServerMetrics
@@ -250,8 +250,7 @@ async def serve(config: EngineConfig, sock: socket.socket, api_key: str | None,
         app = build_app(engine, api_key=api_key)
         # What start-up built lives as long as the process: the garbage collector skips it from
         # now on (shorter collections while serving, and no full pass over it at exit).
-        gc.collect()  # start-up's own garbage is freed, not frozen
-        gc.freeze()
+        freeze_start_up_objects()
         uv_config = uvicorn.Config(app, log_config=None, log_level=log_level,
                                    access_log=log_level == "debug", timeout_graceful_shutdown=5)
         server = _Server(uv_config)
