@@ -12,8 +12,8 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.messages import AddRequest
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.process_gc import freeze_start_up_objects
 from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.process_gc import freeze_start_up_objects
 
 
 @dataclass

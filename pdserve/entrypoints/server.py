@@ -39,10 +39,10 @@ from pdserve.entrypoints.protocol import (
 )
 from pdserve.entrypoints.serving import OpenAIServing
 from pdserve.kv_transfer.nixl import release as kv_release
-from pdserve.process_gc import freeze_start_up_objects
 from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError
 from pdserve.kv_transfer.nixl.side_channel import SideChannelError
 from pdserve.metrics import ServerMetrics
+from pdserve.process_gc import freeze_start_up_objects
 
 logger = logging.getLogger("pdserve.server")
 

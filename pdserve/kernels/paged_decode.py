@@ -316,7 +316,8 @@ def _paged_decode_reduce_kernel(
     offs_h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     offs_p = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    hp_mask = (offs_h < NUM_HEADS)[:, None] & (offs_p < num_splits)[None, :]
+    h_mask = offs_h < NUM_HEADS
+    hp_mask = h_mask[:, None] & (offs_p < num_splits)[None, :]
     d_mask = offs_d < HEAD_DIM
 
     pm = seq * stride_pm_s + offs_h[:, None] * stride_pm_h + offs_p[None, :]
@@ -338,7 +339,7 @@ def _paged_decode_reduce_kernel(
     total = tl.sum(w, 1)
     out = tl.sum(parts * w[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]
     o = out_ptr + seq * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :]
-    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=(offs_h < NUM_HEADS)[:, None] & d_mask[None, :])
+    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
 _paged_decode_split_kernel = _jit_without_specialising(_paged_decode_split_kernel)

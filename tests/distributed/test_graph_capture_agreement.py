@@ -5,6 +5,8 @@ captured, all keep their graphs."""
 
 from __future__ import annotations
 
+import pytest
+
 SIZES = [8, 4, 2, 1]
 
 
@@ -46,8 +48,6 @@ def test_all_ranks_keep_graphs_when_all_captured(tp2):
 def test_capture_agreed_reports_a_failed_size_or_raises_alone():
     """``cuda_graphs.capture_agreed`` (one size of either graph runner): its error goes to
     ``agree`` with tensor parallelism, the answer decides, and alone the error raises."""
-    import pytest
-
     from pdserve.runner.cuda_graphs import capture_agreed
 
     def boom():
