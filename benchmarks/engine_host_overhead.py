@@ -71,7 +71,7 @@ class InstantRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.thread_time()
         out = ModelRunnerOutput(sampled_token_ids={
-            sr.req_id: (sr.num_computed_tokens + len(sr.token_ids)) % VOCAB
+            sr.request_id: (sr.num_computed_tokens + len(sr.token_ids)) % VOCAB
             for sr in sched.scheduled if sr.sample
         })
         self.seconds += time.thread_time() - t0

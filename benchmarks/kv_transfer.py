@@ -151,11 +151,11 @@ def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: i
     while True:
         cmd, arg = conn.recv()
         if cmd == "lease":
-            req_id, block_ids = arg
+            request_id, block_ids = arg
             worker.bind_connector_metadata(NixlConnectorMetadata(
-                reqs_to_send={req_id: SendSpec(req_id, block_ids, 600.0)}))
+                reqs_to_send={request_id: SendSpec(request_id, block_ids, 600.0)}))
             worker.get_finished(set())
-            while req_id not in worker.leases:  # host-buffer mode: leased once staged
+            while request_id not in worker.leases:  # host-buffer mode: leased once staged
                 time.sleep(0.0002)
                 worker.get_finished(set())
             conn.send(None)
@@ -193,10 +193,10 @@ def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, 
     while True:
         cmd, arg = conn.recv()
         if cmd == "read":
-            owner_id, owner_port, req_id, remote_ids, local_ids = arg
-            ref = RemoteKVRef(RemoteEndpoint(owner_id, "127.0.0.1", owner_port), req_id, remote_ids)
+            owner_id, owner_port, request_id, remote_ids, local_ids = arg
+            ref = RemoteKVRef(RemoteEndpoint(owner_id, "127.0.0.1", owner_port), request_id, remote_ids)
             meta = NixlConnectorMetadata(reqs_to_recv={
-                "r-" + req_id: RecvSpec("r-" + req_id, ref, local_ids, remote_ids,
+                "r-" + request_id: RecvSpec("r-" + request_id, ref, local_ids, remote_ids,
                                         num_tokens=len(local_ids) * spec.block_size)})
             t0 = time.perf_counter()
             worker.bind_connector_metadata(meta)
@@ -208,7 +208,7 @@ def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, 
                     stats = out.stats
                     for entry in (out.stats.get("transfer_paths") or {}).values():
                         path = f"{entry['transport']}/{entry['mem'].split('->')[-1]}"
-                if "r-" + req_id in out.finished_recving:
+                if "r-" + request_id in out.finished_recving:
                     break
                 # like the engine loop, wait a little between polls: a busy loop would starve
                 # the side-channel thread of the GIL and inflate the claim round trip
@@ -401,12 +401,12 @@ def main(argv: list[str] | None = None) -> int:
                     remote_ids = rng.sample(range(num_blocks), n)
                     local_ids = rng.sample(range(num_blocks), n)
                 counter += 1
-                req_id = f"bench-{counter}"
-                ask(owner_conns, "lease", (req_id, remote_ids))
+                request_id = f"bench-{counter}"
+                ask(owner_conns, "lease", (request_id, remote_ids))
                 for conn in owner_conns:  # the owners poll until their leases end
-                    conn.send(("wait_released", req_id))
+                    conn.send(("wait_released", request_id))
                 ranks = ask(reader_conns, "read",
-                            (owner_id, owner_port, req_id, remote_ids, local_ids))
+                            (owner_id, owner_port, request_id, remote_ids, local_ids))
                 for conn in owner_conns:
                     conn.recv()
                 row = {"load_s": max(r["load_s"] for r in ranks),

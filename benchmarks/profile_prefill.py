@@ -93,7 +93,7 @@ class StepMaker:
         self.count += 1
         prompt = [self.rng.randrange(self.vocab) for _ in range(num_computed + tokens)]
         return ScheduledRequest(
-            req_id=f"r{self.count}", token_ids=prompt[num_computed:],
+            request_id=f"r{self.count}", token_ids=prompt[num_computed:],
             num_computed_tokens=num_computed, block_ids=self._blocks(num_computed + tokens),
             sample=True, sampling_params=params, prompt_token_ids=prompt, output_token_ids=[])
 

@@ -16,7 +16,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 @dataclass
 class DrivenRequest:
-    req_id: str
+    request_id: str
     prompt: list[int]
     max_new_tokens: int
     params: SamplingParams
@@ -49,7 +49,7 @@ class MiniScheduler:
     def run(self, reqs: list[DrivenRequest], max_steps: int = 1000) -> list[ModelRunnerOutput]:
         outs = []
         step = 0
-        pending_chunks = {r.req_id: list(r.chunks or [len(r.prompt) - r.num_computed])
+        pending_chunks = {r.request_id: list(r.chunks or [len(r.prompt) - r.num_computed])
                           for r in reqs}
         finished: set[str] = set()
         while not all(r.done for r in reqs) and step < max_steps:
@@ -57,7 +57,7 @@ class MiniScheduler:
             for r in reqs:
                 if r.done or step < r.start_step:
                     continue
-                chunks = pending_chunks[r.req_id]
+                chunks = pending_chunks[r.request_id]
                 if chunks:
                     n = chunks.pop(0)
                     tokens = r.prompt[r.num_computed:r.num_computed + n]
@@ -67,27 +67,27 @@ class MiniScheduler:
                     sample = True
                 self.ensure_blocks(r, r.num_computed + len(tokens))
                 scheduled.append(ScheduledRequest(
-                    req_id=r.req_id, token_ids=tokens, num_computed_tokens=r.num_computed,
+                    request_id=r.request_id, token_ids=tokens, num_computed_tokens=r.num_computed,
                     block_ids=list(r.block_ids), sample=sample, sampling_params=r.params,
                     prompt_token_ids=r.prompt, output_token_ids=r.output, eos_token_id=2))
-            sched = SchedulerOutput(scheduled=scheduled, finished_req_ids=set(finished),
+            sched = SchedulerOutput(scheduled=scheduled, finished_request_ids=set(finished),
                                     total_num_scheduled_tokens=sum(len(s.token_ids)
                                                                    for s in scheduled))
             finished.clear()
             out = self.runner.execute(sched)
             outs.append(out)
-            by_id = {r.req_id: r for r in reqs}
+            by_id = {r.request_id: r for r in reqs}
             for s in scheduled:
-                r = by_id[s.req_id]
+                r = by_id[s.request_id]
                 r.num_computed += len(s.token_ids)
                 if s.sample:
-                    r.output.append(out.sampled_token_ids[s.req_id])
-                    if s.req_id in out.logprobs:
-                        r.logprobs.append(out.logprobs[s.req_id])
+                    r.output.append(out.sampled_token_ids[s.request_id])
+                    if s.request_id in out.logprobs:
+                        r.logprobs.append(out.logprobs[s.request_id])
                     if r.done:
-                        finished.add(r.req_id)
+                        finished.add(r.request_id)
                 else:
-                    assert s.req_id not in out.sampled_token_ids
+                    assert s.request_id not in out.sampled_token_ids
             step += 1
         return outs
 

@@ -56,7 +56,7 @@ def test_role_prefix():
 
 
 def _step(*token_counts: int) -> SchedulerOutput:
-    reqs = [ScheduledRequest(req_id=f"r{i}", token_ids=[1] * n, num_computed_tokens=0,
+    reqs = [ScheduledRequest(request_id=f"r{i}", token_ids=[1] * n, num_computed_tokens=0,
                              block_ids=[0], sample=True, sampling_params=SamplingParams(),
                              prompt_token_ids=[1] * n, output_token_ids=[])
             for i, n in enumerate(token_counts)]

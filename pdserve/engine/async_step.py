@@ -84,7 +84,7 @@ class OverlappedSteps:
         sched = self.scheduler
         if self._running is None:
             first = sched.schedule()
-            if not first.scheduled and not first.finished_req_ids and not sched.has_pending_kv_work():
+            if not first.scheduled and not first.finished_request_ids and not sched.has_pending_kv_work():
                 return [], False, None
             if not first.scheduled or first.num_steps > 1:
                 out = self.runner.execute(first)
@@ -107,8 +107,8 @@ class OverlappedSteps:
         are known to be done. Returns the ids of ``step``'s requests."""
         if phase_trace.enabled():
             phase_trace.mark(launch_phase(step))
-        ids = frozenset([sr.req_id for sr in step.scheduled])
-        held = ids if running is None else ids.union([sr.req_id for sr in running.scheduled])
+        ids = frozenset([sr.request_id for sr in step.scheduled])
+        held = ids if running is None else ids.union([sr.request_id for sr in running.scheduled])
         self.scheduler.kv_cache_manager.set_in_flight(held)
         self._running = (step, self.runner.execute_async(step))
         return ids

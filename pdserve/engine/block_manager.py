@@ -374,14 +374,14 @@ class KVCacheManager:
             return
         self._release(blocks)
 
-    def set_in_flight(self, req_ids: "set[str] | frozenset[str]") -> None:
+    def set_in_flight(self, request_ids: "set[str] | frozenset[str]") -> None:
         """Overlapped scheduling: name the requests of the steps launched but not yet known to
         be complete on the device. :meth:`free` of such a request keeps its blocks (they stay
         referenced, neither free nor reusable) until a later call no longer names it, since the
         device may still write that step's KV into them (an extra token of a request that
         finished one step earlier, or one aborted meanwhile). A KV load from another instance
         into a reused block would otherwise race with that write."""
-        self._in_flight = frozenset(req_ids)
+        self._in_flight = frozenset(request_ids)
         if not self._deferred:
             return
         keep = []

@@ -233,7 +233,8 @@ class EngineCore:
             outputs, computed, out = self.overlap.step()
         else:
             sched = self.scheduler.schedule()
-            if not sched.scheduled and not sched.finished_req_ids and not self.scheduler.has_pending_kv_work():
+            if (not sched.scheduled and not sched.finished_request_ids
+                    and not self.scheduler.has_pending_kv_work()):
                 return [], False
             if sched.scheduled and phase_trace.enabled():
                 phase_trace.mark(launch_phase(sched))
@@ -268,7 +269,7 @@ class EngineCore:
 
     def _step_wait_s(self, progressed: bool) -> float:
         sched = self.scheduler
-        if progressed or sched.finished_req_ids or sched.loaded_since_schedule:
+        if progressed or sched.finished_request_ids or sched.loaded_since_schedule:
             return 0.0
         if self.connector is not None and self.connector.has_pending_metadata():
             return 0.0

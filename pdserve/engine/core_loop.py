@@ -180,7 +180,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
                 logger.warning("front-end process died; engine core exiting")
                 return
 
-        stepping = core.has_work() or bool(sched.finished_req_ids)
+        stepping = core.has_work() or bool(sched.finished_request_ids)
         outputs, progressed = core.step() if stepping else ([], False)
         core.publish_kv_events()
         outputs = early_outputs + outputs

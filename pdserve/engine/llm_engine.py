@@ -144,7 +144,7 @@ class LLMEngine:
             TimeoutError: still pending after ``timeout_s``.
         """
         deadline = time.monotonic() + timeout_s
-        while self.core.scheduler.has_pending_kv_work() or self.core.scheduler.finished_req_ids:
+        while self.core.scheduler.has_pending_kv_work() or self.core.scheduler.finished_request_ids:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"KV transfer work still pending after {timeout_s} s")
             _, progressed = self.core.step()

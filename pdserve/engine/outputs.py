@@ -30,7 +30,7 @@ class ScheduledRequest:
     ``0 .. num_computed_tokens + len(token_ids) - 1`` (causal).
 
     Attributes:
-        req_id: the request id.
+        request_id: the request id.
         token_ids: the tokens to compute this step (a prefill chunk, or the last sampled token).
         num_computed_tokens: tokens already in the KV cache before this step.
         block_ids: the whole block table of the request (may be longer than needed).
@@ -49,7 +49,7 @@ class ScheduledRequest:
             -1 means ``len(output_token_ids)``. Read it through :meth:`output_position`.
     """
 
-    req_id: str
+    request_id: str
     token_ids: list[int]
     num_computed_tokens: int
     block_ids: list[int]
@@ -77,7 +77,7 @@ class SchedulerOutput:
 
     Attributes:
         scheduled: requests to run, prefills and decodes mixed, in batch order.
-        finished_req_ids: requests that finished or were aborted since the last step; the runner
+        finished_request_ids: requests that finished or were aborted since the last step; the runner
             drops its per-request state (RNG generators) for them.
         kv_connector_metadata: opaque object built by the connector's scheduler side for its
             worker side (None without a connector).
@@ -90,7 +90,7 @@ class SchedulerOutput:
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    finished_req_ids: set[str] = field(default_factory=set)
+    finished_request_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
     total_num_scheduled_tokens: int = 0
     num_steps: int = 1
@@ -121,14 +121,14 @@ class KVConnectorOutput:
         finished_recving: request ids whose KV load completed (successfully or not).
         invalid_block_ids: block ids whose load failed; the scheduler applies
             ``kv_load_failure_policy`` to the requests holding them.
-        first_tokens: req_id -> the first output token the remote prefiller sampled, for loads
+        first_tokens: request_id -> the first output token the remote prefiller sampled, for loads
             in ``finished_recving`` that brought the whole prompt and whose token the connector
             vouches for (the scheduler appends it instead of recomputing the last prompt token;
             a whole-prompt load without an entry recomputes that token).
         remote_clock_offsets: remote ``time.time()`` minus local ``time.time()`` (seconds) per
             remote endpoint key ``(engine_id, host, port)``, measured at new handshakes (for the
             connector's scheduler side; not sent to the front end).
-        load_errors: req_id -> why its load failed (for the error message), for the failed
+        load_errors: request_id -> why its load failed (for the error message), for the failed
             loads among ``finished_recving``.
         stats: connector statistics for the front end's metrics (JSON-serialisable).
     """
@@ -147,10 +147,10 @@ class ModelRunnerOutput:
     """What the runner produced for one step.
 
     Attributes:
-        sampled_token_ids: req_id -> sampled token, only for requests with ``sample=True``.
-        sampled_token_id_lists: req_id -> the ``num_steps`` tokens of a multi-step round, in
+        sampled_token_ids: request_id -> sampled token, only for requests with ``sample=True``.
+        sampled_token_id_lists: request_id -> the ``num_steps`` tokens of a multi-step round, in
             order (instead of ``sampled_token_ids``).
-        logprobs: req_id -> logprobs of that token, only when the request asked for logprobs.
+        logprobs: request_id -> logprobs of that token, only when the request asked for logprobs.
         kv_connector_output: the connector's report, or None without a connector.
     """
 

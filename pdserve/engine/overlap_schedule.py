@@ -54,7 +54,7 @@ def schedule_overlapped(sched: "Scheduler", running_step: SchedulerOutput) -> Sc
     """
     if running_step.num_steps > 1 or sched.remote_kv.sync_loads or _round_next(sched, running_step):
         return None
-    in_step = {sr.req_id: sr for sr in running_step.scheduled}
+    in_step = {sr.request_id: sr for sr in running_step.scheduled}
     # (request, first position to compute, tokens known to the host + in flight, whether the
     # last of those is in flight); decodes first, then prefills, each in running order
     decodes: list[tuple[Request, int, int, bool]] = []
@@ -121,7 +121,7 @@ def _scheduled(req: Request, start: int, num_new: int, total: int, pending: bool
     the one in flight); with ``pending``, the one token is the placeholder of the output
     sampled by the running step."""
     return ScheduledRequest(
-        req_id=req.request_id,
+        request_id=req.request_id,
         token_ids=[PLACEHOLDER_TOKEN] if pending else req.token_ids(start, start + num_new),
         num_computed_tokens=start,
         block_ids=req.block_ids,

@@ -102,7 +102,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_remote: dict[str, Request] = {}
-        self.finished_req_ids: set[str] = set()
+        self.finished_request_ids: set[str] = set()
         # A request whose KV load finished went back to ``waiting`` after the last schedule():
         # it can run now, so the core steps again without waiting for a poll tick.
         self.loaded_since_schedule = False
@@ -210,8 +210,8 @@ class Scheduler:
     def close_step(self, out: SchedulerOutput) -> SchedulerOutput:
         """Hand the requests finished since the last step to ``out`` and let the connector
         build its metadata for the step; returns ``out``."""
-        out.finished_req_ids = self.finished_req_ids
-        self.finished_req_ids = set()
+        out.finished_request_ids = self.finished_request_ids
+        self.finished_request_ids = set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
@@ -222,7 +222,7 @@ class Scheduler:
         end = start + num_new
         out.scheduled.append(
             ScheduledRequest(
-                req_id=req.request_id,
+                request_id=req.request_id,
                 token_ids=req.token_ids(start, end),
                 num_computed_tokens=start,
                 block_ids=req.block_ids,
@@ -273,16 +273,16 @@ class Scheduler:
         sampled, logprobs = out.sampled_token_ids, out.logprobs
 
         for sr in sched.scheduled:
-            req = self.requests.get(sr.req_id)
+            req = self.requests.get(sr.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted after scheduling
             if invalid:
-                failed = remote_kv.sync_load_failed(req, invalid, kv_out.load_errors.get(sr.req_id))
+                failed = remote_kv.sync_load_failed(req, invalid, kv_out.load_errors.get(sr.request_id))
                 if failed is not None:
                     outputs.extend(failed)
                     continue
             if multi_step:
-                outputs.append(commit_multi_step(self, req, out.sampled_token_id_lists.get(sr.req_id)))
+                outputs.append(commit_multi_step(self, req, out.sampled_token_id_lists.get(sr.request_id)))
                 continue
             start = req.num_computed_tokens
             end = start + len(sr.token_ids)
@@ -294,17 +294,17 @@ class Scheduler:
             kvm.cache_blocks(req, end)
             if not sr.sample:
                 continue
-            token = sampled.get(sr.req_id)
+            token = sampled.get(sr.request_id)
             if token is None:
                 self.running.remove(req)
                 outputs.append(
                     self.finish(req, RequestStatus.FINISHED_ERROR, "the model runner sampled no token")
                 )
                 continue
-            outputs.append(self.append_token(req, token, logprobs.get(sr.req_id)))
+            outputs.append(self.append_token(req, token, logprobs.get(sr.request_id)))
         if sync_loads:  # not clear(): an overlapped next step may have loads too
             for sr in sched.scheduled:
-                sync_loads.pop(sr.req_id, None)
+                sync_loads.pop(sr.request_id, None)
 
         if kv_out is not None:
             outputs.extend(remote_kv.process_kv_output(kv_out, invalid))
@@ -368,7 +368,7 @@ class Scheduler:
         req.status = status
         req.error = error
         self.requests.pop(req.request_id, None)
-        self.finished_req_ids.add(req.request_id)
+        self.finished_request_ids.add(req.request_id)
         self.num_requests_finished_total += 1
         params = self.remote_kv.request_finished(req)
         o = self.output(req, [], None)

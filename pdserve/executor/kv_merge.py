@@ -3,7 +3,7 @@
 
 Rules (shared with the connector; docs/architecture.md, "Tensor parallelism"):
 
-- a req_id enters ``finished_recving`` / ``finished_sending`` once EVERY rank has reported it,
+- a request_id enters ``finished_recving`` / ``finished_sending`` once EVERY rank has reported it,
   possibly over several steps (a rank reports each request once);
 - a failure on any rank fails the load: ``invalid_block_ids`` are united at once, ``load_errors``
   kept per request (the first rank's error) and handed over with the request's merged

@@ -392,8 +392,8 @@ class TPConnectorWorker(KVConnectorWorkerSide):
     def start_load_kv(self) -> None:
         self.rank0.start_load_kv()
 
-    def get_finished(self, finished_req_ids: set[str]) -> Any:
-        return self.rank0.get_finished(finished_req_ids)
+    def get_finished(self, finished_request_ids: set[str]) -> Any:
+        return self.rank0.get_finished(finished_request_ids)
 
     def wakeup_handles(self) -> list[Any]:
         return self.rank0.wakeup_handles()

@@ -20,7 +20,7 @@ Call order inside one engine step::
     worker.bind_connector_metadata(meta)
     worker.start_load_kv()            # posts async reads, never blocks
     ... forward pass ...
-    out = worker.get_finished(finished_req_ids)   # polls, never blocks
+    out = worker.get_finished(finished_request_ids)   # polls, never blocks
     # scheduler
     sched.update_connector_output(out)
     delay_free, params = sched.request_finished(req, block_ids)   # for each finished request
@@ -197,7 +197,7 @@ class KVConnectorSchedulerSide(abc.ABC):
         id appears in ``finished_recving`` (the worker reports it once nothing writes them).
         """
 
-    def release_kept_blocks(self, req_id: str) -> None:
+    def release_kept_blocks(self, request_id: str) -> None:
         """Optional hook: a finished request whose blocks :meth:`request_finished` kept for a
         remote reader was aborted by its front end (its client went away before it got the
         ``kv_transfer_params``), so no reader will come: end the hold now (its id then appears
@@ -246,11 +246,11 @@ class KVConnectorWorkerSide(abc.ABC):
         """Post the reads named in the bound metadata; must not block."""
 
     @abc.abstractmethod
-    def get_finished(self, finished_req_ids: set[str]) -> "KVConnectorOutput":
+    def get_finished(self, finished_request_ids: set[str]) -> "KVConnectorOutput":
         """Poll transfers and notifications; must not block.
 
         Args:
-            finished_req_ids: requests the scheduler finished this step.
+            finished_request_ids: requests the scheduler finished this step.
         """
 
     # Optional hooks for an event-driven engine loop. Without them the loop polls the worker

@@ -265,7 +265,7 @@ def block_id_groups(block_ids: list[int]) -> list[list[int]]:
 
 # ---------------------------------------------------------------------------- returned params
 def prefill_done_params(engine_id: str, block_ids: list[int], host: str, port: int,
-                        req_id: str, first_token: int | None, tp_size: int = 1
+                        request_id: str, first_token: int | None, tp_size: int = 1
                         ) -> dict[str, Any]:
     """What a prefiller returns for the decoder leg: where its prompt KV is (kept under a
     lease), and the first token it sampled (None: not sampled). ``tp_size`` is the
@@ -277,7 +277,7 @@ def prefill_done_params(engine_id: str, block_ids: list[int], host: str, port: i
         "remote_block_ids": block_id_groups(block_ids),
         "remote_host": host,
         "remote_port": port,
-        "remote_request_id": req_id,
+        "remote_request_id": request_id,
         "tp_size": tp_size,
     }
     if first_token is not None:
@@ -287,7 +287,7 @@ def prefill_done_params(engine_id: str, block_ids: list[int], host: str, port: i
 
 def decoder_turn_params(engine_id: str, block_ids: list[int], num_tokens: int,
                         block_hashes: list[str], expiry_time: float, host: str, port: int,
-                        req_id: str, tp_size: int = 1) -> dict[str, Any]:
+                        request_id: str, tp_size: int = 1) -> dict[str, Any]:
     """What a bidirectional decoder returns at the end of a turn: where the turn's KV is kept
     (``expiry_time``: ``time.time()`` seconds at which the blocks are freed) for the next
     turn's prefiller to pull. ``tp_size`` is the decoder's
@@ -302,7 +302,7 @@ def decoder_turn_params(engine_id: str, block_ids: list[int], num_tokens: int,
         "remote_blocks_expiry_time": expiry_time,
         "remote_host": host,
         "remote_port": port,
-        "remote_request_id": req_id,
+        "remote_request_id": request_id,
         "tp_size": tp_size,
     }
 

@@ -146,7 +146,7 @@ def replay_decode_graph(runner: "ModelRunner", decodes: list[ScheduledRequest],
     # Block tables: a [B, widest row] host tensor, filled row by row through numpy.
     table = padded_rows([r.block_ids for r in decodes], max(num_blocks), torch.int32)
     ids_t = int_tensor(ids)
-    fed = [(i, r.req_id) for i, r in enumerate(decodes) if r.input_from_previous_step]
+    fed = [(i, r.request_id) for i, r in enumerate(decodes) if r.input_from_previous_step]
     if fed:
         ids_t = ids_t.to(runner.device, non_blocking=True)
         feed_previous_tokens(ids_t, fed, previous)

@@ -241,7 +241,7 @@ class ModelRunner:
         params = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1, max_tokens=1)
         reqs = [
             ScheduledRequest(
-                req_id=f"profile-{i}", token_ids=[0] * per_seq, num_computed_tokens=0,
+                request_id=f"profile-{i}", token_ids=[0] * per_seq, num_computed_tokens=0,
                 block_ids=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
                 sample=True, sampling_params=params, prompt_token_ids=[0] * per_seq,
                 output_token_ids=[])
@@ -305,7 +305,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one engine step.
 
-        Drops the sampler state of ``sched.finished_req_ids``; with a connector, binds its
+        Drops the sampler state of ``sched.finished_request_ids``; with a connector, binds its
         metadata and starts KV loads before the forward pass and polls it afterwards (also for
         an empty batch); computes KV for every scheduled token and samples a token for each
         request with ``sample=True``.
@@ -315,7 +315,7 @@ class ModelRunner:
             ValueError: a malformed scheduled request (no tokens, short block table, position
                 beyond ``max_model_len``).
         """
-        self.sampler.drop(sched.finished_req_ids)
+        self.sampler.drop(sched.finished_request_ids)
         self._launcher.previous = None
         worker = self._connector
         if worker is not None:
@@ -331,11 +331,11 @@ class ModelRunner:
                 raise RuntimeError("allocate_kv_cache() must be called before execute()")
             sampled, tokens, logprobs = self.forward_and_sample(sched.scheduled, self.kv_cache)
             for req, tok, lp in zip(sampled, tokens, logprobs):
-                out.sampled_token_ids[req.req_id] = tok
+                out.sampled_token_ids[req.request_id] = tok
                 if lp is not None:
-                    out.logprobs[req.req_id] = lp
+                    out.logprobs[req.request_id] = lp
         if worker is not None:
-            out.kv_connector_output = worker.get_finished(sched.finished_req_ids)
+            out.kv_connector_output = worker.get_finished(sched.finished_request_ids)
         return out
 
     @torch.inference_mode()
@@ -383,13 +383,13 @@ class ModelRunner:
         prefills = [r for r in scheduled if len(r.token_ids) > 1]
         decodes = [r for r in scheduled if len(r.token_ids) == 1]
         if len(prefills) + len(decodes) != len(scheduled):
-            bad = next(r.req_id for r in scheduled if not r.token_ids)
+            bad = next(r.request_id for r in scheduled if not r.token_ids)
             raise ValueError(f"request {bad} was scheduled with no tokens")
         graphs = self.decode_graphs
         if (graphs is not None and not prefills and kv_cache is self.kv_cache
                 and len(decodes) <= graphs.max_batch_size):
             return decode_with_graph(self, decodes, graphs, previous)
-        fed: list[tuple[int, str]] = []  # (input row, req_id) of placeholders
+        fed: list[tuple[int, str]] = []  # (input row, request_id) of placeholders
         input_ids: list[int] = []
         positions: list[int] = []
         logits_idx: list[int] = []
@@ -403,7 +403,7 @@ class ModelRunner:
                 sampled.append(r)
         for r in decodes:
             if r.input_from_previous_step:
-                fed.append((len(input_ids), r.req_id))
+                fed.append((len(input_ids), r.request_id))
             input_ids.append(r.token_ids[0])
             positions.append(r.num_computed_tokens)
             if r.sample:

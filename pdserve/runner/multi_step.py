@@ -30,7 +30,7 @@ def multi_step_decode(runner: "ModelRunner", decodes: list[ScheduledRequest], nu
     them each step is an ordinary step.
 
     Returns:
-        req_id -> its ``num_steps`` sampled tokens, in order.
+        request_id -> its ``num_steps`` sampled tokens, in order.
 
     Raises:
         ValueError: a request that is not a sampled single-token decode, or positions
@@ -64,20 +64,20 @@ def multi_step_decode(runner: "ModelRunner", decodes: list[ScheduledRequest], nu
             logits = graphs.replay(n)
         tokens[step] = sampler.draw(logits, plan, step)
     rows = tokens.t().tolist()
-    return {r.req_id: row for r, row in zip(decodes, rows)}
+    return {r.request_id: row for r, row in zip(decodes, rows)}
 
 
 def _multi_step_eager(runner: "ModelRunner", decodes: list[ScheduledRequest], num_steps: int
                       ) -> dict[str, list[int]]:
     """:func:`multi_step_decode` as ordinary steps (CPU, ``enforce_eager``, or a batch larger
     than the captured graphs); the host sees every step's tokens."""
-    out: dict[str, list[int]] = {r.req_id: [] for r in decodes}
+    out: dict[str, list[int]] = {r.request_id: [] for r in decodes}
     for step in range(num_steps):
         batch = [dataclasses.replace(
-            r, token_ids=[out[r.req_id][-1]] if step else r.token_ids,
+            r, token_ids=[out[r.request_id][-1]] if step else r.token_ids,
             num_computed_tokens=r.num_computed_tokens + step,
-            output_token_ids=r.output_token_ids + out[r.req_id]) for r in decodes]
+            output_token_ids=r.output_token_ids + out[r.request_id]) for r in decodes]
         sampled, tokens, _ = runner.forward_and_sample(batch, runner.kv_cache)
         for r, tok in zip(sampled, tokens):
-            out[r.req_id].append(tok)
+            out[r.request_id].append(tok)
     return out

@@ -36,7 +36,7 @@ class DeviceTokens:
     """The sampled tokens of the last launched step, on the device.
 
     Attributes:
-        rows: req_id -> its row in ``tokens``.
+        rows: request_id -> its row in ``tokens``.
         tokens: ``[S]`` int64 on the runner's device.
     """
 
@@ -51,7 +51,7 @@ def feed_previous_tokens(input_ids: torch.Tensor, rows: list[tuple[int, str]],
 
     Args:
         input_ids: ``[T]`` int64 input tokens of the step, on the device; modified in place.
-        rows: ``(row in input_ids, req_id)`` of the placeholder rows.
+        rows: ``(row in input_ids, request_id)`` of the placeholder rows.
         previous: the previous step's tokens.
 
     Raises:
@@ -74,15 +74,15 @@ class PendingRunnerStep:
     :class:`~pdserve.engine.outputs.PendingStep`.
 
     Args:
-        req_ids: the sampled requests, in row order of ``tokens``.
+        request_ids: the sampled requests, in row order of ``tokens``.
         tokens: ``[S]`` int64 sampled tokens on the device.
-        logprobs: req_id -> logprobs, for the requests that asked (sampled on the host).
+        logprobs: request_id -> logprobs, for the requests that asked (sampled on the host).
         kv_connector_output: the connector's report of this step, or None.
     """
 
-    def __init__(self, req_ids: list[str], tokens: torch.Tensor,
+    def __init__(self, request_ids: list[str], tokens: torch.Tensor,
                  logprobs: dict[str, TokenLogprobs], kv_connector_output: KVConnectorOutput | None):
-        self._req_ids = req_ids
+        self._request_ids = request_ids
         self._logprobs = logprobs
         self._kv_out = kv_connector_output
         self._event: torch.cuda.Event | None = None
@@ -99,7 +99,7 @@ class PendingRunnerStep:
         if self._event is not None:
             self._event.synchronize()
         tokens = self._host.tolist()
-        return ModelRunnerOutput(sampled_token_ids=dict(zip(self._req_ids, tokens)),
+        return ModelRunnerOutput(sampled_token_ids=dict(zip(self._request_ids, tokens)),
                                  logprobs=self._logprobs, kv_connector_output=self._kv_out)
 
 
@@ -141,7 +141,7 @@ class StepLauncher:
             raise ValueError("multi-step rounds run through execute()")
         if runner.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must be called before execute_async()")
-        runner.sampler.drop(sched.finished_req_ids)
+        runner.sampler.drop(sched.finished_request_ids)
         if worker is not None:
             worker.bind_connector_metadata(sched.kv_connector_metadata)
             worker.start_load_kv()
@@ -154,10 +154,10 @@ class StepLauncher:
         if sampled and runner.sampler.samples_on_host(sampled):
             token_list, lps = runner.sampler.sample(logits, sampled)
             tokens = int_tensor(token_list).to(runner.device, non_blocking=True)
-            logprobs = {r.req_id: lp for r, lp in zip(sampled, lps) if lp is not None}
+            logprobs = {r.request_id: lp for r, lp in zip(sampled, lps) if lp is not None}
         elif sampled:
             tokens = runner.sampler.sample_on_device(logits, sampled)
-        req_ids = [r.req_id for r in sampled]
-        self.previous = DeviceTokens({rid: i for i, rid in enumerate(req_ids)}, tokens)
-        kv_out = worker.get_finished(sched.finished_req_ids) if worker is not None else None
-        return PendingRunnerStep(req_ids, tokens, logprobs, kv_out)
+        request_ids = [r.request_id for r in sampled]
+        self.previous = DeviceTokens({rid: i for i, rid in enumerate(request_ids)}, tokens)
+        kv_out = worker.get_finished(sched.finished_request_ids) if worker is not None else None
+        return PendingRunnerStep(request_ids, tokens, logprobs, kv_out)

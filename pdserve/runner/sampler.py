@@ -80,9 +80,9 @@ class Sampler:
         """True when draws use the fused CUDA kernel."""
         return self._gumbel_argmax is not None
 
-    def drop(self, req_ids: Iterable[str]) -> None:
+    def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the seeds drawn for unseeded finished requests (fused draw)."""
-        for rid in req_ids:
+        for rid in request_ids:
             self._row_seeds.pop(rid, None)
 
     @property
@@ -207,9 +207,9 @@ class Sampler:
             if p.seed is not None:
                 seeds.append(p.seed & 0x7FFFFFFF)
                 continue
-            seed = self._row_seeds.get(r.req_id)
+            seed = self._row_seeds.get(r.request_id)
             if seed is None:
-                seed = self._row_seeds[r.req_id] = self._seed_rng.getrandbits(31)
+                seed = self._row_seeds[r.request_id] = self._seed_rng.getrandbits(31)
             seeds.append(seed)
         # One row per field, each row a multiple of 16 bytes long: every field starts 16-byte
         # aligned on the device and is read in place. (Triton specialises a kernel on the

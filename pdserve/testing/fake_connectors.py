@@ -3,7 +3,7 @@ process builds one (:func:`scripted_worker`, a picklable connector factory), and
 reports what the step's metadata scripts for that rank.
 
 Metadata (the ``kv_connector_metadata`` of a step, a dict; absent keys mean nothing):
-``{"recv": {rank: [req_id, ...]}, "send": {rank: [...]}, "first": {req_id: token},
+``{"recv": {rank: [request_id, ...]}, "send": {rank: [...]}, "first": {request_id: token},
 "invalid": {rank: [block_id, ...]}, "fail_rank": rank}``. A rank reports ``first`` tokens
 plus its rank (so a merge that took another rank's token shows), ``invalid`` blocks with a
 load error for its ``recv`` requests, and raises in ``get_finished`` when it is
@@ -51,7 +51,7 @@ class ScriptedWorker(KVConnectorWorkerSide):
     def start_load_kv(self) -> None:
         pass
 
-    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+    def get_finished(self, finished_request_ids: set[str]) -> KVConnectorOutput:
         rank = self.tp.rank
         meta = self._meta
         if meta.get("fail_rank") == rank:

@@ -57,7 +57,7 @@ class FakeModelRunner:
     Args:
         num_blocks / block_size: KV cache geometry.
         max_position_embeddings: reported in ``model_info``.
-        force: optional ``(req_id, output_index) -> token | None`` to force sampled tokens (EOS,
+        force: optional ``(request_id, output_index) -> token | None`` to force sampled tokens (EOS,
             stop tokens); None means "use the hash of the KV read back".
     """
 
@@ -114,7 +114,7 @@ class FakeModelRunner:
         out = ModelRunnerOutput()
         out.sampled_token_ids = self._compute(sched)
         if self.worker is not None:
-            out.kv_connector_output = self.worker.get_finished(sched.finished_req_ids)
+            out.kv_connector_output = self.worker.get_finished(sched.finished_request_ids)
         return out
 
     def execute_async(self, sched: SchedulerOutput) -> "FakePendingStep":
@@ -131,7 +131,7 @@ class FakeModelRunner:
         step = FakePendingStep(self, sched)
         self._launched.append(step)
         if self.worker is not None:
-            step.kv_out = self.worker.get_finished(sched.finished_req_ids)
+            step.kv_out = self.worker.get_finished(sched.finished_request_ids)
         return step
 
     def _run_launched(self, until: "FakePendingStep | None" = None) -> None:
@@ -146,7 +146,7 @@ class FakeModelRunner:
         for sr in sched.scheduled:
             for i, tok in enumerate(sr.token_ids):
                 if sr.input_from_previous_step:
-                    tok = self._previous[sr.req_id]
+                    tok = self._previous[sr.request_id]
                 pos = sr.num_computed_tokens + i
                 self.kv[self._slot(sr.block_ids, pos)] = (pos, tok)
         sampled: dict[str, int] = {}
@@ -157,10 +157,10 @@ class FakeModelRunner:
             seq = [self.kv[self._slot(sr.block_ids, p)] for p in range(end)]
             tok = reference_next_token(seq)
             if self.force is not None:
-                forced = self.force(sr.req_id, sr.output_position())
+                forced = self.force(sr.request_id, sr.output_position())
                 if forced is not None:
                     tok = forced
-            sampled[sr.req_id] = tok
+            sampled[sr.request_id] = tok
         return sampled
 
     def shutdown(self) -> None:
@@ -185,7 +185,7 @@ class FakePendingStep:
 # ------------------------------------------------------------------ fake KV connector
 @dataclass
 class _Load:
-    req_id: str
+    request_id: str
     block_ids: list[int]
     start: int  # first token position to load
     tokens: list[int]  # the request's prompt
@@ -257,9 +257,9 @@ class FakeConnectorScheduler(KVConnectorSchedulerSide):
     def update_connector_output(self, output):
         self.remote.outputs_seen.append(output)
 
-    def release_kept_blocks(self, req_id):
-        self.remote.released_kept.append(req_id)
-        self.remote.release.add(req_id)  # the worker ends the hold: reported on the next poll
+    def release_kept_blocks(self, request_id):
+        self.remote.released_kept.append(request_id)
+        self.remote.release.add(request_id)  # the worker ends the hold: reported on the next poll
 
     def request_finished(self, request, block_ids):
         self.remote.finished_calls.append((request.request_id, list(block_ids)))
@@ -275,7 +275,7 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
         self.kv: list | None = None
         self.block_size = 0
         self._meta: Any = None
-        self._in_flight: dict[str, list] = {}  # req_id -> [steps_left, invalid blocks]
+        self._in_flight: dict[str, list] = {}  # request_id -> [steps_left, invalid blocks]
 
     def register_kv_cache(self, kv_cache, spec):
         self.kv = kv_cache
@@ -290,19 +290,19 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
             for pos in range(load.start, load.start + load.num_tokens):
                 block = load.block_ids[pos // self.block_size]
                 slot = block * self.block_size + pos % self.block_size
-                if pos // self.block_size in self.remote.poison.get(load.req_id, ()):
+                if pos // self.block_size in self.remote.poison.get(load.request_id, ()):
                     self.kv[slot] = (pos, -7)  # garbage KV
                     bad.add(block)
                 else:
                     self.kv[slot] = (pos, load.tokens[pos])
-            self._in_flight[load.req_id] = [self.remote.load_delay_steps, bad]
+            self._in_flight[load.request_id] = [self.remote.load_delay_steps, bad]
 
-    def get_finished(self, finished_req_ids):
+    def get_finished(self, finished_request_ids):
         out = KVConnectorOutput()
         for rid in list(self._in_flight):
             entry = self._in_flight[rid]
             entry[0] -= 1
-            if entry[0] <= 0 or rid in finished_req_ids:
+            if entry[0] <= 0 or rid in finished_request_ids:
                 out.finished_recving.add(rid)
                 if rid in self.remote.first_tokens:
                     out.first_tokens[rid] = self.remote.first_tokens[rid]
@@ -406,7 +406,7 @@ def run_until_done(core: EngineCore, results: dict[str, Result] | None = None, m
 def drain(core: EngineCore, max_steps: int = 1000) -> None:
     """Step until no KV work is pending and finished ids were reported to the runner."""
     for _ in range(max_steps):
-        if not core.scheduler.has_pending_kv_work() and not core.scheduler.finished_req_ids:
+        if not core.scheduler.has_pending_kv_work() and not core.scheduler.finished_request_ids:
             return
         core.step()
     raise AssertionError("KV work still pending")

@@ -23,7 +23,7 @@ KEEP = [1, 2, 3]
 
 def steps_with(runner, rid: str) -> list:
     """The launched steps that scheduled ``rid``, in order."""
-    return [sr for st in runner.steps for sr in st.scheduled if sr.req_id == rid]
+    return [sr for st in runner.steps for sr in st.scheduled if sr.request_id == rid]
 
 
 def step_until(core, cond, results, max_steps: int = 100) -> None:

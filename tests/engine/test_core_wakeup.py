@@ -52,17 +52,17 @@ class SignallingWorker(FakeConnectorWorker):
         if self._in_flight:
             self.posted.set()
 
-    def get_finished(self, finished_req_ids):
+    def get_finished(self, finished_request_ids):
         with self.lock:
             done, self.done = self.done, set()
         for entry_id in list(self._in_flight):
             self._in_flight[entry_id][0] = 1 if entry_id in done else 10**9
-        return super().get_finished(finished_req_ids)
+        return super().get_finished(finished_request_ids)
 
-    def complete(self, req_id: str) -> None:
-        """Another thread: the transfer of ``req_id`` is done."""
+    def complete(self, request_id: str) -> None:
+        """Another thread: the transfer of ``request_id`` is done."""
         with self.lock:
-            self.done.add(req_id)
+            self.done.add(request_id)
         self.waker.wake()
 
 

@@ -19,8 +19,8 @@ from pdserve.engine.sampling_params import SamplingParams
 BS = 4
 
 
-def req(req_id: str, tokens: list[int]) -> Request:
-    return Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=SamplingParams())
+def req(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=SamplingParams())
 
 
 def compute_all(kvm: KVCacheManager, r: Request) -> list[int]:

@@ -76,7 +76,7 @@ def test_decodes_are_scheduled_before_a_long_prefill():
     for _ in range(4):
         core.step()
         last = runner.steps[-1]
-        assert last.scheduled[0].req_id == "short" and len(last.scheduled[0].token_ids) == 1
+        assert last.scheduled[0].request_id == "short" and len(last.scheduled[0].token_ids) == 1
         assert last.total_num_scheduled_tokens == 8  # long prefill fills the rest of the budget
     res = run_until_done(core)
     assert_all_free(core)
@@ -259,4 +259,4 @@ def test_step_reports_finished_ids_to_the_runner():
     add(core, "a", [1, 2, 3], max_tokens=1)
     core.step()
     sched_out = core.scheduler.schedule()
-    assert sched_out.finished_req_ids == {"a"}
+    assert sched_out.finished_request_ids == {"a"}

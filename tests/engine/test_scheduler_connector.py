@@ -33,13 +33,13 @@ def test_remote_load_waits_then_computes_only_the_last_token():
     sched = core.scheduler
     assert sched.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert len(sched.requests["d"].block_ids) == 3  # blocks for all 10 tokens
-    assert runner.steps[0].scheduled[0].req_id == "local"  # others keep running meanwhile
+    assert runner.steps[0].scheduled[0].request_id == "local"  # others keep running meanwhile
     assert remote.alloc_calls[0][0] == "d" and remote.alloc_calls[0][2] == 10
     assert remote.added == ["d", "local"]
     res = run_until_done(core)
     assert res["d"].tokens == reference_generate(p, 5)
     assert res["d"].num_transferred_tokens == 9
-    first_d = next(s for st in runner.steps for s in st.scheduled if s.req_id == "d")
+    first_d = next(s for st in runner.steps for s in st.scheduled if s.request_id == "d")
     assert first_d.num_computed_tokens == 9 and first_d.token_ids == [p[-1]]
     st = core.stats()
     assert st["prompt_tokens_transferred_total"] == 9
@@ -139,7 +139,7 @@ def test_invalid_blocks_recompute_policy_gives_correct_tokens(bad_index):
     assert res["d"].tokens == reference_generate(p, 5)
     assert res["d"].finish_reason == "length"
     assert res["d"].num_transferred_tokens == 4 * bad_index
-    first = next(s for st in runner.steps for s in st.scheduled if s.req_id == "d")
+    first = next(s for st in runner.steps for s in st.scheduled if s.request_id == "d")
     assert first.num_computed_tokens == 4 * bad_index  # rolled back to the first invalid block
     st = core.stats()
     assert st["prompt_tokens_computed_total"] == 11 - 4 * bad_index
@@ -204,7 +204,7 @@ def test_abort_while_waiting_for_remote_kvs_frees_after_the_load_ends():
     kvm = core.scheduler.kv_cache_manager
     assert kvm.num_free_blocks < kvm.num_blocks  # the load may still write into them
     assert core.scheduler.has_pending_kv_work()
-    core.step()  # the worker sees "d" in finished_req_ids and reports it in finished_recving
+    core.step()  # the worker sees "d" in finished_request_ids and reports it in finished_recving
     drain(core)
     assert_all_free(core)
     assert core.stats()["num_waiting_for_remote_kvs"] == 0

@@ -201,7 +201,7 @@ def test_failed_pull_is_recomputed_even_under_fail_policy():
     outputs = sched.update_from_output(out, ModelRunnerOutput(kv_connector_output=failed))
     assert not any(o.finish_reason for o in outputs)  # not failed
     out = sched.schedule()
-    assert [(s.req_id, s.num_computed_tokens, len(s.token_ids)) for s in out.scheduled] == \
+    assert [(s.request_id, s.num_computed_tokens, len(s.token_ids)) for s in out.scheduled] == \
         [("p1", 0, len(prompt))]
     assert sched.stats()["num_kv_load_failures_total"] == 1
 

@@ -34,8 +34,8 @@ def make(role: str, **extra) -> NixlConnectorScheduler:
     return sched
 
 
-def request(req_id: str, n: int, params: dict | None) -> Request:
-    return Request(req_id, list(range(100, 100 + n)), SamplingParams(),
+def request(request_id: str, n: int, params: dict | None) -> Request:
+    return Request(request_id, list(range(100, 100 + n)), SamplingParams(),
                    kv_transfer_params=KVTransferParams.parse(params))
 
 

@@ -66,13 +66,13 @@ def groups():
             group.shutdown()
 
 
-def ref(owner: TPGroup, req_id: str) -> RemoteKVRef:
-    return RemoteKVRef(RemoteEndpoint(owner.engine_id, "127.0.0.1", owner.port), req_id, REMOTE)
+def ref(owner: TPGroup, request_id: str) -> RemoteKVRef:
+    return RemoteKVRef(RemoteEndpoint(owner.engine_id, "127.0.0.1", owner.port), request_id, REMOTE)
 
 
-def reported_once(accs: list[dict], key: str, req_id: str) -> None:
+def reported_once(accs: list[dict], key: str, request_id: str) -> None:
     for rank, acc in enumerate(accs):
-        assert acc["counts"].get((key, req_id)) == 1, (rank, key, acc["counts"])
+        assert acc["counts"].get((key, request_id)) == 1, (rank, key, acc["counts"])
 
 
 @pytest.mark.parametrize("tp_p,tp_d", PAIRINGS)

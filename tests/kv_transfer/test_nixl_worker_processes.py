@@ -56,14 +56,14 @@ def pair():
         p.shutdown()
 
 
-def ref_to(p: PeerProcess, req_id: str, block_ids: list[int]) -> RemoteKVRef:
-    return RemoteKVRef(RemoteEndpoint(p.engine_id, "127.0.0.1", p.port), req_id, block_ids)
+def ref_to(p: PeerProcess, request_id: str, block_ids: list[int]) -> RemoteKVRef:
+    return RemoteKVRef(RemoteEndpoint(p.engine_id, "127.0.0.1", p.port), request_id, block_ids)
 
 
-def lease(p: PeerProcess, req_id: str, block_ids: list[int], duration: float = 30.0) -> None:
-    p.bind(NixlConnectorMetadata(reqs_to_send={req_id: SendSpec(req_id, block_ids, duration)}))
+def lease(p: PeerProcess, request_id: str, block_ids: list[int], duration: float = 30.0) -> None:
+    p.bind(NixlConnectorMetadata(reqs_to_send={request_id: SendSpec(request_id, block_ids, duration)}))
     out = p.step()
-    assert req_id not in out["finished_sending"]
+    assert request_id not in out["finished_sending"]
 
 
 def recv_meta(d_req: str, ref: RemoteKVRef, local: list[int], remote: list[int]):

@@ -31,11 +31,11 @@ def server():
     held = {"a": [1, 2]}
     lock = threading.Lock()
 
-    def claim(req_id, block_ids, num_tokens=None, digest=None):
+    def claim(request_id, block_ids, num_tokens=None, digest=None):
         with lock:
-            blocks = held.get(req_id)
+            blocks = held.get(request_id)
         if blocks is None:
-            return "wait", f"unknown {req_id}", 0.0
+            return "wait", f"unknown {request_id}", 0.0
         return ("ok", "", 9.0) if blocks == block_ids else ("reject", "wrong blocks", 0.0)
 
     srv = SideChannelServer("127.0.0.1", free_port(), get_info=lambda: {"x": 1}, claim=claim,

@@ -92,8 +92,8 @@ class RecordingWorker(KVConnectorWorkerSide):
     def start_load_kv(self):
         self.calls.append(("start",))
 
-    def get_finished(self, finished_req_ids):
-        self.calls.append(("finished", set(finished_req_ids)))
+    def get_finished(self, finished_request_ids):
+        self.calls.append(("finished", set(finished_request_ids)))
         return KVConnectorOutput(finished_recving={"x"})
 
 
@@ -102,7 +102,7 @@ def test_connector_called_around_forward_even_when_empty(runner):
     runner.set_kv_connector_worker(worker)
     try:
         out = runner.execute(SchedulerOutput(kv_connector_metadata="meta0",
-                                             finished_req_ids={"gone"}))
+                                             finished_request_ids={"gone"}))
         assert out.sampled_token_ids == {}
         assert out.kv_connector_output.finished_recving == {"x"}
         assert worker.calls == [("bind", "meta0"), ("start",), ("finished", {"gone"})]
@@ -139,7 +139,7 @@ def test_seeded_sampling_independent_of_batch_and_dropped(runner):
                      for i in range(3)]
         MiniScheduler(runner, 32).run(reqs)
         held = runner.sampler.num_generators
-        runner.execute(SchedulerOutput(finished_req_ids={r.req_id for r in reqs}))
+        runner.execute(SchedulerOutput(finished_request_ids={r.request_id for r in reqs}))
         assert runner.sampler.num_generators == 0
         return reqs[0].output, held
 
@@ -177,7 +177,7 @@ def test_execute_async_feeds_the_previous_steps_token_on_the_device(runner):
     first = runner.execute(SchedulerOutput(scheduled=[prefill(*r) for r in reqs]))
     second = runner.execute(SchedulerOutput(scheduled=[
         decode(*r, first.sampled_token_ids[r[0]], False) for r in reqs]))
-    runner.execute(SchedulerOutput(finished_req_ids={"g", "s"}))
+    runner.execute(SchedulerOutput(finished_request_ids={"g", "s"}))
 
     step1 = runner.execute_async(SchedulerOutput(scheduled=[prefill(*r) for r in reqs]))
     step2 = runner.execute_async(SchedulerOutput(scheduled=[decode(*r, 0, True) for r in reqs]))
@@ -185,7 +185,7 @@ def test_execute_async_feeds_the_previous_steps_token_on_the_device(runner):
     assert step2.result().sampled_token_ids == second.sampled_token_ids
     with pytest.raises(ValueError, match="previous step"):
         runner.execute_async(SchedulerOutput(scheduled=[decode("x", greedy_p, [2], 0, True)]))
-    runner.execute(SchedulerOutput(finished_req_ids={"g", "s"}))
+    runner.execute(SchedulerOutput(finished_request_ids={"g", "s"}))
 
 
 def test_malformed_requests_raise(runner):

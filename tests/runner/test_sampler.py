@@ -23,7 +23,7 @@ CPU = torch.device("cpu")
 
 
 def _req(rid: str, params: SamplingParams, prompt=(), output=(), eos: int | None = None):
-    return ScheduledRequest(req_id=rid, token_ids=[0], num_computed_tokens=0, block_ids=[0],
+    return ScheduledRequest(request_id=rid, token_ids=[0], num_computed_tokens=0, block_ids=[0],
                             sample=True, sampling_params=params, prompt_token_ids=list(prompt),
                             output_token_ids=list(output), eos_token_id=eos)
 

@@ -162,7 +162,7 @@ def decoder_keep_blocks(
     now = time.time() if now is None else now
     tokens = request.token_ids(0, num_tokens)
     hashes = block_hashes(tokens, block_size)
-    spec = SendSpec(req_id=request.request_id, block_ids=kept, lease_duration=ttl_s,
+    spec = SendSpec(request_id=request.request_id, block_ids=kept, lease_duration=ttl_s,
                     renew_on_heartbeat=False, token_ids=tokens)
     params = decoder_turn_params(engine_id, kept, num_tokens, encode_block_hashes(hashes),
                                  now + ttl_s, host, port, request.request_id, tp_size)

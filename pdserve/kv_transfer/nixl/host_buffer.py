@@ -130,21 +130,21 @@ class HostMirror:
         return copy.event is None or copy.event.query()
 
     # ------------------------------------------------------------------ owner: lease after copy
-    def stage(self, req_id: str, block_ids: list[int], *args: Any) -> None:
+    def stage(self, request_id: str, block_ids: list[int], *args: Any) -> None:
         """Start copying a leased request's blocks to the mirror; ``args`` come back from
         :meth:`take_staged` when the copy is done."""
-        self._staging[req_id] = _Staging(self._copy(block_ids, to_host=True), args)
+        self._staging[request_id] = _Staging(self._copy(block_ids, to_host=True), args)
 
     def take_staged(self) -> list[tuple[str, tuple]]:
-        """``[(req_id, args), ...]`` whose copy to the mirror finished (and forgets them)."""
+        """``[(request_id, args), ...]`` whose copy to the mirror finished (and forgets them)."""
         ready = [(r, st.args) for r, st in self._staging.items() if self.done(st.copy)]
-        for req_id, _ in ready:
-            del self._staging[req_id]
+        for request_id, _ in ready:
+            del self._staging[request_id]
         return ready
 
-    def cancel(self, req_id: str) -> bool:
+    def cancel(self, request_id: str) -> bool:
         """Forget a request still being staged (its lease was released); True when it was."""
-        return self._staging.pop(req_id, None) is not None
+        return self._staging.pop(request_id, None) is not None
 
     def pending(self) -> bool:
         """True while copies to the mirror are in flight."""

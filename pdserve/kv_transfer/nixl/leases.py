@@ -58,7 +58,7 @@ class LeaseTable:
         self._lock = threading.RLock()
         self._leases: dict[str, Lease] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()
-        # notices seen before their lease: (req_id, block ids named) -> (kind, forget-at, dones,
+        # notices seen before their lease: (request_id, block ids named) -> (kind, forget-at, dones,
         # expected)
         self._early: dict[tuple[str, tuple[int, ...]], tuple[str, float, int, int]] = {}
 
@@ -66,19 +66,19 @@ class LeaseTable:
         with self._lock:
             return len(self._leases)
 
-    def __contains__(self, req_id: str) -> bool:
+    def __contains__(self, request_id: str) -> bool:
         with self._lock:
-            return req_id in self._leases
+            return request_id in self._leases
 
-    def expiry_wallclock(self, req_id: str) -> float | None:
+    def expiry_wallclock(self, request_id: str) -> float | None:
         """The lease's end as ``time.time()`` seconds, or None when there is no lease."""
         with self._lock:
-            lease = self._leases.get(req_id)
+            lease = self._leases.get(request_id)
             if lease is None:
                 return None
             return time.time() + (lease.expiry - time.monotonic())
 
-    def add(self, req_id: str, block_ids: list[int], duration_s: float, renewable: bool = True,
+    def add(self, request_id: str, block_ids: list[int], duration_s: float, renewable: bool = True,
             now: float | None = None, token_ids: list[int] | None = None,
             first_token: int | None = None) -> str | None:
         """Start a lease (``token_ids``, ``first_token``: see :class:`Lease`).
@@ -89,73 +89,73 @@ class LeaseTable:
         """
         now = time.monotonic() if now is None else now
         with self._lock:
-            self._leases[req_id] = Lease(list(block_ids), duration_s, now + duration_s, renewable,
+            self._leases[request_id] = Lease(list(block_ids), duration_s, now + duration_s, renewable,
                                          None if token_ids is None else list(token_ids),
                                          first_token)
-            self._closed.pop(req_id, None)
+            self._closed.pop(request_id, None)
             # notices that named other blocks (forged params) are not this lease's: they expire
-            early = self._early.pop((req_id, tuple(block_ids)), None)
+            early = self._early.pop((request_id, tuple(block_ids)), None)
             if early is None:
                 return None
             kind, _, dones, expected = early
             if kind == "done" and dones < expected:
-                self._leases[req_id].dones = dones
+                self._leases[request_id].dones = dones
                 return None
             return kind
 
-    def close(self, req_id: str, reason: str) -> bool:
+    def close(self, request_id: str, reason: str) -> bool:
         """End a lease (read done, aborted, released). Returns True when it existed."""
         with self._lock:
-            lease = self._leases.pop(req_id, None)
+            lease = self._leases.pop(request_id, None)
             if lease is None:
                 return False
-            self._remember(req_id, reason)
+            self._remember(request_id, reason)
             return True
 
-    def release_early(self, req_id: str, block_ids: Any) -> bool:
+    def release_early(self, request_id: str, block_ids: Any) -> bool:
         """The proxy's release of a lease its decode leg will not read: ends the lease when it
         holds exactly ``block_ids``. Returns True when it did."""
         with self._lock:
-            if not self._holds(req_id, block_ids):
+            if not self._holds(request_id, block_ids):
                 return False
-            del self._leases[req_id]
-            self._remember(req_id, "released: the decode leg will not read it")
+            del self._leases[request_id]
+            self._remember(request_id, "released: the decode leg will not read it")
             return True
 
-    def abort(self, req_id: str, block_ids: Any, now: float | None = None) -> bool:
+    def abort(self, request_id: str, block_ids: Any, now: float | None = None) -> bool:
         """A reader's "abort" notice (it will not read): ends the lease when it holds exactly
         ``block_ids`` (an abort for a lease not registered yet is remembered). Returns True when
         the lease ended."""
         with self._lock:
-            if req_id not in self._leases:
-                self.note_unknown(req_id, "abort", 1, now, block_ids)
+            if request_id not in self._leases:
+                self.note_unknown(request_id, "abort", 1, now, block_ids)
                 return False
-            if not self._holds(req_id, block_ids):
+            if not self._holds(request_id, block_ids):
                 return False
-            del self._leases[req_id]
-            self._remember(req_id, "aborted by reader")
+            del self._leases[request_id]
+            self._remember(request_id, "aborted by reader")
             return True
 
-    def done(self, req_id: str, expected: int = 1, now: float | None = None,
+    def done(self, request_id: str, expected: int = 1, now: float | None = None,
              block_ids: Any = None) -> bool:
         """A reader's "done" notice for the lease holding exactly ``block_ids``: ends the lease
         once ``expected`` of them arrived (a notice for a lease not registered yet is
         remembered; one naming other blocks is ignored). Returns True when the lease ended."""
         with self._lock:
-            lease = self._leases.get(req_id)
+            lease = self._leases.get(request_id)
             if lease is None:
-                self.note_unknown(req_id, "done", expected, now, block_ids)
+                self.note_unknown(request_id, "done", expected, now, block_ids)
                 return False
-            if not self._holds(req_id, block_ids):
+            if not self._holds(request_id, block_ids):
                 return False
             lease.dones += 1
             if lease.dones < expected:
                 return False
-            del self._leases[req_id]
-            self._remember(req_id, "read done")
+            del self._leases[request_id]
+            self._remember(request_id, "read done")
             return True
 
-    def note_unknown(self, req_id: str, kind: str, expected: int = 1,
+    def note_unknown(self, request_id: str, kind: str, expected: int = 1,
                      now: float | None = None, block_ids: Any = None) -> None:
         """Remember a done/abort notice naming ``block_ids`` for a lease not registered yet
         ("done" notices are counted; an "abort" wins; they apply to the lease only when it holds
@@ -164,38 +164,38 @@ class LeaseTable:
         if not _is_block_list(block_ids):
             return
         with self._lock:
-            if req_id in self._closed:
+            if request_id in self._closed:
                 return
-            key = (req_id, tuple(block_ids))
+            key = (request_id, tuple(block_ids))
             prev = self._early.get(key)
             if kind == "done" and prev is not None and prev[0] == "abort":
                 return
             dones = (prev[2] if prev is not None else 0) + (kind == "done")
             self._early[key] = (kind, now + _EARLY_NOTICE_TTL_S, dones, expected)
 
-    def renew(self, req_id: str, block_ids: Any, now: float | None = None) -> bool:
+    def renew(self, request_id: str, block_ids: Any, now: float | None = None) -> bool:
         """Heartbeat naming ``block_ids``: extend a renewable lease holding exactly them to
         ``now + duration``. True if extended."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            lease = self._leases.get(req_id)
-            if lease is None or not lease.renewable or not self._holds(req_id, block_ids):
+            lease = self._leases.get(request_id)
+            if lease is None or not lease.renewable or not self._holds(request_id, block_ids):
                 return False
             lease.expiry = max(lease.expiry, now + lease.duration_s)
             return True
 
-    def claim_answer(self, req_id: str, block_ids: list[int], num_tokens: Any = None,
+    def claim_answer(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
                      digest: Any = None) -> tuple[str, str, float, int | None]:
         """:meth:`claim`, plus the lease's first output token when the claim is ``"ok"`` (the
         side channel's claim answer): the token is only told to a reader whose tokens match
         the lease's, so a decoder gets the prefiller's own first token for exactly the prompt
         whose KV it reads, whatever a client relayed."""
         with self._lock:
-            status, reason, left = self.claim(req_id, block_ids, num_tokens, digest)
-            lease = self._leases.get(req_id) if status == "ok" else None
+            status, reason, left = self.claim(request_id, block_ids, num_tokens, digest)
+            lease = self._leases.get(request_id) if status == "ok" else None
             return status, reason, left, (lease.first_token if lease is not None else None)
 
-    def claim(self, req_id: str, block_ids: list[int], num_tokens: Any = None,
+    def claim(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
               digest: Any = None, now: float | None = None) -> tuple[str, str, float]:
         """A reader's check before its READ (side-channel thread).
 
@@ -213,17 +213,17 @@ class LeaseTable:
         """
         now = time.monotonic() if now is None else now
         with self._lock:
-            lease = self._leases.get(req_id)
+            lease = self._leases.get(request_id)
             if lease is None:
-                closed = self._closed.get(req_id)
+                closed = self._closed.get(request_id)
                 if closed is not None:
-                    return "reject", f"request {req_id!r} holds no blocks any more ({closed})", 0.0
-                return "wait", f"no blocks are held for request {req_id!r}", 0.0
+                    return "reject", f"request {request_id!r} holds no blocks any more ({closed})", 0.0
+                return "wait", f"no blocks are held for request {request_id!r}", 0.0
             if list(block_ids) != lease.block_ids:
                 return (
                     "reject",
                     f"block ids {list(block_ids)[:8]}... do not match the {len(lease.block_ids)} "
-                    f"blocks held for request {req_id!r}",
+                    f"blocks held for request {request_id!r}",
                     0.0,
                 )
             if lease.token_ids is not None:
@@ -232,7 +232,7 @@ class LeaseTable:
                       and digest == token_digest(lease.token_ids[:num_tokens]))
                 if not ok:
                     return ("reject", f"the reader's tokens differ from those whose KV request "
-                            f"{req_id!r} holds", 0.0)
+                            f"{request_id!r} holds", 0.0)
             if lease.renewable:
                 lease.expiry = max(lease.expiry, now + lease.duration_s)
             return "ok", "", lease.expiry - now
@@ -254,7 +254,7 @@ class LeaseTable:
         return [rid for rid, _ in self.expire_leases(now)]
 
     def expire_leases(self, now: float | None = None) -> list[tuple[str, Lease]]:
-        """:meth:`expire`, returning ``(req_id, lease)`` pairs (a lease that is not renewable
+        """:meth:`expire`, returning ``(request_id, lease)`` pairs (a lease that is not renewable
         is a decoder's multi-turn TTL)."""
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -266,14 +266,14 @@ class LeaseTable:
                 del self._early[key]
         return expired
 
-    def _holds(self, req_id: str, block_ids: Any) -> bool:
-        """True when an open lease of ``req_id`` holds exactly ``block_ids`` (lock held)."""
-        lease = self._leases.get(req_id)
+    def _holds(self, request_id: str, block_ids: Any) -> bool:
+        """True when an open lease of ``request_id`` holds exactly ``block_ids`` (lock held)."""
+        lease = self._leases.get(request_id)
         return lease is not None and _is_block_list(block_ids) and \
             list(block_ids) == lease.block_ids
 
-    def _remember(self, req_id: str, reason: str) -> None:
-        self._closed[req_id] = reason
+    def _remember(self, request_id: str, reason: str) -> None:
+        self._closed[request_id] = reason
         while len(self._closed) > _CLOSED_MEMORY:
             self._closed.popitem(last=False)
 

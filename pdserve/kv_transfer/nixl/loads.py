@@ -122,18 +122,18 @@ class LoadTracker:
     def __len__(self) -> int:
         return len(self._loads)
 
-    def add(self, req_id: str, spec: RecvSpec) -> None:
+    def add(self, request_id: str, spec: RecvSpec) -> None:
         """Start a load (its handshake at once when the remote is named)."""
-        self._loads[req_id] = Load(spec)
+        self._loads[request_id] = Load(spec)
         if spec.remote is not None and spec.error is None:
             self.remotes.ensure(spec.remote.endpoint)
 
-    def abort(self, req_id: str) -> None:
+    def abort(self, request_id: str) -> None:
         """The request was aborted: its load ends at the next step (a READ in flight first
         finishes, since it writes the blocks)."""
-        load = self._loads.get(req_id)
+        load = self._loads.get(request_id)
         if load is None:  # already reported (or never started): harmless repeat
-            self._output().finished_recving.add(req_id)
+            self._output().finished_recving.add(request_id)
         else:
             load.aborted = True
 
@@ -148,23 +148,23 @@ class LoadTracker:
     def handshakes_failed(self, failures: list[HandshakeFailure]) -> None:
         """Fail the loads waiting on handshakes that failed."""
         for f in failures:
-            for req_id, load in list(self._loads.items()):
+            for request_id, load in list(self._loads.items()):
                 if load.phase == "handshake" and load.spec.remote is not None and \
                         load.spec.remote.endpoint.key == f.endpoint.key:
-                    self._fail(req_id, f.kind, f.reason, notify_remote=f.reachable)
+                    self._fail(request_id, f.kind, f.reason, notify_remote=f.reachable)
 
     def progress(self, now: float) -> None:
         """Send claims for loads whose handshake is done and post the READs whose claim was
         granted (never blocks)."""
-        for req_id, load in list(self._loads.items()):
+        for request_id, load in list(self._loads.items()):
             spec = load.spec
             if load.phase == "handshake":
                 if spec.error is not None or spec.remote is None:
-                    self._fail(req_id, KVLoadFailure.INVALID_REFERENCE,
+                    self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
                                spec.error or "no remote KV reference", notify_remote=False)
                     continue
                 if load.aborted:
-                    self._drop_aborted(req_id, load)
+                    self._drop_aborted(request_id, load)
                     continue
                 remote = self.remotes.ensure(spec.remote.endpoint)
                 if remote.agent is None:
@@ -172,7 +172,7 @@ class LoadTracker:
                 bad = [b for b in spec.remote_read_block_ids if b >= remote.agent.num_blocks]
                 if bad or len(spec.local_block_ids) != len(spec.remote_read_block_ids):
                     self._fail(
-                        req_id, KVLoadFailure.INVALID_REFERENCE,
+                        request_id, KVLoadFailure.INVALID_REFERENCE,
                         f"remote block ids {bad[:8]} out of range (engine "
                         f"{spec.remote.endpoint.engine_id} has {remote.agent.num_blocks} blocks)"
                         if bad else "local/remote block counts differ",
@@ -194,7 +194,7 @@ class LoadTracker:
                     reply = self._client.result(load.claim)
                 except Exception as e:
                     timeout = isinstance(e, SideChannelTimeout)
-                    self._fail(req_id, KVLoadFailure.TIMEOUT if timeout else
+                    self._fail(request_id, KVLoadFailure.TIMEOUT if timeout else
                                KVLoadFailure.TRANSPORT, f"lease claim failed: {e}",
                                notify_remote=not timeout)
                     continue
@@ -204,18 +204,18 @@ class LoadTracker:
                     # No abort notice: this reader holds nothing, and one naming the lease's
                     # blocks would let a forged reference (right ids, other tokens) end the
                     # lease an honest reader is about to claim.
-                    self._fail(req_id, KVLoadFailure.LEASE_REFUSED,
+                    self._fail(request_id, KVLoadFailure.LEASE_REFUSED,
                                f"remote refused the read: {reply.get('reason')}",
                                notify_remote=False)
                     continue
-                if self._remote_restarted(req_id, load, reply):
+                if self._remote_restarted(request_id, load, reply):
                     continue
                 phase_trace.mark("kv.claim_ok")
                 load.claim_s = time.perf_counter() - load.t_claim
                 left = float(reply.get("lease_expiry_in") or 0.0)
                 if spec.min_lease_left_s > 0 and left < spec.min_lease_left_s:
                     self._fail(
-                        req_id, KVLoadFailure.LEASE_REFUSED,
+                        request_id, KVLoadFailure.LEASE_REFUSED,
                         f"the remote frees the blocks in {left:.1f} s, less than the "
                         f"{spec.min_lease_left_s:g} s a read may need", notify_remote=True)
                     continue
@@ -225,21 +225,21 @@ class LoadTracker:
                         # the relayed params are not P's own: leave the lease to the honest
                         # reader (no abort notice; it ends by that read or its expiry)
                         self._fail(
-                            req_id, KVLoadFailure.INVALID_REFERENCE,
+                            request_id, KVLoadFailure.INVALID_REFERENCE,
                             f"the first token relayed by the client ({spec.first_token}) is not "
                             f"the prefiller's ({owner_first})", notify_remote=False)
                         continue
                     load.first_token = owner_first
                 if load.aborted:
-                    self._drop_aborted(req_id, load)
+                    self._drop_aborted(request_id, load)
                     continue
-                self._post(req_id, load, now)
+                self._post(request_id, load, now)
 
     def _back_to_handshake(self, load: Load) -> None:
         load.phase, load.claim = "handshake", None
         self.remotes.ensure(load.spec.remote.endpoint)
 
-    def _remote_restarted(self, req_id: str, load: Load, reply: dict[str, Any]) -> bool:
+    def _remote_restarted(self, request_id: str, load: Load, reply: dict[str, Any]) -> bool:
         """True when a claim was answered by another instance than the handshaken one: the
         cached agent is dropped and the load goes back to the handshake (its lease claim,
         granted by the new instance, is repeated after it)."""
@@ -253,13 +253,13 @@ class LoadTracker:
             return False
         self.forget_remote(endpoint, f"instance {known} was replaced by {answered}")
         if load.rehandshakes >= MAX_REHANDSHAKES:
-            self._fail(req_id, KVLoadFailure.TRANSPORT,
+            self._fail(request_id, KVLoadFailure.TRANSPORT,
                        f"engine {endpoint.engine_id} restarted again during the load",
                        notify_remote=True)
             return True
         load.rehandshakes += 1
         if load.aborted:
-            self._drop_aborted(req_id, load)
+            self._drop_aborted(request_id, load)
         else:
             self._back_to_handshake(load)
         return True
@@ -270,9 +270,9 @@ class LoadTracker:
         remote = self.remotes.get(endpoint)
         if remote is None or remote.agent is None:
             return
-        for req_id, load in list(self._loads.items()):
+        for request_id, load in list(self._loads.items()):
             if load.phase == "xfer" and load.spec.remote.endpoint.key == endpoint.key:
-                self._xfer_failed(req_id, load, KVLoadFailure.TRANSPORT,
+                self._xfer_failed(request_id, load, KVLoadFailure.TRANSPORT,
                                   f"the NIXL READ's remote went away ({why})", forget=False)
         self.remotes.forget(endpoint, why)
 
@@ -317,7 +317,7 @@ class LoadTracker:
         load.read_ranks = tuple(sorted({r.src_rank for r in route.reads}))
         return states
 
-    def _post(self, req_id: str, load: Load, now: float) -> None:
+    def _post(self, request_id: str, load: Load, now: float) -> None:
         spec = load.spec
         remote = self.remotes.get(spec.remote.endpoint)
         t0 = time.perf_counter()
@@ -326,7 +326,7 @@ class LoadTracker:
             states = self._post_reads(load, remote)
         except Exception as e:
             if remote.direct is not None:
-                self._fail(req_id, KVLoadFailure.TRANSPORT, f"posting the direct copy failed: {e}",
+                self._fail(request_id, KVLoadFailure.TRANSPORT, f"posting the direct copy failed: {e}",
                            notify_remote=True)
                 return
             # The remote agent is gone (NIXL_ERR_REMOTE_DISCONNECT: the peer died or
@@ -336,7 +336,7 @@ class LoadTracker:
                 load.rehandshakes += 1
                 self._back_to_handshake(load)
                 return
-            self._fail(req_id, KVLoadFailure.TRANSPORT, f"posting the NIXL READ failed: {e}",
+            self._fail(request_id, KVLoadFailure.TRANSPORT, f"posting the NIXL READ failed: {e}",
                        notify_remote=True)
             return
         phase_trace.mark("kv.posted")
@@ -345,33 +345,33 @@ class LoadTracker:
         load.phase = "xfer"
         load.deadline = now + self.config.kv_transfer_timeout
         if "ERR" in states:
-            self._xfer_failed(req_id, load, KVLoadFailure.TRANSPORT,
+            self._xfer_failed(request_id, load, KVLoadFailure.TRANSPORT,
                               "the NIXL READ failed when posted")
         elif all(state == "DONE" for state in states):
-            self._xfer_done(req_id, load)
+            self._xfer_done(request_id, load)
 
     # ---------------------------------------------------------------------------- polling
     def poll(self, now: float) -> None:
         """Check every posted READ: done, failed, or past its deadline."""
-        for req_id, load in list(self._loads.items()):
+        for request_id, load in list(self._loads.items()):
             if load.phase == "unstage":  # host-buffer mode: mirror -> GPU copy in flight
                 if host_buffer.HostMirror.done(load.unstage):
-                    self._xfer_done(req_id, load)
+                    self._xfer_done(request_id, load)
                 continue
             if load.phase != "xfer":
                 continue
             states = [load.mover.check(handle) for handle in load.handles]
             if all(state == "DONE" for state in states):
-                self._xfer_done(req_id, load)
+                self._xfer_done(request_id, load)
             elif "ERR" in states:
-                self._xfer_failed(req_id, load, KVLoadFailure.TRANSPORT, "the NIXL READ failed")
+                self._xfer_failed(request_id, load, KVLoadFailure.TRANSPORT, "the NIXL READ failed")
             elif now > load.deadline:
                 self._xfer_failed(
-                    req_id, load, KVLoadFailure.TIMEOUT,
+                    request_id, load, KVLoadFailure.TIMEOUT,
                     f"the NIXL READ did not finish within {self.config.kv_transfer_timeout:g} s",
                 )
 
-    def _xfer_done(self, req_id: str, load: Load) -> None:
+    def _xfer_done(self, request_id: str, load: Load) -> None:
         spec = load.spec
         mirror = self._mirror()
         if mirror is not None and load.phase == "xfer" and load.mover is self.agent:
@@ -403,51 +403,51 @@ class LoadTracker:
                 if rank not in load.read_ranks:
                     self._notify(RemoteNotice(spec.remote, "done", tp_rank=rank))
         phase_trace.mark("kv.done")
-        del self._loads[req_id]
+        del self._loads[request_id]
         out = self._output()
-        out.finished_recving.add(req_id)
+        out.finished_recving.add(request_id)
         if load.first_token is not None:
-            out.first_tokens[req_id] = load.first_token
+            out.first_tokens[request_id] = load.first_token
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "NIXL: request %s loaded %d blocks in %.2f ms: handshake wait %.2f ms, claim "
                 "%.2f ms, READ post %.2f ms, READ %.2f ms (from post to seen done %.2f ms)",
-                req_id, len(spec.local_block_ids), 1e3 * (time.perf_counter() - load.t_start),
+                request_id, len(spec.local_block_ids), 1e3 * (time.perf_counter() - load.t_start),
                 1e3 * max(0.0, load.t_claim - load.t_start), 1e3 * load.claim_s,
                 1e3 * load.post_s, 1e3 * xfer_s, 1e3 * elapsed)
 
-    def _xfer_failed(self, req_id: str, load: Load, kind: KVLoadFailure, reason: str,
+    def _xfer_failed(self, request_id: str, load: Load, kind: KVLoadFailure, reason: str,
                      forget: bool = True) -> None:
         for handle in load.handles:
             (load.mover or self.agent).release(handle)
         load.handles = []
-        self._fail(req_id, kind, reason, notify_remote=True)
+        self._fail(request_id, kind, reason, notify_remote=True)
         if forget and kind is KVLoadFailure.TRANSPORT and load.spec.remote is not None:
             self.forget_remote(load.spec.remote.endpoint, reason)
 
-    def _fail(self, req_id: str, kind: KVLoadFailure, reason: str, notify_remote: bool) -> None:
-        load = self._loads.pop(req_id, None)
+    def _fail(self, request_id: str, kind: KVLoadFailure, reason: str, notify_remote: bool) -> None:
+        load = self._loads.pop(request_id, None)
         if load is None:
             return
         if load.claim is not None:
             self._client.cancel(load.claim)
         spec = load.spec
         self._stats.current.num_failed_transfers += 1
-        logger.warning("NIXL: KV load of request %s failed (%s): %s", req_id, kind.value, reason)
+        logger.warning("NIXL: KV load of request %s failed (%s): %s", request_id, kind.value, reason)
         out = self._output()
-        out.finished_recving.add(req_id)
+        out.finished_recving.add(request_id)
         if not load.aborted:  # an aborted request's blocks are simply freed
             out.invalid_block_ids.update(spec.local_block_ids)
-            out.load_errors[req_id] = KVLoadError(kind, reason)
+            out.load_errors[request_id] = KVLoadError(kind, reason)
         if notify_remote and spec.remote is not None:
             self._notify(RemoteNotice(spec.remote, "abort"))
 
-    def _drop_aborted(self, req_id: str, load: Load) -> None:
+    def _drop_aborted(self, request_id: str, load: Load) -> None:
         """A load aborted before its READ was posted: free locally, tell the owner."""
-        del self._loads[req_id]
+        del self._loads[request_id]
         if load.claim is not None:
             self._client.cancel(load.claim)
-        self._output().finished_recving.add(req_id)
+        self._output().finished_recving.add(request_id)
         if load.spec.remote is not None:
             self._notify(RemoteNotice(load.spec.remote, "abort"))
 

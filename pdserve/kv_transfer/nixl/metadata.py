@@ -159,7 +159,7 @@ class RecvSpec:
     """One asynchronous KV load: read ``remote_block_ids[i]`` into ``local_block_ids[i]``.
 
     Attributes:
-        req_id: the local request id.
+        request_id: the local request id.
         remote: the remote request (its full block table is sent in the lease claim).
         local_block_ids: local destination blocks, in token order.
         remote_read_block_ids: remote source blocks, same length and order.
@@ -178,7 +178,7 @@ class RecvSpec:
             ``KVConnectorOutput.first_tokens`` and fails the load when the two differ.
     """
 
-    req_id: str
+    request_id: str
     remote: RemoteKVRef | None
     local_block_ids: list[int]
     remote_read_block_ids: list[int]
@@ -195,7 +195,7 @@ class SendSpec:
     """Blocks this instance keeps for a remote reader.
 
     Attributes:
-        req_id: the local request id (the ``remote_request_id`` the reader will name).
+        request_id: the local request id (the ``remote_request_id`` the reader will name).
         block_ids: the blocks kept, in token order.
         lease_duration: seconds to keep them without a heartbeat or read.
         renew_on_heartbeat: heartbeats extend the lease (P→D leases) or not (D's TTL blocks).
@@ -205,7 +205,7 @@ class SendSpec:
             to the reader in the claim answer; None when there is none.
     """
 
-    req_id: str
+    request_id: str
     block_ids: list[int]
     lease_duration: float
     renew_on_heartbeat: bool = True
@@ -238,7 +238,7 @@ class NixlConnectorMetadata:
         reqs_to_send: finished requests whose blocks this instance keeps for a remote reader.
         notices: control notifications to send (abort before read, release).
         heartbeat_start: requests waiting in the local queue whose remote lease must be kept
-            alive (req_id -> remote request).
+            alive (request_id -> remote request).
         heartbeat_stop: requests that no longer need heartbeats.
         aborted_recvs: requests finished locally while their load was planned or in flight;
             the worker reports each in ``finished_recving`` once no READ writes its blocks.

@@ -1,8 +1,8 @@
 """The NIXL notification payloads pdserve sends between instances ("done", "abort",
 "heartbeat" for one of the owner's requests; "release" between the ranks of one instance).
 
-Two encodings are read: ``pdserve1|kind|req_id`` (one notice closes a lease) and
-``pdserve2|`` + msgpack ``{"k": kind, "r": req_id, "n": expected, "b": block_ids}``, written
+Two encodings are read: ``pdserve1|kind|request_id`` (one notice closes a lease) and
+``pdserve2|`` + msgpack ``{"k": kind, "r": request_id, "n": expected, "b": block_ids}``, written
 since TP: ``expected`` is how many "done" notices the receiving owner rank gets for the request
 (:func:`pdserve.kv_transfer.nixl.tp_plan.expected_notices`), ``block_ids`` the owner's block
 ids the reader's params named (an owner acts on a notice only when they are exactly the lease's,
@@ -29,21 +29,21 @@ class Notice:
 
     Attributes:
         kind: ``"done"``, ``"abort"``, ``"heartbeat"`` or ``"release"``.
-        req_id: the owner's request id.
+        request_id: the owner's request id.
         expected: "done" notices the owner rank receives for this request in all (>= 1).
         block_ids: the lease's block ids as the sender knows them (None in the old form).
     """
 
     kind: str
-    req_id: str
+    request_id: str
     expected: int = 1
     block_ids: list[int] | None = None
 
 
-def encode_notif(kind: str, req_id: str, expected: int = 1,
+def encode_notif(kind: str, request_id: str, expected: int = 1,
                  block_ids: list[int] | None = None) -> bytes:
     """Notification payload naming one of the owner's requests (see :class:`Notice`)."""
-    body: dict = {"k": kind, "r": req_id, "n": int(expected)}
+    body: dict = {"k": kind, "r": request_id, "n": int(expected)}
     if block_ids is not None:
         body["b"] = list(block_ids)
     return NOTIF_PREFIX_V2 + _encoder.encode(body)

@@ -126,7 +126,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self.side_channel_port = config.side_channel_port_for(data_parallel_rank)
         self._plans: dict[str, _LoadPlan] = {}
         self._waiting: dict[str, RemoteKVRef] = {}  # remote known, blocks not allocated yet
-        self._inflight: dict[str, LoadKind] = {}  # req_id -> kind, load handed to the worker
+        self._inflight: dict[str, LoadKind] = {}  # request_id -> kind, load handed to the worker
         self._aborted_inflight: set[str] = set()  # finished while loading
         self._consumed: set[str] = set()  # remote KV already used or declined
         self._from_prefiller: set[str] = set()  # decoder requests of a P/D flow
@@ -152,19 +152,19 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             return LoadKind.PULL, params.remote, None
         return None, None, None
 
-    def _start_waiting(self, req_id: str, ref: RemoteKVRef, heartbeat: bool) -> None:
-        self._waiting[req_id] = ref
+    def _start_waiting(self, request_id: str, ref: RemoteKVRef, heartbeat: bool) -> None:
+        self._waiting[request_id] = ref
         if heartbeat:
-            self._meta.heartbeat_start[req_id] = ref
+            self._meta.heartbeat_start[request_id] = ref
         self._meta.handshakes.append(ref.endpoint)
 
-    def _decline(self, req_id: str, ref: RemoteKVRef | None) -> None:
+    def _decline(self, request_id: str, ref: RemoteKVRef | None) -> None:
         """The remote KV will not be read: tell its owner to drop the blocks."""
-        self._consumed.add(req_id)
+        self._consumed.add(request_id)
         if ref is not None:
             self._meta.notices.append(RemoteNotice(ref, "abort"))
-        if self._waiting.pop(req_id, None) is not None:
-            self._meta.heartbeat_stop.add(req_id)
+        if self._waiting.pop(request_id, None) is not None:
+            self._meta.heartbeat_stop.add(request_id)
 
     # ------------------------------------------------------------------------------- arrivals
     def request_added(self, request: "Request") -> None:
@@ -193,8 +193,8 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             return 0, False
         if kind is LoadKind.PULL:
             return self._plan_pull(request, num_computed_tokens, ref, error)
-        req_id = request.request_id
-        self._from_prefiller.add(req_id)
+        request_id = request.request_id
+        self._from_prefiller.add(request_id)
         prompt_len = len(request.prompt_token_ids)
         # With the prefiller's first token the whole prompt is read; otherwise the last prompt
         # token is recomputed for its logits.
@@ -202,7 +202,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         num_tokens = needed_tokens - num_computed_tokens
         if num_tokens <= 0:
             # nothing to read (one-token prompt, or the local prefix cache has it all)
-            self._decline(req_id, ref)
+            self._decline(request_id, ref)
             return 0, False
         if ref is not None:
             needed = math.ceil(needed_tokens / self.block_size)
@@ -211,30 +211,30 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
                     f"kv_transfer_params.remote_block_ids has {len(ref.block_ids)} blocks but "
                     f"the prompt needs {needed}"
                 )
-            if req_id not in self._waiting:
-                self._start_waiting(req_id, ref, heartbeat=True)
-        self._plans[req_id] = _LoadPlan(LoadKind.PREFILL, ref, num_computed_tokens, num_tokens, error)
+            if request_id not in self._waiting:
+                self._start_waiting(request_id, ref, heartbeat=True)
+        self._plans[request_id] = _LoadPlan(LoadKind.PREFILL, ref, num_computed_tokens, num_tokens, error)
         return num_tokens, True
 
     def _plan_pull(self, request: "Request", num_local: int, ref: RemoteKVRef | None,
                    error: str | None) -> tuple[int, bool]:
-        req_id = request.request_id
+        request_id = request.request_id
         offset = self._clock_offsets.get(ref.endpoint.key) if ref is not None else None
         decision = plan_pull(
             request.kv_transfer_params, request.prompt_token_ids, num_local, self.block_size,
             self.config.kv_recompute_threshold, self.engine_id, clock_offset_s=offset,
         )
         if decision.num_tokens <= 0:
-            logger.info("request %s: not pulling the decoder's KV (%s); recomputing", req_id,
+            logger.info("request %s: not pulling the decoder's KV (%s); recomputing", request_id,
                         decision.reason)
-            self._decline(req_id, decision.ref)
+            self._decline(request_id, decision.ref)
             if decision.expired:
                 self._meta.expired_pulls += 1
             return 0, False
-        if req_id not in self._waiting:
-            self._start_waiting(req_id, decision.ref, heartbeat=False)
-        self._pulls.add(req_id)
-        self._plans[req_id] = _LoadPlan(LoadKind.PULL, decision.ref, num_local, decision.num_tokens)
+        if request_id not in self._waiting:
+            self._start_waiting(request_id, decision.ref, heartbeat=False)
+        self._pulls.add(request_id)
+        self._plans[request_id] = _LoadPlan(LoadKind.PULL, decision.ref, num_local, decision.num_tokens)
         return decision.num_tokens, True
 
     def update_state_after_alloc(
@@ -247,13 +247,13 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             block_ids: the request's whole block table after allocation (also accepted: only
                 the blocks that will receive the loaded tokens).
         """
-        req_id = request.request_id
-        plan = self._plans.pop(req_id, None)
+        request_id = request.request_id
+        plan = self._plans.pop(request_id, None)
         if plan is None:
             return
         ref = plan.remote
         if num_external_tokens <= 0:
-            self._decline(req_id, ref)
+            self._decline(request_id, ref)
             return
         bs = self.block_size
         first = plan.num_local_tokens // bs
@@ -273,8 +273,8 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         if ref is not None and len(remote_ids) != len(local) and error is None:
             error = "remote_block_ids is too short for the prompt"
         end = plan.num_local_tokens + num_external_tokens  # the owner checks tokens 0..end-1
-        self._meta.reqs_to_recv[req_id] = RecvSpec(
-            req_id=req_id,
+        self._meta.reqs_to_recv[request_id] = RecvSpec(
+            request_id=request_id,
             remote=ref,
             local_block_ids=local,
             remote_read_block_ids=remote_ids,
@@ -287,20 +287,20 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
                          if plan.kind is LoadKind.PREFILL and end >= request.num_tokens
                          and may_use_first_token(request) else None),
         )
-        self._waiting.pop(req_id, None)
-        self._inflight[req_id] = plan.kind
-        self._consumed.add(req_id)
+        self._waiting.pop(request_id, None)
+        self._inflight[request_id] = plan.kind
+        self._consumed.add(request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> NixlConnectorMetadata:
         meta, self._meta = self._meta, NixlConnectorMetadata()
         return meta
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
-        for req_id in output.finished_recving:
-            self._inflight.pop(req_id, None)
-            self._aborted_inflight.discard(req_id)
-        for req_id in output.finished_sending:
-            self._leased.discard(req_id)
+        for request_id in output.finished_recving:
+            self._inflight.pop(request_id, None)
+            self._aborted_inflight.discard(request_id)
+        for request_id in output.finished_sending:
+            self._leased.discard(request_id)
         # measured by the worker at handshakes (for the expiry checks of bidirectional pulls)
         self._clock_offsets.update(output.remote_clock_offsets)
 
@@ -322,24 +322,24 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             ``finished_recving`` once no READ writes its blocks; the scheduler keeps the blocks
             until then.
         """
-        req_id = request.request_id
-        self._plans.pop(req_id, None)
-        from_prefiller = req_id in self._from_prefiller
-        self._from_prefiller.discard(req_id)
-        self._pulls.discard(req_id)
+        request_id = request.request_id
+        self._plans.pop(request_id, None)
+        from_prefiller = request_id in self._from_prefiller
+        self._from_prefiller.discard(request_id)
+        self._pulls.discard(request_id)
         # --- reader side: the request ends before or during its load
-        if req_id in self._inflight:
-            self._inflight.pop(req_id)
-            self._aborted_inflight.add(req_id)
-            self._meta.aborted_recvs.add(req_id)
-            self._consumed.discard(req_id)
+        if request_id in self._inflight:
+            self._inflight.pop(request_id)
+            self._aborted_inflight.add(request_id)
+            self._meta.aborted_recvs.add(request_id)
+            self._consumed.discard(request_id)
             return False, None
         kind, ref, _ = self._source(request)
-        waiting_ref = self._waiting.pop(req_id, None)
+        waiting_ref = self._waiting.pop(request_id, None)
         if waiting_ref is not None:
-            self._meta.heartbeat_stop.add(req_id)
+            self._meta.heartbeat_stop.add(request_id)
             ref = waiting_ref
-        self._consumed.discard(req_id)
+        self._consumed.discard(request_id)
         if ref is not None and (kind is not None or waiting_ref is not None):
             self._meta.notices.append(RemoteNotice(ref, "abort"))
         normal = request.status in _NORMAL_FINISH
@@ -353,27 +353,27 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             return self._keep_for_next_turn(request, block_ids)
         return False, None
 
-    def release_kept_blocks(self, req_id: str) -> None:
+    def release_kept_blocks(self, request_id: str) -> None:
         """The front end aborted a finished prefill whose blocks are leased (its client left
         before getting the params): the worker ends the lease now (``release_sends``)."""
-        if req_id in self._leased:
-            self._meta.release_sends.add(req_id)
+        if request_id in self._leased:
+            self._meta.release_sends.add(request_id)
 
     def _keep_for_decoder(self, request: "Request", block_ids: list[int]):
-        req_id = request.request_id
+        request_id = request.request_id
         prompt_len = len(request.prompt_token_ids)
         remote_ids = list(block_ids[: math.ceil(prompt_len / self.block_size)])
         if not remote_ids or len(remote_ids) * self.block_size < prompt_len:
             return False, None
         # the decoder may emit it without recomputing the last prompt token
         first = request.output_token_ids[0] if request.output_token_ids else None
-        self._meta.reqs_to_send[req_id] = SendSpec(
-            req_id=req_id, block_ids=remote_ids, lease_duration=self.config.kv_lease_duration,
+        self._meta.reqs_to_send[request_id] = SendSpec(
+            request_id=request_id, block_ids=remote_ids, lease_duration=self.config.kv_lease_duration,
             renew_on_heartbeat=True, token_ids=list(request.prompt_token_ids), first_token=first,
         )
-        self._leased.add(req_id)
+        self._leased.add(request_id)
         return True, prefill_done_params(self.engine_id, remote_ids, self.side_channel_host,
-                                         self.side_channel_port, req_id, first, self.tp_size)
+                                         self.side_channel_port, request_id, first, self.tp_size)
 
     def _keep_for_next_turn(self, request: "Request", block_ids: list[int]):
         kept = decoder_keep_blocks(
@@ -383,8 +383,8 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         if kept is None:
             return False, None
         spec, params = kept
-        self._meta.reqs_to_send[spec.req_id] = spec
-        self._leased.add(spec.req_id)
+        self._meta.reqs_to_send[spec.request_id] = spec
+        self._leased.add(spec.request_id)
         return True, params
 
     def has_pending_metadata(self) -> bool:

@@ -304,43 +304,43 @@ class SideChannelServer:
                 self._reply(ident, {"ok": True, "info": dict(answer, time=time.time())}, seq)
         elif kind == "claim":
             phase_trace.mark("sc.claim_in")
-            req_id, block_ids = msg.get("request_id"), msg.get("block_ids")
-            if not isinstance(req_id, str) or not isinstance(block_ids, list):
+            request_id, block_ids = msg.get("request_id"), msg.get("block_ids")
+            if not isinstance(request_id, str) or not isinstance(block_ids, list):
                 self._reply(ident, {"ok": False, "reason": "malformed claim"}, seq)
                 return
             tokens = (msg.get("num_tokens"), msg.get("token_digest"))
-            self._try_claim(ident, req_id, block_ids, time.monotonic() + self._claim_wait_s, seq,
+            self._try_claim(ident, request_id, block_ids, time.monotonic() + self._claim_wait_s, seq,
                             tokens)
         elif kind == "notify":
-            req_id, note = msg.get("request_id"), msg.get("kind")
+            request_id, note = msg.get("request_id"), msg.get("kind")
             block_ids = msg.get("block_ids")
             tp_rank, expected = msg.get("tp_rank"), msg.get("expected", 1)
             if "tp_rank" in msg or "expected" in msg:  # a notice for some TP rank(s)
-                if isinstance(req_id, str) and isinstance(note, str) and \
+                if isinstance(request_id, str) and isinstance(note, str) and \
                         (tp_rank is None or isinstance(tp_rank, int)) and \
                         isinstance(expected, int) and expected >= 1:
-                    self._notify(note, req_id, block_ids, tp_rank, expected)
+                    self._notify(note, request_id, block_ids, tp_rank, expected)
                     self._reply(ident, {"ok": True}, seq)
                 else:
                     self._reply(ident, {"ok": False, "reason": "malformed notify"}, seq)
-            elif isinstance(req_id, str) and isinstance(note, str) and block_ids is None:
-                self._notify(note, req_id)
+            elif isinstance(request_id, str) and isinstance(note, str) and block_ids is None:
+                self._notify(note, request_id)
                 self._reply(ident, {"ok": True}, seq)
-            elif isinstance(req_id, str) and isinstance(note, str) and \
+            elif isinstance(request_id, str) and isinstance(note, str) and \
                     isinstance(block_ids, list):
-                self._notify(note, req_id, block_ids)
+                self._notify(note, request_id, block_ids)
                 self._reply(ident, {"ok": True}, seq)
             else:
                 self._reply(ident, {"ok": False, "reason": "malformed notify"}, seq)
         else:
             self._reply(ident, {"ok": False, "reason": f"unknown request type {kind!r}"}, seq)
 
-    def _try_claim(self, ident: bytes, req_id: str, block_ids: list[int], deadline: float,
+    def _try_claim(self, ident: bytes, request_id: str, block_ids: list[int], deadline: float,
                    seq: Any = None, tokens: tuple[Any, Any] = (None, None)) -> None:
-        status, reason, left, *first = self._claim(req_id, block_ids, *tokens)
+        status, reason, left, *first = self._claim(request_id, block_ids, *tokens)
         phase_trace.mark("sc.claim_" + status)
         if status == "wait" and time.monotonic() < deadline:
-            self._pending_claims.append((ident, req_id, block_ids, deadline, seq, tokens))
+            self._pending_claims.append((ident, request_id, block_ids, deadline, seq, tokens))
             return
         if status == "wait":
             status = "reject"
@@ -371,8 +371,8 @@ class SideChannelServer:
                         logger.exception("NIXL side channel: error while handling a request")
             if self._pending_claims:
                 pending, self._pending_claims = self._pending_claims, []
-                for ident, req_id, block_ids, deadline, seq, tokens in pending:
-                    self._try_claim(ident, req_id, block_ids, deadline, seq, tokens)
+                for ident, request_id, block_ids, deadline, seq, tokens in pending:
+                    self._try_claim(ident, request_id, block_ids, deadline, seq, tokens)
         self._sock.close(linger=0)
 
     def close(self) -> None:

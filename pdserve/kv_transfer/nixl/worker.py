@@ -253,67 +253,67 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         if not isinstance(metadata, NixlConnectorMetadata):
             raise TypeError(f"expected NixlConnectorMetadata, got {type(metadata).__name__}")
         now = time.monotonic()
-        for req_id, send in metadata.reqs_to_send.items():
+        for request_id, send in metadata.reqs_to_send.items():
             if self._mirror is not None:  # host-buffer mode: the lease starts once staged
-                self._mirror.stage(req_id, send.block_ids, send)
+                self._mirror.stage(request_id, send.block_ids, send)
                 continue
-            self._add_lease(req_id, send, now)
-        for req_id in metadata.release_sends:
-            if self._mirror is not None and self._mirror.cancel(req_id):
-                self._out.finished_sending.add(req_id)  # released while being staged
-            elif self.leases.close(req_id, "released"):  # its client left before the params
-                self._out.finished_sending.add(req_id)
+            self._add_lease(request_id, send, now)
+        for request_id in metadata.release_sends:
+            if self._mirror is not None and self._mirror.cancel(request_id):
+                self._out.finished_sending.add(request_id)  # released while being staged
+            elif self.leases.close(request_id, "released"):  # its client left before the params
+                self._out.finished_sending.add(request_id)
                 self.stats.current.num_kv_leases_released_early += 1
         for endpoint in metadata.handshakes:
             self.remotes.ensure(endpoint)
-        for req_id, ref in metadata.heartbeat_start.items():
-            self._heartbeats[req_id] = _Heartbeat(ref)
+        for request_id, ref in metadata.heartbeat_start.items():
+            self._heartbeats[request_id] = _Heartbeat(ref)
             self.remotes.ensure(ref.endpoint)
-        for req_id in metadata.heartbeat_stop:
-            self._heartbeats.pop(req_id, None)
+        for request_id in metadata.heartbeat_stop:
+            self._heartbeats.pop(request_id, None)
         self._pending_notices.extend(metadata.notices)
         if metadata.expired_pulls:
             self.stats.current.num_kv_expired_reqs += metadata.expired_pulls
-        for req_id, spec in metadata.reqs_to_recv.items():
-            self._heartbeats.pop(req_id, None)
-            self.loads.add(req_id, spec)
-        for req_id in metadata.aborted_recvs:
-            self._heartbeats.pop(req_id, None)
-            self.loads.abort(req_id)
+        for request_id, spec in metadata.reqs_to_recv.items():
+            self._heartbeats.pop(request_id, None)
+            self.loads.add(request_id, spec)
+        for request_id in metadata.aborted_recvs:
+            self._heartbeats.pop(request_id, None)
+            self.loads.abort(request_id)
 
-    def _add_lease(self, req_id: str, send: Any, now: float) -> None:
+    def _add_lease(self, request_id: str, send: Any, now: float) -> None:
         """Keep a finished request's blocks (``send``: its ``SendSpec``) for a remote reader."""
-        early = self.leases.add(req_id, send.block_ids, send.lease_duration,
+        early = self.leases.add(request_id, send.block_ids, send.lease_duration,
                                 send.renew_on_heartbeat, now, send.token_ids, send.first_token)
-        if early is not None and self.leases.close(req_id, f"{early} before lease"):
-            self._out.finished_sending.add(req_id)
+        if early is not None and self.leases.close(request_id, f"{early} before lease"):
+            self._out.finished_sending.add(request_id)
 
     def start_load_kv(self) -> None:
         """Advance handshakes and claims and post the READs that are ready (never blocks)."""
         self._progress()
 
-    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+    def get_finished(self, finished_request_ids: set[str]) -> KVConnectorOutput:
         """Poll transfers, notifications, leases and heartbeats; report what finished.
 
         Args:
-            finished_req_ids: requests the scheduler finished this step (aborts of loads arrive
+            finished_request_ids: requests the scheduler finished this step (aborts of loads arrive
                 through the metadata's ``aborted_recvs``).
         """
         self._progress()
         self.loads.poll(time.monotonic())
         if self._mirror is not None:
-            for req_id, (send,) in self._mirror.take_staged():
-                self._add_lease(req_id, send, time.monotonic())
+            for request_id, (send,) in self._mirror.take_staged():
+                self._add_lease(request_id, send, time.monotonic())
         self._process_notifications()
-        for req_id, lease in self.leases.expire_leases():
-            self._out.finished_sending.add(req_id)
+        for request_id, lease in self.leases.expire_leases():
+            self._out.finished_sending.add(request_id)
             self.stats.current.num_kv_expired_reqs += 1
             if lease.renewable:
                 logger.warning("NIXL: lease of request %s expired before a read; blocks freed",
-                               req_id)
+                               request_id)
             else:  # a multi-turn decoder's TTL: nobody pulled this turn, as expected
                 self.stats.current.num_kv_turns_expired += 1
-                logger.debug("NIXL: turn blocks of request %s expired unpulled; freed", req_id)
+                logger.debug("NIXL: turn blocks of request %s expired unpulled; freed", request_id)
         self._send_heartbeats()
         self._send_notices()
         out, self._out = self._out, KVConnectorOutput()
@@ -410,9 +410,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
     def _finish_handshakes(self) -> None:
         failures = self.remotes.finish()
         for f in failures:
-            for req_id in [r for r, hb in self._heartbeats.items()
+            for request_id in [r for r, hb in self._heartbeats.items()
                            if hb.remote.endpoint.key == f.endpoint.key]:
-                del self._heartbeats[req_id]
+                del self._heartbeats[request_id]
         self.loads.handshakes_failed(failures)
 
     def remote_clock_offset(self, endpoint: RemoteEndpoint) -> float | None:
@@ -427,28 +427,28 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.loads.progress(now)
 
     # -------------------------------------------------------------------------- notifications
-    def _on_side_channel_notice(self, kind: str, req_id: str, block_ids: Any = None,
+    def _on_side_channel_notice(self, kind: str, request_id: str, block_ids: Any = None,
                                 tp_rank: int | None = None, expected: int = 1) -> None:
         """Side-channel thread: queue a notice (for TP rank ``tp_rank``, None: every rank) for
         the engine thread and wake it."""
-        self._side_notices.put((Notice(kind, req_id, expected, block_ids), tp_rank))
+        self._side_notices.put((Notice(kind, request_id, expected, block_ids), tp_rank))
         self._waker.wake()
 
     def _apply_notice(self, notice: Notice) -> None:
-        req_id, kind = notice.req_id, notice.kind
+        request_id, kind = notice.request_id, notice.kind
         if kind == RELEASE_NOTICE:  # the proxy: the decode leg will not read these blocks
-            if self.leases.release_early(req_id, notice.block_ids):
-                self._out.finished_sending.add(req_id)
+            if self.leases.release_early(request_id, notice.block_ids):
+                self._out.finished_sending.add(request_id)
                 self.stats.current.num_kv_leases_released_early += 1
-                logger.debug("NIXL: lease of request %s released early", req_id)
+                logger.debug("NIXL: lease of request %s released early", request_id)
         elif kind == "heartbeat":
-            self.leases.renew(req_id, notice.block_ids)
+            self.leases.renew(request_id, notice.block_ids)
         elif kind == "done":
-            if self.leases.done(req_id, notice.expected, block_ids=notice.block_ids):
-                self._out.finished_sending.add(req_id)
+            if self.leases.done(request_id, notice.expected, block_ids=notice.block_ids):
+                self._out.finished_sending.add(request_id)
         elif kind == "abort":  # ignored unless it names the lease's own blocks (forged params)
-            if self.leases.abort(req_id, notice.block_ids):
-                self._out.finished_sending.add(req_id)
+            if self.leases.abort(request_id, notice.block_ids):
+                self._out.finished_sending.add(request_id)
 
     def _forward(self, notice: Notice, tp_rank: int | None) -> None:
         """Rank 0: pass a side-channel notice on to the rank(s) it is for, by NIXL (a rank not
@@ -460,7 +460,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 if rank not in self._siblings:  # loaded on first use
                     self._siblings[rank] = self.agent.load_agent(self._sibling_metadata[rank])
                 self.agent.send_notif(self._siblings[rank], encode_notif(
-                    notice.kind, notice.req_id, notice.expected, notice.block_ids))
+                    notice.kind, notice.request_id, notice.expected, notice.block_ids))
             except Exception as e:
                 self.stats.current.num_failed_notifications += 1
                 logger.warning("NIXL: forwarding a %s notice to TP rank %d failed: %s",
