@@ -130,7 +130,7 @@ def test_vocabulary_pieces_draw_what_one_pass_draws(pieces):
 
 def test_vocab_pieces_fill_the_gpu_and_stay_in_range():
     dev = torch.device("cpu")
-    assert ts.vocab_pieces(1, 151936, dev) == 4  # the interpreter counts one multiprocessor
+    assert ts.vocab_pieces(1, 151936, dev) == 16  # 16 programs per multiprocessor; the interpreter counts one
     assert ts.vocab_pieces(256, 151936, dev) == 1
     assert ts.vocab_pieces(1, 100, dev) == 1  # never shorter than one block
     with pytest.raises(ValueError, match="pieces"):
@@ -160,7 +160,7 @@ def test_rejects_bad_shapes():
 
 
 def _req(rid: str, sp: SamplingParams, n_out: int = 0) -> ScheduledRequest:
-    return ScheduledRequest(req_id=rid, token_ids=[1], num_computed_tokens=4, block_ids=[0],
+    return ScheduledRequest(request_id=rid, token_ids=[1], num_computed_tokens=4, block_ids=[0],
                             sample=True, sampling_params=sp, prompt_token_ids=[1, 2, 3, 4],
                             output_token_ids=[7] * n_out)
 
@@ -174,12 +174,12 @@ def test_fused_sampler_masks_and_seeds():
             _req("topk2", SamplingParams(temperature=2.0, top_k=2, seed=1)),
             _req("minp", SamplingParams(temperature=1.0, min_p=0.5, seed=2)),
             _req("free", SamplingParams(temperature=1.0))]
-    seen = {r.req_id: set() for r in reqs}
+    seen = {r.request_id: set() for r in reqs}
     for n_out in range(16):
-        batch = [_req(r.req_id, r.sampling_params, n_out) for r in reqs]
+        batch = [_req(r.request_id, r.sampling_params, n_out) for r in reqs]
         toks, _ = sampler.sample(logits.expand(len(batch), -1).contiguous(), batch)
         for r, t in zip(batch, toks):
-            seen[r.req_id].add(t)
+            seen[r.request_id].add(t)
     assert seen["greedy"] == {0} and seen["topk1"] == {0}
     assert seen["topk2"] == {0, 1}
     assert 4 not in seen["minp"] and seen["minp"] <= {0, 1, 2, 3, 5}
@@ -190,7 +190,7 @@ def test_fused_sampler_masks_and_seeds():
                                 [_req("y", SamplingParams(temperature=1.0), 9),
                                  _req("x", SamplingParams(temperature=2.0, seed=1), 9)])
     assert alone[0] == batched[1]
-    sampler.drop([r.req_id for r in reqs] + ["x", "y"])
+    sampler.drop([r.request_id for r in reqs] + ["x", "y"])
     assert sampler.num_generators == 0
 
 
