@@ -16,7 +16,10 @@ kernel must read (context tokens x Hkv x head_dim x 2 x bytes per value: 2, or 1
 Baselines, same run, same bytes:
 
 * ``read``: ``torch.sum`` over a contiguous bf16 buffer (bytes read / time);
-* ``copy``: ``Tensor.copy_`` between two contiguous buffers (bytes read + written / time).
+* ``copy``: ``Tensor.copy_`` between two contiguous buffers (bytes read + written / time);
+* ``paged read``: a Triton kernel that only reads the same K and V chunks through the same block
+  tables and sums them (one program per sequence and KV head, four blocks per iteration, eight
+  warps, no softmax and no splits): what the scattered access pattern itself allows.
 
 ``--json`` writes all rows and the best launch found; ``--best-config-out`` writes that launch as
 the JSON object ``PDSERVE_DECODE_KERNEL_CONFIG`` takes. Needs CUDA.
@@ -35,6 +38,37 @@ import math
 import sys
 
 import torch
+
+
+def paged_read_us(kv_layer: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, bench_us) -> float:
+    """Time (µs) of the ``paged read`` baseline (module docstring) over ``kv_layer``
+    ``[num_blocks, 2, Hkv, block_size, D]`` for the sequences of ``tables``/``ctx``."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _paged_read(kv_ptr, bt_ptr, ctx_ptr, out_ptr, stride_b, stride_kv, stride_h, stride_bt,
+                    BS: tl.constexpr, D: tl.constexpr, BLOCKS: tl.constexpr):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        nblk = tl.cdiv(tl.load(ctx_ptr + seq), BS)
+        offs = tl.arange(0, BS)[:, None] * D + tl.arange(0, D)[None, :]
+        acc = tl.zeros([BS, D], tl.float32)
+        for b0 in range(0, nblk, BLOCKS):
+            for j in tl.static_range(BLOCKS):
+                blk = tl.load(bt_ptr + seq * stride_bt + b0 + j, mask=b0 + j < nblk, other=0).to(tl.int64)
+                base = kv_ptr + blk * stride_b + head * stride_h
+                m = (tl.zeros([BS, D], tl.int32) + b0 + j) < nblk
+                k = tl.load(base + offs, mask=m, other=0.0)
+                v = tl.load(base + stride_kv + offs, mask=m, other=0.0)
+                acc += k.to(tl.float32) + v.to(tl.float32)
+        tl.store(out_ptr + seq * tl.num_programs(1) + head, tl.sum(tl.sum(acc, 1), 0))
+
+    num_kv_heads, block_size, head_dim = kv_layer.shape[2:]
+    out = torch.empty(tables.shape[0], num_kv_heads, device=kv_layer.device)
+    return bench_us(lambda: _paged_read[(tables.shape[0], num_kv_heads)](
+        kv_layer, tables, ctx, out, kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2),
+        tables.stride(0), BS=block_size, D=head_dim, BLOCKS=4, num_warps=8, num_stages=3))
 
 
 def make_batch(batch: int, min_len: int, max_len: int, gen: torch.Generator) -> list[int]:
@@ -132,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
         q = torch.randn(batch, hq, d, device=dev, dtype=dt)
         out = torch.empty_like(q)
+        paged_bw = gb / (paged_read_us(kv[:, layer], tables, ctx, bench_us) * 1e-6)
         print(f"\nbatch {batch}: contexts {min(lens)}-{max(lens)} (mean {sum(lens) / batch:.0f}) "
               f"tokens, {gb * 1e3:.1f} MB of K/V per layer | read {read_bw / 1e3:.2f} TB/s, "
-              f"copy {copy_bw / 1e3:.2f} TB/s", flush=True)
+              f"copy {copy_bw / 1e3:.2f} TB/s, paged read {paged_bw / 1e3:.2f} TB/s", flush=True)
         ref = ta.paged_decode_attention(q, kv, layer, tables, ctx, d**-0.5, num_splits=1).float()
 
         def run(label: str, key: tuple | None, **kw) -> None:

@@ -318,6 +318,36 @@ def profile_decode_steps(engine, work: Workload, args: argparse.Namespace, batch
     for e in kernels[:14]:
         print(f"[profile]   {e.key[:70]:<70} | {e.self_device_time_total / steps:8.1f} | "
               f"{e.count / steps:5.1f} | {e.self_device_time_total / device_us:5.1%}", flush=True)
+    print_device_gaps(prof, steps)
+
+
+def print_device_gaps(prof, steps: int, short_ns: int = 20_000) -> None:
+    """The GPU's own time line of a profiled window: per step, the time between the end of one
+    device activity (kernel, copy, memset) and the start of the next, split into short gaps (under
+    ``short_ns``: the launch-to-launch gaps inside a CUDA graph replay or a burst of launches)
+    and longer ones (the GPU waiting for the host). Device timestamps, so the profiler's own host
+    cost shows only in the longer gaps."""
+    try:
+        spans = sorted((e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
+                       if e.device_type().name == "CUDA")
+    except (AttributeError, RuntimeError):  # a torch without kineto's event list
+        return
+    if not spans:
+        return
+    short = long = 0
+    reach = spans[0][1]
+    for start, end in spans[1:]:
+        gap = start - reach
+        if gap > 0:
+            if gap < short_ns:
+                short += gap
+            else:
+                long += gap
+        reach = max(reach, end)
+    busy = (spans[-1][1] - spans[0][0] - short - long) / steps / 1e6
+    print(f"[profile] device time line per step: {busy:.3f} ms busy, {short / steps / 1e6:.3f} ms in "
+          f"gaps under {short_ns / 1000:.0f} us between device activities, {long / steps / 1e6:.3f} ms "
+          "in longer gaps", flush=True)
 
 
 def profile_host(engine, work: Workload, params: list, rows: int) -> None:
