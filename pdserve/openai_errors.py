@@ -31,6 +31,16 @@ UPSTREAM_ERROR = "upstream_error"
 UPSTREAM_TIMEOUT = "upstream_timeout"
 
 
+#: Largest request body the proxy and the engine server accept (bytes); long multi-turn
+#: histories are large. A larger body is a 413 (:func:`body_too_large`).
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def body_too_large(limit: int) -> str:
+    """The message of the 413 for a body over ``limit`` bytes."""
+    return f"request body larger than {limit} bytes"
+
+
 #: ``stream_options`` in a request that does not stream (vLLM's rule and wording).
 STREAM_OPTIONS_WITHOUT_STREAM = "Stream options can only be defined when `stream=True`."
 

@@ -27,6 +27,7 @@ from pdserve import __version__, phase_trace
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_events import default_snapshot_endpoint
 from pdserve.entrypoints.auth import APIKeyMiddleware
+from pdserve.entrypoints.body_limit import BodySizeLimitMiddleware
 from pdserve.entrypoints.chat_completions import ChatCompletionsHandler
 from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
 from pdserve.entrypoints.completions import CompletionsHandler
@@ -42,6 +43,7 @@ from pdserve.kv_transfer.nixl import release as kv_release
 from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError
 from pdserve.kv_transfer.nixl.side_channel import SideChannelError
 from pdserve.metrics import ServerMetrics
+from pdserve.openai_errors import MAX_BODY_BYTES
 from pdserve.process_gc import freeze_start_up_objects
 
 logger = logging.getLogger("pdserve.server")
@@ -79,7 +81,8 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.serving = serving
     install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=MAX_BODY_BYTES)
+    if api_key:  # added last: checked first, before the body's size
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.post("/v1/completions")

@@ -109,6 +109,7 @@ class OpenAIServing:
         # every 100th (a full encode on the request path costs milliseconds).
         self._chat_encoder = SegmentCachedEncoder(self.tokenizer, verify_first=0)
         self._chat_encoder.self_check(_sample_chats(self.tokenizer))
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -136,6 +137,8 @@ class OpenAIServing:
             if any(p == "" for p in prompts):
                 raise bad_request("prompt must not be an empty string", param="prompt")
             texts = list(prompts)
+            for text in texts:
+                self._check_prompt_chars(len(text), "prompt")
             encoded = await self._in_tokenizer_thread(
                 lambda: [self.tokenizer.encode(t, add_special_tokens=True) for t in texts]
             )
@@ -179,6 +182,7 @@ class OpenAIServing:
             d = m.model_dump(exclude_none=True)
             d["content"] = m.text() or ""
             messages.append(d)
+        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         kwargs = dict(req.chat_template_kwargs or {})
         role = kv.role if kv is not None else KVRole.NONE
 
@@ -204,6 +208,16 @@ class OpenAIServing:
         if not ids:
             raise bad_request("The chat template produced an empty prompt", param="messages")
         return ids
+
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text no tokenization fits in ``max_model_len`` (one
+        worker thread tokenizes every request: a 60 MB prompt held the others for about a
+        minute)."""
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"The prompt is {num_chars} characters long; no text over {self.max_prompt_chars} "
+                f"characters fits in this model's maximum context length (max_model_len) of "
+                f"{self.max_model_len} tokens.", param=param)
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         limit = self.vocab_size
@@ -456,3 +470,21 @@ class OpenAIServing:
 def new_request_id(prefix: str) -> str:
     """``prefix-<32 hex digits>``."""
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """The longest text (characters) whose tokens could fit in ``max_model_len``: the longest
+    vocabulary entry's length times ``max_model_len``.
+
+    A token's string in the vocabulary is at least as long as the text it stands for (byte-level
+    BPE spells each byte as one character, SentencePiece pieces spell their text, byte-fallback
+    pieces like ``<0x41>`` are longer), so a text longer than this has more than
+    ``max_model_len`` tokens. (A normaliser that deletes characters would break that; the
+    tokenizers served here have none.) Falls back to 64 characters per token when the
+    tokenizer has no ``get_vocab``.
+    """
+    try:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except (AttributeError, NotImplementedError, TypeError):
+        longest = 0
+    return max(1, max_model_len) * (longest or 64)

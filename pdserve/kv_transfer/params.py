@@ -241,12 +241,20 @@ def parse_request_params(raw: Any, kv_transfer_config: "KVTransferConfig | None"
 
     Raises:
         KVTransferParamsError: a field the leg names is missing or mistyped (the message names
-            it), a block id is beyond :data:`MAX_BLOCK_ID`, or an integer beyond 64 bits.
+            it), a block id is beyond :data:`MAX_BLOCK_ID`, an integer beyond 64 bits, or the
+            remote KV named is this instance's own (``remote_engine_id``: an instance never
+            reads its own KV over the transfer path).
     """
     params = KVTransferParams.parse(raw)
     if params is not None:
         bidirectional = kv_transfer_config is not None and kv_transfer_config.bidirectional_kv_xfer
         params.check(bool(bidirectional), vocab_size)
+        if (kv_transfer_config is not None and params.remote is not None
+                and (params.role is KVRole.DECODE or bidirectional)
+                and params.remote.endpoint.engine_id == kv_transfer_config.engine_id):
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_engine_id {kv_transfer_config.engine_id!r} is this "
+                "instance itself; the remote KV must be another instance's")
     if params is not None:
         try:  # the engine core gets the params over msgpack, whose integers have 64 bits
             msgspec.msgpack.encode(params.wire)

@@ -84,7 +84,7 @@ reply = client.chat.completions.create(
 print(reply.choices[0].message.content)
 EOF
 
-  pdserve chat --url {endpoint}{" --api-key " + api_key if api_key else ""}
+  pdserve chat --url {endpoint} --temperature 0{" --api-key " + api_key if api_key else ""}
 """
 
 

@@ -37,6 +37,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve import phase_trace
+from pdserve.openai_errors import MAX_BODY_BYTES, body_too_large
 from pdserve.router.bodies import (check_client_body, conversation_key, decode_leg_body,
                                    prefill_leg_body)
 from pdserve.router.config import ProxyConfig
@@ -56,8 +57,6 @@ from pdserve.router.upstreams import Upstream, UpstreamPool
 
 logger = logging.getLogger("pdserve.router")
 
-#: Largest client request body accepted (bytes); long multi-turn histories are large.
-MAX_BODY_BYTES = 64 * 1024 * 1024
 _JSON = "application/json"
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
@@ -206,8 +205,7 @@ class DisaggProxy:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise ProxyError(413, f"request body larger than {MAX_BODY_BYTES} bytes",
-                             REQUEST_TOO_LARGE) from None
+            raise ProxyError(413, body_too_large(MAX_BODY_BYTES), REQUEST_TOO_LARGE) from None
         try:
             body = json.loads(raw)
         except ValueError as e:
@@ -215,9 +213,10 @@ class DisaggProxy:
         phase_trace.mark("px.parsed")
         check_client_body(body)
         store = self.state_store
-        conv_id = None
-        if store is not None:
-            conv_id = conversation_key(body, request.headers.get("X-Session-ID"))
+        # the field is checked in every mode (the stateless one only drops it)
+        conv_id = conversation_key(body, request.headers.get("X-Session-ID"))
+        if store is None:
+            conv_id = None
         state = await store.load(conv_id) if conv_id else None
         phase_trace.mark("px.state")
         headers = self._upstream_headers(request, turn.request_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from fake_engine_for_server import FakeEngine
@@ -179,6 +181,30 @@ async def test_prompt_longer_than_max_model_len_is_400(client: httpx.AsyncClient
     assert_openai_error(r, 400, "BadRequestError", param="messages")
 
 
+async def test_text_no_tokenization_fits_is_refused_before_tokenizing(
+        client: httpx.AsyncClient, fake_engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A text longer than any tokenization that fits in max_model_len is a 400 before the one
+    tokenizer thread spends time on it (a 60 MB prompt held every other request for a minute)."""
+    from pdserve.entrypoints.serving import max_prompt_chars
+
+    calls = []
+    encode = fake_engine.tokenizer.encode
+    monkeypatch.setattr(fake_engine.tokenizer, "encode",
+                        lambda *a, **kw: calls.append(1) or encode(*a, **kw))
+    bound = max_prompt_chars(fake_engine.tokenizer, fake_engine.max_model_len)
+    assert bound >= fake_engine.max_model_len
+    r = await client.post(COMPLETIONS, json={"prompt": "x" * (bound + 1), "max_tokens": 1})
+    assert_openai_error(r, 400, "BadRequestError", param="prompt", message_has="characters")
+    assert calls == []
+    r = await client.post(CHAT, json={"messages": [{"role": "user", "content": "x" * bound},
+                                                   {"role": "assistant", "content": "y"},
+                                                   {"role": "user", "content": "z"}]})
+    assert_openai_error(r, 400, "BadRequestError", param="messages", message_has="characters")
+    r = await client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert calls == [1]
+
+
 async def test_prompt_plus_max_tokens_too_long_is_400(client: httpx.AsyncClient,
                                                      fake_engine: FakeEngine) -> None:
     prompt = "x" * 10
@@ -337,3 +363,36 @@ async def test_prefill_leg_within_the_decode_limits_runs(client: httpx.AsyncClie
                                                                     "min_tokens": 3}})
     assert r.status_code == 200, r.text
     assert len(fake_engine.calls) == 1
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_body_over_the_limit_is_413_before_parsing(fake_engine: FakeEngine,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         chunked: bool) -> None:
+    """The engine server refuses a body over the limit (64 MiB, as the proxy) with a 413, whether
+    it declares its length or arrives chunked; bodies within the limit are served as before."""
+    import pdserve.entrypoints.server as server_module
+    from pdserve.entrypoints.server import build_app
+
+    monkeypatch.setattr(server_module, "MAX_BODY_BYTES", 2000)
+    app = build_app(fake_engine)
+
+    def body(prompt: str):
+        data = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+        if not chunked:
+            return {"content": data}
+
+        async def pieces():
+            for i in range(0, len(data), 300):
+                yield data[i:i + 300]
+        return {"content": pieces()}
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://testserver") as c:
+        r = await c.post(COMPLETIONS, headers={"content-type": "application/json"},
+                         **body("x" * 2500))
+        assert_openai_error(r, 413, "RequestTooLargeError", message_has="2000 bytes")
+        r = await c.post(COMPLETIONS, headers={"content-type": "application/json"},
+                         **body("hello"))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 1

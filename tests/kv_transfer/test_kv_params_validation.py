@@ -102,6 +102,9 @@ def test_d_leg_missing_field_names_it(field, how):
     ("remote_num_tokens", "20"),
     ("remote_block_hashes", "ff"),
     ("remote_blocks_expiry_time", "soon"),
+    ("tp_size", 0),
+    ("tp_size", "x"),
+    ("tp_size", True),
 ])
 def test_d_leg_wrong_type_names_it(field, value):
     params = dict(p_returned_params(), **{field: value})
@@ -139,6 +142,22 @@ def test_block_ids_beyond_any_cache_are_refused_at_the_edge(config, block_id):
         validate_kv_transfer_params(config, params)
     params["remote_block_ids"] = [[3, 2**31 - 1]]  # the largest id an int32 table holds
     validate_kv_transfer_params(config, params)
+
+
+@pytest.mark.parametrize("leg", ["decode", "bidirectional-prefill"])
+def test_params_naming_this_instance_itself_are_refused(leg):
+    """Params that name this instance's own KV (its own returned params sent back to it) are a
+    client error, not a failed transfer."""
+    from pdserve.kv_transfer.params import parse_request_params
+    config, params = ((CONSUMER, p_returned_params()) if leg == "decode"
+                      else (PRODUCER_BIDI, dict(PREFILL_KV_PARAMS, **d_returned_params())))
+    parse_request_params(params, config, None)  # another instance's KV: fine
+    params["remote_engine_id"] = config.engine_id
+    with pytest.raises(KVTransferParamsError, match="remote_engine_id .* this instance itself"):
+        parse_request_params(params, config, None)
+    # a prefill leg without bidirectional pulls ignores the decoder fields, its own id included
+    parse_request_params({**PREFILL_KV_PARAMS, **d_returned_params(),
+                          "remote_engine_id": PRODUCER.engine_id}, PRODUCER, None)
 
 
 def test_integers_beyond_64_bits_are_refused_without_a_connector_too():

@@ -179,6 +179,9 @@ async def test_bad_client_bodies_are_400_and_reach_no_instance(make_cluster):
         (json.dumps(dict(BODY, prompt=[[1, 2], [3]])).encode(),
          "a list of 2 prompts is not supported by the disaggregated proxy; send one request per "
          "prompt", "prompt"),
+        # checked in the stateless mode too, which only drops the field
+        (json.dumps(dict(BODY, conversation_id={"a": 1})).encode(),
+         "'conversation_id' must be a string or an integer, got {'a': 1}", "conversation_id"),
     ]
     for data, message, param in cases:
         status, headers, raw = await c.post("/v1/completions", data,

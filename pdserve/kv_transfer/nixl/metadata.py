@@ -132,6 +132,10 @@ class RemoteKVRef:
                 hashes = parse_block_hashes(hashes)
             except BlockHashError as e:
                 raise KVTransferParamsError(str(e)) from None
+        tp_size = params.get("tp_size")  # returned as vLLM returns it; the handshake is read
+        if tp_size is not None and (not isinstance(tp_size, int) or isinstance(tp_size, bool)
+                                    or tp_size < 1):
+            raise KVTransferParamsError("kv_transfer_params.tp_size must be a positive integer")
         expiry = params.get("remote_blocks_expiry_time")
         if expiry is not None and (not isinstance(expiry, (int, float)) or isinstance(expiry, bool)):
             raise KVTransferParamsError(
