@@ -285,3 +285,41 @@ async def test_client_gone_before_the_decoder_answers_releases_the_lease(make_cl
     await _send_and_leave(c.url + "/v1/completions", BODY, lambda: len(d.received) == 1)
     await wait_until(lambda: len(c.prefillers[0].released) == 1)
     assert c.prefillers[0].released[0]["remote_request_id"] == f"p0-{d.received[0].request_id}"
+
+
+async def test_declared_body_over_the_limit_is_413_before_reading_it(make_cluster, monkeypatch):
+    """A Content-Length over the limit is refused from the header (the engines do the same), not
+    after waiting for a body the client may never send."""
+    monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 1000)
+    c = await make_cluster()
+    host, port = c.url.split("//")[1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000000000000\r\n\r\n{\"prompt\": \"hi\"}")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert c.prefillers[0].received == []
+
+
+async def test_large_bodies_are_parsed_off_the_event_loop_and_served(make_cluster, monkeypatch):
+    monkeypatch.setattr(app_module, "_PARSE_INLINE_BYTES", 100)
+    in_threads = []
+    to_thread = asyncio.to_thread
+
+    async def recording(fn, *args, **kwargs):
+        in_threads.append(fn)
+        return await to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", recording)
+    c = await make_cluster()
+    status, _, raw = await c.post("/v1/completions", dict(BODY, prompt="x" * 20))
+    assert status == 200, raw
+    assert in_threads == []  # a small body is parsed inline
+    status, _, raw = await c.post("/v1/completions", dict(BODY, prompt="x" * 500))
+    assert status == 200, raw
+    assert in_threads == [json.loads]
+    assert c.prefillers[0].received[-1].body["prompt"] == "x" * 500
+    status, _, raw = await c.post("/v1/completions", b"{" + b" " * 200)
+    assert status == 400 and b"not valid JSON" in raw
