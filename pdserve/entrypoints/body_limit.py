@@ -11,7 +11,8 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.openai_errors import body_too_large, error_body, error_type
+from pdserve.entrypoints.errors import OpenAIError
+from pdserve.openai_errors import body_too_large
 
 
 class BodySizeLimitMiddleware:
@@ -28,8 +29,8 @@ class BodySizeLimitMiddleware:
         self.max_bytes = max_bytes
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = error_body(body_too_large(self.max_bytes), error_type(413), 413)
-        await JSONResponse(body, status_code=413, headers={"Connection": "close"})(
+        err = OpenAIError(body_too_large(self.max_bytes), 413)
+        await JSONResponse(err.body(), status_code=413, headers={"Connection": "close"})(
             scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
