@@ -79,6 +79,21 @@ class Linear(CustomOp):
         :func:`pdserve.kernels.gemv.preferred` says so."""
         return self._project(x, self.bias)
 
+    def project_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``x W^T (+ b)`` written into ``out`` (the same cuBLAS product as ``F.linear``, so the
+        same bits), e.g. a CUDA graph's static buffer that attention reads afterwards.
+
+        Args:
+            x: ``[T, input_size]``.
+            out: ``[T, output_size]``, contiguous, ``x``'s dtype.
+
+        Returns:
+            ``out``.
+        """
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
     def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` by the op :attr:`use_triton` picks for ``x``'s row count."""
         if self.use_triton and x.dim() == 2 and _gemv().preferred(x.shape[0], *self.weight.shape):

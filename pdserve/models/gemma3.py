@@ -155,12 +155,16 @@ class Gemma3Attention(LlamaAttention):
         self.sliding_window = cfg.layer_sliding_window(layer_idx)
         self.backend = None  # set by CausalLM.set_attention_backend
 
-    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor
+    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor,
+                    qkv_out: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``hidden`` ``[T, hidden_size]`` (normalised) -> normed, rotated queries
-        ``[T, num_heads, head_dim]`` and keys, and values ``[T, num_kv_heads, head_dim]``."""
+        ``[T, num_heads, head_dim]`` and keys, and values ``[T, num_kv_heads, head_dim]``; the
+        projection is written into ``qkv_out`` when given (the values stay a view of it, the
+        normed queries and keys are new tensors)."""
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        qkv = self.qkv_proj(hidden) if qkv_out is None else self.qkv_proj.project_into(hidden, qkv_out)
+        q, k, v = self.qkv_proj.split(qkv)
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
         q, k = self.rotary_emb(positions, q, k)
@@ -198,12 +202,13 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.mlp = Gemma3MLP(cfg, dtype, device)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device)
 
-    def attention_inputs(self, positions: torch.Tensor, state: LayerState
+    def attention_inputs(self, positions: torch.Tensor, state: LayerState,
+                         qkv_out: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LayerState]:
         """The pre-attention norm and the query/key/value projection of the stream
         ``state = (hidden,)``; contract of :meth:`pdserve.models.llama.DecoderLayer.attention_inputs`
         (the state handed on is the stream)."""
-        q, k, v = self.self_attn.project_qkv(positions, self.input_layernorm(state[0]))
+        q, k, v = self.self_attn.project_qkv(positions, self.input_layernorm(state[0]), qkv_out)
         return q, k, v, state
 
     def attention_output(self, o: torch.Tensor, state: LayerState) -> LayerState:

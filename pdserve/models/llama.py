@@ -162,13 +162,17 @@ class LlamaAttention(nn.Module):
         self.sliding_window = cfg.layer_sliding_window(layer_idx)
         self.backend: AttentionBackend | None = None  # set by CausalLM.set_attention_backend
 
-    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor
+    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor,
+                    qkv_out: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``hidden`` ``[T, hidden_size]`` (normalised) -> queries ``[T, num_heads, head_dim]``
         and keys (both normed when the model has q/k norms, then rotated), values
-        ``[T, num_kv_heads, head_dim]``; they may be strided views of one projection."""
+        ``[T, num_kv_heads, head_dim]``; they may be strided views of one projection, written
+        into ``qkv_out`` (``[T, q_size + 2 * kv_size]``) when given
+        (:meth:`pdserve.layers.linear.Linear.project_into`)."""
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        qkv = self.qkv_proj(hidden) if qkv_out is None else self.qkv_proj.project_into(hidden, qkv_out)
+        q, k, v = self.qkv_proj.split(qkv)
         q, k = self.rotary_emb(positions, q.view(t, self.num_heads, self.head_dim),
                                k.view(t, self.num_kv_heads, self.head_dim), self.q_norm,
                                self.k_norm)
@@ -221,7 +225,8 @@ class DecoderLayer(nn.Module):
         mixture-of-experts, override this)."""
         return LlamaMLP(cfg, dtype, device)
 
-    def attention_inputs(self, positions: torch.Tensor, state: LayerState
+    def attention_inputs(self, positions: torch.Tensor, state: LayerState,
+                         qkv_out: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LayerState]:
         """The part of the layer before attention: the input norm (adding the previous layer's
         output to the residual stream) and the query/key/value projection.
@@ -230,6 +235,8 @@ class DecoderLayer(nn.Module):
             positions: ``[T]`` int64 positions.
             state: ``(hidden, residual)`` from :meth:`CausalLM.embed` (``(embeddings,)``) or
                 the previous layer's :meth:`attention_output`.
+            qkv_out: optional buffer the projection writes into (as
+                :meth:`LlamaAttention.project_qkv`).
 
         Returns:
             ``(q, k, v, state)``: as :meth:`LlamaAttention.project_qkv`, and the state that
@@ -240,7 +247,7 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(residual)
         else:
             x, residual = self.input_layernorm(*state)
-        q, k, v = self.self_attn.project_qkv(positions, x)
+        q, k, v = self.self_attn.project_qkv(positions, x, qkv_out)
         return q, k, v, (residual,)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -19,9 +19,12 @@ For ``L`` layers and a padded size ``N`` there are ``L + 1`` pieces:
 - piece ``L``: the last layer's ``attention_output``.
 
 Each piece reads the token ids and positions from static buffers and its predecessor's layer
-state, and writes the queries, keys and values into static buffers ``[N, heads, head_dim]``
-(three device copies per layer, a few microseconds); attention reads them and writes its output
-into a static buffer that the next piece reads. The logits of the sampled rows are computed
+state, and its QKV projection writes into a static buffer ``[N, q_size + 2 * kv_size]`` whose
+views are the queries, keys and values attention reads (the rotary embedding works on them in
+place; where a model's norms or the torch rotary return new tensors they are copied in). Three
+copies per layer into separate buffers took 10% of an 8,192-token prefill step on an H200
+(docs/benchmarks.md). Attention writes its output into a static buffer that the next piece
+reads. The logits of the sampled rows are computed
 eagerly from the last piece's state (their count varies). Rows ``n .. N - 1`` of a step of ``n``
 tokens are padding: they hold earlier steps' ids, positions and attention outputs, go through the
 row-wise stages without touching the real rows, and never reach attention or the KV cache.
@@ -125,10 +128,12 @@ class PiecewiseGraphs:
         n, d = self.max_tokens, attn.head_dim
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.query = torch.zeros(n, attn.num_heads, d, dtype=model.dtype, device=device)
-        self.key = torch.zeros(n, attn.num_kv_heads, d, dtype=model.dtype, device=device)
-        self.value = torch.zeros_like(self.key)
-        self.attn_out = torch.zeros_like(self.query)
+        # The QKV projection writes into this buffer; queries, keys and values are its views.
+        self.qkv = torch.zeros(n, attn.qkv_proj.output_size, dtype=model.dtype, device=device)
+        self.query, self.key, self.value = (
+            t.view(n, heads, d) for t, heads in zip(
+                attn.qkv_proj.split(self.qkv), (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads)))
+        self.attn_out = torch.zeros(n, attn.num_heads, d, dtype=model.dtype, device=device)
         self._pieces: dict[int, list[Callable[[], None]]] = {}
         # per size: the dict whose "state" is the last piece's layer state after a replay
         self._carry: dict[int, dict[str, LayerState]] = {}
@@ -144,15 +149,18 @@ class PiecewiseGraphs:
         the layer state on (``carry["state"]``)."""
         model, layers = self.model, self.model.layers
         ids, pos = self.input_ids[:size], self.positions[:size]
-        q_buf, k_buf, v_buf = self.query[:size], self.key[:size], self.value[:size]
+        qkv_buf = self.qkv[:size]
+        buffers = (self.query[:size], self.key[:size], self.value[:size])
         attn_out = self.attn_out[:size]
         carry: dict[str, LayerState] = {}
 
         def inputs_of(i: int, state: LayerState) -> LayerState:
-            q, k, v, state = layers[i].attention_inputs(pos, state)
-            q_buf.copy_(q)
-            k_buf.copy_(k)
-            v_buf.copy_(v)
+            q, k, v, state = layers[i].attention_inputs(pos, state, qkv_out=qkv_buf)
+            # The Triton rotary works in place, so queries and keys are already views of the
+            # buffer; the torch rotary and Gemma 3's q/k norms return new tensors.
+            for src, dst in zip((q, k, v), buffers):
+                if src.data_ptr() != dst.data_ptr():
+                    dst.copy_(src)
             return state
 
         def first() -> None:

@@ -20,6 +20,7 @@ rot, _ = import_kernels("pdserve.kernels.rotary", "_rotary_kernel")
 act, _ = import_kernels("pdserve.kernels.activation", "_silu_and_mul_kernel")
 
 from pdserve.runner import cuda_graphs  # noqa: E402
+from pdserve.runner.piecewise_graphs import PiecewiseGraphs  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # Relative-error bounds (||out - ref|| / ||ref||) by input dtype; see the module docstring of
@@ -453,6 +454,17 @@ def test_fused_model_path_matches_torch_path(qk_norm, few_decode_splits):
         logits[fused] = model(ids, pos, caches[fused], meta, idx)
     assert rel_err(logits[True], logits[False]) < 1e-4
     assert rel_err(caches[True], caches[False]) < 1e-5
+
+    # The same step through the stages of piecewise CUDA graphs (run eagerly): the projection
+    # writes into their QKV buffer and the Triton rotary works in place on its views, so
+    # attention reads them there without a copy.
+    pieces = PiecewiseGraphs(model, [16], capture=False)
+    assert pieces.capture()
+    q, k, v, _ = model.layers[0].attention_inputs(pos, model.embed(ids), qkv_out=pieces.qkv[:t])
+    assert [x.data_ptr() for x in (q, k, v)] == [b.data_ptr() for b in (pieces.query, pieces.key, pieces.value)]
+    kv_pieces = kv0.clone()
+    assert rel_err(pieces.run(ids, pos, kv_pieces, meta, idx), logits[False]) < 1e-4
+    assert rel_err(kv_pieces, caches[False]) < 1e-5
 
     # Pure decode: the graph-safe decode step (with one padding row) against the torch path.
     dmeta = build_attention_metadata([], decodes, bs, DEVICE)
