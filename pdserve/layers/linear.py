@@ -79,21 +79,6 @@ class Linear(CustomOp):
         :func:`pdserve.kernels.gemv.preferred` says so."""
         return self._project(x, self.bias)
 
-    def project_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``x W^T (+ b)`` written into ``out`` (the same cuBLAS product as ``F.linear``, so the
-        same bits), e.g. a CUDA graph's static buffer that attention reads afterwards.
-
-        Args:
-            x: ``[T, input_size]``.
-            out: ``[T, output_size]``, contiguous, ``x``'s dtype.
-
-        Returns:
-            ``out``.
-        """
-        if self.bias is None:
-            return torch.mm(x, self.weight.t(), out=out)
-        return torch.addmm(self.bias, x, self.weight.t(), out=out)
-
     def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)`` by the op :attr:`use_triton` picks for ``x``'s row count."""
         if self.use_triton and x.dim() == 2 and _gemv().preferred(x.shape[0], *self.weight.shape):
@@ -156,6 +141,23 @@ class MergedLinear(Linear):
             loaded = narrow_weight(loaded, 0, self.full_output_sizes[shard_id],
                                    self.row_starts[shard_id], n)
         copy_checked(param.data.narrow(0, start, n), loaded)
+
+    def project_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``x W^T (+ b)`` of this rank written into ``out`` (the same cuBLAS product as
+        ``F.linear``, so the same bits), e.g. a CUDA graph's static buffer that attention reads
+        afterwards. Column-parallel: no collective (a row-parallel layer would need its
+        all-reduce, so it has no such method).
+
+        Args:
+            x: ``[T, input_size]``.
+            out: ``[T, output_size]``, contiguous, ``x``'s dtype.
+
+        Returns:
+            ``out``.
+        """
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The stacked outputs ``[T, sum(output_sizes)]`` -> one view per projection."""

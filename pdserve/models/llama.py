@@ -169,7 +169,7 @@ class LlamaAttention(nn.Module):
         and keys (both normed when the model has q/k norms, then rotated), values
         ``[T, num_kv_heads, head_dim]``; they may be strided views of one projection, written
         into ``qkv_out`` (``[T, q_size + 2 * kv_size]``) when given
-        (:meth:`pdserve.layers.linear.Linear.project_into`)."""
+        (:meth:`pdserve.layers.linear.MergedLinear.project_into`)."""
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden) if qkv_out is None else self.qkv_proj.project_into(hidden, qkv_out)
         q, k, v = self.qkv_proj.split(qkv)
