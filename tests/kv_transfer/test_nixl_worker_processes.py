@@ -7,12 +7,12 @@ the scheduler sides by handing each worker its per-step metadata.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import socket
 
 import pytest
 import torch
 
 from nixl_peer import PeerProcess, block_pattern
+from servers import free_port
 from pdserve.kv_transfer.nixl.metadata import (
     NixlConnectorMetadata,
     RecvSpec,
@@ -27,12 +27,6 @@ pytestmark = pytest.mark.timeout(180)
 GEOMETRY = {"num_blocks": 32, "block_size": 4, "num_layers": 2, "num_kv_heads": 2,
             "head_dim": 8, "model": "tiny"}
 LEASE_S = 1.5  # P's configured lease (sets D's heartbeat period to LEASE_S / 3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_config(role: str, **extra) -> dict:
