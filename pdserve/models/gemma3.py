@@ -163,8 +163,7 @@ class Gemma3Attention(LlamaAttention):
         projection is written into ``qkv_out`` when given (the values stay a view of it, the
         normed queries and keys are new tensors)."""
         t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden) if qkv_out is None else self.qkv_proj.project_into(hidden, qkv_out)
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = self.split_qkv(hidden, qkv_out)
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
         q, k = self.rotary_emb(positions, q, k)

@@ -171,12 +171,20 @@ class LlamaAttention(nn.Module):
         into ``qkv_out`` (``[T, q_size + 2 * kv_size]``) when given
         (:meth:`pdserve.layers.linear.MergedLinear.project_into`)."""
         t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden) if qkv_out is None else self.qkv_proj.project_into(hidden, qkv_out)
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = self.split_qkv(hidden, qkv_out)
         q, k = self.rotary_emb(positions, q.view(t, self.num_heads, self.head_dim),
                                k.view(t, self.num_kv_heads, self.head_dim), self.q_norm,
                                self.k_norm)
         return q, k, v.view(t, self.num_kv_heads, self.head_dim)
+
+    def split_qkv(self, hidden: torch.Tensor, qkv_out: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The QKV projection of ``hidden`` ``[T, hidden_size]`` (into ``qkv_out``
+        ``[T, q_size + 2 * kv_size]`` when given), as views ``[T, q_size]``,
+        ``[T, kv_size]``, ``[T, kv_size]``."""
+        if qkv_out is None:
+            return self.qkv_proj.split(self.qkv_proj(hidden))
+        return self.qkv_proj.split(self.qkv_proj.project_into(hidden, qkv_out))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
