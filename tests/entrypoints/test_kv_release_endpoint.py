@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-import socket
 
 import httpx
 from fake_engine_for_server import FakeEngine
+from servers import free_port
 
 from pdserve.entrypoints.server import build_app
 from pdserve.kv_transfer.config import KVTransferConfig
@@ -17,14 +17,8 @@ from pdserve.kv_transfer.nixl.side_channel import SideChannelServer
 RELEASE = "/v1/kv_transfer/release"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_release_reaches_the_side_channel_with_the_block_ids(monkeypatch) -> None:
-    port = _free_port()
+    port = free_port()
     monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
     monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_PORT", str(port))
     kv = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_producer",
@@ -50,7 +44,7 @@ async def test_release_reaches_the_side_channel_with_the_block_ids(monkeypatch) 
             assert r.status_code == 400
             # the notice goes only to this instance's own side channel, never to a port the
             # client names
-            elsewhere = dict(params, remote_port=_free_port())
+            elsewhere = dict(params, remote_port=free_port())
             r = await c.post(RELEASE, json={"kv_transfer_params": elsewhere})
             assert r.status_code == 400 and "side-channel port" in r.json()["error"]["message"]
     finally:

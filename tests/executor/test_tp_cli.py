@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from servers import free_port
 from pdserve.config import EngineConfig
 from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
 from pdserve.launcher.cli import parse_args
@@ -53,15 +53,9 @@ def test_rank_devices_and_the_check_that_they_exist():
         check_tp_devices(cfg, cuda, 2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _plan(argv: list[str], gpus: list[str]):
     # a model the launcher cannot read: its TP split is the engine's to check
-    return build_plan(parse_args(["--port", str(_free_port()), *argv, "my-model"]),
+    return build_plan(parse_args(["--port", str(free_port()), *argv, "my-model"]),
                       ChildCommands(python="py"), gpus=gpus)
 
 
@@ -111,7 +105,7 @@ def test_up_refuses_a_tp_size_the_model_does_not_split_over_before_starting(tmp_
     before its conversion, its GGUF metadata) before any process starts: one line, exit 2."""
     from pdserve.launcher.cli import main as up_main
 
-    port = str(_free_port())
+    port = str(free_port())
     for argv, flag in ((["--prefill-tp", "2"], "--prefill-tp 2"),
                        (["--decode-tp", "2"], "--decode-tp 2")):
         with pytest.raises(LaunchError, match=f"{flag}: .*9 attention heads are not divisible"):
@@ -151,7 +145,7 @@ def test_the_launchers_split_check_does_not_import_torch(tmp_path, converted):
 def test_serve_refuses_a_tp_size_the_model_does_not_split_over_before_starting(capsys):
     from pdserve.entrypoints.server import main as serve_main
 
-    assert serve_main(["-tp", "2", "--port", str(_free_port())]) == 2
+    assert serve_main(["-tp", "2", "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith("pdserve serve: error: the model cannot run with "

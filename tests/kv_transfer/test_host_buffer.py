@@ -6,12 +6,12 @@ caches)."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 import torch
 
+from servers import free_port
 from pdserve.kv_transfer.nixl import host_buffer, shared_host
 from pdserve.kv_transfer.nixl.host_buffer import HostMirror, block_spans
 
@@ -45,19 +45,13 @@ def test_mirror_stages_and_unstages_blocks():
     assert mirror.cancel("r2") and not mirror.cancel("r2") and mirror.take_staged() == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(role, kv, monkeypatch, transport="auto"):
     from pdserve.kv_transfer.base import KVCacheSpec
     from pdserve.kv_transfer.config import KVTransferConfig
     from pdserve.kv_transfer.factory import create_connector
 
     monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-    monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_PORT", str(_free_port()))
+    monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
     cfg = KVTransferConfig.from_dict({
         "kv_role": role, "kv_buffer_device": "cpu",
         "kv_connector_extra_config": {"kv_handshake_timeout": 5.0,
@@ -149,11 +143,11 @@ def test_host_buffer_mode_between_two_processes_on_one_gpu(transport, path):
                 "kv_connector_extra_config": {"kv_handshake_timeout": 5.0,
                                               "same_host_transport": transport}}
 
-    p = PeerProcess(config("kv_producer"), _free_port(), geometry, device="cuda:0")
+    p = PeerProcess(config("kv_producer"), free_port(), geometry, device="cuda:0")
     d = None
     try:
         assert p.hello.get("ok"), p.hello
-        d = PeerProcess(config("kv_consumer"), _free_port(), geometry, zeros=True,
+        d = PeerProcess(config("kv_consumer"), free_port(), geometry, zeros=True,
                         device="cuda:0")
         assert d.hello.get("ok"), d.hello
         g = torch.Generator().manual_seed(2)

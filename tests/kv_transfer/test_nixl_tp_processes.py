@@ -10,12 +10,12 @@ instance, binding the same metadata on every rank. 2 KV heads, so TP 4 replicate
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 
 from nixl_peer import TPGroup, tp_pattern
+from servers import free_port
 from pdserve.kv_transfer.nixl.metadata import (
     NixlConnectorMetadata,
     RecvSpec,
@@ -33,12 +33,6 @@ SIZES = (1, 2, 4)
 PAIRINGS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (4, 1), (4, 2), (2, 4)]
 REMOTE = [3, 4, 5, 9]  # owner blocks: a run of three and one alone
 LOCAL = [10, 11, 12, 20]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(engine_id: str) -> dict:

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from servers import free_port
 from pdserve.kv_transfer.nixl import same_host
 from pdserve.kv_transfer.nixl.cuda_ipc import IpcExport
 from pdserve.kv_transfer.nixl.direct_read import MAX_RUN_COPIES, DirectPeer, copy_blocks
@@ -206,19 +207,13 @@ def test_slow_gpu_read_over_nixl_is_warned_once(caplog):
 
 
 # ----------------------------------------------------------------- the worker's hooks, on CPU
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(role: str, kv: torch.Tensor, monkeypatch, **extra):
     from pdserve.kv_transfer.base import KVCacheSpec
     from pdserve.kv_transfer.config import KVTransferConfig
     from pdserve.kv_transfer.factory import create_connector
 
     monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-    monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_PORT", str(_free_port()))
+    monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
     cfg = KVTransferConfig.from_dict({"kv_role": role, "kv_connector_extra_config": {
         "kv_handshake_timeout": 5.0, "kv_metrics_log_interval": 1e6, **extra}})
     worker = create_connector(cfg, "worker")
@@ -310,11 +305,11 @@ def test_two_processes_on_one_gpu_read_by_the_chosen_path(setting, transport):
         return {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": {
             "kv_handshake_timeout": 5.0, "same_host_transport": setting}}
 
-    p = PeerProcess(config("kv_producer"), _free_port(), geometry, device="cuda:0")
+    p = PeerProcess(config("kv_producer"), free_port(), geometry, device="cuda:0")
     d = None
     try:
         assert p.hello.get("ok"), p.hello
-        d = PeerProcess(config("kv_consumer"), _free_port(), geometry, zeros=True,
+        d = PeerProcess(config("kv_consumer"), free_port(), geometry, zeros=True,
                         device="cuda:0")
         assert d.hello.get("ok"), d.hello
         g = torch.Generator().manual_seed(1)

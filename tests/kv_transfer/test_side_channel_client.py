@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import select
-import socket
 import threading
 import time
 
 import pytest
 import zmq
 
+from servers import free_port
 from pdserve.kv_transfer.nixl.side_channel import (
     SideChannelClient,
     SideChannelServer,
@@ -18,12 +18,6 @@ from pdserve.kv_transfer.nixl.side_channel import (
 from pdserve.kv_transfer.wakeup import Waker
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

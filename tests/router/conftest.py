@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -11,15 +10,15 @@ import pytest
 
 from pdserve.router.config import ProxyConfig
 from pdserve.router.proxy import RunningProxy, start_proxy
+from servers import free_port
 
 from .fakes import FakeInstance
 
 
 def unused_port() -> int:
-    """A localhost TCP port nothing listens on (bound once, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A localhost TCP port nothing listens on (:func:`servers.free_port`: below the ephemeral
+    range, so the proxy's connection attempts to it cannot connect to themselves)."""
+    return free_port()
 
 
 @dataclass
