@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import socket
@@ -31,13 +30,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
+from ports import free_port
 from processes import (MAX_WAIT_S, STALL_TIMEOUT_S, Process, descendants, still_running,
                        stop_together, wait_progressing)
 
 __all__ = ["BIDIR_TTL_S", "BLOCK_SIZE", "HANDSHAKE_TIMEOUT_S", "LOAD_FACTOR", "MAX_WAIT_S",
            "POOL_COMMON", "POOL_SPECS", "SHORT_LEASE_S", "STALL_TIMEOUT_S", "EngineServer",
            "Process", "ProxyServer", "RedisServer", "ServerPool", "Spec", "UpDeployment", "decode_leg",
-           "descendants", "free_port", "generate", "nixl_config", "prefill_leg", "sse_events",
+           "descendants", "generate", "nixl_config", "prefill_leg", "sse_events",
            "start_all", "still_running", "stop_together", "wait_progressing"]
 
 
@@ -68,45 +68,6 @@ HANDSHAKE_TIMEOUT_S = 2.0 * LOAD_FACTOR
 #: margin (``PULL_SAFETY_MARGIN_S``) plus the time between D finishing one turn and P planning
 #: the next (the client's next turn and its oracle request).
 BIDIR_TTL_S = 15.0 * LOAD_FACTOR
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux's default 32768 elsewhere)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A free localhost TCP port below the kernel's ephemeral range, never the same one twice in
-    a process (bound once, then released).
-
-    The kernel gives a connecting socket its own end from the ephemeral range. A client that
-    keeps reconnecting to a port in that range while nothing listens there (a server being
-    restarted on its old port) can be given that very port and connect to itself; it then holds
-    the port and the restarted server's bind fails with "address already in use" (seen in
-    tests/kv_transfer/test_nixl_peer_restart.py). Ports below the range cannot be taken so.
-    """
-    low = _ephemeral_low()
-    rng = random.SystemRandom()
-    for _ in range(1000) if low > 11000 else ():
-        port = rng.randrange(10000, low)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    with socket.socket() as s:  # an unusual range: any free port
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nixl_config(role: str, **extra: Any) -> dict:

@@ -8,7 +8,7 @@ import queue
 
 import httpx
 from fake_engine_for_server import FakeEngine
-from servers import free_port
+from ports import free_port
 
 from pdserve.entrypoints.server import build_app
 from pdserve.kv_transfer.config import KVTransferConfig

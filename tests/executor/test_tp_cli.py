@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from servers import free_port
+from ports import free_port
 from pdserve.config import EngineConfig
 from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
 from pdserve.launcher.cli import parse_args

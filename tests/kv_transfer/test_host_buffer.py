@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from servers import free_port
+from ports import free_port
 from pdserve.kv_transfer.nixl import host_buffer, shared_host
 from pdserve.kv_transfer.nixl.host_buffer import HostMirror, block_spans
 

@@ -20,9 +20,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from netns import Hosts, NetnsUnavailable
+from ports import free_port
 from processes import Process
 from servers import HANDSHAKE_TIMEOUT_S, POOL_COMMON
-from servers import EngineServer, ProxyServer, decode_leg, descendants, free_port, generate
+from servers import EngineServer, ProxyServer, decode_leg, descendants, generate
 from servers import nixl_config, prefill_leg, start_all, still_running, stop_together
 from servers import wait_progressing
 

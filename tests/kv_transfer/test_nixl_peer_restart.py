@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from nixl_peer import PeerProcess, block_pattern
-from test_nixl_worker_processes import GEOMETRY, free_port, lease, make_config, recv_meta, ref_to
+from ports import free_port
+from test_nixl_worker_processes import GEOMETRY, lease, make_config, recv_meta, ref_to
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nixl_peer import PeerProcess, block_pattern
-from servers import free_port
+from ports import free_port
 from pdserve.kv_transfer.nixl.metadata import (
     NixlConnectorMetadata,
     RecvSpec,

@@ -18,7 +18,8 @@ from servers import BLOCK_SIZE as B
 from servers import POOL_COMMON as COMMON
 from servers import SHORT_LEASE_S
 from servers import EngineServer as Server
-from servers import decode_leg, free_port, generate, nixl_config, prefill_leg, start_all
+from ports import free_port
+from servers import decode_leg, generate, nixl_config, prefill_leg, start_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from servers import free_port
+from ports import free_port
 from pdserve.kv_transfer.nixl import same_host
 from pdserve.kv_transfer.nixl.cuda_ipc import IpcExport
 from pdserve.kv_transfer.nixl.direct_read import MAX_RUN_COPIES, DirectPeer, copy_blocks

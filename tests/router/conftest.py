@@ -10,13 +10,13 @@ import pytest
 
 from pdserve.router.config import ProxyConfig
 from pdserve.router.proxy import RunningProxy, start_proxy
-from servers import free_port
+from ports import free_port
 
 from .fakes import FakeInstance
 
 
 def unused_port() -> int:
-    """A localhost TCP port nothing listens on (:func:`servers.free_port`: below the ephemeral
+    """A localhost TCP port nothing listens on (:func:`ports.free_port`: below the ephemeral
     range, so the proxy's connection attempts to it cannot connect to themselves)."""
     return free_port()
 

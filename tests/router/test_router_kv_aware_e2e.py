@@ -22,7 +22,8 @@ import pytest
 from pdserve.engine.block_manager import block_hashes
 from pdserve.router.config import ProxyConfig
 from pdserve.router.proxy import start_proxy
-from servers import (EngineServer, ProxyServer, RedisServer, free_port, nixl_config, start_all,
+from ports import free_port
+from servers import (EngineServer, ProxyServer, RedisServer, nixl_config, start_all,
                      stop_together)
 
 from .fakes import wait_until

@@ -62,7 +62,7 @@ async def test_redis_store_params_are_single_use_and_expire(redis_server):
 
 
 async def test_redis_store_unreachable_counts_and_returns_nothing(tmp_path):
-    from servers import free_port
+    from ports import free_port
 
     errors = []
     store = RedisStateStore(f"redis://127.0.0.1:{free_port()}/0", ttl=30.0, on_error=errors.append)
