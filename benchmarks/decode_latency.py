@@ -235,19 +235,19 @@ def kernel_benchmarks(args: argparse.Namespace) -> list[dict]:
         add("qk_norm+rope", f"T={t}", "triton fused (q and k)", bench(fused))
         add("qk_norm+rope", f"T={t}", "torch (layer ops)", bench(torch_version))
 
-    # --- Gumbel-max draw over Qwen3's vocabulary: one program per row vs the default pieces
+    # --- the fused draw over Qwen3's vocabulary against torch's exponential race (five passes)
     from pdserve.kernels import sampling as ts
 
     vocab = cfg["vocab_size"] if on_gpu else 100
-    for rows_n in ((1, 64, 256) if on_gpu else (1, 3)):
-        logits = torch.randn(rows_n, vocab, device=dev)
+    for rows_n in ((1, 64, 137, 256) if on_gpu else (1, 3)):
+        logits = torch.randn(rows_n, vocab, device=dev, dtype=dt)
         temps = torch.ones(rows_n, device=dev)
         ids = torch.arange(rows_n, device=dev)
-        pieces = ts.vocab_pieces(rows_n, vocab, dev)
-        add("gumbel_argmax", f"rows={rows_n} V={vocab}", "one program per row",
-            bench(lambda: ts.gumbel_argmax(logits, temps, ids, ids, pieces=1)))
-        add("gumbel_argmax", f"rows={rows_n} V={vocab}", f"{pieces} pieces per row",
-            bench(lambda: ts.gumbel_argmax(logits, temps, ids, ids)))
+        add("draw", f"rows={rows_n} V={vocab}", "triton fused (inverse CDF)",
+            bench(lambda: ts.draw_tokens(logits, temps, ids, ids)))
+        add("draw", f"rows={rows_n} V={vocab}", "torch (softmax, exponential race)",
+            bench(lambda: (torch.softmax(logits.float() / temps[:, None], -1)
+                           / torch.empty_like(logits, dtype=torch.float32).exponential_()).argmax(-1)))
 
     # --- linear layers at decode batch sizes: the Triton kernel for 1-2 rows vs F.linear
     from pdserve.kernels import gemv

@@ -5,7 +5,7 @@
 - :mod:`~pdserve.kernels.kv_cache`: KV cache write (Triton).
 - :mod:`~pdserve.kernels.rms_norm`, :mod:`~pdserve.kernels.rotary`,
   :mod:`~pdserve.kernels.activation`: the layers' fused Triton ops.
-- :mod:`~pdserve.kernels.sampling`: the sampler's fused Gumbel-max draw (Triton).
+- :mod:`~pdserve.kernels.sampling`: the sampler's fused inverse-CDF token draw (Triton).
 
 Importing this package imports nothing; the Triton modules import ``triton`` and are imported
 only where it is installed (the CUDA path). Layers and attention backends choose between these

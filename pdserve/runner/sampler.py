@@ -15,8 +15,9 @@ Order of operations per row (as in vLLM):
    A request with a ``seed`` draws the noise of output position ``k`` from a
    ``torch.Generator`` seeded with ``(seed, k)``, so its tokens do not depend on the other
    requests in the batch or on where earlier tokens were drawn; the others share one generator
-   seeded from the engine seed. On CUDA a fused kernel draws the same distribution by the
-   Gumbel-max trick (:mod:`pdserve.kernels.sampling`), keyed the same way.
+   seeded from the engine seed. On CUDA fused kernels draw the same distribution by inverting
+   its cumulative distribution with one uniform per row (:mod:`pdserve.kernels.sampling`),
+   keyed the same way.
 
 The logits arrive in the model's dtype (bf16 on CUDA) and are never modified. Every step that
 computes on them (penalties, ``min_tokens``, logprobs, temperature, the masks, the torch draw)
@@ -44,9 +45,9 @@ from pdserve.runner.logits_processors import (
 class Sampler:
     """Samples one token per row of a logits batch.
 
-    On CUDA (with Triton) the draw is one fused kernel
-    (:func:`pdserve.kernels.sampling.gumbel_argmax`) whose noise for a request depends
-    only on its seed and the output position of the token; requests without a seed get one
+    On CUDA (with Triton) the draw is fused (:func:`pdserve.kernels.sampling.draw_tokens`), its
+    random number for a request depending only on its seed and the output position of the
+    token; requests without a seed get one
     from a host RNG seeded with ``seed``. Elsewhere the draw is the torch exponential race, a
     seeded request's noise coming from a ``torch.Generator`` seeded with its seed and the output
     position. Either way a seeded request's draw at a position depends only on its seed and
@@ -65,20 +66,20 @@ class Sampler:
         self._shared.manual_seed(seed)
         self._row_seeds: dict[str, int] = {}
         self._seed_rng = random.Random(seed)
-        self._gumbel_argmax = None
+        self._draw_tokens = None
         if fused is None:
             fused = device.type == "cuda"
         if fused:
             try:
-                from pdserve.kernels.sampling import gumbel_argmax
+                from pdserve.kernels.sampling import draw_tokens
             except ImportError:
-                gumbel_argmax = None
-            self._gumbel_argmax = gumbel_argmax
+                draw_tokens = None
+            self._draw_tokens = draw_tokens
 
     @property
     def fused(self) -> bool:
         """True when draws use the fused CUDA kernel."""
-        return self._gumbel_argmax is not None
+        return self._draw_tokens is not None
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the seeds drawn for unseeded finished requests (fused draw)."""
@@ -214,7 +215,7 @@ class Sampler:
         # One row per field, each row a multiple of 16 bytes long: every field starts 16-byte
         # aligned on the device and is read in place. (Triton specialises a kernel on the
         # alignment of its pointers: one-row batches, whose column views were left in place by
-        # .contiguous(), compiled a second Gumbel-draw variant, 0.43 s inside an H200 step.)
+        # .contiguous(), compiled a second draw-kernel variant, 0.43 s inside an H200 step.)
         n = len(params)
         pad = [0] * (-n % 4)
         host = torch.from_numpy(np.array(
@@ -236,21 +237,21 @@ class Sampler:
     def draw(self, logits: torch.Tensor, plan: "SamplingPlan", step: int = 0) -> torch.Tensor:
         """One token per row of ``logits`` ``[S, V]`` (float32, bfloat16 or float16; left
         unmodified) as described by ``plan``: argmax for greedy rows; for the others
-        temperature, top-k / top-p / min-p masks and a random draw (the fused Gumbel-max kernel
+        temperature, top-k / top-p / min-p masks and a random draw (the fused inverse-CDF draw
         on CUDA, the exponential race elsewhere). Argmax and the fused draw without masks read
         ``logits`` in their dtype; temperature division, the masks and the exponential race
         work in float32 (the division by the float32 temperatures makes the float32 copy).
-        ``step`` is the step inside a multi-step round (the fused draw's noise follows the
-        output position). Returns ``[S]`` int64 on the device, without waiting for the GPU."""
+        ``step`` is the step inside a multi-step round (the fused draw's random number follows
+        the output position). Returns ``[S]`` int64 on the device, without waiting for the GPU."""
         if plan.fused and plan.any_random:
             if plan.scale is None:
-                return self._gumbel_argmax(logits, plan.temperatures, plan.seeds, plan.positions, step)
+                return self._draw_tokens(logits, plan.temperatures, plan.seeds, plan.positions, step)
             scaled = logits / plan.scale  # float32 ([S, 1] float32 scale)
             if plan.top_k is not None or plan.top_p is not None:
                 mask_top_k_top_p(scaled, plan.top_k, plan.top_p)
             if plan.min_p is not None:
                 mask_min_p(scaled, plan.min_p)
-            return self._gumbel_argmax(scaled, plan.unit_temperatures, plan.seeds, plan.positions, step)
+            return self._draw_tokens(scaled, plan.unit_temperatures, plan.seeds, plan.positions, step)
         if not plan.any_random:
             return logits.argmax(dim=-1)
         rows = logits if plan.random_rows is None else logits[plan.random_rows]

@@ -4,7 +4,7 @@ tests/kernels/conftest.py). Prints ``ok GROUP LABEL`` per compiled configuration
 ``FAIL GROUP LABEL`` and the traceback on stderr, then ``done``.
 
 Groups: ``attention`` (paged decode and its merge, KV store, RMS norm, rotary, SwiGLU, the
-sampler's Gumbel-max draw) and ``moe`` (the grouped GEMM), checked by tests/kernels/test_triton_attention.py
+sampler's inverse-CDF draw) and ``moe`` (the grouped GEMM), checked by tests/kernels/test_triton_attention.py
 and tests/kernels/test_triton_moe.py. The interpreter accepts code the compiler rejects, so the
 configurations cover every constexpr branch the kernels take in production.
 """
@@ -99,19 +99,18 @@ def attention() -> None:
              aligned, num_warps=4)
     _compile("attention", "silu_and_mul", act._silu_and_mul_kernel,
              {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024), aligned, num_warps=4)
-    for one_piece in (True, False):
-        _compile("attention", f"gumbel_argmax_one_piece{int(one_piece)}", ts._gumbel_argmax_kernel,
-                 {"logits_ptr": "*fp32", "temps_ptr": "*fp32", "seeds_ptr": "*i64",
-                  "positions_ptr": "*i64", "out_ptr": "*i64" if one_piece else "*i32",
-                  "best_ptr": "*fp32"}, dict(BLOCK_V=2048, ONE_PIECE=one_piece), aligned,
-                 num_warps=8)
-    # the decode step's draw: bf16 logits straight from the LM head, a vocabulary (and so the
-    # piece length) divisible by 16 as the JIT specialises it for Qwen3's 151,936 entries
-    _compile("attention", "gumbel_argmax_bf16", ts._gumbel_argmax_kernel,
-             {"logits_ptr": "*bf16", "temps_ptr": "*fp32", "seeds_ptr": "*i64",
-              "positions_ptr": "*i64", "out_ptr": "*i32", "best_ptr": "*fp32"},
-             dict(BLOCK_V=2048, ONE_PIECE=False), lambda n: aligned(n) or n in ("vocab", "piece"),
-             num_warps=8)
+    # the decode step's draw: bf16 logits straight from the LM head, a vocabulary divisible by
+    # 16 as the JIT specialises it for Qwen3's 151,936 entries; and float32 logits
+    for dt in ("bf16", "fp32"):
+        _compile("attention", f"draw_block_stats_{dt}", ts._block_stats_kernel,
+                 {"logits_ptr": "*" + dt, "temps_ptr": "*fp32", "max_ptr": "*fp32",
+                  "idx_ptr": "*i32", "sum_ptr": "*fp32"}, dict(BLOCK=ts.BLOCK_V),
+                 lambda n: aligned(n) or n == "vocab", num_warps=4)
+        _compile("attention", f"draw_pick_{dt}", ts._pick_kernel,
+                 {"logits_ptr": "*" + dt, "temps_ptr": "*fp32", "seeds_ptr": "*i64",
+                  "positions_ptr": "*i64", "max_ptr": "*fp32", "idx_ptr": "*i32",
+                  "sum_ptr": "*fp32", "out_ptr": "*i64"}, dict(BLOCK=ts.BLOCK_V, BLOCKS_PAD=128),
+                 lambda n: aligned(n) or n == "vocab", num_warps=8)
     from pdserve.kernels import gemv
 
     for rows, bias in ((1, False), (2, True)):
@@ -120,9 +119,6 @@ def attention() -> None:
                  dict(HAS_BIAS=bias, BLOCK_M=rows, BLOCK_N=gemv._BLOCK_N, BLOCK_K=gemv._BLOCK_K),
                  lambda n: n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn", "stride_ym"),
                  num_warps=4, num_stages=3)
-    _compile("attention", "gumbel_merge_pieces", ts._merge_pieces_kernel,
-             {"best_ptr": "*fp32", "winner_ptr": "*i32", "out_ptr": "*i64"},
-             dict(PIECES_PAD=64), aligned, num_warps=1)
 
 
 def moe() -> None:
@@ -147,8 +143,8 @@ EXPECTED = {
                   "paged_decode_fp32_split1", "paged_decode_reduce", "paged_decode_reduce_4x4",
                   "store_kv_quantize0", "store_kv_quantize1", "gather_kv_dequantize0",
                   "gather_kv_dequantize1", "rms_norm", "rotary",
-                  "silu_and_mul", "gumbel_argmax_one_piece1", "gumbel_argmax_one_piece0",
-                  "gumbel_argmax_bf16", "gumbel_merge_pieces", "gemv_rows1", "gemv_rows2"},
+                  "silu_and_mul", "draw_block_stats_bf16", "draw_block_stats_fp32",
+                  "draw_pick_bf16", "draw_pick_fp32", "gemv_rows1", "gemv_rows2"},
     "moe": {"grouped_gemm_bf16_m16", "grouped_gemm_bf16_m32", "grouped_gemm_bf16_m64",
             "grouped_gemm_fp32_m64"},
 }

@@ -1,10 +1,9 @@
-"""The fused Gumbel-max draw of the CUDA sampler against its definition.
+"""The fused inverse-CDF draw of the CUDA sampler against its definition.
 
-Without CUDA the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
-``triton`` is imported) on small shapes. The interpreter runs one Python program per row (about
-30 ms each), so statistical checks run on a numpy copy of the kernel's formula (:func:`_reference`,
-Triton's Philox-4x32-10 ``tl.rand4x`` included) over many rows, and the kernel is checked to draw
-exactly the reference's tokens on a few dozen rows.
+Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
+``triton`` is imported) on small shapes. The interpreter is slow, so statistical checks run on a
+numpy copy of the draw (:func:`_reference`, Triton's Philox-4x32-10 ``tl.rand`` included) over
+many rows, and the kernels are checked to draw exactly the reference's tokens on a few dozen rows.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import torch
 
 from triton_kernels import import_kernels
 
-ts, HAS_CUDA = import_kernels("pdserve.kernels.sampling", "_gumbel_argmax_kernel")
+ts, HAS_CUDA = import_kernels("pdserve.kernels.sampling", "_pick_kernel")
 
 from pdserve.engine.outputs import ScheduledRequest  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -32,54 +31,57 @@ def _args(rows: int, temp: float, seed: int = 5, first_pos: int = 0):
 def test_greedy_rows_take_the_argmax_and_the_lowest_index_on_ties():
     logits = torch.tensor([[0.1, 3.0, -1.0, 3.0], [5.0, 0.0, 0.0, 0.0], [-2.0, -1.0, -3.0, -1.5]],
                           device=DEV)
-    out = ts.gumbel_argmax(logits, *_args(3, 0.0))
+    out = ts.draw_tokens(logits, *_args(3, 0.0))
     assert out.tolist() == [1, 0, 1]
 
 
-def _philox_uniform(keys: np.ndarray, offs: np.ndarray) -> np.ndarray:
-    """The kernel's uniform for vocabulary entry ``v``: output word ``v % 4`` of Triton's
-    ``tl.rand4x(key, v // 4)`` for int32 offsets: Philox-4x32 with 10 rounds (Salmon et al.,
-    2011; constants and the counter/key layout of ``triton/language/random.py``), the word mapped
-    to ``[0, 1)`` as ``uint_to_uniform_float`` does.
+def _philox_uniform(keys: np.ndarray) -> np.ndarray:
+    """The kernel's uniform per row: Triton's ``tl.rand(key, 0)``, Philox-4x32 with 10 rounds
+    (Salmon et al., 2011; constants and the counter/key layout of ``triton/language/random.py``)
+    at counter 0, its first word mapped to ``[0, 1)`` as ``uint_to_uniform_float`` does.
 
     Args:
-        keys: ``[R, 1]`` uint64 Philox keys (low word is key 0, high word key 1).
-        offs: ``[1, V]`` non-negative vocabulary indices.
+        keys: ``[R]`` uint64 Philox keys (low word is key 0, high word key 1).
 
     Returns:
-        ``[R, V]`` float32 uniforms.
+        ``[R]`` float32 uniforms.
     """
     m32 = np.uint64(0xFFFFFFFF)
     ra, rb = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
-    c0 = np.broadcast_to((offs // 4).astype(np.uint64), (keys.shape[0], offs.shape[1]))
-    c1 = c2 = c3 = np.zeros_like(c0)
+    c0 = c1 = c2 = c3 = np.zeros_like(keys)
     k0, k1 = keys & m32, keys >> np.uint64(32)
     for _ in range(10):
         p0, p2 = ra * c0, rb * c2  # exact: both factors < 2**32
         c0, c2, c1, c3 = ((p2 >> np.uint64(32)) ^ c1 ^ k0, (p0 >> np.uint64(32)) ^ c3 ^ k1,
                           p2 & m32, p0 & m32)
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
-    words = np.stack([c0, c1, c2, c3])  # [4, R, V]: the four outputs of each entry's call
-    x = np.take_along_axis(words, np.broadcast_to(offs % 4, c0.shape)[None], 0)[0]
-    x = x.astype(np.uint32).view(np.int32)
+    x = c0.astype(np.uint32).view(np.int32)
     x = np.where(x < 0, ~x, x)
     return x.astype(np.float32) * np.float32(4.6566127342e-10)
 
 
 def _reference(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
                positions: torch.Tensor, step: int = 0) -> list[int]:
-    """The kernel's draw in numpy float32: ``argmax(logits / T - log(-log(u)))`` with ``u`` from
-    Philox keyed by ``seed * 2**32 + position + step``, plain argmax where ``T == 0``; lowest
-    index on ties. Shapes as :func:`pdserve.kernels.sampling.gumbel_argmax`."""
+    """The kernels' draw in numpy float64: the first index whose cumulative probability under
+    ``softmax(logits / T)`` (``logits`` times the float32 ``1 / T``) exceeds ``u`` from Philox
+    keyed by ``seed * 2**32 + position + step``; plain argmax where ``T == 0``, lowest index on
+    ties. Shapes as :func:`pdserve.kernels.sampling.draw_tokens`."""
     x = logits.detach().cpu().float().numpy()
-    t = temps.detach().cpu().float().numpy()[:, None]
-    greedy = t == 0
-    keys = (seeds.cpu().numpy().astype(np.uint64)[:, None] << np.uint64(32)) + (
-        positions.cpu().numpy() + step).astype(np.uint64)[:, None]
-    u = _philox_uniform(keys, np.arange(x.shape[1])[None, :])
-    with np.errstate(divide="ignore"):
-        noisy = x * (np.float32(1) / np.where(greedy, np.float32(1), t)) - np.log(-np.log(u))
-    return np.argmax(np.where(greedy, x, noisy), axis=1).tolist()
+    t = temps.detach().cpu().float().numpy()
+    keys = (seeds.cpu().numpy().astype(np.uint64) << np.uint64(32)) + (
+        positions.cpu().numpy() + step).astype(np.uint64)
+    u = _philox_uniform(keys)
+    out = []
+    for row, temp, ui in zip(x, t, u):
+        if temp == 0:
+            out.append(int(np.argmax(row)))
+            continue
+        z = (row * (np.float32(1) / temp)).astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            p = np.exp(z - z.max())
+        cdf = np.cumsum(p) / p.sum()
+        out.append(min(int(np.searchsorted(cdf, ui, side="right")), int(np.nonzero(p)[0][-1])))
+    return out
 
 
 def test_kernel_draws_the_reference_formula():
@@ -89,7 +91,7 @@ def test_kernel_draws_the_reference_formula():
     temps = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.5, 3.0] * 4, device=DEV)
     seeds = torch.randint(0, 2**31, (rows,), generator=gen).to(DEV)
     positions = torch.randint(0, 5000, (rows,), generator=gen).to(DEV)
-    out = ts.gumbel_argmax(logits, temps, seeds, positions, step=7)
+    out = ts.draw_tokens(logits, temps, seeds, positions, step=7)
     assert out.tolist() == _reference(logits, temps, seeds, positions, step=7)
 
 
@@ -100,7 +102,7 @@ def test_draws_follow_softmax_of_logits_over_temperature():
     args = _args(n, temp)
     ref = _reference(logits.expand(n, -1), *args)
     k = 32
-    out = ts.gumbel_argmax(logits.expand(k, -1).contiguous(), *(a[:k].contiguous() for a in args))
+    out = ts.draw_tokens(logits.expand(k, -1).contiguous(), *(a[:k].contiguous() for a in args))
     assert out.tolist() == ref[:k]
     freq = torch.bincount(torch.tensor(ref), minlength=6).double() / n
     expect = torch.softmax(logits.cpu().double() / temp, dim=0)
@@ -109,42 +111,72 @@ def test_draws_follow_softmax_of_logits_over_temperature():
     assert ((freq - expect).abs() <= 4 * se + 1e-3).all(), (freq, expect)
 
 
-@pytest.mark.parametrize("pieces", [2, 3, 5])
-def test_vocabulary_pieces_draw_what_one_pass_draws(pieces):
-    """Rows whose vocabulary several programs share draw the reference's tokens, ties across
-    pieces included (the lowest index wins), greedy and sampled rows alike."""
+@pytest.mark.parametrize("block_v", [16, 32])
+def test_several_blocks_draw_what_one_block_draws(block_v):
+    """Rows cut into several vocabulary blocks draw the reference's tokens, ties across blocks
+    included (the lowest index wins), masked entries never, greedy and sampled rows alike."""
     gen = torch.Generator().manual_seed(3)
     rows, vocab = 6, 70
     logits = (torch.randn(rows, vocab, generator=gen) * 2).to(DEV)
-    logits[0, [5, 40, 69]] = 50.0  # greedy row: equal maxima in different pieces
+    logits[0, [5, 40, 69]] = 50.0  # greedy row: equal maxima in different blocks
     logits[1, :] = float("-inf")
-    logits[1, [66, 20]] = 1.0  # only two tokens allowed, in different pieces
+    logits[1, [66, 20]] = 1.0  # only two tokens allowed, in different blocks
+    logits[3, :32] = float("-inf")  # whole blocks masked
     temps = torch.tensor([0.0, 1.0, 0.0, 0.5, 1.0, 2.0], device=DEV)
     seeds = torch.randint(0, 2**31, (rows,), generator=gen).to(DEV)
     positions = torch.randint(0, 5000, (rows,), generator=gen).to(DEV)
-    out = ts.gumbel_argmax(logits, temps, seeds, positions, step=2, pieces=pieces)
+    out = ts.draw_tokens(logits, temps, seeds, positions, step=2, block_v=block_v)
     assert out.tolist() == _reference(logits, temps, seeds, positions, step=2)
-    assert out[0].item() == 5
-    assert out.tolist() == ts.gumbel_argmax(logits, temps, seeds, positions, step=2, pieces=1).tolist()
+    assert out[0].item() == 5 and out[1].item() in (20, 66) and out[3].item() >= 32
+    assert out.tolist() == ts.draw_tokens(logits, temps, seeds, positions, step=2).tolist()
 
 
-def test_vocab_pieces_fill_the_gpu_and_stay_in_range():
-    dev = torch.device("cpu")
-    assert ts.vocab_pieces(1, 151936, dev) == 16  # 16 programs per multiprocessor; the interpreter counts one
-    assert ts.vocab_pieces(256, 151936, dev) == 1
-    assert ts.vocab_pieces(1, 100, dev) == 1  # never shorter than one block
-    with pytest.raises(ValueError, match="pieces"):
-        ts.gumbel_argmax(torch.zeros(2, 4, device=DEV), *_args(2, 1.0), pieces=65)
+def test_two_allowed_tokens_are_drawn_in_proportion():
+    """A row whose mass sits on two entries in different blocks: the draws over many positions
+    follow the two probabilities (within 4 standard errors)."""
+    rows = 200
+    logits = torch.full((rows, 64), float("-inf"), device=DEV)
+    logits[:, 3], logits[:, 50] = 0.0, 1.0
+    out = ts.draw_tokens(logits, *_args(rows, 1.0, seed=9), block_v=16)
+    assert set(out.tolist()) == {3, 50}
+    p50 = float(torch.sigmoid(torch.tensor(1.0)))
+    se = (p50 * (1 - p50) / rows) ** 0.5
+    assert abs((out == 50).float().mean().item() - p50) <= 4 * se
+
+
+def test_draw_at_the_top_of_the_distribution_stays_on_allowed_tokens():
+    """With ``u`` next to 1 (seed 5 at position 4,165,581: ``u = 1 - 1.2e-7``), the running sums
+    that locate ``u * total`` may end below it in float32 (sequential sums of a large entry and
+    many small ones lose the small ones; the totals add them): the draw still lands on an entry
+    with weight, never past the last one, across blocks and within a block."""
+    pos = 4_165_581
+    assert _philox_uniform(np.array([(5 << 32) + pos], dtype=np.uint64))[0] > 0.9999998
+    tiny = float(np.log(1e-8))
+    # row 0: one block of one large and 2,047 small entries, then a masked block
+    within = torch.full((1, 4096), float("-inf"))
+    within[0, 0], within[0, 1:2048] = 0.0, tiny
+    # row 1: 600 blocks of 16 entries: a large entry, 598 blocks of one small entry, a masked one
+    across = torch.full((1, 9600), float("-inf"))
+    across[0, 0], across[0, 16:9584:16] = 0.0, tiny
+    for logits, block_v in ((within, 2048), (across, 16)):
+        out = ts.draw_tokens(logits.to(DEV), *_args(1, 1.0, seed=5, first_pos=pos), block_v=block_v)
+        assert torch.isfinite(logits[0, out.item()]), out.item()
+
+
+def test_rejects_bad_block_size():
+    for bad in (8, 24):
+        with pytest.raises(ValueError, match="block_v"):
+            ts.draw_tokens(torch.zeros(2, 4, device=DEV), *_args(2, 1.0), block_v=bad)
 
 
 def test_noise_depends_only_on_seed_and_position():
     rows = 16
     logits = torch.zeros(rows, 50, device=DEV)  # uniform: the token is decided by the noise alone
-    a = ts.gumbel_argmax(logits, *_args(rows, 1.0, seed=11))
-    again = ts.gumbel_argmax(logits, *_args(rows, 1.0, seed=11))
-    shifted = ts.gumbel_argmax(logits, *_args(rows, 1.0, seed=11, first_pos=3))
-    stepped = ts.gumbel_argmax(logits, *_args(rows, 1.0, seed=11), step=3)
-    other_seed = ts.gumbel_argmax(logits, *_args(rows, 1.0, seed=12))
+    a = ts.draw_tokens(logits, *_args(rows, 1.0, seed=11))
+    again = ts.draw_tokens(logits, *_args(rows, 1.0, seed=11))
+    shifted = ts.draw_tokens(logits, *_args(rows, 1.0, seed=11, first_pos=3))
+    stepped = ts.draw_tokens(logits, *_args(rows, 1.0, seed=11), step=3)
+    other_seed = ts.draw_tokens(logits, *_args(rows, 1.0, seed=12))
     assert a.tolist() == again.tolist()
     assert shifted.tolist() == stepped.tolist()
     assert a[3:].tolist() == shifted[:-3].tolist()
@@ -154,7 +186,7 @@ def test_noise_depends_only_on_seed_and_position():
 
 def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="seeds"):
-        ts.gumbel_argmax(torch.zeros(2, 4, device=DEV), torch.ones(2, device=DEV),
+        ts.draw_tokens(torch.zeros(2, 4, device=DEV), torch.ones(2, device=DEV),
                          torch.zeros(3, dtype=torch.int64, device=DEV),
                          torch.zeros(2, dtype=torch.int64, device=DEV))
 
@@ -221,8 +253,8 @@ def test_kernel_reads_model_dtype_logits_as_their_float32_upcast(dtype):
     temps = torch.tensor([0.0, 0.5, 0.8, 1.0, 1.3, 2.0] * 2, device=DEV)
     seeds = torch.randint(0, 2**31, (rows,), generator=gen).to(DEV)
     positions = torch.randint(0, 5000, (rows,), generator=gen).to(DEV)
-    out = ts.gumbel_argmax(logits, temps, seeds, positions, step=1, pieces=2)
-    up = ts.gumbel_argmax(logits.float(), temps, seeds, positions, step=1, pieces=2)
+    out = ts.draw_tokens(logits, temps, seeds, positions, step=1, block_v=128)
+    up = ts.draw_tokens(logits.float(), temps, seeds, positions, step=1, block_v=128)
     assert out.tolist() == up.tolist() == _reference(logits, temps, seeds, positions, step=1)
 
 
