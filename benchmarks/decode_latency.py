@@ -235,6 +235,21 @@ def kernel_benchmarks(args: argparse.Namespace) -> list[dict]:
         add("qk_norm+rope", f"T={t}", "triton fused (q and k)", bench(fused))
         add("qk_norm+rope", f"T={t}", "torch (layer ops)", bench(torch_version))
 
+    # --- q/k RMSNorm + rotary + KV write: one launch against the two the backend used before
+    kv = torch.randn(cache_blocks, 28, 2, hkv, bs, d, device=dev, dtype=dt)
+    for t in token_counts:
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, dtype=dt)
+        q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], 1))
+        pos = torch.randint(0, 4096, (t,), device=dev)
+        slots = torch.randperm(cache_blocks * bs, device=dev)[:t]
+        add("qk_norm+rope+store_kv", f"T={t}", "triton, one launch",
+            bench(lambda: rot.rotary_embedding_qk_store(q, k, v, pos, cos, sin, kv, 3, slots,
+                                                         wq, wq)))
+        add("qk_norm+rope+store_kv", f"T={t}", "triton, rotary then store",
+            bench(lambda: (rot.rotary_embedding_qk(q, k, pos, cos, sin, wq, wq),
+                           kvk.store_kv_cache(k, v, kv, 3, slots))))
+    del kv
+
     # --- the fused draw over Qwen3's vocabulary against torch's exponential race (five passes)
     from pdserve.kernels import sampling as ts
 

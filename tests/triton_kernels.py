@@ -16,7 +16,8 @@ def import_kernels(module: str, kernel: str):
     when only CPU is available and Triton's interpreter is older than 3.7 (before 3.7 it turns
     scalars into 1-element arrays that numpy >= 2.4 refuses to convert to int, so loops with
     run-time bounds fail). ``kernel`` names one ``triton.jit`` function of the module: when the
-    module was imported earlier in this process without the interpreter, it is reloaded."""
+    module was imported earlier in this process without the interpreter, it is reloaded, after
+    :mod:`pdserve.kernels.pdl` (whose ``triton.jit`` step every kernel calls)."""
     has_cuda = torch.cuda.is_available()
     if not has_cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -25,5 +26,8 @@ def import_kernels(module: str, kernel: str):
         pytest.skip("the CPU tests need Triton >= 3.7's interpreter", allow_module_level=True)
     mod = importlib.import_module(module)
     if not has_cuda and type(getattr(mod, kernel)).__name__ != "InterpretedFunction":
+        pdl = importlib.import_module("pdserve.kernels.pdl")
+        if type(pdl.enter).__name__ != "InterpretedFunction":
+            importlib.reload(pdl)
         mod = importlib.reload(mod)
     return mod, has_cuda

@@ -1,7 +1,8 @@
 """The abstract attention backend: paged attention of one model over the shared KV cache.
 
-A backend writes a step's keys and values into the paged cache and attends every token of the
-flattened batch (prefill tokens first, then one token per decode; see
+A backend norms and rotates a step's queries and keys when the model hands it their rotation
+(:class:`pdserve.layers.rotary.QKRotation`), writes the keys and values into the paged cache and
+attends every token of the flattened batch (prefill tokens first, then one token per decode; see
 :mod:`pdserve.attention.metadata`). The model calls :meth:`AttentionBackend.forward` once per
 layer and never asks which backend it holds; :func:`pdserve.attention.selector.select_attention_backend`
 picks one.
@@ -10,12 +11,15 @@ picks one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from pdserve.attention.kv_quant import KVCacheScales
 from pdserve.attention.metadata import AttentionMetadata, build_attention_metadata
+
+if TYPE_CHECKING:  # the layers import no attention module; only the annotation needs this one
+    from pdserve.layers.rotary import QKRotation
 
 
 class AttentionBackend(ABC):
@@ -79,14 +83,18 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                sliding_window: int | None = None, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """Write this step's K/V of layer ``layer`` into the cache, then attend.
+                sliding_window: int | None = None, out: torch.Tensor | None = None,
+                rotation: QKRotation | None = None) -> torch.Tensor:
+        """Norm and rotate the queries and keys by ``rotation``, write this step's K/V of layer
+        ``layer`` into the cache, then attend.
 
         Args:
             layer: layer index into ``kv_cache`` (dim 1).
-            query: ``[T, num_heads, head_dim]`` (rotary embedding applied; last dim contiguous).
-            key, value: ``[T, num_kv_heads, head_dim]`` (last dim contiguous).
+            query: ``[T, num_heads, head_dim]`` (last dim contiguous): as projected when
+                ``rotation`` is given (normed and rotated here, in place or into a new tensor),
+                else already rotated.
+            key, value: ``[T, num_kv_heads, head_dim]`` (last dim contiguous); ``key`` as
+                ``query``.
             kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``, in
                 the activations' dtype or fp8 (stored with :meth:`kv_scale`).
             meta: the step's metadata.
@@ -96,6 +104,8 @@ class AttentionBackend(ABC):
                 Keys outside the window stay in the cache; they are only not attended.
             out: where to write the output (``[T, num_heads, head_dim]``, contiguous, the
                 query's dtype), e.g. a CUDA graph's static buffer; None allocates it.
+            rotation: the layer's q/k norms and rotary embedding at the step's positions, or
+                None.
 
         Returns:
             ``[T, num_heads, head_dim]`` attention output (``out`` when given).

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from pdserve.attention.base import AttentionBackend
 from pdserve.attention.kv_quant import FP8_KV_DTYPE, dequantize, quantize, round_trip
 from pdserve.attention.metadata import AttentionMetadata, PrefillSpan
 from pdserve.kernels.prefill_attention import flash_varlen_prefill
+
+if TYPE_CHECKING:
+    from pdserve.layers.rotary import QKRotation
 
 logger = logging.getLogger("pdserve.model")
 
@@ -165,9 +169,12 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         sliding_window: int | None = None,
         out: torch.Tensor | None = None,
+        rotation: QKRotation | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend (contract of
+        """Rotate, write this step's K/V into the cache, then attend (contract of
         :meth:`pdserve.attention.base.AttentionBackend.forward`)."""
+        if rotation is not None:
+            query, key = rotation.apply(query, key)
         value = value.contiguous()
         write_kv(kv_cache, layer, key, value, meta, *self.kv_scale(layer))
         if out is None:

@@ -1,17 +1,25 @@
-"""The CUDA attention backend: Triton KV writes, context gathers and split-K paged decode;
-prefill as the torch backend (one FlashAttention varlen call per layer)."""
+"""The CUDA attention backend: Triton KV writes (fused with the q/k norms and rotary embedding),
+context gathers and split-K paged decode; prefill as the torch backend (one FlashAttention varlen
+call per layer)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.attention.metadata import AttentionMetadata
 from pdserve.attention.torch_backend import TorchAttentionBackend
 
+if TYPE_CHECKING:
+    from pdserve.layers.rotary import QKRotation
+
 
 class TritonAttentionBackend(TorchAttentionBackend):
-    """CUDA backend: KV writes and the gather of prefill contexts with cached tokens
-    (:mod:`pdserve.kernels.kv_cache`) and batched decode attention
+    """CUDA backend: the KV write in the launch that norms and rotates queries and keys
+    (:func:`pdserve.kernels.rotary.rotary_embedding_qk_store`; without a rotation
+    :func:`pdserve.kernels.kv_cache.store_kv_cache`), the gather of prefill contexts with cached
+    tokens (:mod:`pdserve.kernels.kv_cache`) and batched decode attention
     (:mod:`pdserve.kernels.paged_decode`, split-K) with Triton kernels; prefill as in
     :class:`TorchAttentionBackend`.
 
@@ -30,10 +38,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
                  scale: float):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale)
         # Module references (not functions): a test may reload them under Triton's interpreter.
-        from pdserve.kernels import kv_cache, paged_decode
+        from pdserve.kernels import kv_cache, paged_decode, rotary
 
         self._kv_cache_kernels = kv_cache
         self._decode_kernels = paged_decode
+        self._rotary_kernels = rotary
 
     def _packed_prefill_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -48,12 +57,19 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Same contract as :meth:`pdserve.attention.base.AttentionBackend.forward`; ``key`` and
-        ``value`` may be strided views (e.g. into a fused QKV projection)."""
+                sliding_window: int | None = None, out: torch.Tensor | None = None,
+                rotation: QKRotation | None = None) -> torch.Tensor:
+        """Same contract as :meth:`pdserve.attention.base.AttentionBackend.forward`; ``query``,
+        ``key`` and ``value`` may be strided views (e.g. into a fused QKV projection), which
+        ``rotation`` rotates in place."""
         k_scale, v_scale = self.kv_scale(layer)
-        self._kv_cache_kernels.store_kv_cache(key, value, kv_cache, layer, meta.slot_mapping,
-                                              k_scale, v_scale)
+        if rotation is None:
+            self._kv_cache_kernels.store_kv_cache(key, value, kv_cache, layer, meta.slot_mapping,
+                                                  k_scale, v_scale)
+        else:
+            self._rotary_kernels.rotary_embedding_qk_store(
+                query, key, value, kv_cache=kv_cache, layer=layer, slot_mapping=meta.slot_mapping,
+                k_scale=k_scale, v_scale=v_scale, **rotation.kernel_args())
         if out is None:
             out = torch.empty_like(query)
         self._prefill_into(layer, query, key, value, kv_cache, meta, out, sliding_window)

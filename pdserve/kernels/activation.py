@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import pdl
 from pdserve.kernels.common import next_power_of_2
 
 
@@ -21,7 +22,9 @@ def _silu_and_mul_kernel(
     stride_o,
     n_cols,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -61,5 +64,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(1024, next_power_of_2(n))
     _silu_and_mul_kernel[(n_rows, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
+        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
+        **pdl.launch_options(x.device))
     return out

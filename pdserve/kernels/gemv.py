@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import pdl
+
 #: The most rows :func:`small_batch_linear` takes (see :func:`preferred` for when it is used).
 MAX_ROWS = 2
 _BLOCK_N = 4
@@ -43,7 +45,9 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,5 +112,5 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=_BLOCK_N,
         BLOCK_K=_BLOCK_K, num_warps=4, num_stages=3,
-    )
+        **pdl.launch_options(x.device))
     return y

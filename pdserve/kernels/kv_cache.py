@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import pdl
 from pdserve.kernels.common import next_power_of_2
 
 
@@ -20,7 +21,7 @@ _ROUNDING_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtractin
 
 
 @triton.jit
-def _round_to_e4m3(x):
+def round_to_e4m3(x):
     """``x`` (fp32, ``|x| <= 448``) rounded to nearest-even on the e4m3 grid, still in fp32: 3
     mantissa bits above 2**-6, steps of 2**-9 below (subnormals). The cast to fp8 that follows
     is then exact. The GPU's own conversion rounds the same way; doing it here keeps Triton's CPU
@@ -56,7 +57,9 @@ def _store_kv_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     offs_h = tl.arange(0, HEADS_PAD)
@@ -70,8 +73,8 @@ def _store_kv_kernel(
     if QUANTIZE:
         k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -448.0), 448.0)
         v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -448.0), 448.0)
-        k = _round_to_e4m3(k).to(kv_ptr.dtype.element_ty)
-        v = _round_to_e4m3(v).to(kv_ptr.dtype.element_ty)
+        k = round_to_e4m3(k).to(kv_ptr.dtype.element_ty)
+        v = round_to_e4m3(v).to(kv_ptr.dtype.element_ty)
     dst = (
         kv_ptr
         + (slot // BLOCK_SIZE) * stride_kv_b
@@ -81,6 +84,34 @@ def _store_kv_kernel(
     )
     tl.store(dst, k, mask=mask)
     tl.store(dst + stride_kv_kv, v, mask=mask)
+
+
+def check_store_args(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                     slot_mapping: torch.Tensor) -> bool:
+    """Check the arguments of a KV write (:func:`store_kv_cache`, and the one fused into
+    :func:`pdserve.kernels.rotary.rotary_embedding_qk_store`); returns whether the cache is fp8
+    (then the write quantizes).
+
+    Raises:
+        ValueError: on shape, dtype or layout mismatches, or ``layer`` out of range.
+    """
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError("k and v must both be [num_tokens, num_kv_heads, head_dim], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if (kv_cache.dim() != 6 or kv_cache.shape[2] != 2 or kv_cache.shape[3] != num_kv_heads
+            or kv_cache.shape[5] != head_dim):
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not match k/v {tuple(k.shape)}")
+    if not 0 <= layer < kv_cache.shape[1]:
+        raise ValueError(f"layer {layer} out of range for {kv_cache.shape[1]} layers")
+    quantize = kv_cache.dtype == torch.float8_e4m3fn
+    if k.dtype != v.dtype or (not quantize and k.dtype != kv_cache.dtype):
+        raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [num_tokens], got {tuple(slot_mapping.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("k, v and kv_cache need a contiguous last dimension")
+    return quantize
 
 
 def store_kv_cache(
@@ -107,22 +138,8 @@ def store_kv_cache(
     Raises:
         ValueError: on shape or dtype mismatches.
     """
-    if k.shape != v.shape or k.dim() != 3:
-        raise ValueError("k and v must both be [num_tokens, num_kv_heads, head_dim], got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    quantize = check_store_args(k, v, kv_cache, layer, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
-    if (kv_cache.dim() != 6 or kv_cache.shape[2] != 2 or kv_cache.shape[3] != num_kv_heads
-            or kv_cache.shape[5] != head_dim):
-        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not match k/v {tuple(k.shape)}")
-    if not 0 <= layer < kv_cache.shape[1]:
-        raise ValueError(f"layer {layer} out of range for {kv_cache.shape[1]} layers")
-    quantize = kv_cache.dtype == torch.float8_e4m3fn
-    if k.dtype != v.dtype or (not quantize and k.dtype != kv_cache.dtype):
-        raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from kv_cache dtype {kv_cache.dtype}")
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping must be [num_tokens], got {tuple(slot_mapping.shape)}")
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-        raise ValueError("k, v and kv_cache need a contiguous last dimension")
     if num_tokens == 0:
         return
     kv_layer = kv_cache[:, layer]
@@ -148,6 +165,7 @@ def store_kv_cache(
         BLOCK_SIZE=kv_cache.shape[4],
         QUANTIZE=quantize,
         num_warps=4,
+        **pdl.launch_options(k.device),
     )
 
 
@@ -169,7 +187,9 @@ def _gather_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     DEQUANTIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     block = tl.load(block_ptr + token).to(tl.int64)
     offset = tl.load(offset_ptr + token).to(tl.int64)
@@ -249,5 +269,6 @@ def gather_kv_cache(
         HEAD_DIM_PAD=next_power_of_2(head_dim),
         DEQUANTIZE=kv_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
+        **pdl.launch_options(kv_cache.device),
     )
     return k, v

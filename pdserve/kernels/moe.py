@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import pdl
+
 from pdserve.kernels.activation import silu_and_mul
 
 
@@ -94,7 +96,9 @@ def _grouped_gemm_kernel(
     MUL_WEIGHT: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     # One program: BLOCK_M sorted rows (one expert) x BLOCK_N output columns.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -174,7 +178,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, align: MoEAlignment, num_pair
         # 16-bit float operands of tl.dot as raw integer bits (seen in 3.6-3.9), so interpreted
         # runs widen them first (as pdserve/kernels/paged_decode.py does).
         DOT_IN_FP32=a.dtype == torch.float32 or a.device.type != "cuda",
-        BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        **pdl.launch_options(a.device))
     return out
 
 

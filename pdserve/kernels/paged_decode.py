@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import pdl
 from pdserve.kernels.common import multiprocessor_count
 from pdserve.kernels.common import next_power_of_2 as _next_power_of_2
 
@@ -201,7 +202,9 @@ def _paged_decode_split_kernel(
     SLIDING: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_DOT_FP16: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -310,7 +313,9 @@ def _paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     # One program merges the pieces of HEADS query heads of one sequence: [HEADS, pieces, D].
     seq = tl.program_id(0)
     offs_h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -515,6 +520,7 @@ def paged_decode_attention(
         FP8_DOT_FP16=kv_fp8 and fp8_dot_dtype == torch.float16 and q.dtype != torch.float16,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl.launch_options(q.device),
     )
     if split:
         splits_pad = _next_power_of_2(num_splits)
@@ -538,5 +544,6 @@ def paged_decode_attention(
             HEAD_DIM_PAD=_next_power_of_2(head_dim),
             SPLITS_PAD=splits_pad,
             num_warps=4,
+            **pdl.launch_options(q.device),
         )
     return out

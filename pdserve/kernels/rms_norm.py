@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import pdl
 from pdserve.kernels.common import next_power_of_2
 
 
@@ -26,7 +27,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -93,5 +96,6 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
+        **pdl.launch_options(x.device),
     )
     return out

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels import pdl
+
 #: Vocabulary entries per program of the first kernel (a row's draw depends on it through the
 #: order of its float32 sums, so it is fixed, not tuned per batch).
 BLOCK_V = 2048
@@ -47,7 +49,9 @@ def _block_stats_kernel(
     vocab,
     nblocks,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
@@ -81,7 +85,9 @@ def _pick_kernel(
     nblocks,
     BLOCK: tl.constexpr,
     BLOCKS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.enter(USE_PDL)
     row = tl.program_id(0)
     temp = tl.load(temps_ptr + row)
     ob = tl.arange(0, BLOCKS_PAD)
@@ -159,8 +165,10 @@ def draw_tokens(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
     sums = torch.empty_like(maxima)
     firsts = torch.empty((rows, nblocks), dtype=torch.int32, device=logits.device)
     _block_stats_kernel[(rows, nblocks)](logits, logits.stride(0), temperatures, maxima, firsts,
-                                         sums, vocab, nblocks, BLOCK=block, num_warps=4)
+                                         sums, vocab, nblocks, BLOCK=block, num_warps=4,
+                                         **pdl.launch_options(logits.device))
     _pick_kernel[(rows,)](logits, logits.stride(0), temperatures, seeds, positions, step, maxima,
                           firsts, sums, out, vocab, nblocks, BLOCK=block,
-                          BLOCKS_PAD=triton.next_power_of_2(nblocks), num_warps=8)
+                          BLOCKS_PAD=triton.next_power_of_2(nblocks), num_warps=8,
+                          **pdl.launch_options(logits.device))
     return out

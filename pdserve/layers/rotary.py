@@ -4,6 +4,7 @@ by a per-head RMSNorm (Qwen3's q/k norm)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -220,8 +221,45 @@ class RotaryEmbedding(CustomOp):
         ``(q, k)``."""
         from pdserve.kernels import rotary as kernels
 
-        cos, sin = self.cos_cache, self.sin_cache
-        if q_norm is None:
-            return kernels.rotary_embedding_qk(q, k, positions, cos, sin)
-        return kernels.rotary_embedding_qk(q, k, positions, cos, sin, q_norm.weight, k_norm.weight,
-                                           q_norm.eps, k_norm.eps)
+        return kernels.rotary_embedding_qk(q, k, positions, self.cos_cache, self.sin_cache,
+                                           **kernel_norm_args(q_norm, k_norm))
+
+
+def kernel_norm_args(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> dict:
+    """The q/k norm keyword arguments of :mod:`pdserve.kernels.rotary`'s functions
+    (``q_norm_weight``, ``k_norm_weight``, ``q_eps``, ``k_eps``); empty without norms."""
+    if q_norm is None:
+        return {}
+    return dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, q_eps=q_norm.eps,
+                k_eps=k_norm.eps)
+
+
+@dataclass(frozen=True)
+class QKRotation:
+    """What turns a layer's projected queries and keys into attention's: the per-head RMSNorms
+    when the model has them (Qwen3's q/k norm), then the rotary embedding at the step's
+    positions. The attention backend applies it
+    (:meth:`pdserve.attention.base.AttentionBackend.forward`): the Triton backend in the launch
+    that also writes the keys and values into the KV cache.
+
+    Attributes:
+        rotary: the layer's :class:`RotaryEmbedding` (its ``cos_cache`` / ``sin_cache`` tables).
+        positions: ``[T]`` int64 positions of the step's tokens.
+        q_norm, k_norm: ``RMSNorm`` over ``head_dim``, both or neither.
+    """
+
+    rotary: RotaryEmbedding
+    positions: torch.Tensor
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries ``[T, heads, head_dim]`` and keys ``[T, kv_heads, head_dim]`` normed and
+        rotated by :attr:`rotary`'s op (in place with Triton, new tensors with torch)."""
+        return self.rotary(self.positions, q, k, self.q_norm, self.k_norm)
+
+    def kernel_args(self) -> dict:
+        """Keyword arguments of :func:`pdserve.kernels.rotary.rotary_embedding_qk_store` that
+        describe this rotation (positions, cos/sin tables, norm weights and epsilons)."""
+        return dict(positions=self.positions, cos=self.rotary.cos_cache,
+                    sin=self.rotary.sin_cache, **kernel_norm_args(self.q_norm, self.k_norm))

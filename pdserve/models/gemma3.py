@@ -32,7 +32,7 @@ from pdserve.layers.activation import GeluTanhAndMul
 from pdserve.layers.embedding import LMHead, VocabEmbedding
 from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pdserve.layers.norm import GemmaRMSNorm
-from pdserve.layers.rotary import RotaryEmbedding
+from pdserve.layers.rotary import QKRotation, RotaryEmbedding
 from pdserve.models.llama import ArchConfig, CausalLM, DecoderLayer, LayerState, LlamaAttention
 
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -155,19 +155,23 @@ class Gemma3Attention(LlamaAttention):
         self.sliding_window = cfg.layer_sliding_window(layer_idx)
         self.backend = None  # set by CausalLM.set_attention_backend
 
-    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor,
-                    qkv_out: torch.Tensor | None = None
+    def project_qkv(self, hidden: torch.Tensor, qkv_out: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``hidden`` ``[T, hidden_size]`` (normalised) -> normed, rotated queries
-        ``[T, num_heads, head_dim]`` and keys, and values ``[T, num_kv_heads, head_dim]``; the
-        projection is written into ``qkv_out`` when given (the values stay a view of it, the
-        normed queries and keys are new tensors)."""
+        """``hidden`` ``[T, hidden_size]`` (normalised) -> normed queries
+        ``[T, num_heads, head_dim]`` and keys, and values ``[T, num_kv_heads, head_dim]`` (the
+        rotary embedding is applied in :meth:`attend`); the projection is written into
+        ``qkv_out`` when given (the values stay a view of it, the normed queries and keys are new
+        tensors)."""
         t = hidden.shape[0]
         q, k, v = self.split_qkv(hidden, qkv_out)
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
         return q, k, v.view(t, self.num_kv_heads, self.head_dim)
+
+    def rotation(self, positions: torch.Tensor) -> QKRotation:
+        """The rotary embedding at ``positions`` ``[T]`` (Gemma's q/k norms, ``1 + weight``, are
+        applied in :meth:`project_qkv`)."""
+        return QKRotation(self.rotary_emb, positions)
 
 
 class Gemma3MLP(nn.Module):
@@ -201,13 +205,12 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.mlp = Gemma3MLP(cfg, dtype, device)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype, device)
 
-    def attention_inputs(self, positions: torch.Tensor, state: LayerState,
-                         qkv_out: torch.Tensor | None = None
+    def attention_inputs(self, state: LayerState, qkv_out: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LayerState]:
         """The pre-attention norm and the query/key/value projection of the stream
         ``state = (hidden,)``; contract of :meth:`pdserve.models.llama.DecoderLayer.attention_inputs`
         (the state handed on is the stream)."""
-        q, k, v = self.self_attn.project_qkv(positions, self.input_layernorm(state[0]), qkv_out)
+        q, k, v = self.self_attn.project_qkv(self.input_layernorm(state[0]), qkv_out)
         return q, k, v, state
 
     def attention_output(self, o: torch.Tensor, state: LayerState) -> LayerState:

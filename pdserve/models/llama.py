@@ -13,7 +13,8 @@ There is one forward path, :meth:`CausalLM.forward`: the flattened tokens of a m
 :class:`~pdserve.attention.metadata.AttentionMetadata`, returning logits for the tokens that are
 sampled. It is written in stages, which the model runner may also call one by one:
 :meth:`CausalLM.embed`, then per layer :meth:`DecoderLayer.attention_inputs` (norm, QKV
-projection, rotary), :meth:`DecoderLayer.attend` (the KV write and paged attention) and
+projection), :meth:`DecoderLayer.attend` (q/k norm and rotary, the KV write and paged attention,
+all by the attention backend) and
 :meth:`DecoderLayer.attention_output` (output projection, norm, MLP), then
 :meth:`CausalLM.compute_logits`. Whether a stage runs eagerly or is replayed from a CUDA graph is
 the runner's choice (a whole decode step; the stages between attentions of a small mixed step,
@@ -48,7 +49,7 @@ from pdserve.layers.fused_moe import MoEConfig
 from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers import rotary
-from pdserve.layers.rotary import RotaryEmbedding
+from pdserve.layers.rotary import QKRotation, RotaryEmbedding
 
 # What one decoder layer hands the next, ``[T, hidden_size]`` tensors: ``(embeddings,)`` into
 # the first layer, then ``(mlp_out, residual)`` (Llama family) or ``(stream,)`` (Gemma 3). The
@@ -162,20 +163,17 @@ class LlamaAttention(nn.Module):
         self.sliding_window = cfg.layer_sliding_window(layer_idx)
         self.backend: AttentionBackend | None = None  # set by CausalLM.set_attention_backend
 
-    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor,
-                    qkv_out: torch.Tensor | None = None
+    def project_qkv(self, hidden: torch.Tensor, qkv_out: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``hidden`` ``[T, hidden_size]`` (normalised) -> queries ``[T, num_heads, head_dim]``
-        and keys (both normed when the model has q/k norms, then rotated), values
-        ``[T, num_kv_heads, head_dim]``; they may be strided views of one projection, written
-        into ``qkv_out`` (``[T, q_size + 2 * kv_size]``) when given
+        """``hidden`` ``[T, hidden_size]`` (normalised) -> queries ``[T, num_heads, head_dim]``,
+        keys and values ``[T, num_kv_heads, head_dim]`` as projected (the q/k norms and the
+        rotary embedding are applied in :meth:`attend`); strided views of one projection,
+        written into ``qkv_out`` (``[T, q_size + 2 * kv_size]``) when given
         (:meth:`pdserve.layers.linear.MergedLinear.project_into`)."""
         t = hidden.shape[0]
         q, k, v = self.split_qkv(hidden, qkv_out)
-        q, k = self.rotary_emb(positions, q.view(t, self.num_heads, self.head_dim),
-                               k.view(t, self.num_kv_heads, self.head_dim), self.q_norm,
-                               self.k_norm)
-        return q, k, v.view(t, self.num_kv_heads, self.head_dim)
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))
 
     def split_qkv(self, hidden: torch.Tensor, qkv_out: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,12 +184,20 @@ class LlamaAttention(nn.Module):
             return self.qkv_proj.split(self.qkv_proj(hidden))
         return self.qkv_proj.split(self.qkv_proj.project_into(hidden, qkv_out))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Write this layer's K/V of the step into ``kv_cache`` and attend through the model's
-        backend (:meth:`pdserve.attention.base.AttentionBackend.forward`, with ``out``)."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """Norm and rotate queries and keys (:meth:`rotation`), write this layer's K/V of the
+        step into ``kv_cache`` and attend, all through the model's backend
+        (:meth:`pdserve.attention.base.AttentionBackend.forward`, with ``out``)."""
         return self.backend.forward(self.layer_idx, q, k, v, kv_cache, meta,
-                                    sliding_window=self.sliding_window, out=out)
+                                    sliding_window=self.sliding_window, out=out,
+                                    rotation=self.rotation(positions))
+
+    def rotation(self, positions: torch.Tensor) -> QKRotation:
+        """The q/k norms (when the model has them) and the rotary embedding at ``positions``
+        ``[T]``."""
+        return QKRotation(self.rotary_emb, positions, self.q_norm, self.k_norm)
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output ``[T, num_heads, head_dim]`` -> ``[T, hidden_size]``."""
@@ -233,35 +239,35 @@ class DecoderLayer(nn.Module):
         mixture-of-experts, override this)."""
         return LlamaMLP(cfg, dtype, device)
 
-    def attention_inputs(self, positions: torch.Tensor, state: LayerState,
-                         qkv_out: torch.Tensor | None = None
+    def attention_inputs(self, state: LayerState, qkv_out: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LayerState]:
         """The part of the layer before attention: the input norm (adding the previous layer's
         output to the residual stream) and the query/key/value projection.
 
         Args:
-            positions: ``[T]`` int64 positions.
             state: ``(hidden, residual)`` from :meth:`CausalLM.embed` (``(embeddings,)``) or
                 the previous layer's :meth:`attention_output`.
             qkv_out: optional buffer the projection writes into (as
                 :meth:`LlamaAttention.project_qkv`).
 
         Returns:
-            ``(q, k, v, state)``: as :meth:`LlamaAttention.project_qkv`, and the state that
-            :meth:`attention_output` takes.
+            ``(q, k, v, state)``: as :meth:`LlamaAttention.project_qkv` (not yet rotated), and
+            the state that :meth:`attention_output` takes.
         """
         if len(state) == 1:  # layer 0: the embeddings are the residual stream
             residual = state[0]
             x = self.input_layernorm(residual)
         else:
             x, residual = self.input_layernorm(*state)
-        q, k, v = self.self_attn.project_qkv(positions, x, qkv_out)
+        q, k, v = self.self_attn.project_qkv(x, qkv_out)
         return q, k, v, (residual,)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's attention (:meth:`LlamaAttention.attend`): ``[T, num_heads, head_dim]``."""
-        return self.self_attn.attend(q, k, v, kv_cache, meta, out)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The layer's attention (:meth:`LlamaAttention.attend`, which rotates ``q`` and ``k``
+        at ``positions`` ``[T]``): ``[T, num_heads, head_dim]``."""
+        return self.self_attn.attend(q, k, v, positions, kv_cache, meta, out)
 
     def attention_output(self, o: torch.Tensor, state: LayerState) -> LayerState:
         """The part of the layer after attention: output projection, post-attention norm
@@ -287,8 +293,8 @@ class DecoderLayer(nn.Module):
             state: as :meth:`attention_inputs`.
             kv_cache, meta: as :meth:`CausalLM.forward`.
         """
-        q, k, v, state = self.attention_inputs(positions, state)
-        return self.attention_output(self.attend(q, k, v, kv_cache, meta), state)
+        q, k, v, state = self.attention_inputs(state)
+        return self.attention_output(self.attend(q, k, v, positions, kv_cache, meta), state)
 
 
 # HF projection names stored stacked in one of our parameters -> (our name, shard index).

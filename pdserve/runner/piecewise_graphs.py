@@ -2,8 +2,8 @@
 
 A step with prefills cannot be one CUDA graph: its attention depends on how the tokens split
 into requests and on their cached contexts. What lies between two attention calls does not: the
-output projection, norms, MLP, the next layer's QKV projection and rotary embedding depend only
-on the number of tokens. Eagerly, a few-hundred-token prefill of an 8B model is bound by the
+output projection, norms, MLP and the next layer's QKV projection depend only on the number of
+tokens. Eagerly, a few-hundred-token prefill of an 8B model is bound by the
 host's ~100 operator calls per layer (``benchmarks/profile_prefill.py``: 22.9 ms per step for
 11.4 ms of kernels, docs/benchmarks.md). Here each stage between attentions is captured once per
 padded token count (vLLM's "piecewise" CUDA graphs do the same with ``torch.compile`` splitting
@@ -18,15 +18,16 @@ For ``L`` layers and a padded size ``N`` there are ``L + 1`` pieces:
   ``attention_inputs``;
 - piece ``L``: the last layer's ``attention_output``.
 
-Each piece reads the token ids and positions from static buffers and its predecessor's layer
+Each piece reads the token ids from a static buffer and its predecessor's layer
 state, and its QKV projection writes into a static buffer ``[N, q_size + 2 * kv_size]`` whose
-views are the queries, keys and values attention reads (the rotary embedding works on them in
-place; where a model's norms or the torch rotary return new tensors they are copied in). Three
+views are the queries, keys and values attention reads (the q/k norms and the rotary embedding
+run in attention, on them in place with Triton; where a model's own q/k norms return new tensors,
+as Gemma 3's do, those are copied in). Three
 copies per layer into separate buffers took 10% of an 8,192-token prefill step on an H200
 (docs/benchmarks.md). Attention writes its output into a static buffer that the next piece
 reads. The logits of the sampled rows are computed
 eagerly from the last piece's state (their count varies). Rows ``n .. N - 1`` of a step of ``n``
-tokens are padding: they hold earlier steps' ids, positions and attention outputs, go through the
+tokens are padding: they hold earlier steps' ids and attention outputs, go through the
 row-wise stages without touching the real rows, and never reach attention or the KV cache.
 
 All pieces of all sizes share one memory pool, and a piece's layer state lives in it: pieces are
@@ -127,7 +128,6 @@ class PiecewiseGraphs:
         attn = model.layers[0].self_attn  # this rank's heads
         n, d = self.max_tokens, attn.head_dim
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         # The QKV projection writes into this buffer; queries, keys and values are its views.
         self.qkv = torch.zeros(n, attn.qkv_proj.output_size, dtype=model.dtype, device=device)
         self.query, self.key, self.value = (
@@ -148,16 +148,16 @@ class PiecewiseGraphs:
         """The ``L + 1`` piece functions of ``size`` rows and the dict through which they hand
         the layer state on (``carry["state"]``)."""
         model, layers = self.model, self.model.layers
-        ids, pos = self.input_ids[:size], self.positions[:size]
+        ids = self.input_ids[:size]
         qkv_buf = self.qkv[:size]
         buffers = (self.query[:size], self.key[:size], self.value[:size])
         attn_out = self.attn_out[:size]
         carry: dict[str, LayerState] = {}
 
         def inputs_of(i: int, state: LayerState) -> LayerState:
-            q, k, v, state = layers[i].attention_inputs(pos, state, qkv_out=qkv_buf)
-            # The Triton rotary works in place, so queries and keys are already views of the
-            # buffer; the torch rotary and Gemma 3's q/k norms return new tensors.
+            q, k, v, state = layers[i].attention_inputs(state, qkv_out=qkv_buf)
+            # Queries, keys and values are views of the buffer (the rotary embedding runs in
+            # attend), except Gemma 3's normed queries and keys, which are new tensors.
             for src, dst in zip((q, k, v), buffers):
                 if src.data_ptr() != dst.data_ptr():
                     dst.copy_(src)
@@ -253,12 +253,11 @@ class PiecewiseGraphs:
             raise ValueError(f"a step of {n} tokens is outside the captured sizes "
                              f"1..{self.max_tokens}")
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
         q, k, v, out = self.query[:n], self.key[:n], self.value[:n], self.attn_out[:n]
         pieces = self._pieces[size]
         for piece, layer in zip(pieces, self.model.layers):
             piece()
-            layer.attend(q, k, v, kv_cache, meta, out)
+            layer.attend(q, k, v, positions, kv_cache, meta, out)
         pieces[-1]()
         state = tuple(t[:n] for t in self._carry[size]["state"])
         return self.model.compute_logits(state, logits_indices)

@@ -3,9 +3,9 @@ the interpreter off; run as a script in a fresh process (``hopper_compile`` fixt
 tests/kernels/conftest.py). Prints ``ok GROUP LABEL`` per compiled configuration, or
 ``FAIL GROUP LABEL`` and the traceback on stderr, then ``done``.
 
-Groups: ``attention`` (paged decode and its merge, KV store, RMS norm, rotary, SwiGLU, the
-sampler's inverse-CDF draw) and ``moe`` (the grouped GEMM), checked by tests/kernels/test_triton_attention.py
-and tests/kernels/test_triton_moe.py. The interpreter accepts code the compiler rejects, so the
+Groups: ``attention`` (paged decode and its merge, KV store, RMS norm, rotary with and without
+the KV store, SwiGLU, the sampler's inverse-CDF draw) and ``moe`` (the grouped GEMM), checked by
+tests/kernels/test_triton_attention.py and tests/kernels/test_triton_moe.py. The interpreter accepts code the compiler rejects, so the
 configurations cover every constexpr branch the kernels take in production.
 """
 
@@ -25,6 +25,10 @@ def _compile(group: str, label: str, fn, types: dict, consts: dict, aligned, **o
     16-divisible, as the JIT specialises 16-byte aligned pointers and strides at run time."""
     try:
         names = fn.arg_names
+        # every pdserve kernel is launched as a programmatic dependent launch on Hopper
+        # (pdserve.kernels.pdl.launch_options)
+        consts = {"USE_PDL": True, **consts}
+        opts = {"launch_pdl": True, **opts}
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if aligned(n)}
         src = ASTSource(fn=fn, signature=sig, attrs=attrs,
@@ -90,13 +94,19 @@ def attention() -> None:
     _compile("attention", "rms_norm", rn._rms_norm_kernel,
              {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
               "eps": "fp32"}, dict(HAS_RESIDUAL=True, BLOCK=1024), aligned, num_warps=4)
-    _compile("attention", "rotary", rot._rotary_kernel,
-             {"x_ptr": "*bf16", "y_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32",
-              "sin_ptr": "*fp32", "x_norm_ptr": "*bf16", "y_norm_ptr": "*bf16", "x_eps": "fp32",
-              "y_eps": "fp32"},
-             dict(X_HEADS=16, X_HEADS_PAD=16, Y_HEADS=8, Y_HEADS_PAD=8, HEAD_DIM=128, HALF=64,
-                  HALF_PAD=64, HAS_NORM=True),
-             aligned, num_warps=4)
+    # rotary alone (STORE_KV off: the cache arguments are stand-ins) and with the KV write
+    for label, kv_dt, store, quantize in (("rotary", "*bf16", False, False),
+                                          ("rotary_store_kv_quantize0", "*bf16", True, False),
+                                          ("rotary_store_kv_quantize1", "*fp8e4nv", True, True)):
+        _compile("attention", label, rot._rotary_kernel,
+                 {"x_ptr": "*bf16", "y_ptr": "*bf16", "positions_ptr": "*i64", "cos_ptr": "*fp32",
+                  "sin_ptr": "*fp32", "x_norm_ptr": "*bf16", "y_norm_ptr": "*bf16",
+                  "x_eps": "fp32", "y_eps": "fp32", "v_ptr": "*bf16", "kv_ptr": kv_dt,
+                  "slot_mapping_ptr": "*i64", "k_inv_scale": "fp32", "v_inv_scale": "fp32"},
+                 dict(X_HEADS=16, X_HEADS_PAD=16, Y_HEADS=8, Y_HEADS_PAD=8, HEAD_DIM=128, HALF=64,
+                      HALF_PAD=64, HAS_NORM=True, STORE_KV=store, BLOCK_SIZE=16 if store else 1,
+                      QUANTIZE=quantize),
+                 aligned, num_warps=4)
     _compile("attention", "silu_and_mul", act._silu_and_mul_kernel,
              {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(BLOCK=1024), aligned, num_warps=4)
     # the decode step's draw: bf16 logits straight from the LM head, a vocabulary divisible by
@@ -142,7 +152,8 @@ EXPECTED = {
                   "paged_decode_bf16_fp8_kv", "paged_decode_bf16_fp8_kv_bf16_dot",
                   "paged_decode_fp32_split1", "paged_decode_reduce", "paged_decode_reduce_4x4",
                   "store_kv_quantize0", "store_kv_quantize1", "gather_kv_dequantize0",
-                  "gather_kv_dequantize1", "rms_norm", "rotary",
+                  "gather_kv_dequantize1", "rms_norm", "rotary", "rotary_store_kv_quantize0",
+                  "rotary_store_kv_quantize1",
                   "silu_and_mul", "draw_block_stats_bf16", "draw_block_stats_fp32",
                   "draw_pick_bf16", "draw_pick_fp32", "gemv_rows1", "gemv_rows2"},
     "moe": {"grouped_gemm_bf16_m16", "grouped_gemm_bf16_m32", "grouped_gemm_bf16_m64",

@@ -373,6 +373,41 @@ def test_rotary_embedding_qk_one_launch_equals_two(with_norm):
         rot.rotary_embedding_qk(q, k, positions, cos, sin, wq if with_norm else cos[0], None)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rotary_with_kv_write_equals_rotary_then_store(cache_dtype, with_norm):
+    """The fused launch leaves the same queries and keys (in place, on views of a QKV
+    projection) and the same cache bits as the rotary launch followed by store_kv_cache, fp8
+    scales included; a negative slot is rotated but not written."""
+    gen = torch.Generator().manual_seed(17)
+    t, hq, hk, dim, bs = 5, 4, 2, 32, 4
+    qkv = torch.randn(t, (hq + 2 * hk) * dim, generator=gen).to(DEVICE, torch.bfloat16)
+    positions = torch.tensor([0, 3, 7, 100, 511], device=DEVICE)
+    cos, sin = (x.to(DEVICE) for x in rope_tables(512, dim))
+    wq, wk = (torch.randn(dim, generator=gen).to(DEVICE) if with_norm else None for _ in range(2))
+    slots = torch.tensor([3, -1, 9, 17, 0], device=DEVICE)
+    kv0 = torch.randn(6, 3, 2, hk, bs, dim, generator=gen).to(DEVICE).to(cache_dtype)
+    scales = dict(k_scale=0.5, v_scale=2.0)
+
+    def views(x):
+        return (x[:, : hq * dim].view(t, hq, dim), x[:, hq * dim : (hq + hk) * dim].view(t, hk, dim),
+                x[:, (hq + hk) * dim :].view(t, hk, dim))
+
+    ref_qkv, ref_kv = qkv.clone(), kv0.clone()
+    q, k, v = views(ref_qkv)
+    rot.rotary_embedding_qk(q, k, positions, cos, sin, wq, wk, 1e-6, 1e-3)
+    kvk.store_kv_cache(k, v, ref_kv, 1, slots, **scales)
+    got_qkv, got_kv = qkv.clone(), kv0.clone()
+    q, k, v = views(got_qkv)
+    rot.rotary_embedding_qk_store(q, k, v, positions, cos, sin, got_kv, 1, slots, wq, wk, 1e-6,
+                                  1e-3, **scales)
+    assert torch.equal(got_qkv, ref_qkv)
+    assert torch.equal(got_kv.view(torch.uint8), ref_kv.view(torch.uint8))
+    assert not torch.equal(got_kv.view(torch.uint8), kv0.view(torch.uint8))
+    with pytest.raises(ValueError, match="does not match"):
+        rot.rotary_embedding_qk_store(q, k, v, positions, cos, sin, got_kv[:, :, :, :1], 1, slots)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_matches_torch(dtype):
     gen = torch.Generator().manual_seed(8)
@@ -456,11 +491,11 @@ def test_fused_model_path_matches_torch_path(qk_norm, few_decode_splits):
     assert rel_err(caches[True], caches[False]) < 1e-5
 
     # The same step through the stages of piecewise CUDA graphs (run eagerly): the projection
-    # writes into their QKV buffer and the Triton rotary works in place on its views, so
-    # attention reads them there without a copy.
+    # writes into their QKV buffer and attention (the Triton rotary with the KV write) works in
+    # place on its views, without a copy.
     pieces = PiecewiseGraphs(model, [16], capture=False)
     assert pieces.capture()
-    q, k, v, _ = model.layers[0].attention_inputs(pos, model.embed(ids), qkv_out=pieces.qkv[:t])
+    q, k, v, _ = model.layers[0].attention_inputs(model.embed(ids), qkv_out=pieces.qkv[:t])
     assert [x.data_ptr() for x in (q, k, v)] == [b.data_ptr() for b in (pieces.query, pieces.key, pieces.value)]
     kv_pieces = kv0.clone()
     assert rel_err(pieces.run(ids, pos, kv_pieces, meta, idx), logits[False]) < 1e-4
