@@ -193,14 +193,22 @@ def rotary_embedding_qk(
     Raises:
         ValueError: on shape or layout mismatches, or only one norm weight.
     """
-    if (q_norm_weight is None) != (k_norm_weight is None):
-        raise ValueError("give both q and k norm weights or neither")
-    _check(q, positions, cos, sin, q_norm_weight)
-    _check(k, positions, cos, sin, k_norm_weight)
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"q and k head dims differ: {q.shape[2]} and {k.shape[2]}")
+    _check_qk(q, k, positions, cos, sin, q_norm_weight, k_norm_weight)
     _launch(q, k, positions, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps)
     return q, k
+
+
+@dataclass(frozen=True)
+class _KVStore:
+    """The KV write of :func:`rotary_embedding_qk_store`: values, the layer's cache view
+    ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``, slots, inverse scales, fp8 or not."""
+
+    v: torch.Tensor
+    kv_layer: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_inv_scale: float
+    v_inv_scale: float
+    quantize: bool
 
 
 def rotary_embedding_qk_store(
@@ -238,12 +246,7 @@ def rotary_embedding_qk_store(
     Raises:
         ValueError: on shape, dtype or layout mismatches, or only one norm weight.
     """
-    if (q_norm_weight is None) != (k_norm_weight is None):
-        raise ValueError("give both q and k norm weights or neither")
-    _check(q, positions, cos, sin, q_norm_weight)
-    _check(k, positions, cos, sin, k_norm_weight)
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"q and k head dims differ: {q.shape[2]} and {k.shape[2]}")
+    _check_qk(q, k, positions, cos, sin, q_norm_weight, k_norm_weight)
     quantize = check_store_args(k, v, kv_cache, layer, slot_mapping)
     kv_layer = kv_cache[:, layer]
     _launch(q, k, positions, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps,
@@ -251,17 +254,15 @@ def rotary_embedding_qk_store(
     return q, k
 
 
-@dataclass(frozen=True)
-class _KVStore:
-    """The KV write of :func:`rotary_embedding_qk_store`: values, the layer's cache view
-    ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``, slots, inverse scales, fp8 or not."""
-
-    v: torch.Tensor
-    kv_layer: torch.Tensor
-    slot_mapping: torch.Tensor
-    k_inv_scale: float
-    v_inv_scale: float
-    quantize: bool
+def _check_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, q_norm_weight: torch.Tensor | None,
+              k_norm_weight: torch.Tensor | None) -> None:
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("give both q and k norm weights or neither")
+    _check(q, positions, cos, sin, q_norm_weight)
+    _check(k, positions, cos, sin, k_norm_weight)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"q and k head dims differ: {q.shape[2]} and {k.shape[2]}")
 
 
 def _check(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
