@@ -43,3 +43,26 @@ def free_port() -> int:
     with socket.socket() as s:  # an unusual range: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_consecutive_ports(count: int) -> int:
+    """The first of ``count`` consecutive free localhost TCP ports below the ephemeral range
+    (as :func:`free_port`, none handed out before); for tests of port ranges (a base port plus
+    one per data-parallel rank)."""
+    for _ in range(1000):
+        base = free_port()
+        rest = range(base + 1, base + count)
+        if any(port in _HANDED_OUT for port in rest) or not all(map(_bindable, rest)):
+            continue
+        _HANDED_OUT.update(rest)
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

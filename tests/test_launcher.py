@@ -636,7 +636,9 @@ def test_plan_with_data_parallel_engines():
     assert proxy.argv[proxy.argv.index("--prefiller-ports") + 1] == str(prefill.port)
     with pytest.raises(LaunchError, match="--prefill-dp"):
         _plan(["--port", str(_proxy_port()), "--prefill-dp", "0"])
-    base = allocate_free_ports(1)[0]
+    from ports import free_consecutive_ports  # (the launcher subprocesses import this module)
+
+    base = free_consecutive_ports(2)  # the proxy takes base + 1, rank 1's side channel too
     with pytest.raises(LaunchError, match="data-parallel rank"):
         _plan(["--port", str(base + 1), "--prefill-dp", "2",
                "--prefill-side-channel-ports", str(base)])
