@@ -36,6 +36,17 @@ def round_to_e4m3(x):
 
 
 @triton.jit
+def to_cache_dtype(x, inv_scale, cache_dtype, QUANTIZE: tl.constexpr):
+    """Keys or values of the model's dtype (any float tile) -> the cache's dtype; with
+    ``QUANTIZE`` (fp8 e4m3) ``clamp(x * inv_scale, -448, 448)`` rounded by
+    :func:`round_to_e4m3`, the convention of :mod:`pdserve.attention.kv_quant`. Every KV write
+    (here and in :mod:`pdserve.kernels.rotary`) goes through it."""
+    if QUANTIZE:
+        x = round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0))
+    return x.to(cache_dtype)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -70,11 +81,8 @@ def _store_kv_kernel(
     src = offs_h[:, None] * stride_k_h + offs_d[None, :]
     k = tl.load(k_ptr + token * stride_k_t + src, mask=mask)
     v = tl.load(v_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
-    if QUANTIZE:
-        k = tl.minimum(tl.maximum(k.to(tl.float32) * k_inv_scale, -448.0), 448.0)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) * v_inv_scale, -448.0), 448.0)
-        k = round_to_e4m3(k).to(kv_ptr.dtype.element_ty)
-        v = round_to_e4m3(v).to(kv_ptr.dtype.element_ty)
+    k = to_cache_dtype(k, k_inv_scale, kv_ptr.dtype.element_ty, QUANTIZE)
+    v = to_cache_dtype(v, v_inv_scale, kv_ptr.dtype.element_ty, QUANTIZE)
     dst = (
         kv_ptr
         + (slot // BLOCK_SIZE) * stride_kv_b

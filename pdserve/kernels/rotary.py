@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels import pdl
-from pdserve.kernels.kv_cache import check_store_args, round_to_e4m3
+from pdserve.kernels.kv_cache import check_store_args, to_cache_dtype
 from pdserve.kernels.common import next_power_of_2
 
 
@@ -51,15 +51,6 @@ def _rotate_heads(
     tl.store(base, o1, mask=mask)
     tl.store(base + HALF, o2, mask=mask)
     return o1.to(tl.float32), o2.to(tl.float32), mask
-
-
-@triton.jit
-def _to_cache(x, inv_scale, cache_dtype, QUANTIZE: tl.constexpr):
-    """fp32 values of the model's dtype -> the cache's dtype (fp8: ``clamp(x / scale)`` rounded
-    as :func:`pdserve.kernels.kv_cache.store_kv_cache` does)."""
-    if QUANTIZE:
-        x = round_to_e4m3(tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0))
-    return x.to(cache_dtype)
 
 
 @triton.jit
@@ -125,13 +116,14 @@ def _rotary_kernel(
             dst = (kv_ptr + (slot // BLOCK_SIZE) * stride_kv_b + (slot % BLOCK_SIZE) * stride_kv_t
                    + offs_h[:, None] * stride_kv_h + offs_j[None, :])
             cache_dtype = kv_ptr.dtype.element_ty
-            tl.store(dst, _to_cache(k1, k_inv_scale, cache_dtype, QUANTIZE), mask=mask)
-            tl.store(dst + HALF, _to_cache(k2, k_inv_scale, cache_dtype, QUANTIZE), mask=mask)
-            tl.store(dst + stride_kv_kv, _to_cache(v1, v_inv_scale, cache_dtype, QUANTIZE),
-                     mask=mask)
-            tl.store(dst + stride_kv_kv + HALF, _to_cache(v2, v_inv_scale, cache_dtype, QUANTIZE),
-                     mask=mask)
-
+            k1 = to_cache_dtype(k1, k_inv_scale, cache_dtype, QUANTIZE)
+            k2 = to_cache_dtype(k2, k_inv_scale, cache_dtype, QUANTIZE)
+            v1 = to_cache_dtype(v1, v_inv_scale, cache_dtype, QUANTIZE)
+            v2 = to_cache_dtype(v2, v_inv_scale, cache_dtype, QUANTIZE)
+            tl.store(dst, k1, mask=mask)
+            tl.store(dst + HALF, k2, mask=mask)
+            tl.store(dst + stride_kv_kv, v1, mask=mask)
+            tl.store(dst + stride_kv_kv + HALF, v2, mask=mask)
 
 def rotary_embedding(
     x: torch.Tensor,
