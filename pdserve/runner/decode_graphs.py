@@ -15,6 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pdserve.attention.metadata import decode_metadata
@@ -22,7 +23,7 @@ from pdserve.distributed.communication import tp_all_gather_object
 from pdserve.distributed.parallel_state import get_tp_size
 from pdserve.engine.outputs import ScheduledRequest
 from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
-from pdserve.host_tensors import int_tensor, padded_rows
+from pdserve.host_tensors import int_tensor
 from pdserve.runner.overlap import DeviceTokens, feed_previous_tokens
 from pdserve.runner.piecewise_graphs import PiecewiseGraphs, piecewise_capture_sizes
 
@@ -126,37 +127,48 @@ def replay_decode_graph(runner: "ModelRunner", decodes: list[ScheduledRequest],
         ValueError: a position beyond ``max_model_len`` or a block table too short.
     """
     bs = runner.block_size
-    width = runner.max_blocks_per_seq
-    max_model_len = runner.max_model_len
-    ids, positions, slots, lens, num_blocks = [], [], [], [], []
-    for r in decodes:
-        n = r.num_computed_tokens
-        if n >= max_model_len:
-            raise ValueError(f"a scheduled request reaches {n + 1} tokens, beyond "
-                             f"max_model_len={max_model_len}")
-        need = n // bs + 1
-        if len(r.block_ids) < need:
-            raise ValueError(f"block table of {len(r.block_ids)} blocks cannot hold {n + 1} "
-                             f"tokens (block_size {bs})")
-        ids.append(r.token_ids[0])
-        positions.append(n)
-        slots.append(r.block_ids[n // bs] * bs + n % bs)
-        lens.append(n + 1)
-        num_blocks.append(min(len(r.block_ids), width))
-    # Block tables: a [B, widest row] host tensor, filled row by row through numpy.
-    table = padded_rows([r.block_ids for r in decodes], max(num_blocks), torch.int32)
-    ids_t = int_tensor(ids)
+    tables = runner.decode_block_tables
+    positions = np.fromiter([r.num_computed_tokens for r in decodes], np.int64, len(decodes))
+    if positions.max() >= runner.max_model_len:
+        _raise_bad_row(runner, decodes)
+    index, num_blocks = tables.rows(decodes)
+    block_of = positions // bs  # < tables.width: a row cut to the width holds its position
+    if (num_blocks <= block_of).any():
+        _raise_bad_row(runner, decodes)
+    table = tables.table(index, int(num_blocks.max()))
+    slots = table[np.arange(len(decodes)), block_of].astype(np.int64) * bs + positions % bs
+    ids_t = int_tensor([r.token_ids[0] for r in decodes])
     fed = [(i, r.request_id) for i, r in enumerate(decodes) if r.input_from_previous_step]
     if fed:
         ids_t = ids_t.to(runner.device, non_blocking=True)
         feed_previous_tokens(ids_t, fed, previous)
     return graphs.run({
         "input_ids": ids_t,
-        "positions": int_tensor(positions),
-        "slot_mapping": int_tensor(slots),
-        "block_tables": table,
-        "context_lens": int_tensor(lens, torch.int32),
+        "positions": torch.from_numpy(positions),
+        "slot_mapping": torch.from_numpy(slots),
+        "block_tables": torch.from_numpy(table),
+        "context_lens": torch.from_numpy((positions + 1).astype(np.int32)),
     })
+
+
+def _raise_bad_row(runner: "ModelRunner", decodes: list[ScheduledRequest]) -> None:
+    """Raise the error of the first row of ``decodes`` whose position is beyond
+    ``max_model_len`` or whose block table is too short.
+
+    Raises:
+        ValueError: always (for the first such row).
+    """
+    bs = runner.block_size
+    max_model_len = runner.max_model_len
+    for r in decodes:
+        n = r.num_computed_tokens
+        if n >= max_model_len:
+            raise ValueError(f"a scheduled request reaches {n + 1} tokens, beyond "
+                             f"max_model_len={max_model_len}")
+        if len(r.block_ids) < n // bs + 1:
+            raise ValueError(f"block table of {len(r.block_ids)} blocks cannot hold {n + 1} "
+                             f"tokens (block_size {bs})")
+    raise AssertionError("no bad row")
 
 
 def decode_with_graph(runner: "ModelRunner", decodes: list[ScheduledRequest],

@@ -37,6 +37,7 @@ from pdserve.memory_budget import kv_cache_budget, requested_bytes
 from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import kv_head_range
 from pdserve.models.loader import load_model, model_max_len, resolve_device, tp_device
+from pdserve.runner.block_tables import DecodeBlockTables
 from pdserve.runner.cuda_graphs import CUDAGraphRunner
 from pdserve.runner.decode_graphs import (
     capture_decode_graphs, capture_piecewise_graphs, decode_with_graph,
@@ -114,6 +115,8 @@ class ModelRunner:
         max_model_len: longest sequence (prompt + output) in tokens.
         kv_cache: the paged KV cache (after :meth:`allocate_kv_cache`).
         kv_cache_spec: its geometry, for the KV connector.
+        decode_block_tables: host block-table rows of the requests of replayed decode steps
+            (:class:`~pdserve.runner.block_tables.DecodeBlockTables`), kept between steps.
         kv_cache_dtype: the cache's torch dtype (the model's, or ``torch.float8_e4m3fn`` for
             ``--kv-cache-dtype fp8``, with per-layer scales set on the attention backend).
     """
@@ -139,6 +142,8 @@ class ModelRunner:
             self.model.attn_backend.set_kv_cache_scales(self.model.kv_cache_scales())
         self.block_size = config.block_size
         self.max_model_len = model_max_len(config, self.arch)
+        # host block tables of replayed decode steps, kept between steps
+        self.decode_block_tables = DecodeBlockTables(self.max_blocks_per_seq)
         self.sampler = Sampler(self.device, config.seed)
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_spec: KVCacheSpec | None = None
