@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pdserve.engine.outputs import (
@@ -59,14 +60,17 @@ def feed_previous_tokens(input_ids: torch.Tensor, rows: list[tuple[int, str]],
     """
     if not rows:
         return
-    missing = [rid for _, rid in rows if previous is None or rid not in previous.rows]
-    if missing:
+    sampled_rows = previous.rows if previous is not None else {}
+    try:
+        src = [sampled_rows[rid] for _, rid in rows]
+    except KeyError:
+        missing = [rid for _, rid in rows if rid not in sampled_rows]
         raise ValueError(f"requests {missing[:5]} take their input token from a previous step "
-                         "that did not sample them")
-    dev = input_ids.device
-    dst = int_tensor([i for i, _ in rows]).to(dev, non_blocking=True)
-    src = int_tensor([previous.rows[rid] for _, rid in rows]).to(dev, non_blocking=True)
-    input_ids[dst] = previous.tokens[src]
+                         "that did not sample them") from None
+    # [2, R]: destination rows, then source rows; one host-to-device copy
+    index = torch.from_numpy(np.array([[i for i, _ in rows], src], dtype=np.int64))
+    index = index.to(input_ids.device, non_blocking=True)
+    input_ids[index[0]] = previous.tokens[index[1]]
 
 
 class PendingRunnerStep:
