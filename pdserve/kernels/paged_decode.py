@@ -31,7 +31,11 @@ tests only.
 An fp8 (e4m3) cache is read as is (half the bytes) and converted to the query's dtype in
 registers; the key scale is folded into the softmax scale and the value scale multiplies the
 output, so the dot products run in the query's dtype as for a 16-bit cache
-(:mod:`pdserve.attention.kv_quant` gives the convention).
+(:mod:`pdserve.attention.kv_quant` gives the convention). On CUDA GPUs of compute capability 8.9
+and later the split stage of an fp8 cache runs the CUDA kernel of
+:mod:`pdserve.kernels.paged_decode_fp8` instead where it applies (head size 128, up to 8 query
+heads per KV head; 22-23% faster than the Triton split kernel at 137-256 sequences on an H200,
+docs/benchmarks.md), and this module's merge kernel combines its pieces.
 
 :class:`pdserve.attention.triton_backend.TritonAttentionBackend` runs this kernel for the
 decode rows of a step. Import this module only where Triton is installed.
@@ -53,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels import pdl
+from pdserve.kernels import paged_decode_fp8, pdl
 from pdserve.kernels.common import multiprocessor_count
 from pdserve.kernels.common import next_power_of_2 as _next_power_of_2
 
@@ -84,6 +88,11 @@ class DecodeKernelConfig:
         fp8_block_n, fp8_num_warps, fp8_num_stages: ``block_n``, ``num_warps`` and
             ``num_stages`` for an fp8 cache (its loads are converted in registers, which moves
             the best launch: two warps were 22% faster than four at batch 256 on an H200).
+        fp8_mma: 1 runs the split stage of an fp8 cache with the CUDA kernel of
+            :mod:`pdserve.kernels.paged_decode_fp8` where it applies
+            (:func:`~pdserve.kernels.paged_decode_fp8.supports`), 0 always with Triton.
+        fp8_mma_warps, fp8_mma_min_programs: that kernel's warps per program and the programs
+            per multiprocessor its registers must leave room for (1: no cap).
 
     The defaults come from ``benchmarks/decode_attention.py`` on an H200 (docs/benchmarks.md);
     ``PDSERVE_DECODE_KERNEL_CONFIG`` (JSON with any of these keys) overrides them, for tuning on
@@ -98,6 +107,9 @@ class DecodeKernelConfig:
     fp8_block_n: int = 64
     fp8_num_warps: int = 2
     fp8_num_stages: int = 2
+    fp8_mma: int = 1
+    fp8_mma_warps: int = 4
+    fp8_mma_min_programs: int = 1
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,7 +118,8 @@ def decode_kernel_config() -> DecodeKernelConfig:
     ``PDSERVE_DECODE_KERNEL_CONFIG`` when set.
 
     Raises:
-        ValueError: the variable is not a JSON object of known keys with positive int values.
+        ValueError: the variable is not a JSON object of known keys with positive int values
+            (``fp8_mma``: 0 or 1).
     """
     raw = os.environ.get("PDSERVE_DECODE_KERNEL_CONFIG", "").strip()
     if not raw:
@@ -118,8 +131,9 @@ def decode_kernel_config() -> DecodeKernelConfig:
     fields = {f.name for f in dataclasses.fields(DecodeKernelConfig)}
     if not isinstance(values, dict) or set(values) - fields:
         raise ValueError(f"PDSERVE_DECODE_KERNEL_CONFIG must be a JSON object with keys from {sorted(fields)}")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values.values()):
-        raise ValueError("PDSERVE_DECODE_KERNEL_CONFIG values must be positive ints")
+    if not all(isinstance(v, int) and not isinstance(v, bool)
+               and (v in (0, 1) if k == "fp8_mma" else v > 0) for k, v in values.items()):
+        raise ValueError("PDSERVE_DECODE_KERNEL_CONFIG values must be positive ints (fp8_mma: 0 or 1)")
     return DecodeKernelConfig(**values)
 
 
@@ -455,6 +469,12 @@ def paged_decode_attention(
     if not 1 <= num_splits <= MAX_NUM_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_NUM_SPLITS}], got {num_splits}")
     cfg = decode_kernel_config()
+    group = num_q_heads // num_kv_heads
+    kv_layer = kv_cache[:, layer]  # [num_blocks, 2, Hkv, block_size, D]
+    # Triton launch parameters given by the caller (tuning sweeps) keep the Triton kernel.
+    mma = (kv_fp8 and bool(cfg.fp8_mma) and block_n is None and num_warps is None
+           and num_stages is None
+           and paged_decode_fp8.supports(q, kv_layer, group, sliding_window, fp8_dot_dtype))
     if block_n is None:
         block_n = (cfg.fp8_block_n if kv_fp8 else cfg.block_n) if head_dim <= 128 else 16
     if num_warps is None:
@@ -462,9 +482,7 @@ def paged_decode_attention(
     if num_stages is None:
         num_stages = cfg.fp8_num_stages if kv_fp8 else cfg.num_stages
 
-    group = num_q_heads // num_kv_heads
-    kv_layer = kv_cache[:, layer]  # [num_blocks, 2, Hkv, block_size, D]
-    split = num_splits > 1
+    split = num_splits > 1 or mma  # the CUDA kernel always hands its pieces to the merge
     if split:
         part_out = torch.empty(
             (num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
@@ -476,52 +494,57 @@ def paged_decode_attention(
         part_max = part_sum = context_lens
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (num_seqs, num_kv_heads, num_splits)
-    _paged_decode_split_kernel[grid](
-        out,
-        part_out,
-        part_max,
-        part_sum,
-        q,
-        kv_layer,
-        block_tables,
-        context_lens,
-        scale * _LOG2_E * (k_scale if kv_fp8 else 1.0),
-        sliding_window or 0,
-        v_scale if kv_fp8 else 1.0,
-        num_seqs,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_layer.stride(0),
-        kv_layer.stride(1),
-        kv_layer.stride(2),
-        kv_layer.stride(3),
-        block_tables.stride(0),
-        part_out.stride(0) if split else 0,
-        part_out.stride(1) if split else 0,
-        part_out.stride(2) if split else 0,
-        part_max.stride(0) if split else 0,
-        part_max.stride(1) if split else 0,
-        QUERY_GROUP=group,
-        GROUP_PAD=max(16, _next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=_next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        SPLIT=split,
-        DOT_PRECISION=precision,
-        # Triton's CPU interpreter multiplies 16-bit float operands of tl.dot as raw integer bits
-        # (seen in 3.6-3.9), so interpreted runs widen them first; rounding is unchanged.
-        DOT_IN_FP32=q.device.type != "cuda",
-        SLIDING=sliding_window is not None,
-        KV_FP8=kv_fp8,
-        FP8_DOT_FP16=kv_fp8 and fp8_dot_dtype == torch.float16 and q.dtype != torch.float16,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **pdl.launch_options(q.device),
-    )
+    if mma:
+        paged_decode_fp8.paged_decode_fp8_split(
+            part_out, part_max, part_sum, q, kv_layer, block_tables, context_lens,
+            scale * _LOG2_E * k_scale, v_scale, num_splits, cfg.fp8_mma_warps, cfg.fp8_mma_min_programs)
+    else:
+        _paged_decode_split_kernel[grid](
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            q,
+            kv_layer,
+            block_tables,
+            context_lens,
+            scale * _LOG2_E * (k_scale if kv_fp8 else 1.0),
+            sliding_window or 0,
+            v_scale if kv_fp8 else 1.0,
+            num_seqs,
+            num_splits,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            kv_layer.stride(0),
+            kv_layer.stride(1),
+            kv_layer.stride(2),
+            kv_layer.stride(3),
+            block_tables.stride(0),
+            part_out.stride(0) if split else 0,
+            part_out.stride(1) if split else 0,
+            part_out.stride(2) if split else 0,
+            part_max.stride(0) if split else 0,
+            part_max.stride(1) if split else 0,
+            QUERY_GROUP=group,
+            GROUP_PAD=max(16, _next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=_next_power_of_2(head_dim),
+            BLOCK_SIZE=block_size,
+            BLOCK_N=block_n,
+            SPLIT=split,
+            DOT_PRECISION=precision,
+            # Triton's CPU interpreter multiplies 16-bit float operands of tl.dot as raw integer bits
+            # (seen in 3.6-3.9), so interpreted runs widen them first; rounding is unchanged.
+            DOT_IN_FP32=q.device.type != "cuda",
+            SLIDING=sliding_window is not None,
+            KV_FP8=kv_fp8,
+            FP8_DOT_FP16=kv_fp8 and fp8_dot_dtype == torch.float16 and q.dtype != torch.float16,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **pdl.launch_options(q.device),
+        )
     if split:
         splits_pad = _next_power_of_2(num_splits)
         heads = max(1, min(_REDUCE_PIECES // splits_pad, _next_power_of_2(num_q_heads)))
