@@ -91,8 +91,7 @@ class DecodeKernelConfig:
         fp8_mma: 1 runs the split stage of an fp8 cache with the CUDA kernel of
             :mod:`pdserve.kernels.paged_decode_fp8` where it applies
             (:func:`~pdserve.kernels.paged_decode_fp8.supports`), 0 always with Triton.
-        fp8_mma_warps, fp8_mma_min_programs: that kernel's warps per program and the programs
-            per multiprocessor its registers must leave room for (1: no cap).
+        fp8_mma_warps: that kernel's warps per program.
 
     The defaults come from ``benchmarks/decode_attention.py`` on an H200 (docs/benchmarks.md);
     ``PDSERVE_DECODE_KERNEL_CONFIG`` (JSON with any of these keys) overrides them, for tuning on
@@ -109,7 +108,6 @@ class DecodeKernelConfig:
     fp8_num_stages: int = 2
     fp8_mma: int = 1
     fp8_mma_warps: int = 4
-    fp8_mma_min_programs: int = 1
 
 
 @functools.lru_cache(maxsize=1)
@@ -497,7 +495,7 @@ def paged_decode_attention(
     if mma:
         paged_decode_fp8.paged_decode_fp8_split(
             part_out, part_max, part_sum, q, kv_layer, block_tables, context_lens,
-            scale * _LOG2_E * k_scale, v_scale, num_splits, cfg.fp8_mma_warps, cfg.fp8_mma_min_programs)
+            scale * _LOG2_E * k_scale, v_scale, num_splits, cfg.fp8_mma_warps)
     else:
         _paged_decode_split_kernel[grid](
             out,
