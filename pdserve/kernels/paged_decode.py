@@ -472,7 +472,8 @@ def paged_decode_attention(
     # Triton launch parameters given by the caller (tuning sweeps) keep the Triton kernel.
     mma = (kv_fp8 and bool(cfg.fp8_mma) and block_n is None and num_warps is None
            and num_stages is None
-           and paged_decode_fp8.supports(q, kv_layer, group, sliding_window, fp8_dot_dtype))
+           and paged_decode_fp8.supports(q, kv_layer, group, sliding_window, fp8_dot_dtype,
+                                         cfg.fp8_mma_warps))
     if block_n is None:
         block_n = (cfg.fp8_block_n if kv_fp8 else cfg.block_n) if head_dim <= 128 else 16
     if num_warps is None:

@@ -47,8 +47,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import torch
+
+logger = logging.getLogger("pdserve.kernels")
 
 CUDA_SOURCE = r"""
 typedef unsigned int u32;
@@ -453,8 +456,21 @@ def _compiled(group: int, num_warps: int, q_bf16: bool, pdl: bool, device_index:
         return torch.cuda._compile_kernel(CUDA_SOURCE, name)  # .func: its CUfunction
 
 
+@functools.lru_cache(maxsize=None)
+def _compiles(group: int, num_warps: int, q_bf16: bool, pdl: bool, device_index: int) -> bool:
+    """Whether this kernel instance compiles and loads here; a failure (no NVRTC library, a
+    driver that refuses the code) is logged once and leaves the call to Triton."""
+    try:
+        _compiled(group, num_warps, q_bf16, pdl, device_index)
+    except (RuntimeError, OSError) as e:
+        logger.warning("the CUDA fp8 decode kernel is not available here (%s); decode attention "
+                       "runs the Triton kernel", e)
+        return False
+    return True
+
+
 def supports(q: torch.Tensor, kv_layer: torch.Tensor, group: int, sliding_window: int | None,
-             fp8_dot_dtype: torch.dtype) -> bool:
+             fp8_dot_dtype: torch.dtype, num_warps: int = 4) -> bool:
     """Whether :func:`paged_decode_fp8_split` handles this call.
 
     Args:
@@ -463,12 +479,14 @@ def supports(q: torch.Tensor, kv_layer: torch.Tensor, group: int, sliding_window
         group: query heads per KV head.
         sliding_window: the caller's window (None: the whole context).
         fp8_dot_dtype: the dtype the caller asked the dot products to run in.
+        num_warps: the warps per program the caller will launch with.
 
     True for an e4m3 cache on a CUDA device of compute capability 8.9 or later (the e4m3 pair
     conversion), 16-bit queries with dot products in fp16, ``head_dim`` 128, at most 8 query
     heads per KV head (one tensor-core tile's 8 columns), blocks of a multiple of 16 tokens
     stored token after token (128 bytes each), no sliding window, and 16-byte aligned rows;
-    false otherwise (the caller then runs Triton).
+    false otherwise (the caller then runs Triton), also when the kernel does not compile here
+    (checked once per instance, at the first call).
     """
     if (q.device.type != "cuda" or kv_layer.dtype != torch.float8_e4m3fn
             or q.dtype not in (torch.float16, torch.bfloat16) or fp8_dot_dtype != torch.float16
@@ -483,7 +501,15 @@ def supports(q: torch.Tensor, kv_layer: torch.Tensor, group: int, sliding_window
         return False
     if any(s % 16 or s >= 2**31 for s in kv_layer.stride()[:3]):
         return False
-    return hasattr(torch.cuda, "_compile_kernel")
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _compiles(group, num_warps, q.dtype == torch.bfloat16, _uses_pdl(device), device)
+
+
+def _uses_pdl(device_index: int) -> bool:
+    """Programmatic dependent launches (pdserve.kernels.pdl) on compute capability 9.0+."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def paged_decode_fp8_split(
@@ -525,7 +551,7 @@ def paged_decode_fp8_split(
     num_seqs, num_q_heads, _ = q.shape
     num_kv_heads, block_size = kv_layer.shape[2], kv_layer.shape[3]
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    use_pdl = torch.cuda.get_device_capability(device)[0] >= 9
+    use_pdl = _uses_pdl(device)
     kernel = _compiled(num_q_heads // num_kv_heads, num_warps, q.dtype == torch.bfloat16,
                        use_pdl, device)
     c_int, c_ptr = ctypes.c_int, ctypes.c_void_p

@@ -61,6 +61,16 @@ def test_switch_parses_and_the_kernel_is_never_chosen_on_cpu(kernel_config):
     assert not pf.supports(q.cpu(), kv.cpu()[:, 0], 2, None, torch.float16)
 
 
+def test_a_kernel_that_does_not_compile_leaves_the_call_to_triton(monkeypatch, caplog):
+    def refuse(*args):
+        raise RuntimeError("Kernel compilation failed: no NVRTC")
+
+    monkeypatch.setattr(pf, "_compiled", refuse)
+    with caplog.at_level("WARNING", logger="pdserve.kernels"):
+        assert pf._compiles.__wrapped__(2, 4, True, True, 0) is False
+    assert "runs the Triton kernel" in caplog.text and "no NVRTC" in caplog.text
+
+
 @needs_kernel
 def test_kernel_applies_only_where_it_can():
     q, kv, _, _ = fp8_case([5], 2, 16, torch.bfloat16)
