@@ -196,6 +196,9 @@ class DisaggProxy:
         except asyncio.CancelledError:
             turn.status = 499  # the client went away (handler cancellation)
             raise
+        except Exception:
+            turn.status = 500  # counted as what the client gets, not as a client that went away
+            raise
         finally:
             self.metrics.count_request(endpoint, turn.status)
 
@@ -216,6 +219,9 @@ class DisaggProxy:
                     else await asyncio.to_thread(json.loads, raw))
         except ValueError as e:
             raise ProxyError(400, f"request body is not valid JSON: {e}", INVALID_REQUEST) from None
+        except RecursionError:  # json's decoder recurses once per level of nesting
+            raise ProxyError(400, "request body is not valid JSON: nested too deeply",
+                             INVALID_REQUEST) from None
         phase_trace.mark("px.parsed")
         check_client_body(body)
         store = self.state_store

@@ -179,6 +179,9 @@ async def test_bad_client_bodies_are_400_and_reach_no_instance(make_cluster):
         (json.dumps(dict(BODY, prompt=[[1, 2], [3]])).encode(),
          "a list of 2 prompts is not supported by the disaggregated proxy; send one request per "
          "prompt", "prompt"),
+        # nesting deeper than json's decoder recurses (a RecursionError, not a ValueError)
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+         "request body is not valid JSON: nested too deeply", None),
         # checked in the stateless mode too, which only drops the field
         (json.dumps(dict(BODY, conversation_id={"a": 1})).encode(),
          "'conversation_id' must be a string or an integer, got {'a': 1}", "conversation_id"),
@@ -323,3 +326,18 @@ async def test_large_bodies_are_parsed_off_the_event_loop_and_served(make_cluste
     assert c.prefillers[0].received[-1].body["prompt"] == "x" * 500
     status, _, raw = await c.post("/v1/completions", b"{" + b" " * 200)
     assert status == 400 and b"not valid JSON" in raw
+
+
+async def test_an_unexpected_proxy_error_is_counted_as_500(make_cluster, monkeypatch):
+    from pdserve.router import app as app_module
+
+    def broken(body):
+        raise RuntimeError("a bug in the proxy")
+
+    monkeypatch.setattr(app_module, "check_client_body", broken)
+    c = await make_cluster()
+    status, _, _ = await c.post("/v1/completions", BODY)
+    assert status == 500
+    requests = c.proxy.proxy.metrics.requests
+    assert requests.labels(endpoint="completions", status="500")._value.get() == 1
+    assert requests.labels(endpoint="completions", status="499")._value.get() == 0
