@@ -34,8 +34,8 @@ output, so the dot products run in the query's dtype as for a 16-bit cache
 (:mod:`pdserve.attention.kv_quant` gives the convention). On CUDA GPUs of compute capability 8.9
 and later the split stage of an fp8 cache runs the CUDA kernel of
 :mod:`pdserve.kernels.paged_decode_fp8` instead where it applies (head size 128, up to 8 query
-heads per KV head; 22-23% faster than the Triton split kernel at 137-256 sequences on an H200,
-docs/benchmarks.md), and this module's merge kernel combines its pieces.
+heads per KV head; 21% less time than the Triton split kernel at 137-256 sequences on an
+H200, docs/benchmarks.md), and this module's merge kernel combines its pieces.
 
 :class:`pdserve.attention.triton_backend.TritonAttentionBackend` runs this kernel for the
 decode rows of a step. Import this module only where Triton is installed.

@@ -51,6 +51,8 @@ import logging
 
 import torch
 
+from pdserve.kernels import pdl
+
 logger = logging.getLogger("pdserve.kernels")
 
 CUDA_SOURCE = r"""
@@ -493,7 +495,8 @@ def supports(q: torch.Tensor, kv_layer: torch.Tensor, group: int, sliding_window
             or sliding_window is not None or q.shape[-1] != 128 or not 1 <= group <= 8
             or kv_layer.shape[3] % _TILE or kv_layer.shape[3] & (kv_layer.shape[3] - 1)):
         return False
-    if torch.cuda.get_device_capability(q.device) < (8, 9):
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if _capability(device) < (8, 9):
         return False
     if q.data_ptr() % 16 or kv_layer.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8:
         return False
@@ -503,13 +506,19 @@ def supports(q: torch.Tensor, kv_layer: torch.Tensor, group: int, sliding_window
         return False
     if not hasattr(torch.cuda, "_compile_kernel"):
         return False
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     return _compiles(group, num_warps, q.dtype == torch.bfloat16, _uses_pdl(device), device)
 
 
+@functools.lru_cache(maxsize=16)
+def _capability(device_index: int) -> tuple[int, int]:
+    """The compute capability of a CUDA device (asked once: the checks run at every call)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _uses_pdl(device_index: int) -> bool:
-    """Programmatic dependent launches (pdserve.kernels.pdl) on compute capability 9.0+."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    """Whether launches on the device are programmatic dependent ones
+    (:mod:`pdserve.kernels.pdl`)."""
+    return pdl.device_supports(torch.device("cuda", device_index))
 
 
 def paged_decode_fp8_split(
@@ -540,7 +549,7 @@ def paged_decode_fp8_split(
         scale_log2: softmax scale times log2(e) times the key scale.
         v_scale: the value scale.
         num_splits: pieces per (sequence, KV head).
-        num_warps: warps per program (2 and 4 were within 1% of each other at 137-256
+        num_warps: warps per program (2 and 4 were within 2% of each other at 137-256
             sequences on an H200, 8 slower).
 
     The caller checks :func:`supports` and the shapes (``paged_decode_attention`` does).

@@ -24,12 +24,19 @@ import triton.language as tl
 
 
 @functools.lru_cache(maxsize=16)
+def device_supports(device: torch.device) -> bool:
+    """Whether ``device`` runs programmatic dependent launches: a CUDA GPU of compute capability
+    9.0 or later (also the rule of the CUDA kernel in :mod:`pdserve.kernels.paged_decode_fp8`)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=16)
 def launch_options(device: torch.device) -> dict:
-    """Keyword arguments every pdserve Triton kernel launch on ``device`` adds: on a GPU of
-    compute capability 9.0 or later, ``launch_pdl=True`` and ``USE_PDL=True`` (the constexpr of
+    """Keyword arguments every pdserve Triton kernel launch on ``device`` adds: where
+    :func:`device_supports`, ``launch_pdl=True`` and ``USE_PDL=True`` (the constexpr of
     :func:`enter`); elsewhere (older GPUs, a Triton without ``launch_pdl``, Triton's CPU
     interpreter) ``USE_PDL=False``. Reuse the returned dict read-only."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if not device_supports(device):
         return {"USE_PDL": False}
     from triton.backends.nvidia.compiler import CUDAOptions
 
