@@ -45,9 +45,9 @@ def measure_tpot(model_dir: Path, eager: bool, args: argparse.Namespace,
                  async_scheduling: bool = True) -> dict:
     """TPOT and TTFT-ish time of one engine mode (seconds), with overlapped scheduling on or
     off."""
-    from pdserve.config import EngineConfig
+    from pdserve.types.engine_config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     vocab = MODEL_PRESETS[args.model_preset]["vocab_size"]
     config = EngineConfig(

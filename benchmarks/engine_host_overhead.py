@@ -38,10 +38,10 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.outputs import ModelRunnerOutput, SchedulerOutput
+from pdserve.types.sampling_params import SamplingParams
 
 VOCAB = 32_000
 MAX_MODEL_LEN = 40_960  # Qwen3-0.6B's max_position_embeddings

@@ -36,10 +36,10 @@ import time
 import torch
 
 from pdserve.attention.kv_quant import KVCacheScales
-from pdserve.config import DEFAULT_MODEL, EngineConfig, KVCacheDtype
+from pdserve.types.engine_config import DEFAULT_MODEL, EngineConfig, KVCacheDtype
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.tokenizer import load_tokenizer
+from pdserve.types.sampling_params import SamplingParams
+from pdserve.model_files.tokenizer import load_tokenizer
 
 SUBJECTS = [
     "photosynthesis", "the French Revolution", "black holes", "the water cycle", "vaccines",

@@ -103,7 +103,7 @@ def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blo
     import torch
 
     from pdserve.kv_transfer.base import KVCacheSpec
-    from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.types.kv_transfer_config import KVTransferConfig
     from pdserve.kv_transfer.factory import create_connector
     from pdserve.kv_transfer.nixl.tp_plan import rank_heads
 
@@ -177,8 +177,8 @@ def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, 
                  tp: dict[str, Any] | None = None) -> None:
     import torch
 
-    from pdserve.kv_transfer.nixl.metadata import (
-        NixlConnectorMetadata, RecvSpec, RemoteEndpoint, RemoteKVRef)
+    from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec
+    from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 
     worker, kv, spec, _ = _make_worker("reader", port, device, geo, num_blocks,
                                        same_host_transport, kv_buffer_device, tp)

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print(__doc__)
         return 2
-    from pdserve.builtin_models import resolve_model_path
+    from pdserve.model_files.builtin_models import resolve_model_path
 
     src = Path(resolve_model_path("smollm2-135m-instruct"))
     out = Path(argv[0])

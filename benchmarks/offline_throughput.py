@@ -180,9 +180,9 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace,
     """Generate the workload with :class:`pdserve.engine.llm_engine.LLMEngine`, with overlapped
     scheduling (result ``pdserve``) or synchronous steps (``pdserve-sync``)."""
     label = "pdserve" if async_scheduling else "pdserve-sync"
-    from pdserve.config import EngineConfig, KVCacheDtype
+    from pdserve.types.engine_config import EngineConfig, KVCacheDtype
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     config = EngineConfig(
         model=str(model_dir),

@@ -1,6 +1,6 @@
 """Where the time of one multi-turn chat turn goes: a per-phase timeline across all processes.
 
-Starts one deployment with the phase trace on (``PDSERVE_PHASE_TRACE``, pdserve/phase_trace.py):
+Starts one deployment with the phase trace on (``PDSERVE_PHASE_TRACE``, pdserve/utils/phase_trace.py):
 
 * ``bidi``: ``pdserve up --multi-turn`` (P pulls the history's KV back from D every turn);
 * ``recompute``: ``pdserve up`` (P prefills the whole history);
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import os
 
-    from pdserve import phase_trace
+    from pdserve.utils import phase_trace
 
     if args.work_dir:
         trace_dir = Path(args.work_dir)

@@ -37,9 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import write_model_config  # noqa: E402
 
-from pdserve.config import EngineConfig  # noqa: E402
-from pdserve.engine.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.types.engine_config import EngineConfig  # noqa: E402
+from pdserve.types.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
+from pdserve.types.sampling_params import SamplingParams  # noqa: E402
 from pdserve.runner.model_runner import ModelRunner  # noqa: E402
 from pdserve.runner.piecewise_graphs import PiecewiseGraphs, piecewise_capture_sizes  # noqa: E402
 

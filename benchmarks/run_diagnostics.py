@@ -261,7 +261,7 @@ def profile_decode_steps(engine, work: Workload, args: argparse.Namespace, batch
     the step's kernel time, kernels with the most device time first."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     runner = engine.core.runner
     inner, inner_async = runner.execute, runner.execute_async

@@ -55,8 +55,8 @@ from types import SimpleNamespace
 
 import torch
 
-from pdserve.engine.outputs import PLACEHOLDER_TOKEN, SchedulerOutput, ScheduledRequest
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.outputs import PLACEHOLDER_TOKEN, SchedulerOutput, ScheduledRequest
+from pdserve.types.sampling_params import SamplingParams
 from pdserve.runner.block_tables import DecodeBlockTables
 from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
 from pdserve.runner.decode_graphs import replay_decode_graph

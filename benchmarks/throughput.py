@@ -130,7 +130,7 @@ def bench_transformers(args: argparse.Namespace, prompts: list[str]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pdserve.builtin_models import resolve_model_path
+    from pdserve.model_files.builtin_models import resolve_model_path
 
     path = resolve_model_path(args.model)
     dtype = {"auto": torch.float32 if args.device != "cuda" else torch.bfloat16,

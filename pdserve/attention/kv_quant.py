@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.config import KVCacheDtype
+from pdserve.types.engine_config import KVCacheDtype
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0

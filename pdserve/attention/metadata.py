@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.host_tensors import int_tensor, padded_rows
+from pdserve.attention.host_tensors import int_tensor, padded_rows
 
 
 @dataclass

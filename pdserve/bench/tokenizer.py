@@ -18,7 +18,7 @@ def load_tokenizer(source: str) -> Any:
 
     Args:
         source: the built-in model name ``smollm2-135m-instruct`` (resolved, and converted once,
-            by :func:`pdserve.builtin_models.resolve_model_path`), a local Hugging Face model or
+            by :func:`pdserve.model_files.builtin_models.resolve_model_path`), a local Hugging Face model or
             tokenizer directory, or a local ``.gguf`` file.
 
     Raises:
@@ -30,7 +30,7 @@ def load_tokenizer(source: str) -> Any:
 
     path_str = source
     if source.strip().lower() == BUILTIN_MODEL:
-        from pdserve.builtin_models import resolve_model_path
+        from pdserve.model_files.builtin_models import resolve_model_path
 
         try:
             path_str = resolve_model_path(source)
@@ -41,7 +41,7 @@ def load_tokenizer(source: str) -> Any:
         if path.is_file() and path.suffix == ".gguf":
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         if path.is_dir():
-            from pdserve.tokenizer import tokenizer_from_dir
+            from pdserve.model_files.tokenizer import tokenizer_from_dir
 
             return tokenizer_from_dir(path, local_files_only=True)
     except (OSError, ValueError) as exc:

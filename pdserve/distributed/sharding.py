@@ -12,7 +12,7 @@ from __future__ import annotations
 
 # The start-up rule lives in a torch-free module (this package's __init__ imports torch), so the
 # command lines can check it before any engine process starts.
-from pdserve.tp_precheck import TPShardingError, check_tp_divisible
+from pdserve.model_files.tp_precheck import TPShardingError, check_tp_divisible
 
 __all__ = ["TPShardingError", "check_tp_divisible", "kv_head_range", "shard_range"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from pdserve.engine.outputs import SchedulerOutput
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.types.outputs import SchedulerOutput
+from pdserve.types.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import Scheduler

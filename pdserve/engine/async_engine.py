@@ -3,7 +3,7 @@
 :class:`AsyncEngine` spawns :func:`pdserve.engine.core_loop.run_engine_core` in its own process
 (multiprocessing ``spawn``), so tokenisation, HTTP handling and detokenisation on the server's
 event loop never stall the decoding loop. The two talk over ZMQ sockets with the messages of
-:mod:`pdserve.engine.messages` (one :class:`pdserve.engine.core_client.CoreClient` per core).
+:mod:`pdserve.types.core_messages` (one :class:`pdserve.engine.core_client.CoreClient` per core).
 
 With data parallelism (``data_parallel_size > 1``, :mod:`pdserve.engine.data_parallel`) there is
 one core per rank, local or on other hosts; each request goes to the rank with the fewest
@@ -16,7 +16,7 @@ Per request the front end detokenises incrementally and applies stop strings (th
 is cut from the text, the request is aborted in the core, ``finish_reason`` is ``"stop"``;
 :mod:`pdserve.engine.output_processor`); as in vLLM, no stop string may end in the text of the
 first ``min_tokens`` tokens. A request's ``kv_transfer_params`` arrive parsed
-(:class:`pdserve.kv_transfer.params.KVTransferParams`) and are passed on to the core as they are.
+(:class:`pdserve.types.kv_params.KVTransferParams`) and are passed on to the core as they are.
 """
 
 from __future__ import annotations
@@ -31,24 +31,24 @@ from typing import Any, AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
-from pdserve import phase_trace
-from pdserve.config import EngineConfig
+from pdserve.utils import phase_trace
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.core_client import (
     CoreClient,
     CoreStartupError,
     rank_devices,
     tensor_parallel_size,
 )
-from pdserve.engine.messages import AbortRequests, AddRequest, Ready, Shutdown, StepOutputs
+from pdserve.types.core_messages import AbortRequests, AddRequest, Ready, Shutdown, StepOutputs
 from pdserve.engine.output_processor import (
     EngineStats,
     RequestOutput,
     RequestState,
     process_output,
 )
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.params import KVTransferParams
-from pdserve.model_info import ModelInfo
+from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.kv_params import KVTransferParams
+from pdserve.types.model_info import ModelInfo
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineStartupError", "EngineStats", "RequestOutput"]
 
@@ -174,7 +174,7 @@ class AsyncEngine:
 
     @staticmethod
     def _load_tokenizer(config: EngineConfig) -> Any:
-        from pdserve.tokenizer import load_tokenizer
+        from pdserve.model_files.tokenizer import load_tokenizer
 
         return load_tokenizer(config)
 
@@ -325,7 +325,7 @@ class AsyncEngine:
 
         Args:
             kv_transfer_params: the request's ``kv_transfer_params`` as the front end parsed
-                and checked them (:func:`pdserve.kv_transfer.params.parse_request_params`).
+                and checked them (:func:`pdserve.types.kv_params.parse_request_params`).
 
         Raises:
             ValueError: invalid input (duplicate id, empty or too long prompt, bad parameters).

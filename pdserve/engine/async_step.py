@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pdserve import phase_trace
-from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, PendingStep, SchedulerOutput
+from pdserve.utils import phase_trace
+from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, PendingStep, SchedulerOutput
 from pdserve.engine.overlap_schedule import schedule_overlapped
 
 if TYPE_CHECKING:

@@ -30,61 +30,15 @@ is recorded as a :mod:`pdserve.engine.kv_events` event; the engine core takes th
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from itertools import chain
 from typing import TYPE_CHECKING, Sequence
 
 from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.types.block_hash import ROOT_HASH, block_hashes
 
 if TYPE_CHECKING:
-    from pdserve.engine.request import Request
-
-_ROOT_HASH = 0
-
-
-def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Chained hash of one full block.
-
-    Args:
-        parent_hash: hash of the previous block (0 for the first block).
-        token_ids: the block's tokens (exactly ``block_size`` of them).
-
-    Returns:
-        An unsigned 64-bit int (first 8 bytes of a SHA-256 digest, little-endian).
-    """
-    payload = struct.pack(f"<Q{len(token_ids)}q", parent_hash, *token_ids)
-    return int.from_bytes(hashlib.sha256(payload).digest()[:8], "little")
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int = _ROOT_HASH) -> list[int]:
-    """Chained hashes of the FULL blocks of ``token_ids`` (a trailing partial block has none).
-
-    Args:
-        token_ids: a token sequence.
-        block_size: tokens per block.
-        parent_hash: hash preceding the first block (0 for a sequence start).
-
-    Returns:
-        ``len(token_ids) // block_size`` hashes; hash ``i`` identifies tokens ``0 .. (i+1)*B - 1``.
-    """
-    num_tokens = len(token_ids) // block_size * block_size
-    if num_tokens == 0:
-        return []
-    # One pack of all the tokens, then each block's hash over a slice of it: the same bytes as
-    # hash_block's, without packing block by block (a few thousand tokens cost half as much).
-    data = struct.pack(f"<{num_tokens}q", *token_ids[:num_tokens])
-    step = 8 * block_size
-    sha256, from_bytes = hashlib.sha256, int.from_bytes
-    hashes: list[int] = []
-    h = parent_hash
-    for start in range(0, 8 * num_tokens, step):
-        h = from_bytes(sha256(h.to_bytes(8, "little") + data[start:start + step]).digest()[:8],
-                       "little")
-        hashes.append(h)
-    return hashes
-
+    from pdserve.types.request import Request
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation needs more blocks than are free (a bookkeeping bug upstream:
@@ -189,7 +143,7 @@ class KVCacheManager:
         if len(hashes) < num_full:
             bs = self.block_size
             hashes.extend(block_hashes(request.token_ids(len(hashes) * bs, num_full * bs), bs,
-                                       hashes[-1] if hashes else _ROOT_HASH))
+                                       hashes[-1] if hashes else ROOT_HASH))
         return hashes
 
     # ---------------------------------------------------------------- prefix cache
@@ -234,11 +188,11 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        rid = request.request_id
-        done = self._req_num_cached.get(rid, 0)
+        request_id = request.request_id
+        done = self._req_num_cached.get(request_id, 0)
         if num_computed_tokens // self.block_size <= done:
             return  # no block filled since the last call (most decode steps)
-        blocks = self._req_blocks.get(rid)
+        blocks = self._req_blocks.get(request_id)
         if not blocks:
             return
         num_full = min(num_computed_tokens // self.block_size, len(blocks))
@@ -256,23 +210,23 @@ class KVCacheManager:
             self._block_hash[block_id] = h
             self._cached[h] = block_id
             stored.append(h)
-        self._req_num_cached[rid] = num_full
+        self._req_num_cached[request_id] = num_full
         if stored and self._events is not None:
             self._events.append(BlockStored(stored))
 
     def uncache_blocks(self, request: "Request", first_block_index: int) -> None:
         """Drop blocks ``first_block_index ..`` of the request from the prefix cache (their KV is
         invalid, e.g. a failed transfer) and forget the request's registration from there on."""
-        rid = request.request_id
-        blocks = self._req_blocks.get(rid, [])
+        request_id = request.request_id
+        blocks = self._req_blocks.get(request_id, [])
         for block_id in blocks[first_block_index:]:
             h = self._block_hash[block_id]
             if h is not None and self._cached.get(h) == block_id:
                 del self._cached[h]
                 self._removed(h)
             self._block_hash[block_id] = None
-        if self._req_num_cached.get(rid, 0) > first_block_index:
-            self._req_num_cached[rid] = first_block_index
+        if self._req_num_cached.get(request_id, 0) > first_block_index:
+            self._req_num_cached[request_id] = first_block_index
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only possible when no request holds blocks.
@@ -321,23 +275,23 @@ class KVCacheManager:
             The request's whole block table, or None (nothing changed) when not enough blocks
             are free.
         """
-        rid = request.request_id
+        request_id = request.request_id
         if not new_computed_blocks:  # fast path: a decode step that fits in the held blocks
-            held = self._req_blocks.get(rid)
+            held = self._req_blocks.get(request_id)
             if held and request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size:
                 return held
-        if new_computed_blocks and self._req_blocks.get(rid):
-            raise ValueError(f"request {rid} already holds blocks; prefix hits apply to new requests")
+        if new_computed_blocks and self._req_blocks.get(request_id):
+            raise ValueError(f"request {request_id} already holds blocks; prefix hits apply to new requests")
         if self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) > len(self._free):
             return None
-        blocks = self._req_blocks.setdefault(rid, [])
+        blocks = self._req_blocks.setdefault(request_id, [])
         for block_id in new_computed_blocks:
             if self.ref_counts[block_id] == 0:
                 del self._free[block_id]
             self.ref_counts[block_id] += 1
             blocks.append(block_id)
         if new_computed_blocks:
-            self._req_num_cached[rid] = len(new_computed_blocks)
+            self._req_num_cached[request_id] = len(new_computed_blocks)
         total_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total_tokens += num_new_tokens
         required = -(-total_tokens // self.block_size)
@@ -362,15 +316,15 @@ class KVCacheManager:
     def free(self, request: "Request") -> None:
         """Release the request's blocks (reference counts drop; blocks at zero become free but
         stay hittable while cached). Idempotent."""
-        rid = request.request_id
-        blocks = self._req_blocks.pop(rid, None)
-        self._req_hashes.pop(rid, None)
-        self._req_num_cached.pop(rid, None)
+        request_id = request.request_id
+        blocks = self._req_blocks.pop(request_id, None)
+        self._req_hashes.pop(request_id, None)
+        self._req_num_cached.pop(request_id, None)
         request.block_ids = []
         if not blocks:
             return
-        if rid in self._in_flight:
-            self._deferred.append((rid, blocks))
+        if request_id in self._in_flight:
+            self._deferred.append((request_id, blocks))
             return
         self._release(blocks)
 
@@ -385,9 +339,9 @@ class KVCacheManager:
         if not self._deferred:
             return
         keep = []
-        for rid, blocks in self._deferred:
-            if rid in self._in_flight:
-                keep.append((rid, blocks))
+        for request_id, blocks in self._deferred:
+            if request_id in self._in_flight:
+                keep.append((request_id, blocks))
             else:
                 self._release(blocks)
         self._deferred = keep

@@ -14,13 +14,13 @@ import dataclasses
 import logging
 from typing import Any
 
-from pdserve import phase_trace
-from pdserve.config import EngineConfig
+from pdserve.utils import phase_trace
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.async_step import OverlappedSteps, launch_phase
-from pdserve.engine.messages import AddRequest
+from pdserve.types.core_messages import AddRequest
 from pdserve.engine.kv_events import KVEventPublisher, default_snapshot_endpoint
-from pdserve.engine.outputs import EngineCoreOutput
-from pdserve.engine.request import Request
+from pdserve.types.outputs import EngineCoreOutput
+from pdserve.types.request import Request
 from pdserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ sockets, its process or heartbeats, its outstanding requests and latest stats.
 A local core is a child process (multiprocessing ``spawn``) on ``ipc://`` sockets in a private
 temporary directory; its liveness is the process's. A remote core (a rank of a headless host,
 :mod:`pdserve.engine.data_parallel`) connects to ``tcp://`` sockets bound here; its liveness is
-its heartbeats (:data:`pdserve.engine.messages.HEARTBEAT_TIMEOUT_S`).
+its heartbeats (:data:`pdserve.types.core_messages.HEARTBEAT_TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator
 import zmq
 import zmq.asyncio
 
-from pdserve.config import EngineConfig
-from pdserve.engine.messages import (
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.core_messages import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
     CoreAddresses,

@@ -1,5 +1,5 @@
 """The engine-core process: its entry point :func:`run_engine_core` and the loop that connects
-its ZMQ sockets (the protocol of :mod:`pdserve.engine.messages`) to an
+its ZMQ sockets (the protocol of :mod:`pdserve.types.core_messages`) to an
 :class:`~pdserve.engine.core.EngineCore`.
 
 The loop blocks in one poll on its input socket and the connector's wake-up handles for as long
@@ -18,10 +18,10 @@ import time
 import traceback
 from typing import Any
 
-from pdserve import phase_trace
-from pdserve.config import EngineConfig
+from pdserve.utils import phase_trace
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.core import IDLE_POLL_INTERVAL_S, EngineCore
-from pdserve.engine.messages import (
+from pdserve.types.core_messages import (
     AbortRequests,
     AddRequest,
     CoreAddresses,
@@ -36,9 +36,9 @@ from pdserve.engine.messages import (
     make_encoder,
     make_input_decoder,
 )
-from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.types.outputs import EngineCoreOutput
 from pdserve.kv_transfer.wakeup import sync_poller
-from pdserve.process_gc import freeze_start_up_objects
+from pdserve.utils.process_gc import freeze_start_up_objects
 
 logger = logging.getLogger("pdserve.engine.core")  # the engine core's log lines, one name
 
@@ -132,7 +132,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
     stats_stale = False  # a changed snapshot waits for STATS_INTERVAL_S to pass
     progressed = False
     sched = core.scheduler
-    # A remote rank (pdserve/engine/messages.py): heartbeats both ways.
+    # A remote rank (pdserve/types/core_messages.py): heartbeats both ways.
     last_input = last_sent = time.monotonic()
     while True:
         # Wait for input or a connector wake-up (side-channel answer or notice, finished

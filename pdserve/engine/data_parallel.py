@@ -6,7 +6,7 @@ Layout (vLLM's option names): ``--data-parallel-size N`` ranks in all; a host st
 rank 0) serves the API and runs ranks ``0 .. local-1`` as child processes; every other rank
 belongs to a ``--headless`` host, whose ranks join the head at
 ``--data-parallel-address:--data-parallel-rpc-port`` (a ZMQ REQ -> ROUTER exchange,
-:class:`pdserve.engine.messages.JoinRequest`) and are then driven over ``tcp://`` sockets the
+:class:`pdserve.types.core_messages.JoinRequest`) and are then driven over ``tcp://`` sockets the
 head bound for them (:class:`pdserve.engine.core_client.CoreClient`), with heartbeats both ways.
 No cluster manager: the hosts are started by whatever runs them (docs/deployment.md).
 
@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.core_client import (
     CoreClient,
     CoreStartupError,
@@ -36,7 +36,7 @@ from pdserve.engine.core_client import (
     spawn_core,
     tensor_parallel_size,
 )
-from pdserve.engine.messages import CoreAddresses, JoinReply, JoinRequest, make_encoder
+from pdserve.types.core_messages import CoreAddresses, JoinReply, JoinRequest, make_encoder
 
 logger = logging.getLogger(__name__)
 

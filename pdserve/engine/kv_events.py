@@ -2,7 +2,7 @@
 
 An engine started with ``--kv-events-endpoint tcp://HOST:PORT`` tells subscribers (the proxy's
 ``--routing kv-aware``) which prefix-cache blocks it holds, by their chained block hashes
-(:func:`pdserve.engine.block_manager.block_hashes`, the same hashes its prefix cache looks up):
+(:func:`pdserve.types.block_hash.block_hashes`, the same hashes its prefix cache looks up):
 
 * :class:`BlockStored`: blocks were registered in the prefix cache (their KV is computed);
 * :class:`BlockRemoved`: blocks left the prefix cache (evicted for reuse, or invalidated);

@@ -7,13 +7,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.core import EngineCore
-from pdserve.engine.messages import AddRequest
-from pdserve.engine.outputs import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.params import KVTransferParams
-from pdserve.process_gc import freeze_start_up_objects
+from pdserve.types.core_messages import AddRequest
+from pdserve.types.outputs import TokenLogprobs
+from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.kv_params import KVTransferParams
+from pdserve.utils.process_gc import freeze_start_up_objects
 
 
 @dataclass
@@ -59,7 +59,7 @@ class LLMEngine:
         self._next_id = 0
         # The model, caches and imported modules live as long as the engine: as in the
         # engine-core process (pdserve/engine/core_loop.py), they sit out the garbage
-        # collector's passes until shutdown (pdserve/process_gc.py says why). Freezing only
+        # collector's passes until shutdown (pdserve/utils/process_gc.py says why). Freezing only
         # inside generate() without the collect first still let two full passes into a timed
         # run under Python 3.12. Shutdown hands everything back only when nothing was frozen
         # before (a caller's freeze is left as it is).
@@ -87,7 +87,7 @@ class LLMEngine:
             sampling_params: one for all prompts, or one per prompt (default:
                 ``SamplingParams()``).
             kv_transfer_params: per prompt, or None (parsed here, unchecked, with
-                :meth:`KVTransferParams.parse <pdserve.kv_transfer.params.KVTransferParams.parse>`).
+                :meth:`KVTransferParams.parse <pdserve.types.kv_params.KVTransferParams.parse>`).
 
         Raises:
             ValueError: mismatched list lengths.
@@ -104,18 +104,18 @@ class LLMEngine:
         results: dict[str, GenerationOutput] = {}
         order: list[str] = []
         for prompt, sp, kv in zip(prompts, params, kvp):
-            rid = f"llm-{self._next_id}"
+            request_id = f"llm-{self._next_id}"
             self._next_id += 1
-            order.append(rid)
-            res = GenerationOutput(request_id=rid, prompt_token_ids=list(prompt))
-            results[rid] = res
+            order.append(request_id)
+            res = GenerationOutput(request_id=request_id, prompt_token_ids=list(prompt))
+            results[request_id] = res
             rejected = self.core.add_request(
-                AddRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp,
+                AddRequest(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=sp,
                            kv_transfer_params=KVTransferParams.parse(kv))
             )
             if rejected is not None:
                 res.finish_reason, res.error = rejected.finish_reason, rejected.error
-        pending = {rid for rid in order if results[rid].finish_reason is None}
+        pending = {request_id for request_id in order if results[request_id].finish_reason is None}
         while pending:
             outputs, progressed = self.core.step()
             if not progressed and not outputs:
@@ -134,7 +134,7 @@ class LLMEngine:
                     res.kv_transfer_params = o.kv_transfer_params
                     res.error = o.error
                     pending.discard(o.request_id)
-        return [results[rid] for rid in order]
+        return [results[request_id] for request_id in order]
 
     def drain_kv_work(self, timeout_s: float = 60.0) -> None:
         """Step until no KV transfer, notification or lease is pending (e.g. a prefiller's blocks

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from pdserve.engine.outputs import EngineCoreOutput, TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.base import KVLoadFailure
+from pdserve.types.outputs import EngineCoreOutput, TokenLogprobs
+from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.outputs import KVLoadFailure
 
 
 @dataclass

@@ -28,8 +28,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve.engine.admission import admit_waiting
-from pdserve.engine.outputs import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
-from pdserve.engine.request import Request
+from pdserve.types.outputs import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
+from pdserve.types.request import Request
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import Scheduler

@@ -27,10 +27,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.outputs import EngineCoreOutput, KVConnectorOutput
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv_transfer.base import KVLoadError
-from pdserve.kv_transfer.config import FAILURE_POLICIES, KVLoadFailurePolicy
+from pdserve.types.outputs import EngineCoreOutput, KVConnectorOutput
+from pdserve.types.request import Request, RequestStatus
+from pdserve.types.outputs import KVLoadError
+from pdserve.types.kv_transfer_config import FAILURE_POLICIES, KVLoadFailurePolicy
 
 if TYPE_CHECKING:
     from pdserve.engine.scheduler import Scheduler
@@ -125,12 +125,12 @@ class RemoteKV:
     def blocks_allocated(self, req: Request, num_local: int, num_external: int, start: int) -> None:
         """A fresh request got its blocks and starts computing at token ``start``: tell the
         connector (once) and note the tokens loaded synchronously during this step."""
-        rid = req.request_id
-        if self.connector is not None and rid not in self._consulted:
-            self._consulted.add(rid)
+        request_id = req.request_id
+        if self.connector is not None and request_id not in self._consulted:
+            self._consulted.add(request_id)
             self.connector.update_state_after_alloc(req, list(req.block_ids), num_external)
         if start > num_local:
-            self.sync_loads[rid] = (num_local, start - num_local)
+            self.sync_loads[request_id] = (num_local, start - num_local)
 
     # ================================================================ step results
     def sync_load_failed(self, req: Request, invalid: set[int],
@@ -158,25 +158,25 @@ class RemoteKV:
     def request_finished(self, req: Request) -> dict[str, Any] | None:
         """Forget the request's loads, tell the connector, and free its blocks or hold them for
         a transfer. Returns the connector's ``kv_transfer_params`` for the client, or None."""
-        rid = req.request_id
-        was_loading = self.pending_load.pop(rid, None) is not None
-        self.failed_load.pop(rid, None)
-        self._consulted.discard(rid)
+        request_id = req.request_id
+        was_loading = self.pending_load.pop(request_id, None) is not None
+        self.failed_load.pop(request_id, None)
+        self._consulted.discard(request_id)
         delay_free, params = False, None
         if self.connector is not None:
             delay_free, params = self.connector.request_finished(req, list(req.block_ids))
         if (delay_free or was_loading) and req.block_ids:
-            self.held[rid] = _Held(req, until_sent=bool(delay_free), until_recved=was_loading)
+            self.held[request_id] = _Held(req, until_sent=bool(delay_free), until_recved=was_loading)
         else:
             self.sched.kv_cache_manager.free(req)
         return params
 
-    def release_held(self, rid: str) -> None:
+    def release_held(self, request_id: str) -> None:
         """A finished request held for a transfer was aborted by the front end (its client is
         gone): the connector may end the hold at once (``release_kept_blocks``)."""
-        held = self.held.get(rid)
+        held = self.held.get(request_id)
         if held is not None and held.until_sent and self.connector is not None:
-            self.connector.release_kept_blocks(rid)
+            self.connector.release_kept_blocks(request_id)
 
     # ---------------------------------------------------------------- connector
     def first_invalid_block(
@@ -199,19 +199,19 @@ class RemoteKV:
         into the request's error message."""
         sched = self.sched
         self.num_kv_load_failures_total += 1
-        rid = req.request_id
+        request_id = req.request_id
         sched.kv_cache_manager.uncache_blocks(req, bad_block)
         if req.status == RequestStatus.RUNNING:
             sched.running.remove(req)
         override = self.connector.load_failure_policy(req)  # per-request override, or None
         policy = KVLoadFailurePolicy(override) if override is not None else self.policy
         if policy == KVLoadFailurePolicy.FAIL:
-            logger.warning("request %s: KV load failed at block index %d; failing it", rid, bad_block)
+            logger.warning("request %s: KV load failed at block index %d; failing it", request_id, bad_block)
             why = f": {error}" if error is not None else ""
             # The worker's reason says what failed (and names remote blocks when they are the
             # cause); only without one is the first invalid local block all there is to say.
-            where = (f"block {req.block_ids[bad_block]} of request {rid}" if error is None
-                     else f"request {rid}")
+            where = (f"block {req.block_ids[bad_block]} of request {request_id}" if error is None
+                     else f"request {request_id}")
             out = sched.finish(
                 req,
                 RequestStatus.FINISHED_ERROR,
@@ -223,7 +223,7 @@ class RemoteKV:
         good = max(num_local, bad_block * sched.block_size)
         good = min(good, req.num_tokens - 1)
         logger.warning(
-            "request %s: KV load failed at block index %d; recomputing from token %d", rid, bad_block, good
+            "request %s: KV load failed at block index %d; recomputing from token %d", request_id, bad_block, good
         )
         req.num_computed_tokens = good
         req.num_transferred_tokens = good - num_local
@@ -241,28 +241,28 @@ class RemoteKV:
             self.connector.update_connector_output(kv_out)
         outputs: list[EngineCoreOutput] = []
         if invalid:
-            for rid, load in self.pending_load.items():
-                bad = self.first_invalid_block(sched.waiting_for_remote[rid], load, invalid)
+            for request_id, load in self.pending_load.items():
+                bad = self.first_invalid_block(sched.waiting_for_remote[request_id], load, invalid)
                 if bad is not None:
-                    prev = self.failed_load.get(rid)
-                    self.failed_load[rid] = bad if prev is None else min(prev, bad)
-        for rid in kv_out.finished_recving:
-            held = self.held.get(rid)
+                    prev = self.failed_load.get(request_id)
+                    self.failed_load[request_id] = bad if prev is None else min(prev, bad)
+        for request_id in kv_out.finished_recving:
+            held = self.held.get(request_id)
             if held is not None:
                 held.until_recved = False
-                self.maybe_release(rid)
+                self.maybe_release(request_id)
                 continue
-            req = sched.waiting_for_remote.pop(rid, None)
+            req = sched.waiting_for_remote.pop(request_id, None)
             if req is None:
                 continue
-            num_local, num_ext = self.pending_load.pop(rid)
-            bad = self.failed_load.pop(rid, None)
+            num_local, num_ext = self.pending_load.pop(request_id)
+            bad = self.failed_load.pop(request_id, None)
             if bad is not None:
-                outputs.extend(self.apply_load_failure(req, bad, num_local, kv_out.load_errors.get(rid)))
+                outputs.extend(self.apply_load_failure(req, bad, num_local, kv_out.load_errors.get(request_id)))
                 continue
             # With the whole prompt loaded the connector's first token (the prefiller's) is
             # appended at once; otherwise the last prompt token is recomputed for its logits.
-            first = kv_out.first_tokens.get(rid) if num_local + num_ext >= req.num_tokens else None
+            first = kv_out.first_tokens.get(request_id) if num_local + num_ext >= req.num_tokens else None
             loaded = min(num_local + num_ext, req.num_tokens - (first is None))
             req.num_computed_tokens = loaded
             req.num_transferred_tokens = loaded - num_local
@@ -275,16 +275,16 @@ class RemoteKV:
             req.status = RequestStatus.WAITING
             sched.waiting.appendleft(req)
             sched.loaded_since_schedule = True
-        for rid in kv_out.finished_sending:
-            held = self.held.get(rid)
+        for request_id in kv_out.finished_sending:
+            held = self.held.get(request_id)
             if held is not None:
                 held.until_sent = False
-                self.maybe_release(rid)
+                self.maybe_release(request_id)
         return outputs
 
-    def maybe_release(self, rid: str) -> None:
+    def maybe_release(self, request_id: str) -> None:
         """Free a held request's blocks once no transfer needs them any more."""
-        held = self.held[rid]
+        held = self.held[request_id]
         if not held.until_sent and not held.until_recved:
-            del self.held[rid]
+            del self.held[request_id]
             self.sched.kv_cache_manager.free(held.request)

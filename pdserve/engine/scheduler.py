@@ -1,7 +1,7 @@
 """Continuous-batching scheduler with chunked prefill, preemption by recompute, and KV connector
 hooks. Pure bookkeeping: no torch.
 
-One step (see :mod:`pdserve.engine.outputs`)::
+One step (see :mod:`pdserve.types.outputs`)::
 
     sched_out = scheduler.schedule()
     runner_out = runner.execute(sched_out)
@@ -43,12 +43,12 @@ from typing import TYPE_CHECKING, Any, Iterable
 from pdserve.engine.admission import admit_waiting
 from pdserve.engine.block_manager import KVCacheManager
 from pdserve.engine.multi_step import commit_multi_step, schedule_multi_step
-from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.engine.remote_kv import RemoteKV, parse_load_failure_policy
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.types.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from pdserve.config import EngineConfig
+    from pdserve.types.engine_config import EngineConfig
     from pdserve.kv_transfer.base import KVConnectorSchedulerSide
 
 logger = logging.getLogger(__name__)
@@ -122,9 +122,9 @@ class Scheduler:
             ValueError: duplicate id, empty prompt, prompt longer than ``max_model_len``, or a
                 prompt that cannot fit in the whole KV cache.
         """
-        rid = request.request_id
-        if rid in self.requests or rid in self.remote_kv.held:
-            raise ValueError(f"request id {rid!r} is already in use")
+        request_id = request.request_id
+        if request_id in self.requests or request_id in self.remote_kv.held:
+            raise ValueError(f"request id {request_id!r} is already in use")
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError("the prompt must contain at least one token")
@@ -136,7 +136,7 @@ class Scheduler:
         if n > capacity:
             raise ValueError(f"prompt has {n} tokens but the KV cache holds only {capacity}")
         request.status = RequestStatus.WAITING
-        self.requests[rid] = request
+        self.requests[request_id] = request
         self.waiting.append(request)
         self.prompt_tokens_total += n
         if self.connector is not None:
@@ -147,15 +147,15 @@ class Scheduler:
         while the connector still needs them) and the connector is told. A finished request
         whose blocks are held for a remote reader (a prefiller's lease) has that hold ended:
         its front end aborts it only when the client left before getting the params."""
-        for rid in request_ids:
-            req = self.requests.get(rid)
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
             if req is None:  # finished; blocks it holds for a reader nobody will send are freed
-                self.remote_kv.release_held(rid)
+                self.remote_kv.release_held(request_id)
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                del self.waiting_for_remote[rid]
+                del self.waiting_for_remote[request_id]
             else:
                 self.waiting.remove(req)
             self.finish(req, RequestStatus.FINISHED_ABORTED)

@@ -1,5 +1,5 @@
 """Request-body size limit of the engine server, as a pure ASGI middleware: a body over
-:data:`pdserve.openai_errors.MAX_BODY_BYTES` (the proxy's limit too) is a 413 OpenAI error
+:data:`pdserve.types.openai_errors.MAX_BODY_BYTES` (the proxy's limit too) is a 413 OpenAI error
 before the app reads or parses it.
 
 A request that declares its ``Content-Length`` is judged by it; a chunked one is read here, up
@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.entrypoints.errors import OpenAIError
-from pdserve.openai_errors import body_too_large
+from pdserve.types.openai_errors import body_too_large
 
 
 class BodySizeLimitMiddleware:

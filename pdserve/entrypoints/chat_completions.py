@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve import phase_trace
+from pdserve.utils import phase_trace
 from pdserve.entrypoints.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,

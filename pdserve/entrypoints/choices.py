@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from pdserve.entrypoints.errors import OpenAIError, kv_load_error
-from pdserve.kv_transfer.base import KVLoadFailure
+from pdserve.types.outputs import KVLoadFailure
 from pdserve.entrypoints.protocol import PromptTokensDetails, UsageInfo
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pdserve.cli_types import (Parser, bind_port, fraction, non_negative_int, parse_size, port,
+from pdserve.commands.parser import (Parser, bind_port, fraction, non_negative_int, parse_size, port,
                                positive_float, positive_int)
-from pdserve.config import DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, EngineConfig, KVCacheDtype
+from pdserve.types.engine_config import DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, EngineConfig, KVCacheDtype
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve serve`` parser (``--kv-transfer-config`` is extracted before it runs)."""

@@ -3,7 +3,7 @@
 Every error the server returns has the body
 ``{"error": {"message": str, "type": str, "param": str | None, "code": int}}`` with ``code`` the
 HTTP status (vLLM's ``ErrorResponse``; the proxy's errors have the same shape, see
-:func:`pdserve.openai_errors.error_body`), which the official ``openai`` client parses into its
+:func:`pdserve.types.openai_errors.error_body`), which the official ``openai`` client parses into its
 exception classes. Bad input is a 4xx;
 a 5xx means the engine failed a request or a bug, never the client's input.
 """
@@ -19,8 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.kv_transfer.base import KVLoadFailure
-from pdserve.openai_errors import UPSTREAM_ERROR, UPSTREAM_UNAVAILABLE, error_body, error_type
+from pdserve.types.outputs import KVLoadFailure
+from pdserve.types.openai_errors import UPSTREAM_ERROR, UPSTREAM_UNAVAILABLE, error_body, error_type
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class OpenAIError(Exception):
         status: HTTP status code.
         param: the request field at fault, if any.
         type_: error type; defaults to the name for ``status``
-            (:data:`pdserve.openai_errors.ERROR_TYPES`).
+            (:data:`pdserve.types.openai_errors.ERROR_TYPES`).
     """
 
     def __init__(

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pdserve.openai_errors import STREAM_OPTIONS_WITHOUT_STREAM
+from pdserve.types.openai_errors import STREAM_OPTIONS_WITHOUT_STREAM
 
 # Largest ``n`` accepted: each choice is one engine request.
 MAX_N = 128

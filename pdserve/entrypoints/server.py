@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve import __version__, phase_trace
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.kv_events import default_snapshot_endpoint
 from pdserve.entrypoints.auth import APIKeyMiddleware
 from pdserve.entrypoints.body_limit import BodySizeLimitMiddleware
@@ -40,11 +40,11 @@ from pdserve.entrypoints.protocol import (
 )
 from pdserve.entrypoints.serving import OpenAIServing
 from pdserve.kv_transfer.nixl import release as kv_release
-from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError
+from pdserve.types.remote_ref import KVTransferParamsError
 from pdserve.kv_transfer.nixl.side_channel import SideChannelError
-from pdserve.metrics import ServerMetrics
-from pdserve.openai_errors import MAX_BODY_BYTES
-from pdserve.process_gc import freeze_start_up_objects
+from pdserve.entrypoints.metrics import ServerMetrics
+from pdserve.types.openai_errors import MAX_BODY_BYTES
+from pdserve.utils.process_gc import freeze_start_up_objects
 
 logger = logging.getLogger("pdserve.server")
 
@@ -188,7 +188,7 @@ def check_paths(config: EngineConfig) -> None:
         StartupError: ``model`` is neither the built-in name nor an existing path, or
             ``tokenizer`` is given and does not exist.
     """
-    from pdserve.builtin_models import BUILTIN_NAMES, is_builtin
+    from pdserve.model_files.builtin_models import BUILTIN_NAMES, is_builtin
 
     if not is_builtin(config.model) and not os.path.exists(os.path.expanduser(config.model)):
         raise StartupError(
@@ -306,7 +306,7 @@ def run_server(args: argparse.Namespace) -> int:
     except data_parallel.DataParallelConfigError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
-    from pdserve.tp_precheck import TPShardingError, check_splits
+    from pdserve.model_files.tp_precheck import TPShardingError, check_splits
 
     try:  # before any engine process starts
         check_splits(config.model, config.tensor_parallel_size)
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     """``pdserve serve [MODEL] [options]``; returns the process exit code (2: bad arguments,
     1: startup or runtime failure, 0: clean shutdown)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    from pdserve.kv_transfer.config import KVTransferConfigError
+    from pdserve.types.kv_transfer_config import KVTransferConfigError
     from pdserve.kv_transfer.config_cli import extract_kv_transfer_args
 
     try:

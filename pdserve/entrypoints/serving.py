@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from pdserve import phase_trace
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.utils import phase_trace
+from pdserve.types.sampling_params import SamplingParams
 from pdserve.entrypoints.chat_tokenization import SegmentCachedEncoder, _sample_chats
-from pdserve.kv_transfer import prompt_handoff
-from pdserve.kv_transfer.params import (
+from pdserve.types import prompt_handoff
+from pdserve.types.kv_params import (
     KVRole,
     KVTransferParams,
     KVTransferParamsError,
@@ -47,7 +47,7 @@ from pdserve.entrypoints.choices import (
 )
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.entrypoints.sse import DONE, sse_event
-from pdserve.metrics import ServerMetrics
+from pdserve.entrypoints.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class EngineJob:
 
 class PromptIds(list):
     """A prompt's token ids plus the digest of the rendered text they were computed from
-    (:func:`pdserve.kv_transfer.prompt_handoff.text_digest`; None when not computed)."""
+    (:func:`pdserve.types.prompt_handoff.text_digest`; None when not computed)."""
 
     text_digest: str | None = None
 
@@ -153,7 +153,7 @@ class OpenAIServing:
 
     def kv_params(self, req: CompletionRequest | ChatCompletionRequest) -> KVTransferParams | None:
         """The request's ``kv_transfer_params``, parsed and checked once, when it arrives
-        (:func:`pdserve.kv_transfer.params.parse_request_params`).
+        (:func:`pdserve.types.kv_params.parse_request_params`).
 
         Raises:
             OpenAIError: 400 naming the field when the params are malformed for this

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 
 
 def create_executor(config: EngineConfig) -> Any:

@@ -1,5 +1,5 @@
 """Merge the KV connector outputs of an instance's tensor-parallel ranks into the one
-:class:`~pdserve.engine.outputs.KVConnectorOutput` the scheduler consumes.
+:class:`~pdserve.types.outputs.KVConnectorOutput` the scheduler consumes.
 
 Rules (shared with the connector; docs/architecture.md, "Tensor parallelism"):
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.engine.outputs import KVConnectorOutput
-from pdserve.kv_transfer.base import KVLoadError
+from pdserve.types.outputs import KVConnectorOutput
+from pdserve.types.outputs import KVLoadError
 
 
 def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -68,8 +68,8 @@ class KVOutputMerger:
             if out is None:
                 continue
             merged.invalid_block_ids |= out.invalid_block_ids
-            for rid, err in out.load_errors.items():
-                self._load_errors.setdefault(rid, err)
+            for request_id, err in out.load_errors.items():
+                self._load_errors.setdefault(request_id, err)
             if rank == 0:
                 self._first_tokens.update(out.first_tokens)
                 merged.remote_clock_offsets.update(out.remote_clock_offsets)
@@ -77,22 +77,22 @@ class KVOutputMerger:
             self._count(self._sending, out.finished_sending, rank, merged.finished_sending)
             if out.stats:
                 stats.append(out.stats)
-        for rid in merged.finished_recving:
-            if rid in self._first_tokens:
-                merged.first_tokens[rid] = self._first_tokens.pop(rid)
-            if rid in self._load_errors:
-                merged.load_errors[rid] = self._load_errors.pop(rid)
+        for request_id in merged.finished_recving:
+            if request_id in self._first_tokens:
+                merged.first_tokens[request_id] = self._first_tokens.pop(request_id)
+            if request_id in self._load_errors:
+                merged.load_errors[request_id] = self._load_errors.pop(request_id)
         merged.stats = merge_stats(stats) if stats else None
         return merged
 
     def _count(self, seen: dict[str, set[int]], reported: set[str], rank: int,
                done: set[str]) -> None:
-        for rid in reported:
-            ranks = seen.setdefault(rid, set())
+        for request_id in reported:
+            ranks = seen.setdefault(request_id, set())
             ranks.add(rank)
             if len(ranks) == self.size:
-                del seen[rid]
-                done.add(rid)
+                del seen[request_id]
+                done.add(request_id)
 
     @property
     def num_pending(self) -> int:

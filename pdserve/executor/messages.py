@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.config import EngineConfig
-from pdserve.engine.outputs import SchedulerOutput
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.outputs import SchedulerOutput
 from pdserve.kv_transfer.base import KVConnectorWorkerSide, TPRank
 
 #: Builds the KV connector worker side of one rank in that rank's process (a picklable,

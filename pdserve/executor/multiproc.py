@@ -32,10 +32,10 @@ import torch
 
 import pdserve
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.distributed.communication import tp_all_gather_object
 from pdserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from pdserve.types.outputs import ModelRunnerOutput, SchedulerOutput
 from pdserve.executor.kv_merge import KVOutputMerger
 from pdserve.executor.messages import (
     AllocateKVCache,
@@ -48,7 +48,7 @@ from pdserve.executor.messages import (
     WorkerReply,
 )
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide, TPRank
-from pdserve.model_info import ModelInfo
+from pdserve.types.model_info import ModelInfo
 
 logger = logging.getLogger("pdserve.executor")
 

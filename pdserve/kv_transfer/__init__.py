@@ -7,7 +7,7 @@ the validated ``--kv-transfer-config`` (``config_cli`` parses its command-line f
 ``factory`` builds a side, and ``nixl`` is the NIXL implementation.
 """
 
-from pdserve.kv_transfer.config import KVTransferConfig, KVTransferConfigError
+from pdserve.types.kv_transfer_config import KVTransferConfig, KVTransferConfigError
 from pdserve.kv_transfer.config_cli import extract_kv_transfer_args
 
 __all__ = ["KVTransferConfig", "KVTransferConfigError", "extract_kv_transfer_args"]

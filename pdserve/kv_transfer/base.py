@@ -5,7 +5,7 @@ The split follows vLLM's v1 KV connector design. Both sides are created in the e
 process; the scheduler side is called by the scheduler (no torch), the worker side by the model
 runner (owns the KV cache tensor). The scheduler side talks to the worker side only through the
 ``kv_connector_metadata`` object it builds each step; the worker side reports back through
-:class:`pdserve.engine.outputs.KVConnectorOutput`.
+:class:`pdserve.types.outputs.KVConnectorOutput`.
 
 Call order inside one engine step::
 
@@ -32,15 +32,14 @@ The engine keeps stepping (``execute`` with an empty batch if need be) while
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
-    from pdserve.engine.request import Request
-    from pdserve.kv_transfer.config import KVLoadFailurePolicy
+    from pdserve.types.outputs import KVConnectorOutput, SchedulerOutput
+    from pdserve.types.request import Request
+    from pdserve.types.kv_transfer_config import KVLoadFailurePolicy
 
 
 @dataclass(frozen=True)
@@ -105,45 +104,6 @@ class TPRank:
     rank: int = 0
     size: int = 1
     all_gather: Callable[[Any], list[Any]] | None = None
-
-
-class KVLoadFailure(enum.Enum):
-    """Why a KV load failed; its value is the phrase the client's error message starts with."""
-
-    ENGINE_MISMATCH = "engine mismatch"
-    """The remote's KV cache is incompatible with this instance's (dtype, geometry, model)."""
-    LEASE_REFUSED = "lease refused"
-    """The owner no longer holds those blocks for those tokens, or frees them too soon."""
-    TRANSPORT = "transport error"
-    """The side channel or the NIXL READ failed (for example: the owner died)."""
-    TIMEOUT = "timeout"
-    """The owner's side channel did not answer, or the READ did not finish, in time."""
-    INVALID_REFERENCE = "invalid reference"
-    """The params name blocks the owner does not have, an engine that is not the one at the
-    side channel they name, or are malformed."""
-
-    @property
-    def caused_by_params(self) -> bool:
-        """True when the client's ``kv_transfer_params`` are at fault (a lease refused for the
-        request, tokens or blocks they name, an invalid reference, a relayed first token that
-        is not the prefiller's); False when the remote instance or the transport failed."""
-        return self in (KVLoadFailure.LEASE_REFUSED, KVLoadFailure.INVALID_REFERENCE)
-
-
-@dataclass(frozen=True)
-class KVLoadError:
-    """One failed KV load, reported by the worker side.
-
-    Attributes:
-        reason: the kind of failure.
-        detail: a sentence for the log and the client.
-    """
-
-    reason: KVLoadFailure
-    detail: str
-
-    def __str__(self) -> str:
-        return f"{self.reason.value}: {self.detail}"
 
 
 class KVConnectorSchedulerSide(abc.ABC):

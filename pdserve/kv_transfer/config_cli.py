@@ -1,5 +1,5 @@
 """Parsing of the ``--kv-transfer-config`` command-line forms (JSON and dotted keys) into a
-:class:`~pdserve.kv_transfer.config.KVTransferConfig`; runs before argparse sees the rest."""
+:class:`~pdserve.types.kv_transfer_config.KVTransferConfig`; runs before argparse sees the rest."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import json
 from typing import Any
 
-from pdserve.kv_transfer.config import EXTRA_DEFAULTS, KVTransferConfig, KVTransferConfigError
+from pdserve.types.kv_transfer_config import EXTRA_DEFAULTS, KVTransferConfig, KVTransferConfigError
 
 CLI_FLAG = "--kv-transfer-config"
 

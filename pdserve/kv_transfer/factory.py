@@ -1,4 +1,4 @@
-"""Create a KV connector side from a :class:`~pdserve.kv_transfer.config.KVTransferConfig`.
+"""Create a KV connector side from a :class:`~pdserve.types.kv_transfer_config.KVTransferConfig`.
 
 The engine core creates the scheduler side for the Scheduler, and each tensor-parallel rank
 creates a worker side for its ModelRunner in its own process (rank 0: the engine-core process),
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide, TPRank
-from pdserve.kv_transfer.config import KVTransferConfig, KVTransferConfigError
+from pdserve.types.kv_transfer_config import KVTransferConfig, KVTransferConfigError
 
 ROLES = ("scheduler", "worker")
 
@@ -63,7 +63,7 @@ def create_connector(
 
 def validate_kv_transfer_params(kv_transfer_config: KVTransferConfig, params: Any) -> None:
     """Check a request's ``kv_transfer_params`` for this instance (the check of
-    :func:`pdserve.kv_transfer.params.parse_request_params`, without the vocabulary bound).
+    :func:`pdserve.types.kv_params.parse_request_params`, without the vocabulary bound).
 
     Args:
         kv_transfer_config: this instance's validated configuration.
@@ -78,6 +78,6 @@ def validate_kv_transfer_params(kv_transfer_config: KVTransferConfig, params: An
         return
     if kv_transfer_config.kv_connector != "NixlConnector":
         raise KVTransferConfigError(f"unknown kv_connector {kv_transfer_config.kv_connector!r}")
-    from pdserve.kv_transfer.params import parse_request_params
+    from pdserve.types.kv_params import parse_request_params
 
     parse_request_params(params, kv_transfer_config, None)

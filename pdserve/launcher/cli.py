@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from pdserve.cli_types import NEGATIVE_NUMBER, Parser, port_list, positive_int
-from pdserve.config import DEFAULT_MODEL
+from pdserve.commands.parser import NEGATIVE_NUMBER, Parser, port_list, positive_int
+from pdserve.types.engine_config import DEFAULT_MODEL
 from pdserve.launcher.plan import (
     DEFAULT_PROXY_PORT,
     ChildCommands,

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pdserve.tp_precheck import TPShardingError, check_splits
+from pdserve.model_files.tp_precheck import TPShardingError, check_splits
 
 DEFAULT_PROXY_PORT = 8000
 ENGINE_HOST = "127.0.0.1"
@@ -431,7 +431,7 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
         if gpu is not None:
             sharing[gpu] = sharing.get(gpu, 0) + 1
     # One GPU shared by several engines: each gets an equal part of --gpu-memory-utilization
-    # (each engine's flag is its own share of the total, see pdserve/memory_budget.py).
+    # (each engine's flag is its own share of the total, see pdserve/runner/memory_budget.py).
     kv_memory_given = _option_given(engine_args, "--kv-cache-memory")
     util_text = option_value(engine_args, "--gpu-memory-utilization")
     try:

@@ -4,7 +4,7 @@ dummy`` (random weights, real config). Checkpoint tensors are read lazily, so a 
 rank reads only its shard.
 
 :func:`load_model` is the entry point used by the model runner; it fills the torch-free
-:class:`pdserve.model_info.ModelInfo` that the rest of the engine (scheduler, front end,
+:class:`pdserve.types.model_info.ModelInfo` that the rest of the engine (scheduler, front end,
 connector) sees.
 """
 
@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from pdserve.config import EngineConfig
-from pdserve.builtin_models import BUILTIN_NAMES, resolve_model_path
+from pdserve.types.engine_config import EngineConfig
+from pdserve.model_files.builtin_models import BUILTIN_NAMES, resolve_model_path
 from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import check_tp_divisible
 from pdserve.layers.weights import LazyWeight
 from pdserve.models.gguf_weights import gguf_hf_config, iter_gguf
-from pdserve.model_info import ModelInfo
+from pdserve.types.model_info import ModelInfo
 from pdserve.models import hf_families
 from pdserve.models.gemma3 import ARCHITECTURE as GEMMA3, gemma3_arch_config
 from pdserve.models.llama import ArchConfig, CausalLM

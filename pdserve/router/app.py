@@ -36,8 +36,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdserve import phase_trace
-from pdserve.openai_errors import MAX_BODY_BYTES, body_too_large
+from pdserve.utils import phase_trace
+from pdserve.types.openai_errors import MAX_BODY_BYTES, body_too_large
 from pdserve.router.bodies import (check_client_body, conversation_key, decode_leg_body,
                                    prefill_leg_body)
 from pdserve.router.config import ProxyConfig

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.openai_errors import STREAM_OPTIONS_WITHOUT_STREAM
+from pdserve.types.openai_errors import STREAM_OPTIONS_WITHOUT_STREAM
 from pdserve.router.errors import INVALID_REQUEST, ProxyError
 
 #: ``kv_transfer_params`` of a stateless prefill request: P must keep the blocks for a remote

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from pdserve import cli_types
+from pdserve.commands import parser as cli_types
 from pdserve.router.kv_index import DEFAULT_STALE_AFTER_S
 from pdserve.router.kv_routing import DEFAULT_KV_LOAD_WEIGHT
 from pdserve.router.state_store import check_state_store_url

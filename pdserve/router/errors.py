@@ -3,7 +3,7 @@
 Every error the proxy returns has the shape of the OpenAI API:
 ``{"error": {"message": str, "type": str, "param": str | None, "code": int}}``, where ``code`` is
 the HTTP status. The proxy's own client errors (4xx) carry the same ``type`` names as the
-engine's (:mod:`pdserve.openai_errors`: ``BadRequestError`` for every 400, ...), so a client sees
+engine's (:mod:`pdserve.types.openai_errors`: ``BadRequestError`` for every 400, ...), so a client sees
 one name whether the proxy or an instance refused its request. Errors from an upstream instance keep the upstream's status; their body is passed
 through unchanged when it already has that shape, otherwise it is wrapped into it
 (:func:`normalize_upstream_error`).
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 
-from pdserve.openai_errors import (UPSTREAM_ERROR, UPSTREAM_TIMEOUT, UPSTREAM_UNAVAILABLE,
+from pdserve.types.openai_errors import (UPSTREAM_ERROR, UPSTREAM_TIMEOUT, UPSTREAM_UNAVAILABLE,
                                    error_body, error_type)
 
 #: ``type`` strings used for errors the proxy produces itself: the engine's names for 400, 401,
-#: 404, 405 and 413 (:func:`pdserve.openai_errors.error_type`), and the proxy's own for failed
+#: 404, 405 and 413 (:func:`pdserve.types.openai_errors.error_type`), and the proxy's own for failed
 #: upstreams.
 INVALID_REQUEST = error_type(400)
 AUTHENTICATION = error_type(401)

@@ -10,7 +10,7 @@ lowest cost::
 this proxy has open on it; ``load_weight`` (``--kv-load-weight``, default
 :data:`DEFAULT_KV_LOAD_WEIGHT`): a whole prompt found in the cache is worth that many fewer
 requests in flight (1 / 0.5 = 2). Ties go to the round-robin order. The prompt's hashes are
-the engines' own (:func:`pdserve.engine.block_manager.block_hashes`) over the token ids the
+the engines' own (:func:`pdserve.types.block_hash.block_hashes`) over the token ids the
 engines would build (:class:`PromptTokenizer`). When no instance of the leg has live events, or
 the prompt cannot be tokenized, the leg is routed least-loaded. The scheme follows the
 overlap-vs-load cost of SGLang's and NVIDIA Dynamo's KV routers.
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from pdserve.engine.block_manager import block_hashes
+from pdserve.types.block_hash import block_hashes
 from pdserve.router.kv_index import InstanceKVIndex, KVEventSubscriber
 from pdserve.router.upstreams import Upstream, UpstreamPool
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of the proxy, in a registry of their own (served at ``GET /metrics``).
 
-Names (kept here until the project-wide ``pdserve/metrics.py`` takes them over):
+Names (kept here until the project-wide ``pdserve/entrypoints/metrics.py`` takes them over):
 
 * ``pdserve:proxy_requests_total{endpoint, status}``: generation requests answered, by endpoint
   (``completions`` / ``chat_completions``) and HTTP status (``499`` = client went away).

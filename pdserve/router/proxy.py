@@ -15,7 +15,7 @@ import sys
 
 from aiohttp import web
 
-from pdserve import phase_trace
+from pdserve.utils import phase_trace
 from pdserve.router.app import DisaggProxy
 from pdserve.router.config import ProxyConfig, parse_args
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pdserve.engine.outputs import ScheduledRequest
+from pdserve.types.outputs import ScheduledRequest
 
 _MIN_ROWS = 64
 
@@ -92,8 +92,8 @@ class DecodeBlockTables:
         """Free the rows of requests not in ``reqs``; then, while fewer than ``len(reqs)``
         rows are free, double the table (so that evictions stay rare)."""
         wanted = {r.request_id for r in reqs}
-        for rid in [rid for rid in self._rows if rid not in wanted]:
-            slot, known = self._rows.pop(rid)
+        for request_id in [request_id for request_id in self._rows if request_id not in wanted]:
+            slot, known = self._rows.pop(request_id)
             self._table[slot, :len(known)] = 0
             self._free.append(slot)
         old = len(self._table)

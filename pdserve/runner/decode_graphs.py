@@ -21,9 +21,9 @@ import torch
 from pdserve.attention.metadata import decode_metadata
 from pdserve.distributed.communication import tp_all_gather_object
 from pdserve.distributed.parallel_state import get_tp_size
-from pdserve.engine.outputs import ScheduledRequest
+from pdserve.types.outputs import ScheduledRequest
 from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
-from pdserve.host_tensors import int_tensor
+from pdserve.attention.host_tensors import int_tensor
 from pdserve.runner.overlap import DeviceTokens, feed_previous_tokens
 from pdserve.runner.piecewise_graphs import PiecewiseGraphs, piecewise_capture_sizes
 

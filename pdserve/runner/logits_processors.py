@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.outputs import ScheduledRequest
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.outputs import ScheduledRequest
+from pdserve.types.sampling_params import SamplingParams
 
 
 def below_min_tokens(r: ScheduledRequest) -> bool:

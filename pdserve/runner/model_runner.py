@@ -11,7 +11,7 @@ forward pass.
 
 The runner loads the model, sizes and owns the KV cache and runs one step (input preparation,
 the forward pass, sampling); the arithmetic of the cache size is torch-free, in
-:mod:`pdserve.memory_budget`. Its CUDA graphs are captured by :mod:`pdserve.runner.decode_graphs`
+:mod:`pdserve.runner.memory_budget`. Its CUDA graphs are captured by :mod:`pdserve.runner.decode_graphs`
 (which also replays decode steps; steps with prefills of up to
 ``piecewise_cuda_graph_max_tokens`` tokens replay :mod:`pdserve.runner.piecewise_graphs`),
 multi-step rounds run in :mod:`pdserve.runner.multi_step`
@@ -28,12 +28,12 @@ import sys
 
 import torch
 
-from pdserve.config import EngineConfig
-from pdserve.engine.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.attention.kv_quant import kv_cache_torch_dtype
-from pdserve.model_info import ModelInfo
-from pdserve.memory_budget import kv_cache_budget, requested_bytes
+from pdserve.types.model_info import ModelInfo
+from pdserve.runner.memory_budget import kv_cache_budget, requested_bytes
 from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import kv_head_range
 from pdserve.models.loader import load_model, model_max_len, resolve_device, tp_device
@@ -42,7 +42,7 @@ from pdserve.runner.cuda_graphs import CUDAGraphRunner
 from pdserve.runner.decode_graphs import (
     capture_decode_graphs, capture_piecewise_graphs, decode_with_graph,
 )
-from pdserve.host_tensors import int_tensor
+from pdserve.attention.host_tensors import int_tensor
 from pdserve.runner.multi_step import multi_step_decode
 from pdserve.runner.piecewise_graphs import PiecewiseGraphs
 from pdserve.runner.overlap import (
@@ -205,7 +205,7 @@ class ModelRunner:
 
     def _profile_cuda_budget(self) -> int:
         """Bytes left for the KV cache on CUDA: this instance's share of the GPU
-        (``gpu_memory_utilization`` of the total, see :mod:`pdserve.memory_budget`) minus its
+        (``gpu_memory_utilization`` of the total, see :mod:`pdserve.runner.memory_budget`) minus its
         weights and a profiling forward pass's activation peak.
 
         Raises:
@@ -238,7 +238,7 @@ class ModelRunner:
         """A forward pass of ``num_tokens`` prompt tokens in ``num_seqs`` requests (sampled with
         a repetition penalty and top-p, the costliest sampler path: a float32 copy of the
         logits, then the masks' sort) on a scratch KV cache, to measure peak memory."""
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.types.sampling_params import SamplingParams
 
         per_seq = max(1, num_tokens // num_seqs)
         blocks_per_seq = math.ceil(per_seq / self.block_size)

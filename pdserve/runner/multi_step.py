@@ -1,5 +1,5 @@
 """The model runner's multi-step rounds (:attr:`SchedulerOutput.num_steps
-<pdserve.engine.outputs.SchedulerOutput.num_steps>` > 1): several decode steps back to back,
+<pdserve.types.outputs.SchedulerOutput.num_steps>` > 1): several decode steps back to back,
 each step's sampled tokens the next step's inputs, read back to the host once at the end.
 
 The scheduler's side of a round (when one is scheduled, and its commit) is
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.outputs import ScheduledRequest
+from pdserve.types.outputs import ScheduledRequest
 from pdserve.runner.decode_graphs import replay_decode_graph
 
 if TYPE_CHECKING:

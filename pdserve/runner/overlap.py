@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pdserve.engine.outputs import (
+from pdserve.types.outputs import (
     KVConnectorOutput,
     ModelRunnerOutput,
     ScheduledRequest,
@@ -26,7 +26,7 @@ from pdserve.engine.outputs import (
     TokenLogprobs,
 )
 from pdserve.kv_transfer.base import KVConnectorWorkerSide
-from pdserve.host_tensors import int_tensor
+from pdserve.attention.host_tensors import int_tensor
 
 if TYPE_CHECKING:
     from pdserve.runner.model_runner import ModelRunner
@@ -62,9 +62,9 @@ def feed_previous_tokens(input_ids: torch.Tensor, rows: list[tuple[int, str]],
         return
     sampled_rows = previous.rows if previous is not None else {}
     try:
-        src = [sampled_rows[rid] for _, rid in rows]
+        src = [sampled_rows[request_id] for _, request_id in rows]
     except KeyError:
-        missing = [rid for _, rid in rows if rid not in sampled_rows]
+        missing = [request_id for _, request_id in rows if request_id not in sampled_rows]
         raise ValueError(f"requests {missing[:5]} take their input token from a previous step "
                          "that did not sample them") from None
     # [2, R]: destination rows, then source rows; one host-to-device copy
@@ -75,7 +75,7 @@ def feed_previous_tokens(input_ids: torch.Tensor, rows: list[tuple[int, str]],
 
 class PendingRunnerStep:
     """A launched step (``ModelRunner.execute_async``); implements
-    :class:`~pdserve.engine.outputs.PendingStep`.
+    :class:`~pdserve.types.outputs.PendingStep`.
 
     Args:
         request_ids: the sampled requests, in row order of ``tokens``.
@@ -162,6 +162,6 @@ class StepLauncher:
         elif sampled:
             tokens = runner.sampler.sample_on_device(logits, sampled)
         request_ids = [r.request_id for r in sampled]
-        self.previous = DeviceTokens({rid: i for i, rid in enumerate(request_ids)}, tokens)
+        self.previous = DeviceTokens({request_id: i for i, request_id in enumerate(request_ids)}, tokens)
         kv_out = worker.get_finished(sched.finished_request_ids) if worker is not None else None
         return PendingRunnerStep(request_ids, tokens, logprobs, kv_out)

@@ -8,7 +8,7 @@ host's ~100 operator calls per layer (``benchmarks/profile_prefill.py``: 22.9 ms
 11.4 ms of kernels, docs/benchmarks.md). Here each stage between attentions is captured once per
 padded token count (vLLM's "piecewise" CUDA graphs do the same with ``torch.compile`` splitting
 the model at its attention op), up to ``piecewise_cuda_graph_max_tokens`` tokens
-(:class:`pdserve.config.EngineConfig`; by default every step of the engine's token budget); a step replays them with the attention of each layer run eagerly
+(:class:`pdserve.types.engine_config.EngineConfig`; by default every step of the engine's token budget); a step replays them with the attention of each layer run eagerly
 in between (:meth:`pdserve.models.llama.DecoderLayer.attend`).
 
 For ``L`` layers and a padded size ``N`` there are ``L + 1`` pieces:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.engine.outputs import ScheduledRequest, TokenLogprobs
+from pdserve.types.outputs import ScheduledRequest, TokenLogprobs
 from pdserve.runner.logits_processors import (
     any_min_tokens, apply_min_tokens, apply_penalties, mask_min_p, mask_top_k_top_p,
 )
@@ -83,8 +83,8 @@ class Sampler:
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the seeds drawn for unseeded finished requests (fused draw)."""
-        for rid in request_ids:
-            self._row_seeds.pop(rid, None)
+        for request_id in request_ids:
+            self._row_seeds.pop(request_id, None)
 
     @property
     def num_generators(self) -> int:

@@ -15,15 +15,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pdserve.config import EngineConfig
-from pdserve.engine.outputs import KVConnectorOutput
-from pdserve.kv_transfer.base import (
-    KVCacheSpec,
-    KVConnectorWorkerSide,
-    KVLoadError,
-    KVLoadFailure,
-    TPRank,
-)
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.outputs import KVConnectorOutput
+from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide, TPRank
+from pdserve.types.outputs import KVLoadError, KVLoadFailure
 
 
 class ScriptedWorker(KVConnectorWorkerSide):
@@ -59,13 +54,13 @@ class ScriptedWorker(KVConnectorWorkerSide):
         out = KVConnectorOutput()
         out.finished_recving = set(meta.get("recv", {}).get(rank, ()))
         out.finished_sending = set(meta.get("send", {}).get(rank, ()))
-        out.first_tokens = {rid: tok + rank for rid, tok in meta.get("first", {}).items()
-                            if rid in out.finished_recving}
+        out.first_tokens = {request_id: tok + rank for request_id, tok in meta.get("first", {}).items()
+                            if request_id in out.finished_recving}
         invalid = meta.get("invalid", {}).get(rank, ())
         if invalid:
             out.invalid_block_ids = set(invalid)
-            out.load_errors = {rid: KVLoadError(KVLoadFailure.TRANSPORT, f"rank {rank}")
-                               for rid in out.finished_recving}
+            out.load_errors = {request_id: KVLoadError(KVLoadFailure.TRANSPORT, f"rank {rank}")
+                               for request_id in out.finished_recving}
         out.stats = {"polls": 1, "gathered": [list(g) for g in self.gathered]}
         return out
 

@@ -107,12 +107,12 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
                         param.normal_(0.0, 0.5)
     model.save_pretrained(str(out))
     if tokenizer_dir is None:
-        from pdserve.builtin_models import ensure_converted
+        from pdserve.model_files.builtin_models import ensure_converted
 
         try:
             tokenizer_dir = ensure_converted()
         except FileNotFoundError:
-            from pdserve.tokenizer import byte_level_tokenizer
+            from pdserve.model_files.tokenizer import byte_level_tokenizer
 
             byte_level_tokenizer().save_pretrained(str(out))
             return out

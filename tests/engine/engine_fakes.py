@@ -16,14 +16,11 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.core import EngineCore
-from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
-from pdserve.kv_transfer.base import (
-    KVConnectorSchedulerSide,
-    KVConnectorWorkerSide,
-    KVLoadError,
-)
+from pdserve.types.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
+from pdserve.types.outputs import KVLoadError
 
 VOCAB = 1000
 EOS = VOCAB - 1  # never produced by the hash (see reference_next_token); only when forced
@@ -365,9 +362,9 @@ class Result:
 
 def add(core: EngineCore, rid: str, prompt: list[int], kv_transfer_params: dict | None = None, **sp: Any):
     """Add a request with ``SamplingParams(temperature=0, **sp)``; returns the rejection or None."""
-    from pdserve.engine.messages import AddRequest
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.kv_transfer.params import KVTransferParams
+    from pdserve.types.core_messages import AddRequest
+    from pdserve.types.sampling_params import SamplingParams
+    from pdserve.types.kv_params import KVTransferParams
 
     sp.setdefault("temperature", 0.0)
     return core.add_request(

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import pytest_asyncio
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -20,7 +20,7 @@ from pdserve.engine.async_engine import (
     RequestOutput,
 )
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -269,7 +269,7 @@ async def test_dead_core_fails_in_flight_requests(tiny_llama_path):
 
 
 async def test_connector_stats_reach_listeners_unchanged():
-    from pdserve.engine.messages import StepOutputs
+    from pdserve.types.core_messages import StepOutputs
 
     eng = AsyncEngine()  # no process: exercise the output handling only
     core = SimpleNamespace(rank=0, stats=EngineStats())  # stands in for rank 0's CoreClient

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from pdserve.engine.block_manager import KVCacheManager, block_hashes, hash_block
-from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.block_manager import KVCacheManager
+from pdserve.types.block_hash import block_hashes, hash_block
+from pdserve.types.request import Request
+from pdserve.types.sampling_params import SamplingParams
 
 BS = 4
 

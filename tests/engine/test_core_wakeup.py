@@ -12,13 +12,13 @@ import pytest
 import zmq
 
 from engine_fakes import FakeConnectorWorker, FakeRemote, add, make_core
-from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.types.kv_params import KVTransferParams
 from pdserve.engine import core as core_mod
 from pdserve.engine import core_loop
-from pdserve.engine.messages import (
+from pdserve.types.core_messages import (
     AddRequest, Shutdown, StepOutputs, make_encoder, make_input_decoder, make_output_decoder,
 )
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.kv_transfer.wakeup import Waker
 

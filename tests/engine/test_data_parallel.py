@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.core_client import rank_devices
 from pdserve.engine.data_parallel import DataParallelConfigError, rank_config, validate
 from pdserve.engine.output_processor import EngineStats
-from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.metrics import ServerMetrics
+from pdserve.types.kv_transfer_config import KVTransferConfig
+from pdserve.entrypoints.metrics import ServerMetrics
 
 
 def kv() -> KVTransferConfig:

@@ -20,7 +20,7 @@ TEXTS = [
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from pdserve.builtin_models import ensure_converted
+    from pdserve.model_files.builtin_models import ensure_converted
 
     return AutoTokenizer.from_pretrained(str(ensure_converted()))
 

@@ -8,13 +8,14 @@ import asyncio
 import msgspec
 import pytest
 
-from pdserve.engine.block_manager import KVCacheManager, block_hashes
+from pdserve.engine.block_manager import KVCacheManager
+from pdserve.types.block_hash import block_hashes
 from pdserve.engine.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
                                       KVEventPublisher, KVSnapshot, default_snapshot_endpoint)
 from pdserve.router.kv_index import InstanceKVIndex, connectable
 
-from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.request import Request
+from pdserve.types.sampling_params import SamplingParams
 
 BS = 4
 

@@ -10,7 +10,7 @@ import pytest
 
 import engine_fakes
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("scheduling_mode")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import engine_fakes
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 
 BS = 4
 # Around the block size (1, B-1, B, B+1, 2B+1) plus longer ones.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.request import Request
+from pdserve.types.sampling_params import SamplingParams
 
 
 def test_token_ids_is_a_slice_of_all_token_ids():

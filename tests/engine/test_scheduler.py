@@ -16,7 +16,7 @@ from engine_fakes import (
     reference_generate,
     run_until_done,
 )
-from pdserve.engine.request import RequestStatus
+from pdserve.types.request import RequestStatus
 
 
 pytestmark = pytest.mark.usefixtures("scheduling_mode")

@@ -14,8 +14,8 @@ from engine_fakes import (
     reference_generate,
     run_until_done,
 )
-from pdserve.engine.request import RequestStatus
-from pdserve.kv_transfer.base import KVLoadError, KVLoadFailure
+from pdserve.types.request import RequestStatus
+from pdserve.types.outputs import KVLoadError, KVLoadFailure
 
 REMOTE = {"remote": True}
 

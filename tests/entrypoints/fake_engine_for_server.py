@@ -20,11 +20,11 @@ from typing import Any, AsyncIterator
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.async_engine import EngineDeadError, EngineStats, RequestOutput
-from pdserve.engine.outputs import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.base import KVLoadFailure
+from pdserve.types.outputs import TokenLogprobs
+from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.outputs import KVLoadFailure
 
 SPECIAL_TOKENS = ["<eos>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 0

@@ -283,7 +283,7 @@ async def test_failed_kv_load_status_names_who_failed(client: httpx.AsyncClient,
     """A KV load that failed because of the relayed ``kv_transfer_params`` is the client's 400
     (naming the field and the reason); one the prefiller or the transport failed is a 502/503,
     as the proxy reports a failed upstream. The same body comes in-band when streaming."""
-    from pdserve.kv_transfer.base import KVLoadFailure
+    from pdserve.types.outputs import KVLoadFailure
 
     kind = KVLoadFailure[failure]
     fake_engine.fail_reason = (f"KV cache load from the remote instance failed: {kind.value}: "

@@ -11,7 +11,7 @@ from fake_engine_for_server import FakeEngine
 from ports import free_port
 
 from pdserve.entrypoints.server import build_app
-from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl.side_channel import SideChannelServer
 
 RELEASE = "/v1/kv_transfer/release"

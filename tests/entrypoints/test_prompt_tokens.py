@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pdserve.entrypoints.chat_tokenization import SegmentCachedEncoder
-from pdserve.kv_transfer import prompt_handoff
+from pdserve.types import prompt_handoff
 
 
 # ------------------------------------------------------------------ piece-cached encoding

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from pdserve.config import DEFAULT_MODEL, EngineConfig
-from pdserve.cli_types import parse_size
+from pdserve.types.engine_config import DEFAULT_MODEL, EngineConfig
+from pdserve.commands.parser import parse_size
 from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
 from pdserve.entrypoints.server import main
 

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from servers import EngineServer
 
-from pdserve.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

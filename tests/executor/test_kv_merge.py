@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.outputs import KVConnectorOutput
+from pdserve.types.outputs import KVConnectorOutput
 from pdserve.executor.kv_merge import KVOutputMerger, merge_stats
-from pdserve.kv_transfer.base import KVLoadError, KVLoadFailure
+from pdserve.types.outputs import KVLoadError, KVLoadFailure
 
 
 def test_a_request_is_done_once_every_rank_reported_it():

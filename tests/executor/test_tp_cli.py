@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ports import free_port
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
 from pdserve.launcher.cli import parse_args
 from pdserve.launcher.plan import ChildCommands, LaunchError, build_plan
@@ -129,7 +129,7 @@ def test_the_launchers_split_check_does_not_import_torch(tmp_path, converted):
     """The built-in model's numbers come from its converted config.json, or before the one-time
     conversion (an empty cache directory) from its packaged GGUF's metadata; neither imports
     torch, and nothing is converted."""
-    code = ("import sys; from pdserve.tp_precheck import split_numbers; "
+    code = ("import sys; from pdserve.model_files.tp_precheck import split_numbers; "
             "n = split_numbers('smollm2-135m-instruct'); "
             "assert (n.num_heads, n.num_kv_heads, n.vocab_size) == (9, 3, 49152), n; "
             "assert 'torch' not in sys.modules, 'torch imported'")

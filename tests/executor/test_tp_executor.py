@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from pdserve.config import EngineConfig
-from pdserve.engine.outputs import SchedulerOutput
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.outputs import SchedulerOutput
 from pdserve.executor.multiproc import RankFailedError, TPExecutor
 from pdserve.testing.fake_connectors import failing_worker, scripted_worker
 

@@ -11,11 +11,11 @@ import random
 
 import pytest
 
-from pdserve.config import EngineConfig, KVCacheDtype
+from pdserve.types.engine_config import EngineConfig, KVCacheDtype
 from pdserve.distributed.sharding import TPShardingError
 from pdserve.engine.core import EngineCore
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 
 from processes import descendants, new_descendants, still_running
 

@@ -594,7 +594,7 @@ def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch, re
     import random
 
     from model_driver import DrivenRequest, MiniScheduler, greedy
-    from pdserve.config import EngineConfig
+    from pdserve.types.engine_config import EngineConfig
     from pdserve.runner import decode_graphs
     from pdserve.runner import model_runner as runner_mod
 

@@ -16,8 +16,8 @@ from triton_kernels import import_kernels
 
 ts, HAS_CUDA = import_kernels("pdserve.kernels.sampling", "_pick_kernel")
 
-from pdserve.engine.outputs import ScheduledRequest  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.types.outputs import ScheduledRequest  # noqa: E402
+from pdserve.types.sampling_params import SamplingParams  # noqa: E402
 from pdserve.runner.sampler import Sampler  # noqa: E402
 
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")

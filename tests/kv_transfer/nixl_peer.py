@@ -75,7 +75,7 @@ def _serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     from pdserve.kv_transfer.base import KVCacheSpec
-    from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.types.kv_transfer_config import KVTransferConfig
     from pdserve.kv_transfer.factory import create_connector
     from pdserve.kv_transfer.nixl.tp_plan import rank_heads
 

@@ -5,24 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_manager import block_hashes
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.types.block_hash import block_hashes
+from pdserve.types.request import Request, RequestStatus
+from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl.bidirectional import (
     PULL_SAFETY_MARGIN_S,
     decoder_keep_blocks,
     plan_pull,
 )
-from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError, RemoteKVRef
-from pdserve.kv_transfer.nixl.prefix_match import (
-    BlockHashError,
-    encode_block_hashes,
-    matched_prefix_tokens,
-    parse_block_hashes,
-)
+from pdserve.types.remote_ref import KVTransferParamsError, RemoteKVRef
+from pdserve.kv_transfer.nixl.prefix_match import matched_prefix_tokens
+from pdserve.types.block_hash import BlockHashError, encode_block_hashes, parse_block_hashes
 from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
-from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.types.kv_params import KVTransferParams
 
 B = 16
 NOW = 1_000_000.0
@@ -179,8 +175,8 @@ def test_failed_pull_is_recomputed_even_under_fail_policy():
     puts the request back to compute its whole prompt instead of failing it."""
     import time
 
-    from pdserve.config import EngineConfig
-    from pdserve.engine.outputs import KVConnectorOutput, ModelRunnerOutput
+    from pdserve.types.engine_config import EngineConfig
+    from pdserve.types.outputs import KVConnectorOutput, ModelRunnerOutput
     from pdserve.engine.scheduler import Scheduler
 
     kv = KVTransferConfig.from_dict({
@@ -210,7 +206,7 @@ def test_lease_claim_checks_the_readers_tokens():
     """A lease that knows its tokens only answers a claim that carries the digest of the same
     first ``num_tokens`` tokens."""
     from pdserve.kv_transfer.nixl.leases import LeaseTable
-    from pdserve.kv_transfer.nixl.metadata import token_digest
+    from pdserve.types.remote_ref import token_digest
 
     table = LeaseTable()
     tokens = list(range(100, 140))

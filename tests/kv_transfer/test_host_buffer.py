@@ -47,7 +47,7 @@ def test_mirror_stages_and_unstages_blocks():
 
 def _worker(role, kv, monkeypatch, transport="auto"):
     from pdserve.kv_transfer.base import KVCacheSpec
-    from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.types.kv_transfer_config import KVTransferConfig
     from pdserve.kv_transfer.factory import create_connector
 
     monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
@@ -72,8 +72,8 @@ def test_workers_move_kv_through_their_host_mirrors(monkeypatch, transport, path
     ``auto`` the reader copies the owner's shared mirror straight into its cache (its own
     mirror untouched); the owner's lease ends by the read's notification; a lease released
     while staging ends at once."""
-    from pdserve.kv_transfer.nixl.metadata import (
-        NixlConnectorMetadata, RecvSpec, RemoteEndpoint, RemoteKVRef, SendSpec)
+    from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
+    from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 
     monkeypatch.setattr(host_buffer, "wanted", lambda buffer_device, cache_device: True)
     shape = (16, 2, 2, 2, 4, 8)
@@ -132,8 +132,8 @@ def test_host_buffer_mode_between_two_processes_on_one_gpu(transport, path):
         pytest.skip("needs a CUDA GPU")
     from nixl_peer import PeerProcess, block_pattern
 
-    from pdserve.kv_transfer.nixl.metadata import (
-        NixlConnectorMetadata, RecvSpec, RemoteEndpoint, RemoteKVRef, SendSpec)
+    from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
+    from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 
     geometry = {"num_blocks": 128, "block_size": 4, "num_layers": 2, "num_kv_heads": 2,
                 "head_dim": 8, "model": "tiny"}

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.factory import validate_kv_transfer_params
-from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError
-from pdserve.kv_transfer.params import KVTransferParams, prefill_done_params
+from pdserve.types.remote_ref import KVTransferParamsError
+from pdserve.types.kv_params import KVTransferParams, prefill_done_params
 from pdserve.router.bodies import PREFILL_KV_PARAMS
 
 CONSUMER = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
@@ -148,7 +148,7 @@ def test_block_ids_beyond_any_cache_are_refused_at_the_edge(config, block_id):
 def test_params_naming_this_instance_itself_are_refused(leg):
     """Params that name this instance's own KV (its own returned params sent back to it) are a
     client error, not a failed transfer."""
-    from pdserve.kv_transfer.params import parse_request_params
+    from pdserve.types.kv_params import parse_request_params
     config, params = ((CONSUMER, p_returned_params()) if leg == "decode"
                       else (PRODUCER_BIDI, dict(PREFILL_KV_PARAMS, **d_returned_params())))
     parse_request_params(params, config, None)  # another instance's KV: fine
@@ -161,7 +161,7 @@ def test_params_naming_this_instance_itself_are_refused(leg):
 
 
 def test_integers_beyond_64_bits_are_refused_without_a_connector_too():
-    from pdserve.kv_transfer.params import parse_request_params
+    from pdserve.types.kv_params import parse_request_params
 
     for raw in ({"unknown_extra": 10**30}, dict(p_returned_params(), remote_num_tokens=2**70)):
         with pytest.raises(KVTransferParamsError, match="out"):
@@ -180,7 +180,7 @@ def test_integers_beyond_64_bits_are_refused_without_a_connector_too():
 ])
 def test_malformed_params_are_refused_without_a_connector_too(bad):
     """The edge parses the params the same way whether or not a connector is configured."""
-    from pdserve.kv_transfer.params import parse_request_params
+    from pdserve.types.kv_params import parse_request_params
 
     with pytest.raises(KVTransferParamsError, match="kv_transfer_params"):
         parse_request_params(bad, CONSUMER, 100)
@@ -190,7 +190,7 @@ def test_malformed_params_are_refused_without_a_connector_too(bad):
 
 def test_well_formed_params_without_a_connector_are_accepted():
     """vLLM ignores kv_transfer_params without a connector; so does pdserve (no transfer)."""
-    from pdserve.kv_transfer.params import KVRole, parse_request_params
+    from pdserve.types.kv_params import KVRole, parse_request_params
 
     for raw in (p_returned_params(), PREFILL_KV_PARAMS, dict(PREFILL_KV_PARAMS,
                                                              **d_returned_params())):

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from pdserve.kv_transfer.config import KVTransferConfig, KVTransferConfigError
+from pdserve.types.kv_transfer_config import KVTransferConfig, KVTransferConfigError
 from pdserve.kv_transfer.config_cli import extract_kv_transfer_args
 
 
@@ -93,7 +93,7 @@ def test_absent_flag_returns_none_and_stops_at_double_dash():
 
 
 def test_kv_both_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer.config"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.types.kv_transfer_config"):
         cfg = KVTransferConfig.from_dict({"kv_role": "kv_both"})
     assert cfg.is_producer and cfg.is_consumer
     assert any("deprecated" in r.message for r in caplog.records)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.config import EngineConfig
-from pdserve.kv_transfer.params import KVTransferParams
-from pdserve.engine.outputs import KVConnectorOutput
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.kv_params import KVTransferParams
+from pdserve.types.outputs import KVConnectorOutput
+from pdserve.types.request import Request, RequestStatus
+from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.factory import create_connector
 from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
 

@@ -16,13 +16,8 @@ import torch
 
 from nixl_peer import TPGroup, tp_pattern
 from ports import free_port
-from pdserve.kv_transfer.nixl.metadata import (
-    NixlConnectorMetadata,
-    RecvSpec,
-    RemoteEndpoint,
-    RemoteKVRef,
-    SendSpec,
-)
+from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
+from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 from pdserve.kv_transfer.nixl.tp_plan import descriptors_per_request, rank_heads
 
 pytestmark = pytest.mark.timeout(600)

@@ -13,14 +13,8 @@ import torch
 
 from nixl_peer import PeerProcess, block_pattern
 from ports import free_port
-from pdserve.kv_transfer.nixl.metadata import (
-    NixlConnectorMetadata,
-    RecvSpec,
-    RemoteEndpoint,
-    RemoteKVRef,
-    RemoteNotice,
-    SendSpec,
-)
+from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, RemoteNotice, SendSpec
+from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -173,7 +167,7 @@ def test_expired_multi_turn_blocks_are_counted_apart(pair):
 
 def test_release_frees_a_lease_at_once_only_for_its_blocks(pair, monkeypatch):
     """The proxy's early release (the decode leg will not read): exactly the leased blocks."""
-    from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.types.kv_transfer_config import KVTransferConfig
     from pdserve.kv_transfer.nixl.release import parse_release, send_release
 
     p, _ = pair

@@ -209,7 +209,7 @@ def test_slow_gpu_read_over_nixl_is_warned_once(caplog):
 # ----------------------------------------------------------------- the worker's hooks, on CPU
 def _worker(role: str, kv: torch.Tensor, monkeypatch, **extra):
     from pdserve.kv_transfer.base import KVCacheSpec
-    from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.types.kv_transfer_config import KVTransferConfig
     from pdserve.kv_transfer.factory import create_connector
 
     monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
@@ -228,8 +228,8 @@ def test_worker_reads_through_the_same_host_peer_and_notifies_the_owner(monkeypa
     """The worker's hooks: a peer whose reads go by the same-host path gets its blocks copied
     after the claim, the read is reported in finished_recving with its stats and path, and the
     owner's lease ends at once by the "done" notice (not by its 30 s expiry)."""
-    from pdserve.kv_transfer.nixl.metadata import (
-        NixlConnectorMetadata, RecvSpec, RemoteEndpoint, RemoteKVRef, SendSpec)
+    from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
+    from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 
     shape = (16, 2, 2, 2, 4, 8)
     owner_kv = torch.arange(torch.tensor(shape).prod().item(), dtype=torch.float32).view(shape)
@@ -295,8 +295,8 @@ def test_two_processes_on_one_gpu_read_by_the_chosen_path(setting, transport):
         pytest.skip("needs a CUDA GPU")
     from nixl_peer import PeerProcess, block_pattern
 
-    from pdserve.kv_transfer.nixl.metadata import (
-        NixlConnectorMetadata, RecvSpec, RemoteEndpoint, RemoteKVRef, SendSpec)
+    from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
+    from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 
     geometry = {"num_blocks": 256, "block_size": 4, "num_layers": 2, "num_kv_heads": 2,
                 "head_dim": 8, "model": "tiny"}

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-import pdserve.builtin_gemma3 as gemma3
-import pdserve.builtin_models as builtin
+import pdserve.model_files.builtin_gemma3 as gemma3
+import pdserve.model_files.builtin_models as builtin
 
 
 def test_builtin_names_resolve_to_their_cache_directories(monkeypatch, tmp_path):
@@ -77,12 +77,12 @@ def _write_gguf(path):
 
 
 def test_gguf_parse_matches_gguf_reader(tmp_path):
-    """The one-pass parse the conversions use (pdserve/gguf_file.py) gives the same metadata,
+    """The one-pass parse the conversions use (pdserve/model_files/gguf_file.py) gives the same metadata,
     shapes and dequantized values as gguf.GGUFReader (its fallback)."""
     import numpy as np
     from gguf import dequantize
 
-    from pdserve import gguf_file
+    from pdserve.model_files import gguf_file
 
     path = tmp_path / "small.gguf"
     written = _write_gguf(path)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.layers import rotary
 from pdserve.models.loader import arch_config_from_hf, load_model
 from pdserve.runner.model_runner import ModelRunner

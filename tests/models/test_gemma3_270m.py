@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.runner.model_runner import ModelRunner
 
 from model_driver import DrivenRequest, MiniScheduler, greedy

@@ -19,7 +19,7 @@ def test_gguf_names():
 
 
 def test_shards_equal_slices_of_the_whole_tensor():
-    from pdserve import builtin_models
+    from pdserve.model_files import builtin_models
 
     try:
         path = builtin_models.builtin_gguf_path()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.models.llama import ArchConfig, rope_inv_freq
 from pdserve.models.loader import (
     arch_config_from_hf,

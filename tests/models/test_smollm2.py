@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import pdserve.builtin_models as smollm2
-from pdserve.config import EngineConfig
+import pdserve.model_files.builtin_models as smollm2
+from pdserve.types.engine_config import EngineConfig
 from pdserve.models.loader import load_model
 from pdserve.runner.model_runner import ModelRunner
-from pdserve.tokenizer import load_tokenizer
+from pdserve.model_files.tokenizer import load_tokenizer
 
 from model_driver import DrivenRequest, MiniScheduler, greedy
 

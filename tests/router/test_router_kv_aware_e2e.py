@@ -19,7 +19,7 @@ import concurrent.futures
 import httpx
 import pytest
 
-from pdserve.engine.block_manager import block_hashes
+from pdserve.types.block_hash import block_hashes
 from pdserve.router.config import ProxyConfig
 from pdserve.router.proxy import start_proxy
 from ports import free_port

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pdserve.engine.block_manager import block_hashes
+from pdserve.types.block_hash import block_hashes
 from pdserve.engine.kv_events import KVSnapshot
 from pdserve.router.config import ProxyConfig, parse_args
 from pdserve.router.kv_routing import KVAwareRouter, RoutingReason

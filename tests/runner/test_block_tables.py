@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.engine.outputs import PLACEHOLDER_TOKEN, ScheduledRequest
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.outputs import PLACEHOLDER_TOKEN, ScheduledRequest
+from pdserve.types.sampling_params import SamplingParams
 from pdserve.runner.block_tables import DecodeBlockTables
 from pdserve.runner.decode_graphs import replay_decode_graph
 from pdserve.runner.overlap import DeviceTokens

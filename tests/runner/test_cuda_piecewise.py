@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.runner.model_runner import ModelRunner
 
 from families import make_family_model

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.runner.model_runner import ModelRunner
 
 from model_driver import DrivenRequest, MiniScheduler, greedy
@@ -127,7 +127,7 @@ def test_cuda_graph_multi_step_rounds_match_single_steps(tiny_qwen3_path):
     GPU) give the same greedy and seeded-sampled tokens as synchronous graph decode steps; a
     request stopping inside a round keeps only its tokens up to the stop."""
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.types.sampling_params import SamplingParams
 
     prompts = [_prompt(n, 30 + i) for i, n in enumerate([3, B, B + 5, 2 * B + 3])]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),

@@ -1,11 +1,11 @@
-"""Host tensors of a step's inputs built through numpy (pdserve/host_tensors.py)."""
+"""Host tensors of a step's inputs built through numpy (pdserve/attention/host_tensors.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.host_tensors import int_tensor, padded_rows
+from pdserve.attention.host_tensors import int_tensor, padded_rows
 
 
 def test_int_tensor_values_and_dtypes():

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from pdserve.config import EngineConfig, KVCacheDtype
+from pdserve.types.engine_config import EngineConfig, KVCacheDtype
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams
 from pdserve.runner.model_runner import ModelRunner
 
 QUESTIONS = [
@@ -67,7 +67,7 @@ def _greedy(model: str, kind: KVCacheDtype, prompts: list[list[int]]):
 
 @pytest.mark.slow
 def test_fp8_greedy_tokens_and_logprobs_agree_with_the_full_precision_cache(smollm2_path):
-    from pdserve.tokenizer import load_tokenizer
+    from pdserve.model_files.tokenizer import load_tokenizer
 
     tok = load_tokenizer(EngineConfig(model=smollm2_path))
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}],

@@ -1,4 +1,4 @@
-"""The runner's CUDA KV cache sizing wired to pdserve/memory_budget.py, on CPU: torch.cuda's
+"""The runner's CUDA KV cache sizing wired to pdserve/runner/memory_budget.py, on CPU: torch.cuda's
 memory queries are replaced by a fake GPU that another process already half fills."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
-from pdserve.memory_budget import GpuMemoryBudgetError
+from pdserve.types.engine_config import EngineConfig
+from pdserve.runner.memory_budget import GpuMemoryBudgetError
 from pdserve.runner import model_runner as runner_mod
 
 GiB = 1 << 30

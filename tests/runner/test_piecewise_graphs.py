@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.runner.piecewise_graphs import PiecewiseGraphs, piecewise_capture_sizes
 

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
-from pdserve.engine.outputs import KVConnectorOutput, ScheduledRequest, SchedulerOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.engine_config import EngineConfig
+from pdserve.types.outputs import KVConnectorOutput, ScheduledRequest, SchedulerOutput
+from pdserve.types.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import KVConnectorWorkerSide
 from pdserve.runner.model_runner import ModelRunner
 

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.types.engine_config import EngineConfig
 from pdserve.runner.model_runner import ModelRunner
 
 from model_driver import DrivenRequest, MiniScheduler, greedy

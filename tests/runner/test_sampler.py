@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.outputs import ScheduledRequest
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.outputs import ScheduledRequest
+from pdserve.types.sampling_params import SamplingParams
 from pdserve.runner.logits_processors import (
     apply_min_p,
     apply_min_tokens,

@@ -40,13 +40,13 @@ def block_runs(local_ids: list[int], remote_ids: list[int]) -> list[tuple[int, i
     if len(local_ids) != len(remote_ids):
         raise ValueError("local and remote block lists differ in length")
     runs: list[tuple[int, int, int]] = []
-    for lid, rid in zip(local_ids, remote_ids):
+    for lid, request_id in zip(local_ids, remote_ids):
         if runs:
             ls, rs, n = runs[-1]
-            if lid == ls + n and rid == rs + n:
+            if lid == ls + n and request_id == rs + n:
                 runs[-1] = (ls, rs, n + 1)
                 continue
-        runs.append((lid, rid, 1))
+        runs.append((lid, request_id, 1))
     return runs
 
 

@@ -28,18 +28,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.block_manager import block_hashes
-from pdserve.kv_transfer.nixl.metadata import RemoteKVRef, SendSpec
-from pdserve.kv_transfer.nixl.prefix_match import (
-    encode_block_hashes,
-    matched_prefix_tokens,
-    seconds_left,
-    tokens_to_pull,
-)
-from pdserve.kv_transfer.params import KVRole, KVTransferParams, decoder_turn_params
+from pdserve.types.block_hash import block_hashes
+from pdserve.kv_transfer.nixl.metadata import SendSpec
+from pdserve.types.remote_ref import RemoteKVRef
+from pdserve.kv_transfer.nixl.prefix_match import matched_prefix_tokens, seconds_left, tokens_to_pull
+from pdserve.types.block_hash import encode_block_hashes
+from pdserve.types.kv_params import KVRole, KVTransferParams, decoder_turn_params
 
 if TYPE_CHECKING:
-    from pdserve.engine.request import Request
+    from pdserve.types.request import Request
 
 # Seconds D's blocks must still live, on P's clock, for P to start a pull: covers the handshake
 # and claim round trips and the READ itself with room to spare (a READ of a few MB takes
@@ -81,7 +78,7 @@ def plan_pull(
     Args:
         params: the request's parsed ``kv_transfer_params`` (a dict is parsed first); a P leg
             that names a previous turn's decoder
-            (:attr:`~pdserve.kv_transfer.params.KVTransferParams.pulls_decoder_kv`) may pull.
+            (:attr:`~pdserve.types.kv_params.KVTransferParams.pulls_decoder_kv`) may pull.
         prompt_token_ids: the new prompt.
         num_local_tokens: P's own prefix-cache hit, in tokens.
         block_size: tokens per block (the handshake guarantees both sides use the same).

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.kv_transfer.nixl.metadata import token_digest
+from pdserve.types.remote_ref import token_digest
 
 _CLOSED_MEMORY = 10_000  # how many closed leases are remembered (to answer late claims clearly)
 _EARLY_NOTICE_TTL_S = 120.0
@@ -200,7 +200,7 @@ class LeaseTable:
         """A reader's check before its READ (side-channel thread).
 
         When the lease knows its tokens, the reader must send ``num_tokens`` and the
-        :func:`~pdserve.kv_transfer.nixl.metadata.token_digest` of its own first ``num_tokens``
+        :func:`~pdserve.types.remote_ref.token_digest` of its own first ``num_tokens``
         tokens, and they must equal the owner's: KV computed for other tokens (forged or stale
         params, a prompt that differs from the prefiller's) is never read, so it cannot end up
         in the reader's prefix cache under the wrong hashes.
@@ -251,17 +251,17 @@ class LeaseTable:
         Returns:
             The expired request ids.
         """
-        return [rid for rid, _ in self.expire_leases(now)]
+        return [request_id for request_id, _ in self.expire_leases(now)]
 
     def expire_leases(self, now: float | None = None) -> list[tuple[str, Lease]]:
         """:meth:`expire`, returning ``(request_id, lease)`` pairs (a lease that is not renewable
         is a decoder's multi-turn TTL)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            expired = [(rid, lease) for rid, lease in self._leases.items() if lease.expiry <= now]
-            for rid, _ in expired:
-                del self._leases[rid]
-                self._remember(rid, "lease expired")
+            expired = [(request_id, lease) for request_id, lease in self._leases.items() if lease.expiry <= now]
+            for request_id, _ in expired:
+                del self._leases[request_id]
+                self._remember(request_id, "lease expired")
             for key in [k for k, early in self._early.items() if early[1] <= now]:
                 del self._early[key]
         return expired

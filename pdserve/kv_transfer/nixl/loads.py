@@ -7,7 +7,7 @@ Load life cycle::
     owner's lease) -> READ posted (notification "done" rides on it) -> polled until DONE/ERR
 
 Any failure ends the load with the request id in ``finished_recving``, its destination blocks in
-``invalid_block_ids`` and its :class:`~pdserve.kv_transfer.base.KVLoadError` in ``load_errors``;
+``invalid_block_ids`` and its :class:`~pdserve.types.outputs.KVLoadError` in ``load_errors``;
 the owner is told to drop its lease ("abort") when it can be reached.
 
 A peer on this instance's GPU (CUDA IPC, :mod:`.cuda_ipc`) or, in host-buffer mode, with a
@@ -38,13 +38,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pdserve import phase_trace
-from pdserve.engine.outputs import KVConnectorOutput
-from pdserve.kv_transfer.base import KVLoadError, KVLoadFailure
-from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.utils import phase_trace
+from pdserve.types.outputs import KVConnectorOutput
+from pdserve.types.outputs import KVLoadError, KVLoadFailure
+from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl import host_buffer
 from pdserve.kv_transfer.nixl.agent import NixlAgent, block_runs
-from pdserve.kv_transfer.nixl.metadata import RecvSpec, RemoteEndpoint, RemoteNotice
+from pdserve.kv_transfer.nixl.metadata import RecvSpec, RemoteNotice
+from pdserve.types.remote_ref import RemoteEndpoint
 from pdserve.kv_transfer.nixl.notifications import encode_notif
 from pdserve.kv_transfer.nixl.remotes import HandshakeFailure, RemoteRegistry, RemoteState
 from pdserve.kv_transfer.nixl.side_channel import SideChannelClient, SideChannelTimeout

@@ -3,7 +3,7 @@ KV transfer, docs/architecture.md, "Multi-turn: bidirectional transfer").
 
 The remote (a decoder that kept a finished turn's blocks) advertises the chained hashes of its
 FULL blocks (``remote_block_hashes``), computed with
-:func:`pdserve.engine.block_manager.block_hashes`: hash ``i`` identifies tokens
+:func:`pdserve.types.block_hash.block_hashes`: hash ``i`` identifies tokens
 ``0 .. (i+1)*block_size - 1``, so equal hashes at index ``i`` mean the whole prefix up to the end
 of block ``i`` is equal. The reader hashes its own prompt the same way and reuses only the
 longest run of equal leading hashes; a client that rewrote the history (for example stripped a
@@ -16,56 +16,9 @@ many clients); integers are accepted as well.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
-from pdserve.engine.block_manager import block_hashes
-
-
-class BlockHashError(ValueError):
-    """``remote_block_hashes`` is not a list of 64-bit hashes (hex strings or integers)."""
-
-
-def encode_block_hashes(hashes: Sequence[int]) -> list[str]:
-    """Hashes from :func:`block_hashes` as 16-digit hex strings (the wire form)."""
-    return [f"{h:016x}" for h in hashes]
-
-
-def parse_block_hashes(raw: Any) -> list[int]:
-    """Parse ``remote_block_hashes``.
-
-    Args:
-        raw: a list of hex strings (optionally ``0x``-prefixed) or non-negative integers.
-
-    Returns:
-        The hashes as unsigned ints.
-
-    Raises:
-        BlockHashError: not a list, or an element that is not a 64-bit hash.
-    """
-    if not isinstance(raw, list):
-        raise BlockHashError("kv_transfer_params.remote_block_hashes must be a list")
-    out: list[int] = []
-    for h in raw:
-        if isinstance(h, bool):
-            raise BlockHashError("kv_transfer_params.remote_block_hashes holds a boolean")
-        if isinstance(h, int):
-            value = h
-        elif isinstance(h, str):
-            try:
-                value = int(h, 16)
-            except ValueError:
-                raise BlockHashError(
-                    f"kv_transfer_params.remote_block_hashes holds {h[:40]!r}, not a hex hash"
-                ) from None
-        else:
-            raise BlockHashError(
-                f"kv_transfer_params.remote_block_hashes holds a {type(h).__name__}"
-            )
-        if not 0 <= value < 2**64:
-            raise BlockHashError("kv_transfer_params.remote_block_hashes holds a value out of "
-                                 "the 64-bit range")
-        out.append(value)
-    return out
+from pdserve.types.block_hash import block_hashes
 
 
 def matched_prefix_tokens(

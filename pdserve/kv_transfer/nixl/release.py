@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.kv_transfer.nixl.metadata import KVTransferParamsError, RemoteKVRef
+from pdserve.types.kv_transfer_config import KVTransferConfig
+from pdserve.types.remote_ref import KVTransferParamsError, RemoteKVRef
 from pdserve.kv_transfer.nixl.side_channel import side_channel_request
 
 #: Side-channel notice kind of an early release (carries ``block_ids``).

@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pdserve.kv_transfer.base import KVLoadFailure, TPRank
-from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.base import TPRank
+from pdserve.types.outputs import KVLoadFailure
+from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl.agent import NixlAgent, RemoteAgent
-from pdserve.kv_transfer.nixl.metadata import RemoteEndpoint
+from pdserve.types.remote_ref import RemoteEndpoint
 from pdserve.kv_transfer.nixl.tp_plan import Route, TPLayoutError, pairing_error, plan_route
 from pdserve.kv_transfer.nixl.side_channel import (
     SideChannelClient,

@@ -23,8 +23,8 @@ not about to expire, else recomputes and tells D to drop the blocks). A failed p
 recomputed (:meth:`NixlConnectorScheduler.load_failure_policy`), never an error.
 
 The scheduler side reads a request's parsed params
-(:class:`~pdserve.kv_transfer.params.KVTransferParams`: role, remote KV reference, relayed
-first token) and builds the params it returns with :mod:`pdserve.kv_transfer.params`.
+(:class:`~pdserve.types.kv_params.KVTransferParams`: role, remote KV reference, relayed
+first token) and builds the params it returns with :mod:`pdserve.types.kv_params`.
 """
 
 from __future__ import annotations
@@ -35,27 +35,21 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.request import RequestStatus
+from pdserve.types.request import RequestStatus
 from pdserve.kv_transfer.base import KVConnectorSchedulerSide
-from pdserve.kv_transfer.config import KVLoadFailurePolicy, KVTransferConfig
+from pdserve.types.kv_transfer_config import KVLoadFailurePolicy, KVTransferConfig
 from pdserve.kv_transfer.nixl.bidirectional import (
     PULL_SAFETY_MARGIN_S,
     decoder_keep_blocks,
     plan_pull,
 )
-from pdserve.kv_transfer.nixl.metadata import (
-    NixlConnectorMetadata,
-    RecvSpec,
-    RemoteKVRef,
-    RemoteNotice,
-    SendSpec,
-    token_digest,
-)
-from pdserve.kv_transfer.params import KVRole, prefill_done_params
+from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, RemoteNotice, SendSpec
+from pdserve.types.remote_ref import RemoteKVRef, token_digest
+from pdserve.types.kv_params import KVRole, prefill_done_params
 
 if TYPE_CHECKING:
-    from pdserve.engine.outputs import KVConnectorOutput, SchedulerOutput
-    from pdserve.engine.request import Request
+    from pdserve.types.outputs import KVConnectorOutput, SchedulerOutput
+    from pdserve.types.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ instances' ``REQ`` sockets:
     -> ``{"ok": bool, "reason": str, "lease_expiry_in": float, "instance_id": str[,
     "first_token_id": int]}``: before reading, the reader
     checks that the owner still holds exactly these blocks for that request, computed from the
-    same first ``num_tokens`` tokens as the reader's (their SHA-256, ``metadata.token_digest``),
+    same first ``num_tokens`` tokens as the reader's (their SHA-256, ``remote_ref.token_digest``),
     and extends the lease for the read. A claim for a request the owner does not know yet (its lease is
     registered one engine step after the request finished) is answered when it appears, or
     rejected after ``claim_wait_s``. A granted claim of a prefiller's prompt carries the first
@@ -55,7 +55,7 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-from pdserve import phase_trace
+from pdserve.utils import phase_trace
 from pdserve.kv_transfer.base import KVCacheSpec
 
 logger = logging.getLogger(__name__)

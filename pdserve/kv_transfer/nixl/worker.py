@@ -45,19 +45,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.outputs import KVConnectorOutput
+from pdserve.types.outputs import KVConnectorOutput
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide, TPRank
-from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl import host_buffer, same_host
 from pdserve.kv_transfer.nixl.agent import NixlAgent
 from pdserve.kv_transfer.nixl.leases import LeaseTable
 from pdserve.kv_transfer.nixl.loads import XFER_POLL_INTERVAL_S, XFER_SPIN_S, LoadTracker
-from pdserve.kv_transfer.nixl.metadata import (
-    NixlConnectorMetadata,
-    RemoteEndpoint,
-    RemoteKVRef,
-    RemoteNotice,
-)
+from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RemoteNotice
+from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 from pdserve.kv_transfer.nixl.notifications import Notice, decode_notif, encode_notif
 from pdserve.kv_transfer.nixl.release import RELEASE_NOTICE
 from pdserve.kv_transfer.nixl.remotes import LocalKV, RemoteRegistry, RemoteState

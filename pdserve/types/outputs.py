@@ -12,11 +12,50 @@ shared by reference, not copied.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.base import KVLoadError, KVLoadFailure
+from pdserve.types.sampling_params import SamplingParams
+
+
+class KVLoadFailure(enum.Enum):
+    """Why a KV load failed; its value is the phrase the client's error message starts with."""
+
+    ENGINE_MISMATCH = "engine mismatch"
+    """The remote's KV cache is incompatible with this instance's (dtype, geometry, model)."""
+    LEASE_REFUSED = "lease refused"
+    """The owner no longer holds those blocks for those tokens, or frees them too soon."""
+    TRANSPORT = "transport error"
+    """The side channel or the NIXL READ failed (for example: the owner died)."""
+    TIMEOUT = "timeout"
+    """The owner's side channel did not answer, or the READ did not finish, in time."""
+    INVALID_REFERENCE = "invalid reference"
+    """The params name blocks the owner does not have, an engine that is not the one at the
+    side channel they name, or are malformed."""
+
+    @property
+    def caused_by_params(self) -> bool:
+        """True when the client's ``kv_transfer_params`` are at fault (a lease refused for the
+        request, tokens or blocks they name, an invalid reference, a relayed first token that
+        is not the prefiller's); False when the remote instance or the transport failed."""
+        return self in (KVLoadFailure.LEASE_REFUSED, KVLoadFailure.INVALID_REFERENCE)
+
+
+@dataclass(frozen=True)
+class KVLoadError:
+    """One failed KV load, reported by the worker side.
+
+    Attributes:
+        reason: the kind of failure.
+        detail: a sentence for the log and the client.
+    """
+
+    reason: KVLoadFailure
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.detail}"
 
 
 @dataclass

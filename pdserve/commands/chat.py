@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, TextIO
 
 import httpx
-from pdserve.cli_types import Parser
+from pdserve.commands.parser import Parser
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 HELP_TEXT = "commands: /reset = new conversation, /exit or Ctrl-D = quit, /help = this text"

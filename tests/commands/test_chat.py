@@ -1,4 +1,4 @@
-"""Tests of ``pdserve chat`` (pdserve/chat.py) against a fake OpenAI-compatible streaming server."""
+"""Tests of ``pdserve chat`` (pdserve/commands/chat.py) against a fake OpenAI-compatible streaming server."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from pdserve import chat
+from pdserve.commands import chat
 
 
 class FakeOpenAIServer:

@@ -1,4 +1,4 @@
-"""The opt-in phase trace (pdserve/phase_trace.py) and the timeline benchmarks/pd_phases.py reads
+"""The opt-in phase trace (pdserve/utils/phase_trace.py) and the timeline benchmarks/pd_phases.py reads
 from it."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import phase_trace
+from pdserve.utils import phase_trace
 from pdserve.engine.async_step import launch_phase
-from pdserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.types.outputs import ScheduledRequest, SchedulerOutput
+from pdserve.types.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

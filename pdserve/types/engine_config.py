@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.types.kv_transfer_config import KVTransferConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

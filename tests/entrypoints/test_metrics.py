@@ -1,4 +1,4 @@
-"""pdserve.metrics: exposed names, engine stats at scrape time, connector deltas."""
+"""pdserve.entrypoints.metrics: exposed names, engine stats at scrape time, connector deltas."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve import metrics as m
+from pdserve.entrypoints import metrics as m
 from pdserve.engine.async_engine import EngineStats
 
 ALL_NAMES = [

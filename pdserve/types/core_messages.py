@@ -28,9 +28,9 @@ from typing import Any, Union
 
 import msgspec
 
-from pdserve.engine.outputs import EngineCoreOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.types.outputs import EngineCoreOutput
+from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.kv_params import KVTransferParams
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Ready(msgspec.Struct, tag="ready"):
     """The core finished starting.
 
     Attributes:
-        model_info: ``dataclasses.asdict`` of :class:`pdserve.model_info.ModelInfo`.
+        model_info: ``dataclasses.asdict`` of :class:`pdserve.types.model_info.ModelInfo`.
         num_blocks: KV cache blocks.
         block_size: tokens per block.
         max_model_len: the effective max_model_len (tokens).

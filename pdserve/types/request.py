@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.kv_params import KVTransferParams
 
 
 class RequestStatus(enum.Enum):
@@ -50,7 +50,7 @@ class Request:
             creation.
         sampling_params: how to sample and when to stop.
         kv_transfer_params: the request's parsed ``kv_transfer_params``
-            (:class:`~pdserve.kv_transfer.params.KVTransferParams`) or None; the connector
+            (:class:`~pdserve.types.kv_params.KVTransferParams`) or None; the connector
             reads it.
         output_token_ids: generated tokens so far.
         num_computed_tokens: tokens whose KV is in this engine's cache (prefix hits, transferred

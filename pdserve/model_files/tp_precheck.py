@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve import builtin_models
+from pdserve.model_files import builtin_models
 
 __all__ = ["SplitNumbers", "TPShardingError", "check_splits", "check_tp_divisible",
            "split_numbers"]

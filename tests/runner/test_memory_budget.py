@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.memory_budget import (
+from pdserve.runner.memory_budget import (
     NON_TORCH_GROWTH_CAP,
     GpuMemoryBudgetError,
     kv_cache_budget,

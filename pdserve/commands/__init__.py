@@ -1,0 +1,2 @@
+"""The command line's parts: the shared argument parser and ``pdserve chat``.
+"""

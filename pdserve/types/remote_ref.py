@@ -1,0 +1,155 @@
+"""What ``kv_transfer_params`` name on another instance: its endpoint, its blocks (in block-id
+groups), and the digest of the tokens they hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pdserve.types.block_hash import BlockHashError, parse_block_hashes
+
+
+class KVTransferParamsError(ValueError):
+    """``kv_transfer_params`` that name a remote instance but lack or mistype a field."""
+
+
+MAX_KV_CACHE_GROUPS = 1  # models served today have one KV-cache group
+
+
+def parse_block_id_groups(value: Any) -> list[list[int]]:
+    """``remote_block_ids`` in either form: flat (``[0, 15, 16]``, one group) or per
+    KV-cache group (``[[0, 15, 16]]``, vLLM's current form).
+
+    Returns:
+        One list of non-negative block ids per group.
+
+    Raises:
+        KVTransferParamsError: not a list of non-negative integers nor a list of such lists,
+            or more groups than :data:`MAX_KV_CACHE_GROUPS` (no served model has several).
+    """
+    def ids(items: Any) -> bool:
+        return isinstance(items, list) and all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in items)
+
+    if isinstance(value, list) and value and all(isinstance(g, list) for g in value):
+        if not all(ids(g) for g in value):
+            raise KVTransferParamsError(
+                "kv_transfer_params.remote_block_ids must be a list of non-negative integers "
+                "or a list of such lists (one per KV-cache group)")
+        if len(value) > MAX_KV_CACHE_GROUPS:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_block_ids names {len(value)} KV-cache groups; this "
+                f"model has {MAX_KV_CACHE_GROUPS}")
+        return [list(g) for g in value]
+    if not ids(value):
+        raise KVTransferParamsError(
+            "kv_transfer_params.remote_block_ids must be a list of non-negative integers "
+            "or a list of such lists (one per KV-cache group)")
+    return [list(value)]
+
+
+@dataclass(frozen=True)
+class RemoteEndpoint:
+    """Where a remote engine's side channel listens, and who it claims to be.
+
+    Attributes:
+        engine_id: the remote instance's ``engine_id``.
+        host: side-channel host.
+        port: side-channel TCP port.
+    """
+
+    engine_id: str
+    host: str
+    port: int
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.engine_id, self.host, self.port)
+
+
+@dataclass
+class RemoteKVRef:
+    """A remote instance's KV for one request, parsed from ``kv_transfer_params``.
+
+    Attributes:
+        endpoint: the remote instance.
+        request_id: the request id on the remote instance (``remote_request_id``).
+        block_ids: the remote block table covering the remote request's computed tokens (of
+            the one KV-cache group; ``remote_block_ids`` in the flat or the per-group form,
+            see :func:`parse_block_id_groups`).
+        num_tokens: tokens whose KV the remote holds (``remote_num_tokens``), or None when the
+            params do not say (P→D: the whole prompt).
+        block_hashes: chained per-block token hashes of the remote's full blocks, when given
+            (parsed from hex strings or integers, see
+            :mod:`pdserve.kv_transfer.nixl.prefix_match`).
+        expiry_time: the remote's wall-clock time (``time.time()`` seconds) at which its blocks
+            are freed, when given.
+    """
+
+    endpoint: RemoteEndpoint
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int | None = None
+    block_hashes: list[int] | None = None
+    expiry_time: float | None = None
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> "RemoteKVRef":
+        """Parse the remote fields of ``kv_transfer_params`` (unknown extra fields are ignored).
+
+        Raises:
+            KVTransferParamsError: a required field is missing or has the wrong type.
+        """
+        def need(name: str, types: type | tuple[type, ...]) -> Any:
+            if name not in params or params[name] is None:
+                raise KVTransferParamsError(f"kv_transfer_params lacks {name!r}")
+            value = params[name]
+            if not isinstance(value, types) or isinstance(value, bool):
+                raise KVTransferParamsError(
+                    f"kv_transfer_params.{name} has the wrong type ({type(value).__name__})"
+                )
+            return value
+
+        engine_id = need("remote_engine_id", str)
+        host = need("remote_host", str)
+        port = need("remote_port", int)
+        if not 0 < port < 65536:
+            raise KVTransferParamsError(f"kv_transfer_params.remote_port {port} is out of range")
+        request_id = need("remote_request_id", str)
+        (block_ids,) = parse_block_id_groups(need("remote_block_ids", list))
+        num_tokens = params.get("remote_num_tokens")
+        if num_tokens is not None and (not isinstance(num_tokens, int) or num_tokens < 0):
+            raise KVTransferParamsError("kv_transfer_params.remote_num_tokens must be an integer")
+        hashes = params.get("remote_block_hashes")
+        if hashes is not None:
+            try:
+                hashes = parse_block_hashes(hashes)
+            except BlockHashError as e:
+                raise KVTransferParamsError(str(e)) from None
+        tp_size = params.get("tp_size")  # returned as vLLM returns it; the handshake is read
+        if tp_size is not None and (not isinstance(tp_size, int) or isinstance(tp_size, bool)
+                                    or tp_size < 1):
+            raise KVTransferParamsError("kv_transfer_params.tp_size must be a positive integer")
+        expiry = params.get("remote_blocks_expiry_time")
+        if expiry is not None and (not isinstance(expiry, (int, float)) or isinstance(expiry, bool)):
+            raise KVTransferParamsError(
+                "kv_transfer_params.remote_blocks_expiry_time must be a number"
+            )
+        return cls(
+            endpoint=RemoteEndpoint(engine_id=engine_id, host=host, port=port),
+            request_id=request_id,
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            block_hashes=list(hashes) if hashes is not None else None,
+            expiry_time=float(expiry) if expiry is not None else None,
+        )
+
+
+def token_digest(token_ids: Sequence[int]) -> str:
+    """SHA-256 (hex) of token ids (as little-endian int64): what a KV reader and the blocks'
+    owner compare in a lease claim, so that KV is only read into a request whose tokens are the
+    ones it was computed from."""
+    return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).hexdigest()
