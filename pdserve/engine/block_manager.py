@@ -362,11 +362,6 @@ class KVCacheManager:
                 if self._block_hash[block_id] is None:
                     self._free.move_to_end(block_id, last=False)
 
-    def forget_hashes(self, request: "Request") -> None:
-        """Drop the memoised block hashes of a request (call when its tokens change, e.g. a
-        preempted request that will be re-prefilled with its output tokens)."""
-        self._req_hashes.pop(request.request_id, None)
-
     def check_consistency(self) -> None:
         """Assert the internal invariants (tests).
 
