@@ -89,26 +89,26 @@ class MultiStepRounds:
 
     def commit(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None, int | None]:
         """Commit a round of one request: its tokens in order up to the first that stops it;
-        every kept token but a final stopping one had its KV computed (and its full blocks go
+        every accepted token but a final stopping one had its KV computed (and its full blocks go
         into the prefix cache).
 
         Args:
             tokens: the round's sampled tokens of ``req``, in step order (at least one).
 
         Returns:
-            ``(kept tokens, finish status or None, stop token or None)``; the scheduler
+            ``(accepted tokens, finish status or None, stop token or None)``; the scheduler
             finishes the request when the status is not None.
         """
-        kept: list[int] = []
+        accepted: list[int] = []
         for token in tokens:
             req.num_computed_tokens += 1
-            kept.append(token)
+            accepted.append(token)
             status, stop_reason = self.acceptor.accept(req, token)
             if status is not None:
                 self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
-                return kept, status, stop_reason
+                return accepted, status, stop_reason
         self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
-        return kept, None, None
+        return accepted, None, None
 
     def may_follow(self, running_step: SchedulerOutput) -> bool:
         """True when a round may follow ``running_step`` (launched, not yet committed): rounds

@@ -355,10 +355,10 @@ class Scheduler:
         if not tokens:
             self.queues.running.remove(req)
             return self.finish(req, RequestStatus.FINISHED_ERROR, "the model runner sampled no token")
-        kept, status, stop_reason = self.multi_step.commit(req, tokens)
+        accepted, status, stop_reason = self.multi_step.commit(req, tokens)
         if status is None:
-            return self.output(req, kept, None)
-        return self.finish_with_tokens(req, status, stop_reason, kept, [])
+            return self.output(req, accepted, None)
+        return self.finish_with_tokens(req, status, stop_reason, accepted, [])
 
     def append_token(self, req: Request, token: int, logprobs: Any) -> EngineCoreOutput:
         """Accept one sampled token of ``req`` (finishing it when a stop condition holds) and
