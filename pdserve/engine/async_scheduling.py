@@ -106,7 +106,8 @@ class AsyncSchedulingPolicy:
         Returns:
             Step n+1, not yet closed (no finished ids, no connector metadata), or None.
         """
-        if running_step.num_steps > 1 or self.remote_kv.sync_loads or self.multi_step.may_follow(running_step):
+        if (running_step.num_steps > 1 or self.remote_kv.sync_loads
+                or self.multi_step.may_follow(running_step)):
             return None
         in_step = {sr.request_id: sr for sr in running_step.scheduled}
         # (request, first position to compute, tokens known to the host + in flight, whether the

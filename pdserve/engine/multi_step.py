@@ -31,8 +31,8 @@ class MultiStepRounds:
     """
 
     def __init__(self, queues: RequestQueues, kv_cache_manager: KVCacheManager, remote_kv: RemoteKV,
-                 acceptor: TokenAcceptor, num_scheduler_steps: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int):
+                 acceptor: TokenAcceptor, num_scheduler_steps: int, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int):
         self.queues = queues
         self.kv_cache_manager = kv_cache_manager
         self.remote_kv = remote_kv
