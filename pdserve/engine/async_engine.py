@@ -233,10 +233,6 @@ class AsyncEngine:
 
     # ================================================================ health and stats
     @property
-    def is_dead(self) -> bool:
-        return self._dead is not None
-
-    @property
     def data_parallel_size(self) -> int:
         """Engine cores behind this client."""
         return len(self._cores)

@@ -81,7 +81,7 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # tokens found
         self._events: list[KVEvent] | None = None  # None: KV events off
-        # Overlapped scheduling: requests of the launched step(s) the device may still be
+        # Async scheduling: requests of the launched step(s) the device may still be
         # running, and the block lists of such requests freed meanwhile (held until released).
         self._in_flight: frozenset[str] = frozenset()
         self._deferred: list[tuple[str, list[int]]] = []
@@ -329,8 +329,8 @@ class KVCacheManager:
         self._release(blocks)
 
     def set_in_flight(self, request_ids: "set[str] | frozenset[str]") -> None:
-        """Overlapped scheduling: name the requests of the steps launched but not yet known to
-        be complete on the device. :meth:`free` of such a request keeps its blocks (they stay
+        """Async scheduling: name the requests of the steps launched but not yet known to
+        be complete on the device. :meth:`free` of such a request holds its blocks (they stay
         referenced, neither free nor reusable) until a later call no longer names it, since the
         device may still write that step's KV into them (an extra token of a request that
         finished one step earlier, or one aborted meanwhile). A KV load from another instance
@@ -338,13 +338,13 @@ class KVCacheManager:
         self._in_flight = frozenset(request_ids)
         if not self._deferred:
             return
-        keep = []
+        held = []
         for request_id, blocks in self._deferred:
             if request_id in self._in_flight:
-                keep.append((request_id, blocks))
+                held.append((request_id, blocks))
             else:
                 self._release(blocks)
-        self._deferred = keep
+        self._deferred = held
 
     @property
     def num_deferred_blocks(self) -> int:
@@ -361,11 +361,6 @@ class KVCacheManager:
                 self._free[block_id] = None
                 if self._block_hash[block_id] is None:
                     self._free.move_to_end(block_id, last=False)
-
-    def forget_hashes(self, request: "Request") -> None:
-        """Drop the memoised block hashes of a request (call when its tokens change, e.g. a
-        preempted request that will be re-prefilled with its output tokens)."""
-        self._req_hashes.pop(request.request_id, None)
 
     def check_consistency(self) -> None:
         """Assert the internal invariants (tests).

@@ -4,8 +4,8 @@
 the separate engine-core process that :class:`pdserve.engine.async_engine.AsyncEngine` spawns
 runs it in the loop of :mod:`pdserve.engine.core_loop`. The class owns the engine's resources
 (scheduler, runner, connector sides, KV-event publisher), their start-up order, the loop's wait
-deadlines and their shutdown. The overlapped step (``--async-scheduling``) lives in
-:mod:`pdserve.engine.async_step`.
+deadlines and their shutdown. The step of async scheduling (``--async-scheduling``) lives in
+:mod:`pdserve.engine.async_scheduling`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from pdserve.utils import phase_trace
 from pdserve.types.engine_config import EngineConfig
-from pdserve.engine.async_step import OverlappedSteps, launch_phase
+from pdserve.engine.async_scheduling import AsyncSchedulingSteps, launch_phase
 from pdserve.types.core_messages import AddRequest
 from pdserve.engine.kv_events import KVEventPublisher, default_snapshot_endpoint
 from pdserve.types.outputs import EngineCoreOutput
@@ -153,15 +153,16 @@ class EngineCore:
             self.config, self.num_blocks, self.connector, eos_token_ids=self.eos_token_ids
         )
         self._connector_stats: list[dict[str, Any]] = []
-        # --async-scheduling: steps two deep (pdserve/engine/async_step.py); TP ranks run
+        # --async-scheduling: steps two deep (pdserve/engine/async_scheduling.py); TP ranks run
         # synchronous steps only.
-        self.overlap: OverlappedSteps | None = None
+        self.async_steps: AsyncSchedulingSteps | None = None
         if config.async_scheduling:
             if config.tensor_parallel_size > 1:
                 logger.info("tensor parallelism: engine steps run synchronously "
                             "(--async-scheduling applies at TP 1)")
             else:
-                self.overlap = OverlappedSteps(self.scheduler, runner)
+                self.async_steps = AsyncSchedulingSteps(
+                    self.scheduler, self.scheduler.kv_cache_manager, runner)
         # KV events (--kv-events-endpoint): the block manager records, the publisher sends.
         self.kv_events: KVEventPublisher | None = None
         if config.kv_events_endpoint:
@@ -213,7 +214,7 @@ class EngineCore:
     def has_work(self) -> bool:
         """True when a step could make progress or the connector needs polling."""
         return (self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_work()
-                or (self.overlap is not None and self.overlap.in_flight))
+                or (self.async_steps is not None and self.async_steps.in_flight))
 
     def step(self) -> tuple[list[EngineCoreOutput], bool]:
         """One engine step: schedule, execute, commit.
@@ -222,27 +223,28 @@ class EngineCore:
         finished requests must be reported to the runner), the runner still executes an empty
         batch so the connector gets polled.
 
-        With ``--async-scheduling`` the step is :meth:`OverlappedSteps.step
-        <pdserve.engine.async_step.OverlappedSteps.step>`: the outputs are those of the step
-        launched one call earlier.
+        With ``--async-scheduling`` the step is :meth:`AsyncSchedulingSteps.step
+        <pdserve.engine.async_scheduling.AsyncSchedulingSteps.step>`: the outputs are those of
+        the step launched one call earlier.
 
         Returns:
             ``(outputs, computed)``: per-request deltas and whether any token was computed.
         """
-        if self.overlap is not None:
-            outputs, computed, out = self.overlap.step()
+        if self.async_steps is not None:
+            outputs, computed, runner_out = self.async_steps.step()
         else:
-            sched = self.scheduler.schedule()
-            if (not sched.scheduled and not sched.finished_request_ids
+            sched_out = self.scheduler.schedule()
+            if (not sched_out.scheduled and not sched_out.finished_request_ids
                     and not self.scheduler.has_pending_kv_work()):
                 return [], False
-            if sched.scheduled and phase_trace.enabled():
-                phase_trace.mark(launch_phase(sched))
-            out = self.runner.execute(sched)
-            if sched.scheduled:
+            if sched_out.scheduled and phase_trace.enabled():
+                phase_trace.mark(launch_phase(sched_out))
+            runner_out = self.runner.execute(sched_out)
+            if sched_out.scheduled:
                 phase_trace.mark("core.result")
-            outputs, computed = self.scheduler.update_from_output(sched, out), bool(sched.scheduled)
-        kv_out = out.kv_connector_output if out is not None else None
+            outputs = self.scheduler.update_from_output(sched_out, runner_out)
+            computed = bool(sched_out.scheduled)
+        kv_out = runner_out.kv_connector_output if runner_out is not None else None
         if kv_out is not None and kv_out.stats:
             self._connector_stats.append(kv_out.stats)
         return outputs, computed
@@ -268,12 +270,12 @@ class EngineCore:
         return wait
 
     def _step_wait_s(self, progressed: bool) -> float:
-        sched = self.scheduler
-        if progressed or sched.finished_request_ids or sched.loaded_since_schedule:
+        scheduler = self.scheduler
+        if progressed or scheduler.finished_request_ids or scheduler.loaded_since_schedule:
             return 0.0
         if self.connector is not None and self.connector.has_pending_metadata():
             return 0.0
-        if sched.waiting or sched.running:
+        if scheduler.queues.waiting or scheduler.queues.running:
             return KV_POLL_INTERVAL_S
         if not self.has_work():
             return IDLE_POLL_INTERVAL_S

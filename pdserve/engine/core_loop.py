@@ -131,7 +131,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
     last_parent_check = time.monotonic()
     stats_stale = False  # a changed snapshot waits for STATS_INTERVAL_S to pass
     progressed = False
-    sched = core.scheduler
+    scheduler = core.scheduler
     # A remote rank (pdserve/types/core_messages.py): heartbeats both ways.
     last_input = last_sent = time.monotonic()
     while True:
@@ -180,7 +180,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
                 logger.warning("front-end process died; engine core exiting")
                 return
 
-        stepping = core.has_work() or bool(sched.finished_request_ids)
+        stepping = core.has_work() or bool(scheduler.finished_request_ids)
         outputs, progressed = core.step() if stepping else ([], False)
         core.publish_kv_events()
         outputs = early_outputs + outputs

@@ -136,21 +136,6 @@ class LLMEngine:
                     pending.discard(o.request_id)
         return [results[request_id] for request_id in order]
 
-    def drain_kv_work(self, timeout_s: float = 60.0) -> None:
-        """Step until no KV transfer, notification or lease is pending (e.g. a prefiller's blocks
-        held for a decoder), at most ``timeout_s`` seconds.
-
-        Raises:
-            TimeoutError: still pending after ``timeout_s``.
-        """
-        deadline = time.monotonic() + timeout_s
-        while self.core.scheduler.has_pending_kv_work() or self.core.scheduler.finished_request_ids:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"KV transfer work still pending after {timeout_s} s")
-            _, progressed = self.core.step()
-            if not progressed:
-                time.sleep(0.001)
-
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
 

@@ -3,7 +3,11 @@ step, or asynchronously while the request waits), failed loads, and finished req
 blocks must outlive them. Pure bookkeeping: no torch.
 
 The :class:`~pdserve.engine.scheduler.Scheduler` owns one :class:`RemoteKV` and drives the KV
-connector (``pdserve.kv_transfer.base``) through it:
+connector (``pdserve.kv_transfer.base``) through it. :class:`RemoteKV` owns the requests parked
+while their KV loads and the blocks held for transfers; what a finished or failed load means for
+a request's place in the queues (back to the waiting front, finished with an error, the
+prefiller's first token appended) it returns as a :class:`LoadResult` for the scheduler to
+apply:
 
 * ``request_added`` when a request is queued; ``get_num_new_matched_tokens`` once per request,
   after its local prefix-cache hit (again only if the allocation that follows fails);
@@ -16,24 +20,27 @@ connector (``pdserve.kv_transfer.base``) through it:
   reported finished: ``FAIL`` ends the request with ``finish_reason="error"``, ``RECOMPUTE``
   rolls ``num_computed_tokens`` back to the first invalid block. Invalid blocks read by a
   synchronous load of this step do the same at once (the step's token is worthless).
-* ``request_finished`` is called exactly once per request (finish, abort, error). With
-  ``delay_free`` the blocks stay until the id appears in ``finished_sending``. A request
-  finished while its load is in flight (``WAITING_FOR_REMOTE_KVS``) keeps its blocks until the
-  id appears in ``finished_recving``, so no transfer writes into blocks reused by others.
+* ``request_finished`` is called exactly once per request (finish, abort, error). When the
+  connector asks for the blocks to be held, they are held until the id appears in
+  ``finished_sending``. A request finished while its load is in flight
+  (``WAITING_FOR_REMOTE_KVS``) has its blocks held until the id appears in
+  ``finished_recving``, so no transfer writes into blocks reused by others.
 """
+
 
 from __future__ import annotations
 
+import enum
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.types.outputs import EngineCoreOutput, KVConnectorOutput
-from pdserve.types.request import Request, RequestStatus
-from pdserve.types.outputs import KVLoadError
+from pdserve.engine.block_manager import KVCacheManager
 from pdserve.types.kv_transfer_config import FAILURE_POLICIES, KVLoadFailurePolicy
+from pdserve.types.outputs import KVConnectorOutput, KVLoadError, KVLoadFailure
+from pdserve.types.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from pdserve.engine.scheduler import Scheduler
     from pdserve.kv_transfer.base import KVConnectorSchedulerSide
 
 logger = logging.getLogger(__name__)
@@ -59,6 +66,35 @@ def parse_load_failure_policy(kv_transfer_config: Any) -> KVLoadFailurePolicy:
         ) from None
 
 
+class LoadOutcome(enum.Enum):
+    """How a KV load into a request's blocks ended (see :class:`LoadResult`)."""
+
+    LOADED = "loaded"  # its KV is in place: back to the waiting front (or its first token)
+    RECOMPUTE = "recompute"  # failed; rolled back to the first invalid block: back to the waiting front
+    FAIL = "fail"  # failed under the ``fail`` policy: the request finishes with an error
+
+
+@dataclass
+class LoadResult:
+    """What the scheduler must do with a request whose KV load ended; :class:`RemoteKV` has
+    already updated the request's computed and transferred tokens and the prefix cache.
+
+    Attributes:
+        request: the request (no longer parked, or still ``RUNNING`` for a synchronous load).
+        outcome: see :class:`LoadOutcome`.
+        first_token: ``LOADED`` with the whole prompt loaded: the prefiller's first token, to
+            append at once without a forward pass; else None.
+        error: ``FAIL``: the request's error message.
+        kv_load_failure: ``FAIL``: the worker's kind of failure, when it reported one.
+    """
+
+    request: Request
+    outcome: LoadOutcome
+    first_token: int | None = None
+    error: str | None = None
+    kv_load_failure: KVLoadFailure | None = None
+
+
 class _Held:
     """A finished request whose blocks must outlive it (KV being read by another instance, or a
     load into its blocks still in flight)."""
@@ -75,27 +111,30 @@ class RemoteKV:
     """The scheduler's state about KV that crosses instances (see the module docstring).
 
     Args:
-        sched: the owning scheduler (its queues, block manager and finish path are used).
+        kv_cache_manager: the engine's block manager (blocks are freed, cached and uncached
+            through it).
         connector: the KV connector's scheduler side, or None (then nothing is ever loaded,
             held or reported).
         policy: the configured ``kv_load_failure_policy``.
 
     Attributes:
-        pending_load: req id -> ``(num_local, num_external)`` tokens while its KV loads
-            asynchronously.
+        waiting_for_remote: req id -> request parked in ``WAITING_FOR_REMOTE_KVS`` while its
+            KV loads asynchronously.
+        pending_load: req id -> ``(num_local, num_external)`` tokens of each such load.
         failed_load: req id -> index in its block table of the first invalid block reported
             for its pending load.
         sync_loads: req id -> ``(num_local, num_external)`` tokens for synchronous loads of the
             step being scheduled.
-        held: finished requests whose blocks are kept for a transfer.
+        held: finished requests whose blocks are held for a transfer.
         prompt_tokens_transferred_total / num_kv_load_failures_total: counters for metrics.
     """
 
-    def __init__(self, sched: "Scheduler", connector: "KVConnectorSchedulerSide | None",
+    def __init__(self, kv_cache_manager: KVCacheManager, connector: "KVConnectorSchedulerSide | None",
                  policy: KVLoadFailurePolicy):
-        self.sched = sched
+        self.kv_cache_manager = kv_cache_manager
         self.connector = connector
         self.policy = policy
+        self.waiting_for_remote: dict[str, Request] = {}
         self.pending_load: dict[str, tuple[int, int]] = {}
         self.failed_load: dict[str, int] = {}
         self.sync_loads: dict[str, tuple[int, int]] = {}
@@ -104,6 +143,14 @@ class RemoteKV:
         self._consulted: set[str] = set()
         self.prompt_tokens_transferred_total = 0
         self.num_kv_load_failures_total = 0
+
+    def has_pending_work(self) -> bool:
+        """True while the connector has transfers, notifications or leases to poll."""
+        if self.connector is None:
+            return False
+        if self.waiting_for_remote or self.held:
+            return True
+        return bool(self.connector.has_pending_work())
 
     # ================================================================ admission
     def num_matched_tokens(self, req: Request, num_local: int) -> tuple[int, bool]:
@@ -117,10 +164,13 @@ class RemoteKV:
 
     def start_async_load(self, req: Request, num_local: int, num_external: int) -> None:
         """The request's blocks for ``num_local + num_external`` tokens are allocated: tell the
-        connector and wait for the load (the caller parks the request)."""
+        connector and park the request in ``WAITING_FOR_REMOTE_KVS`` until its load ends
+        (the caller took it off the waiting queue)."""
         self._consulted.add(req.request_id)
         self.connector.update_state_after_alloc(req, list(req.block_ids), num_external)
         self.pending_load[req.request_id] = (num_local, num_external)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote[req.request_id] = req
 
     def blocks_allocated(self, req: Request, num_local: int, num_external: int, start: int) -> None:
         """A fresh request got its blocks and starts computing at token ``start``: tell the
@@ -134,10 +184,10 @@ class RemoteKV:
 
     # ================================================================ step results
     def sync_load_failed(self, req: Request, invalid: set[int],
-                         error: KVLoadError | None = None) -> list[EngineCoreOutput] | None:
+                         error: KVLoadError | None = None) -> LoadResult | None:
         """When this step's synchronous load of ``req`` left an invalid block, apply the
-        failure policy and return its outputs; None when the load was good (or there was none).
-        ``error`` is the worker's reason, for the error message."""
+        failure policy and return what the scheduler must do with ``req``; None when the load
+        was good (or there was none). ``error`` is the worker's reason, for the error message."""
         load = self.sync_loads.get(req.request_id)
         if load is None:
             return None
@@ -156,19 +206,21 @@ class RemoteKV:
             self.prompt_tokens_transferred_total += min(num_ext, req.num_prompt_tokens - num_local)
 
     def request_finished(self, req: Request) -> dict[str, Any] | None:
-        """Forget the request's loads, tell the connector, and free its blocks or hold them for
-        a transfer. Returns the connector's ``kv_transfer_params`` for the client, or None."""
+        """Forget the request's loads (it leaves ``waiting_for_remote`` if it was parked there),
+        tell the connector, and free its blocks or hold them for a transfer. Returns the
+        connector's ``kv_transfer_params`` for the client, or None."""
         request_id = req.request_id
+        self.waiting_for_remote.pop(request_id, None)
         was_loading = self.pending_load.pop(request_id, None) is not None
         self.failed_load.pop(request_id, None)
         self._consulted.discard(request_id)
-        delay_free, params = False, None
+        hold, params = False, None
         if self.connector is not None:
-            delay_free, params = self.connector.request_finished(req, list(req.block_ids))
-        if (delay_free or was_loading) and req.block_ids:
-            self.held[request_id] = _Held(req, until_sent=bool(delay_free), until_recved=was_loading)
+            hold, params = self.connector.request_finished(req, list(req.block_ids))
+        if (hold or was_loading) and req.block_ids:
+            self.held[request_id] = _Held(req, until_sent=bool(hold), until_recved=was_loading)
         else:
-            self.sched.kv_cache_manager.free(req)
+            self.kv_cache_manager.free(req)
         return params
 
     def release_held(self, request_id: str) -> None:
@@ -184,7 +236,7 @@ class RemoteKV:
     ) -> int | None:
         """Index in the block table of the first invalid block among the loaded ones."""
         num_local, num_ext = load
-        block_size = self.sched.block_size
+        block_size = self.kv_cache_manager.block_size
         first = num_local // block_size
         last = -(-(num_local + num_ext) // block_size)
         for i in range(first, min(last, len(req.block_ids))):
@@ -193,16 +245,15 @@ class RemoteKV:
         return None
 
     def apply_load_failure(self, req: Request, bad_block: int, num_local: int,
-                           error: KVLoadError | None = None) -> list[EngineCoreOutput]:
+                           error: KVLoadError | None = None) -> LoadResult:
         """Apply ``kv_load_failure_policy`` to a request whose KV load left block index
-        ``bad_block`` (and possibly later ones) invalid; ``error`` (the worker's reason) goes
-        into the request's error message."""
-        sched = self.sched
+        ``bad_block`` (and possibly later ones) invalid: uncache those blocks and, under
+        ``recompute``, roll the request back to them. ``error`` (the worker's reason) goes into
+        the request's error message. Returns what the scheduler must do with the request
+        (``FAIL`` or ``RECOMPUTE``)."""
         self.num_kv_load_failures_total += 1
         request_id = req.request_id
-        sched.kv_cache_manager.uncache_blocks(req, bad_block)
-        if req.status == RequestStatus.RUNNING:
-            sched.running.remove(req)
+        self.kv_cache_manager.uncache_blocks(req, bad_block)
         override = self.connector.load_failure_policy(req)  # per-request override, or None
         policy = KVLoadFailurePolicy(override) if override is not None else self.policy
         if policy == KVLoadFailurePolicy.FAIL:
@@ -212,15 +263,13 @@ class RemoteKV:
             # cause); only without one is the first invalid local block all there is to say.
             where = (f"block {req.block_ids[bad_block]} of request {request_id}" if error is None
                      else f"request {request_id}")
-            out = sched.finish(
-                req,
-                RequestStatus.FINISHED_ERROR,
-                f"KV cache load from the remote instance failed{why} ({where}); "
-                f"kv_load_failure_policy is 'fail'",
+            return LoadResult(
+                req, LoadOutcome.FAIL,
+                error=(f"KV cache load from the remote instance failed{why} ({where}); "
+                       f"kv_load_failure_policy is 'fail'"),
+                kv_load_failure=error.reason if error is not None else None,
             )
-            out.kv_load_failure = error.reason if error is not None else None
-            return [out]
-        good = max(num_local, bad_block * sched.block_size)
+        good = max(num_local, bad_block * self.kv_cache_manager.block_size)
         good = min(good, req.num_tokens - 1)
         logger.warning(
             "request %s: KV load failed at block index %d; recomputing from token %d", request_id, bad_block, good
@@ -228,63 +277,59 @@ class RemoteKV:
         req.num_computed_tokens = good
         req.num_transferred_tokens = good - num_local
         self.prompt_tokens_transferred_total += min(good, req.num_prompt_tokens) - min(num_local, req.num_prompt_tokens)
-        req.status = RequestStatus.WAITING
-        sched.waiting.appendleft(req)
-        return []
+        return LoadResult(req, LoadOutcome.RECOMPUTE)
 
-    def process_kv_output(self, kv_out: KVConnectorOutput, invalid: set[int]) -> list[EngineCoreOutput]:
-        """Consume the worker side's report of a step: hand it to the connector, then finish
-        loads (their requests go back to the waiting front, or emit the prefiller's first
-        token) and release held blocks whose transfers are over."""
-        sched = self.sched
+    def update_connector_output(self, kv_out: KVConnectorOutput, invalid: set[int]) -> None:
+        """Hand the worker side's report of a step to the connector and note the invalid
+        blocks of pending loads (their policy applies when the load is reported finished).
+        The scheduler then calls :meth:`load_finished` for each id of ``finished_recving``
+        and :meth:`transfer_sent` for each id of ``finished_sending``, in that order."""
         if self.connector is not None:
             self.connector.update_connector_output(kv_out)
-        outputs: list[EngineCoreOutput] = []
         if invalid:
             for request_id, load in self.pending_load.items():
-                bad = self.first_invalid_block(sched.waiting_for_remote[request_id], load, invalid)
+                bad = self.first_invalid_block(self.waiting_for_remote[request_id], load, invalid)
                 if bad is not None:
                     prev = self.failed_load.get(request_id)
                     self.failed_load[request_id] = bad if prev is None else min(prev, bad)
-        for request_id in kv_out.finished_recving:
-            held = self.held.get(request_id)
-            if held is not None:
-                held.until_recved = False
-                self.maybe_release(request_id)
-                continue
-            req = sched.waiting_for_remote.pop(request_id, None)
-            if req is None:
-                continue
-            num_local, num_ext = self.pending_load.pop(request_id)
-            bad = self.failed_load.pop(request_id, None)
-            if bad is not None:
-                outputs.extend(self.apply_load_failure(req, bad, num_local, kv_out.load_errors.get(request_id)))
-                continue
-            # With the whole prompt loaded the connector's first token (the prefiller's) is
-            # appended at once; otherwise the last prompt token is recomputed for its logits.
-            first = kv_out.first_tokens.get(request_id) if num_local + num_ext >= req.num_tokens else None
-            loaded = min(num_local + num_ext, req.num_tokens - (first is None))
-            req.num_computed_tokens = loaded
-            req.num_transferred_tokens = loaded - num_local
-            self.prompt_tokens_transferred_total += min(loaded, req.num_prompt_tokens) - min(num_local, req.num_prompt_tokens)
-            sched.kv_cache_manager.cache_blocks(req, loaded)
-            if first is not None:
-                outputs.append(sched.append_token(req, first, None))
-                if outputs[-1].finish_reason is not None:
-                    continue
-            req.status = RequestStatus.WAITING
-            sched.waiting.appendleft(req)
-            sched.loaded_since_schedule = True
-        for request_id in kv_out.finished_sending:
-            held = self.held.get(request_id)
-            if held is not None:
-                held.until_sent = False
-                self.maybe_release(request_id)
-        return outputs
+
+    def load_finished(self, request_id: str, kv_out: KVConnectorOutput) -> LoadResult | None:
+        """A load into ``request_id``'s blocks is over (``finished_recving``). A finished
+        request's held blocks may be freed now (None is returned); a parked request leaves
+        ``waiting_for_remote`` and its :class:`LoadResult` is returned. None for an unknown id."""
+        held = self.held.get(request_id)
+        if held is not None:
+            held.until_recved = False
+            self.maybe_release(request_id)
+            return None
+        req = self.waiting_for_remote.pop(request_id, None)
+        if req is None:
+            return None
+        num_local, num_ext = self.pending_load.pop(request_id)
+        bad = self.failed_load.pop(request_id, None)
+        if bad is not None:
+            return self.apply_load_failure(req, bad, num_local, kv_out.load_errors.get(request_id))
+        # With the whole prompt loaded the connector's first token (the prefiller's) is
+        # appended at once; otherwise the last prompt token is recomputed for its logits.
+        first = kv_out.first_tokens.get(request_id) if num_local + num_ext >= req.num_tokens else None
+        loaded = min(num_local + num_ext, req.num_tokens - (first is None))
+        req.num_computed_tokens = loaded
+        req.num_transferred_tokens = loaded - num_local
+        self.prompt_tokens_transferred_total += min(loaded, req.num_prompt_tokens) - min(num_local, req.num_prompt_tokens)
+        self.kv_cache_manager.cache_blocks(req, loaded)
+        return LoadResult(req, LoadOutcome.LOADED, first_token=first)
+
+    def transfer_sent(self, request_id: str) -> None:
+        """Another instance finished reading ``request_id``'s blocks (``finished_sending``):
+        free them once no transfer needs them any more."""
+        held = self.held.get(request_id)
+        if held is not None:
+            held.until_sent = False
+            self.maybe_release(request_id)
 
     def maybe_release(self, request_id: str) -> None:
         """Free a held request's blocks once no transfer needs them any more."""
         held = self.held[request_id]
         if not held.until_sent and not held.until_recved:
             del self.held[request_id]
-            self.sched.kv_cache_manager.free(held.request)
+            self.kv_cache_manager.free(held.request)

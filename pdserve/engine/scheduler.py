@@ -23,28 +23,39 @@ compute" under one token budget):
 
 With ``num_scheduler_steps > 1``, a step in which every running request is a plain decode and
 nothing can be admitted is instead a round of several decode steps
-(:func:`pdserve.engine.multi_step.schedule_multi_step` says exactly when).
+(:meth:`pdserve.engine.multi_step.MultiStepRounds.schedule` says exactly when).
+
+The scheduler composes helpers that own their state and get their collaborators (the
+:class:`~pdserve.engine.request_queues.RequestQueues`, the
+:class:`~pdserve.engine.block_manager.KVCacheManager`, the :class:`RemoteKV`, limits) in their
+constructors: :class:`~pdserve.engine.admission.Admitter` (step 2),
+:class:`~pdserve.engine.multi_step.MultiStepRounds`,
+:class:`~pdserve.engine.async_scheduling.AsyncSchedulingPolicy` (step n+1 while step n runs) and
+:class:`~pdserve.engine.remote_kv.RemoteKV`. A helper's outcome that moves a request between
+queues or finishes it (a finished KV load, :class:`~pdserve.engine.remote_kv.LoadResult`) is
+applied here.
 
 Computed tokens are committed (``num_computed_tokens`` advanced, full blocks registered in the
 prefix cache) in :meth:`Scheduler.update_from_output`, after their KV exists.
 
 KV that crosses instances (loads through the KV connector, their failures, blocks held for a
-transfer) is tracked by :class:`pdserve.engine.remote_kv.RemoteKV`, whose module docstring says
+transfer) is tracked by :class:`~pdserve.engine.remote_kv.RemoteKV`, whose module docstring says
 how the scheduler drives the connector.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable
 
-from pdserve.engine.admission import admit_waiting
+from pdserve.engine.admission import Admitter
+from pdserve.engine.async_scheduling import AsyncSchedulingPolicy
 from pdserve.engine.block_manager import KVCacheManager
-from pdserve.engine.multi_step import commit_multi_step, schedule_multi_step
-from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from pdserve.engine.remote_kv import RemoteKV, parse_load_failure_policy
+from pdserve.engine.multi_step import MultiStepRounds
+from pdserve.engine.remote_kv import LoadOutcome, LoadResult, RemoteKV, parse_load_failure_policy
+from pdserve.engine.request_queues import RequestQueues, scheduled_request
+from pdserve.engine.token_acceptor import TokenAcceptor
+from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pdserve.types.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -67,6 +78,15 @@ class Scheduler:
         connector: the KV connector's scheduler side, or None.
         eos_token_ids: every token id that means end of sequence (in addition to each request's
             ``eos_token_id``).
+
+    Attributes:
+        queues: the waiting and running requests (:class:`RequestQueues`).
+        kv_cache_manager: the block manager.
+        remote_kv: KV that crosses instances, and the requests parked while it loads.
+        finished_request_ids: requests finished since the last step was scheduled.
+        loaded_since_schedule: a request whose KV load finished went back to ``waiting`` after
+            the last :meth:`schedule`: it can run now, so the core steps again without waiting
+            for a poll tick.
 
     Raises:
         ValueError: non-positive limits or an unknown ``kv_load_failure_policy``.
@@ -95,22 +115,24 @@ class Scheduler:
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.connector = connector
-        self.remote_kv = RemoteKV(self, connector, parse_load_failure_policy(config.kv_transfer_config))
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.remote_kv = RemoteKV(self.kv_cache_manager, connector,
+                                  parse_load_failure_policy(config.kv_transfer_config))
+        self.acceptor = TokenAcceptor(eos_token_ids, self.max_model_len)
 
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.waiting_for_remote: dict[str, Request] = {}
+        self.queues = RequestQueues()
+        self.admitter = Admitter(self.queues, self.kv_cache_manager, self.remote_kv, self.max_num_seqs)
+        self.multi_step = MultiStepRounds(
+            self.queues, self.kv_cache_manager, self.remote_kv, self.acceptor, self.num_scheduler_steps,
+            self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len)
+        self.async_policy = AsyncSchedulingPolicy(
+            self.queues, self.kv_cache_manager, self.remote_kv, self.admitter, self.multi_step,
+            self.max_num_batched_tokens, self.max_model_len)
         self.finished_request_ids: set[str] = set()
-        # A request whose KV load finished went back to ``waiting`` after the last schedule():
-        # it can run now, so the core steps again without waiting for a poll tick.
         self.loaded_since_schedule = False
 
         self.prompt_tokens_total = 0
         self.prompt_tokens_computed_total = 0
-        self.prompt_tokens_cached_total = 0
-        self.generation_tokens_total = 0
         self.num_preemptions_total = 0
         self.num_requests_finished_total = 0
 
@@ -137,13 +159,13 @@ class Scheduler:
             raise ValueError(f"prompt has {n} tokens but the KV cache holds only {capacity}")
         request.status = RequestStatus.WAITING
         self.requests[request_id] = request
-        self.waiting.append(request)
+        self.queues.waiting.append(request)
         self.prompt_tokens_total += n
         if self.connector is not None:
             self.connector.request_added(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Abort requests in any state; unknown ids are ignored. Their blocks are freed (or kept
+        """Abort requests in any state; unknown ids are ignored. Their blocks are freed (or held
         while the connector still needs them) and the connector is told. A finished request
         whose blocks are held for a remote reader (a prefiller's lease) has that hold ended:
         its front end aborts it only when the client left before getting the params."""
@@ -153,32 +175,30 @@ class Scheduler:
                 self.remote_kv.release_held(request_id)
                 continue
             if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                del self.waiting_for_remote[request_id]
-            else:
-                self.waiting.remove(req)
+                self.queues.running.remove(req)
+            elif req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:  # remote_kv unparks it
+                self.queues.waiting.remove(req)
             self.finish(req, RequestStatus.FINISHED_ABORTED)
 
     # ================================================================ scheduling
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work (see the module docstring for the policy), or a multi-step
-        decode round (:func:`~pdserve.engine.multi_step.schedule_multi_step`) when
+        decode round (:meth:`~pdserve.engine.multi_step.MultiStepRounds.schedule`) when
         ``num_scheduler_steps > 1`` allows."""
         self.loaded_since_schedule = False
-        if self.num_scheduler_steps > 1:
-            multi = schedule_multi_step(self)
-            if multi is not None:
-                return multi
-        out = SchedulerOutput()
+        multi = self.multi_step.schedule()
+        if multi is not None:
+            return self.close_step(multi)
+        sched_out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.remote_kv.sync_loads.clear()
+        running = self.queues.running
         scheduled_ids: set[str] = set()
         preempted = False
 
         # 1. running requests: decodes first, then continuing chunked prefills.
-        decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        prefills = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        decodes = [r for r in running if r.num_computed_tokens >= r.num_prompt_tokens]
+        prefills = [r for r in running if r.num_computed_tokens < r.num_prompt_tokens]
         for req in decodes + prefills:
             if budget <= 0:
                 break
@@ -196,65 +216,55 @@ class Scheduler:
                 self._preempt(victim)
             if req.status != RequestStatus.RUNNING:
                 continue
-            self.add_scheduled(out, req, num_new)
+            sched_out.scheduled.append(scheduled_request(req, req.num_computed_tokens, num_new))
             scheduled_ids.add(req.request_id)
             budget -= num_new
 
         # 2. waiting requests (only when nothing had to be preempted this step).
         if not preempted:
-            budget = admit_waiting(self, out, budget)
+            budget = self.admitter.admit_waiting(sched_out, budget)
 
-        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
-        return self.close_step(out)
+        sched_out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return self.close_step(sched_out)
 
-    def close_step(self, out: SchedulerOutput) -> SchedulerOutput:
-        """Hand the requests finished since the last step to ``out`` and let the connector
-        build its metadata for the step; returns ``out``."""
-        out.finished_request_ids = self.finished_request_ids
+    def schedule_async(self, running_step: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling: step n+1 while ``running_step`` (step n) runs, or None when it
+        must be scheduled synchronously after step n's commit
+        (:meth:`~pdserve.engine.async_scheduling.AsyncSchedulingPolicy.schedule_next`)."""
+        sched_out = self.async_policy.schedule_next(running_step)
+        return self.close_step(sched_out) if sched_out is not None else None
+
+    def close_step(self, sched_out: SchedulerOutput) -> SchedulerOutput:
+        """Hand the requests finished since the last step to ``sched_out`` and let the connector
+        build its metadata for the step; returns ``sched_out``."""
+        sched_out.finished_request_ids = self.finished_request_ids
         self.finished_request_ids = set()
         if self.connector is not None:
-            out.kv_connector_metadata = self.connector.build_connector_meta(out)
-        return out
-
-    def add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
-        """Append ``req``'s next ``num_new`` tokens (from ``num_computed_tokens`` on) to ``out``."""
-        start = req.num_computed_tokens
-        end = start + num_new
-        out.scheduled.append(
-            ScheduledRequest(
-                request_id=req.request_id,
-                token_ids=req.token_ids(start, end),
-                num_computed_tokens=start,
-                block_ids=req.block_ids,
-                sample=end == req.num_tokens,
-                sampling_params=req.sampling_params,
-                prompt_token_ids=req.prompt_token_ids,
-                output_token_ids=req.output_token_ids,
-                eos_token_id=req.eos_token_id,
-            )
-        )
+            sched_out.kv_connector_metadata = self.connector.build_connector_meta(sched_out)
+        return sched_out
 
     def _pick_victim(self, scheduled_ids: set[str]) -> Request | None:
         """The running request not yet scheduled this step that arrived last."""
-        candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+        candidates = [r for r in self.queues.running if r.request_id not in scheduled_ids]
         if not candidates:
             return None
         return max(candidates, key=lambda r: r.arrival_time)
 
     def _preempt(self, req: Request) -> None:
-        """Free the request's blocks and queue it for recomputation at the waiting front."""
-        self.running.remove(req)
+        """Free the request's blocks (and with them its memoised block hashes, see
+        :meth:`KVCacheManager.free`) and queue it for recomputation at the waiting front."""
+        self.queues.running.remove(req)
         self.kv_cache_manager.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(req)
+        self.queues.waiting.appendleft(req)
         logger.debug("preempted request %s (%d tokens)", req.request_id, req.num_tokens)
 
     # ================================================================ results
     def update_from_output(
-        self, sched: SchedulerOutput, out: ModelRunnerOutput
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Commit a step: advance computed tokens, append sampled tokens, apply stop
         conditions, and consume the connector's report.
@@ -264,25 +274,25 @@ class Scheduler:
             requests failed by a KV load), in batch order.
         """
         outputs: list[EngineCoreOutput] = []
-        kv_out = out.kv_connector_output
+        kv_out = runner_out.kv_connector_output
         invalid = set(kv_out.invalid_block_ids) if kv_out is not None else set()
         kvm = self.kv_cache_manager
         remote_kv = self.remote_kv
         sync_loads = remote_kv.sync_loads  # usually empty: no KV loaded in this step
-        multi_step = sched.num_steps > 1
-        sampled, logprobs = out.sampled_token_ids, out.logprobs
+        multi_step = sched_out.num_steps > 1
+        sampled, logprobs = runner_out.sampled_token_ids, runner_out.logprobs
 
-        for sr in sched.scheduled:
+        for sr in sched_out.scheduled:
             req = self.requests.get(sr.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted after scheduling
             if invalid:
                 failed = remote_kv.sync_load_failed(req, invalid, kv_out.load_errors.get(sr.request_id))
                 if failed is not None:
-                    outputs.extend(failed)
+                    self._apply_load_result(failed, outputs)
                     continue
             if multi_step:
-                outputs.append(commit_multi_step(self, req, out.sampled_token_id_lists.get(sr.request_id)))
+                outputs.append(self._commit_round(req, runner_out.sampled_token_id_lists.get(sr.request_id)))
                 continue
             start = req.num_computed_tokens
             end = start + len(sr.token_ids)
@@ -296,45 +306,68 @@ class Scheduler:
                 continue
             token = sampled.get(sr.request_id)
             if token is None:
-                self.running.remove(req)
+                self.queues.running.remove(req)
                 outputs.append(
                     self.finish(req, RequestStatus.FINISHED_ERROR, "the model runner sampled no token")
                 )
                 continue
             outputs.append(self.append_token(req, token, logprobs.get(sr.request_id)))
-        if sync_loads:  # not clear(): an overlapped next step may have loads too
-            for sr in sched.scheduled:
+        if sync_loads:  # not clear(): an async-scheduled next step may have loads too
+            for sr in sched_out.scheduled:
                 sync_loads.pop(sr.request_id, None)
 
         if kv_out is not None:
-            outputs.extend(remote_kv.process_kv_output(kv_out, invalid))
+            remote_kv.update_connector_output(kv_out, invalid)
+            for request_id in kv_out.finished_recving:
+                result = remote_kv.load_finished(request_id, kv_out)
+                if result is not None:
+                    self._apply_load_result(result, outputs)
+            for request_id in kv_out.finished_sending:
+                remote_kv.transfer_sent(request_id)
         return outputs
+
+    def _apply_load_result(self, result: LoadResult, outputs: list[EngineCoreOutput]) -> None:
+        """Act on the end of a request's KV load: finish it with its error (``FAIL``), or put it
+        back at the waiting front (``RECOMPUTE``; ``LOADED``, after appending the prefiller's
+        first token when there is one, unless that token finished it)."""
+        req = result.request
+        if result.outcome is LoadOutcome.LOADED:
+            if result.first_token is not None:
+                outputs.append(self.append_token(req, result.first_token, None))
+                if outputs[-1].finish_reason is not None:
+                    return
+            self.queues.requeue_front(req)
+            self.loaded_since_schedule = True
+            return
+        if req.status == RequestStatus.RUNNING:  # a synchronous load of this step
+            self.queues.running.remove(req)
+        if result.outcome is LoadOutcome.RECOMPUTE:
+            self.queues.requeue_front(req)
+            return
+        o = self.finish(req, RequestStatus.FINISHED_ERROR, result.error)
+        o.kv_load_failure = result.kv_load_failure
+        outputs.append(o)
+
+    def _commit_round(self, req: Request, tokens: list[int] | None) -> EngineCoreOutput:
+        """Commit a multi-step round of one request
+        (:meth:`~pdserve.engine.multi_step.MultiStepRounds.commit`); None or no ``tokens``:
+        the runner sampled nothing, and the request fails."""
+        if not tokens:
+            self.queues.running.remove(req)
+            return self.finish(req, RequestStatus.FINISHED_ERROR, "the model runner sampled no token")
+        accepted, status, stop_reason = self.multi_step.commit(req, tokens)
+        if status is None:
+            return self.output(req, accepted, None)
+        return self.finish_with_tokens(req, status, stop_reason, accepted, [])
 
     def append_token(self, req: Request, token: int, logprobs: Any) -> EngineCoreOutput:
         """Accept one sampled token of ``req`` (finishing it when a stop condition holds) and
         return its output."""
-        status, stop_reason = self.accept_token(req, token)
+        status, stop_reason = self.acceptor.accept(req, token)
         if status is None:
             return self.output(req, [token], logprobs)
         return self.finish_with_tokens(req, status, stop_reason, [token],
                                        [logprobs] if logprobs is not None else [])
-
-    def accept_token(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
-        """Append a sampled token; returns ``(finish status or None, stop token or None)``."""
-        req.output_token_ids.append(token)
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        self.generation_tokens_total += 1
-        sp = req.sampling_params
-        n_out = len(req.output_token_ids)
-        if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and (token == req.eos_token_id or token in self.eos_token_ids):
-                return RequestStatus.FINISHED_STOPPED, None
-            if token in sp.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token
-        if n_out >= sp.max_tokens or req.num_prompt_tokens + n_out >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None
 
     def finish_with_tokens(self, req: Request, status: RequestStatus, stop_reason: int | None,
                            tokens: list[int], logprobs: list[Any]) -> EngineCoreOutput:
@@ -342,7 +375,7 @@ class Scheduler:
         when it was there: a decoder's request may finish on the prefiller's first token
         before it ever ran)."""
         if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
+            self.queues.running.remove(req)
         o = self.finish(req, status)
         o.new_token_ids = tokens
         o.new_logprobs = logprobs
@@ -363,8 +396,9 @@ class Scheduler:
     def finish(
         self, req: Request, status: RequestStatus, error: str | None = None
     ) -> EngineCoreOutput:
-        """Mark a request finished (already removed from the running/waiting structures),
-        tell the connector, free or hold its blocks. Returns its final output (no tokens)."""
+        """Mark a request finished (already removed from ``waiting`` / ``running``; a parked
+        one leaves ``waiting_for_remote`` here), tell the connector, free or hold its blocks.
+        Returns its final output (no tokens)."""
         req.status = status
         req.error = error
         self.requests.pop(req.request_id, None)
@@ -380,38 +414,31 @@ class Scheduler:
     # ================================================================ status
     def has_unfinished_requests(self) -> bool:
         """True while any request waits, runs or waits for remote KV."""
-        return bool(self.waiting or self.running or self.waiting_for_remote)
+        return bool(self.queues.waiting or self.queues.running or self.remote_kv.waiting_for_remote)
 
     def has_pending_kv_work(self) -> bool:
         """True while the connector has transfers, notifications or leases to poll."""
-        if self.connector is None:
-            return False
-        if self.waiting_for_remote or self.remote_kv.held:
-            return True
-        return bool(self.connector.has_pending_work())
-
-    def get_num_unfinished_requests(self) -> int:
-        """Requests waiting, running or waiting for remote KV."""
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
+        return self.remote_kv.has_pending_work()
 
     def stats(self) -> dict[str, Any]:
         """Snapshot for metrics: queue sizes, KV cache usage (0..1) and cumulative counters."""
         kvm = self.kv_cache_manager
+        remote_kv = self.remote_kv
         return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "num_waiting_for_remote_kvs": len(self.waiting_for_remote),
-            "num_held_for_transfer": len(self.remote_kv.held),
+            "num_running": len(self.queues.running),
+            "num_waiting": len(self.queues.waiting),
+            "num_waiting_for_remote_kvs": len(remote_kv.waiting_for_remote),
+            "num_held_for_transfer": len(remote_kv.held),
             "kv_cache_usage": kvm.usage,
             "num_blocks": kvm.num_blocks,
             "num_free_blocks": kvm.num_free_blocks,
             "prompt_tokens_total": self.prompt_tokens_total,
             "prompt_tokens_computed_total": self.prompt_tokens_computed_total,
-            "prompt_tokens_cached_total": self.prompt_tokens_cached_total,
-            "prompt_tokens_transferred_total": self.remote_kv.prompt_tokens_transferred_total,
-            "generation_tokens_total": self.generation_tokens_total,
+            "prompt_tokens_cached_total": self.admitter.prompt_tokens_cached_total,
+            "prompt_tokens_transferred_total": remote_kv.prompt_tokens_transferred_total,
+            "generation_tokens_total": self.acceptor.generation_tokens_total,
             "num_preemptions_total": self.num_preemptions_total,
-            "num_kv_load_failures_total": self.remote_kv.num_kv_load_failures_total,
+            "num_kv_load_failures_total": remote_kv.num_kv_load_failures_total,
             "num_requests_finished_total": self.num_requests_finished_total,
             "prefix_cache_queries_total": kvm.prefix_cache_queries,
             "prefix_cache_hits_total": kvm.prefix_cache_hits,

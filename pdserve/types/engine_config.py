@@ -88,7 +88,7 @@ class EngineConfig:
             tokens after step n+1 is launched, so they reach clients one step later and the
             device never waits for the host between steps. Outputs are those of the
             synchronous path; steps it cannot overlap run synchronously
-            (:mod:`pdserve.engine.async_step` lists them). On by default; ignored at
+            (:mod:`pdserve.engine.async_scheduling` lists them). On by default; ignored at
             tensor-parallel size > 1.
         kv_transfer_config: parsed ``--kv-transfer-config`` (None: no connector).
         trust_remote_code: passed to transformers when reading configs/tokenizers.

@@ -79,7 +79,7 @@ class ScheduledRequest:
         prompt_token_ids: the prompt (for the repetition penalty).
         output_token_ids: the tokens generated so far (for penalties and ``min_tokens``).
         eos_token_id: EOS id, suppressed while fewer than ``min_tokens`` tokens exist.
-        input_from_previous_step: overlapped scheduling (:mod:`pdserve.engine.async_step`):
+        input_from_previous_step: async scheduling (:mod:`pdserve.engine.async_scheduling`):
             ``token_ids`` is one placeholder (:data:`PLACEHOLDER_TOKEN`) for the token the
             runner sampled for this request in the previous step, which the host does not know
             yet; the runner takes it from that step's sampled tokens on the device.
@@ -233,7 +233,7 @@ class EngineCoreOutput:
 
 class PendingStep(Protocol):
     """A step launched by ``runner.execute_async(sched)`` whose results the host reads later
-    (overlapped scheduling, :mod:`pdserve.engine.async_step`)."""
+    (async scheduling, :mod:`pdserve.engine.async_scheduling`)."""
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the step's sampled tokens (on CUDA: its event) and return the step's

@@ -108,6 +108,3 @@ class Request:
         if end <= p:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
-
-    def is_finished(self) -> bool:
-        return self.status.finished

@@ -200,12 +200,12 @@ def test_core_steps_at_once_when_a_finished_load_makes_a_request_runnable():
     sched = core.scheduler
     for _ in range(20):
         core.step()
-        if any(r.request_id == "r" for r in sched.waiting) and "r" not in sched.waiting_for_remote:
+        if any(r.request_id == "r" for r in sched.queues.waiting) and "r" not in sched.remote_kv.waiting_for_remote:
             break
     else:
         pytest.fail("the load never finished")
-    assert not sched.running
+    assert not sched.queues.running
     assert core.wait_timeout_s(False) == 0.0
     core.step()  # schedules the request's last prompt token
     assert not sched.loaded_since_schedule
-    assert not any(r.request_id == "r" for r in sched.waiting)
+    assert not any(r.request_id == "r" for r in sched.queues.waiting)

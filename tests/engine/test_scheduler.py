@@ -88,7 +88,7 @@ def test_max_num_seqs_limits_running_requests():
     for i, p in enumerate(prompts(5, seed=2)):
         add(core, f"r{i}", p, max_tokens=4)
     seen_running = []
-    run_until_done(core, on_step=lambda _: seen_running.append(len(core.scheduler.running)))
+    run_until_done(core, on_step=lambda _: seen_running.append(len(core.scheduler.queues.running)))
     assert max(seen_running) == 2
     assert all(len(s.scheduled) <= 2 for s in runner.steps)
     assert_all_free(core)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.utils import phase_trace
-from pdserve.engine.async_step import launch_phase
+from pdserve.engine.async_scheduling import launch_phase
 from pdserve.types.outputs import ScheduledRequest, SchedulerOutput
 from pdserve.types.sampling_params import SamplingParams
 
