@@ -53,6 +53,8 @@ logger = logging.getLogger("pdserve.model")
 
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
+
+
 def _cuda_memory_at_start(config: EngineConfig) -> tuple[int, int] | None:
     """``(total, free)`` bytes of the engine's CUDA device before it loads anything, after
     checking that its ``gpu_memory_utilization`` share is free (None on CPU or when
