@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 
 from model_configs import qwen2_5_7b_config, qwen3_30b_a3b_config, tiny_config
+from workload import Workload, make_workload
 from run_diagnostics import PauseWatch, StepTimer, on_cuda, sync_device, profile_decode_steps, profile_host
 
 # Qwen3-0.6B's config.json (Qwen/Qwen3-0.6B on the Hugging Face Hub), written out so that no
@@ -123,35 +124,6 @@ def write_model_config(directory: Path, preset: str) -> Path:
     with open(directory / "config.json", "w") as fh:
         json.dump(MODEL_PRESETS[preset], fh, indent=2)
     return directory
-
-
-@dataclass
-class Workload:
-    """The requests: prompt token ids and output lengths (tokens)."""
-
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-
-def make_workload(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int,
-                  min_out: int | None = None, max_out: int | None = None) -> Workload:
-    """Uniform prompt lengths in ``[min_len, max_len]`` and output lengths in
-    ``[min_out, max_out]`` (default: the same range), random token ids, from ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    min_out = min_len if min_out is None else min_out
-    max_out = max_len if max_out is None else max_out
-    in_lens = torch.randint(min_len, max_len + 1, (num_prompts,), generator=gen).tolist()
-    out_lens = torch.randint(min_out, max_out + 1, (num_prompts,), generator=gen).tolist()
-    prompts = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in in_lens]
-    return Workload(prompts, out_lens)
 
 
 @dataclass

@@ -16,12 +16,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from offline_throughput import Workload
+from workload import Workload
 
 
 def on_cuda(device: str) -> bool:

@@ -2,13 +2,13 @@
 replayed decode graph, the sampler's per-step plan, and launching and reading an overlapped step.
 
 The model runner of a CUDA machine replays a captured graph for a pure-decode batch
-(:func:`~pdserve.runner.decode_graphs.replay_decode_graph`): it builds the token ids,
-positions, slots, context lengths and block tables of the batch on the host and copies them into
-the graph's static buffers, then the sampler plans the draw (:meth:`Sampler.plan
-<pdserve.runner.sampler.Sampler.plan>`, per-row temperatures, seeds and output positions) and
-:class:`~pdserve.runner.overlap.StepLauncher` keeps the tokens on the device until
-:meth:`PendingRunnerStep.result <pdserve.runner.overlap.PendingRunnerStep.result>` reads them.
-This script runs that same code on the CPU with stand-ins for the device parts:
+(:meth:`DecodeGraphReplay.replay <pdserve.runner.decode_graphs.DecodeGraphReplay.replay>`): it
+builds the token ids, positions, slots, context lengths and block tables of the batch on the host
+and copies them into the graph's static buffers, then the sampler plans the draw
+(:meth:`Sampler.plan <pdserve.runner.sampler.Sampler.plan>`, per-row temperatures, seeds and output
+positions) and :class:`~pdserve.runner.step_launch.StepLauncher` keeps the tokens on the device
+until :meth:`PendingRunnerStep.result <pdserve.runner.step_launch.PendingRunnerStep.result>` reads
+them. This script runs that same code on the CPU with stand-ins for the device parts:
 
 - the graph's static buffers live on the ``meta`` device, so copying into them and padding them
   costs the dispatcher's time (as a launch does on CUDA) but no memory traffic (which a GPU does
@@ -22,14 +22,14 @@ driver's launch and copy costs of a real GPU are not in it.
 
 The batch: ``--rows`` (256) decoding requests whose contexts start uniformly in
 ``--min-blocks .. --max-blocks`` (30..130) blocks of 16 tokens, each fed the previous step's
-token on the device (overlapped scheduling) and sampled at temperature 1 (top-p 1), as
+token on the device (async scheduling) and sampled at temperature 1 (top-p 1), as
 ``benchmarks/offline_throughput.py`` samples. Each timed step advances every request by one
 token (a request gets a new block when its last one is full; after ``--max-blocks`` blocks it
 finishes and a new request with a fresh block table takes its row), so per-request state the
 runner might keep sees the usual turnover. Times are CPU time of the thread
 (``time.thread_time``), medians over ``--repeats`` (5) runs of ``--steps`` (400) steps:
 
-- ``replay``: ``replay_decode_graph`` (host inputs plus the static-buffer copies);
+- ``replay``: ``DecodeGraphReplay.replay`` (host inputs plus the static-buffer copies);
 - ``plan``: ``Sampler.sample_on_device`` (the ``min_tokens`` check and the fused plan);
 - ``step``: ``StepLauncher.launch`` plus ``PendingRunnerStep.result``: the whole runner step
   (``forward_logits``, sampling, reading the tokens), which includes the two above.
@@ -59,10 +59,11 @@ from pdserve.types.outputs import PLACEHOLDER_TOKEN, SchedulerOutput, ScheduledR
 from pdserve.types.sampling_params import SamplingParams
 from pdserve.runner.block_tables import DecodeBlockTables
 from pdserve.runner.cuda_graphs import CUDAGraphRunner, StaticInputSpec, default_capture_sizes
-from pdserve.runner.decode_graphs import replay_decode_graph
+from pdserve.runner.decode_graphs import DecodeGraphReplay
+from pdserve.runner.device_tokens import DeviceTokens
 from pdserve.runner.model_runner import ModelRunner
-from pdserve.runner.overlap import DeviceTokens, StepLauncher
 from pdserve.runner.sampler import Sampler
+from pdserve.runner.step_launch import StepLauncher
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 40_960  # Qwen3-0.6B's max_position_embeddings
@@ -115,7 +116,8 @@ def stand_in_runner(rows: int) -> SimpleNamespace:
         max_blocks_per_seq=-(-MAX_MODEL_LEN // BLOCK_SIZE), device=torch.device("cpu"),
         kv_cache=torch.empty(0), sampler=sampler, piecewise_graphs=None)
     runner.decode_graphs = meta_graphs(rows, runner.max_blocks_per_seq)
-    runner.decode_block_tables = DecodeBlockTables(runner.max_blocks_per_seq)
+    runner._decode_replay = DecodeGraphReplay(DecodeBlockTables(runner.max_blocks_per_seq),
+                                              BLOCK_SIZE, MAX_MODEL_LEN, runner.device)
     runner.forward_logits = ModelRunner.forward_logits.__get__(runner)
     return runner
 
@@ -169,7 +171,7 @@ def time_steps(what: str, args, profile: cProfile.Profile | None = None) -> floa
     steps of a fresh batch."""
     runner = stand_in_runner(args.rows)
     batch = DecodeBatch(args.rows, args.min_blocks, args.max_blocks)
-    launcher = StepLauncher(runner)
+    launcher = StepLauncher(runner.forward_logits, runner.sampler, runner.device)
     graphs = runner.decode_graphs
     logits = graphs._outputs[graphs.padded_size(args.rows)][:args.rows]
     previous = DeviceTokens({r.request_id: i for i, r in enumerate(batch.reqs)},
@@ -185,11 +187,11 @@ def time_steps(what: str, args, profile: cProfile.Profile | None = None) -> floa
             profile.enable()
         t0 = time.thread_time()
         if what == "replay":
-            replay_decode_graph(runner, reqs, graphs, previous)
+            runner._decode_replay.replay(reqs, graphs, previous)
         elif what == "plan":
             runner.sampler.sample_on_device(logits, reqs)
         else:
-            launcher.launch(sched, None).result()
+            launcher.launch(sched, runner.kv_cache, None).result()
         total += time.thread_time() - t0
         if profile is not None:
             profile.disable()

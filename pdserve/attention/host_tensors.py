@@ -1,10 +1,9 @@
 """Host-side integer tensors of a step's inputs, built through numpy.
 
-``torch.tensor`` on a Python list inspects every element's type: on the H200 machine's host it
-took about 75 ns per element (1.2 ms for the 16k block ids of a 256-row decode batch), and 3-4x
-less through numpy (measured on the development machine: 8,192 ints 1,043 -> 248 us, 256 ints
-36 -> 12 us). The model runner builds its per-step inputs (token ids, positions, slots, block
-tables) and its attention metadata with these functions.
+``torch.tensor`` on a Python list inspects every element's type, which costs several times what a
+conversion through numpy does (docs/benchmarks.md, "Measurements moved out of code comments"). The
+model runner builds its per-step inputs (token ids, positions, slots, block tables) and its
+attention metadata with these functions.
 """
 
 from __future__ import annotations

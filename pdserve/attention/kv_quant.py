@@ -8,12 +8,13 @@ makes the conversion saturate on every device (the Triton KV-write kernel clamps
 
 Scales, one per layer for K and one for V, come from the weights (:func:`scale_for_bound`, fed
 by the model's ``kv_cache_scales``). e4m3 keeps 3 mantissa bits (a relative rounding error of at
-most 2^-4) from 2^-6 up to 448, about 15 binades; below 2^-6 values lose precision
-(subnormals), above 448 they saturate. vLLM uses scale 1.0 when a checkpoint carries no
-calibrated scales; with it the embedded SmolLM2's first-layer values (RMS 0.05) are 40%
-subnormal. Instead, each layer's scale is an upper bound of what it can store, divided by 448:
-the input of the K/V projection is RMS-normalised, ``u = x / rms(x)`` with ``||u||_2 <=
-sqrt(hidden)``, times the norm weight ``g``, so by Cauchy-Schwarz
+most 2^-4) from 2^-6 up to 448, about 15 binades; below 2^-6 values lose precision (subnormals),
+above 448 they saturate. vLLM uses scale 1.0 when a checkpoint carries no calibrated scales; with
+it a large share of the embedded SmolLM2's small first-layer values are subnormal
+(docs/benchmarks.md, "Measurements moved out of code comments"). Instead, each layer's scale is an
+upper bound of what it can store, divided by 448: the input of the K/V projection is
+RMS-normalised, ``u = x / rms(x)`` with ``||u||_2 <= sqrt(hidden)``, times the norm weight ``g``,
+so by Cauchy-Schwarz
 ``|v_i| <= ||W_v[i] * g||_2 * sqrt(hidden) + |b_i|``; keys get the same bound times sqrt(2)
 (the rotary embedding mixes pairs of dimensions, each pair's norm is kept), or, after a
 per-head key norm (Qwen3), ``max|g_k| * sqrt(head_dim)``. The bound always holds, so nothing

@@ -11,9 +11,9 @@ metadata, causal masking aligned to the bottom right so a chunk attends to its c
 Going through ``scaled_dot_product_attention`` request by request instead lets recent torch
 releases dispatch to cuDNN attention first on sm90/sm100 GPUs with a recent cuDNN; cuDNN builds and
 caches an execution plan per ``(batch, seq_len_q, seq_len_kv, strides)``, so every new prompt
-length costs tens of milliseconds of host time (``benchmarks/profile_prefill.py`` compares the
-modes). Where the varlen kernel cannot run (float32, CPU) prefill stays per request on SDPA, with
-cuDNN excluded on CUDA.
+length costs host time (``benchmarks/profile_prefill.py`` compares the modes; docs/benchmarks.md,
+"Measurements moved out of code comments"). Where the varlen kernel cannot run (float32, CPU)
+prefill stays per request on SDPA, with cuDNN excluded on CUDA.
 
 With an fp8 KV cache (``--kv-cache-dtype fp8``) keys and values are quantized on write with the
 layer's scales and dequantized to the activations' dtype (float32 on CPU) wherever attention reads
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pdserve.model")
 
 # SDPA backends allowed for the per-request prefill on CUDA: everything but cuDNN attention, whose
-# per-shape plan build costs tens of milliseconds for every new prompt length.
+# per-shape plan build costs host time at every new prompt length (module docstring).
 _SDPA_BACKENDS_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                            SDPBackend.MATH]
 

@@ -1,14 +1,14 @@
 """Linear layer for one or two rows (Triton): ``y = x W^T (+ b)`` read at the weight's bandwidth.
 
 A decode step of one or two sequences multiplies a ``[1, K]`` or ``[2, K]`` activation by every
-weight matrix of the model. This is a matrix-vector product bound by reading ``W`` once; on an
-H200 cuBLAS took 12.3 µs for Qwen3-0.6B's ``o_proj`` (4 MiB) at one row, a third of the copy
-bandwidth, and cut ``down_proj`` in two kernels (split-K and its reduce). Here each program owns
-``BLOCK_N`` output features and walks the whole ``K`` dimension in ``BLOCK_K`` steps, keeping
-``BLOCK_M x BLOCK_N x BLOCK_K`` float32 partial products in registers and summing them once at
-the end, so there are many small programs in flight, no tensor cores (which would pad the rows
-to 16) and no second kernel: 3.1 µs for that ``o_proj`` (``benchmarks/decode_latency.py
---kernels`` times it next to ``F.linear``; docs/benchmarks.md).
+weight matrix of the model. This is a matrix-vector product bound by reading ``W`` once; cuBLAS
+reads it well below the copy bandwidth at one row, and cuts ``down_proj`` in two kernels (split-K
+and its reduce). Here each program owns ``BLOCK_N`` output features and walks the whole ``K``
+dimension in ``BLOCK_K`` steps, keeping ``BLOCK_M x BLOCK_N x BLOCK_K`` float32 partial products in
+registers and summing them once at the end, so there are many small programs in flight, no tensor
+cores (which would pad the rows to 16) and no second kernel (``benchmarks/decode_latency.py
+--kernels`` times it next to ``F.linear``; docs/benchmarks.md, "Measurements moved out of code
+comments").
 
 The launch grid depends only on shapes, so the kernel is captured in CUDA graphs; it also runs on
 CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check
@@ -70,12 +70,11 @@ def _gemv_kernel(
 
 
 def preferred(rows: int, out_features: int, in_features: int) -> bool:
-    """Whether :func:`small_batch_linear` beats cuBLAS for this product, by the H200 timings of
-    Qwen3-0.6B's projections (docs/benchmarks.md, "Batch-1 decode latency"): at one row always
-    (``o_proj`` 12.4 -> 3.0 µs, ``down_proj`` 6.3 -> 3.7, ``qkv_proj`` 3.8 -> 3.4, ``gate_up_proj``
-    4.8 -> 4.7); at two rows only for a weight no wider than it is long (``o_proj``,
-    ``down_proj``; ``qkv_proj`` and ``gate_up_proj`` were 20% slower than cuBLAS); never from
-    three rows on."""
+    """Whether :func:`small_batch_linear` beats cuBLAS for this product, by the timings of
+    Qwen3-0.6B's projections (docs/benchmarks.md, "Batch-1 decode latency", and "Measurements
+    moved out of code comments"): at one row always; at two rows only for a weight no wider than
+    it is long (``o_proj``, ``down_proj``; ``qkv_proj`` and ``gate_up_proj`` lose to cuBLAS
+    there); never from three rows on."""
     return rows == 1 or (rows == 2 and out_features <= in_features)
 
 

@@ -228,7 +228,7 @@ def gather_kv_cache(
     """Keys and values of the given cache slots of one layer, packed token after token: the
     contexts of a step's prefills for the varlen prefill attention. One program per token copies
     its ``[num_kv_heads, head_dim]`` keys and values (torch's advanced indexing of the same slots
-    ran at about 300 GB/s on an H200).
+    is slower, docs/benchmarks.md, "Measurements moved out of code comments").
 
     Args:
         kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``, last dim

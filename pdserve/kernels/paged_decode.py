@@ -21,8 +21,9 @@ pieces with their log-sum-exp weights. All pieces of one launch have the same le
 from ``context_lens`` itself; so the grid is the same for every step of a given batch size (what
 CUDA graphs need), and a long context is cut into more pieces than a short one (whose last pieces
 are empty and return at once). Cutting every context into the same number of pieces instead leaves
-the programs of the longest sequences running alone at the end of the launch: with contexts spread
-over 100-2,000 tokens that tail halved the bandwidth the kernel reached on an H200.
+the programs of the longest sequences running alone at the end of the launch, a tail that costs
+much of the bandwidth the kernel reaches when contexts differ widely (docs/benchmarks.md,
+"Measurements moved out of code comments").
 
 The kernels also run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
 ``triton`` is imported), which is how the CPU test suite checks them; this is slow and meant for
@@ -34,8 +35,8 @@ output, so the dot products run in the query's dtype as for a 16-bit cache
 (:mod:`pdserve.attention.kv_quant` gives the convention). On CUDA GPUs of compute capability 8.9
 and later the split stage of an fp8 cache runs the CUDA kernel of
 :mod:`pdserve.kernels.paged_decode_fp8` instead where it applies (head size 128, up to 8 query
-heads per KV head; 21% less time than the Triton split kernel at 137-256 sequences on an
-H200, docs/benchmarks.md), and this module's merge kernel combines its pieces.
+heads per KV head; faster than the Triton split kernel, docs/benchmarks.md, "Measurements moved out
+of code comments"), and this module's merge kernel combines its pieces.
 
 :class:`pdserve.attention.triton_backend.TritonAttentionBackend` runs this kernel for the
 decode rows of a step. Import this module only where Triton is installed.
@@ -68,9 +69,9 @@ _LOG2_E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 64
 MAX_NUM_SPLITS = 64
 # Pieces (query heads x splits) one merge program reads. With one head per program most programs
-# had a few hundred bytes to read (the merge took 8.1 us per layer at batch 137 on an H200); four
-# heads of four pieces made the whole decode attention 4-6% faster at batch 137-256
-# (docs/benchmarks.md, "Decode attention merge").
+# have a few hundred bytes to read, too little to cover a program's start; four heads of four
+# pieces give each program more (docs/benchmarks.md, "Decode attention merge", and
+# "Measurements moved out of code comments").
 _REDUCE_PIECES = 16
 
 
@@ -87,7 +88,8 @@ class DecodeKernelConfig:
             bounds the longest program to ``1 / min_splits`` of the longest context.
         fp8_block_n, fp8_num_warps, fp8_num_stages: ``block_n``, ``num_warps`` and
             ``num_stages`` for an fp8 cache (its loads are converted in registers, which moves
-            the best launch: two warps were 22% faster than four at batch 256 on an H200).
+            the best launch to fewer warps; docs/benchmarks.md, "Measurements moved out of code
+            comments").
         fp8_mma: 1 runs the split stage of an fp8 cache with the CUDA kernel of
             :mod:`pdserve.kernels.paged_decode_fp8` where it applies
             (:func:`~pdserve.kernels.paged_decode_fp8.supports`), 0 always with Triton.
@@ -162,8 +164,9 @@ def choose_num_splits(
 
 # Arguments that change from step to step outside CUDA graphs (the block-table width follows the
 # longest context of the batch; the split count and the number of sequences follow the batch size). Triton would otherwise
-# compile a new variant whenever one of them turns divisible by 16 or equal to 1, which cost
-# seconds inside timed eager steps on an H200; none of them feeds a vectorised access.
+# compile a new variant whenever one of them turns divisible by 16 or equal to 1, a compilation
+# inside a step (docs/benchmarks.md, "Measurements moved out of code comments"); none of them
+# feeds a vectorised access.
 _PER_STEP_ARGS = ("num_seqs", "num_splits", "stride_bt_s", "stride_pm_s", "stride_pm_h")
 
 

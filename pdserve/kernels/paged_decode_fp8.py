@@ -4,8 +4,8 @@ tensor cores, compiled at run time with NVRTC, for GPUs of compute capability 8.
 Why not Triton: for the second dot product (probabilities times values) Triton stages the 8-bit
 value tile in shared memory and reads it back one byte at a time in the transposed operand
 layout, and its tiles pad a query group of 2 (Qwen3-0.6B: 2 query heads per KV head) to 16 rows,
-so the Triton kernel of :mod:`pdserve.kernels.paged_decode` reached 65% of the paged read
-bandwidth with an fp8 cache against 95% with a bf16 one and stayed latency bound at 204
+so the Triton kernel of :mod:`pdserve.kernels.paged_decode` reaches a much smaller share of
+the paged read bandwidth with an fp8 cache than with a bf16 one and stays latency bound on its
 registers (docs/benchmarks.md, "What the fp8 decode step is made of"). This kernel feeds
 ``mma.sync.m16n8k16`` (f16 operands, f32 accumulators) straight from registers loaded from
 global memory, and chooses the head-dimension order of each operand so that no data moves
@@ -549,8 +549,8 @@ def paged_decode_fp8_split(
         scale_log2: softmax scale times log2(e) times the key scale.
         v_scale: the value scale.
         num_splits: pieces per (sequence, KV head).
-        num_warps: warps per program (2 and 4 were within 2% of each other at 137-256
-            sequences on an H200, 8 slower).
+        num_warps: warps per program (docs/benchmarks.md, "Measurements moved out of code
+            comments", compares 2, 4 and 8).
 
     The caller checks :func:`supports` and the shapes (``paged_decode_attention`` does).
 

@@ -12,7 +12,7 @@ lowest index on ties. Masked entries (``-inf``) have zero weight and are never d
 
 This reads the logits once, plus one block per row. The Gumbel-max kernel it replaced
 (``argmax(x / T + g)``) needed a Philox draw for every vocabulary entry, which bound its time
-(69 µs for 137 rows of Qwen3's 151,936 entries on an H200, docs/benchmarks.md).
+(docs/benchmarks.md, "Measurements moved out of code comments").
 
 The uniform comes from Triton's counter-based Philox generator (Salmon et al., *Parallel random
 numbers: as easy as 1, 2, 3*, 2011; ``tl.rand`` at counter 0) keyed by ``seed * 2**32 + position``

@@ -33,7 +33,8 @@ from pdserve.layers.embedding import LMHead, VocabEmbedding
 from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pdserve.layers.norm import GemmaRMSNorm
 from pdserve.layers.rotary import QKRotation, RotaryEmbedding
-from pdserve.models.llama import ArchConfig, CausalLM, DecoderLayer, LayerState, LlamaAttention
+from pdserve.models.arch_config import ArchConfig
+from pdserve.models.llama import CausalLM, DecoderLayer, LayerState, LlamaAttention
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 SLIDING, FULL = "sliding_attention", "full_attention"

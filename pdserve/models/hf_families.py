@@ -1,5 +1,5 @@
 """What a Hugging Face ``config.json`` means for the Qwen2 and Qwen3-MoE families and for rope
-scaling: the family's extra :class:`~pdserve.models.llama.ArchConfig` fields, the rope settings
+scaling: the family's extra :class:`~pdserve.models.arch_config.ArchConfig` fields, the rope settings
 completed with Hugging Face's defaults, and the config features pdserve refuses by name.
 
 :func:`pdserve.models.loader.arch_config_from_hf` calls these once, at start-up.
@@ -101,7 +101,7 @@ def complete_rope_scaling(rope_scaling: dict[str, Any] | None, hf: dict[str, Any
 
 
 def family_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The :class:`~pdserve.models.llama.ArchConfig` fields a family sets beyond the Llama ones.
+    """The :class:`~pdserve.models.arch_config.ArchConfig` fields a family sets beyond the Llama ones.
 
     Qwen2: a bias on q/k/v only (``qkv_bias``), ``attention_bias`` off. Qwen3-MoE: Qwen3's q/k
     norm, ``head_dim`` defaulting to ``hidden_size // num_attention_heads`` (as its HF config),

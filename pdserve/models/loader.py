@@ -30,7 +30,8 @@ from pdserve.models.gguf_weights import gguf_hf_config, iter_gguf
 from pdserve.types.model_info import ModelInfo
 from pdserve.models import hf_families
 from pdserve.models.gemma3 import ARCHITECTURE as GEMMA3, gemma3_arch_config
-from pdserve.models.llama import ArchConfig, CausalLM
+from pdserve.models.arch_config import ArchConfig
+from pdserve.models.llama import CausalLM
 from pdserve.models.registry import SUPPORTED_ARCHITECTURES, model_class
 from pdserve.models.summary import summarize
 

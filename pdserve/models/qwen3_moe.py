@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from pdserve.layers.fused_moe import SparseMoeBlock
-from pdserve.models.llama import ArchConfig, CausalLM, DecoderLayer
+from pdserve.models.arch_config import ArchConfig
+from pdserve.models.llama import CausalLM, DecoderLayer
 
 # HF expert projection -> (our stacked parameter, shard = expert * per_expert + offset)
 _EXPERT_PROJ = {"gate_proj": ("w13_weight", 2, 0), "up_proj": ("w13_weight", 2, 1),

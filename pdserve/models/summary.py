@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdserve.models.llama import ArchConfig
+from pdserve.models.arch_config import ArchConfig
 
 #: Architecture -> the family name printed at start-up.
 FAMILIES = {

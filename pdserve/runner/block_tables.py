@@ -1,10 +1,11 @@
 """The block tables of replayed decode steps, kept on the host from one step to the next.
 
-A decode batch of 256 requests carries some 20k block ids as Python ints; converting all of
-them to an int32 array every step cost about 0.75 ms of host time (``benchmarks/
-runner_host_overhead.py``), while a decoding request gains a block only every ``block_size``
-steps. :class:`DecodeBlockTables` keeps one numpy row per request it has seen and converts only
-the blocks a row lacks; the step's ``[B, widest]`` table is then one gather of those rows.
+A decode batch of 256 requests carries some 20k block ids as Python ints; converting all of them to
+an int32 array every step is a large part of the step's host time
+(``benchmarks/runner_host_overhead.py`` times it; docs/benchmarks.md, "Measurements moved out of
+code comments"), while a decoding request gains a block only every ``block_size`` steps.
+:class:`DecodeBlockTables` keeps one numpy row per request it has seen and converts only the blocks
+a row lacks; the step's ``[B, widest]`` table is then one gather of those rows.
 
 A row is reused only when it is right: each step compares the request's block list with the
 copy the row was written from (a C-level list comparison, no conversion), appends what is new,

@@ -71,7 +71,7 @@ def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> 
                 if 0 <= t < vocab:
                     rows.append(i)
                     cols.append(t)
-    if rows:  # index tensors copied without waiting for the device (overlapped steps)
+    if rows:  # index tensors copied without waiting for the device (async scheduling)
         idx = torch.tensor([rows, cols], dtype=torch.int64).to(logits.device, non_blocking=True)
         logits[idx[0], idx[1]] = float("-inf")
 

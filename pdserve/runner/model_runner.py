@@ -12,19 +12,18 @@ forward pass.
 The runner loads the model, sizes and owns the KV cache and runs one step (input preparation,
 the forward pass, sampling); the arithmetic of the cache size is torch-free, in
 :mod:`pdserve.runner.memory_budget`. Its CUDA graphs are captured by :mod:`pdserve.runner.decode_graphs`
-(which also replays decode steps; steps with prefills of up to
-``piecewise_cuda_graph_max_tokens`` tokens replay :mod:`pdserve.runner.piecewise_graphs`),
-multi-step rounds run in :mod:`pdserve.runner.multi_step`
-and overlapped steps (``execute_async``) are launched by :mod:`pdserve.runner.overlap`.
+(whose :class:`~pdserve.runner.decode_graphs.DecodeGraphReplay` also replays decode steps; steps
+with prefills of up to ``piecewise_cuda_graph_max_tokens`` tokens replay
+:mod:`pdserve.runner.piecewise_graphs`), multi-step rounds run in :mod:`pdserve.runner.multi_step`
+and the steps of async scheduling (``execute_async``, outputs read one step later) are launched
+by :mod:`pdserve.runner.step_launch`. Each of these helpers gets its collaborators (the sampler,
+a bound forward method, the block tables) from the runner's constructor.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import math
-import sys
 
 import torch
 
@@ -38,48 +37,22 @@ from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import kv_head_range
 from pdserve.models.loader import load_model, model_max_len, resolve_device, tp_device
 from pdserve.runner.block_tables import DecodeBlockTables
+from pdserve.runner.cpu_malloc import tune_cpu_malloc
 from pdserve.runner.cuda_graphs import CUDAGraphRunner
 from pdserve.runner.decode_graphs import (
-    capture_decode_graphs, capture_piecewise_graphs, decode_with_graph,
+    DecodeGraphReplay, capture_decode_graphs, capture_piecewise_graphs,
 )
 from pdserve.attention.host_tensors import int_tensor
-from pdserve.runner.multi_step import multi_step_decode
+from pdserve.runner.device_tokens import DeviceTokens, feed_previous_tokens
+from pdserve.runner.multi_step import MultiStepDecoder
 from pdserve.runner.piecewise_graphs import PiecewiseGraphs
-from pdserve.runner.overlap import (
-    DeviceTokens, PendingRunnerStep, StepLauncher, feed_previous_tokens,
-)
+from pdserve.runner.step_launch import PendingRunnerStep, StepLauncher
 from pdserve.runner.sampler import Sampler
 
 logger = logging.getLogger("pdserve.model")
 
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-
-def tune_cpu_malloc() -> bool:
-    """Keep freed large blocks in the glibc heap instead of returning them to the OS.
-
-    Every layer of a CPU forward pass allocates and frees tens of MB of temporaries (gathered
-    KV blocks, MLP activations). With glibc's default dynamic thresholds those pages go back to
-    the OS at each free and are page-faulted in again at the next allocation, which measured
-    ~180k minor faults and doubled the time of a 32-request SmolLM2 decode step. Fixing
-    ``M_MMAP_THRESHOLD`` at its maximum (32 MiB) and ``M_TRIM_THRESHOLD`` at 1 GiB keeps them
-    mapped (the process keeps its peak RSS). No-op where glibc is absent.
-
-    Returns:
-        True when both settings were applied.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
-        return bool(ok and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1)
-    except (OSError, AttributeError):
-        return False
 
 
 def _cuda_memory_at_start(config: EngineConfig) -> tuple[int, int] | None:
@@ -115,8 +88,6 @@ class ModelRunner:
         max_model_len: longest sequence (prompt + output) in tokens.
         kv_cache: the paged KV cache (after :meth:`allocate_kv_cache`).
         kv_cache_spec: its geometry, for the KV connector.
-        decode_block_tables: host block-table rows of the requests of replayed decode steps
-            (:class:`~pdserve.runner.block_tables.DecodeBlockTables`), kept between steps.
         kv_cache_dtype: the cache's torch dtype (the model's, or ``torch.float8_e4m3fn`` for
             ``--kv-cache-dtype fp8``, with per-layer scales set on the attention backend).
     """
@@ -142,14 +113,18 @@ class ModelRunner:
             self.model.attn_backend.set_kv_cache_scales(self.model.kv_cache_scales())
         self.block_size = config.block_size
         self.max_model_len = model_max_len(config, self.arch)
-        # host block tables of replayed decode steps, kept between steps
-        self.decode_block_tables = DecodeBlockTables(self.max_blocks_per_seq)
         self.sampler = Sampler(self.device, config.seed)
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_spec: KVCacheSpec | None = None
         self._connector: KVConnectorWorkerSide | None = None
+        # replays decode graphs; keeps the host block tables of their requests between steps
+        self._decode_replay = DecodeGraphReplay(DecodeBlockTables(self.max_blocks_per_seq),
+                                                self.block_size, self.max_model_len, self.device)
+        self._multi_step = MultiStepDecoder(self.forward_and_sample, self._decode_replay,
+                                            self.sampler, self.block_size, self.max_model_len,
+                                            self.device)
         # launches execute_async steps; keeps the last one's sampled tokens on the device
-        self._launcher = StepLauncher(self)
+        self._launcher = StepLauncher(self.forward_logits, self.sampler, self.device)
         # CUDA graphs of pure-decode steps, and of the stages between attentions of steps with
         # prefills (both built by allocate_kv_cache; None = eager).
         self.decode_graphs: CUDAGraphRunner | None = None
@@ -277,8 +252,9 @@ class ModelRunner:
             element_size=self.kv_cache.element_size(), model_name=self.model_info.name,
             total_num_kv_heads=a.num_kv_heads, kv_scales=self._kv_scales_for_spec())
         if self.use_cuda_graphs:
-            self.decode_graphs = capture_decode_graphs(self, num_blocks)
-            self.piecewise_graphs = capture_piecewise_graphs(self)
+            self.decode_graphs = capture_decode_graphs(self.model, self.kv_cache, self.config,
+                                                       self.max_blocks_per_seq)
+            self.piecewise_graphs = capture_piecewise_graphs(self.model, self.config)
         total = num_blocks * self.block_bytes
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s on %s "
                     "(%.1f sequences of max_model_len=%d)", num_blocks, self.block_size,
@@ -307,10 +283,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ stepping
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one engine step.
 
-        Drops the sampler state of ``sched.finished_request_ids``; with a connector, binds its
+        Drops the sampler state of ``sched_out.finished_request_ids``; with a connector, binds its
         metadata and starts KV loads before the forward pass and polls it afterwards (also for
         an empty batch); computes KV for every scheduled token and samples a token for each
         request with ``sample=True``.
@@ -320,36 +296,36 @@ class ModelRunner:
             ValueError: a malformed scheduled request (no tokens, short block table, position
                 beyond ``max_model_len``).
         """
-        self.sampler.drop(sched.finished_request_ids)
-        self._launcher.previous = None
+        self.sampler.drop(sched_out.finished_request_ids)
+        self._launcher.reset()
         worker = self._connector
         if worker is not None:
-            worker.bind_connector_metadata(sched.kv_connector_metadata)
+            worker.bind_connector_metadata(sched_out.kv_connector_metadata)
             worker.start_load_kv()
-        out = ModelRunnerOutput()
-        if sched.scheduled and sched.num_steps > 1:
-            if self.kv_cache is None:
-                raise RuntimeError("allocate_kv_cache() must be called before execute()")
-            out.sampled_token_id_lists = multi_step_decode(self, sched.scheduled, sched.num_steps)
-        elif sched.scheduled:
-            if self.kv_cache is None:
-                raise RuntimeError("allocate_kv_cache() must be called before execute()")
-            sampled, tokens, logprobs = self.forward_and_sample(sched.scheduled, self.kv_cache)
+        runner_out = ModelRunnerOutput()
+        if sched_out.scheduled and self.kv_cache is None:
+            raise RuntimeError("allocate_kv_cache() must be called before execute()")
+        if sched_out.scheduled and sched_out.num_steps > 1:
+            runner_out.sampled_token_id_lists = self._multi_step.decode(
+                sched_out.scheduled, sched_out.num_steps, self.kv_cache, self.decode_graphs)
+        elif sched_out.scheduled:
+            sampled, tokens, logprobs = self.forward_and_sample(sched_out.scheduled,
+                                                                self.kv_cache)
             for req, tok, lp in zip(sampled, tokens, logprobs):
-                out.sampled_token_ids[req.request_id] = tok
+                runner_out.sampled_token_ids[req.request_id] = tok
                 if lp is not None:
-                    out.logprobs[req.request_id] = lp
+                    runner_out.logprobs[req.request_id] = lp
         if worker is not None:
-            out.kv_connector_output = worker.get_finished(sched.finished_request_ids)
-        return out
+            runner_out.kv_connector_output = worker.get_finished(sched_out.finished_request_ids)
+        return runner_out
 
     @torch.inference_mode()
-    def execute_async(self, sched: SchedulerOutput) -> PendingRunnerStep:
-        """Launch one engine step whose sampled tokens stay on the device (overlapped
-        scheduling, :mod:`pdserve.engine.async_step`); see :meth:`StepLauncher.launch
-        <pdserve.runner.overlap.StepLauncher.launch>` for what differs from :meth:`execute` and
-        the errors raised."""
-        return self._launcher.launch(sched, self._connector)
+    def execute_async(self, sched_out: SchedulerOutput) -> PendingRunnerStep:
+        """Launch one engine step whose sampled tokens stay on the device (async scheduling,
+        :mod:`pdserve.engine.async_step`); see :meth:`StepLauncher.launch
+        <pdserve.runner.step_launch.StepLauncher.launch>` for what differs from :meth:`execute`
+        and the errors raised."""
+        return self._launcher.launch(sched_out, self.kv_cache, self._connector)
 
     def forward_and_sample(self, scheduled: list[ScheduledRequest], kv_cache: torch.Tensor):
         """Flatten the batch (prefills first, then single-token decodes), run the model on
@@ -393,7 +369,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and not prefills and kv_cache is self.kv_cache
                 and len(decodes) <= graphs.max_batch_size):
-            return decode_with_graph(self, decodes, graphs, previous)
+            return self._decode_replay.decode(decodes, graphs, previous)
         fed: list[tuple[int, str]] = []  # (input row, request_id) of placeholders
         input_ids: list[int] = []
         positions: list[int] = []

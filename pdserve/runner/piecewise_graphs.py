@@ -1,15 +1,16 @@
 """CUDA graphs of the model's stages between attention calls, for steps with prefill tokens.
 
-A step with prefills cannot be one CUDA graph: its attention depends on how the tokens split
-into requests and on their cached contexts. What lies between two attention calls does not: the
-output projection, norms, MLP and the next layer's QKV projection depend only on the number of
-tokens. Eagerly, a few-hundred-token prefill of an 8B model is bound by the
-host's ~100 operator calls per layer (``benchmarks/profile_prefill.py``: 22.9 ms per step for
-11.4 ms of kernels, docs/benchmarks.md). Here each stage between attentions is captured once per
-padded token count (vLLM's "piecewise" CUDA graphs do the same with ``torch.compile`` splitting
-the model at its attention op), up to ``piecewise_cuda_graph_max_tokens`` tokens
-(:class:`pdserve.types.engine_config.EngineConfig`; by default every step of the engine's token budget); a step replays them with the attention of each layer run eagerly
-in between (:meth:`pdserve.models.llama.DecoderLayer.attend`).
+A step with prefills cannot be one CUDA graph: its attention depends on how the tokens split into
+requests and on their cached contexts. What lies between two attention calls does not: the output
+projection, norms, MLP and the next layer's QKV projection depend only on the number of tokens.
+Eagerly, a few-hundred-token prefill of an 8B model is bound by the host's ~100 operator calls per
+layer, not by its kernels (``benchmarks/profile_prefill.py``; docs/benchmarks.md, "Measurements
+moved out of code comments"). Here each stage between attentions is captured once per padded token
+count (vLLM's "piecewise" CUDA graphs do the same with ``torch.compile`` splitting the model at its
+attention op), up to ``piecewise_cuda_graph_max_tokens`` tokens
+(:class:`pdserve.types.engine_config.EngineConfig`; by default every step of the engine's token
+budget); a step replays them with the attention of each layer run eagerly in between
+(:meth:`pdserve.models.llama.DecoderLayer.attend`).
 
 For ``L`` layers and a padded size ``N`` there are ``L + 1`` pieces:
 
@@ -22,13 +23,13 @@ Each piece reads the token ids from a static buffer and its predecessor's layer
 state, and its QKV projection writes into a static buffer ``[N, q_size + 2 * kv_size]`` whose
 views are the queries, keys and values attention reads (the q/k norms and the rotary embedding
 run in attention, on them in place with Triton; where a model's own q/k norms return new tensors,
-as Gemma 3's do, those are copied in). Three
-copies per layer into separate buffers took 10% of an 8,192-token prefill step on an H200
-(docs/benchmarks.md). Attention writes its output into a static buffer that the next piece
-reads. The logits of the sampled rows are computed
-eagerly from the last piece's state (their count varies). Rows ``n .. N - 1`` of a step of ``n``
-tokens are padding: they hold earlier steps' ids and attention outputs, go through the
-row-wise stages without touching the real rows, and never reach attention or the KV cache.
+as Gemma 3's do, those are copied in). Three copies per layer into separate buffers would be a
+noticeable share of a long prefill step (docs/benchmarks.md, "Measurements moved out of code
+comments"). Attention writes its output into a static buffer that the next piece reads. The logits
+of the sampled rows are computed eagerly from the last piece's state (their count varies). Rows
+``n .. N - 1`` of a step of ``n`` tokens are padding: they hold earlier steps' ids and attention
+outputs, go through the row-wise stages without touching the real rows, and never reach attention
+or the KV cache.
 
 All pieces of all sizes share one memory pool, and a piece's layer state lives in it: pieces are
 replayed in the order they were captured (as the pool's sharing rules ask), so memory that a

@@ -142,7 +142,7 @@ class Sampler:
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> torch.Tensor:
         """:meth:`sample` for a batch without logprobs or penalties, leaving the tokens on the
-        device (overlapped scheduling: nothing here waits for the GPU).
+        device (async scheduling: nothing here waits for the GPU).
 
         Args:
             logits: ``[S, vocab]`` float32, bfloat16 or float16 (the model's dtype), row ``i``
@@ -215,7 +215,7 @@ class Sampler:
         # One row per field, each row a multiple of 16 bytes long: every field starts 16-byte
         # aligned on the device and is read in place. (Triton specialises a kernel on the
         # alignment of its pointers: one-row batches, whose column views were left in place by
-        # .contiguous(), compiled a second draw-kernel variant, 0.43 s inside an H200 step.)
+        # .contiguous(), compiled a second draw-kernel variant inside a step.)
         n = len(params)
         pad = [0] * (-n % 4)
         host = torch.from_numpy(np.array(

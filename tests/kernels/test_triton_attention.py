@@ -439,7 +439,8 @@ def few_decode_splits(monkeypatch):
 
 
 def _tiny_model(qk_norm: bool, block_size: int = 4):
-    from pdserve.models.llama import ArchConfig, CausalLM
+    from pdserve.models.arch_config import ArchConfig
+    from pdserve.models.llama import CausalLM
 
     cfg = ArchConfig(architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM",
                      hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -527,7 +528,7 @@ def test_fused_gemma3_path_matches_torch_path():
     path on a mixed batch whose contexts are longer than the window."""
     from pdserve.attention import build_attention_metadata
     from pdserve.models.gemma3 import Gemma3ForCausalLM
-    from pdserve.models.llama import ArchConfig
+    from pdserve.models.arch_config import ArchConfig
 
     cfg = ArchConfig(architecture="Gemma3ForCausalLM", hidden_size=64, intermediate_size=96,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=97,

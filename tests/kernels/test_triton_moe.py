@@ -94,7 +94,7 @@ def test_moe_model_fused_path_matches_torch_path(tmp_path):
     from pdserve import attention
     from pdserve.attention import build_attention_metadata
     from pdserve.layers.fused_moe import MoEConfig
-    from pdserve.models.llama import ArchConfig
+    from pdserve.models.arch_config import ArchConfig
     from pdserve.models.qwen3_moe import Qwen3MoeCausalLM
 
     cfg = ArchConfig(architecture="Qwen3MoeForCausalLM", hidden_size=64, intermediate_size=96,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.types.engine_config import EngineConfig
-from pdserve.models.llama import ArchConfig, rope_inv_freq
+from pdserve.models.arch_config import ArchConfig, rope_inv_freq
 from pdserve.models.loader import (
     arch_config_from_hf,
     load_model,

@@ -4,7 +4,6 @@ that a replayed decode step builds from them (pdserve/runner/decode_graphs.py)."
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,8 +12,8 @@ import torch
 from pdserve.types.outputs import PLACEHOLDER_TOKEN, ScheduledRequest
 from pdserve.types.sampling_params import SamplingParams
 from pdserve.runner.block_tables import DecodeBlockTables
-from pdserve.runner.decode_graphs import replay_decode_graph
-from pdserve.runner.overlap import DeviceTokens
+from pdserve.runner.decode_graphs import DecodeGraphReplay
+from pdserve.runner.device_tokens import DeviceTokens
 
 BS = 4
 
@@ -92,16 +91,14 @@ class _RecordingGraphs:
         return {k: v.clone() for k, v in inputs.items()}
 
 
-def _runner(max_model_len: int = 64):
+def _replay(max_model_len: int = 64) -> DecodeGraphReplay:
     width = -(-max_model_len // BS)
-    return SimpleNamespace(block_size=BS, max_model_len=max_model_len, max_blocks_per_seq=width,
-                           device=torch.device("cpu"),
-                           decode_block_tables=DecodeBlockTables(width))
+    return DecodeGraphReplay(DecodeBlockTables(width), BS, max_model_len, torch.device("cpu"))
 
 
 def test_replay_inputs_equal_those_built_from_the_lists():
     rng = random.Random(1)
-    runner = _runner()
+    replay = _replay()
     previous = DeviceTokens({"a": 1, "c": 0}, torch.tensor([50, 51]))
     for _ in range(20):
         reqs = []
@@ -109,7 +106,7 @@ def test_replay_inputs_equal_those_built_from_the_lists():
             n = rng.randrange(63)
             blocks = [rng.randrange(100) for _ in range(n // BS + 1 + rng.randrange(3))]
             reqs.append(_req(rid, n, blocks, token=rng.randrange(9), fed=rid in ("a", "c")))
-        inp = replay_decode_graph(runner, reqs, _RecordingGraphs(), previous)
+        inp = replay.replay(reqs, _RecordingGraphs(), previous)
         ns = [r.num_computed_tokens for r in reqs]
         assert inp["input_ids"].tolist() == [51, reqs[1].token_ids[0], 50, reqs[3].token_ids[0]]
         assert inp["positions"].tolist() == ns
@@ -124,14 +121,14 @@ def test_replay_inputs_equal_those_built_from_the_lists():
 
 
 def test_replay_raises_for_the_first_bad_row():
-    runner = _runner(max_model_len=16)
+    replay = _replay(max_model_len=16)
     ok = _req("ok", 5, [1, 2])
     too_long = _req("long", 16, [1, 2, 3, 4, 5])
     short = _req("short", 8, [1, 2])
     with pytest.raises(ValueError, match="reaches 17 tokens, beyond max_model_len=16"):
-        replay_decode_graph(runner, [ok, too_long, short], _RecordingGraphs())
+        replay.replay([ok, too_long, short], _RecordingGraphs())
     with pytest.raises(ValueError, match="block table of 2 blocks cannot hold 9 tokens"):
-        replay_decode_graph(runner, [ok, short, too_long], _RecordingGraphs())
+        replay.replay([ok, short, too_long], _RecordingGraphs())
     with pytest.raises(ValueError, match="did not sample them"):
-        replay_decode_graph(runner, [_req("x", 1, [3], fed=True)], _RecordingGraphs(),
-                            DeviceTokens({}, torch.zeros(0, dtype=torch.int64)))
+        replay.replay([_req("x", 1, [3], fed=True)], _RecordingGraphs(),
+                      DeviceTokens({}, torch.zeros(0, dtype=torch.int64)))

@@ -1,21 +1,20 @@
-"""The runner's side of overlapped scheduling: launching a step (``ModelRunner.execute_async``)
-whose sampled tokens stay on the device for the next step's inputs and reach the host later.
+"""Launching a step whose outputs are read one step later (the runner's side of async
+scheduling, ``ModelRunner.execute_async``): its sampled tokens stay on the device for the next
+step's inputs and reach the host later.
 
 On CUDA a step's ``[S]`` sampled tokens are copied (non-blocking) into pinned host memory and a
 CUDA event is recorded after the copy; :meth:`PendingRunnerStep.result` waits on that event
 only, so the host that launched step n+1 before asking for step n's tokens never waits for step
 n+1. Step n+1's decodes whose input is step n's token (``ScheduledRequest.
 input_from_previous_step``) get it by a device-side gather from step n's tokens
-(:func:`feed_previous_tokens`). On CPU torch runs synchronously: the same code gives the same
-tokens, without the overlap.
+(:func:`~pdserve.runner.device_tokens.feed_previous_tokens`). On CPU torch runs synchronously:
+the same code gives the same tokens, without the overlap.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
-import numpy as np
 import torch
 
 from pdserve.types.outputs import (
@@ -27,50 +26,12 @@ from pdserve.types.outputs import (
 )
 from pdserve.kv_transfer.base import KVConnectorWorkerSide
 from pdserve.attention.host_tensors import int_tensor
+from pdserve.runner.device_tokens import DeviceTokens
+from pdserve.runner.sampler import Sampler
 
-if TYPE_CHECKING:
-    from pdserve.runner.model_runner import ModelRunner
-
-
-@dataclass
-class DeviceTokens:
-    """The sampled tokens of the last launched step, on the device.
-
-    Attributes:
-        rows: request_id -> its row in ``tokens``.
-        tokens: ``[S]`` int64 on the runner's device.
-    """
-
-    rows: dict[str, int]
-    tokens: torch.Tensor
-
-
-def feed_previous_tokens(input_ids: torch.Tensor, rows: list[tuple[int, str]],
-                         previous: DeviceTokens | None) -> None:
-    """Write the previous step's sampled token of each request into its input row, on the
-    device and without waiting for it.
-
-    Args:
-        input_ids: ``[T]`` int64 input tokens of the step, on the device; modified in place.
-        rows: ``(row in input_ids, request_id)`` of the placeholder rows.
-        previous: the previous step's tokens.
-
-    Raises:
-        ValueError: a request was not sampled in the previous step (a scheduling bug).
-    """
-    if not rows:
-        return
-    sampled_rows = previous.rows if previous is not None else {}
-    try:
-        src = [sampled_rows[request_id] for _, request_id in rows]
-    except KeyError:
-        missing = [request_id for _, request_id in rows if request_id not in sampled_rows]
-        raise ValueError(f"requests {missing[:5]} take their input token from a previous step "
-                         "that did not sample them") from None
-    # [2, R]: destination rows, then source rows; one host-to-device copy
-    index = torch.from_numpy(np.array([[i for i, _ in rows], src], dtype=np.int64))
-    index = index.to(input_ids.device, non_blocking=True)
-    input_ids[index[0]] = previous.tokens[index[1]]
+# (scheduled, kv_cache, previous) -> (sampled requests, their [S, vocab] logits or None)
+ForwardLogits = Callable[[list[ScheduledRequest], torch.Tensor, "DeviceTokens | None"],
+                         tuple[list[ScheduledRequest], "torch.Tensor | None"]]
 
 
 class PendingRunnerStep:
@@ -108,23 +69,34 @@ class PendingRunnerStep:
 
 
 class StepLauncher:
-    """Launches the overlapped steps of a model runner (``ModelRunner.execute_async``) and
-    keeps the last one's sampled tokens on the device, for the placeholder inputs of the next.
+    """Launches the steps of a model runner whose outputs are read one step later
+    (``ModelRunner.execute_async``) and keeps the last one's sampled tokens on the device, for
+    the placeholder inputs of the next.
 
     Args:
-        runner: the model runner whose steps it launches.
+        forward_logits: runs one step's forward pass, ``(scheduled, kv_cache, previous) ->
+            (sampled_requests, logits)`` (:meth:`ModelRunner.forward_logits
+            <pdserve.runner.model_runner.ModelRunner.forward_logits>`).
+        sampler: the runner's sampler.
+        device: the runner's device (of the sampled tokens).
 
     Attributes:
         previous: the last launched step's sampled tokens; None until a step is launched and
-            after a synchronous step (``ModelRunner.execute`` resets it).
+            after :meth:`reset` (a synchronous step, ``ModelRunner.execute``).
     """
 
-    def __init__(self, runner: "ModelRunner"):
-        self.runner = runner
+    def __init__(self, forward_logits: ForwardLogits, sampler: Sampler, device: torch.device):
+        self._forward_logits = forward_logits
+        self._sampler = sampler
+        self._device = device
         self.previous: DeviceTokens | None = None
 
-    def launch(self, sched: SchedulerOutput, worker: KVConnectorWorkerSide | None
-               ) -> PendingRunnerStep:
+    def reset(self) -> None:
+        """Forget the last launched step's tokens (a synchronous step ran since)."""
+        self.previous = None
+
+    def launch(self, sched_out: SchedulerOutput, kv_cache: torch.Tensor | None,
+               worker: KVConnectorWorkerSide | None) -> PendingRunnerStep:
         """Launch one engine step whose sampled tokens stay on the device: as
         ``ModelRunner.execute``, except that placeholder inputs (``input_from_previous_step``)
         take the previous launched step's sampled tokens on the device, and the result is read
@@ -132,7 +104,8 @@ class StepLauncher:
         (:meth:`Sampler.samples_on_host <pdserve.runner.sampler.Sampler.samples_on_host>`).
 
         Args:
-            sched: the step's scheduler output.
+            sched_out: the step's scheduler output.
+            kv_cache: the runner's KV cache (None when not allocated yet).
             worker: the KV connector's worker side attached to the runner, or None.
 
         Raises:
@@ -140,28 +113,29 @@ class StepLauncher:
             ValueError: a malformed scheduled request, a multi-step round, or a placeholder
                 whose request the previous step did not sample.
         """
-        runner = self.runner
-        if sched.num_steps > 1:
+        sampler = self._sampler
+        if sched_out.num_steps > 1:
             raise ValueError("multi-step rounds run through execute()")
-        if runner.kv_cache is None:
+        if kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must be called before execute_async()")
-        runner.sampler.drop(sched.finished_request_ids)
+        sampler.drop(sched_out.finished_request_ids)
         if worker is not None:
-            worker.bind_connector_metadata(sched.kv_connector_metadata)
+            worker.bind_connector_metadata(sched_out.kv_connector_metadata)
             worker.start_load_kv()
         sampled: list[ScheduledRequest] = []
         logprobs = {}
-        tokens = torch.empty(0, dtype=torch.int64, device=runner.device)
-        if sched.scheduled:
-            sampled, logits = runner.forward_logits(sched.scheduled, runner.kv_cache,
-                                                    self.previous)
-        if sampled and runner.sampler.samples_on_host(sampled):
-            token_list, lps = runner.sampler.sample(logits, sampled)
-            tokens = int_tensor(token_list).to(runner.device, non_blocking=True)
+        tokens = torch.empty(0, dtype=torch.int64, device=self._device)
+        if sched_out.scheduled:
+            sampled, logits = self._forward_logits(sched_out.scheduled, kv_cache, self.previous)
+        if sampled and sampler.samples_on_host(sampled):
+            token_list, lps = sampler.sample(logits, sampled)
+            tokens = int_tensor(token_list).to(self._device, non_blocking=True)
             logprobs = {r.request_id: lp for r, lp in zip(sampled, lps) if lp is not None}
         elif sampled:
-            tokens = runner.sampler.sample_on_device(logits, sampled)
+            tokens = sampler.sample_on_device(logits, sampled)
         request_ids = [r.request_id for r in sampled]
-        self.previous = DeviceTokens({request_id: i for i, request_id in enumerate(request_ids)}, tokens)
-        kv_out = worker.get_finished(sched.finished_request_ids) if worker is not None else None
+        self.previous = DeviceTokens({request_id: i for i, request_id in enumerate(request_ids)},
+                                     tokens)
+        kv_out = (worker.get_finished(sched_out.finished_request_ids) if worker is not None
+                  else None)
         return PendingRunnerStep(request_ids, tokens, logprobs, kv_out)
