@@ -322,7 +322,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_async(self, sched_out: SchedulerOutput) -> PendingRunnerStep:
         """Launch one engine step whose sampled tokens stay on the device (async scheduling,
-        :mod:`pdserve.engine.async_step`); see :meth:`StepLauncher.launch
+        :mod:`pdserve.engine.async_scheduling`); see :meth:`StepLauncher.launch
         <pdserve.runner.step_launch.StepLauncher.launch>` for what differs from :meth:`execute`
         and the errors raised."""
         return self._launcher.launch(sched_out, self.kv_cache, self._connector)
