@@ -44,8 +44,7 @@ class EngineJob:
         prompt_token_ids: the prompt.
         sampling_params: sampling for this choice (``n`` = 1; seed already offset by i).
         kv_transfer_params: the request's parsed ``kv_transfer_params`` (with a prefill leg's
-            rendered-prompt digest, :meth:`~pdserve.types.kv_params.KVTransferParams.with_prompt_digest`)
-            or None.
+            rendered-prompt digest: ``KVTransferParams.with_prompt_digest``) or None.
     """
 
     index: int

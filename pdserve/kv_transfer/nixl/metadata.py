@@ -121,7 +121,6 @@ class NixlConnectorMetadata:
     def is_empty(self) -> bool:
         return not (
             self.reqs_to_recv or self.reqs_to_send or self.notices or self.heartbeat_start
-            or self.heartbeat_stop or self.aborted_recvs or self.release_sends or self.early_releases
-            or self.handshakes
-            or self.expired_pulls
+            or self.heartbeat_stop or self.aborted_recvs or self.release_sends
+            or self.early_releases or self.handshakes or self.expired_pulls
         )

@@ -25,15 +25,15 @@ from pdserve.kv_transfer.nixl.side_channel import side_channel_request
 #: Side-channel notice kind of an early release (carries ``block_ids``).
 RELEASE_NOTICE = "release"
 
-#: Seconds the front end waits for its own side channel's answer.
+#: Seconds :func:`send_release` waits for the side channel's answer.
 RELEASE_TIMEOUT_S = 5.0
 
 
 def parse_release(config: KVTransferConfig | None, params: Any,
                   data_parallel_size: int = 1) -> RemoteKVRef:
-    """The lease a release names, checked against this instance (``data_parallel_size``: its ranks, rank ``r`` with engine id
-    :meth:`~pdserve.types.kv_transfer_config.KVTransferConfig.engine_id_for` and side-channel
-    port ``base + r``).
+    """The lease a release names, checked against this instance (``data_parallel_size``: its
+    ranks, rank ``r`` with engine id ``config.engine_id_for(r, data_parallel_size)`` and
+    side-channel port ``base + r``).
 
     Raises:
         KVTransferParamsError: no KV connector here, malformed params, or params naming another
