@@ -39,7 +39,14 @@ from pdserve.engine.core_client import (
     rank_devices,
     tensor_parallel_size,
 )
-from pdserve.types.core_messages import AbortRequests, AddRequest, Ready, Shutdown, StepOutputs
+from pdserve.types.core_messages import (
+    AbortRequests,
+    AddRequest,
+    Ready,
+    ReleaseEarly,
+    Shutdown,
+    StepOutputs,
+)
 from pdserve.engine.output_processor import (
     EngineStats,
     RequestOutput,
@@ -381,6 +388,21 @@ class AsyncEngine:
                 num_output_tokens=st.num_output_tokens,
             )
         )
+
+    async def release_early(self, rank: int, request_id: str, block_ids: list[int]) -> bool:
+        """Hand the proxy's early release of a finished prefill's held blocks to the core of
+        data-parallel rank ``rank`` (:class:`~pdserve.types.core_messages.ReleaseEarly`; its
+        connector ends the hold only when it is of exactly ``block_ids`` for ``request_id``).
+
+        Returns:
+            True once the core has the release.
+
+        Raises:
+            EngineDeadError: the core died or the engine was shut down.
+        """
+        await self.check_health()
+        self._cores[rank].send(ReleaseEarly(request_id=request_id, block_ids=list(block_ids)))
+        return True
 
     def _send_abort(self, core: CoreClient, request_ids: list[str]) -> None:
         if self._dead is not None or self._closed:

@@ -17,6 +17,7 @@ from typing import Any
 from pdserve.utils import phase_trace
 from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.async_scheduling import AsyncSchedulingSteps, launch_phase
+from pdserve.engine.executor_interface import Executor, ExecutorFactory
 from pdserve.types.core_messages import AddRequest
 from pdserve.engine.kv_events import KVEventPublisher, default_snapshot_endpoint
 from pdserve.types.outputs import EngineCoreOutput
@@ -83,9 +84,10 @@ class EngineCore:
 
     Args:
         config: the engine configuration.
-        runner: a model runner to use instead of building the executor of
-            ``config.tensor_parallel_size`` ranks (:func:`pdserve.executor.create_executor`: the
-            :class:`~pdserve.runner.model_runner.ModelRunner` at TP 1; tests inject fakes).
+        make_executor: builds the executor that runs the model (called once, after the
+            connector sides exist): :func:`pdserve.executor.create_executor` in the engine-core
+            process and :class:`~pdserve.engine.llm_engine.LLMEngine`; tests pass fakes
+            (:mod:`pdserve.engine.executor_interface`).
         connectors: ``(scheduler_side, worker_side)`` to use instead of creating them from
             ``config.kv_transfer_config`` (tests inject fakes).
 
@@ -101,15 +103,16 @@ class EngineCore:
             message says why).
     """
 
-    def __init__(self, config: EngineConfig, runner: Any = None, connectors: tuple[Any, Any] | None = None):
+    def __init__(self, config: EngineConfig, make_executor: ExecutorFactory,
+                 connectors: tuple[Any, Any] | None = None):
         # The connector sides come first: a missing NIXL backend or a side-channel port in use
         # is then reported in a second, not after the model has loaded. Neither side needs the
         # runner until register_kv_cache below.
         if connectors is None and config.kv_transfer_config is not None:
             connectors = _create_connectors(config.kv_transfer_config, config)
-        self.runner = None
+        self.runner: Executor | None = None
         try:
-            self._build(config, runner, connectors)
+            self._build(config, make_executor, connectors)
         except BaseException:
             # the runner too: at TP > 1 it owns worker processes that must not outlive us
             for part in (*(connectors or ()), self.runner):
@@ -121,11 +124,9 @@ class EngineCore:
                     logger.exception("error while shutting down %s", type(part).__name__)
             raise
 
-    def _build(self, config: EngineConfig, runner: Any, connectors: tuple[Any, Any] | None) -> None:
-        if runner is None:
-            from pdserve.executor import create_executor
-
-            runner = create_executor(config)
+    def _build(self, config: EngineConfig, make_executor: ExecutorFactory,
+               connectors: tuple[Any, Any] | None) -> None:
+        runner = make_executor(config)
         self.runner = runner
         self.model_info = runner.model_info
         self.num_blocks = int(runner.determine_num_blocks())
@@ -209,6 +210,14 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+
+    def release_early(self, request_id: str, block_ids: list[int]) -> None:
+        """The proxy's early release of blocks held for a remote reader that will not read
+        them: the connector's scheduler side ends the hold if it is of exactly ``block_ids``
+        (:meth:`~pdserve.kv_transfer.base.KVConnectorSchedulerSide.release_early`); no-op
+        without a connector."""
+        if self.connector is not None:
+            self.connector.release_early(request_id, block_ids)
 
     # ---------------------------------------------------------------- stepping
     def has_work(self) -> bool:

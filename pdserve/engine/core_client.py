@@ -33,6 +33,7 @@ from pdserve.types.core_messages import (
     make_output_decoder,
 )
 from pdserve.engine.output_processor import EngineStats
+from pdserve.utils.gpus import detect_gpus
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,6 @@ def cuda_devices_env(devices: list[int] | None) -> Iterator[None]:
     this process may use (an existing ``CUDA_VISIBLE_DEVICES``, else the GPUs ``nvidia-smi``
     lists), taken modulo their number when there are fewer: ranks then share GPUs, with a
     warning. None, or no GPU at all: unchanged."""
-    from pdserve.launcher.plan import detect_gpus
-
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = detect_gpus() if devices is not None else []
     if not visible:

@@ -30,6 +30,7 @@ from pdserve.types.core_messages import (
     HEARTBEAT_TIMEOUT_S,
     Ping,
     Ready,
+    ReleaseEarly,
     Shutdown,
     StartupFailed,
     StepOutputs,
@@ -81,7 +82,11 @@ def run_engine_core(config: EngineConfig, addresses: CoreAddresses) -> None:
     exit_code = 0
     try:
         try:
-            core = EngineCore(config)
+            # The composition root of the engine-core process: the executor (torch, the model)
+            # is imported here, lazily, so that the core and the API process never import it.
+            from pdserve.executor import create_executor
+
+            core = EngineCore(config, create_executor)
         except BaseException as e:  # any startup failure must reach the front end
             logger.error("engine core failed to start: %s", e)
             out_sock.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}", traceback.format_exc())))
@@ -165,6 +170,8 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
                         early_outputs.append(rejected)
                 elif isinstance(msg, AbortRequests):
                     core.abort_requests(msg.request_ids)
+                elif isinstance(msg, ReleaseEarly):
+                    core.release_early(msg.request_id, msg.block_ids)
                 elif isinstance(msg, Shutdown):
                     logger.info("engine core shutting down")
                     return

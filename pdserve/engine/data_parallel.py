@@ -50,7 +50,7 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     each rank is a distinct engine to its peers."""
     kv = config.kv_transfer_config
     if kv is not None and config.data_parallel_size > 1:
-        kv = dataclasses.replace(kv, engine_id=f"{kv.engine_id}_dp{rank}")
+        kv = dataclasses.replace(kv, engine_id=kv.engine_id_for(rank, config.data_parallel_size))
     return dataclasses.replace(config, data_parallel_rank=rank, kv_transfer_config=kv)
 
 

@@ -55,7 +55,15 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, runner: Any = None, connectors: tuple[Any, Any] | None = None):
-        self.core = EngineCore(config, runner=runner, connectors=connectors)
+        if runner is None:
+            # The composition root of an in-process engine: the executor (torch, the model) is
+            # imported here, lazily, as in the engine-core process (pdserve/engine/core_loop.py).
+            from pdserve.executor import create_executor
+
+            make_executor = create_executor
+        else:
+            make_executor = lambda _config: runner  # noqa: E731 - a test's fake runner
+        self.core = EngineCore(config, make_executor, connectors=connectors)
         self._next_id = 0
         # The model, caches and imported modules live as long as the engine: as in the
         # engine-core process (pdserve/engine/core_loop.py), they sit out the garbage

@@ -20,7 +20,8 @@ from pdserve.entrypoints.protocol import (
 )
 from pdserve.entrypoints.choices import ChoiceState, first_kv_transfer_params, usage_of
 from pdserve.entrypoints.disconnect import cancel_on_disconnect
-from pdserve.entrypoints.serving import EngineJob, OpenAIServing, new_request_id
+from pdserve.entrypoints.job_runner import EngineJob
+from pdserve.entrypoints.serving import OpenAIServing, new_request_id
 from pdserve.entrypoints.sse import EventStreamResponse
 from pdserve.entrypoints.tokens import TokenText
 
@@ -64,7 +65,7 @@ class ChatCompletionsHandler:
         phase_trace.mark("api.jobs")
         if req.stream:
             return EventStreamResponse(self._stream(req, response_id, jobs, arrival))
-        states = await cancel_on_disconnect(raw, s.collect(jobs, arrival, [0] * len(jobs)))
+        states = await cancel_on_disconnect(raw, s.jobs.collect(jobs, arrival, [0] * len(jobs)))
         if states is None:
             return Response(status_code=499)
         phase_trace.mark("api.collected")
@@ -101,7 +102,7 @@ class ChatCompletionsHandler:
                     "logprobs": None if logprobs is None else logprobs.model_dump(),
                     "finish_reason": finish_reason}
 
-        return self.serving.stream(
+        return self.serving.jobs.stream(
             jobs, arrival, response_id=response_id, object_name="chat.completion.chunk",
             prompt_indices=[0] * len(jobs),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),

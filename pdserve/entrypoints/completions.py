@@ -16,7 +16,8 @@ from pdserve.entrypoints.protocol import (
 )
 from pdserve.entrypoints.choices import ChoiceState, first_kv_transfer_params, usage_of
 from pdserve.entrypoints.disconnect import cancel_on_disconnect
-from pdserve.entrypoints.serving import EngineJob, OpenAIServing, new_request_id
+from pdserve.entrypoints.job_runner import EngineJob
+from pdserve.entrypoints.serving import OpenAIServing, new_request_id
 from pdserve.entrypoints.sse import EventStreamResponse
 from pdserve.entrypoints.tokens import TokenText
 
@@ -62,7 +63,7 @@ class CompletionsHandler:
         if req.stream:
             return EventStreamResponse(
                 self._stream(req, response_id, jobs, prompt_indices, arrival))
-        states = await cancel_on_disconnect(raw, s.collect(jobs, arrival, prompt_indices))
+        states = await cancel_on_disconnect(raw, s.jobs.collect(jobs, arrival, prompt_indices))
         if states is None:
             return Response(status_code=499)
         return JSONResponse(self._response(req, response_id, states).model_dump())
@@ -100,7 +101,7 @@ class CompletionsHandler:
             return {"index": index, "text": out.new_text or "", "logprobs": logprobs,
                     "finish_reason": finish_reason}
 
-        return self.serving.stream(
+        return self.serving.jobs.stream(
             jobs, arrival, response_id=response_id, object_name="text_completion",
             prompt_indices=prompt_indices,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),

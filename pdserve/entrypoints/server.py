@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve import __version__
 from pdserve.utils import phase_trace
 from pdserve.types.engine_config import EngineConfig
+from pdserve.engine.async_engine import EngineDeadError
 from pdserve.engine.kv_events import default_snapshot_endpoint
 from pdserve.entrypoints.auth import APIKeyMiddleware
 from pdserve.entrypoints.body_limit import BodySizeLimitMiddleware
@@ -42,7 +43,6 @@ from pdserve.entrypoints.protocol import (
 from pdserve.entrypoints.serving import OpenAIServing
 from pdserve.kv_transfer.nixl import release as kv_release
 from pdserve.types.remote_ref import KVTransferParamsError
-from pdserve.kv_transfer.nixl.side_channel import SideChannelError
 from pdserve.entrypoints.metrics import ServerMetrics
 from pdserve.types.openai_errors import MAX_BODY_BYTES
 from pdserve.utils.process_gc import freeze_start_up_objects
@@ -61,7 +61,9 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
     Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
     ``GET /health`` (200 while the engine lives, else 503), ``GET /metrics`` (Prometheus text),
     ``POST /v1/kv_transfer/release`` (the proxy frees a prefill lease its decode leg will not
-    read: :mod:`pdserve.kv_transfer.nixl.release`).
+    read: :mod:`pdserve.kv_transfer.nixl.release`; the engine core of the rank holding it
+    ends the lease, :meth:`AsyncEngine.release_early
+    <pdserve.engine.async_engine.AsyncEngine.release_early>`).
 
     Args:
         engine: an ``AsyncEngine`` or an object with the same interface.
@@ -121,6 +123,7 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
                     or default_snapshot_endpoint(config.kv_events_endpoint))
         return JSONResponse({"endpoint": config.kv_events_endpoint,
                              "snapshot_endpoint": snapshot, "block_size": config.block_size})
+
     @app.post("/v1/kv_transfer/release")
     async def release_kv(raw_request: Request) -> JSONResponse:
         try:
@@ -135,9 +138,10 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
         except KVTransferParamsError as e:
             raise bad_request(str(e), param="kv_transfer_params") from None
         try:
-            released = await asyncio.to_thread(kv_release.send_release, config, ref)
-        except SideChannelError as e:
-            raise OpenAIError(f"the KV side channel did not take the release: {e}", 503) from None
+            released = await engine.release_early(kv_release.release_rank(config, ref),
+                                                  ref.request_id, list(ref.block_ids))
+        except EngineDeadError as e:
+            raise OpenAIError(f"the engine did not take the release: {e}", 503) from None
         return JSONResponse({"released": released})
 
     @app.get("/metrics")

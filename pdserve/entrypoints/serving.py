@@ -1,27 +1,19 @@
-"""Request handling shared by the completions and chat endpoints.
+"""Request handling shared by the completions and chat endpoints: a validated request into
+engine jobs.
 
-:class:`OpenAIServing` turns a validated request into engine requests (tokenises in a worker
-thread, checks lengths against ``max_model_len``, builds :class:`SamplingParams`), runs them
-through ``engine.generate`` (one engine request per choice: prompt index x ``n``), merges their
-outputs, aborts whatever is unfinished when the consumer goes away, and records TTFT / TPOT /
-end-to-end latency.
-
-It stays whole past ~450 lines: one class, whose steps (prompt, limits, sampling, jobs, run,
-collect / stream) share the request's validated state from parse to the last chunk.
+:class:`OpenAIServing` tokenises in a worker thread, checks lengths against ``max_model_len``,
+parses ``kv_transfer_params``, builds :class:`SamplingParams` and makes one
+:class:`~pdserve.entrypoints.job_runner.EngineJob` per choice (prompt index x ``n``); its
+:attr:`~OpenAIServing.jobs` (:class:`~pdserve.entrypoints.job_runner.JobRunner`) runs them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any
 
-from pdserve.utils import phase_trace
 from pdserve.types.sampling_params import SamplingParams
 from pdserve.entrypoints.chat_tokenization import SegmentCachedEncoder, _sample_chats
 from pdserve.types import prompt_handoff
@@ -30,51 +22,12 @@ from pdserve.types.kv_params import (
     KVTransferParams,
     KVTransferParamsError,
     parse_request_params,
-    with_prompt_handoff,
 )
 from pdserve.entrypoints import decode_leg
-from pdserve.entrypoints.errors import (
-    OpenAIError,
-    bad_request,
-    engine_exception_to_error,
-    model_not_found,
-)
-from pdserve.entrypoints.choices import (
-    ChoiceState,
-    failed_request_error,
-    first_kv_transfer_params,
-    usage_of,
-)
+from pdserve.entrypoints.errors import bad_request, model_not_found
+from pdserve.entrypoints.job_runner import EngineJob, JobRunner
 from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.entrypoints.sse import DONE, sse_event
 from pdserve.entrypoints.metrics import ServerMetrics
-
-logger = logging.getLogger(__name__)
-
-# Finish reasons that end a request normally; anything else is reported as an error.
-OK_FINISH_REASONS = ("stop", "length")
-
-
-@dataclass
-class EngineJob:
-    """One engine request: one choice of one prompt.
-
-    Attributes:
-        index: the choice index in the response (prompt index * n + i).
-        request_id: the engine request id.
-        prompt_token_ids: the prompt.
-        sampling_params: sampling for this choice (``n`` = 1; seed already offset by i).
-        kv_transfer_params: the request's parsed ``kv_transfer_params`` or None.
-        prompt_digest: a prefiller's rendered-prompt digest, to hand its prompt ids on with
-            the returned params (None: nothing to hand on).
-    """
-
-    index: int
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    kv_transfer_params: KVTransferParams | None = None
-    prompt_digest: str | None = None
 
 
 class PromptIds(list):
@@ -91,13 +44,16 @@ class OpenAIServing:
         engine: an ``AsyncEngine`` (``tokenizer``, ``model_info``, ``max_model_len``, ``config``,
             ``generate``, ``abort``).
         metrics: where latencies are recorded.
+
+    Attributes:
+        jobs: runs the jobs :meth:`make_jobs` makes (collected or streamed).
     """
 
     def __init__(self, engine: Any, metrics: ServerMetrics):
         self.engine = engine
-        self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.config.name
+        self.jobs = JobRunner(engine, metrics, self.model_name)
         self.max_model_len: int = int(engine.max_model_len)
         self.vocab_size: int | None = getattr(engine.model_info, "vocab_size", None)
         # One worker: HF fast tokenizers are not safe for concurrent encode calls, and one thread
@@ -304,168 +260,20 @@ class OpenAIServing:
                                             prompt_param)
                 self.sampling_params(d_view, d_max, logprobs, 0)
             max_tokens = self.max_tokens_for(len(ids), requested_max_tokens, prompt_param)
+            # a prefiller's connector hands its prompt ids on with the params it returns
+            digest = getattr(ids, "text_digest", None) if hand_on else None
             for i in range(req.n):
                 index = p * req.n + i
+                job_params = kv_params if index == 0 else other_params
                 jobs.append(EngineJob(
                     index=index,
                     request_id=base_id if total == 1 else f"{base_id}-{index}",
                     prompt_token_ids=ids,
                     sampling_params=self.sampling_params(req, max_tokens, logprobs, i),
-                    kv_transfer_params=kv_params if index == 0 else other_params,
-                    prompt_digest=getattr(ids, "text_digest", None) if hand_on else None,
+                    kv_transfer_params=job_params.with_prompt_digest(digest)
+                    if job_params is not None else None,
                 ))
         return jobs
-
-    # ---- running ------------------------------------------------------------------------------
-    async def run(self, jobs: list[EngineJob], arrival: float) -> AsyncIterator[tuple[int, Any]]:
-        """Yields ``(choice index, RequestOutput)`` as outputs arrive from all jobs.
-
-        Leaving early (consumer closed, cancelled, or an exception) aborts every job that has not
-        finished. Exceptions from ``engine.generate`` are raised as :class:`OpenAIError`.
-
-        Args:
-            jobs: the engine requests.
-            arrival: ``time.monotonic()`` when the HTTP request arrived (for TTFT / e2e).
-        """
-        unfinished = {job.index: job.request_id for job in jobs}
-        first_token_at: dict[int, float] = {}
-        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        done_marker = object()
-
-        async def pump(job: EngineJob) -> None:
-            try:
-                gen = self.engine.generate(job.request_id, job.prompt_token_ids,
-                                           job.sampling_params, job.kv_transfer_params)
-                async with contextlib.aclosing(gen):
-                    async for out in gen:
-                        if out.finished and job.prompt_digest is not None:
-                            out.kv_transfer_params = with_prompt_handoff(
-                                out.kv_transfer_params, job.prompt_token_ids, job.prompt_digest)
-                        queue.put_nowait((job.index, out))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - forwarded to the consumer
-                queue.put_nowait((job.index, e))
-            finally:
-                queue.put_nowait((job.index, done_marker))
-
-        tasks = [asyncio.create_task(pump(job)) for job in jobs]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                index, item = await queue.get()
-                if item is done_marker:
-                    remaining -= 1
-                    continue
-                if isinstance(item, BaseException):
-                    raise engine_exception_to_error(item) from item
-                phase_trace.mark("api.item")
-                now = time.monotonic()
-                if item.new_token_ids and index not in first_token_at:
-                    first_token_at[index] = now
-                    self.metrics.observe_first_token(now - arrival)
-                if item.finished:
-                    unfinished.pop(index, None)
-                    self.metrics.count_finished(item.finish_reason)
-                    if item.finish_reason in OK_FINISH_REASONS:
-                        self.metrics.observe_finished(now - arrival, (
-                            first_token_at[index] - arrival if index in first_token_at else None
-                        ), item.num_output_tokens)
-                yield index, item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for request_id in unfinished.values():
-                self.metrics.count_finished("abort")
-                try:
-                    await self.engine.abort(request_id)
-                except Exception:  # noqa: BLE001 - best effort; the engine may be gone
-                    logger.debug("abort of %s failed", request_id, exc_info=True)
-
-    async def collect(self, jobs: list[EngineJob], arrival: float,
-                      prompt_indices: list[int]) -> list[ChoiceState]:
-        """Runs the jobs to completion and returns one state per choice, in index order.
-
-        Raises:
-            OpenAIError: an engine exception, or a choice that finished with ``error``/``abort``.
-        """
-        states = {j.index: ChoiceState(j.index, prompt_indices[k]) for k, j in enumerate(jobs)}
-        gen = self.run(jobs, arrival)
-        async with contextlib.aclosing(gen):
-            async for index, out in gen:
-                st = states[index]
-                st.update(out)
-                if out.finished and st.finish_reason not in OK_FINISH_REASONS:
-                    raise failed_request_error(st)
-        return [states[i] for i in sorted(states)]
-
-    async def stream(self, jobs: list[EngineJob], arrival: float, *, response_id: str,
-                     object_name: str, prompt_indices: list[int], include_usage: bool,
-                     choice_of: Callable[[int, Any, str | None], dict[str, Any]],
-                     opening_choices: Sequence[dict[str, Any]] = ()) -> AsyncIterator[str]:
-        """The SSE events of a streamed completions / chat response, ending with ``[DONE]``.
-
-        Each chunk is ``{"id", "object": object_name, "created", "model", "choices"}``, plus
-        ``"usage": null`` when ``include_usage``. First one chunk per ``opening_choices`` entry,
-        then one chunk per engine output that carries text, logprobs or the finish, whose single
-        choice is ``choice_of(index, output, finish_reason or None)``. The chunk that finishes the
-        last choice carries ``kv_transfer_params`` unless ``include_usage``, in which case a final
-        chunk with no choices carries ``usage`` and ``kv_transfer_params``.
-
-        A choice that finishes with ``error``/``abort``, an :class:`OpenAIError`, or any other
-        exception is reported in-band as an OpenAI error event followed by ``[DONE]`` (the HTTP
-        status has already been sent).
-        """
-        created = int(time.time())
-        states = {j.index: ChoiceState(j.index, prompt_indices[k]) for k, j in enumerate(jobs)}
-        remaining = len(jobs)
-
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            body: dict[str, Any] = {"id": response_id, "object": object_name,
-                                    "created": created, "model": self.model_name,
-                                    "choices": choices}
-            if include_usage:
-                body["usage"] = None
-            body.update(extra)
-            return sse_event(body)
-
-        try:
-            for choice in opening_choices:
-                yield chunk([choice])
-            runner = self.run(jobs, arrival)
-            async with contextlib.aclosing(runner):
-                async for index, out in runner:
-                    st = states[index]
-                    st.update(out)
-                    if out.finished and st.finish_reason not in OK_FINISH_REASONS:
-                        yield sse_event(failed_request_error(st).body())
-                        yield DONE
-                        return
-                    if not (out.new_text or out.new_logprobs or out.finished):
-                        continue
-                    extra: dict[str, Any] = {}
-                    if out.finished:
-                        remaining -= 1
-                        if remaining == 0 and not include_usage:
-                            extra["kv_transfer_params"] = first_kv_transfer_params(
-                                list(states.values()))
-                    phase_trace.mark("api.chunk")
-                    yield chunk([choice_of(index, out,
-                                           st.finish_reason if out.finished else None)], **extra)
-            if include_usage:
-                all_states = [states[i] for i in sorted(states)]
-                yield chunk([], usage=usage_of(all_states).model_dump(),
-                            kv_transfer_params=first_kv_transfer_params(all_states))
-            yield DONE
-        except OpenAIError as e:
-            yield sse_event(e.body())
-            yield DONE
-        except Exception as e:  # noqa: BLE001 - the stream has started; report in-band
-            logger.exception("error while streaming %s", response_id)
-            yield sse_event(OpenAIError(f"Internal server error: {e}", 500).body())
-            yield DONE
-
 
 def new_request_id(prefix: str) -> str:
     """``prefix-<32 hex digits>``."""

@@ -1,6 +1,9 @@
-"""Executors: what runs the model for the engine core, behind the model runner's interface
-(``model_info``, ``determine_num_blocks()``, ``allocate_kv_cache(n)``, ``kv_cache``,
-``kv_cache_spec``, ``set_kv_connector_worker(w)``, ``execute(sched)``, ``shutdown()``).
+"""Executors: what runs the model for the engine core, behind the interface the core states
+(:class:`pdserve.engine.executor_interface.Executor`: ``model_info``,
+``determine_num_blocks()``, ``allocate_kv_cache(n)``, ``kv_cache``, ``kv_cache_spec``,
+``set_kv_connector_worker(w)``, ``execute(sched_out)``, ``shutdown()``).
+:func:`create_executor` is the factory the engine core's callers hand it (the engine-core
+process, ``LLMEngine``); the core itself never imports this package.
 
 - TP 1: the :class:`~pdserve.runner.model_runner.ModelRunner` itself, in the engine-core
   process (no extra process, no extra copy);
@@ -17,7 +20,8 @@ from pdserve.types.engine_config import EngineConfig
 
 
 def create_executor(config: EngineConfig) -> Any:
-    """The executor of ``config.tensor_parallel_size`` ranks (see the module docstring).
+    """The executor of ``config.tensor_parallel_size`` ranks (see the module docstring; an
+    :data:`~pdserve.engine.executor_interface.ExecutorFactory`).
 
     Raises:
         ValueError / RuntimeError: the model cannot be loaded or split, or a rank failed to

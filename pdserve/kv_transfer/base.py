@@ -163,6 +163,13 @@ class KVConnectorSchedulerSide(abc.ABC):
         ``kv_transfer_params``), so no reader will come: end the hold now (its id then appears
         in ``finished_sending``). Default: nothing (the hold ends by itself)."""
 
+    def release_early(self, request_id: str, block_ids: list[int]) -> None:
+        """Optional hook: the proxy's early release of blocks held for a remote reader that
+        will not read them (``POST /v1/kv_transfer/release``, delivered by the engine core):
+        end the hold when it is of exactly ``block_ids`` for ``request_id`` (its id then
+        appears in ``finished_sending``); otherwise nothing. Default: nothing (the hold ends by
+        itself)."""
+
     def request_added(self, request: "Request") -> None:
         """Optional hook: a request entered the scheduler's queue (before any scheduling).
 

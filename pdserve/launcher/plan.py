@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from pdserve.model_files.tp_precheck import TPShardingError, check_splits
+from pdserve.utils.gpus import detect_gpus
 
 DEFAULT_PROXY_PORT = 8000
 ENGINE_HOST = "127.0.0.1"
@@ -164,33 +163,6 @@ def ensure_port_free(host: str, port: int, what: str) -> None:
             sock.bind((host, port))
         except OSError as exc:
             raise LaunchError(f"{what}: port {port} on {host} is not free ({exc.strerror})") from None
-
-
-def detect_gpus() -> list[str]:
-    """GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries (indices or UUIDs).
-
-    Honours an existing ``CUDA_VISIBLE_DEVICES`` (entries up to the first invalid one, as CUDA
-    does); otherwise asks ``nvidia-smi -L``. Returns ``[]`` when there is no NVIDIA GPU. Does not
-    import torch, so ``pdserve up`` starts fast.
-    """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        gpus = []
-        for entry in visible.split(","):
-            entry = entry.strip()
-            if not entry or entry.startswith("-"):
-                break
-            gpus.append(entry)
-        return gpus
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20,
-                             check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if out.returncode != 0:
-        return []
-    return [str(i) for i, line in enumerate(l for l in out.stdout.splitlines()
-                                            if l.startswith("GPU "))]
 
 
 def assign_gpus(num_prefillers: int, num_decoders: int,

@@ -5,7 +5,7 @@ Two ZMQ sockets per engine core (``ipc://`` for a core on the API server's host,
 for a data-parallel rank on another host), both bound by the front end:
 
 * input (front end PUSH -> core PULL): :data:`CoreInput` = ``AddRequest | AbortRequests |
-  Shutdown | Ping``;
+  ReleaseEarly | Shutdown | Ping``;
 * output (core PUSH -> front end PULL): :data:`CoreMessage` = ``Ready | StartupFailed |
   StepOutputs | CoreFailed``.
 
@@ -61,6 +61,16 @@ class AbortRequests(msgspec.Struct, tag="abort"):
     """Abort these requests (unknown ids are ignored)."""
 
     request_ids: list[str]
+
+
+class ReleaseEarly(msgspec.Struct, tag="release_early"):
+    """The proxy's early release of a finished prefill's held blocks, which its decode leg
+    will not read (``POST /v1/kv_transfer/release``): the connector's scheduler side ends the
+    hold when it is of exactly ``block_ids`` for ``request_id``, otherwise nothing happens
+    (:mod:`pdserve.kv_transfer.nixl.release`)."""
+
+    request_id: str
+    block_ids: list[int]
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -142,7 +152,7 @@ class JoinReply(msgspec.Struct, tag="join_reply"):
     output_address: str = ""
 
 
-CoreInput = Union[AddRequest, AbortRequests, Shutdown, Ping]
+CoreInput = Union[AddRequest, AbortRequests, ReleaseEarly, Shutdown, Ping]
 CoreMessage = Union[Ready, StartupFailed, StepOutputs, CoreFailed]
 
 

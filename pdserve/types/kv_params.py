@@ -24,8 +24,11 @@ Fields read (all others are kept in ``wire`` and otherwise ignored):
 * ``prompt_tokens``: the prefiller's prompt ids for the decoder's front end
   (:mod:`pdserve.types.prompt_handoff`); consumed by the front end, not sent to the engine.
 
-Returned params (the response direction) are built by :func:`prefill_done_params` (P),
-:func:`decoder_turn_params` (a bidirectional D) and :func:`with_prompt_handoff` (P's front end).
+A prefill leg's front end adds the digest of the rendered prompt (``prompt_digest``, not a wire
+field), so that the connector's scheduler side returns the params complete, P's prompt ids
+included. Returned params (the response direction) are built by the connector only:
+:func:`prefill_done_params` (P) plus :func:`with_prompt_handoff` (its prompt ids), and
+:func:`decoder_turn_params` (a bidirectional D); the front end relays them as they are.
 ``remote_block_ids`` are returned per KV-cache group (a list of lists, vLLM's current form) and
 accepted in both the flat and the per-group form (:func:`parse_block_id_groups`).
 """
@@ -89,6 +92,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
             consumed it, see :meth:`for_engine`).
         wire: the params as received, without the hand-off (what is passed through, e.g. to
             a connector that reads its own fields).
+        prompt_digest: a prefill leg's rendered-prompt digest
+            (:func:`pdserve.types.prompt_handoff.text_digest`), set by the front end
+            (:meth:`with_prompt_digest`): the connector hands the prompt ids on with the
+            params it returns. None: nothing to hand on.
     """
 
     role: KVRole = KVRole.NONE
@@ -98,6 +105,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     first_token: int | None = None
     handoff: Any = None
     wire: dict[str, Any] = {}
+    prompt_digest: str | None = None
 
     # ------------------------------------------------------------------------ parsing
     @classmethod
@@ -207,6 +215,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
         """These params without the prompt-ids hand-off (the front end consumed it)."""
         return self if self.handoff is None else msgspec.structs.replace(self, handoff=None)
 
+    def with_prompt_digest(self, digest: str | None) -> "KVTransferParams":
+        """These params with a prefill leg's rendered-prompt digest (None: unchanged), so the
+        connector returns the prompt ids with the params (:func:`with_prompt_handoff`)."""
+        return self if digest is None else msgspec.structs.replace(self, prompt_digest=digest)
+
     def for_other_choices(self) -> "KVTransferParams":
         """These params for choices after the first: the prefiller's first token belongs to its
         one choice; the others draw their own."""
@@ -311,11 +324,12 @@ def decoder_turn_params(engine_id: str, block_ids: list[int], num_tokens: int,
 
 
 def with_prompt_handoff(returned: dict[str, Any] | None, prompt_ids: list[int],
-                        digest: str) -> dict[str, Any] | None:
+                        digest: str | None) -> dict[str, Any] | None:
     """A prefiller's returned params plus its prompt ids for the decoder's front end
-    (:mod:`pdserve.types.prompt_handoff`); unchanged when they send no decoder here or
-    an id does not fit the wire format."""
-    if not isinstance(returned, dict) or not returned.get("do_remote_prefill"):
+    (:mod:`pdserve.types.prompt_handoff`); built by the connector's scheduler side when the
+    request's params carry the rendered prompt's ``digest``. Unchanged when ``digest`` is None,
+    the params send no decoder here, or an id does not fit the wire format."""
+    if digest is None or not isinstance(returned, dict) or not returned.get("do_remote_prefill"):
         return returned
     try:
         handed = prompt_handoff.encode(prompt_ids, digest)

@@ -399,6 +399,14 @@ class KVTransferConfig:
             raise KVTransferConfigError(f"side-channel port {port} is out of range 1..65535")
         return port
 
+    def engine_id_for(self, data_parallel_rank: int, data_parallel_size: int) -> str:
+        """Engine id of a data-parallel rank: ``engine_id`` alone, with more than one rank
+        suffixed ``_dp<rank>`` (vLLM's scheme), so each rank is a distinct engine to its
+        peers."""
+        if data_parallel_size > 1:
+            return f"{self.engine_id}_dp{data_parallel_rank}"
+        return self.engine_id
+
     def side_channel_port_for(self, data_parallel_rank: int = 0) -> int:
         """Side-channel port of a data-parallel rank (``base + rank``)."""
         return self.side_channel_base_port + data_parallel_rank

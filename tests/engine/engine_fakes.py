@@ -344,7 +344,7 @@ def make_core(
     connectors = None
     if remote is not None:
         connectors = (FakeConnectorScheduler(remote), FakeConnectorWorker(remote))
-    return EngineCore(config, runner=runner, connectors=connectors), runner
+    return EngineCore(config, lambda _config: runner, connectors=connectors), runner
 
 
 # ------------------------------------------------------------------ driving a core

@@ -195,6 +195,14 @@ async def test_abort_and_leaving_the_iterator_free_all_blocks(engine):
     await engine.abort("unknown-id")  # ignored
 
 
+async def test_an_early_release_reaches_the_core_which_keeps_serving(engine, offline_tokens):
+    """``release_early`` is a message to the core (a no-op there without a KV connector)."""
+    assert await engine.release_early(0, "never-held", [1, 2])
+    outs = await run(engine, "after-release", prompt(20), greedy())
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    await wait_all_free(engine)
+
+
 async def test_cancelled_task_aborts_the_request(engine):
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     got_one = asyncio.Event()
@@ -264,6 +272,8 @@ async def test_dead_core_fails_in_flight_requests(tiny_llama_path):
             await eng.check_health()
         with pytest.raises(EngineDeadError):
             await run(eng, "after", prompt(3), params)
+        with pytest.raises(EngineDeadError):
+            await eng.release_early(0, "doomed", [1])
     finally:
         await eng.shutdown()
 

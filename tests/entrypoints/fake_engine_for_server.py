@@ -7,7 +7,10 @@ seed and the position (:meth:`FakeEngine.expected_tokens`), which the tests use 
 Knobs for tests: ``token_delay_s`` (pause between tokens), ``gate`` (an event that must be set
 before the first token: keeps requests "in the queue"), ``fail_reason`` (finish every request
 with ``finish_reason="error"`` after ``fail_after`` tokens), ``dead`` (health check fails),
-``cached_tokens`` (reported prefix-cache hits).
+``cached_tokens`` (reported prefix-cache hits). Returned ``kv_transfer_params`` carry the
+prompt ids when the request's params carry a prompt digest, as the real connector's scheduler
+side builds them (:func:`pdserve.types.kv_params.with_prompt_handoff`); early releases are
+recorded in ``released``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pdserve.engine.async_engine import EngineDeadError, EngineStats, RequestOut
 from pdserve.types.outputs import TokenLogprobs
 from pdserve.types.sampling_params import SamplingParams
 from pdserve.types.outputs import KVLoadFailure
+from pdserve.types.kv_params import with_prompt_handoff
 
 SPECIAL_TOKENS = ["<eos>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 0
@@ -74,6 +78,7 @@ class FakeEngine:
         self.calls: dict[str, dict[str, Any]] = {}
         self.active: set[str] = set()
         self.aborted: list[str] = []
+        self.released: list[tuple[int, str, list[int]]] = []  # (rank, request id, block ids)
         self._abort_events: dict[str, asyncio.Event] = {}
         self._listeners: list[Any] = []
         self.stats_value = EngineStats(num_blocks=100, num_free_blocks=100)
@@ -149,8 +154,7 @@ class FakeEngine:
                     num_prompt_tokens=len(prompt_token_ids),
                     num_output_tokens=i + 1,
                     num_cached_tokens=self.cached_tokens,
-                    kv_transfer_params=self._kv_out(
-                        kv_transfer_params.to_dict() if kv_transfer_params else None)
+                    kv_transfer_params=self._kv_out(kv_transfer_params, prompt_token_ids)
                     if done else None,
                 )
                 if done:
@@ -161,12 +165,19 @@ class FakeEngine:
             if not finished:
                 self.aborted.append(request_id)
 
-    def _kv_out(self, kv_in: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _kv_out(self, kv_in: Any, prompt_token_ids: list[int]) -> dict[str, Any] | None:
         if self.returned_kv_params is not None:
-            return dict(self.returned_kv_params)
+            return with_prompt_handoff(dict(self.returned_kv_params), list(prompt_token_ids),
+                                       kv_in.prompt_digest if kv_in is not None else None)
         if kv_in is None:
             return None
-        return {"received": kv_in, "remote_engine_id": "fake-engine"}
+        return {"received": kv_in.to_dict(), "remote_engine_id": "fake-engine"}
+
+    async def release_early(self, rank: int, request_id: str, block_ids: list[int]) -> bool:
+        if self.dead:
+            raise EngineDeadError("fake engine is dead")
+        self.released.append((rank, request_id, list(block_ids)))
+        return True
 
     async def abort(self, request_id: str) -> None:
         ev = self._abort_events.get(request_id)

@@ -15,6 +15,7 @@ from pdserve.types.engine_config import EngineConfig, KVCacheDtype
 from pdserve.distributed.sharding import TPShardingError
 from pdserve.engine.core import EngineCore
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.executor import create_executor
 from pdserve.types.sampling_params import SamplingParams
 
 from processes import descendants, new_descendants, still_running
@@ -69,7 +70,7 @@ def test_smollm2_tp2_is_refused_naming_the_numbers(smollm2_path):
     with pytest.raises(TPShardingError, match=r"tensor_parallel_size 2: 9 attention heads are "
                                               r"not divisible by 2; 3 KV heads are neither "
                                               r"divisible by 2 nor a divisor of 2"):
-        EngineCore(config)
+        EngineCore(config, create_executor)
     assert not still_running(new_descendants(before))
 
 

@@ -83,6 +83,35 @@ def test_producer_releases_a_lease_whose_client_left_after_the_finish(env):
     assert not s.build_connector_meta(None).release_sends and not s.has_pending_work()
 
 
+def test_producer_returns_its_prompt_ids_when_the_params_carry_the_prompt_digest(env):
+    """The returned params are built complete here: a prefill leg whose front end put the
+    rendered prompt's digest in the params gets its prompt ids handed on with them."""
+    from pdserve.types import prompt_handoff
+
+    s = make("kv_producer")
+    digest = prompt_handoff.text_digest("the rendered chat", 1000)
+    req = Request("r1", list(range(100, 100 + 2 * B + 1)), SamplingParams(),
+                  kv_transfer_params=KVTransferParams.parse(
+                      {"do_remote_decode": True}).with_prompt_digest(digest))
+    req.status = RequestStatus.FINISHED_LENGTH
+    _, params = s.request_finished(req, [7, 3, 9])
+    assert prompt_handoff.decode(params[prompt_handoff.KEY], digest) == req.prompt_token_ids
+    assert params["remote_block_ids"] == [[7, 3, 9]]
+    plain = request("r2", 2 * B + 1, {"do_remote_decode": True})
+    plain.status = RequestStatus.FINISHED_LENGTH
+    assert prompt_handoff.KEY not in s.request_finished(plain, [1, 2, 4])[1]
+
+
+def test_producer_hands_the_proxys_early_release_to_the_worker(env):
+    """``POST /v1/kv_transfer/release`` reaches the scheduler side through the engine core:
+    the worker gets the request id with the block ids it names (it checks them)."""
+    s = make("kv_producer")
+    s.release_early("r1", [7, 3])
+    assert s.has_pending_metadata()
+    assert s.build_connector_meta(None).early_releases == {"r1": [7, 3]}
+    assert not s.build_connector_meta(None).early_releases
+
+
 @pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
 def test_producer_does_not_keep_blocks_of_aborted_requests(env, status):
     s = make("kv_producer")

@@ -165,6 +165,20 @@ def test_expired_multi_turn_blocks_are_counted_apart(pair):
     assert sum(s["num_kv_turns_expired"] for s in acc["stats"]) == 1
 
 
+def test_early_release_from_the_engine_core_frees_a_lease_only_for_its_blocks(pair):
+    """The proxy's early release as the engine core delivers it (``early_releases``, from the
+    scheduler side's ``release_early``): exactly the leased blocks, counted once."""
+    p, _ = pair
+    lease(p, "p-early", [24, 25])
+    p.bind(NixlConnectorMetadata(early_releases={"p-early": [24]}))  # wrong blocks: kept
+    out = p.step()
+    assert "p-early" not in out["finished_sending"] and out["num_leases"] >= 1
+    p.bind(NixlConnectorMetadata(early_releases={"p-early": [24, 25]}))
+    acc = p.step_until(lambda a: "p-early" in a["finished_sending"], timeout_s=5)
+    assert sum(s["num_kv_leases_released_early"] for s in acc["stats"]) == 1
+    assert not any(s["num_kv_expired_reqs"] for s in acc["stats"])
+
+
 def test_release_frees_a_lease_at_once_only_for_its_blocks(pair, monkeypatch):
     """The proxy's early release (the decode leg will not read): exactly the leased blocks."""
     from pdserve.types.kv_transfer_config import KVTransferConfig

@@ -21,6 +21,8 @@ from servers import EngineServer as Server
 from ports import free_port
 from servers import decode_leg, generate, nixl_config, prefill_leg, start_all
 
+from pdserve.types import prompt_handoff
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -158,6 +160,7 @@ def test_chat_equals_single_instance(cluster, stream):
     expected = reference(cluster, "chat/completions", body)
     before = counters(d.metrics())
     params = prefill_leg(p, "chat/completions", body)
+    assert prompt_handoff.KEY in params  # P's connector hands its prompt ids on
     out = decode_leg(d, "chat/completions", body, params)
     assert out["status"] == 200, out
     assert out["text"] == expected

@@ -100,6 +100,8 @@ class NixlConnectorMetadata:
         aborted_recvs: requests finished locally while their load was planned or in flight;
             the worker reports each in ``finished_recving`` once no READ writes its blocks.
         release_sends: leases to drop now (the local side decided the blocks are not needed).
+        early_releases: the proxy's early releases (request id -> the block ids it names):
+            each lease ends only when it holds exactly those blocks.
         handshakes: remote instances to handshake with ahead of time.
         expired_pulls: bidirectional pulls skipped because the decoder's blocks expire too soon
             (counted by the worker as expired requests).
@@ -112,12 +114,13 @@ class NixlConnectorMetadata:
     heartbeat_stop: set[str] = field(default_factory=set)
     aborted_recvs: set[str] = field(default_factory=set)
     release_sends: set[str] = field(default_factory=set)
+    early_releases: dict[str, list[int]] = field(default_factory=dict)
     handshakes: list[RemoteEndpoint] = field(default_factory=list)
     expired_pulls: int = 0
 
     def is_empty(self) -> bool:
         return not (
             self.reqs_to_recv or self.reqs_to_send or self.notices or self.heartbeat_start
-            or self.heartbeat_stop or self.aborted_recvs or self.release_sends or self.handshakes
-            or self.expired_pulls
+            or self.heartbeat_stop or self.aborted_recvs or self.release_sends
+            or self.early_releases or self.handshakes or self.expired_pulls
         )

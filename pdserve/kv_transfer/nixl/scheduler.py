@@ -45,7 +45,7 @@ from pdserve.kv_transfer.nixl.bidirectional import (
 )
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, RemoteNotice, SendSpec
 from pdserve.types.remote_ref import RemoteKVRef, token_digest
-from pdserve.types.kv_params import KVRole, prefill_done_params
+from pdserve.types.kv_params import KVRole, prefill_done_params, with_prompt_handoff
 
 if TYPE_CHECKING:
     from pdserve.types.outputs import KVConnectorOutput, SchedulerOutput
@@ -353,6 +353,12 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         if request_id in self._leased:
             self._meta.release_sends.add(request_id)
 
+    def release_early(self, request_id: str, block_ids: list[int]) -> None:
+        """The proxy's early release (the decode leg will not read the blocks): the worker
+        ends the lease when it holds exactly ``block_ids`` for ``request_id``
+        (``early_releases``; :mod:`pdserve.kv_transfer.nixl.release`)."""
+        self._meta.early_releases[request_id] = list(block_ids)
+
     def _keep_for_decoder(self, request: "Request", block_ids: list[int]):
         request_id = request.request_id
         prompt_len = len(request.prompt_token_ids)
@@ -366,8 +372,10 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             renew_on_heartbeat=True, token_ids=list(request.prompt_token_ids), first_token=first,
         )
         self._leased.add(request_id)
-        return True, prefill_done_params(self.engine_id, remote_ids, self.side_channel_host,
-                                         self.side_channel_port, request_id, first, self.tp_size)
+        params = prefill_done_params(self.engine_id, remote_ids, self.side_channel_host,
+                                     self.side_channel_port, request_id, first, self.tp_size)
+        return True, with_prompt_handoff(params, list(request.prompt_token_ids),
+                                         request.kv_transfer_params.prompt_digest)
 
     def _keep_for_next_turn(self, request: "Request", block_ids: list[int]):
         kept = decoder_keep_blocks(

@@ -260,6 +260,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             elif self.leases.close(request_id, "released"):  # its client left before the params
                 self._out.finished_sending.add(request_id)
                 self.stats.current.num_kv_leases_released_early += 1
+        for request_id, block_ids in metadata.early_releases.items():  # the proxy's
+            self._apply_notice(Notice(RELEASE_NOTICE, request_id, 1, block_ids))
         for endpoint in metadata.handshakes:
             self.remotes.ensure(endpoint)
         for request_id, ref in metadata.heartbeat_start.items():
