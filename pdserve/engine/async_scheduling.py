@@ -1,7 +1,8 @@
 """Async scheduling (``--async-scheduling``): step n+1 is scheduled and launched before the host
 reads step n's tokens. Pure bookkeeping: no torch.
 
-One call of :meth:`AsyncSchedulingSteps.step` (docs/architecture.md, "Async scheduling")::
+One async step of the engine core (:meth:`pdserve.engine.core.EngineCore._async_step`;
+docs/architecture.md, "Async scheduling")::
 
     step n is running on the device (launched by the previous call, or now when none is)
     sched_out_{n+1} = scheduler.schedule_async(sched_out_n)      # host work, device busy
@@ -51,16 +52,13 @@ step is scheduled only after this one's commit):
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
 from pdserve.engine.admission import Admitter
 from pdserve.engine.block_manager import KVCacheManager
 from pdserve.engine.multi_step import MultiStepRounds
 from pdserve.engine.remote_kv import RemoteKV
 from pdserve.engine.request_queues import RequestQueues, scheduled_request
-from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, PendingStep, SchedulerOutput
+from pdserve.types.outputs import SchedulerOutput
 from pdserve.types.request import Request
-from pdserve.utils import phase_trace
 
 
 class AsyncSchedulingPolicy:
@@ -156,78 +154,3 @@ def launch_phase(step: SchedulerOutput) -> str:
     prompt chunk (more than one token of a request), else ``core.launch``."""
     prefill = any(len(sr.token_ids) > 1 for sr in step.scheduled)
     return "core.launch_prefill" if prefill else "core.launch"
-
-
-class StepScheduler(Protocol):
-    """What :class:`AsyncSchedulingSteps` needs of the engine's scheduler."""
-
-    def schedule(self) -> SchedulerOutput: ...
-
-    def schedule_async(self, running_step: SchedulerOutput) -> SchedulerOutput | None: ...
-
-    def update_from_output(self, sched_out: SchedulerOutput,
-                           runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]: ...
-
-    def has_pending_kv_work(self) -> bool: ...
-
-
-class AsyncSchedulingSteps:
-    """Runs engine steps two deep: at most one launched step whose tokens the host has not
-    read while it schedules and launches the next.
-
-    Args:
-        scheduler: the engine's scheduler.
-        kv_cache_manager: the scheduler's block manager (blocks of launched steps are held).
-        runner: a model runner with ``execute(sched_out) -> ModelRunnerOutput`` and
-            ``execute_async(sched_out) -> PendingStep``.
-    """
-
-    def __init__(self, scheduler: StepScheduler, kv_cache_manager: KVCacheManager, runner: Any):
-        self.scheduler = scheduler
-        self.kv_cache_manager = kv_cache_manager
-        self.runner = runner
-        self._running: tuple[SchedulerOutput, PendingStep] | None = None
-
-    @property
-    def in_flight(self) -> bool:
-        """True while a launched step's results are not committed (the core must step again)."""
-        return self._running is not None
-
-    def step(self) -> tuple[list[EngineCoreOutput], bool, ModelRunnerOutput | None]:
-        """One engine step (see the module docstring).
-
-        Returns:
-            ``(outputs, computed, runner_out)``: the committed step's per-request deltas,
-            whether any token was computed, and its runner output (None when nothing ran).
-        """
-        scheduler = self.scheduler
-        if self._running is None:
-            first = scheduler.schedule()
-            if not first.scheduled and not first.finished_request_ids and not scheduler.has_pending_kv_work():
-                return [], False, None
-            if not first.scheduled or first.num_steps > 1:
-                runner_out = self.runner.execute(first)
-                return scheduler.update_from_output(first, runner_out), bool(first.scheduled), runner_out
-            self._launch(first, None)
-        running, pending = self._running
-        nxt = scheduler.schedule_async(running)
-        self._running = None
-        launched: frozenset[str] = frozenset()
-        if nxt is not None:
-            launched = self._launch(nxt, running)
-        runner_out = pending.result()
-        phase_trace.mark("core.result")
-        outputs = scheduler.update_from_output(running, runner_out)
-        self.kv_cache_manager.set_in_flight(launched)
-        return outputs, True, runner_out
-
-    def _launch(self, step: SchedulerOutput, running: SchedulerOutput | None) -> frozenset[str]:
-        """Launch ``step``; the blocks of its requests and of ``running``'s stay held until they
-        are known to be done. Returns the ids of ``step``'s requests."""
-        if phase_trace.enabled():
-            phase_trace.mark(launch_phase(step))
-        ids = frozenset([sr.request_id for sr in step.scheduled])
-        held = ids if running is None else ids.union([sr.request_id for sr in running.scheduled])
-        self.kv_cache_manager.set_in_flight(held)
-        self._running = (step, self.runner.execute_async(step))
-        return ids

@@ -4,8 +4,9 @@
 the separate engine-core process that :class:`pdserve.engine.async_engine.AsyncEngine` spawns
 runs it in the loop of :mod:`pdserve.engine.core_loop`. The class owns the engine's resources
 (scheduler, runner, connector sides, KV-event publisher), their start-up order, the loop's wait
-deadlines and their shutdown. The step of async scheduling (``--async-scheduling``) lives in
-:mod:`pdserve.engine.async_scheduling`.
+deadlines and their shutdown, and runs its steps: one at a time, or two deep with async
+scheduling (``--async-scheduling``; what to schedule next while a step runs is the scheduler's
+:mod:`pdserve.engine.async_scheduling`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Any
 
 from pdserve.utils import phase_trace
 from pdserve.types.engine_config import EngineConfig
-from pdserve.engine.async_scheduling import AsyncSchedulingSteps, launch_phase
+from pdserve.engine.async_scheduling import launch_phase
 from pdserve.engine.executor_interface import Executor, ExecutorFactory
 from pdserve.types.core_messages import AddRequest
 from pdserve.engine.kv_events import KVEventPublisher, default_snapshot_endpoint
-from pdserve.types.outputs import EngineCoreOutput
+from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, PendingStep, SchedulerOutput
 from pdserve.types.request import Request
 from pdserve.engine.scheduler import Scheduler
 
@@ -154,16 +155,14 @@ class EngineCore:
             self.config, self.num_blocks, self.connector, eos_token_ids=self.eos_token_ids
         )
         self._connector_stats: list[dict[str, Any]] = []
-        # --async-scheduling: steps two deep (pdserve/engine/async_scheduling.py); TP ranks run
-        # synchronous steps only.
-        self.async_steps: AsyncSchedulingSteps | None = None
-        if config.async_scheduling:
-            if config.tensor_parallel_size > 1:
-                logger.info("tensor parallelism: engine steps run synchronously "
-                            "(--async-scheduling applies at TP 1)")
-            else:
-                self.async_steps = AsyncSchedulingSteps(
-                    self.scheduler, self.scheduler.kv_cache_manager, runner)
+        # --async-scheduling: steps two deep (_async_step); TP ranks run synchronous steps only.
+        self.async_scheduling = config.async_scheduling
+        if config.async_scheduling and config.tensor_parallel_size > 1:
+            logger.info("tensor parallelism: engine steps run synchronously "
+                        "(--async-scheduling applies at TP 1)")
+            self.async_scheduling = False
+        # The launched step whose tokens the host has not read (async scheduling).
+        self._running: tuple[SchedulerOutput, PendingStep] | None = None
         # KV events (--kv-events-endpoint): the block manager records, the publisher sends.
         self.kv_events: KVEventPublisher | None = None
         if config.kv_events_endpoint:
@@ -223,7 +222,7 @@ class EngineCore:
     def has_work(self) -> bool:
         """True when a step could make progress or the connector needs polling."""
         return (self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_work()
-                or (self.async_steps is not None and self.async_steps.in_flight))
+                or self.step_in_flight)
 
     def step(self) -> tuple[list[EngineCoreOutput], bool]:
         """One engine step: schedule, execute, commit.
@@ -232,15 +231,14 @@ class EngineCore:
         finished requests must be reported to the runner), the runner still executes an empty
         batch so the connector gets polled.
 
-        With ``--async-scheduling`` the step is :meth:`AsyncSchedulingSteps.step
-        <pdserve.engine.async_scheduling.AsyncSchedulingSteps.step>`: the outputs are those of
-        the step launched one call earlier.
+        With ``--async-scheduling`` the step is :meth:`_async_step`: the outputs are those of the
+        step launched one call earlier.
 
         Returns:
             ``(outputs, computed)``: per-request deltas and whether any token was computed.
         """
-        if self.async_steps is not None:
-            outputs, computed, runner_out = self.async_steps.step()
+        if self.async_scheduling:
+            outputs, computed, runner_out = self._async_step()
         else:
             sched_out = self.scheduler.schedule()
             if (not sched_out.scheduled and not sched_out.finished_request_ids
@@ -257,6 +255,59 @@ class EngineCore:
         if kv_out is not None and kv_out.stats:
             self._connector_stats.append(kv_out.stats)
         return outputs, computed
+
+    @property
+    def step_in_flight(self) -> bool:
+        """True while a launched step's results are not committed (the core must step again)."""
+        return self._running is not None
+
+    def _async_step(self) -> tuple[list[EngineCoreOutput], bool, ModelRunnerOutput | None]:
+        """One step two deep: at most one launched step whose tokens the host has not read
+        while the core schedules and launches the next::
+
+            sched_out_{n+1} = scheduler.schedule_async(sched_out_n)   # host work, device busy
+            launch(sched_out_{n+1})
+            outputs = scheduler.update_from_output(sched_out_n, runner_out_n)  # tokens of step n
+
+        A step with nothing to compute, or a multi-step round, runs synchronously.
+
+        Returns:
+            ``(outputs, computed, runner_out)``: the committed step's per-request deltas,
+            whether any token was computed, and its runner output (None when nothing ran).
+        """
+        scheduler = self.scheduler
+        if self._running is None:
+            first = scheduler.schedule()
+            if (not first.scheduled and not first.finished_request_ids
+                    and not scheduler.has_pending_kv_work()):
+                return [], False, None
+            if not first.scheduled or first.num_steps > 1:
+                runner_out = self.runner.execute(first)
+                return (scheduler.update_from_output(first, runner_out), bool(first.scheduled),
+                        runner_out)
+            self._launch(first, None)
+        running, pending = self._running
+        nxt = scheduler.schedule_async(running)
+        self._running = None
+        launched: frozenset[str] = frozenset()
+        if nxt is not None:
+            launched = self._launch(nxt, running)
+        runner_out = pending.result()
+        phase_trace.mark("core.result")
+        outputs = scheduler.update_from_output(running, runner_out)
+        scheduler.kv_cache_manager.set_in_flight(launched)
+        return outputs, True, runner_out
+
+    def _launch(self, step: SchedulerOutput, running: SchedulerOutput | None) -> frozenset[str]:
+        """Launch ``step``; the blocks of its requests and of ``running``'s stay held until they
+        are known to be done. Returns the ids of ``step``'s requests."""
+        if phase_trace.enabled():
+            phase_trace.mark(launch_phase(step))
+        ids = frozenset([sr.request_id for sr in step.scheduled])
+        held = ids if running is None else ids.union([sr.request_id for sr in running.scheduled])
+        self.scheduler.kv_cache_manager.set_in_flight(held)
+        self._running = (step, self.runner.execute_async(step))
+        return ids
 
     def wait_timeout_s(self, progressed: bool) -> float:
         """Seconds the core loop may block waiting for input or a connector wake-up before it

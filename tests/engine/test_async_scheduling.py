@@ -91,7 +91,7 @@ def test_abort_with_a_step_in_flight_emits_nothing_more_and_frees_once():
     add(core, "keep", KEEP, max_tokens=12, ignore_eos=True)
     results: dict = {}
     step_until(core, lambda: "a" in results and len(results["a"].tokens) >= 3, results)
-    assert core.async_steps.in_flight and steps_with(runner, "a")[-1].input_from_previous_step
+    assert core.step_in_flight and steps_with(runner, "a")[-1].input_from_previous_step
     core.abort_requests(["a"])
     kvm = core.scheduler.kv_cache_manager
     assert kvm.num_deferred_blocks > 0  # the launched step may still write them
