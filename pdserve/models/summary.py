@@ -16,6 +16,8 @@ FAMILIES = {
     "Qwen2ForCausalLM": "Qwen2",
     "Qwen3ForCausalLM": "Qwen3",
     "Qwen3MoeForCausalLM": "Qwen3-MoE",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2",
+    "DeepseekV3ForCausalLM": "DeepSeek-V3",
 }
 
 
