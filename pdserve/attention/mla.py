@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from pdserve.attention.base import AttentionBackend
 from pdserve.attention.kv_quant import FP8_KV_DTYPE, dequantize, quantize
 from pdserve.attention.metadata import AttentionMetadata
+from pdserve.types.kv_cache_kind import KVCacheKind
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ class MLAAttentionBackend(AttentionBackend):
     Raises:
         ValueError: an odd latent entry width (:attr:`MLAGeometry.slot_width`).
     """
+
+    kv_cache_kind = KVCacheKind.MLA_LATENT
 
     def __init__(self, geometry: MLAGeometry, block_size: int, scale: float):
         super().__init__(geometry.num_heads, 1, geometry.slot_width, block_size, scale)
