@@ -208,3 +208,26 @@ def test_v3_router_matches_transformers():
     order, hf_order = ids.sort(-1), hf_ids.sort(-1)
     assert torch.equal(order.values, hf_order.values)
     torch.testing.assert_close(w.gather(1, order.indices), hf_w.detach().gather(1, hf_order.indices))
+
+
+@pytest.mark.slow  # starts a TP worker process
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_tp2_greedy_equals_tp1(tmp_path, arch):
+    """Query heads, ``kv_b_proj`` and ``o_proj`` split by heads, the latent replicated, dense
+    and shared-expert MLPs sharded, experts replicated: TP 2 (CPU, gloo) equals TP 1, with
+    chunked prefill and multi-step decode rounds, past the YaRN threshold."""
+    path = str(make_tiny_model(tmp_path / arch, arch))
+    prompts = [_prompt(n, seed=n) for n in (1, 7, ORIGINAL_CTX + 13)]
+
+    def run(tp: int) -> list[list[int]]:
+        engine = LLMEngine(EngineConfig(
+            model=path, device="cpu", tensor_parallel_size=tp, max_model_len=128, block_size=B,
+            num_gpu_blocks_override=64, max_num_batched_tokens=16, num_scheduler_steps=3))
+        try:
+            return [o.token_ids for o in engine.generate(prompts, GREEDY)]
+        finally:
+            engine.shutdown()
+
+    single = run(1)
+    assert all(len(t) == NUM_NEW for t in single)
+    assert run(2) == single
