@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA, DeepSeek-V2/V3) over a paged latent cache, with torch ops:
-the latent write, prefill by up-projecting the cached latent to per-head keys and values, and
-decode in the weight-absorbed form over the latent itself.
+the latent write, prefill by up-projecting the cached latent to per-head keys and values or in
+the weight-absorbed form (whichever costs less), and decode in the absorbed form.
 
 A token's cache entry is its compressed latent ``c`` (``kv_lora_rank`` values, after the
 ``kv_a_layernorm``) followed by the rotated rotary key ``k_pe`` (``qk_rope_head_dim`` values),
@@ -13,11 +13,16 @@ the KV transfer already handle (docs/architecture.md, "KV cache layout", MLA).
 With the up-projection ``kv_b_proj`` seen per head as ``W_UK`` ``[H, qk_nope, r]`` (keys) and
 ``W_UV`` ``[H, v_head, r]`` (values):
 
-- prefill: ``k = [c W_UK^T | k_pe]``, ``v = c W_UV^T`` per head, then causal SDPA over the
-  context (the step's tokens included);
-- decode: ``q_lat = q_nope W_UK`` (``[H, r]``), scores ``[q_lat | q_pe] . [c | k_pe]``, output
-  ``softmax(..) c`` then ``W_UV``: one shared key per token, no per-head expansion of the
+- up-projected (expanded) form: ``k = [c W_UK^T | k_pe]``, ``v = c W_UV^T`` per head, then
+  causal SDPA over the context (the step's tokens included);
+- absorbed form: ``q_lat = q_nope W_UK`` (``[H, r]``), scores ``[q_lat | q_pe] . [c | k_pe]``,
+  output ``softmax(..) c`` then ``W_UV``: one shared key per token, no per-head expansion of the
   context (the arithmetic of Hugging Face's expanded form, reassociated).
+
+Decode always runs absorbed; a prefill chunk runs the form with fewer multiply-adds for its query
+and context lengths (:func:`prefill_uses_absorbed`): expanding costs ``C * H * r * (nope + v)``
+once per chunk, absorbing costs ``2r - nope - v`` more per query and key pair, so short chunks
+over long contexts (chunked prefill, prefix-cache hits, turns of a chat) run absorbed.
 
 With an fp8 cache the K slot is stored with the layer's key scale and the V slot with its value
 scale (:mod:`pdserve.attention.kv_quant`), and attention reads the values as stored.
@@ -72,6 +77,19 @@ class MLAGeometry:
         return self.entry_width // 2
 
 
+def prefill_uses_absorbed(query_len: int, context_len: int, g: MLAGeometry) -> bool:
+    """Whether a prefill chunk of ``query_len`` tokens over ``context_len`` keys costs fewer
+    multiply-adds per head in the absorbed form than up-projected (module docstring).
+
+    Up-projected: ``C * r * (nope + v)`` (expanding the context) ``+ L * C * (nope + rope + v)``;
+    absorbed: ``L * r * (nope + v)`` (absorbing queries and outputs) ``+ L * C * (2r + rope)``.
+    """
+    r, nope, rope, v = g.kv_lora_rank, g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim
+    expanded = context_len * r * (nope + v) + query_len * context_len * (nope + rope + v)
+    absorbed = query_len * r * (nope + v) + query_len * context_len * (2 * r + rope)
+    return absorbed < expanded
+
+
 def write_latent(kv_cache: torch.Tensor, layer: int, entry: torch.Tensor,
                  meta: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store this step's latent entries of one layer in their slots.
@@ -122,8 +140,10 @@ class MLAAttentionBackend(AttentionBackend):
         super().__init__(geometry.num_heads, 1, geometry.slot_width, block_size, scale)
         self.geometry = geometry
 
-    def forward(self, layer, query, key, value, kv_cache, meta, sliding_window=None, out=None,
-                rotation=None):
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                sliding_window: int | None = None, out: torch.Tensor | None = None,
+                rotation: object = None) -> torch.Tensor:
         """Per-head attention is not MLA's: layers call :meth:`forward_mla`.
 
         Raises:
@@ -162,7 +182,11 @@ class MLAAttentionBackend(AttentionBackend):
             blocks = blocks_of_layer.index_select(0, span.block_table)  # [n, 2, 1, bs, W/2]
             ctx = _entries(blocks, q_nope.dtype, k_scale, v_scale).reshape(
                 -1, g.entry_width)[:span.context_len]
-            out[rows] = self._prefill(q_nope[rows], q_pe[rows], ctx, w, span.mask)
+            if prefill_uses_absorbed(span.query_len, span.context_len, g):
+                out[rows] = self._prefill_absorbed(q_nope[rows], q_pe[rows], ctx, w_uk, w_uv,
+                                                   span.mask)
+            else:
+                out[rows] = self._prefill(q_nope[rows], q_pe[rows], ctx, w, span.mask)
         if meta.num_decodes:
             p = meta.num_prefill_tokens
             out[p:] = self._decode(q_nope[p:], q_pe[p:], blocks_of_layer, meta, w_uk, w_uv,
@@ -184,6 +208,22 @@ class MLAAttentionBackend(AttentionBackend):
                                            attn_mask=mask, is_causal=mask is None,
                                            scale=self.scale)
         return o.squeeze(0).transpose(0, 1)
+
+    def _prefill_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor,
+                          w_uk: torch.Tensor, w_uv: torch.Tensor, mask: torch.Tensor | None
+                          ) -> torch.Tensor:
+        """One prefill chunk in the absorbed form (arguments as :meth:`_prefill`, ``w_uk``
+        ``[H, nope, r]``, ``w_uv`` ``[H, v, r]``): the context's latent is attended by every
+        head as it is, ``[L, H, v_head_dim]``."""
+        g = self.geometry
+        q_lat = torch.einsum("lhd,hdr->hlr", q_nope, w_uk)
+        q = torch.cat((q_lat, q_pe.transpose(0, 1)), dim=-1)  # [H, L, W]
+        k = ctx.unsqueeze(0).expand(g.num_heads, -1, -1)  # [H, C, W], no copy
+        o_lat = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0),
+                                               k[..., :g.kv_lora_rank].unsqueeze(0),
+                                               attn_mask=mask, is_causal=mask is None,
+                                               scale=self.scale)
+        return torch.einsum("hlr,hvr->lhv", o_lat.squeeze(0), w_uv)
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, blocks_of_layer: torch.Tensor,
                 meta: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,

@@ -231,3 +231,30 @@ def test_tp2_greedy_equals_tp1(tmp_path, arch):
     single = run(1)
     assert all(len(t) == NUM_NEW for t in single)
     assert run(2) == single
+
+
+@pytest.mark.parametrize("query_len, num_computed", [(5, 0), (4, 11), (17, 30)])
+def test_absorbed_and_expanded_prefill_agree(query_len, num_computed):
+    """The two forms of a prefill chunk (with and without cached context) give the same
+    attention output; which one runs is a cost choice only."""
+    from pdserve.attention.mla import MLAGeometry, prefill_uses_absorbed
+
+    g = MLAGeometry(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                    v_head_dim=16)
+    backend = MLAAttentionBackend(g, block_size=B, scale=0.2)
+    gen = torch.Generator().manual_seed(query_len)
+    ctx_len = num_computed + query_len
+    q_nope = torch.randn(query_len, 4, 16, generator=gen, dtype=torch.float64)
+    q_pe = torch.randn(query_len, 4, 8, generator=gen, dtype=torch.float64)
+    ctx = torch.randn(ctx_len, 40, generator=gen, dtype=torch.float64)
+    w = torch.randn(4, 32, 32, generator=gen, dtype=torch.float64) * 0.2
+    mask = None
+    if num_computed:
+        q_pos = torch.arange(num_computed, ctx_len)[:, None]
+        mask = torch.arange(ctx_len)[None, :] <= q_pos
+    expanded = backend._prefill(q_nope, q_pe, ctx, w, mask)
+    absorbed = backend._prefill_absorbed(q_nope, q_pe, ctx, w[:, :16], w[:, 16:], mask)
+    torch.testing.assert_close(absorbed, expanded)
+    # short chunks over long contexts go absorbed, whole prompts expanded (this geometry:
+    # absorbed below about r * (nope + v) / (2r - nope - v) = 32 queries)
+    assert prefill_uses_absorbed(4, 400, g) and not prefill_uses_absorbed(64, 64, g)
