@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,8 +93,12 @@ def deepseek_moe_config(hf: dict[str, Any], arch: str) -> DeepseekMoEConfig | No
     sigmoid with ``e_score_correction_bias`` over ``n_group`` groups (``topk_method
     noaux_tc``).
 
+    ``norm_topk_prob`` is honoured for both, as DeepSeek's own code does (Hugging Face's V2
+    router ignores it; the published V2 configs set it false).
+
     Raises:
-        ValueError: a missing or inconsistent key, or an unknown ``topk_method``.
+        ValueError: a missing or inconsistent key, an unknown ``topk_method``, or a
+            ``scoring_func`` other than the version's.
     """
     num_experts = hf.get("n_routed_experts")
     if not num_experts:
@@ -108,6 +113,9 @@ def deepseek_moe_config(hf: dict[str, Any], arch: str) -> DeepseekMoEConfig | No
     if method not in known:
         raise ValueError(f"{arch} with topk_method={method!r} is not supported "
                          f"(supported: {', '.join(known)})")
+    scoring = hf.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise ValueError(f"{arch} with scoring_func={scoring!r} is not supported")
     grouped = v3 or method == "group_limited_greedy"
     num_groups = _positive_int(hf, "n_group", 1) if grouped else 1
     topk_groups = _positive_int(hf, "topk_group", 1) if grouped else 1
@@ -313,6 +321,13 @@ class DeepseekDecoderLayer(DecoderLayer):
         return self.self_attn.attend(q, k, positions, kv_cache, meta)
 
 
+def _beyond_layers(name: str, num_layers: int) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to a decoder layer ``>= num_layers``."""
+    parts = name.removeprefix("model.").split(".")
+    return len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() \
+        and int(parts[1]) >= num_layers
+
+
 def _with_intermediate(cfg: DeepseekArchConfig, width: int) -> DeepseekArchConfig:
     """``cfg`` with ``intermediate_size = width`` (the shared experts' MLP)."""
     return dataclasses.replace(cfg, intermediate_size=width)
@@ -360,6 +375,17 @@ class DeepseekForCausalLM(CausalLM):
         if len(parts) >= 4 and parts[2] == "self_attn":
             return short, None
         return Qwen3MoeCausalLM._param_name(short)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`CausalLM.load_weights`, skipping the layers past ``num_hidden_layers`` that
+        V3 checkpoints carry for multi-token prediction (``num_nextn_predict_layers``), which
+        serving does not run.
+
+        Raises:
+            ValueError: as :meth:`CausalLM.load_weights`.
+        """
+        n = self.cfg.num_layers
+        super().load_weights((name, t) for name, t in weights if not _beyond_layers(name, n))
 
     @torch.inference_mode()
     def kv_cache_scales(self) -> KVCacheScales:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pdserve.models.deepseek import DeepseekArchConfig
 from pdserve.models.llama import ArchConfig
 
 #: Architecture -> the family name printed at start-up.
@@ -62,8 +63,8 @@ def summarize(arch: ArchConfig, model: nn.Module, kv_dtype: torch.dtype) -> Mode
     ``kv_dtype``."""
     total = sum(p.numel() for p in model.parameters())  # shared (tied) tensors once
     active = total
-    if arch.moe is not None:
-        moe = arch.moe
+    moe = arch.deepseek_moe if isinstance(arch, DeepseekArchConfig) else arch.moe
+    if moe is not None:
         per_expert = 3 * arch.hidden_size * moe.moe_intermediate_size
         moe_layers = sum(moe.is_moe_layer(i) for i in range(arch.num_layers))
         active = total - moe_layers * (moe.num_experts - moe.top_k) * per_expert

@@ -5,6 +5,9 @@ preemption, overlapped scheduling and an fp8 latent cache; the config parse and 
 
 from __future__ import annotations
 
+import itertools
+import json
+import logging
 import random
 
 import pytest
@@ -14,7 +17,7 @@ from pdserve.attention.mla import MLAAttentionBackend
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.layers.deepseek_moe import RouterScoring, route_deepseek
 from pdserve.models.deepseek import DeepseekArchConfig, softmax_scale
-from pdserve.models.loader import arch_config_from_hf
+from pdserve.models.loader import arch_config_from_hf, iter_safetensors, load_model
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.testing.tiny_models import make_tiny_model
 from pdserve.types.engine_config import EngineConfig, KVCacheDtype
@@ -180,6 +183,7 @@ def test_config_parse():
     ({"n_group": 3}, "do not fit"),
     ({"num_experts_per_tok": 9}, "exceeds"),
     ({"kv_lora_rank": None}, "'kv_lora_rank'"),
+    ({"scoring_func": "softmax"}, "scoring_func"),
 ])
 def test_config_refusals(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -258,3 +262,23 @@ def test_absorbed_and_expanded_prefill_agree(query_len, num_computed):
     # short chunks over long contexts go absorbed, whole prompts expanded (this geometry:
     # absorbed below about r * (nope + v) / (2r - nope - v) = 32 queries)
     assert prefill_uses_absorbed(4, 400, g) and not prefill_uses_absorbed(64, 64, g)
+
+
+def test_start_up_summary_and_multi_token_prediction_layers_skipped(caplog, tmp_path):
+    """The start-up line counts the active experts and the latent cache (1 head of W / 2, K and
+    V slots); V3's multi-token-prediction layer past ``num_hidden_layers`` is not loaded."""
+    path = make_tiny_model(tmp_path / "v3", "deepseek_v3", tokenizer_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger="pdserve.model"):
+        loaded = load_model(EngineConfig(model=str(path)))
+    line = next(r.getMessage() for r in caplog.records if "parameters" in r.getMessage())
+    total = sum(p.numel() for p in loaded.model.parameters())
+    active = total - 2 * (8 - 2) * 3 * 64 * 32  # layers 1 and 2: 6 of 8 experts idle
+    assert line.startswith("DeepSeek-V3: "), line
+    assert f"{total / 1e6:.1f}M parameters ({active / 1e6:.1f}M active per token)" in line
+    assert f"KV 3 layers x 1 heads x 20 = {2 * 3 * 20 * 4 / 1024:.1f} KiB per token, rope yarn" \
+        in line, line
+    cfg = json.loads((path / "config.json").read_text())
+    extra = [(f"model.layers.{cfg['num_hidden_layers']}.eh_proj.weight", torch.zeros(64, 128))]
+    # each lazy weight is read while its file is open: chained, not listed first
+    loaded.model.load_weights(itertools.chain(iter_safetensors([path / "model.safetensors"]),
+                                              extra))  # no "unexpected weight"
