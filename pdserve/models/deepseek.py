@@ -273,8 +273,9 @@ class DeepseekDecoderLayer(DecoderLayer):
     ``first_k_dense_replace`` layers) or DeepSeek-MoE.
 
     Its stages keep :class:`DecoderLayer`'s names: :meth:`attention_inputs` returns
-    ``(q, kv_a, None, state)`` (queries and the latent projection, :meth:`DeepseekAttention.project`),
-    :meth:`attend` takes them and returns ``[T, H, v_head_dim]``.
+    ``(q, kv_a, None, state)`` (queries and the latent projection,
+    :meth:`DeepseekAttention.project`), :meth:`attend` takes them and returns
+    ``[T, H, v_head_dim]``.
     """
 
     def __init__(self, cfg: DeepseekArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,

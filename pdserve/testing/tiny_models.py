@@ -63,6 +63,7 @@ _DEFAULTS["qwen3_moe"] = {"head_dim": 32, "tie_word_embeddings": False, "num_exp
 # slots of 20). YaRN over an original context of 32 tokens (factor 4, so 128 positions), with
 # mscale != mscale_all_dim so that both the cos/sin factor and the softmax scale differ from 1.
 # num_key_value_heads = num_attention_heads: MLA has no KV heads (HF repeats keys otherwise).
+# initializer_range 0.1 for the reason given for qwen2 below.
 _DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                   "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.8,
                   "beta_fast": 32, "beta_slow": 1}
@@ -85,7 +86,8 @@ _DEFAULTS["deepseek_v3"] = {**_DEEPSEEK_COMMON, "q_lora_rank": 32, "n_shared_exp
                             "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
                             "routed_scaling_factor": 2.5, "rope_interleave": True}
 _CONFIG_CLASSES = {"deepseek_v2": "DeepseekV2Config", "deepseek_v2_lite": "DeepseekV2Config",
-                   "deepseek_v3": "DeepseekV3Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen2": "Qwen2Config",
+                   "deepseek_v3": "DeepseekV3Config",
+                   "llama": "LlamaConfig", "qwen3": "Qwen3Config", "qwen2": "Qwen2Config",
                    "qwen3_moe": "Qwen3MoeConfig", "gemma3": "Gemma3TextConfig"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "chat_template.jinja")
@@ -98,7 +100,7 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0,
     Args:
         path: output directory (created if missing).
         arch: ``"llama"`` (``LlamaForCausalLM``), ``"qwen3"`` (``Qwen3ForCausalLM``),
-            ``"qwen2"`` (``Qwen2ForCausalLM``), ``"qwen3_moe"`` (``Qwen3MoeForCausalLM``) or
+            ``"qwen2"`` (``Qwen2ForCausalLM``), ``"qwen3_moe"`` (``Qwen3MoeForCausalLM``),
             ``"gemma3"`` (``Gemma3ForCausalLM``; its RMSNorm weights, which transformers
             initialises to 0, are drawn at random so that a wrong norm formula shows),
             ``"deepseek_v2"`` / ``"deepseek_v2_lite"`` (``DeepseekV2ForCausalLM`` with and

@@ -211,7 +211,8 @@ def test_v3_router_matches_transformers():
     w, ids = route_deepseek(logits.detach(), moe, router.e_score_correction_bias, torch.float32)
     order, hf_order = ids.sort(-1), hf_ids.sort(-1)
     assert torch.equal(order.values, hf_order.values)
-    torch.testing.assert_close(w.gather(1, order.indices), hf_w.detach().gather(1, hf_order.indices))
+    torch.testing.assert_close(w.gather(1, order.indices),
+                               hf_w.detach().gather(1, hf_order.indices))
 
 
 @pytest.mark.slow  # starts a TP worker process
