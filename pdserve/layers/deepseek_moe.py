@@ -1,6 +1,7 @@
-"""DeepSeek-MoE feed-forward block: routed experts (:class:`~pdserve.layers.fused_moe.FusedMoE`)
-chosen by DeepSeek-V2's group-limited softmax or DeepSeek-V3's sigmoid router with its score
-correction bias, scaled by ``routed_scaling_factor``, plus always-on shared experts."""
+"""DeepSeek-MoE feed-forward block: routed experts (:class:`~pdserve.layers.fused_moe.FusedMoE`,
+sharded over tensor-parallel ranks) chosen by DeepSeek-V2's group-limited softmax or
+DeepSeek-V3's sigmoid router with its score correction bias, scaled by ``routed_scaling_factor``,
+plus always-on shared experts."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.distributed.communication import tp_all_reduce
+from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pdserve.distributed.sharding import shard_range
 from pdserve.layers.fused_moe import FusedMoE
-from pdserve.layers.weights import new_parameter
+from pdserve.layers.weights import LoadedWeight, copy_checked, narrow_weight, new_parameter
 
 
 class RouterScoring(enum.Enum):
@@ -127,6 +131,53 @@ class DeepseekRouter(nn.Module):
         return route_deepseek(logits, self.moe, self.e_score_correction_bias, x.dtype)
 
 
+class ShardedExperts(FusedMoE):
+    """:class:`FusedMoE` whose experts are split over the TP ranks as the dense MLP is: rank
+    ``r`` holds rows ``[r*I/T, (r+1)*I/T)`` of every expert's gate and up projections and the
+    same columns of its down projection, and the partial outputs are summed by an all-reduce
+    (routing runs on every rank, on the same replicated input). At TP 1 it is :class:`FusedMoE`.
+
+    Args:
+        num_experts, hidden_size, dtype, device: as :class:`FusedMoE`.
+        intermediate_size: each expert's width in the checkpoint (``moe_intermediate_size``).
+
+    Raises:
+        TPShardingError: ``intermediate_size`` does not split over the TP size.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.tp_size = get_tp_size()
+        self.full_intermediate_size = intermediate_size
+        self.row_start, local = shard_range(intermediate_size, self.tp_size, get_tp_rank())
+        super().__init__(num_experts, hidden_size, local, dtype, device)
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight,
+                      shard_id: int | None = None) -> None:
+        """Copy this rank's slice of one expert's checkpoint matrix (gate / up ``[I, H]``: rows;
+        down ``[H, I]``: columns) into its place of ``param``.
+
+        Raises:
+            ValueError: a shard id out of range or a shape mismatch.
+        """
+        if shard_id is None or not 0 <= shard_id < param.num_shards:
+            raise ValueError(f"shard id {shard_id} outside 0..{param.num_shards - 1}")
+        full, start, n = self.full_intermediate_size, self.row_start, self.intermediate_size
+        if param is self.w13_weight:
+            expert, half = divmod(shard_id, 2)
+            copy_checked(param.data[expert].narrow(0, half * n, n),
+                         narrow_weight(loaded, 0, full, start, n))
+        else:
+            copy_checked(param.data[shard_id], narrow_weight(loaded, 1, full, start, n))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        """As :class:`FusedMoE` (its torch or Triton op), summed over the TP ranks:
+        ``[T, H]``."""
+        out = super().forward(x, topk_weights, topk_ids)
+        return out if self.tp_size == 1 else tp_all_reduce(out)
+
+
 class DeepseekMoE(nn.Module):
     """Routed experts plus shared experts: ``experts(x, route(x)) + shared_experts(x)``.
 
@@ -142,8 +193,8 @@ class DeepseekMoE(nn.Module):
                  dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.gate = DeepseekRouter(hidden_size, moe, device)
-        self.experts = FusedMoE(moe.num_experts, hidden_size, moe.moe_intermediate_size, dtype,
-                                device)
+        self.experts = ShardedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size,
+                                      dtype, device)
         self.shared_experts = shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

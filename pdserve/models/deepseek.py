@@ -16,7 +16,9 @@ and the softmax scale by ``mscale_all_dim``'s factor squared (:func:`softmax_sca
 The cache geometry the rest of the engine sees is one KV head (replicated over tensor-parallel
 ranks) of ``head_dim = (kv_lora_rank + qk_rope_head_dim) / 2`` (:class:`DeepseekArchConfig`).
 Under tensor parallelism the query and ``kv_b_proj`` rows and the ``o_proj`` columns are split by
-heads, ``kv_a_proj_with_mqa`` is replicated, the dense and shared-expert MLPs split as Llama's.
+heads, ``kv_a_proj_with_mqa`` is replicated, the dense and shared-expert MLPs split as Llama's,
+and the routed experts split their intermediate size the same way
+(:class:`~pdserve.layers.deepseek_moe.ShardedExperts`).
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def test_v3_router_matches_transformers():
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 def test_tp2_greedy_equals_tp1(tmp_path, arch):
     """Query heads, ``kv_b_proj`` and ``o_proj`` split by heads, the latent replicated, dense
-    and shared-expert MLPs sharded, experts replicated: TP 2 (CPU, gloo) equals TP 1, with
+    and shared-expert MLPs and the routed experts sharded: TP 2 (CPU, gloo) equals TP 1, with
     chunked prefill and multi-step decode rounds, past the YaRN threshold."""
     path = str(make_tiny_model(tmp_path / arch, arch))
     prompts = [_prompt(n, seed=n) for n in (1, 7, ORIGINAL_CTX + 13)]
