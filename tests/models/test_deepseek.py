@@ -132,22 +132,37 @@ def test_engine_preemption(tiny):
         assert o.token_ids == ref.greedy(p, 2 * NUM_NEW)
 
 
-def test_fp8_latent_cache_chunked_equals_whole(tmp_path):
+def test_fp8_latent_cache_chunked_and_cached_equal_whole(tmp_path):
     """An fp8 latent cache (per-layer scales of the K and V halves): a prompt gives the same
-    tokens prefilled whole or in chunks, and stays close to full precision."""
+    tokens prefilled whole, in chunks, or over a prefix-cache hit."""
     path = str(make_tiny_model(tmp_path / "v2", "deepseek_v2"))
     prompt = _prompt(ORIGINAL_CTX + 13, seed=3)
     runs = {}
     for budget in (2048, 16):
-        engine = _engine(path, kv_cache_dtype=KVCacheDtype.FP8_E4M3, max_num_batched_tokens=budget,
-                         enable_prefix_caching=False)
+        engine = _engine(path, kv_cache_dtype=KVCacheDtype.FP8_E4M3,
+                         max_num_batched_tokens=budget, enable_prefix_caching=True)
         try:
+            assert engine.core.runner.kv_cache.dtype == torch.float8_e4m3fn
             scales = engine.core.runner.model.attn_backend.kv_scales
             runs[budget] = engine.generate([prompt], GREEDY)[0].token_ids
+            again = engine.generate([prompt], GREEDY)[0]
         finally:
             engine.shutdown()
+        assert again.num_cached_tokens > 0 and again.token_ids == runs[budget]
     assert scales is not None and len(scales.k) == 3 and all(s > 0 for s in scales.k + scales.v)
     assert runs[2048] == runs[16]
+
+
+def test_dummy_weights_generate(tmp_path):
+    """``--load-format dummy`` fills every DeepSeek parameter (routers, correction bias, latent
+    norms) and the engine generates from them."""
+    path = str(make_tiny_model(tmp_path / "v3", "deepseek_v3"))
+    engine = _engine(path, load_format="dummy")
+    try:
+        out = engine.generate([_prompt(20, seed=1)], GREEDY)[0]
+    finally:
+        engine.shutdown()
+    assert len(out.token_ids) == NUM_NEW and out.error is None
 
 
 def _hf_config(**fields) -> dict:
