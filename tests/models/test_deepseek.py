@@ -21,6 +21,7 @@ from pdserve.models.loader import arch_config_from_hf, iter_safetensors, load_mo
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.testing.tiny_models import make_tiny_model
 from pdserve.types.engine_config import EngineConfig, KVCacheDtype
+from pdserve.types.kv_cache_kind import KVCacheKind
 from pdserve.types.sampling_params import SamplingParams
 
 from model_driver import DrivenRequest, MiniScheduler, greedy
@@ -80,6 +81,8 @@ def test_mixed_batch_matches_transformers(tiny):
     runner.allocate_kv_cache(runner.determine_num_blocks())
     assert isinstance(runner.model.attn_backend, MLAAttentionBackend)
     assert runner.kv_cache.shape[2:5] == (2, 1, B)  # one latent "head", halves in K and V
+    spec = runner.kv_cache_spec
+    assert spec.kind is KVCacheKind.MLA_LATENT and (spec.num_kv_heads, spec.head_dim) == (1, 20)
     lens = [1, B + 1, 2 * ORIGINAL_CTX + 3]
     n = 2 * NUM_NEW
     reqs = [DrivenRequest(f"r{i}", _prompt(length, seed=length), n, greedy(n), start_step=i,
