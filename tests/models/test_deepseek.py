@@ -301,3 +301,28 @@ def test_start_up_summary_and_multi_token_prediction_layers_skipped(caplog, tmp_
     # each lazy weight is read while its file is open: chained, not listed first
     loaded.model.load_weights(itertools.chain(iter_safetensors([path / "model.safetensors"]),
                                               extra))  # no "unexpected weight"
+
+
+def test_latent_blocks_read_into_another_instance_continue_the_sequence(tiny):
+    """What a P/D transfer does, in-process: P prefills a prompt past the YaRN threshold; its
+    latent blocks, copied whole into other block ids of D's cache, let D recompute only the last
+    prompt token and generate ``transformers``' continuation (a block holds everything about
+    its tokens: the latent and the rotated ``k_pe``, nothing of the instance)."""
+    path, ref = tiny
+    config = EngineConfig(model=path, max_model_len=128, block_size=B, num_gpu_blocks_override=16)
+    p, d = ModelRunner(config), ModelRunner(config)
+    p.allocate_kv_cache(16)
+    d.allocate_kv_cache(16)
+    prompt = _prompt(2 * ORIGINAL_CTX + 7, seed=11)
+    n_blocks = -(-len(prompt) // B)
+    p_blocks, d_blocks = list(range(n_blocks)), list(range(16 - n_blocks, 16))[::-1]
+    first = DrivenRequest("p", prompt, 1, greedy(1), block_ids=list(p_blocks))
+    MiniScheduler(p, 16).run([first])
+    d.kv_cache[d_blocks] = p.kv_cache[p_blocks]
+    n = NUM_NEW
+    cont = DrivenRequest("d", prompt, n, greedy(n), num_computed=len(prompt) - 1,
+                         block_ids=list(d_blocks), chunks=[1])
+    MiniScheduler(d, 16 - n_blocks).run([cont])  # free: the ids below the copied blocks
+    expected = ref.greedy(prompt, n)
+    assert first.output == expected[:1]
+    assert cont.output == expected
