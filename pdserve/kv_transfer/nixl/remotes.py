@@ -32,8 +32,8 @@ from pdserve.kv_transfer.nixl.side_channel import (
     SideChannelClient,
     SideChannelError,
     SideChannelTimeout,
-    compat_hash,
     cache_kind_mismatch,
+    compat_hash,
     compat_mismatch,
     side_channel_request,
 )
