@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from pdserve.attention.kv_quant import KVCacheScales
+from pdserve.types.kv_cache_kind import KVCacheKind
 from pdserve.attention.metadata import AttentionMetadata, build_attention_metadata
 
 if TYPE_CHECKING:  # the layers import no attention module; only the annotation needs this one
@@ -41,6 +42,8 @@ class AttentionBackend(ABC):
         supports_cuda_graphs: a pure-decode :meth:`forward` on :func:`decode_metadata
             <pdserve.attention.metadata.decode_metadata>` launches fixed shapes without host
             synchronisation, so the runner may capture it in a CUDA graph.
+        kv_cache_kind: what the backend stores in the cache (per-head K/V; the MLA backend's
+            latent), for the KV connector's compatibility check.
 
     Attributes:
         kv_scales: per-layer scales of an fp8 KV cache (:mod:`pdserve.attention.kv_quant`), set
@@ -50,6 +53,7 @@ class AttentionBackend(ABC):
 
     uses_triton_kernels: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
+    kv_cache_kind: ClassVar[KVCacheKind] = KVCacheKind.PER_HEAD
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  scale: float):

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pdserve.types.kv_cache_kind import KVCacheKind
+
 if TYPE_CHECKING:
     from pdserve.types.outputs import KVConnectorOutput, SchedulerOutput
     from pdserve.types.request import Request
@@ -64,6 +66,8 @@ class KVCacheSpec:
             num_kv_heads (TP 1).
         kv_scales: an fp8 cache's per-layer key scales then value scales (empty otherwise;
             :mod:`pdserve.attention.kv_quant`): two instances must store with the same ones.
+        kind: what a block holds (:class:`~pdserve.types.kv_cache_kind.KVCacheKind`): per-head
+            K/V, or DeepSeek's latent (one KV head, replicated on every TP rank).
     """
 
     num_blocks: int
@@ -76,6 +80,7 @@ class KVCacheSpec:
     model_name: str
     total_num_kv_heads: int = 0
     kv_scales: tuple[float, ...] = ()
+    kind: KVCacheKind = KVCacheKind.PER_HEAD
 
     @property
     def block_bytes(self) -> int:

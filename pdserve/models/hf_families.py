@@ -13,15 +13,16 @@ from pdserve.layers.fused_moe import MoEConfig
 from pdserve.layers.rotary import rope_type_of, validate_rope_scaling
 
 #: ``model_type`` -> architecture, for configs without ``architectures``.
-MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 #: Mixture-of-experts architectures pdserve does not implement, with what they add.
 _OTHER_MOE = {
     "Qwen2MoeForCausalLM": "shared experts",
     "MixtralForCausalLM": "Mixtral's experts",
-    "DeepseekV2ForCausalLM": "grouped routing and shared experts",
-    "DeepseekV3ForCausalLM": "grouped sigmoid routing and shared experts",
     "Qwen3NextForCausalLM": "shared experts and linear attention",
 }
+# DeepSeek's MoE keys are its own (pdserve.models.deepseek.deepseek_moe_config).
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Config keys that name a feature this engine lacks, when set to a true value.
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -59,7 +60,7 @@ def refuse_unsupported(hf: dict[str, Any], arch: str | None) -> None:
                 or hf.get("scoring_func", "softmax") != "softmax":
             raise ValueError("mixture-of-experts routing other than top-k softmax is not "
                              "supported")
-    elif any(hf.get(k) for k in _MOE_KEYS):
+    elif arch not in _DEEPSEEK and any(hf.get(k) for k in _MOE_KEYS):
         raise ValueError(f"mixture-of-experts keys in a {arch} config are not supported")
     if arch in ("Qwen2ForCausalLM", "Qwen3MoeForCausalLM") and hf.get("use_sliding_window"):
         raise ValueError(f"{arch} with use_sliding_window=true is not supported")
@@ -136,4 +137,6 @@ def family_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
 def default_max_positions(arch: str) -> int | None:
     """The Hugging Face config's ``max_position_embeddings`` default of a family, None for the
     others."""
-    return 32768 if arch in MODEL_TYPES.values() else None
+    defaults = {"Qwen2ForCausalLM": 32768, "Qwen3MoeForCausalLM": 32768,
+                "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096}
+    return defaults.get(arch)

@@ -29,6 +29,7 @@ from pdserve.layers.weights import LazyWeight
 from pdserve.models.gguf_weights import gguf_hf_config, iter_gguf
 from pdserve.types.model_info import ModelInfo
 from pdserve.models import hf_families
+from pdserve.models.deepseek import ARCHITECTURES as DEEPSEEK, DeepseekArchConfig, deepseek_fields
 from pdserve.models.gemma3 import ARCHITECTURE as GEMMA3, gemma3_arch_config
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.llama import CausalLM
@@ -205,6 +206,9 @@ def arch_config_from_hf(hf: dict[str, Any], generation_config: dict[str, Any] | 
         eos_token_ids=eos,
         sliding_window=sliding_window,
     )
+    if arch in DEEPSEEK:  # MLA and DeepSeek-MoE fields, and the latent cache's geometry
+        base = {f.name: getattr(arch_config, f.name) for f in dataclasses.fields(arch_config)}
+        return DeepseekArchConfig(**{**base, **deepseek_fields(hf, arch)})
     return dataclasses.replace(arch_config, **hf_families.family_fields(hf, arch))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.models.deepseek import DeepseekForCausalLM
 from pdserve.models.gemma3 import Gemma3ForCausalLM
 from pdserve.models.llama import CausalLM
 from pdserve.models.qwen3_moe import Qwen3MoeCausalLM
@@ -18,6 +19,9 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 MODEL_REGISTRY["Qwen2ForCausalLM"] = CausalLM
 # Qwen3-MoE: Qwen3 attention, mixture-of-experts MLP.
 MODEL_REGISTRY["Qwen3MoeForCausalLM"] = Qwen3MoeCausalLM
+# DeepSeek-V2 / V3: multi-head latent attention over a latent cache, DeepSeek-MoE.
+MODEL_REGISTRY["DeepseekV2ForCausalLM"] = DeepseekForCausalLM
+MODEL_REGISTRY["DeepseekV3ForCausalLM"] = DeepseekForCausalLM
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pdserve.models.arch_config import ArchConfig
+from pdserve.models.deepseek import DeepseekArchConfig
 
 #: Architecture -> the family name printed at start-up.
 FAMILIES = {
@@ -16,6 +17,8 @@ FAMILIES = {
     "Qwen2ForCausalLM": "Qwen2",
     "Qwen3ForCausalLM": "Qwen3",
     "Qwen3MoeForCausalLM": "Qwen3-MoE",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2",
+    "DeepseekV3ForCausalLM": "DeepSeek-V3",
 }
 
 
@@ -60,8 +63,8 @@ def summarize(arch: ArchConfig, model: nn.Module, kv_dtype: torch.dtype) -> Mode
     ``kv_dtype``."""
     total = sum(p.numel() for p in model.parameters())  # shared (tied) tensors once
     active = total
-    if arch.moe is not None:
-        moe = arch.moe
+    moe = arch.deepseek_moe if isinstance(arch, DeepseekArchConfig) else arch.moe
+    if moe is not None:
         per_expert = 3 * arch.hidden_size * moe.moe_intermediate_size
         moe_layers = sum(moe.is_moe_layer(i) for i in range(arch.num_layers))
         active = total - moe_layers * (moe.num_experts - moe.top_k) * per_expert

@@ -250,7 +250,8 @@ class ModelRunner:
             num_kv_heads=self.num_kv_heads, head_dim=a.head_dim,
             dtype=str(self.kv_cache_dtype).removeprefix("torch."),
             element_size=self.kv_cache.element_size(), model_name=self.model_info.name,
-            total_num_kv_heads=a.num_kv_heads, kv_scales=self._kv_scales_for_spec())
+            total_num_kv_heads=a.num_kv_heads, kv_scales=self._kv_scales_for_spec(),
+            kind=self.model.attn_backend.kv_cache_kind)
         if self.use_cuda_graphs:
             self.decode_graphs = capture_decode_graphs(self.model, self.kv_cache, self.config,
                                                        self.max_blocks_per_seq)

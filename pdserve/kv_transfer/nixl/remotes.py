@@ -32,6 +32,7 @@ from pdserve.kv_transfer.nixl.side_channel import (
     SideChannelClient,
     SideChannelError,
     SideChannelTimeout,
+    cache_kind_mismatch,
     compat_hash,
     compat_mismatch,
     side_channel_request,
@@ -206,6 +207,10 @@ class RemoteRegistry:
         remote_heads = remote_compat.get("total_num_kv_heads")
         sides = describe_pairing(endpoint.engine_id, remote_tp, remote_heads,
                                  info.get("num_heads"), local)
+        kinds = cache_kind_mismatch(local.compat, remote_compat)
+        if kinds is not None:
+            raise HandshakeMismatch(f"KV cache of engine {endpoint.engine_id} is incompatible: "
+                                    f"{kinds} ({sides})")
         why = (pairing_error(remote_heads, remote_tp, local.compat["total_num_kv_heads"],
                              local.tp.size)
                if isinstance(remote_tp, int) and isinstance(remote_heads, int)

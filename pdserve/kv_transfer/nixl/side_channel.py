@@ -97,7 +97,21 @@ def compat_fields(spec: KVCacheSpec) -> dict[str, Any]:
         "head_dim": spec.head_dim,
         "block_size": spec.block_size,
         "layout": spec.layout,
+        "cache_kind": spec.kind.value,
     }
+
+
+def cache_kind_mismatch(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
+    """Why two instances whose caches hold different things cannot pair (their
+    :class:`~pdserve.types.kv_cache_kind.KVCacheKind`: per-head K/V against a multi-head
+    latent), or None when the kinds agree. Checked before the head counts, whose mismatch would
+    otherwise hide the reason."""
+    mine, theirs = local.get("cache_kind"), remote.get("cache_kind")
+    if mine == theirs:
+        return None
+    return (f"cache_kind: local={mine!r} remote={theirs!r}: a multi-head latent (MLA) cache holds "
+            "one latent entry per token, a per-head cache holds keys and values per head; "
+            "neither can read the other's blocks (pair instances that serve the same model)")
 
 
 def rank_info(info: dict[str, Any], tp_rank: Any) -> dict[str, Any] | str:
