@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pdserve.model_files.tp_precheck import TPShardingError, check_splits
+from pdserve.utils.host_devices import detect_gpus, nixl_progress_thread_default
 
 DEFAULT_PROXY_PORT = 8000
 ENGINE_HOST = "127.0.0.1"
@@ -164,33 +165,6 @@ def ensure_port_free(host: str, port: int, what: str) -> None:
             sock.bind((host, port))
         except OSError as exc:
             raise LaunchError(f"{what}: port {port} on {host} is not free ({exc.strerror})") from None
-
-
-def detect_gpus() -> list[str]:
-    """GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries (indices or UUIDs).
-
-    Honours an existing ``CUDA_VISIBLE_DEVICES`` (entries up to the first invalid one, as CUDA
-    does); otherwise asks ``nvidia-smi -L``. Returns ``[]`` when there is no NVIDIA GPU. Does not
-    import torch, so ``pdserve up`` starts fast.
-    """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        gpus = []
-        for entry in visible.split(","):
-            entry = entry.strip()
-            if not entry or entry.startswith("-"):
-                break
-            gpus.append(entry)
-        return gpus
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20,
-                             check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if out.returncode != 0:
-        return []
-    return [str(i) for i, line in enumerate(l for l in out.stdout.splitlines()
-                                            if l.startswith("GPU "))]
 
 
 def assign_gpus(num_prefillers: int, num_decoders: int,
@@ -474,8 +448,10 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
                     share = round(util_total / most, 3)
                     args_i += ["--gpu-memory-utilization", f"{share:.3f}"]  # the last one wins
             argv = commands.engine(model=opts.model, role=role, host=ENGINE_HOST, port=ports[i],
-                                   kv_config=kv_transfer_config(kv_role, opts.multi_turn,
-                                                                progress_thread=gpu is not None),
+                                   kv_config=kv_transfer_config(
+                                       kv_role, opts.multi_turn,
+                                       progress_thread=nixl_progress_thread_default(
+                                           opts.device, [gpu] if gpu is not None else [])),
                                    device=opts.device, engine_args=args_i)
             specs.append(ChildSpec(name=f"{role}-{i}", role=role, argv=argv, env=env,
                                    host=ENGINE_HOST, port=ports[i],
