@@ -6,9 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
-
 from pdserve import __version__
 
 __all__ = ["INSTANCE_INFO_PATH", "instance_info", "instance_info_router"]
@@ -17,23 +14,30 @@ __all__ = ["INSTANCE_INFO_PATH", "instance_info", "instance_info_router"]
 INSTANCE_INFO_PATH = "/pdserve/instance"
 
 
-def instance_info(model_name: str, kv_role: str | None, tokenizer: Any) -> dict[str, Any]:
+def instance_info(model_name: str, kv_role: str | None, engine_id: str | None,
+                  tokenizer: Any) -> dict[str, Any]:
     """The body of ``GET /pdserve/instance``.
 
     Keys: ``model`` (the served name), ``kv_role`` (``kv_producer``: a prefiller,
     ``kv_consumer``: a decoder, ``kv_both``, or null without ``--kv-transfer-config``),
-    ``chat_template`` (whether ``/v1/chat/completions`` can render a conversation; without one
-    only ``/v1/completions`` serves), ``version``.
+    ``engine_id`` (the KV connector's engine id, or null), ``chat_template`` (whether
+    ``/v1/chat/completions`` can render a conversation; without one only ``/v1/completions``
+    serves), ``version``.
     """
-    return {"model": model_name, "kv_role": kv_role,
+    return {"model": model_name, "kv_role": kv_role, "engine_id": engine_id,
             "chat_template": bool(getattr(tokenizer, "chat_template", None)),
             "version": __version__}
 
 
-def instance_info_router(model_name: str, kv_role: str | None, tokenizer: Any) -> APIRouter:
-    """The route, answering :func:`instance_info` of the given engine."""
+def instance_info_router(model_name: str, kv_role: str | None, engine_id: str | None,
+                         tokenizer: Any):
+    """The route (a FastAPI ``APIRouter``), answering :func:`instance_info` of the engine."""
+    # Imported here: the proxy and the launcher import this module for its path, not FastAPI.
+    from fastapi import APIRouter
+    from fastapi.responses import JSONResponse
+
     router = APIRouter()
-    body = instance_info(model_name, kv_role, tokenizer)
+    body = instance_info(model_name, kv_role, engine_id, tokenizer)
 
     @router.get(INSTANCE_INFO_PATH)
     async def info() -> JSONResponse:

@@ -151,9 +151,9 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
 
     app.include_router(tokenize_router(engine.tokenizer, serving.model_name, serving.max_model_len,
                                        serving._in_tokenizer_thread))
-    kv_config = engine.config.kv_transfer_config
-    app.include_router(instance_info_router(serving.model_name, kv_config and kv_config.kv_role,
-                                            engine.tokenizer))
+    kv = engine.config.kv_transfer_config
+    app.include_router(instance_info_router(serving.model_name, kv and kv.kv_role,
+                                            kv and kv.engine_id, engine.tokenizer))
     return app
 
 

@@ -81,13 +81,13 @@ async def test_version(client):
 
 
 async def test_instance_info_names_role_and_chat_template(fake_engine):
-    fake_engine.config.kv_transfer_config = KVTransferConfig(kv_role="kv_producer")
+    fake_engine.config.kv_transfer_config = KVTransferConfig(kv_role="kv_producer", engine_id="e1")
     transport = httpx.ASGITransport(app=build_app(fake_engine))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         r = await c.get("/pdserve/instance")
     assert r.status_code == 200
-    assert r.json() == {"model": "fake-model", "kv_role": "kv_producer", "chat_template": True,
-                        "version": __version__}
+    assert r.json() == {"model": "fake-model", "kv_role": "kv_producer", "engine_id": "e1",
+                        "chat_template": True, "version": __version__}
 
 
 async def test_instance_info_without_kv_transfer_or_chat_template(client, fake_engine):
