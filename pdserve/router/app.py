@@ -400,9 +400,8 @@ class DisaggProxy:
 
     async def _pass_through(self, request: web.Request) -> web.Response:
         """vLLM's ``/tokenize``, ``/detokenize``, ``/version`` from the first prefill (then
-        decode) instance that answers (:mod:`pdserve.router.passthrough`)."""
-        if not self._authorized(request):
-            return _json_response(401, error_bytes("invalid or missing API key", AUTHENTICATION, 401))
+        decode) instance that answers (:mod:`pdserve.router.passthrough`); outside ``/v1``, so
+        without the API key, as on the engines."""
         body = await request.read() if request.method == "POST" else None
         return await forward(self.client.session, self.prefillers.upstreams + self.decoders.upstreams,
                              request.method, request.path, body,

@@ -96,3 +96,42 @@ async def test_instance_info_without_kv_transfer_or_chat_template(client, fake_e
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         body = (await c.get("/pdserve/instance")).json()
     assert body["kv_role"] is None and body["chat_template"] is False
+
+
+def _engine(kv_role: str):
+    from fake_engine_for_server import FakeEngine
+
+    engine = FakeEngine()
+    engine.config.kv_transfer_config = KVTransferConfig(kv_role=kv_role)
+    return engine
+
+
+async def test_proxy_refuses_swapped_engines_and_passes_tokenize_through():
+    """The engine's route and the proxy's role check agree (both apps served in process)."""
+    import aiohttp
+    from conftest import live_server
+
+    from pdserve.router.config import ProxyConfig
+    from pdserve.router.proxy import start_proxy
+    from pdserve.router.role_check import RoleMismatch
+
+    p_engine, d_engine = _engine("kv_producer"), _engine("kv_consumer")
+    async with live_server(build_app(p_engine)) as p_url, \
+            live_server(build_app(d_engine)) as d_url:
+        with pytest.raises(RoleMismatch, match="--decoder-hosts/--decoder-ports instead"):
+            await start_proxy(ProxyConfig(port=0, prefillers=(d_url,), decoders=(p_url,)))
+        running = await start_proxy(ProxyConfig(port=0, prefillers=(p_url,), decoders=(d_url,)))
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(running.url + "/tokenize",
+                                  json={"model": "fake-model", "prompt": "abc"}) as r:
+                    assert r.status == 200
+                    ids = p_engine.tokenizer.encode("abc", add_special_tokens=True)
+                    assert (await r.json())["tokens"] == ids
+                async with s.post(running.url + "/detokenize",
+                                  json={"model": "other", "tokens": [1]}) as r:
+                    assert r.status == 404
+                async with s.get(running.url + "/version") as r:
+                    assert (await r.json()) == {"version": __version__}
+        finally:
+            await running.close()

@@ -191,3 +191,19 @@ async def test_pass_through_without_any_instance_is_503():
                 assert "unreachable" in (await r.json())["error"]["message"]
     finally:
         await running.close()
+
+
+async def test_pass_through_needs_no_api_key_as_on_the_engines(instances):
+    p = await instances("p0", "prefill", "kv_producer")
+    d = await instances("d0", "decode", "kv_consumer")
+    config = ProxyConfig(host="127.0.0.1", port=0, prefillers=(p.url,), decoders=(d.url,),
+                         api_key="k")
+    running = await start_proxy(config)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(running.url + "/tokenize", json={"prompt": "a"}) as r:
+                assert r.status == 200
+            async with s.post(running.url + "/v1/completions", json={"prompt": "a"}) as r:
+                assert r.status == 401
+    finally:
+        await running.close()
