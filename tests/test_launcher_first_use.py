@@ -125,3 +125,22 @@ def test_serve_help_lists_kv_transfer_config_and_builtin_models(capsys):
     help_text = build_parser().format_help()
     assert "--kv-transfer-config JSON" in help_text.replace("\n", " ")
     assert "gemma3-270m" in help_text
+
+
+@pytest.mark.slow
+def test_up_nosuchmodel_process_exits_2_before_starting_anything(tmp_path):
+    log_dir = tmp_path / "logs"
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "nosuchmodel",
+                          "--log-dir", str(log_dir)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]  # one line
+    assert "model 'nosuchmodel' not found" in out.stderr
+    assert not log_dir.exists() and "started" not in out.stdout
+
+
+@pytest.mark.slow
+def test_serve_help_process_lists_kv_transfer_config():
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    assert "--kv-transfer-config JSON" in out.stdout and "gemma3-270m" in out.stdout
