@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Sequence

@@ -4,7 +4,6 @@ process, with the fake engine)."""
 
 from __future__ import annotations
 
-import io
 import sys
 from pathlib import Path
 
