@@ -55,6 +55,7 @@ class RoleCheck:
         self._pending: list[Upstream] = [up for pool in pools for up in pool.upstreams]
         self._engine_ids: dict[str, Upstream] = {}  # engine id -> the first instance that had it
         self._mismatch: RoleMismatch | None = None
+        self._asking = asyncio.Lock()  # concurrent requests wait for one round of questions
 
     @property
     def done(self) -> bool:
@@ -69,21 +70,22 @@ class RoleCheck:
             RoleMismatch: an instance's role cannot serve its leg, or one engine is in both
                 lists (raised again on every later call).
         """
-        if self._mismatch is not None:
-            raise self._mismatch
-        if not self._pending:
-            return
-        pending = list(self._pending)
-        answers = await asyncio.gather(*(self._ask(up) for up in pending))
-        for up, info in zip(pending, answers):
-            if info is _Unknown:
-                continue
-            self._pending.remove(up)
-            if info is not None:
-                self._judge(up, info)
+        async with self._asking:
             if self._mismatch is not None:
-                logger.error("%s", self._mismatch)
                 raise self._mismatch
+            if not self._pending:
+                return
+            pending = list(self._pending)
+            answers = await asyncio.gather(*(self._ask(up) for up in pending))
+            for up, info in zip(pending, answers):
+                if info is _Unknown:
+                    continue
+                self._pending.remove(up)
+                if info is not None:
+                    self._judge(up, info)
+                if self._mismatch is not None:
+                    logger.error("%s", self._mismatch)
+                    raise self._mismatch
 
     def _judge(self, up: Upstream, info: dict) -> None:
         role = info.get("kv_role")

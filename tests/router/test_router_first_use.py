@@ -207,3 +207,25 @@ async def test_pass_through_needs_no_api_key_as_on_the_engines(instances):
                 assert r.status == 401
     finally:
         await running.close()
+
+
+async def test_concurrent_first_requests_share_one_role_check(instances):
+    import asyncio
+
+    p = await instances("p0", "prefill", "kv_producer")
+    d = await instances("d0", "decode", "kv_consumer")
+    p.info_status = d.info_status = 503  # not ready at start-up
+    running = await start_proxy(_config([p], [d]))
+    try:
+        p.info_status = d.info_status = 200
+        async with aiohttp.ClientSession() as s:
+            async def one() -> int:
+                async with s.post(running.url + "/v1/completions",
+                                  json={"model": "m", "prompt": "hi", "max_tokens": 2}) as r:
+                    await r.read()
+                    return r.status
+
+            assert await asyncio.gather(*(one() for _ in range(8))) == [200] * 8
+        assert running.proxy.role_check.done
+    finally:
+        await running.close()
