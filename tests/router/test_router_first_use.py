@@ -229,3 +229,29 @@ async def test_concurrent_first_requests_share_one_role_check(instances):
         assert running.proxy.role_check.done
     finally:
         await running.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_real_engines_swapped_are_refused_and_tokenize_passes(server_pool, tmp_path):
+    """Real ``pdserve serve`` P and D (tiny model, CPU) and ``pdserve proxy`` processes: ports
+    swapped, the proxy exits 2 naming the flags; in order, vLLM's /tokenize answers through it."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    servers = server_pool.get("p", "d_rec")
+    p, d = servers["p"], servers["d_rec"]
+    swapped = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "proxy", "--port", "0",
+         "--prefiller-ports", str(d.port), "--decoder-ports", str(p.port)],
+        capture_output=True, text=True, timeout=120)
+    assert swapped.returncode == 2, swapped.stderr
+    assert "--decoder-hosts/--decoder-ports instead" in swapped.stderr
+    assert f"http://127.0.0.1:{d.port} is given as a prefill instance" in swapped.stderr
+    proxy = server_pool.proxy("first-use", ["p"], ["d_rec"])
+    r = httpx.post(proxy.url + "/tokenize", json={"prompt": "hello world"}, timeout=60)
+    assert r.status_code == 200, r.text
+    direct = httpx.post(p.url + "/tokenize", json={"prompt": "hello world"}, timeout=60).json()
+    assert r.json() == direct and direct["count"] == len(direct["tokens"]) > 0
