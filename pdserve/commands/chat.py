@@ -53,9 +53,10 @@ class ChatMode(Enum):
     COMPLETION = "completion"  # /v1/completions, the history as one text the model continues
 
 
-#: Part of the 400 message of a server whose model has no chat template (pdserve's and vLLM's
-#: both name it so).
-NO_CHAT_TEMPLATE = "chat template"
+#: Parts of the 400 message of a server whose model has no chat template: pdserve's ("This model
+#: has no chat template; use /v1/completions.") and vLLM's ("... you must provide a chat template
+#: if the tokenizer does not define one."). A template that refuses a conversation is not one.
+NO_CHAT_TEMPLATE = ("no chat template", "must provide a chat template")
 COMPLETION_NOTE = ("(this model has no chat template: pdserve chat now sends /v1/completions, "
                    "and the model continues the conversation's text)")
 
@@ -202,7 +203,7 @@ class ChatSession:
                 message = _error_message(resp)
                 raise ChatError(f"HTTP {resp.status_code}: {message}",
                                 no_chat_template=resp.status_code == 400
-                                and NO_CHAT_TEMPLATE in message)
+                                and any(m in message for m in NO_CHAT_TEMPLATE))
             for event in _sse_events(resp.iter_lines()):
                 if "error" in event:
                     error = event["error"]

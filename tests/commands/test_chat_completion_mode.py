@@ -58,3 +58,13 @@ def test_other_400s_still_fail_the_turn(base_model_client):
 
 def test_parser_has_completions_flag():
     assert chat.build_parser().parse_args(["--completions"]).completions is True
+
+
+def test_a_template_that_refuses_the_conversation_does_not_switch(monkeypatch):
+    engine = FakeEngine(max_model_len=256)
+    engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with TestClient(build_app(engine)) as client:
+        session = chat.ChatSession(client, "fake-model", max_tokens=2)
+        with pytest.raises(chat.ChatError, match="chat template"):
+            session.send("hi", lambda t: None)
+    assert session.mode is chat.ChatMode.CHAT
