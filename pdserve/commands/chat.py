@@ -6,6 +6,11 @@ after every answer prints the time to first token (TTFT) and how many prompt tok
 from already-computed KV (``usage.prompt_tokens_details.cached_tokens`` of the final streamed
 chunk, requested with ``stream_options.include_usage``).
 
+A model without a chat template (a base model such as ``gemma3-270m``) cannot answer
+``/v1/chat/completions``; the session then continues the text through ``/v1/completions``
+instead (:class:`ChatMode`), the prompt being the conversation so far, and says so once.
+``--completions`` starts in that mode.
+
 Commands: ``/reset`` starts a new conversation, ``/exit`` (or Ctrl-D) quits.
 """
 
@@ -18,6 +23,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Iterator, Sequence, TextIO
 
 import httpx
@@ -28,7 +34,31 @@ HELP_TEXT = "commands: /reset = new conversation, /exit or Ctrl-D = quit, /help 
 
 
 class ChatError(Exception):
-    """The endpoint answered with an error (HTTP status or an error event in the stream)."""
+    """The endpoint answered with an error (HTTP status or an error event in the stream).
+
+    Attributes:
+        no_chat_template: the server refused a chat request because its model has no chat
+            template (a 400 naming it).
+    """
+
+    def __init__(self, message: str, no_chat_template: bool = False):
+        super().__init__(message)
+        self.no_chat_template = no_chat_template
+
+
+class ChatMode(Enum):
+    """Which endpoint a session's turns go to."""
+
+    CHAT = "chat"  # /v1/chat/completions, the history as messages
+    COMPLETION = "completion"  # /v1/completions, the history as one text the model continues
+
+
+#: Parts of the 400 message of a server whose model has no chat template: pdserve's ("This model
+#: has no chat template; use /v1/completions.") and vLLM's ("... you must provide a chat template
+#: if the tokenizer does not define one."). A template that refuses a conversation is not one.
+NO_CHAT_TEMPLATE = ("no chat template", "must provide a chat template")
+COMPLETION_NOTE = ("(this model has no chat template: pdserve chat now sends /v1/completions, "
+                   "and the model continues the conversation's text)")
 
 
 @dataclass
@@ -92,15 +122,19 @@ class ChatSession:
         model: the model name to send.
         system: optional system prompt, kept across ``reset``.
         max_tokens, temperature: sampling options sent with every turn (None: server default).
+        mode: the endpoint of the turns; a chat session whose server has no chat template
+            switches to :attr:`ChatMode.COMPLETION` at its first turn (:meth:`send`).
     """
 
     def __init__(self, client: httpx.Client, model: str, system: str | None = None,
-                 max_tokens: int | None = None, temperature: float | None = None):
+                 max_tokens: int | None = None, temperature: float | None = None,
+                 mode: ChatMode = ChatMode.CHAT):
         self.client = client
         self.model = model
         self.system = system
         self.max_tokens = max_tokens
         self.temperature = temperature
+        self.mode = mode
         self.messages: list[dict] = []
         self.conversation_id = ""
         self.reset()
@@ -110,21 +144,33 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.conversation_id = new_conversation_id()
 
+    def prompt_text(self) -> str:
+        """The conversation as one text (completion mode): the messages' contents, one per
+        line, ending with a line break after the last user text."""
+        return "".join(m["content"] + "\n" for m in self.messages)
+
     def request_body(self) -> dict:
-        body: dict = {"model": self.model, "messages": self.messages, "stream": True,
+        body: dict = {"model": self.model, "stream": True,
                       "stream_options": {"include_usage": True},
                       "conversation_id": self.conversation_id}
+        if self.mode is ChatMode.CHAT:
+            body["messages"] = self.messages
+        else:
+            body["prompt"] = self.prompt_text()
         if self.max_tokens is not None:
             body["max_tokens"] = self.max_tokens
         if self.temperature is not None:
             body["temperature"] = self.temperature
         return body
 
-    def send(self, text: str, on_token: Callable[[str], None]) -> TurnStats:
+    def send(self, text: str, on_token: Callable[[str], None],
+             on_note: Callable[[str], None] = lambda note: None) -> TurnStats:
         """Sends one user turn and streams the answer to ``on_token``.
 
         The user message and the answer are added to the history only when the turn completes;
-        on an error or Ctrl-C the history is unchanged.
+        on an error or Ctrl-C the history is unchanged. A chat turn refused because the model
+        has no chat template is sent again in completion mode, which the session keeps
+        (``on_note`` is told once, with :data:`COMPLETION_NOTE`).
 
         Raises:
             ChatError: HTTP error status or an error event in the stream.
@@ -132,7 +178,14 @@ class ChatSession:
         """
         self.messages.append({"role": "user", "content": text})
         try:
-            stats, answer = self._stream(on_token)
+            try:
+                stats, answer = self._stream(on_token)
+            except ChatError as exc:
+                if self.mode is not ChatMode.CHAT or not exc.no_chat_template:
+                    raise
+                self.mode = ChatMode.COMPLETION
+                on_note(COMPLETION_NOTE)
+                stats, answer = self._stream(on_token)
         except BaseException:
             self.messages.pop()
             raise
@@ -143,17 +196,22 @@ class ChatSession:
         stats = TurnStats()
         parts: list[str] = []
         start = time.perf_counter()
-        with self.client.stream("POST", "/v1/chat/completions", json=self.request_body()) as resp:
+        path = "/v1/chat/completions" if self.mode is ChatMode.CHAT else "/v1/completions"
+        with self.client.stream("POST", path, json=self.request_body()) as resp:
             if resp.status_code != 200:
                 resp.read()
-                raise ChatError(f"HTTP {resp.status_code}: {_error_message(resp)}")
+                message = _error_message(resp)
+                raise ChatError(f"HTTP {resp.status_code}: {message}",
+                                no_chat_template=resp.status_code == 400
+                                and any(m in message for m in NO_CHAT_TEMPLATE))
             for event in _sse_events(resp.iter_lines()):
                 if "error" in event:
                     error = event["error"]
                     raise ChatError(error.get("message", str(error)) if isinstance(error, dict)
                                     else str(error))
                 for choice in event.get("choices") or []:
-                    delta = (choice.get("delta") or {}).get("content")
+                    delta = (choice.get("text") if self.mode is ChatMode.COMPLETION
+                             else (choice.get("delta") or {}).get("content"))
                     if delta:
                         if stats.ttft_s is None:
                             stats.ttft_s = time.perf_counter() - start
@@ -224,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256, help="answer length limit (default 256)")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (default: the server's)")
+    p.add_argument("--completions", action="store_true",
+                   help="send /v1/completions (the model continues the conversation's text), "
+                        "for a model without a chat template; chosen by itself when the server "
+                        "says so")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for the server (connect, and between tokens)")
     return p
@@ -263,7 +325,8 @@ def run(args: argparse.Namespace, stdin: TextIO, out: TextIO) -> int:
             print(f"pdserve chat: cannot reach {args.url}: {exc}", file=sys.stderr)
             return 1
         session = ChatSession(client, model, system=args.system, max_tokens=args.max_tokens,
-                              temperature=args.temperature)
+                              temperature=args.temperature,
+                              mode=ChatMode.COMPLETION if args.completions else ChatMode.CHAT)
         print(f"pdserve chat: {_base_url(args.url)}, model {model}, conversation "
               f"{session.conversation_id}\n{HELP_TEXT}", file=out, flush=True)
         while True:
@@ -294,8 +357,12 @@ def run(args: argparse.Namespace, stdin: TextIO, out: TextIO) -> int:
                 out.write(token)
                 out.flush()
 
+            def note(text: str) -> None:
+                out.write(f"{text}\nassistant> ")
+                out.flush()
+
             try:
-                stats = session.send(line, emit)
+                stats = session.send(line, emit, note)
             except KeyboardInterrupt:
                 print("\n(interrupted; this turn is not kept)", file=out, flush=True)
                 continue

@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import logging
 import shutil
-import tempfile
 from typing import Any, AsyncIterator, Callable
 
 import zmq
@@ -33,6 +32,7 @@ import zmq.asyncio
 
 from pdserve.utils import phase_trace
 from pdserve.types.engine_config import EngineConfig
+from pdserve.engine import ipc_dir
 from pdserve.engine.core_client import (
     CoreClient,
     CoreStartupError,
@@ -112,7 +112,7 @@ class AsyncEngine:
         """
         self = cls()
         self.config = config
-        self._tmpdir = tempfile.mkdtemp(prefix="pdserve-engine-")
+        self._tmpdir = ipc_dir.create()
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         try:

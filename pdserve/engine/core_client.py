@@ -33,7 +33,7 @@ from pdserve.types.core_messages import (
     make_output_decoder,
 )
 from pdserve.engine.output_processor import EngineStats
-from pdserve.utils.gpus import detect_gpus
+from pdserve.utils.host_devices import detect_gpus
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from pdserve.utils import phase_trace
 from pdserve.types.engine_config import EngineConfig
+from pdserve.engine import ipc_dir
 from pdserve.engine.core import IDLE_POLL_INTERVAL_S, EngineCore
 from pdserve.types.core_messages import (
     AbortRequests,
@@ -185,6 +186,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
             last_parent_check = now
             if os.getppid() != parent:
                 logger.warning("front-end process died; engine core exiting")
+                ipc_dir.remove_owned_by(parent)  # its sockets' folder: nobody else removes it
                 return
 
         stepping = core.has_work() or bool(scheduler.finished_request_ids)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Sequence
+
+from pdserve.model_files.builtin_models import BUILTIN_NAMES
+from pdserve.types.kv_transfer_config import KVTransferConfig
+from pdserve.utils.host_devices import detect_gpus, nixl_progress_thread_default
 
 from pdserve.commands.parser import (Parser, bind_port, fraction, non_negative_int, parse_size, port,
                                positive_float, positive_int)
@@ -19,9 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
                "--kv-transfer-config.kv_role kv_producer.",
         allow_abbrev=False,
     )
+    builtins = " or ".join(f"'{name}'" for name in BUILTIN_NAMES)
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help=f"local Hugging Face directory, .gguf file, or the built-in "
-                        f"'{DEFAULT_MODEL}' (default)")
+                   help=f"local Hugging Face directory, .gguf file, or a built-in model: "
+                        f"{builtins} (default '{DEFAULT_MODEL}')")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=bind_port, default=8000, help="HTTP port (default 8000; 0 = any)")
     p.add_argument("--served-model-name", default=None,
@@ -69,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--trust-remote-code", action="store_true")
+    # Listed for --help only: pdserve.kv_transfer.config_cli takes every form of it out of the
+    # command line before this parser runs.
+    p.add_argument("--kv-transfer-config", metavar="JSON", default=None,
+                   help="P/D role and KV connector, e.g. '{\"kv_connector\":\"NixlConnector\","
+                        "\"kv_role\":\"kv_producer\"}' (prefiller; 'kv_consumer': decoder); "
+                        "single keys as --kv-transfer-config.KEY VALUE (docs/configuration.md; "
+                        "default: no KV transfer)")
     p.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ENDPOINT",
                    help="publish prefix-cache changes (KV events, for the proxy's --routing "
                         "kv-aware) on this ZMQ PUB endpoint, e.g. tcp://*:5557 (default: off)")
@@ -140,3 +152,27 @@ def engine_config_from_args(args: argparse.Namespace, kv_transfer_config: Any) -
         if value is not None:
             kwargs[name] = value
     return EngineConfig(**kwargs)
+
+
+def with_host_defaults(config: KVTransferConfig | None, argv: Sequence[str],
+                       device: str | None) -> KVTransferConfig | None:
+    """``config`` with the defaults that depend on this host: NIXL's progress thread off for an
+    engine without a GPU (:func:`pdserve.utils.host_devices.nixl_progress_thread_default`, the
+    rule ``pdserve up`` applies too), unless the command line sets ``nixl_progress_thread``.
+
+    Args:
+        config: the parsed ``--kv-transfer-config`` (None: no KV transfer, returned as is).
+        argv: the command line it was parsed from (an explicit value always wins).
+        device: the engine's ``--device``.
+    """
+    if config is None:
+        return None
+    words = list(argv)
+    words = words[:words.index("--")] if "--" in words else words
+    if any("nixl_progress_thread" in word for word in words):
+        return config
+    if nixl_progress_thread_default(device, detect_gpus()):
+        return config
+    data = config.to_dict()
+    data["kv_connector_extra_config"]["nixl_progress_thread"] = False
+    return KVTransferConfig.from_dict(data)

@@ -31,7 +31,7 @@ from pdserve.engine.kv_events import default_snapshot_endpoint
 from pdserve.entrypoints.auth import APIKeyMiddleware
 from pdserve.entrypoints.body_limit import BodySizeLimitMiddleware
 from pdserve.entrypoints.chat_completions import ChatCompletionsHandler
-from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
+from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args, with_host_defaults
 from pdserve.entrypoints.completions import CompletionsHandler
 from pdserve.entrypoints.errors import OpenAIError, bad_request, install_error_handlers
 from pdserve.entrypoints.protocol import (
@@ -40,7 +40,9 @@ from pdserve.entrypoints.protocol import (
     ModelCard,
     ModelList,
 )
+from pdserve.entrypoints.instance_info import instance_info_router
 from pdserve.entrypoints.serving import OpenAIServing
+from pdserve.entrypoints.tokenize_routes import tokenize_router
 from pdserve.kv_transfer.nixl import release as kv_release
 from pdserve.types.remote_ref import KVTransferParamsError
 from pdserve.entrypoints.metrics import ServerMetrics
@@ -63,7 +65,9 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
     ``POST /v1/kv_transfer/release`` (the proxy frees a prefill lease its decode leg will not
     read: :mod:`pdserve.kv_transfer.nixl.release`; the engine core of the rank holding it
     ends the lease, :meth:`AsyncEngine.release_early
-    <pdserve.engine.async_engine.AsyncEngine.release_early>`).
+    <pdserve.engine.async_engine.AsyncEngine.release_early>`), vLLM's ``POST /tokenize``,
+    ``POST /detokenize`` and ``GET /version`` (:mod:`pdserve.entrypoints.tokenize_routes`),
+    ``GET /pdserve/instance`` (:mod:`pdserve.entrypoints.instance_info`).
 
     Args:
         engine: an ``AsyncEngine`` or an object with the same interface.
@@ -149,6 +153,11 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
         body, content_type = metrics.render()
         return Response(content=body, media_type=content_type)
 
+    app.include_router(tokenize_router(engine.tokenizer, serving.model_name, serving.max_model_len,
+                                       serving._in_tokenizer_thread))
+    kv = engine.config.kv_transfer_config
+    app.include_router(instance_info_router(serving.model_name, kv and kv.kv_role,
+                                            kv and kv.engine_id, engine.tokenizer))
     return app
 
 
@@ -364,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(rest)
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return int(e.code) if isinstance(e.code, int) else 2
-    args.kv_transfer_config = kv_transfer_config
+    args.kv_transfer_config = with_host_defaults(kv_transfer_config, argv, args.device)
     return run_server(args)
 
 

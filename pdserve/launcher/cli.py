@@ -29,27 +29,39 @@ from pdserve.launcher.supervisor import (
 )
 
 
-def _served_model_name(url: str, fallback: str, api_key: str | None = None) -> str:
-    """The first model id an engine lists on ``/v1/models`` (``fallback`` if that fails)."""
+def _engine_facts(url: str, fallback: str, api_key: str | None = None) -> tuple[str, bool]:
+    """The first model id an engine lists on ``/v1/models`` (``fallback`` if that fails) and
+    whether its model has a chat template (``GET /pdserve/instance``; True if that fails)."""
     import httpx
+
+    from pdserve.entrypoints.instance_info import INSTANCE_INFO_PATH
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         data = httpx.get(url + "/v1/models", timeout=5, headers=headers).json()
-        return data["data"][0]["id"]
+        model = data["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        return fallback
+        model = fallback
+    try:
+        chat_template = httpx.get(url + INSTANCE_INFO_PATH, timeout=5).json()["chat_template"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        chat_template = True
+    return model, chat_template is not False
 
 
 def usage_banner(endpoint: str, model: str, api_key: str | None = None,
-                 python: str | None = None, openai_installed: bool | None = None) -> str:
-    """The ready-to-paste ``curl`` and ``openai`` examples for a running deployment (the Python
-    example's here-document starts at the line start, so it runs as pasted into a shell).
+                 python: str | None = None, openai_installed: bool | None = None,
+                 chat_template: bool = True) -> str:
+    """The ready-to-paste ``curl``, ``openai`` and ``pdserve chat`` examples for a running
+    deployment (the Python example's here-document starts at the line start, so it runs as
+    pasted into a shell).
 
     Args:
         python: the interpreter the Python example runs with (default: this one, that is the
             virtual environment pdserve runs in).
         openai_installed: whether ``openai`` is importable there (default: looked up).
+        chat_template: whether the model has a chat template; without one (a base model) the
+            examples use ``/v1/completions``, since ``/v1/chat/completions`` answers 400.
     """
     python = python or sys.executable
     if openai_installed is None:
@@ -61,30 +73,48 @@ def usage_banner(endpoint: str, model: str, api_key: str | None = None,
         needs = ("# Python: needs the openai package in the virtual environment "
                  "('pip install openai' there first)")
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    body = json.dumps({"model": model, "messages": [
-        {"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
-        "temperature": 0})
     key = api_key or "EMPTY"
+    chat_key = " --api-key " + api_key if api_key else ""
+    if chat_template:
+        path = "chat/completions"
+        body = json.dumps({"model": model, "messages": [
+            {"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
+            "temperature": 0})
+        call = f"""reply = client.chat.completions.create(
+    model="{model}",
+    messages=[{{"role": "user", "content": "What is the capital of France?"}}],
+    max_tokens=32,
+    temperature=0,  # greedy: the small default model rambles when sampled
+)
+print(reply.choices[0].message.content)"""
+        chat_line = f"pdserve chat --url {endpoint} --temperature 0{chat_key}"
+    else:
+        path = "completions"
+        body = json.dumps({"model": model, "prompt": "The capital of France is",
+                           "max_tokens": 32, "temperature": 0})
+        call = f"""reply = client.completions.create(
+    model="{model}",
+    prompt="The capital of France is",
+    max_tokens=32,
+    temperature=0,
+)
+print(reply.choices[0].text)"""
+        chat_line = (f"# {model} has no chat template: it continues text (/v1/completions)\n"
+                     f"  pdserve chat --url {endpoint} --completions --temperature 0{chat_key}")
     return f"""\
 Try it:
 
-  curl -s {endpoint}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
+  curl -s {endpoint}/v1/{path} -H 'Content-Type: application/json'{auth} \\
     -d '{body}'
 
   {needs}
   {shlex.quote(python)} - <<'EOF'
 from openai import OpenAI
 client = OpenAI(base_url="{endpoint}/v1", api_key="{key}")
-reply = client.chat.completions.create(
-    model="{model}",
-    messages=[{{"role": "user", "content": "What is the capital of France?"}}],
-    max_tokens=32,
-    temperature=0,  # greedy: the small default model rambles when sampled
-)
-print(reply.choices[0].message.content)
+{call}
 EOF
 
-  pdserve chat --url {endpoint} --temperature 0{" --api-key " + api_key if api_key else ""}
+  {chat_line}
 """
 
 
@@ -93,7 +123,7 @@ def _print_ready(launcher: Launcher, opts: argparse.Namespace) -> None:
     first_engine = launcher.children[0].spec
     api_key = option_value(opts.engine_args, "--api-key")
     fallback = option_value(opts.engine_args, "--served-model-name") or opts.model
-    model = _served_model_name(first_engine.url, fallback, api_key)
+    model, chat_template = _engine_facts(first_engine.url, fallback, api_key)
     elapsed = time.monotonic() - launcher.started_at
     mode = "multi-turn" if opts.multi_turn else "stateless"
     launcher.say("")
@@ -104,7 +134,7 @@ def _print_ready(launcher: Launcher, opts: argparse.Namespace) -> None:
     launcher.say(f"  logs      {launcher.log_dir}")
     launcher.say(f"  status    {launcher.status_path()}")
     launcher.say("")
-    launcher.say(usage_banner(proxy.url, model, api_key))
+    launcher.say(usage_banner(proxy.url, model, api_key, chat_template=chat_template))
     launcher.say("Press Ctrl-C to stop.")
 
 
@@ -214,6 +244,20 @@ def engine_args_error(model: str, engine_args: Sequence[str]) -> str | None:
     return None
 
 
+def model_error(model: str, tokenizer: str | None = None) -> str | None:
+    """Why ``pdserve serve`` would refuse ``model`` (or ``--tokenizer``) as not found, found
+    before anything starts (its own check, :func:`pdserve.entrypoints.server.check_paths`);
+    None when they exist."""
+    from pdserve.entrypoints.server import StartupError, check_paths
+    from pdserve.types.engine_config import EngineConfig
+
+    try:
+        check_paths(EngineConfig(model=model, tokenizer=tokenizer))
+    except StartupError as e:
+        return str(e)
+    return None
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parses ``pdserve up`` options; unknown options and everything after ``--`` end up in
     ``engine_args``.
@@ -267,6 +311,10 @@ def main(argv: Sequence[str] | None = None, *, commands: ChildCommands | None = 
     if error is not None:
         print(f"usage: pdserve up [options] (see pdserve up --help)\n"
               f"pdserve up: error: engine option: {error}", file=sys.stderr)
+        return 2
+    error = model_error(opts.model, option_value(opts.engine_args, "--tokenizer"))
+    if error is not None:
+        print(f"pdserve up: error: {error}", file=sys.stderr)
         return 2
     commands = commands or ChildCommands()
     try:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pdserve.model_files.tp_precheck import TPShardingError, check_splits
-from pdserve.utils.gpus import detect_gpus
+from pdserve.utils.host_devices import detect_gpus, nixl_progress_thread_default
 
 DEFAULT_PROXY_PORT = 8000
 ENGINE_HOST = "127.0.0.1"
@@ -446,8 +446,10 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
                     share = round(util_total / most, 3)
                     args_i += ["--gpu-memory-utilization", f"{share:.3f}"]  # the last one wins
             argv = commands.engine(model=opts.model, role=role, host=ENGINE_HOST, port=ports[i],
-                                   kv_config=kv_transfer_config(kv_role, opts.multi_turn,
-                                                                progress_thread=gpu is not None),
+                                   kv_config=kv_transfer_config(
+                                       kv_role, opts.multi_turn,
+                                       progress_thread=nixl_progress_thread_default(
+                                           opts.device, [gpu] if gpu is not None else [])),
                                    device=opts.device, engine_args=args_i)
             specs.append(ChildSpec(name=f"{role}-{i}", role=role, argv=argv, env=env,
                                    host=ENGINE_HOST, port=ports[i],

@@ -44,15 +44,17 @@ from pdserve.router.config import ProxyConfig
 from pdserve.router.conversations import ConversationStore
 from pdserve.router.decode_guard import DecodeLegGuard
 from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, METHOD_NOT_ALLOWED,
-                                   NOT_FOUND, REQUEST_TOO_LARGE, UPSTREAM_UNAVAILABLE,
-                                   ProxyError, error_bytes,
-                                   normalize_upstream_error)
+                                   NOT_FOUND, REQUEST_TOO_LARGE, UPSTREAM_ERROR,
+                                   UPSTREAM_UNAVAILABLE,
+                                   ProxyError, error_bytes)
 from pdserve.router.kv_routing import (KVAwareRouter, PromptTokenizer, RoutingDecision,
                                        RoutingReason, affinity_allows, route_plain)
 from pdserve.router.metrics import ProxyMetrics
+from pdserve.router.passthrough import PASS_THROUGH_ROUTES, forward
+from pdserve.router.role_check import RoleCheck, RoleMismatch
 from pdserve.router.state_store import MemoryStateStore, RedisStateStore
 from pdserve.router.sse import KVParamsWatcher
-from pdserve.router.upstream_client import Turn, UpstreamClient, UpstreamHTTPError, connect_reason
+from pdserve.router.upstream_client import Turn, UpstreamClient, UpstreamHTTPError
 from pdserve.router.upstreams import Upstream, UpstreamPool
 
 logger = logging.getLogger("pdserve.router")
@@ -107,6 +109,8 @@ class DisaggProxy:
         self._upstream_auth = (f"Bearer {config.upstream_api_key}" if config.upstream_api_key else None)
         self.client = UpstreamClient(config.timeout, (self.prefillers, self.decoders),
                                      tuple(_ENDPOINTS), self.metrics)
+        self.role_check = RoleCheck((self.prefillers, self.decoders), lambda: self.client.session,
+                                    self._upstream_auth)
         self.decode_guard = DecodeLegGuard(
             self.decoders, lambda up: self.client.probe(up, self._upstream_auth), self.metrics,
             lambda: self.client.session)
@@ -118,6 +122,8 @@ class DisaggProxy:
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
+        for path, method in PASS_THROUGH_ROUTES.items():
+            app.router.add_route(method, path, self._pass_through)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_route("*", "/{tail:.*}", self._not_found)
@@ -127,6 +133,11 @@ class DisaggProxy:
 
     async def _start_client(self, app: web.Application) -> None:
         await self.client.start()
+        try:  # instances not up yet are asked at their first request
+            await self.role_check.check()
+        except RoleMismatch:
+            await self.client.close()
+            raise
         if self.kv_router is not None:
             self.kv_router.start(self.client.session, self._upstream_auth)
 
@@ -224,6 +235,11 @@ class DisaggProxy:
                              INVALID_REQUEST) from None
         phase_trace.mark("px.parsed")
         check_client_body(body)
+        if not self.role_check.done:
+            try:
+                await self.role_check.check()
+            except RoleMismatch as e:
+                raise ProxyError(502, str(e), UPSTREAM_ERROR) from None
         store = self.state_store
         # the field is checked in every mode (the stateless one only drops it)
         conv_id = conversation_key(body, request.headers.get("X-Session-ID"))
@@ -378,23 +394,18 @@ class DisaggProxy:
         """``GET /v1/models`` from the first decode (then prefill) instance that answers."""
         if not self._authorized(request):
             return _json_response(401, error_bytes("invalid or missing API key", AUTHENTICATION, 401))
-        headers = self._upstream_headers(request, None)
-        failures = []
-        for up in self.decoders.upstreams + self.prefillers.upstreams:
-            try:
-                async with self.client.session.get(up.url + "/v1/models", headers=headers) as resp:
-                    raw = await resp.read()
-                    status = resp.status
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                self.metrics.count_error(up.url, up.leg)
-                failures.append(f"{up.leg} instance {up.url} unreachable ({connect_reason(e)})")
-                continue
-            if status < 500:
-                body = raw if status == 200 else normalize_upstream_error(status, raw, up.leg, up.url)
-                return _json_response(status, body)
-            self.metrics.count_error(up.url, up.leg)
-            failures.append(f"{up.leg} instance {up.url} failed with HTTP {status}")
-        return _json_response(503, error_bytes("; ".join(failures), UPSTREAM_UNAVAILABLE, 503))
+        return await forward(self.client.session, self.decoders.upstreams + self.prefillers.upstreams,
+                             "GET", "/v1/models", None, self._upstream_headers(request, None),
+                             self.metrics)
+
+    async def _pass_through(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``, ``/detokenize``, ``/version`` from the first prefill (then
+        decode) instance that answers (:mod:`pdserve.router.passthrough`); outside ``/v1``, so
+        without the API key, as on the engines."""
+        body = await request.read() if request.method == "POST" else None
+        return await forward(self.client.session, self.prefillers.upstreams + self.decoders.upstreams,
+                             request.method, request.path, body,
+                             self._upstream_headers(request, None), self.metrics)
 
     async def _health(self, request: web.Request) -> web.Response:
         """200 when at least one prefill and one decode instance answer their ``/health``, else 503.
@@ -416,7 +427,7 @@ class DisaggProxy:
 
     async def _not_found(self, request: web.Request) -> web.Response:
         known = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET",
-                 "/health": "GET", "/metrics": "GET"}
+                 "/health": "GET", "/metrics": "GET", **PASS_THROUGH_ROUTES}
         allowed = known.get(request.path)
         if allowed is not None:
             return _json_response(405, error_bytes(

@@ -109,6 +109,21 @@ def pair_instances(hosts: list[str] | None, ports: list[int] | None, role: str) 
     return urls
 
 
+def check_disjoint(prefillers: tuple[str, ...], decoders: tuple[str, ...]) -> None:
+    """Refuse an instance given as both prefiller and decoder (a decoder cannot pull KV from
+    itself: every request would fail).
+
+    Raises:
+        ValueError: naming the instance and the flags.
+    """
+    both = [url for url in prefillers if url in decoders]
+    if both:
+        raise ValueError(
+            f"{', '.join(both)} is given as both prefiller (--prefiller-hosts/--prefiller-ports) "
+            "and decoder (--decoder-hosts/--decoder-ports); an instance is one or the other "
+            "(its --kv-transfer-config kv_role): give each in one list only")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve proxy`` argument parser."""
     p = cli_types.Parser(
@@ -182,6 +197,7 @@ def parse_args(argv: list[str]) -> ProxyConfig:
     try:
         prefillers = pair_instances(ns.prefiller_hosts, ns.prefiller_ports, "prefiller")
         decoders = pair_instances(ns.decoder_hosts, ns.decoder_ports, "decoder")
+        check_disjoint(prefillers, decoders)
         check_state_store_url(ns.state_store)
     except ValueError as e:
         parser.error(str(e))

@@ -18,6 +18,7 @@ from aiohttp import web
 from pdserve.utils import phase_trace
 from pdserve.router.app import DisaggProxy
 from pdserve.router.config import ProxyConfig, parse_args
+from pdserve.router.role_check import RoleMismatch
 
 logger = logging.getLogger("pdserve.router")
 
@@ -48,6 +49,8 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
 
     Raises:
         OSError: the address cannot be bound.
+        RoleMismatch: an instance that answers is given for a leg its role cannot serve
+            (:mod:`pdserve.router.role_check`).
     """
     proxy = DisaggProxy(config)
     runner = web.AppRunner(proxy.build_app(), handler_cancellation=True, access_log=None)
@@ -69,6 +72,9 @@ async def _serve(config: ProxyConfig) -> int:
     except OSError as e:
         print(f"pdserve proxy: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
         return 1
+    except RoleMismatch as e:
+        print(f"pdserve proxy: error: {e}", file=sys.stderr)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
