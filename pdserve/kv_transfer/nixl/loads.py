@@ -48,7 +48,8 @@ from pdserve.kv_transfer.nixl.metadata import RecvSpec, RemoteNotice
 from pdserve.types.remote_ref import RemoteEndpoint
 from pdserve.kv_transfer.nixl.notifications import encode_notif
 from pdserve.kv_transfer.nixl.remotes import HandshakeFailure, RemoteRegistry, RemoteState
-from pdserve.kv_transfer.nixl.side_channel import SideChannelClient, SideChannelTimeout
+from pdserve.kv_transfer.nixl.side_channel import SideChannelTimeout
+from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.kv_transfer.nixl.transfer_path import TransferPaths
 

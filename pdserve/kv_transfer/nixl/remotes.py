@@ -28,14 +28,13 @@ from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl.agent import NixlAgent, RemoteAgent
 from pdserve.types.remote_ref import RemoteEndpoint
 from pdserve.kv_transfer.nixl.tp_plan import Route, TPLayoutError, pairing_error, plan_route
+from pdserve.kv_transfer.nixl.compat import compat_hash, compat_mismatch
 from pdserve.kv_transfer.nixl.side_channel import (
-    SideChannelClient,
     SideChannelError,
     SideChannelTimeout,
-    compat_hash,
-    compat_mismatch,
     side_channel_request,
 )
+from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
 
 logger = logging.getLogger("pdserve.kv_transfer.nixl.worker")
 
@@ -55,7 +54,7 @@ class LocalKV:
 
     Attributes:
         engine_id: this instance's engine id.
-        compat: :func:`~pdserve.kv_transfer.nixl.side_channel.compat_fields` of this instance.
+        compat: :func:`~pdserve.kv_transfer.nixl.compat.compat_fields` of this instance.
         tp: this worker's TP rank and size.
         heads: KV heads in this rank's cache.
         head_bytes: bytes of one head in one block, layer and K/V.
