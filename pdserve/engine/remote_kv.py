@@ -162,21 +162,21 @@ class RemoteKV:
         was_loading = self.pending_load.pop(request_id, None) is not None
         self.failed_load.pop(request_id, None)
         self._consulted.discard(request_id)
-        delay_free, params = False, None
+        hold_blocks, params = False, None
         if self.connector is not None:
-            delay_free, params = self.connector.request_finished(req, list(req.block_ids))
-        if (delay_free or was_loading) and req.block_ids:
-            self.held[request_id] = _Held(req, until_sent=bool(delay_free), until_recved=was_loading)
+            hold_blocks, params = self.connector.request_finished(req, list(req.block_ids))
+        if (hold_blocks or was_loading) and req.block_ids:
+            self.held[request_id] = _Held(req, until_sent=bool(hold_blocks), until_recved=was_loading)
         else:
             self.sched.kv_cache_manager.free(req)
         return params
 
     def release_held(self, request_id: str) -> None:
         """A finished request held for a transfer was aborted by the front end (its client is
-        gone): the connector may end the hold at once (``release_kept_blocks``)."""
+        gone): the connector may end the hold at once (``release_held_blocks``)."""
         held = self.held.get(request_id)
         if held is not None and held.until_sent and self.connector is not None:
-            self.connector.release_kept_blocks(request_id)
+            self.connector.release_held_blocks(request_id)
 
     # ---------------------------------------------------------------- connector
     def first_invalid_block(

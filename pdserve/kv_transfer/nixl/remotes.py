@@ -294,12 +294,6 @@ class RemoteRegistry:
         """The lease a remote owner grants (seconds), as its handshake said."""
         return float((remote.info or {}).get("lease_duration", self.config.kv_lease_duration))
 
-    def clock_offset(self, endpoint: RemoteEndpoint) -> float | None:
-        """Seconds to add to a local ``time.time()`` to get the remote's clock (None before the
-        handshake)."""
-        remote = self._remotes.get(endpoint.key)
-        return remote.clock_offset_s if remote is not None and remote.agent is not None else None
-
     def take_clock_offsets(self) -> dict[tuple[str, str, int], float]:
         """Clock offsets measured since the last call (endpoint key ``(engine_id, host, port)``
         -> seconds)."""
