@@ -225,10 +225,10 @@ class RemoteKV:
 
     def release_held(self, request_id: str) -> None:
         """A finished request held for a transfer was aborted by the front end (its client is
-        gone): the connector may end the hold at once (``release_kept_blocks``)."""
+        gone): the connector may end the hold at once (``release_held_blocks``)."""
         held = self.held.get(request_id)
         if held is not None and held.until_sent and self.connector is not None:
-            self.connector.release_kept_blocks(request_id)
+            self.connector.release_held_blocks(request_id)
 
     # ---------------------------------------------------------------- connector
     def first_invalid_block(

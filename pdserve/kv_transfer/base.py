@@ -23,7 +23,7 @@ Call order inside one engine step::
     out = worker.get_finished(finished_request_ids)   # polls, never blocks
     # scheduler
     sched.update_connector_output(out)
-    delay_free, params = sched.request_finished(req, block_ids)   # for each finished request
+    hold_blocks, params = sched.request_finished(req, block_ids)   # for each finished request
 
 The engine keeps stepping (``execute`` with an empty batch if need be) while
 ``sched.has_pending_work()`` is True.
@@ -34,7 +34,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdserve.types.kv_cache_kind import KVCacheKind
 
@@ -111,6 +111,23 @@ class TPRank:
     all_gather: Callable[[Any], list[Any]] | None = None
 
 
+class FinishedRequestKV(NamedTuple):
+    """What the scheduler side decides for a finished request (vLLM's
+    ``(delay_free_blocks, kv_transfer_params)`` pair; it unpacks as that pair).
+
+    Attributes:
+        hold_blocks: True when the scheduler holds the request's blocks (does not free them)
+            until its id appears in ``finished_sending``: a remote reader will read them.
+        params: the ``kv_transfer_params`` returned to the client, or None.
+    """
+
+    hold_blocks: bool
+    params: dict[str, Any] | None
+
+
+NOT_HELD = FinishedRequestKV(False, None)
+
+
 class KVConnectorSchedulerSide(abc.ABC):
     """Decides which blocks move. Pure bookkeeping: no torch, no I/O on the engine loop."""
 
@@ -141,7 +158,7 @@ class KVConnectorSchedulerSide(abc.ABC):
     @abc.abstractmethod
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> Any:
         """Build the metadata the worker side needs for this step (loads to start, requests
-        to heartbeat or to notify, blocks to keep). Resets per-step state."""
+        to heartbeat or to notify, blocks to hold). Resets per-step state."""
 
     @abc.abstractmethod
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
@@ -150,20 +167,20 @@ class KVConnectorSchedulerSide(abc.ABC):
     @abc.abstractmethod
     def request_finished(
         self, request: "Request", block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> FinishedRequestKV:
         """Called once when a request finishes (or is aborted).
 
         Returns:
-            ``(delay_free, kv_transfer_params)``: ``delay_free`` True means the scheduler keeps
-            the blocks until the request id appears in ``finished_sending``;
-            ``kv_transfer_params`` is returned to the client.
+            :class:`FinishedRequestKV` ``(hold_blocks, params)``: ``hold_blocks`` True means
+            the scheduler holds the blocks until the request id appears in
+            ``finished_sending``; ``params`` (``kv_transfer_params``) is returned to the client.
 
-        A request finished while its asynchronous load is in flight keeps its blocks until its
+        A request finished while its asynchronous load is in flight holds its blocks until its
         id appears in ``finished_recving`` (the worker reports it once nothing writes them).
         """
 
-    def release_kept_blocks(self, request_id: str) -> None:
-        """Optional hook: a finished request whose blocks :meth:`request_finished` kept for a
+    def release_held_blocks(self, request_id: str) -> None:
+        """Optional hook: a finished request whose blocks :meth:`request_finished` held for a
         remote reader was aborted by its front end (its client went away before it got the
         ``kv_transfer_params``), so no reader will come: end the hold now (its id then appears
         in ``finished_sending``). Default: nothing (the hold ends by itself)."""

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import json
 import logging
 import os
 import uuid
@@ -288,19 +287,6 @@ class KVTransferConfig:
         if kwargs.get("kv_connector_extra_config") is None:
             kwargs.pop("kv_connector_extra_config", None)
         return cls(**kwargs)
-
-    @classmethod
-    def from_json(cls, text: str) -> "KVTransferConfig":
-        """Build from a JSON string (``--kv-transfer-config '{...}'``).
-
-        Raises:
-            KVTransferConfigError: invalid JSON or an invalid configuration.
-        """
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise KVTransferConfigError(f"--kv-transfer-config is not valid JSON ({e}): {text!r}")
-        return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable copy (round-trips through :meth:`from_dict`)."""

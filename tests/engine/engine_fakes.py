@@ -254,7 +254,7 @@ class FakeConnectorScheduler(KVConnectorSchedulerSide):
     def update_connector_output(self, output):
         self.remote.outputs_seen.append(output)
 
-    def release_kept_blocks(self, request_id):
+    def release_held_blocks(self, request_id):
         self.remote.released_kept.append(request_id)
         self.remote.release.add(request_id)  # the worker ends the hold: reported on the next poll
 

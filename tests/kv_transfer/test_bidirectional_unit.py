@@ -11,7 +11,7 @@ from pdserve.types.sampling_params import SamplingParams
 from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl.bidirectional import (
     PULL_SAFETY_MARGIN_S,
-    decoder_keep_blocks,
+    decoder_hold_blocks,
     plan_pull,
 )
 from pdserve.types.remote_ref import KVTransferParamsError, RemoteKVRef
@@ -109,7 +109,7 @@ def test_decoder_keeps_finished_turn_and_returns_its_params():
     req.num_computed_tokens = 52  # the last sampled token has no KV yet
     req.status = RequestStatus.FINISHED_STOPPED
     blocks = [4, 5, 6, 9]
-    spec, params = decoder_keep_blocks(req, blocks, B, 480.0, "d", "h", 5601, now=NOW)
+    spec, params = decoder_hold_blocks(req, blocks, B, 480.0, "d", "h", 5601, now=NOW)
     assert params["remote_num_tokens"] == 52
     assert params["remote_block_ids"] == [blocks]  # one KV-cache group; ceil(52 / 16) = 4 blocks
     assert params["remote_blocks_expiry_time"] == NOW + 480.0

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.kv_transfer.base import KVCacheSpec, TPRank
 from pdserve.kv_transfer.nixl.remotes import HandshakeMismatch, LocalKV, RemoteRegistry
-from pdserve.kv_transfer.nixl.side_channel import (
+from pdserve.kv_transfer.nixl.compat import (
     cache_kind_mismatch, compat_fields, compat_hash,
 )
 from pdserve.types.kv_cache_kind import KVCacheKind

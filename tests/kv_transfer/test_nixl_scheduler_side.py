@@ -74,12 +74,12 @@ def test_producer_releases_a_lease_whose_client_left_after_the_finish(env):
     req = request("r1", 2 * B + 1, {"do_remote_decode": True})
     req.status = RequestStatus.FINISHED_LENGTH
     assert s.request_finished(req, [7, 3, 9])[0] is True
-    s.release_kept_blocks("r1")
-    s.release_kept_blocks("never-leased")
+    s.release_held_blocks("r1")
+    s.release_held_blocks("never-leased")
     meta = s.build_connector_meta(None)
     assert "r1" in meta.reqs_to_send and meta.release_sends == {"r1"}
     s.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
-    s.release_kept_blocks("r1")  # the lease is over: nothing more to release
+    s.release_held_blocks("r1")  # the lease is over: nothing more to release
     assert not s.build_connector_meta(None).release_sends and not s.has_pending_work()
 
 

@@ -10,11 +10,8 @@ import pytest
 import zmq
 
 from ports import free_port
-from pdserve.kv_transfer.nixl.side_channel import (
-    SideChannelClient,
-    SideChannelServer,
-    SideChannelTimeout,
-)
+from pdserve.kv_transfer.nixl.side_channel import SideChannelServer, SideChannelTimeout
+from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
 from pdserve.kv_transfer.wakeup import Waker
 
 pytestmark = pytest.mark.timeout(60)
@@ -122,7 +119,7 @@ def test_waker_is_readable_from_wake_until_drain():
 def test_fp8_scale_mismatch_says_how_many_layers_differ_not_every_scale():
     """Two fp8 caches with other per-layer scales: the compatibility message counts the layers
     that differ and shows the first two, not the 2 x num_layers scales of each side."""
-    from pdserve.kv_transfer.nixl.side_channel import compat_mismatch
+    from pdserve.kv_transfer.nixl.compat import compat_mismatch
 
     layers = 30
     local = {"dtype": "float8_e4m3fn", "num_layers": layers,

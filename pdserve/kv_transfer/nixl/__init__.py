@@ -1,2 +1,2 @@
-"""NIXL connector: ``scheduler`` (which blocks move), ``worker`` (moves them with an ``agent``),
-``side_channel`` (ZMQ handshake and lease claims), ``leases``, ``metadata`` and ``stats``."""
+"""NIXL connector: ``scheduler`` (which blocks move) and ``worker`` (moves them, composing the
+parts of this package); README.md in this folder is the reading path."""

@@ -3,8 +3,8 @@ decisions, as pure functions (no torch, no I/O).
 
 With ``kv_connector_extra_config.bidirectional_kv_xfer: true`` on both instances:
 
-* **Decoder (D)** — :func:`decoder_keep_blocks`: a request that arrived through P/D
-  (``kv_transfer_params`` present) and finished normally keeps its blocks for
+* **Decoder (D)** — :func:`decoder_hold_blocks`: a request that arrived through P/D
+  (``kv_transfer_params`` present) and finished normally holds its blocks for
   ``decoder_kv_blocks_ttl`` seconds (a lease that heartbeats and claims do NOT renew) and returns
   ``{do_remote_decode: true, do_remote_prefill: false, remote_engine_id, remote_block_ids,
   remote_num_tokens, remote_block_hashes, remote_blocks_expiry_time, remote_host, remote_port,
@@ -124,7 +124,7 @@ def plan_pull(
     return PullDecision(ref, n, matched, f"pull {n} tokens (matched {matched})")
 
 
-def decoder_keep_blocks(
+def decoder_hold_blocks(
     request: "Request",
     block_ids: list[int],
     block_size: int,
@@ -147,7 +147,7 @@ def decoder_keep_blocks(
         tp_size: this instance's TP size (returned as ``tp_size``).
 
     Returns:
-        ``(SendSpec, kv_transfer_params)``, or None when no token has KV (nothing to keep).
+        ``(SendSpec, kv_transfer_params)``, or None when no token has KV (nothing to hold).
     """
     num_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
     if num_tokens <= 0:
@@ -155,12 +155,12 @@ def decoder_keep_blocks(
     num_blocks = math.ceil(num_tokens / block_size)
     if len(block_ids) < num_blocks:
         return None
-    kept = list(block_ids[:num_blocks])
+    held = list(block_ids[:num_blocks])
     now = time.time() if now is None else now
     tokens = request.token_ids(0, num_tokens)
     hashes = block_hashes(tokens, block_size)
-    spec = SendSpec(request_id=request.request_id, block_ids=kept, lease_duration=ttl_s,
+    spec = SendSpec(request_id=request.request_id, block_ids=held, lease_duration=ttl_s,
                     renew_on_heartbeat=False, token_ids=tokens)
-    params = decoder_turn_params(engine_id, kept, num_tokens, encode_block_hashes(hashes),
+    params = decoder_turn_params(engine_id, held, num_tokens, encode_block_hashes(hashes),
                                  now + ttl_s, host, port, request.request_id, tp_size)
     return spec, params

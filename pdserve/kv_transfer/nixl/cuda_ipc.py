@@ -3,8 +3,9 @@ channel's handshake answer, the reader opens it once per peer and copies the cla
 device to device (:class:`~pdserve.kv_transfer.nixl.direct_read.DirectPeer`).
 
 Why: with two engines on one GPU, UCX may not select its ``cuda_ipc`` transport and then moves
-GPU memory by TCP emulation (0.54 GB/s measured on one H200 against about 2,000 GB/s for a
-device copy in the same run), while CUDA IPC between the two processes works. The lease
+GPU memory by TCP emulation, orders of magnitude slower than a device copy (docs/benchmarks.md,
+"Measurements moved out of the KV connector's comments"), while CUDA IPC between the two
+processes works. The lease
 protocol is unchanged (docs/architecture.md): the reader claims the blocks over the side
 channel first, then copies, then tells the owner "done" like a NIXL READ's notification would.
 

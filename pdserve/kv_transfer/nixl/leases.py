@@ -1,6 +1,6 @@
-"""Leases on blocks this instance keeps for a remote reader (thread-safe).
+"""Leases on the blocks this instance holds for a remote reader (thread-safe).
 
-A finished request's blocks stay allocated (the scheduler's ``delay_free``) until one of:
+A finished request's blocks stay held (the scheduler side's ``hold_blocks``) until one of:
 the reader's "done" notifications (the READs completed: as many as each notice says, one per
 reader rank that tells this rank, see :mod:`.tp_plan`), a reader's "abort" notification, or the
 end of the lease (counted as an expired request). Heartbeats from a reader whose request
@@ -29,7 +29,7 @@ _EARLY_NOTICE_TTL_S = 120.0
 
 @dataclass
 class Lease:
-    """Blocks kept for a remote reader.
+    """The lease of blocks held for a remote reader.
 
     Attributes:
         block_ids: the blocks, in token order (exactly what was advertised to the reader).
@@ -69,14 +69,6 @@ class LeaseTable:
     def __contains__(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._leases
-
-    def expiry_wallclock(self, request_id: str) -> float | None:
-        """The lease's end as ``time.time()`` seconds, or None when there is no lease."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None:
-                return None
-            return time.time() + (lease.expiry - time.monotonic())
 
     def add(self, request_id: str, block_ids: list[int], duration_s: float, renewable: bool = True,
             now: float | None = None, token_ids: list[int] | None = None,

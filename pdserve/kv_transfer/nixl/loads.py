@@ -27,15 +27,14 @@ restarted, with the same engine id or on the same host and port) drops the cache
 sends the load back to the handshake; a READ that cannot be posted (``NIXL_ERR_REMOTE_DISCONNECT``)
 does the same; a READ that fails drops the agent so later loads handshake afresh.
 
-It stays whole past ~450 lines: :class:`LoadTracker` is one state machine (handshake, claim,
-post, poll, end), and its failure paths act on the same load record.
+:class:`LoadTracker` is the state machine (handshake, claim, post, poll, end); one load's record
+and the posting of its READs are :mod:`.reads`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pdserve.utils import phase_trace
@@ -43,12 +42,13 @@ from pdserve.types.outputs import KVConnectorOutput
 from pdserve.types.outputs import KVLoadError, KVLoadFailure
 from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl import host_buffer
-from pdserve.kv_transfer.nixl.agent import NixlAgent, block_runs
+from pdserve.kv_transfer.nixl.agent import NixlAgent
 from pdserve.kv_transfer.nixl.metadata import RecvSpec, RemoteNotice
 from pdserve.types.remote_ref import RemoteEndpoint
-from pdserve.kv_transfer.nixl.notifications import encode_notif
-from pdserve.kv_transfer.nixl.remotes import HandshakeFailure, RemoteRegistry, RemoteState
-from pdserve.kv_transfer.nixl.side_channel import SideChannelClient, SideChannelTimeout
+from pdserve.kv_transfer.nixl.reads import Load, LoadPhase, post_reads, read_time
+from pdserve.kv_transfer.nixl.remotes import HandshakeFailure, RemoteRegistry
+from pdserve.kv_transfer.nixl.side_channel import SideChannelTimeout
+from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.kv_transfer.nixl.transfer_path import TransferPaths
 
@@ -62,30 +62,6 @@ MAX_REHANDSHAKES = 2
 # XFER_POLL_INTERVAL_S.
 XFER_SPIN_S = 0.002
 XFER_POLL_INTERVAL_S = 0.001
-
-
-@dataclass
-class Load:
-    """One request's load in progress."""
-
-    spec: RecvSpec
-    phase: str = "handshake"  # handshake -> claim -> xfer (-> unstage: host-buffer mode)
-    claim: int | None = None  # SideChannelClient ticket
-    handles: list[Any] = field(default_factory=list)  # one per owner rank read
-    mover: Any = None  # what posted the read: the NixlAgent or a DirectPeer (same interface)
-    unstage: Any = None  # host-buffer mode: the mirror -> GPU copy after the READ
-    t_start: float = field(default_factory=time.perf_counter)  # handed to the worker
-    t_claim: float = 0.0  # claim sent
-    claim_s: float = 0.0  # claim round trip
-    t_post: float = 0.0
-    post_s: float = 0.0
-    deadline: float = 0.0
-    aborted: bool = False
-    rehandshakes: int = 0  # times the remote turned out to have restarted
-    first_token: int | None = None  # the owner's first output token, from the claim answer
-    nbytes: int = 0  # bytes the READs move
-    ndesc: int = 0  # their descriptors
-    read_ranks: tuple[int, ...] = ()  # owner ranks read (their "done" rides on the READ)
 
 
 class LoadTracker:
@@ -142,7 +118,8 @@ class LoadTracker:
         """0 while a READ was posted less than :data:`XFER_SPIN_S` ago, else
         :data:`XFER_POLL_INTERVAL_S`; None without a READ in flight."""
         waits = [0.0 if time.perf_counter() - load.t_post < XFER_SPIN_S else XFER_POLL_INTERVAL_S
-                 for load in self._loads.values() if load.phase in ("xfer", "unstage")]
+                 for load in self._loads.values()
+                 if load.phase in (LoadPhase.XFER, LoadPhase.UNSTAGE)]
         return min(waits, default=None)
 
     # ----------------------------------------------------------------------------- progress
@@ -150,7 +127,7 @@ class LoadTracker:
         """Fail the loads waiting on handshakes that failed."""
         for f in failures:
             for request_id, load in list(self._loads.items()):
-                if load.phase == "handshake" and load.spec.remote is not None and \
+                if load.phase is LoadPhase.HANDSHAKE and load.spec.remote is not None and \
                         load.spec.remote.endpoint.key == f.endpoint.key:
                     self._fail(request_id, f.kind, f.reason, notify_remote=f.reachable)
 
@@ -159,7 +136,7 @@ class LoadTracker:
         granted (never blocks)."""
         for request_id, load in list(self._loads.items()):
             spec = load.spec
-            if load.phase == "handshake":
+            if load.phase is LoadPhase.HANDSHAKE:
                 if spec.error is not None or spec.remote is None:
                     self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
                                spec.error or "no remote KV reference", notify_remote=False)
@@ -189,8 +166,8 @@ class LoadTracker:
                      "token_digest": spec.token_digest},
                     self.config.kv_handshake_timeout * 2,
                 )
-                load.phase = "claim"
-            if load.phase == "claim":
+                load.phase = LoadPhase.CLAIM
+            if load.phase is LoadPhase.CLAIM:
                 try:
                     reply = self._client.result(load.claim)
                 except Exception as e:
@@ -237,7 +214,7 @@ class LoadTracker:
                 self._post(request_id, load, now)
 
     def _back_to_handshake(self, load: Load) -> None:
-        load.phase, load.claim = "handshake", None
+        load.phase, load.claim = LoadPhase.HANDSHAKE, None
         self.remotes.ensure(load.spec.remote.endpoint)
 
     def _remote_restarted(self, request_id: str, load: Load, reply: dict[str, Any]) -> bool:
@@ -272,51 +249,10 @@ class LoadTracker:
         if remote is None or remote.agent is None:
             return
         for request_id, load in list(self._loads.items()):
-            if load.phase == "xfer" and load.spec.remote.endpoint.key == endpoint.key:
+            if load.phase is LoadPhase.XFER and load.spec.remote.endpoint.key == endpoint.key:
                 self._xfer_failed(request_id, load, KVLoadFailure.TRANSPORT,
                                   f"the NIXL READ's remote went away ({why})", forget=False)
         self.remotes.forget(endpoint, why)
-
-    def _post_reads(self, load: Load, remote: RemoteState) -> list[str]:
-        """Post the READs of a load (one per owner rank it reads) and return their states;
-        records what they move. Raises what posting raises (posted READs are released)."""
-        spec = load.spec
-        route = remote.route
-        if remote.direct is not None:  # same host: direct copy, "done" sent when it finishes
-            handle, state = remote.direct.post_read(spec.local_block_ids,
-                                                    spec.remote_read_block_ids)
-            load.handles = [handle]
-            load.nbytes = len(spec.local_block_ids) * self.agent.block_bytes
-            load.ndesc = len(block_runs(spec.local_block_ids, spec.remote_read_block_ids))
-            return [state]
-        states: list[str] = []
-        load.nbytes = load.ndesc = 0
-        try:
-            for read in route.reads:
-                owner = remote.agents[read.src_rank]
-                notif = encode_notif("done", spec.remote.request_id,
-                                     route.expected[read.src_rank], spec.remote.block_ids)
-                if route.whole(read):
-                    handle, state = self.agent.post_read(
-                        owner, spec.local_block_ids, spec.remote_read_block_ids, notif)
-                    load.ndesc += len(block_runs(spec.local_block_ids,
-                                                 spec.remote_read_block_ids))
-                    load.nbytes += len(spec.local_block_ids) * owner.block_bytes
-                else:
-                    regions = route.regions(read, spec.local_block_ids,
-                                            spec.remote_read_block_ids)
-                    handle, state = self.agent.post_regions(owner, regions, notif)
-                    load.ndesc += len(regions)
-                    load.nbytes += int(regions[:, 2].sum())
-                load.handles.append(handle)
-                states.append(state)
-        except Exception:
-            for handle in load.handles:
-                self.agent.release(handle)
-            load.handles = []
-            raise
-        load.read_ranks = tuple(sorted({r.src_rank for r in route.reads}))
-        return states
 
     def _post(self, request_id: str, load: Load, now: float) -> None:
         spec = load.spec
@@ -324,7 +260,7 @@ class LoadTracker:
         t0 = time.perf_counter()
         load.mover = remote.direct or self.agent
         try:
-            states = self._post_reads(load, remote)
+            states = post_reads(self.agent, load, remote)
         except Exception as e:
             if remote.direct is not None:
                 self._fail(request_id, KVLoadFailure.TRANSPORT, f"posting the direct copy failed: {e}",
@@ -343,7 +279,7 @@ class LoadTracker:
         phase_trace.mark("kv.posted")
         load.post_s = time.perf_counter() - t0
         load.t_post = t0
-        load.phase = "xfer"
+        load.phase = LoadPhase.XFER
         load.deadline = now + self.config.kv_transfer_timeout
         if "ERR" in states:
             self._xfer_failed(request_id, load, KVLoadFailure.TRANSPORT,
@@ -355,11 +291,11 @@ class LoadTracker:
     def poll(self, now: float) -> None:
         """Check every posted READ: done, failed, or past its deadline."""
         for request_id, load in list(self._loads.items()):
-            if load.phase == "unstage":  # host-buffer mode: mirror -> GPU copy in flight
+            if load.phase is LoadPhase.UNSTAGE:  # host-buffer mode: mirror -> GPU copy
                 if host_buffer.HostMirror.done(load.unstage):
                     self._xfer_done(request_id, load)
                 continue
-            if load.phase != "xfer":
+            if load.phase is not LoadPhase.XFER:
                 continue
             states = [load.mover.check(handle) for handle in load.handles]
             if all(state == "DONE" for state in states):
@@ -375,9 +311,9 @@ class LoadTracker:
     def _xfer_done(self, request_id: str, load: Load) -> None:
         spec = load.spec
         mirror = self._mirror()
-        if mirror is not None and load.phase == "xfer" and load.mover is self.agent:
+        if mirror is not None and load.phase is LoadPhase.XFER and load.mover is self.agent:
             # host-buffer mode: the READ filled the mirror; copy its blocks to the GPU
-            load.phase = "unstage"
+            load.phase = LoadPhase.UNSTAGE
             load.unstage = mirror.to_device(spec.local_block_ids)
             if not host_buffer.HostMirror.done(load.unstage):
                 return  # finished by poll()
@@ -386,12 +322,8 @@ class LoadTracker:
         for handle in load.handles:
             load.mover.release(handle)
         load.handles = []
-        nbytes, ndesc, xfer_s = load.nbytes, load.ndesc, elapsed
-        if teles and all(t is not None for t in teles):
-            if all(t[1] > 0 for t in teles):
-                xfer_s = max(t[1] for t in teles)  # READs of several owner ranks run together
-            if all(t[3] > 0 for t in teles):
-                ndesc = sum(t[3] for t in teles)
+        nbytes = load.nbytes
+        xfer_s, ndesc = read_time(load, teles, elapsed)
         if mirror is not None and load.mover is self.agent:  # the READ and the copy to the GPU
             xfer_s = elapsed
         self._stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)

@@ -49,12 +49,12 @@ class RecvSpec:
 
 @dataclass
 class SendSpec:
-    """Blocks this instance keeps for a remote reader.
+    """Blocks this instance holds for a remote reader.
 
     Attributes:
         request_id: the local request id (the ``remote_request_id`` the reader will name).
-        block_ids: the blocks kept, in token order.
-        lease_duration: seconds to keep them without a heartbeat or read.
+        block_ids: the blocks held, in token order.
+        lease_duration: seconds to hold them without a heartbeat or read.
         renew_on_heartbeat: heartbeats extend the lease (P→D leases) or not (D's TTL blocks).
         token_ids: the tokens whose KV the blocks hold, in order; a claim must carry the
             :func:`token_digest` of a prefix of them (None: no check).
@@ -92,7 +92,7 @@ class NixlConnectorMetadata:
 
     Attributes:
         reqs_to_recv: loads to start (after the scheduler allocated their blocks).
-        reqs_to_send: finished requests whose blocks this instance keeps for a remote reader.
+        reqs_to_send: finished requests whose blocks this instance holds for a remote reader.
         notices: control notifications to send (abort before read, release).
         heartbeat_start: requests waiting in the local queue whose remote lease must be kept
             alive (request_id -> remote request).

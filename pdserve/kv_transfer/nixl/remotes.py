@@ -28,15 +28,13 @@ from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl.agent import NixlAgent, RemoteAgent
 from pdserve.types.remote_ref import RemoteEndpoint
 from pdserve.kv_transfer.nixl.tp_plan import Route, TPLayoutError, pairing_error, plan_route
+from pdserve.kv_transfer.nixl.compat import cache_kind_mismatch, compat_hash, compat_mismatch
 from pdserve.kv_transfer.nixl.side_channel import (
-    SideChannelClient,
     SideChannelError,
     SideChannelTimeout,
-    cache_kind_mismatch,
-    compat_hash,
-    compat_mismatch,
     side_channel_request,
 )
+from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
 
 logger = logging.getLogger("pdserve.kv_transfer.nixl.worker")
 
@@ -56,7 +54,7 @@ class LocalKV:
 
     Attributes:
         engine_id: this instance's engine id.
-        compat: :func:`~pdserve.kv_transfer.nixl.side_channel.compat_fields` of this instance.
+        compat: :func:`~pdserve.kv_transfer.nixl.compat.compat_fields` of this instance.
         tp: this worker's TP rank and size.
         heads: KV heads in this rank's cache.
         head_bytes: bytes of one head in one block, layer and K/V.
@@ -299,12 +297,6 @@ class RemoteRegistry:
     def lease_duration(self, remote: RemoteState) -> float:
         """The lease a remote owner grants (seconds), as its handshake said."""
         return float((remote.info or {}).get("lease_duration", self.config.kv_lease_duration))
-
-    def clock_offset(self, endpoint: RemoteEndpoint) -> float | None:
-        """Seconds to add to a local ``time.time()`` to get the remote's clock (None before the
-        handshake)."""
-        remote = self._remotes.get(endpoint.key)
-        return remote.clock_offset_s if remote is not None and remote.agent is not None else None
 
     def take_clock_offsets(self) -> dict[tuple[str, str, int], float]:
         """Clock offsets measured since the last call (endpoint key ``(engine_id, host, port)``

@@ -4,7 +4,7 @@ no I/O).
 Prefill → decode (docs/architecture.md, "Request flow of one P/D turn"):
 
 * **Prefiller (P)**, request with ``kv_transfer_params.do_remote_decode``: when it finishes
-  normally, :meth:`request_finished` keeps its blocks (``delay_free``) under a lease and returns
+  normally, :meth:`request_finished` holds its blocks (``hold_blocks``) under a lease and returns
   ``{do_remote_prefill: true, do_remote_decode: false, remote_engine_id, remote_block_ids,
   remote_host, remote_port, remote_request_id, tp_size}``. The worker side frees the blocks
   (``finished_sending``) on the reader's "done"/"abort" notification or when the lease expires.
@@ -13,11 +13,11 @@ Prefill → decode (docs/architecture.md, "Request flow of one P/D turn"):
   what its prefix cache lacks and recomputes only the last prompt token (for its logits). While
   the request waits in D's queue, the worker sends heartbeats that keep P's lease alive. A
   request finished on D before its read tells P to drop the lease ("abort"); one finished while
-  its READ is in flight keeps its blocks until the READ is over (it appears in
+  its READ is in flight holds its blocks until the READ is over (it appears in
   ``finished_recving``).
 
 Decode → prefill, multi-turn (docs/architecture.md, "Multi-turn: bidirectional transfer"; both sides with ``bidirectional_kv_xfer``): the
-decisions live in :mod:`pdserve.kv_transfer.nixl.bidirectional` (D keeps a finished turn's
+decisions live in :mod:`pdserve.kv_transfer.nixl.bidirectional` (D holds a finished turn's
 blocks for ``decoder_kv_blocks_ttl``; P pulls the hash-verified prefix it lacks when worth it and
 not about to expire, else recomputes and tells D to drop the blocks). A failed pull is
 recomputed (:meth:`NixlConnectorScheduler.load_failure_policy`), never an error.
@@ -33,14 +33,14 @@ import enum
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdserve.types.request import RequestStatus
-from pdserve.kv_transfer.base import KVConnectorSchedulerSide
+from pdserve.kv_transfer.base import NOT_HELD, FinishedRequestKV, KVConnectorSchedulerSide
 from pdserve.types.kv_transfer_config import KVLoadFailurePolicy, KVTransferConfig
 from pdserve.kv_transfer.nixl.bidirectional import (
     PULL_SAFETY_MARGIN_S,
-    decoder_keep_blocks,
+    decoder_hold_blocks,
     plan_pull,
 )
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, RemoteNotice, SendSpec
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Finishes after which blocks are kept for a remote reader (not aborts or errors).
+# Finishes after which blocks are held for a remote reader (not aborts or errors).
 _NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
@@ -127,7 +127,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self._pulls: set[str] = set()  # prefiller requests that pull the decoder's KV
         # remote clock minus local clock per remote endpoint key, from the worker's handshakes
         self._clock_offsets: dict[tuple[str, str, int], float] = {}
-        self._leased: set[str] = set()  # blocks held for a remote reader
+        self._held: set[str] = set()  # blocks held for a remote reader
         self._meta = NixlConnectorMetadata()
 
     # ------------------------------------------------------------------------------- params
@@ -294,7 +294,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             self._inflight.pop(request_id, None)
             self._aborted_inflight.discard(request_id)
         for request_id in output.finished_sending:
-            self._leased.discard(request_id)
+            self._held.discard(request_id)
         # measured by the worker at handshakes (for the expiry checks of bidirectional pulls)
         self._clock_offsets.update(output.remote_clock_offsets)
 
@@ -305,15 +305,15 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
 
     def request_finished(
         self, request: "Request", block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> FinishedRequestKV:
         """Decide whether the finished request's blocks stay allocated, and what to return.
 
         Returns:
-            ``(True, params)`` when the blocks are kept for a remote reader: on a prefiller for
+            ``FinishedRequestKV(True, params)`` when the blocks are held for a remote reader: on a prefiller for
             a normally finished ``do_remote_decode`` request, and (bidirectional) on a decoder
-            for a normally finished turn whose prompt came from a prefiller. ``(False, None)``
+            for a normally finished turn whose prompt came from a prefiller. :data:`NOT_HELD`
             otherwise. A request finished while its load is in flight is reported in
-            ``finished_recving`` once no READ writes its blocks; the scheduler keeps the blocks
+            ``finished_recving`` once no READ writes its blocks; the scheduler holds the blocks
             until then.
         """
         request_id = request.request_id
@@ -327,7 +327,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             self._aborted_inflight.add(request_id)
             self._meta.aborted_recvs.add(request_id)
             self._consumed.discard(request_id)
-            return False, None
+            return NOT_HELD
         kind, ref, _ = self._source(request)
         waiting_ref = self._waiting.pop(request_id, None)
         if waiting_ref is not None:
@@ -338,19 +338,19 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             self._meta.notices.append(RemoteNotice(ref, "abort"))
         normal = request.status in _NORMAL_FINISH
         params = request.kv_transfer_params
-        # --- owner side: keep the prompt's blocks for the decoder
+        # --- owner side: hold the prompt's blocks for the decoder
         if normal and params is not None and params.role is KVRole.PREFILL:
-            return self._keep_for_decoder(request, block_ids)
-        # --- decoder side, multi-turn: keep the turn's blocks for the next prefill
+            return self._hold_for_decoder(request, block_ids)
+        # --- decoder side, multi-turn: hold the turn's blocks for the next prefill
         if normal and self.config.bidirectional_kv_xfer and (
                 from_prefiller or (params is not None and not params.is_empty)):
-            return self._keep_for_next_turn(request, block_ids)
-        return False, None
+            return self._hold_for_next_turn(request, block_ids)
+        return NOT_HELD
 
-    def release_kept_blocks(self, request_id: str) -> None:
+    def release_held_blocks(self, request_id: str) -> None:
         """The front end aborted a finished prefill whose blocks are leased (its client left
         before getting the params): the worker ends the lease now (``release_sends``)."""
-        if request_id in self._leased:
+        if request_id in self._held:
             self._meta.release_sends.add(request_id)
 
     def release_early(self, request_id: str, block_ids: list[int]) -> None:
@@ -359,35 +359,35 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         (``early_releases``; :mod:`pdserve.kv_transfer.nixl.release`)."""
         self._meta.early_releases[request_id] = list(block_ids)
 
-    def _keep_for_decoder(self, request: "Request", block_ids: list[int]):
+    def _hold_for_decoder(self, request: "Request", block_ids: list[int]) -> FinishedRequestKV:
         request_id = request.request_id
         prompt_len = len(request.prompt_token_ids)
         remote_ids = list(block_ids[: math.ceil(prompt_len / self.block_size)])
         if not remote_ids or len(remote_ids) * self.block_size < prompt_len:
-            return False, None
+            return NOT_HELD
         # the decoder may emit it without recomputing the last prompt token
         first = request.output_token_ids[0] if request.output_token_ids else None
         self._meta.reqs_to_send[request_id] = SendSpec(
             request_id=request_id, block_ids=remote_ids, lease_duration=self.config.kv_lease_duration,
             renew_on_heartbeat=True, token_ids=list(request.prompt_token_ids), first_token=first,
         )
-        self._leased.add(request_id)
+        self._held.add(request_id)
         params = prefill_done_params(self.engine_id, remote_ids, self.side_channel_host,
                                      self.side_channel_port, request_id, first, self.tp_size)
-        return True, with_prompt_handoff(params, list(request.prompt_token_ids),
-                                         request.kv_transfer_params.prompt_digest)
+        return FinishedRequestKV(True, with_prompt_handoff(
+            params, list(request.prompt_token_ids), request.kv_transfer_params.prompt_digest))
 
-    def _keep_for_next_turn(self, request: "Request", block_ids: list[int]):
-        kept = decoder_keep_blocks(
+    def _hold_for_next_turn(self, request: "Request", block_ids: list[int]) -> FinishedRequestKV:
+        held = decoder_hold_blocks(
             request, block_ids, self.block_size, self.config.decoder_kv_blocks_ttl,
             self.engine_id, self.side_channel_host, self.side_channel_port, tp_size=self.tp_size,
         )
-        if kept is None:
-            return False, None
-        spec, params = kept
+        if held is None:
+            return NOT_HELD
+        spec, params = held
         self._meta.reqs_to_send[spec.request_id] = spec
-        self._leased.add(spec.request_id)
-        return True, params
+        self._held.add(spec.request_id)
+        return FinishedRequestKV(True, params)
 
     def has_pending_metadata(self) -> bool:
         """True when metadata for the worker side is waiting for the next step (the engine
@@ -398,6 +398,6 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         """True while loads, leases, waiting (heartbeated) requests or undelivered metadata
         need engine steps."""
         return bool(
-            self._waiting or self._inflight or self._leased or self._aborted_inflight
+            self._waiting or self._inflight or self._held or self._aborted_inflight
             or not self._meta.is_empty()
         )

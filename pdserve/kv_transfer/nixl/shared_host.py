@@ -4,17 +4,17 @@ mirror through ``/proc/<pid>/fd/<fd>`` and copies the claimed blocks from it str
 GPU cache.
 
 Why: in host-buffer mode (``kv_buffer_device: "cpu"``, :mod:`.host_buffer`) a NIXL READ
-between the two processes' mirrors runs at UCX's CMA speed, 3.8–4.2 GB/s for a 4k-token prompt
-on one H200 host, most of it inside the post call, and the reader then copies its mirror to the
-GPU. Reading the owner's mirror directly is one host-to-device DMA from pinned memory (about
-55 GB/s on that host, the PCIe limit, measured in the same run as the device copy). The memory
+between the two processes' mirrors runs at UCX's CMA speed, most of it inside the post call,
+and the reader then copies its mirror to the GPU. Reading the owner's mirror directly is one
+host-to-device DMA from pinned memory, at the PCIe limit (docs/benchmarks.md, "Measurements
+moved out of the KV connector's comments"). The memory
 file has no name, so nothing is left in ``/dev/shm`` when a process dies; the kernel frees it
 when the last process maps it no more.
 
-Both sides pin the mapping for the GPU (``cudaHostRegister``), once: measured on one H200 host,
-about 0.6 s per GiB for the owner, which also faults the pages in, and 0.09 s per GiB for a
-reader (docs/benchmarks.md, "P/D on one GPU"). On CPU the same file is mapped without pinning
-(tests).
+Both sides pin the mapping for the GPU (``cudaHostRegister``), once per process; the owner's
+pinning also faults the pages in, so it costs more than a reader's (docs/benchmarks.md, "P/D on
+one GPU" and "Measurements moved out of the KV connector's comments"). On CPU the same file is
+mapped without pinning (tests).
 """
 
 from __future__ import annotations

@@ -33,19 +33,18 @@ instances' ``REQ`` sockets:
     decode leg will not read (:mod:`pdserve.kv_transfer.nixl.release`).
 
 Clients: :func:`side_channel_request` (one blocking request on a fresh ``REQ`` socket) runs in
-background threads only, never on the engine loop; :class:`SideChannelClient` sends requests
+background threads only, never on the engine loop;
+:class:`~pdserve.kv_transfer.nixl.side_channel_client.SideChannelClient` sends requests
 tagged with a ``seq`` (echoed in the answer) without blocking over one persistent ``DEALER``
 connection per remote, for the engine thread.
 
-The module stays whole (past 450 lines): it is one protocol, the server, both clients and the
-compatibility fields they exchange.
+The engine thread's persistent client is :mod:`.side_channel_client`; the compatibility fields
+the handshake compares are :mod:`.compat`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
-import json
 import logging
 import socket
 import threading
@@ -56,15 +55,11 @@ import msgspec
 import zmq
 
 from pdserve.utils import phase_trace
-from pdserve.kv_transfer.base import KVCacheSpec
 
 logger = logging.getLogger(__name__)
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder()
-
-PROTOCOL_VERSION = 2
-
+encoder = msgspec.msgpack.Encoder()
+decoder = msgspec.msgpack.Decoder()
 
 class SideChannelError(RuntimeError):
     """A side-channel request failed: no answer in time, or a malformed answer."""
@@ -76,42 +71,6 @@ class SideChannelTimeout(SideChannelError):
 
 class SideChannelBindError(RuntimeError):
     """The side channel could not listen on its host/port (for example: port in use)."""
-
-
-def total_kv_heads(spec: KVCacheSpec) -> int:
-    """KV heads of the whole model (``spec.total_num_kv_heads``, or the rank's own at TP 1)."""
-    return spec.total_num_kv_heads or spec.num_kv_heads
-
-
-def compat_fields(spec: KVCacheSpec) -> dict[str, Any]:
-    """The KV cache properties two instances must share for one to read the other's blocks.
-    The TP sizes may differ (:mod:`.tp_plan` says who reads what); the model's KV heads may
-    not."""
-    return {
-        "protocol": PROTOCOL_VERSION,
-        "model": spec.model_name,
-        "dtype": spec.dtype,
-        "kv_scales": list(spec.kv_scales),
-        "num_layers": spec.num_layers,
-        "total_num_kv_heads": total_kv_heads(spec),
-        "head_dim": spec.head_dim,
-        "block_size": spec.block_size,
-        "layout": spec.layout,
-        "cache_kind": spec.kind.value,
-    }
-
-
-def cache_kind_mismatch(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
-    """Why two instances whose caches hold different things cannot pair (their
-    :class:`~pdserve.types.kv_cache_kind.KVCacheKind`: per-head K/V against a multi-head
-    latent), or None when the kinds agree. Checked before the head counts, whose mismatch would
-    otherwise hide the reason."""
-    mine, theirs = local.get("cache_kind"), remote.get("cache_kind")
-    if mine == theirs:
-        return None
-    return (f"cache_kind: local={mine!r} remote={theirs!r}: a multi-head latent (MLA) cache holds "
-            "one latent entry per token, a per-head cache holds keys and values per head; "
-            "neither can read the other's blocks (pair instances that serve the same model)")
 
 
 def rank_info(info: dict[str, Any], tp_rank: Any) -> dict[str, Any] | str:
@@ -127,41 +86,6 @@ def rank_info(info: dict[str, Any], tp_rank: Any) -> dict[str, Any] | str:
     out = {k: v for k, v in info.items() if k != "ranks"}
     out.update(ranks[tp_rank])
     return out
-
-
-def compat_hash(fields: dict[str, Any]) -> str:
-    """SHA-256 (hex) of the canonical JSON of :func:`compat_fields`."""
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
-def compat_mismatch(local: dict[str, Any], remote: dict[str, Any]) -> str:
-    """Human-readable list of differing compatibility fields (empty when equal); per-layer
-    ``kv_scales`` are summarised (:func:`scales_mismatch`)."""
-    diffs = [
-        scales_mismatch(local.get(k), remote.get(k), local.get("num_layers")) if k == "kv_scales"
-        else f"{k}: local={local.get(k)!r} remote={remote.get(k)!r}"
-        for k in sorted(set(local) | set(remote))
-        if local.get(k) != remote.get(k)
-    ]
-    return "; ".join(diffs)
-
-
-def scales_mismatch(local: Any, remote: Any, num_layers: Any, shown: int = 2) -> str:
-    """How two fp8 caches' ``kv_scales`` (per layer: all key scales, then all value scales)
-    differ: how many layers, and the first ``shown`` of them, not every scale."""
-    local, remote = list(local or ()), list(remote or ())
-    if len(local) != len(remote) or not isinstance(num_layers, int) or \
-            len(local) != 2 * num_layers:
-        return (f"kv_scales: local has {len(local) or 'none'}, remote {len(remote) or 'none'} "
-                f"(per-layer key and value scales of an fp8 KV cache)")
-    differ = [layer for layer in range(num_layers)
-              if (local[layer], local[num_layers + layer])
-              != (remote[layer], remote[num_layers + layer])]
-    first = "; ".join(
-        f"layer {layer}: local k={local[layer]:.6g} v={local[num_layers + layer]:.6g}, remote "
-        f"k={remote[layer]:.6g} v={remote[num_layers + layer]:.6g}" for layer in differ[:shown])
-    more = f"; ... ({len(differ) - shown} more)" if len(differ) > shown else ""
-    return f"kv_scales differ in {len(differ)} of {num_layers} layers ({first}{more})"
 
 
 def _bind_address(host: str) -> str:
@@ -200,7 +124,7 @@ def side_channel_request(host: str, port: int, message: dict[str, Any], timeout_
     endpoint = f"tcp://{host}:{port}"
     try:
         sock.connect(endpoint)
-        sock.send(_encoder.encode(message))
+        sock.send(encoder.encode(message))
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise SideChannelTimeout(
                 f"no answer from the NIXL side channel {endpoint} within {timeout_s:g} s "
@@ -215,7 +139,7 @@ def side_channel_request(host: str, port: int, message: dict[str, Any], timeout_
     finally:
         sock.close(linger=0)
     try:
-        reply = _decoder.decode(raw)
+        reply = decoder.decode(raw)
     except msgspec.DecodeError as e:
         raise SideChannelError(f"malformed answer from side channel {endpoint}: {e}") from e
     if not isinstance(reply, dict):
@@ -296,11 +220,11 @@ class SideChannelServer:
     def _reply(self, ident: bytes, payload: dict[str, Any], seq: Any = None) -> None:
         if seq is not None:
             payload = dict(payload, seq=seq)
-        self._sock.send_multipart([ident, b"", _encoder.encode(payload)])
+        self._sock.send_multipart([ident, b"", encoder.encode(payload)])
 
     def _handle(self, ident: bytes, raw: bytes) -> None:
         try:
-            msg = _decoder.decode(raw)
+            msg = decoder.decode(raw)
             kind = msg.get("type") if isinstance(msg, dict) else None
         except msgspec.DecodeError:
             kind = None
@@ -394,131 +318,3 @@ class SideChannelServer:
         self._stop.set()
         self._thread.join(timeout=5)
         self._ctx.term()
-
-
-class SideChannelClient:
-    """Non-blocking side-channel requests for the engine thread.
-
-    Requests to one remote side channel share one persistent ZMQ ``DEALER`` connection and are
-    matched to their answers by a ``seq`` field the server echoes. Used for the per-request
-    messages on a transfer's critical path (the lease claim before a READ): sending costs no
-    thread hand-off, the TCP connection is reused, and the engine loop polls :meth:`sockets`
-    alongside its input socket, so an answer wakes it at once.
-
-    Not thread-safe: one thread (the engine thread) uses an instance.
-
-    Args:
-        context: a ZMQ context (the global instance by default).
-    """
-
-    def __init__(self, context: zmq.Context | None = None):
-        self._ctx = context or zmq.Context.instance()
-        self._socks: dict[tuple[str, int], zmq.Socket] = {}
-        self._seq = 0
-        # seq -> (address, deadline (time.monotonic()))
-        self._pending: dict[int, tuple[tuple[str, int], float]] = {}
-        self._results: dict[int, dict[str, Any] | SideChannelError] = {}
-
-    def sockets(self) -> list[zmq.Socket]:
-        """The open connections (register them in the engine loop's poller)."""
-        return list(self._socks.values())
-
-    def connect(self, host: str, port: int) -> None:
-        """Open the connection to a side channel ahead of the first request (idempotent)."""
-        self._socket(host, port)
-
-    def _socket(self, host: str, port: int) -> zmq.Socket:
-        key = (host, port)
-        sock = self._socks.get(key)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{host}:{port}")
-            self._socks[key] = sock
-        return sock
-
-    def send(self, host: str, port: int, message: dict[str, Any], timeout_s: float) -> int:
-        """Send one request (never blocks).
-
-        Returns:
-            A ticket for :meth:`result`. A request that cannot be queued fails at once (its
-            result is a :class:`SideChannelError`).
-        """
-        self._seq += 1
-        seq = self._seq
-        sock = self._socket(host, port)
-        try:
-            sock.send_multipart([b"", _encoder.encode(dict(message, seq=seq))], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            self._results[seq] = SideChannelError(f"side channel tcp://{host}:{port}: {e}")
-            return seq
-        self._pending[seq] = ((host, port), time.monotonic() + timeout_s)
-        return seq
-
-    def poll(self, now: float | None = None) -> None:
-        """Collect the answers that arrived and time out overdue requests (never blocks)."""
-        for key, sock in list(self._socks.items()):
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError:
-                    break
-                self._accept(key, frames[-1])
-        if not self._pending:
-            return
-        now = time.monotonic() if now is None else now
-        for seq, (key, deadline) in list(self._pending.items()):
-            if now >= deadline:
-                del self._pending[seq]
-                host, port = key
-                self._results[seq] = SideChannelTimeout(
-                    f"no answer from the NIXL side channel tcp://{host}:{port} in time "
-                    f"(is the remote instance running with a kv-transfer config?)"
-                )
-                if not any(k == key for k, _ in self._pending.values()):
-                    # drop messages queued for a dead peer; the next request reconnects
-                    self._socks.pop(key).close(linger=0)
-
-    def _accept(self, key: tuple[str, int], raw: bytes) -> None:
-        try:
-            reply = _decoder.decode(raw)
-        except msgspec.DecodeError:
-            logger.warning("NIXL side channel: undecodable answer from %s:%d", *key)
-            return
-        seq = reply.get("seq") if isinstance(reply, dict) else None
-        if not isinstance(seq, int) or seq not in self._pending:
-            return  # an answer to a request that timed out
-        del self._pending[seq]
-        self._results[seq] = reply
-
-    def result(self, ticket: int) -> dict[str, Any] | None:
-        """The answer of a request, or None while it is pending (call :meth:`poll` first).
-        A returned answer is forgotten.
-
-        Raises:
-            SideChannelTimeout: no answer in time.
-            SideChannelError: the request could not be sent.
-        """
-        res = self._results.pop(ticket, None)
-        if isinstance(res, SideChannelError):
-            raise res
-        return res
-
-    def cancel(self, ticket: int) -> None:
-        """Forget a request (its answer is ignored)."""
-        self._pending.pop(ticket, None)
-        self._results.pop(ticket, None)
-
-    def next_deadline(self) -> float | None:
-        """The earliest ``time.monotonic()`` deadline of a pending request, or None."""
-        return min((d for _, d in self._pending.values()), default=None)
-
-    def close(self) -> None:
-        """Close every connection; pending requests are dropped."""
-        for sock in self._socks.values():
-            sock.close(linger=0)
-        self._socks.clear()
-        self._pending.clear()
-        self._results.clear()

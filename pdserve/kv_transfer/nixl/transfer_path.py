@@ -14,8 +14,8 @@ the connector stats (key ``transfer_paths``, shown on ``/metrics`` as
 ``pdserve:kv_transfer_path_info`` and ``pdserve:kv_transfer_read_gbps``). The first read of at
 least :data:`PROBE_MIN_BYTES` from a peer gives that path's bandwidth; a NIXL read of GPU memory
 slower than :data:`SLOW_GPU_READ_GBPS` is logged as a warning: UCX then moves GPU memory by TCP
-emulation (``UCX_PROTO_INFO=y`` on the engines prints the protocol it chose), measured at about
-0.5 GB/s on one H200 where a device copy reaches about 1,900 GB/s.
+emulation (``UCX_PROTO_INFO=y`` on the engines prints the protocol it chose), far slower than a
+device copy (docs/benchmarks.md, "Measurements moved out of the KV connector's comments").
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 # Reads smaller than this say little about a path's bandwidth (latency dominates).
 PROBE_MIN_BYTES = 16 << 20
-# A GPU-to-GPU NIXL read slower than this (GB/s) is taken as UCX's TCP emulation (0.5 GB/s
-# measured on one H200; PCIe host staging gives > 10 GB/s, NVLink / cuda_ipc > 100 GB/s).
+# A GPU-to-GPU NIXL read slower than this (GB/s) is taken as UCX's TCP emulation: the threshold
+# lies between that emulation and PCIe host staging (docs/benchmarks.md, "Measurements moved
+# out of the KV connector's comments").
 SLOW_GPU_READ_GBPS = 5.0
 
 

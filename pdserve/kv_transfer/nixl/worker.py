@@ -1,48 +1,47 @@
-"""Worker side of the NIXL connector: moves KV blocks between instances.
+"""Worker side of the NIXL connector: one per tensor-parallel rank, it composes the parts that
+move KV blocks between instances.
 
-One :class:`NixlConnectorWorker` per tensor-parallel rank, in that rank's process. It owns the
-rank's NIXL agent (its KV shard registered once), on rank 0 the instance's side-channel server
-(so every instance can be read from, in both directions; it answers handshakes for every rank,
-whose agent metadata the ranks exchange at registration, and forwards side-channel notices to
-the other ranks by NIXL notification), the lease table of blocks kept for remote readers
-(:mod:`.leases`), heartbeats and notices to remote owners, and the wake-up and polling
-schedule of the engine loop. Its own loads live in :mod:`.loads` (handshake, claim, READ,
-failure) and the handshaken remote engines in
-:mod:`.remotes`. Nothing here blocks the engine loop: handshakes and side-channel notices run on
-a small thread pool (only ZMQ happens there); lease claims, on the transfer's critical path, are
-sent without blocking from the engine thread over one persistent connection per remote
-(:class:`~pdserve.kv_transfer.nixl.side_channel.SideChannelClient`); NIXL calls happen on the
-engine thread in :meth:`start_load_kv` / :meth:`get_finished`, which only post and poll.
+One :class:`NixlConnectorWorker` per TP rank, in that rank's process. It owns the rank's NIXL
+agent (its KV shard registered once) and, on rank 0, the instance's side-channel server (every
+instance can be read from, in both directions; it answers handshakes for every rank, whose
+agent metadata the ranks exchange at registration). The rest is done by parts it builds and
+wires together:
 
-The engine loop does not poll on a fixed tick: it sleeps until one of :meth:`wakeup_handles`
-is readable (a claim answer, a side-channel notice, a finished handshake) or until
-:meth:`next_poll_in` says a step is due (a posted READ, which NIXL cannot signal; notifications
-for held blocks; lease and heartbeat deadlines).
+- :class:`~.held.HeldBlocks`: the blocks held for remote readers and their leases;
+- :class:`~.loads.LoadTracker`: this rank's own loads (handshake, claim, READ, failure), over
+  the handshaken remotes of :class:`~.remotes.RemoteRegistry`;
+- :class:`~.heartbeats.Heartbeats`: keeping a remote owner's lease alive while a request waits;
+- :class:`~.notice_sender.NoticeSender` and :class:`~.notice_inbox.NoticeInbox`: notices to
+  remote owners, and those received (rank 0 forwards side-channel notices to its sibling ranks);
+- the wake-up :class:`~pdserve.kv_transfer.wakeup.Waker` and the engine thread's
+  :class:`~.side_channel_client.SideChannelClient` (lease claims, sent without blocking over one
+  persistent connection per remote).
+
+Nothing here blocks the engine loop: handshakes and side-channel notices run on a small thread
+pool (only ZMQ happens there); NIXL calls happen on the engine thread in :meth:`start_load_kv`
+/ :meth:`get_finished`, which only post and poll. The engine loop does not poll on a fixed tick:
+it sleeps until one of :meth:`wakeup_handles` is readable (a claim answer, a side-channel
+notice, a finished handshake) or until :meth:`next_poll_in` says a step is due (a posted READ,
+which NIXL cannot signal; notifications for held blocks; lease and heartbeat deadlines).
 
 A peer whose KV cache is on this instance's GPU is read by a CUDA IPC copy instead of the READ
-("done" sent when it completes; :mod:`.cuda_ipc`); in host-buffer mode a peer on this host is
-read by a copy from its shared host mirror (:mod:`.shared_host`), and otherwise the READ moves
-pinned host mirrors of the caches and a copy to the GPU follows it (:mod:`.host_buffer`); the
-path of each peer is chosen at its handshake (:mod:`.same_host`).
+(:mod:`.cuda_ipc`); in host-buffer mode a peer on this host is read by a copy from its shared
+host mirror (:mod:`.shared_host`), and otherwise the READ moves pinned host mirrors of the caches
+and a copy to the GPU follows it (:mod:`.host_buffer`); the path of each peer is chosen at its
+handshake (:mod:`.same_host`).
 
 Restarted peers: every worker picks a random ``instance_id`` when its process starts (part of
 its NIXL agent name, in its handshake info, and in every claim answer), so a reader tells a
 restarted owner from the one it handshook with (:mod:`.loads`); a notification that cannot be
 sent over NIXL (the peer vanished) drops the cached agent and goes by the side channel.
-
-The module stays whole (past 450 lines): leases, notices, heartbeats and wake-ups are the one
-engine-thread state every hook of this class touches; the parts that stand alone are modules of
-their own (loads, remotes, leases, side channel, the TP plan).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import queue
 import secrets
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.types.outputs import KVConnectorOutput
@@ -50,46 +49,32 @@ from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide, TPRank
 from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl import host_buffer, same_host
 from pdserve.kv_transfer.nixl.agent import NixlAgent
+from pdserve.kv_transfer.nixl.compat import compat_fields, total_kv_heads
+from pdserve.kv_transfer.nixl.handshake_info import instance_info, rank_entry
+from pdserve.kv_transfer.nixl.heartbeats import Heartbeats
+from pdserve.kv_transfer.nixl.held import HeldBlocks
 from pdserve.kv_transfer.nixl.leases import LeaseTable
-from pdserve.kv_transfer.nixl.loads import XFER_POLL_INTERVAL_S, XFER_SPIN_S, LoadTracker
-from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RemoteNotice
-from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
-from pdserve.kv_transfer.nixl.notifications import Notice, decode_notif, encode_notif
+from pdserve.kv_transfer.nixl.loads import LoadTracker
+from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata
+from pdserve.kv_transfer.nixl.notice_inbox import NoticeInbox
+from pdserve.kv_transfer.nixl.notice_sender import BG_NOTICE_POLL_INTERVAL_S, NoticeSender
+from pdserve.kv_transfer.nixl.notifications import Notice
 from pdserve.kv_transfer.nixl.release import RELEASE_NOTICE
 from pdserve.kv_transfer.nixl.remotes import LocalKV, RemoteRegistry, RemoteState
-from pdserve.kv_transfer.nixl.side_channel import (
-    SideChannelClient,
-    SideChannelServer,
-    compat_fields,
-    compat_hash,
-    side_channel_request,
-    total_kv_heads,
-)
+from pdserve.kv_transfer.nixl.side_channel import SideChannelServer
+from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
 from pdserve.kv_transfer.nixl.stats import StatsRecorder, TransferStats
 from pdserve.kv_transfer.nixl.tp_plan import rank_heads
 from pdserve.kv_transfer.nixl.transfer_path import ReadPath, SameHostTransport, TransferPaths
 from pdserve.kv_transfer.wakeup import Waker
 
-__all__ = ["NixlConnectorWorker", "XFER_POLL_INTERVAL_S", "XFER_SPIN_S", "decode_notif",
-           "encode_notif"]
+__all__ = ["NixlConnectorWorker"]
 
 logger = logging.getLogger(__name__)
 
-# Engine-loop polling while nothing can wake it (seconds), besides posted READs (.loads):
-# NIXL notifications for blocks held for a remote reader ("done", heartbeats) every
-# NOTIF_POLL_INTERVAL_S (they only free blocks or extend leases, nothing waits on them);
-# finished background side-channel notices every BG_NOTICE_POLL_INTERVAL_S.
-NOTIF_POLL_INTERVAL_S = 0.01
-BG_NOTICE_POLL_INTERVAL_S = 0.05
 # TP ranks other than 0: a step this often while their loads or notices are under way (their
 # handshake, claim answers and notices cannot wake the engine loop of rank 0).
 TP_RANK_POLL_INTERVAL_S = 0.002
-
-
-@dataclass
-class _Heartbeat:
-    remote: RemoteKVRef
-    last_sent: float = field(default=-1e18)
 
 
 class NixlConnectorWorker(KVConnectorWorkerSide):
@@ -120,18 +105,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             f"pdserve-{config.engine_id}-dp{data_parallel_rank}-tp{tp.rank}-{self.instance_id}",
             config.backends, progress_thread=config.nixl_progress_thread,
         )
-        self.leases = LeaseTable()
         self.spec: KVCacheSpec | None = None
         self._info: dict[str, Any] | None = None
-        self._compat: dict[str, Any] | None = None
         self._local: LocalKV | None = None
-        # rank 0: the other ranks' agent metadata, and the names of those loaded (on first use)
-        self._sibling_metadata: dict[int, bytes] = {}
-        self._siblings: dict[int, str] = {}
         self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="nixl-sidechan")
-        self._heartbeats: dict[str, _Heartbeat] = {}
-        self._pending_notices: list[RemoteNotice] = []
-        self._bg_notices: list[cf.Future] = []
         self._out = KVConnectorOutput()
         self.stats = StatsRecorder(config.kv_metrics_log_interval)
         # Same-host reads (same_host.py); the path of every peer, for logs and metrics
@@ -143,15 +120,22 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._waker = Waker()
         # Lease claims: non-blocking requests from the engine thread over persistent connections.
         self._client = SideChannelClient()
+        self.leases = LeaseTable()
+        self.held = HeldBlocks(self.leases, self.stats)
         self.remotes = RemoteRegistry(config, self.agent, self._pool, self._client,
                                       lambda: self._local, self._waker.wake,
                                       self._connect_same_host)
+        # the loads are built after the sender, which queues their notices; a failed NIXL
+        # notification makes the loads forget that remote
+        self.notices = NoticeSender(self.agent, self.remotes, self._pool, self.stats,
+                                    lambda endpoint, why: self.loads.forget_remote(endpoint, why),
+                                    config.kv_handshake_timeout)
         self.loads = LoadTracker(config, self.agent, self.remotes, self._client, self.stats,
-                                 lambda: self._out, lambda n: self._pending_notices.append(n),
+                                 lambda: self._out, self.notices.queue,
                                  lambda: self._mirror, self.paths)
-        # (notice, tp_rank) received by the side-channel thread (tp_rank None: for every rank),
-        # applied or forwarded on the engine thread
-        self._side_notices: queue.SimpleQueue[tuple[Notice, int | None]] = queue.SimpleQueue()
+        self.heartbeats = Heartbeats(self.remotes, self.notices.send)
+        self.inbox = NoticeInbox(self.agent, tp.rank, self.held.apply, self._waker.wake,
+                                 self.stats)
         self.side_channel: SideChannelServer | None = None
         if tp.rank != 0:
             return
@@ -160,7 +144,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self.side_channel_port,
             get_info=lambda: self._info,
             claim=self.leases.claim_answer,
-            notify=self._on_side_channel_notice,
+            notify=self.inbox.on_side_channel_notice,
             claim_wait_s=config.kv_handshake_timeout,
             instance_id=self.instance_id,
         )
@@ -194,45 +178,25 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                 f"{total_kv_heads(spec)} KV heads, the KV cache spec says {spec.num_kv_heads}")
         if mirrored:  # host-buffer mode (host_buffer.py): NIXL moves the pinned host mirror
             self._mirror = host_buffer.HostMirror(kv_cache)
+            self.held.use_mirror(self._mirror)
         self.agent.register_kv_cache(self._mirror.host if mirrored else kv_cache, spec.block_bytes)
         self.spec = spec
         self._kv_cache = kv_cache
-        self._compat = compat_fields(spec)
-        self._local = LocalKV(self.engine_id, self._compat, self.tp, spec.num_kv_heads,
+        compat = compat_fields(spec)
+        self._local = LocalKV(self.engine_id, compat, self.tp, spec.num_kv_heads,
                               spec.block_size * spec.head_dim * spec.element_size)
-        mine = {
-            "agent_name": self.agent.name,
-            "agent_metadata": self.agent.metadata(),
-            "kv_base_addr": self.agent.base_addr,
-            "block_bytes": spec.block_bytes,
-            "num_blocks": spec.num_blocks,
-            "mem_type": self.agent.mem_type,
-            "device_id": self.agent.device_id,
-            "tp_rank": self.tp.rank,
-            "head_start": heads.start,
-            "num_heads": heads.count,
-            "instance_id": self.instance_id,
-        }
+        mine = rank_entry(self.agent, spec, self.tp, heads, self.instance_id)
         # every rank's agent, for rank 0's side channel (one collective, at the same point of
         # start-up on every rank)
         ranks = self.tp.all_gather(mine) if self.tp.size > 1 else [mine]
-        info = {
-            "engine_id": self.engine_id,
-            "instance_id": ranks[0]["instance_id"],  # the instance's: rank 0 answers claims
-            "compat": self._compat,
-            "compat_hash": compat_hash(self._compat),
-            "lease_duration": self.config.kv_lease_duration,
-            "tp_size": self.tp.size,
-            "total_num_kv_heads": total_kv_heads(spec),
-            "ranks": [{k: v for k, v in r.items() if k != "instance_id"} for r in ranks],
-        }
+        info = instance_info(self.engine_id, compat, self.config.kv_lease_duration, spec, ranks)
         if self.tp.size == 1:  # same-host reads (CUDA IPC, shared host mirror): TP 1 both sides
             # host_id, pid, gpu_uuid, cuda_ipc, host_mirror
             info.update(same_host.handshake_fields(kv_cache, self._mirror))
         self._info = info
         if self.tp.rank == 0:  # rank 0 forwards side-channel notices to the other ranks
-            self._sibling_metadata = {r: ranks[r]["agent_metadata"]
-                                      for r in range(1, self.tp.size)}
+            self.inbox.set_siblings({r: ranks[r]["agent_metadata"]
+                                     for r in range(1, self.tp.size)})
         logger.info(
             "NIXL: registered KV cache (%s, %d blocks x %d bytes, TP rank %d of %d, KV heads "
             "%d..%d) for engine %s; side channel %s:%d", self.agent.mem_type, spec.num_blocks,
@@ -250,41 +214,31 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             raise TypeError(f"expected NixlConnectorMetadata, got {type(metadata).__name__}")
         now = time.monotonic()
         for request_id, send in metadata.reqs_to_send.items():
-            if self._mirror is not None:  # host-buffer mode: the lease starts once staged
-                self._mirror.stage(request_id, send.block_ids, send)
-                continue
-            self._add_lease(request_id, send, now)
-        for request_id in metadata.release_sends:
-            if self._mirror is not None and self._mirror.cancel(request_id):
-                self._out.finished_sending.add(request_id)  # released while being staged
-            elif self.leases.close(request_id, "released"):  # its client left before the params
-                self._out.finished_sending.add(request_id)
-                self.stats.current.num_kv_leases_released_early += 1
+            self.held.send(request_id, send, now)
+        for request_id in metadata.release_sends:  # its client left before the params
+            self.held.release(request_id)
         for request_id, block_ids in metadata.early_releases.items():  # the proxy's
-            self._apply_notice(Notice(RELEASE_NOTICE, request_id, 1, block_ids))
+            self.held.apply(Notice(RELEASE_NOTICE, request_id, 1, block_ids))
+        self._take_held_finished()
         for endpoint in metadata.handshakes:
             self.remotes.ensure(endpoint)
         for request_id, ref in metadata.heartbeat_start.items():
-            self._heartbeats[request_id] = _Heartbeat(ref)
-            self.remotes.ensure(ref.endpoint)
+            self.heartbeats.start(request_id, ref)
         for request_id in metadata.heartbeat_stop:
-            self._heartbeats.pop(request_id, None)
-        self._pending_notices.extend(metadata.notices)
+            self.heartbeats.stop(request_id)
+        for notice in metadata.notices:
+            self.notices.queue(notice)
         if metadata.expired_pulls:
             self.stats.current.num_kv_expired_reqs += metadata.expired_pulls
         for request_id, spec in metadata.reqs_to_recv.items():
-            self._heartbeats.pop(request_id, None)
+            self.heartbeats.stop(request_id)
             self.loads.add(request_id, spec)
         for request_id in metadata.aborted_recvs:
-            self._heartbeats.pop(request_id, None)
+            self.heartbeats.stop(request_id)
             self.loads.abort(request_id)
 
-    def _add_lease(self, request_id: str, send: Any, now: float) -> None:
-        """Keep a finished request's blocks (``send``: its ``SendSpec``) for a remote reader."""
-        early = self.leases.add(request_id, send.block_ids, send.lease_duration,
-                                send.renew_on_heartbeat, now, send.token_ids, send.first_token)
-        if early is not None and self.leases.close(request_id, f"{early} before lease"):
-            self._out.finished_sending.add(request_id)
+    def _take_held_finished(self) -> None:
+        self._out.finished_sending |= self.held.take_finished()
 
     def start_load_kv(self) -> None:
         """Advance handshakes and claims and post the READs that are ready (never blocks)."""
@@ -299,21 +253,14 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         """
         self._progress()
         self.loads.poll(time.monotonic())
-        if self._mirror is not None:
-            for request_id, (send,) in self._mirror.take_staged():
-                self._add_lease(request_id, send, time.monotonic())
-        self._process_notifications()
-        for request_id, lease in self.leases.expire_leases():
-            self._out.finished_sending.add(request_id)
-            self.stats.current.num_kv_expired_reqs += 1
-            if lease.renewable:
-                logger.warning("NIXL: lease of request %s expired before a read; blocks freed",
-                               request_id)
-            else:  # a multi-turn decoder's TTL: nobody pulled this turn, as expected
-                self.stats.current.num_kv_turns_expired += 1
-                logger.debug("NIXL: turn blocks of request %s expired unpulled; freed", request_id)
-        self._send_heartbeats()
-        self._send_notices()
+        self.held.start_staged(time.monotonic())
+        self.inbox.process()
+        self.held.expire()
+        self._take_held_finished()
+        self.heartbeats.send_due()
+        if self.notices.has_queued():
+            self._finish_handshakes()
+        self.notices.flush()
         out, self._out = self._out, KVConnectorOutput()
         out.stats = self.stats.take_delta()
         paths = self.paths.take_delta()
@@ -325,10 +272,9 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         return out
 
     def has_pending_work(self) -> bool:
-        """True while loads, leases, heartbeats or notices need polling."""
-        return bool(len(self.loads) or len(self.leases) or self._heartbeats
-                    or self._pending_notices
-                    or (self._mirror is not None and self._mirror.pending()))
+        """True while loads, held blocks, heartbeats or notices need polling."""
+        return bool(len(self.loads) or len(self.held) or len(self.heartbeats)
+                    or self.notices.has_queued() or self.held.staging())
 
     # ------------------------------------------------------------------- engine loop wake-ups
     def wakeup_handles(self) -> list[Any]:
@@ -353,33 +299,27 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         NIXL cannot wake the loop: a posted READ is polled every
         :data:`~pdserve.kv_transfer.nixl.loads.XFER_POLL_INTERVAL_S` (not at all for its first
         :data:`~pdserve.kv_transfer.nixl.loads.XFER_SPIN_S`, to catch short transfers at once),
-        and notifications for held blocks every :data:`NOTIF_POLL_INTERVAL_S`. Lease expiries,
-        heartbeats and side-channel timeouts are deadlines.
+        and notifications for held blocks every
+        :data:`~pdserve.kv_transfer.nixl.held.NOTIF_POLL_INTERVAL_S`. Lease expiries,
+        heartbeats and side-channel timeouts are deadlines; finished background side-channel
+        notices are collected every
+        :data:`~pdserve.kv_transfer.nixl.notice_sender.BG_NOTICE_POLL_INTERVAL_S`.
         """
         now = time.monotonic() if now is None else now
-        if self._pending_notices or not self._side_notices.empty():
+        if self.notices.has_queued() or self.inbox.has_side_notices():
             return 0.0
         waits: list[float] = []
-        if self.tp.rank != 0 and (len(self.loads) or self._bg_notices):
+        if self.tp.rank != 0 and (len(self.loads) or self.notices.has_background()):
             waits.append(TP_RANK_POLL_INTERVAL_S)
-        if self._mirror is not None and self._mirror.pending():
-            waits.append(XFER_POLL_INTERVAL_S)
         xfer = self.loads.next_poll_in()
         if xfer is not None:
             waits.append(xfer)
-        if len(self.leases):
-            waits.append(NOTIF_POLL_INTERVAL_S)
-            expiry = self.leases.next_expiry()
-            if expiry is not None:
-                waits.append(expiry - now)
-        for hb in self._heartbeats.values():
-            remote = self.remotes.get(hb.remote.endpoint)
-            if remote is not None and remote.ready:
-                waits.append(hb.last_sent + self.remotes.lease_duration(remote) / 3 - now)
+        waits.extend(self.held.waits(now))
+        waits.extend(self.heartbeats.waits(now))
         deadline = self._client.next_deadline()
         if deadline is not None:
             waits.append(deadline - now)
-        if self._bg_notices:
+        if self.notices.has_background():
             waits.append(BG_NOTICE_POLL_INTERVAL_S)
         return max(0.0, min(waits)) if waits else None
 
@@ -408,135 +348,14 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
     def _finish_handshakes(self) -> None:
         failures = self.remotes.finish()
         for f in failures:
-            for request_id in [r for r, hb in self._heartbeats.items()
-                           if hb.remote.endpoint.key == f.endpoint.key]:
-                del self._heartbeats[request_id]
+            self.heartbeats.drop_remote(f.endpoint.key)
         self.loads.handshakes_failed(failures)
-
-    def remote_clock_offset(self, endpoint: RemoteEndpoint) -> float | None:
-        """Seconds to add to a local ``time.time()`` to get the remote's clock (None before the
-        handshake)."""
-        return self.remotes.clock_offset(endpoint)
 
     def _progress(self) -> None:
         self._finish_handshakes()
         now = time.monotonic()
         self._client.poll(now)
         self.loads.progress(now)
-
-    # -------------------------------------------------------------------------- notifications
-    def _on_side_channel_notice(self, kind: str, request_id: str, block_ids: Any = None,
-                                tp_rank: int | None = None, expected: int = 1) -> None:
-        """Side-channel thread: queue a notice (for TP rank ``tp_rank``, None: every rank) for
-        the engine thread and wake it."""
-        self._side_notices.put((Notice(kind, request_id, expected, block_ids), tp_rank))
-        self._waker.wake()
-
-    def _apply_notice(self, notice: Notice) -> None:
-        request_id, kind = notice.request_id, notice.kind
-        if kind == RELEASE_NOTICE:  # the proxy: the decode leg will not read these blocks
-            if self.leases.release_early(request_id, notice.block_ids):
-                self._out.finished_sending.add(request_id)
-                self.stats.current.num_kv_leases_released_early += 1
-                logger.debug("NIXL: lease of request %s released early", request_id)
-        elif kind == "heartbeat":
-            self.leases.renew(request_id, notice.block_ids)
-        elif kind == "done":
-            if self.leases.done(request_id, notice.expected, block_ids=notice.block_ids):
-                self._out.finished_sending.add(request_id)
-        elif kind == "abort":  # ignored unless it names the lease's own blocks (forged params)
-            if self.leases.abort(request_id, notice.block_ids):
-                self._out.finished_sending.add(request_id)
-
-    def _forward(self, notice: Notice, tp_rank: int | None) -> None:
-        """Rank 0: pass a side-channel notice on to the rank(s) it is for, by NIXL (a rank not
-        reached lets its lease expire)."""
-        ranks = list(self._sibling_metadata) if tp_rank is None else \
-            [tp_rank] if tp_rank in self._sibling_metadata else []
-        for rank in ranks:
-            try:
-                if rank not in self._siblings:  # loaded on first use
-                    self._siblings[rank] = self.agent.load_agent(self._sibling_metadata[rank])
-                self.agent.send_notif(self._siblings[rank], encode_notif(
-                    notice.kind, notice.request_id, notice.expected, notice.block_ids))
-            except Exception as e:
-                self.stats.current.num_failed_notifications += 1
-                logger.warning("NIXL: forwarding a %s notice to TP rank %d failed: %s",
-                               notice.kind, rank, e)
-
-    def _process_notifications(self) -> None:
-        try:
-            notifs = self.agent.get_notifs()
-        except Exception as e:
-            logger.warning("NIXL: reading notifications failed: %s", e)
-            notifs = {}
-        for messages in notifs.values():
-            for msg in messages:
-                parsed = decode_notif(bytes(msg))
-                if parsed is None:
-                    logger.warning("NIXL: ignoring an unknown notification %r", bytes(msg)[:64])
-                    continue
-                self._apply_notice(parsed)
-        while True:
-            try:
-                notice, tp_rank = self._side_notices.get_nowait()
-            except queue.Empty:
-                break
-            if tp_rank is None or tp_rank == self.tp.rank:
-                self._apply_notice(notice)
-            if tp_rank != self.tp.rank:
-                self._forward(notice, tp_rank)
-
-    def _send_to(self, ref: RemoteKVRef, kind: str, tp_rank: int | None = None) -> None:
-        """Send one notification naming the remote's request and block ids to the remote ranks
-        this rank notifies (or to ``tp_rank``) by NIXL if the remote agents are loaded, else by
-        the side channel in the background (so a notice never waits for a handshake)."""
-        remote = self.remotes.get(ref.endpoint)
-        if remote is not None and remote.ready:
-            route = remote.route
-            ranks = route.targets if tp_rank is None else (tp_rank,)
-            try:
-                for rank in ranks:
-                    self.agent.send_notif(remote.agents[rank].name, encode_notif(
-                        kind, ref.request_id, route.expected[rank], ref.block_ids))
-                return
-            except Exception as e:  # the peer vanished: forget it, send by the side channel
-                self.loads.forget_remote(ref.endpoint, f"a {kind} notification failed: {e}")
-        message = {"type": "notify", "kind": kind, "request_id": ref.request_id,
-                   "block_ids": list(ref.block_ids)}
-        if tp_rank is not None and remote is not None and remote.route is not None:
-            message.update(tp_rank=tp_rank, expected=remote.route.expected[tp_rank])
-        self._bg_notices.append(self._pool.submit(
-            side_channel_request, ref.endpoint.host, ref.endpoint.port, message,
-            self.config.kv_handshake_timeout,
-        ))
-
-    def _send_notices(self) -> None:
-        if self._pending_notices:
-            self._finish_handshakes()
-            notices, self._pending_notices = self._pending_notices, []
-            for notice in notices:
-                self._send_to(notice.remote, notice.kind, notice.tp_rank)
-        if self._bg_notices:
-            still = []
-            for fut in self._bg_notices:
-                if not fut.done():
-                    still.append(fut)
-                elif fut.exception() is not None:
-                    self.stats.current.num_failed_notifications += 1
-                    logger.warning("NIXL: side-channel notice failed: %s", fut.exception())
-            self._bg_notices = still
-
-    def _send_heartbeats(self) -> None:
-        now = time.monotonic()
-        for hb in self._heartbeats.values():
-            remote = self.remotes.get(hb.remote.endpoint)
-            if remote is None or not remote.ready:
-                self.remotes.ensure(hb.remote.endpoint)
-                continue
-            if now - hb.last_sent >= self.remotes.lease_duration(remote) / 3:
-                hb.last_sent = now
-                self._send_to(hb.remote, "heartbeat")
 
     # ------------------------------------------------------------------------------- shutdown
     def shutdown(self) -> None:

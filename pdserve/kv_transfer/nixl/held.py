@@ -1,0 +1,132 @@
+"""Owner side of the NIXL connector: the blocks this instance holds for remote readers, from a
+finished request's send to the end of its lease.
+
+:class:`HeldBlocks` wraps the :class:`~pdserve.kv_transfer.nixl.leases.LeaseTable` (the lease of
+every held request) with what the engine thread does to it: start a lease for each send of a
+step (in host-buffer mode once the blocks are staged in the host mirror, :mod:`.host_buffer`),
+end it on the proxy's release, a reader's "done" or "abort", or its expiry, extend it on a
+heartbeat. Every request whose held blocks may be freed is reported once through
+:meth:`HeldBlocks.take_finished` (the engine's ``finished_sending``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pdserve.kv_transfer.nixl import host_buffer
+from pdserve.kv_transfer.nixl.leases import LeaseTable
+from pdserve.kv_transfer.nixl.loads import XFER_POLL_INTERVAL_S
+from pdserve.kv_transfer.nixl.notifications import Notice
+from pdserve.kv_transfer.nixl.release import RELEASE_NOTICE
+from pdserve.kv_transfer.nixl.stats import StatsRecorder
+
+# the worker's logger: its log lines keep the name they always had
+logger = logging.getLogger("pdserve.kv_transfer.nixl.worker")
+
+# NIXL notifications for held blocks ("done", heartbeats) are polled this often (seconds) while
+# blocks are held: they only free blocks or extend leases, nothing waits on them.
+NOTIF_POLL_INTERVAL_S = 0.01
+
+
+class HeldBlocks:
+    """The requests whose blocks this instance holds for a remote reader (engine thread).
+
+    Args:
+        leases: the lease table (shared with the side-channel server, which answers claims
+            from it on its own thread).
+        stats: the transfer counters (early releases, expiries).
+    """
+
+    def __init__(self, leases: LeaseTable, stats: StatsRecorder):
+        self.leases = leases
+        self._stats = stats
+        self._mirror: host_buffer.HostMirror | None = None
+        self._finished: set[str] = set()
+
+    def use_mirror(self, mirror: host_buffer.HostMirror | None) -> None:
+        """Host-buffer mode: a send's lease starts once its blocks are staged in ``mirror``."""
+        self._mirror = mirror
+
+    def take_finished(self) -> set[str]:
+        """The requests whose held blocks may be freed since the last call (each once)."""
+        out, self._finished = self._finished, set()
+        return out
+
+    def send(self, request_id: str, send: Any, now: float) -> None:
+        """Hold a finished request's blocks (``send``: its ``SendSpec``) for a remote reader:
+        start the lease, or in host-buffer mode stage the blocks first."""
+        if self._mirror is not None:
+            self._mirror.stage(request_id, send.block_ids, send)
+            return
+        self._start_lease(request_id, send, now)
+
+    def _start_lease(self, request_id: str, send: Any, now: float) -> None:
+        early = self.leases.add(request_id, send.block_ids, send.lease_duration,
+                                send.renew_on_heartbeat, now, send.token_ids, send.first_token)
+        if early is not None and self.leases.close(request_id, f"{early} before lease"):
+            self._finished.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        """The scheduler's release of a request its client left before it got the params."""
+        if self._mirror is not None and self._mirror.cancel(request_id):
+            self._finished.add(request_id)  # released while being staged
+        elif self.leases.close(request_id, "released"):
+            self._finished.add(request_id)
+            self._stats.current.num_kv_leases_released_early += 1
+
+    def start_staged(self, now: float) -> None:
+        """Host-buffer mode: start the leases of the sends whose staging finished."""
+        if self._mirror is not None:
+            for request_id, (send,) in self._mirror.take_staged():
+                self._start_lease(request_id, send, now)
+
+    def apply(self, notice: Notice) -> None:
+        """Apply a notice about a held request: the proxy's release, a reader's heartbeat,
+        "done" or "abort" (each acts only on a lease holding exactly the blocks it names)."""
+        request_id, kind = notice.request_id, notice.kind
+        if kind == RELEASE_NOTICE:  # the proxy: the decode leg will not read these blocks
+            if self.leases.release_early(request_id, notice.block_ids):
+                self._finished.add(request_id)
+                self._stats.current.num_kv_leases_released_early += 1
+                logger.debug("NIXL: lease of request %s released early", request_id)
+        elif kind == "heartbeat":
+            self.leases.renew(request_id, notice.block_ids)
+        elif kind == "done":
+            if self.leases.done(request_id, notice.expected, block_ids=notice.block_ids):
+                self._finished.add(request_id)
+        elif kind == "abort":  # ignored unless it names the lease's own blocks (forged params)
+            if self.leases.abort(request_id, notice.block_ids):
+                self._finished.add(request_id)
+
+    def expire(self) -> None:
+        """Free the held blocks whose lease ended unread (counted as expired requests)."""
+        for request_id, lease in self.leases.expire_leases():
+            self._finished.add(request_id)
+            self._stats.current.num_kv_expired_reqs += 1
+            if lease.renewable:
+                logger.warning("NIXL: lease of request %s expired before a read; blocks freed",
+                               request_id)
+            else:  # a multi-turn decoder's TTL: nobody pulled this turn, as expected
+                self._stats.current.num_kv_turns_expired += 1
+                logger.debug("NIXL: turn blocks of request %s expired unpulled; freed", request_id)
+
+    def staging(self) -> bool:
+        """True while host-buffer mode stages blocks into the mirror."""
+        return self._mirror is not None and self._mirror.pending()
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    def waits(self, now: float) -> list[float]:
+        """Seconds until a step is due for the held blocks (staging polls, notification polls,
+        the next lease expiry); empty when nothing is held or staged."""
+        waits: list[float] = []
+        if self.staging():
+            waits.append(XFER_POLL_INTERVAL_S)
+        if len(self.leases):
+            waits.append(NOTIF_POLL_INTERVAL_S)
+            expiry = self.leases.next_expiry()
+            if expiry is not None:
+                waits.append(expiry - now)
+        return waits
