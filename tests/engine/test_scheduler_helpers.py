@@ -56,7 +56,7 @@ class StubConnector:
     def has_pending_work(self):
         return False
 
-    def release_kept_blocks(self, request_id):
+    def release_held_blocks(self, request_id):
         self.calls.append(("release", request_id))
 
 
