@@ -23,7 +23,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve import __version__, phase_trace
+from pdserve import __version__
+from pdserve.utils import phase_trace
 from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.kv_events import default_snapshot_endpoint
 from pdserve.entrypoints.auth import APIKeyMiddleware
