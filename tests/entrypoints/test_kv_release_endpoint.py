@@ -7,8 +7,8 @@ import dataclasses
 import queue
 
 import httpx
-from fake_engine_for_server import FakeEngine
-from ports import free_port
+from tests.support.fake_engine_for_server import FakeEngine
+from tests.support.ports import free_port
 
 from pdserve.entrypoints.server import build_app
 from pdserve.types.kv_transfer_config import KVTransferConfig

@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from ports import free_port
+from tests.support.ports import free_port
 from pdserve.kv_transfer.nixl.side_channel import (
     SideChannelClient,
     SideChannelServer,

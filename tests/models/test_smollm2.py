@@ -16,7 +16,7 @@ from pdserve.models.loader import load_model
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.model_files.tokenizer import load_tokenizer
 
-from model_driver import DrivenRequest, MiniScheduler, greedy
+from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
 
 
 def _chat_ids(tokenizer, text: str) -> list[int]:

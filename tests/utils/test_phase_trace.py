@@ -14,7 +14,7 @@ from pdserve.engine.async_step import launch_phase
 from pdserve.types.outputs import ScheduledRequest, SchedulerOutput
 from pdserve.types.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pd_phases():
