@@ -18,10 +18,10 @@ import subprocess
 from pathlib import PurePath
 from typing import Any, Callable
 
-#: programs that libraries run for themselves, once, to look something up (``ldconfig -p`` from
-#: ``ctypes.util.find_library``, ``fc-list`` from matplotlib's font cache): not a process the
-#: test starts
-LIBRARY_PROBES = frozenset({"ldconfig", "fc-list"})
+#: programs that libraries run for themselves to look something up (``ldconfig -p`` from
+#: ``ctypes.util.find_library``, ``uname -p`` from ``platform.processor()`` as the openai client
+#: asks it, ``fc-list`` from matplotlib's font cache): not a process the test starts
+LIBRARY_PROBES = frozenset({"ldconfig", "uname", "fc-list"})
 
 
 class ProcessInFastTest(RuntimeError):
