@@ -33,6 +33,7 @@ def _answer(runner, tokenizer, prompt_ids, n=16) -> str:
     return tokenizer.decode(out)
 
 
+@pytest.mark.slow
 def test_builtin_answers_paris(smollm2_path):
     cfg = EngineConfig(max_model_len=256, num_gpu_blocks_override=16)
     assert smollm2.resolve_model_path(cfg.model) == smollm2_path
