@@ -1,4 +1,10 @@
-"""Session-wide test setup: offline Hugging Face libraries and shared model fixtures.
+"""Session-wide test setup: offline Hugging Face libraries, shared model fixtures, and the guard
+that keeps the fast lane free of processes.
+
+A test that starts a process (an engine, a NIXL peer, TP workers, redis-server, ``pdserve up``,
+any subprocess or ``multiprocessing`` process, directly or through a fixture) must be marked
+``slow``; one that is not fails with ``ProcessInFastTest`` (tests/support/process_guard.py), so
+that ``pytest -m "not slow"`` starts no process.
 
 Model fixtures return directory paths as ``str`` (what ``EngineConfig.model`` takes):
 
@@ -7,7 +13,7 @@ Model fixtures return directory paths as ``str`` (what ``EngineConfig.model`` ta
 - ``tiny_llama_path`` / ``tiny_qwen3_path`` / ``tiny_gemma3_path``: tiny random models written
   once per session;
 - ``server_pool``: real ``pdserve serve`` instances of the tiny Llama shared by every test that
-  only needs a running single instance or P/D pair (``tests/servers.py``).
+  only needs a running single instance or P/D pair (``tests/support/servers.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from tests.support.process_guard import ProcessGuard
 
 # Nothing may be downloaded at test time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -77,7 +85,7 @@ def pytest_collection_modifyitems(config, items):
     """A test on the shared server pool may be the one that starts it: its timeout gets the
     pool's start-up allowance (``servers.MAX_WAIT_S``) on top of its own. When tests of more
     than one module use the pool, every pooled instance is started with the first one."""
-    from servers import MAX_WAIT_S
+    from tests.support.servers import MAX_WAIT_S
 
     default = float(config.getini("timeout") or 0)
     modules = set()
@@ -98,7 +106,7 @@ def server_pool(request, tiny_llama_path, tmp_path_factory):
     """The session's :class:`servers.ServerPool` on the tiny Llama: named instances start on
     first use (all of them at once when several modules use the pool) and stop at the end of
     the session."""
-    from servers import POOL_SPECS, ServerPool
+    from tests.support.servers import POOL_SPECS, ServerPool
 
     prefetch = tuple(POOL_SPECS) if request.config.stash.get(_PREFETCH_POOL, False) else ()
     pool = ServerPool(tiny_llama_path, tmp_path_factory.mktemp("pool-logs"), prefetch)
@@ -106,3 +114,34 @@ def server_pool(request, tiny_llama_path, tmp_path_factory):
         yield pool
     finally:
         pool.close()
+
+
+_PROCESS_GUARD = ProcessGuard()
+
+
+def pytest_configure(config):
+    """Wrap the process-starting functions for the session (tests/support/process_guard.py)."""
+    _PROCESS_GUARD.install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """While a test without the ``slow`` marker runs (setup, call, teardown), no process may
+    start."""
+    _PROCESS_GUARD.test_id = None if item.get_closest_marker("slow") else item.nodeid
+    try:
+        yield
+    finally:
+        _PROCESS_GUARD.test_id = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A phase in which a process start was refused fails, even where the code under test
+    caught the :class:`ProcessInFastTest`."""
+    outcome = yield
+    refused = _PROCESS_GUARD.take()
+    report = outcome.get_result()
+    if refused and not report.failed:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(refused)

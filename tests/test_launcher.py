@@ -385,6 +385,7 @@ def test_bad_engine_options_stop_before_anything_starts(engine_args, tmp_path, c
 # ------------------------------------------------------------------ supervising fake children
 
 
+@pytest.mark.slow
 def test_sigterm_is_forwarded_to_every_child(tmp_path, capsys):
     log_dir = tmp_path / "logs"
     cmds = FakeCommands(tmp_path)
@@ -410,6 +411,7 @@ def test_sigterm_is_forwarded_to_every_child(tmp_path, capsys):
     assert record["env"]["PDSERVE_NIXL_SIDE_CHANNEL_PORT"] == str(side)
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_forwarded_as_sigint(tmp_path):
     log_dir = tmp_path / "logs"
     thread = _signal_when_ready(log_dir, signal.SIGINT)
@@ -421,6 +423,7 @@ def test_ctrl_c_is_forwarded_as_sigint(tmp_path):
         assert _events(tmp_path, name) == ["SIGINT"]
 
 
+@pytest.mark.slow
 def test_child_death_stops_the_rest_and_prints_its_log(tmp_path, capsys):
     log_dir = tmp_path / "logs"
     cmds = FakeCommands(tmp_path, {"decode": ["--exit-after", "1.0", "--exit-code", "7"]})
@@ -436,6 +439,7 @@ def test_child_death_stops_the_rest_and_prints_its_log(tmp_path, capsys):
         assert not _alive(child["pid"])
 
 
+@pytest.mark.slow
 def test_child_ignoring_sigterm_is_killed(tmp_path, capsys):
     log_dir = tmp_path / "logs"
     cmds = FakeCommands(tmp_path, {"prefill": ["--ignore-term"]})
@@ -459,6 +463,7 @@ def _short_leftover_wait(monkeypatch) -> None:
     monkeypatch.setattr(supervisor, "LEFTOVER_EXIT_S", 0.5)
 
 
+@pytest.mark.slow
 def test_grandchildren_are_stopped_with_their_parent(tmp_path, monkeypatch):
     _short_leftover_wait(monkeypatch)
     log_dir = tmp_path / "logs"
@@ -472,6 +477,7 @@ def test_grandchildren_are_stopped_with_their_parent(tmp_path, monkeypatch):
     assert not _alive(grandchild)
 
 
+@pytest.mark.slow
 def test_startup_timeout_fails_and_cleans_up(tmp_path, capsys):
     log_dir = tmp_path / "logs"
     cmds = FakeCommands(tmp_path, {"proxy": ["--never-healthy"]})
@@ -495,6 +501,7 @@ sys.exit(main(sys.argv[3:], commands=mod.FakeCommands(sys.argv[2]), gpus=[]))
 """
 
 
+@pytest.mark.slow
 def test_children_die_when_the_launcher_is_sigkilled(tmp_path):
     log_dir = tmp_path / "logs"
     proc = subprocess.Popen(
@@ -525,6 +532,7 @@ class _UnstartableProxy(FakeCommands):
         return [str(Path(self.record_dir) / "no-such-program")]
 
 
+@pytest.mark.slow
 def test_unstartable_child_is_a_clear_error(tmp_path, capsys):
     log_dir = tmp_path / "logs"
     rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port())],
@@ -539,6 +547,7 @@ def test_unstartable_child_is_a_clear_error(tmp_path, capsys):
         assert child["pid"] is not None and not _alive(child["pid"])
 
 
+@pytest.mark.slow
 def test_ctrl_c_reports_nothing_left_behind_when_helpers_exit_by_themselves(tmp_path, capsys):
     # a server's helper process (multiprocessing's resource tracker) ignores SIGTERM and exits
     # on its own a moment after the server: nothing was left behind
@@ -554,6 +563,7 @@ def test_ctrl_c_reports_nothing_left_behind_when_helpers_exit_by_themselves(tmp_
     assert not _alive(int((tmp_path / "decode-0.helper").read_text()))
 
 
+@pytest.mark.slow
 def test_processes_really_left_behind_are_reported(tmp_path, capsys, monkeypatch):
     _short_leftover_wait(monkeypatch)
     log_dir = tmp_path / "logs"
@@ -567,6 +577,7 @@ def test_processes_really_left_behind_are_reported(tmp_path, capsys, monkeypatch
     assert not _alive(int((tmp_path / "decode-0.grandchild").read_text()))
 
 
+@pytest.mark.slow
 def test_progress_says_when_the_model_is_being_converted(tmp_path, capsys):
     log_dir = tmp_path / "logs"
     converting = ("INFO [engine-core] pdserve.model: converting /x/SmolLM2.gguf to safetensors in "
@@ -582,6 +593,7 @@ def test_progress_says_when_the_model_is_being_converted(tmp_path, capsys):
     assert out.count("converting the built-in model") == 1  # said once, not on every poll
 
 
+@pytest.mark.slow
 def test_banner_python_example_runs_as_pasted(tmp_path):
     banner = launcher.usage_banner("http://127.0.0.1:8000", "m", python="/venv/bin/python",
                                    openai_installed=True)
@@ -636,7 +648,7 @@ def test_plan_with_data_parallel_engines():
     assert proxy.argv[proxy.argv.index("--prefiller-ports") + 1] == str(prefill.port)
     with pytest.raises(LaunchError, match="--prefill-dp"):
         _plan(["--port", str(_proxy_port()), "--prefill-dp", "0"])
-    from ports import free_consecutive_ports  # (the launcher subprocesses import this module)
+    from tests.support.ports import free_consecutive_ports  # (the launcher subprocesses import this module)
 
     base = free_consecutive_ports(2)  # the proxy takes base + 1, rank 1's side channel too
     with pytest.raises(LaunchError, match="data-parallel rank"):

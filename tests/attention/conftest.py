@@ -1,3 +1,4 @@
-"""Fixtures for the model-side tests: torch runs single-threaded (tests/torch_threads.py)."""
+"""Fixtures for the model-side tests: torch runs single-threaded
+(tests/support/torch_threads.py)."""
 
-from torch_threads import _one_torch_thread  # noqa: F401  (autouse session fixture)
+from tests.support.torch_threads import _one_torch_thread  # noqa: F401  (autouse session fixture)

@@ -1,7 +1,7 @@
 """`pdserve bench multi-turn` against real processes: one `pdserve serve` on the tiny Llama, and
 a bidirectional P/D pair behind `pdserve proxy --multi-turn` (what `pdserve up --multi-turn`
 starts) with `--send-conversation-id`. Both are the session's shared instances
-(``tests/servers.py``), so counters are compared before and after."""
+(``tests/support/servers.py``), so counters are compared before and after."""
 
 from __future__ import annotations
 

@@ -174,6 +174,7 @@ def test_unreachable_endpoint_is_a_clear_error(capsys):
     assert f"cannot reach {url}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_piped_stdin_through_the_cli(server):
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "chat", "--url", server.url],

@@ -4,17 +4,13 @@ process, with the fake engine)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from fastapi.testclient import TestClient
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from fake_engine_for_server import FakeEngine  # noqa: E402
+from tests.support.fake_engine_for_server import FakeEngine
 
-from pdserve.commands import chat  # noqa: E402
-from pdserve.entrypoints.server import build_app  # noqa: E402
+from pdserve.commands import chat
+from pdserve.entrypoints.server import build_app
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
 """Fixtures of the distributed tests: ``tp2``, one pair of gloo TP ranks for the whole package
-(tests/distributed/tp_ranks.py): spawning two processes that import torch and join a process
+(tests/support/tp_ranks.py): spawning two processes that import torch and join a process
 group costs seconds on a small machine, so the tests send their rank functions to the same two
 ranks instead of spawning their own."""
 
 from __future__ import annotations
 
 import pytest
-from tp_ranks import TP2Ranks
+from tests.support.tp_ranks import TP2Ranks
 
 
 @pytest.fixture(scope="package")

@@ -37,10 +37,12 @@ def _rank(rank: int, failing_rank: int | None) -> None:
         assert not captured and graphs.tried == [8, 4, 2], graphs.tried
 
 
+@pytest.mark.slow
 def test_all_ranks_fall_back_when_one_fails(tp2):
     tp2.run(_rank, 1)
 
 
+@pytest.mark.slow
 def test_all_ranks_keep_graphs_when_all_captured(tp2):
     tp2.run(_rank, None)
 

@@ -6,6 +6,7 @@ layers hold the whole weight."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -116,9 +117,11 @@ def test_tp1_layers_hold_the_whole_weight(tmp_path):
     _check_layers(0, 1, _save(tmp_path, 2), 2)
 
 
+@pytest.mark.slow
 def test_tp2_layers_equal_unsharded_kv_heads_split(tmp_path, tp2):
     tp2.run(_check_layers, 2, _save(tmp_path, 2), 2)
 
 
+@pytest.mark.slow
 def test_tp2_layers_equal_unsharded_kv_heads_replicated(tmp_path, tp2):
     tp2.run(_check_layers, 2, _save(tmp_path, 1), 1)

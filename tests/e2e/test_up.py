@@ -17,7 +17,7 @@ import uuid
 import httpx
 import pytest
 
-from servers import UpDeployment, still_running
+from tests.support.servers import UpDeployment, still_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -98,7 +98,7 @@ def test_up_with_data_parallel_groups(tmp_path, server_pool):
     """``--prefill-dp 2 --decode-dp 2``: one API server per group, two engine cores each; the
     proxy's requests are spread over the ranks, every decoder rank reads KV from the prefiller
     rank that computed it, and the outputs equal a single instance's."""
-    from servers import POOL_COMMON, generate
+    from tests.support.servers import POOL_COMMON, generate
 
     single = server_pool.get("single")["single"]
     dep = UpDeployment([server_pool.model, "--prefill-dp", "2", "--decode-dp", "2",

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import engine_fakes
-
-
+from tests.support import engine_fakes
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
 def scheduling_mode(request, monkeypatch) -> bool:
     """``async_scheduling`` of the engines the test builds (default of their helpers)."""

@@ -5,7 +5,7 @@ its blocks are neither reused nor leaked; P/D first tokens behave as in synchron
 
 from __future__ import annotations
 
-from engine_fakes import (
+from tests.support.engine_fakes import (
     EOS,
     FakeRemote,
     add,

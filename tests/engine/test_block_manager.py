@@ -63,6 +63,7 @@ def test_block_hashes_equal_chained_hash_block_over_long_prompts():
     assert block_hashes(tokens[:15], 16) == []
 
 
+@pytest.mark.slow
 def test_block_hashes_are_stable_across_processes():
     code = "from pdserve.engine.block_manager import block_hashes; print(block_hashes(list(range(12)), 4))"
     outs = set()

@@ -11,7 +11,7 @@ import time
 import pytest
 import zmq
 
-from engine_fakes import FakeConnectorWorker, FakeRemote, add, make_core
+from tests.support.engine_fakes import FakeConnectorWorker, FakeRemote, add, make_core
 from pdserve.types.kv_params import KVTransferParams
 from pdserve.engine import core as core_mod
 from pdserve.engine import core_loop

@@ -128,7 +128,7 @@ async def test_publisher_batches_and_snapshot_over_zmq():
     import zmq
     import zmq.asyncio
 
-    from ports import free_port
+    from tests.support.ports import free_port
 
     pub_ep, snap_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     publisher = KVEventPublisher(pub_ep, snap_ep, block_size=16)

@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-import engine_fakes
+from tests.support import engine_fakes
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.types.sampling_params import SamplingParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import engine_fakes
+from tests.support import engine_fakes
 from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.types.sampling_params import SamplingParams

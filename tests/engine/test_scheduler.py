@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine_fakes import (
+from tests.support.engine_fakes import (
     EOS,
     add,
     assert_all_free,

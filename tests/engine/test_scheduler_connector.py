@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_fakes import (
+from tests.support.engine_fakes import (
     FakeRemote,
     add,
     assert_all_free,

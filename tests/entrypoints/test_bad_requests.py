@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from fake_engine_for_server import FakeEngine
+from tests.support.fake_engine_for_server import FakeEngine
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import parse_sse
-from fake_engine_for_server import FakeEngine
+from tests.support.live_server import parse_sse
+from tests.support.fake_engine_for_server import FakeEngine
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import httpx
-from fake_engine_for_server import FakeEngine
-from ports import free_port
+from tests.support.fake_engine_for_server import FakeEngine
+from tests.support.ports import free_port
 
 from pdserve.entrypoints.server import build_app
 from pdserve.types.kv_transfer_config import KVTransferConfig

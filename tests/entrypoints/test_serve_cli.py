@@ -91,6 +91,7 @@ def _serve(*argv: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, env=ENV)
 
 
+@pytest.mark.slow
 def test_missing_model_path_is_one_clear_line(tmp_path) -> None:
     missing = tmp_path / "no-such-model"
     p = _serve(str(missing), "--port", "0")
@@ -100,6 +101,7 @@ def test_missing_model_path_is_one_clear_line(tmp_path) -> None:
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+@pytest.mark.slow
 def test_port_in_use_is_one_clear_line() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))

@@ -6,8 +6,8 @@ import asyncio
 
 import httpx
 import pytest
-from conftest import live_server, wait_until
-from fake_engine_for_server import FakeEngine
+from tests.support.live_server import live_server, wait_until
+from tests.support.fake_engine_for_server import FakeEngine
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.entrypoints.server import build_app

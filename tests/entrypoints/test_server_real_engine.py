@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from servers import EngineServer
+from tests.support.servers import EngineServer
 
 from pdserve.types.engine_config import EngineConfig
 from pdserve.types.sampling_params import SamplingParams

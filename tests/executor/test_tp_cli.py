@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from ports import free_port
+from tests.support.ports import free_port
 from pdserve.types.engine_config import EngineConfig
 from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
 from pdserve.launcher.cli import parse_args
@@ -124,6 +124,7 @@ def test_up_refuses_a_tp_size_the_model_does_not_split_over_before_starting(tmp_
                ChildCommands(python="py"), gpus=["0", "1", "2", "3"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("converted", [True, False], ids=["converted", "gguf-metadata"])
 def test_the_launchers_split_check_does_not_import_torch(tmp_path, converted):
     """The built-in model's numbers come from its converted config.json, or before the one-time

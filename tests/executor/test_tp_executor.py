@@ -15,7 +15,9 @@ from pdserve.types.outputs import SchedulerOutput
 from pdserve.executor.multiproc import RankFailedError, TPExecutor
 from pdserve.testing.fake_connectors import failing_worker, scripted_worker
 
-from processes import descendants, new_descendants, still_running, with_command
+from tests.support.processes import descendants, new_descendants, still_running, with_command
+
+pytestmark = pytest.mark.slow
 
 #: the command of a TP worker process (what these tests start; the session's shared servers
 #: and their children run beside them)

@@ -18,7 +18,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.executor import create_executor
 from pdserve.types.sampling_params import SamplingParams
 
-from processes import descendants, new_descendants, still_running
+from tests.support.processes import descendants, new_descendants, still_running
 
 #: a step computes at most this many tokens: the 45-token prompt is prefilled in 3 chunks
 BUDGET = 16
@@ -42,6 +42,7 @@ def _generate(path: str, tp: int, max_tokens: int = 10, **engine) -> list[list[i
         engine.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 def test_tp2_greedy_equals_tp1(request, model):
     path = request.getfixturevalue(f"{model}_path")
@@ -52,6 +53,7 @@ def test_tp2_greedy_equals_tp1(request, model):
     assert not still_running(new_descendants(before))
 
 
+@pytest.mark.slow
 def test_tp2_greedy_equals_tp1_with_one_kv_head_replicated(tmp_path):
     from pdserve.testing.tiny_models import make_tiny_model
 
@@ -59,6 +61,7 @@ def test_tp2_greedy_equals_tp1_with_one_kv_head_replicated(tmp_path):
     assert _generate(path, 2) == _generate(path, 1)
 
 
+@pytest.mark.slow
 def test_smollm2_tp3_greedy_equals_tp1(smollm2_path):
     single = _generate(smollm2_path, 1, max_tokens=6)
     assert _generate(smollm2_path, 3, max_tokens=6) == single
@@ -74,6 +77,7 @@ def test_smollm2_tp2_is_refused_naming_the_numbers(smollm2_path):
     assert not still_running(new_descendants(before))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "gemma3"])
 def test_tp2_greedy_equals_tp1_for_the_other_families(tmp_path, arch):
     """Qwen2 (q/k/v bias, tied embeddings), Qwen3-MoE (experts replicated on every rank, dense
@@ -86,6 +90,7 @@ def test_tp2_greedy_equals_tp1_for_the_other_families(tmp_path, arch):
     assert _generate(path, 2) == single
 
 
+@pytest.mark.slow
 def test_tp2_greedy_equals_tp1_with_an_fp8_kv_cache(tiny_gemma3_path):
     """With ``--kv-cache-dtype fp8`` every rank stores with the scales of TP 1 (the largest of
     the ranks' per-head bounds), so the tokens stay those of one process (Gemma 3: its norms'

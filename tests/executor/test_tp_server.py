@@ -12,7 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from servers import POOL_COMMON, EngineServer, descendants, generate, start_all, still_running
+from tests.support.servers import (
+    POOL_COMMON, EngineServer, descendants, generate, start_all, still_running)
+
+pytestmark = pytest.mark.slow
 
 #: how long the server may take to exit after a rank died (seconds; a loaded machine)
 EXIT_WITHIN_S = 30.0

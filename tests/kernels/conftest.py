@@ -1,4 +1,4 @@
-"""Fixtures for the kernel tests: torch runs single-threaded (tests/torch_threads.py); every
+"""Fixtures for the kernel tests: torch runs single-threaded (tests/support/torch_threads.py); every
 kernel compiled for sm_90 once per session, in the background (``hopper_compile``)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from torch_threads import _one_torch_thread  # noqa: F401  (autouse session fixture)
+from tests.support.torch_threads import _one_torch_thread  # noqa: F401  (autouse session fixture)
 
 #: the background compile: its process ("proc") and Triton cache directory ("cache")
 _COMPILE: dict = {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_kernels import import_kernels
+from tests.support.triton_kernels import import_kernels
 
 gemv, HAS_CUDA = import_kernels("pdserve.kernels.gemv", "_gemv_kernel")
 

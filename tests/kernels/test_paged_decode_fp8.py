@@ -10,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_kernels import import_kernels
+from tests.support.triton_kernels import import_kernels
 
 pd, HAS_CUDA = import_kernels("pdserve.kernels.paged_decode", "_paged_decode_split_kernel")
 
 from pdserve.attention.kv_quant import FP8_KV_DTYPE  # noqa: E402
 from pdserve.kernels import paged_decode_fp8 as pf  # noqa: E402
-from test_triton_attention import make_paged_case, reference_decode, rel_err  # noqa: E402
+from tests.kernels.test_triton_attention import (  # noqa: E402
+    make_paged_case, reference_decode, rel_err)
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 HAS_FP8_MMA = HAS_CUDA and torch.cuda.get_device_capability() >= (8, 9)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_kernels import import_kernels
+from tests.support.triton_kernels import import_kernels
 
 pd, HAS_CUDA = import_kernels("pdserve.kernels.paged_decode", "_paged_decode_split_kernel")
 kvk, _ = import_kernels("pdserve.kernels.kv_cache", "_store_kv_kernel")
@@ -594,7 +594,7 @@ def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch, re
     equals: test_fused_model_path_matches_torch_path), halving the interpreter's work."""
     import random
 
-    from model_driver import DrivenRequest, MiniScheduler, greedy
+    from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
     from pdserve.types.engine_config import EngineConfig
     from pdserve.runner import decode_graphs
     from pdserve.runner import model_runner as runner_mod
@@ -736,11 +736,12 @@ def test_triton_backend_matches_torch_backend_with_sliding_window():
     assert rel_err(full[-1], ref[-1]) > 1e-2, "the window must change a long decode"
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper(hopper_compile):
     """The interpreter accepts code the compiler rejects: every kernel of the decode path and the
     sampler compiles for sm_90 (no GPU needed; Triton's bundled ptxas) in a fresh process with
     the interpreter off (tests/kernels/compile_for_hopper.py, run once for the session)."""
-    from compile_for_hopper import EXPECTED
+    from tests.kernels.compile_for_hopper import EXPECTED
 
     ok, failed, stderr = hopper_compile
     assert not failed.get("attention") and not failed.get("script"), (failed, stderr[-3000:])

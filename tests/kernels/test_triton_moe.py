@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_kernels import import_kernels
+from tests.support.triton_kernels import import_kernels
 
 moe, HAS_CUDA = import_kernels("pdserve.kernels.moe", "_grouped_gemm_kernel")
 act, _ = import_kernels("pdserve.kernels.activation", "_silu_and_mul_kernel")
@@ -124,11 +124,12 @@ def test_moe_model_fused_path_matches_torch_path(tmp_path):
     assert rel_err(logits[True], logits[False]) < 1e-4
 
 
+@pytest.mark.slow
 def test_grouped_gemm_compiles_for_hopper(hopper_compile):
     """The interpreter accepts code the compiler rejects: compile the grouped GEMM for sm_90 (no
     GPU needed; Triton's bundled ptxas) in a fresh process with the interpreter off
     (tests/kernels/compile_for_hopper.py, run once for the session)."""
-    from compile_for_hopper import EXPECTED
+    from tests.kernels.compile_for_hopper import EXPECTED
 
     ok, failed, stderr = hopper_compile
     assert not failed.get("moe") and not failed.get("script"), (failed, stderr[-3000:])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from triton_kernels import import_kernels
+from tests.support.triton_kernels import import_kernels
 
 ts, HAS_CUDA = import_kernels("pdserve.kernels.sampling", "_pick_kernel")
 

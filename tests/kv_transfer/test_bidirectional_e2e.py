@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from servers import BIDIR_TTL_S as TTL_S, BLOCK_SIZE as B, LOAD_FACTOR, POOL_COMMON
-from servers import EngineServer, ProxyServer, nixl_config, start_all, stop_together
+from tests.support.servers import BIDIR_TTL_S as TTL_S, BLOCK_SIZE as B, LOAD_FACTOR, POOL_COMMON
+from tests.support.servers import EngineServer, ProxyServer, nixl_config, start_all, stop_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -20,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from servers import BIDIR_TTL_S, HANDSHAKE_TIMEOUT_S, POOL_COMMON
-from servers import EngineServer, ProxyServer, descendants, generate, nixl_config, start_all
-from servers import prefill_leg, still_running, stop_together
+from tests.support.servers import BIDIR_TTL_S, HANDSHAKE_TIMEOUT_S, POOL_COMMON
+from tests.support.servers import (
+    EngineServer, ProxyServer, descendants, generate, nixl_config, start_all)
+from tests.support.servers import prefill_leg, still_running, stop_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -1,4 +1,4 @@
-"""End to end for the families of issue 17 (tests/families.py, and the tiny Gemma 3 with a
+"""End to end for the families of issue 17 (tests/support/families.py, and the tiny Gemma 3 with a
 sliding window of 8 tokens): through ``pdserve proxy --multi-turn`` in front of a bidirectional
 P/D pair, a completion and a three-turn chat give a single instance's greedy output, with prompts
 past the rope-scaling threshold and longer than the sliding window; P pulls the history from D on
@@ -6,7 +6,7 @@ turns 2 and 3.
 
 One module-scoped cluster per family: P (no prefix cache of its own, so history it does not
 compute was pulled from D), D and the proxy (the same settings as the shared pool's ``p_bidir`` /
-``d_bidir``, tests/servers.py). The single-instance oracle is P itself, asked directly with no
+``d_bidir``, tests/support/servers.py). The single-instance oracle is P itself, asked directly with no
 ``kv_transfer_params``: a producer serves such a request as a plain instance, and without a
 prefix cache it computes every oracle prompt from scratch. Oracle requests are sent before the
 counters a test compares are read.
@@ -18,9 +18,10 @@ import random
 
 import pytest
 
-from families import ORIGINAL_CTX, make_family_model
-from servers import BIDIR_TTL_S, BLOCK_SIZE as B, POOL_COMMON, EngineServer, ProxyServer
-from servers import generate, nixl_config, start_all
+from tests.support.families import ORIGINAL_CTX, make_family_model
+from tests.support.servers import (
+    BIDIR_TTL_S, BLOCK_SIZE as B, POOL_COMMON, EngineServer, ProxyServer)
+from tests.support.servers import generate, nixl_config, start_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

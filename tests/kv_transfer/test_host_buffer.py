@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from ports import free_port
+from tests.support.ports import free_port
 from pdserve.kv_transfer.nixl import host_buffer, shared_host
 from pdserve.kv_transfer.nixl.host_buffer import HostMirror, block_spans
 
@@ -120,6 +120,7 @@ def test_workers_move_kv_through_their_host_mirrors(monkeypatch, transport, path
         owner.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("transport, path", [
     ("auto", {"transport": "shared_host", "mem": "DRAM->VRAM"}),
@@ -130,7 +131,7 @@ def test_host_buffer_mode_between_two_processes_on_one_gpu(transport, path):
     (``nixl``); the blocks land in D's GPU cache, P's lease ends."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from nixl_peer import PeerProcess, block_pattern
+    from tests.support.nixl_peer import PeerProcess, block_pattern
 
     from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
     from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef

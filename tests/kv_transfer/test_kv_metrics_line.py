@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from servers import EngineServer, decode_leg, nixl_config, prefill_leg, start_all
+from tests.support.servers import EngineServer, decode_leg, nixl_config, prefill_leg, start_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

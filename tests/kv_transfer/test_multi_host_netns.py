@@ -1,4 +1,4 @@
-"""Multi-host end to end, with network namespaces as hosts (``tests/netns.py``).
+"""Multi-host end to end, with network namespaces as hosts (``tests/support/netns.py``).
 
 Hosts ``p``, ``d`` and ``x``, each its own namespace with its own address on a bridge: P runs
 in ``p``, D in ``d``, the proxy in ``x``; each side channel is advertised on its host's address
@@ -19,13 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from netns import Hosts, NetnsUnavailable
-from ports import free_port
-from processes import Process
-from servers import HANDSHAKE_TIMEOUT_S, POOL_COMMON
-from servers import EngineServer, ProxyServer, decode_leg, descendants, generate
-from servers import nixl_config, prefill_leg, start_all, still_running, stop_together
-from servers import wait_progressing
+from tests.support.netns import Hosts, NetnsUnavailable
+from tests.support.ports import free_port
+from tests.support.processes import Process
+from tests.support.servers import HANDSHAKE_TIMEOUT_S, POOL_COMMON
+from tests.support.servers import EngineServer, ProxyServer, decode_leg, descendants, generate
+from tests.support.servers import nixl_config, prefill_leg, start_all, still_running, stop_together
+from tests.support.servers import wait_progressing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

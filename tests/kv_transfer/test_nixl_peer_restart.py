@@ -14,11 +14,12 @@ import uuid
 import pytest
 import torch
 
-from nixl_peer import PeerProcess, block_pattern
-from ports import free_port
-from test_nixl_worker_processes import GEOMETRY, lease, make_config, recv_meta, ref_to
+from tests.support.nixl_peer import PeerProcess, block_pattern
+from tests.support.ports import free_port
+from tests.kv_transfer.test_nixl_worker_processes import (
+    GEOMETRY, lease, make_config, recv_meta, ref_to)
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 ROLES = {  # restarted owner's role -> (owner config role, reader config role)
     "prefiller": ("kv_producer", "kv_consumer"),

@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nixl_peer import TPGroup, tp_pattern
-from ports import free_port
+from tests.support.nixl_peer import TPGroup, tp_pattern
+from tests.support.ports import free_port
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
 from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 from pdserve.kv_transfer.nixl.tp_plan import descriptors_per_request, rank_heads
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 GEOMETRY = {"num_blocks": 24, "block_size": 4, "num_layers": 2, "total_num_kv_heads": 2,
             "head_dim": 8, "model": "tiny"}

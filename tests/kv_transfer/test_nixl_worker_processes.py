@@ -11,12 +11,12 @@ import concurrent.futures as cf
 import pytest
 import torch
 
-from nixl_peer import PeerProcess, block_pattern
-from ports import free_port
+from tests.support.nixl_peer import PeerProcess, block_pattern
+from tests.support.ports import free_port
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, RemoteNotice, SendSpec
 from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 GEOMETRY = {"num_blocks": 32, "block_size": 4, "num_layers": 2, "num_kv_heads": 2,
             "head_dim": 8, "model": "tiny"}

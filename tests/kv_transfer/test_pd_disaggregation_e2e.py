@@ -14,12 +14,12 @@ import threading
 
 import pytest
 
-from servers import BLOCK_SIZE as B
-from servers import POOL_COMMON as COMMON
-from servers import SHORT_LEASE_S
-from servers import EngineServer as Server
-from ports import free_port
-from servers import decode_leg, generate, nixl_config, prefill_leg, start_all
+from tests.support.servers import BLOCK_SIZE as B
+from tests.support.servers import POOL_COMMON as COMMON
+from tests.support.servers import SHORT_LEASE_S
+from tests.support.servers import EngineServer as Server
+from tests.support.ports import free_port
+from tests.support.servers import decode_leg, generate, nixl_config, prefill_leg, start_all
 
 from pdserve.types import prompt_handoff
 

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from servers import BLOCK_SIZE as B
-from servers import decode_leg, generate, prefill_leg
+from tests.support.servers import BLOCK_SIZE as B
+from tests.support.servers import decode_leg, generate, prefill_leg
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 
-from servers import EngineServer, ProxyServer, nixl_config, start_all, stop_together
+from tests.support.servers import EngineServer, ProxyServer, nixl_config, start_all, stop_together
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 B = 16
 COMMON = ["--block-size", str(B), "--num-gpu-blocks-override", "256"]

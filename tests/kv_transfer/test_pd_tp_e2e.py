@@ -15,10 +15,11 @@ import random
 
 import pytest
 
-from servers import BIDIR_TTL_S, BLOCK_SIZE as B, HANDSHAKE_TIMEOUT_S
-from servers import POOL_COMMON as COMMON
-from servers import EngineServer, ProxyServer, decode_leg, generate, nixl_config, prefill_leg
-from servers import start_all
+from tests.support.servers import BIDIR_TTL_S, BLOCK_SIZE as B, HANDSHAKE_TIMEOUT_S
+from tests.support.servers import POOL_COMMON as COMMON
+from tests.support.servers import (
+    EngineServer, ProxyServer, decode_leg, generate, nixl_config, prefill_leg)
+from tests.support.servers import start_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from ports import free_port
+from tests.support.ports import free_port
 from pdserve.kv_transfer.nixl import same_host
 from pdserve.kv_transfer.nixl.cuda_ipc import IpcExport
 from pdserve.kv_transfer.nixl.direct_read import MAX_RUN_COPIES, DirectPeer, copy_blocks
@@ -285,6 +285,7 @@ def test_worker_reads_through_the_same_host_peer_and_notifies_the_owner(monkeypa
 
 
 # ------------------------------------------------------------------------- on one GPU (device)
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting, transport", [("auto", "cuda_ipc"), ("nixl", "nixl")])
 def test_two_processes_on_one_gpu_read_by_the_chosen_path(setting, transport):
@@ -293,7 +294,7 @@ def test_two_processes_on_one_gpu_read_by_the_chosen_path(setting, transport):
     (more than MAX_RUN_COPIES runs), and free the owner's lease."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from nixl_peer import PeerProcess, block_pattern
+    from tests.support.nixl_peer import PeerProcess, block_pattern
 
     from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
     from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef

@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from ports import free_port
+from tests.support.ports import free_port
 from pdserve.kv_transfer.nixl.side_channel import SideChannelServer, SideChannelTimeout
 from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
 from pdserve.kv_transfer.wakeup import Waker

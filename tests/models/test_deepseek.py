@@ -24,7 +24,7 @@ from pdserve.types.engine_config import EngineConfig, KVCacheDtype
 from pdserve.types.kv_cache_kind import KVCacheKind
 from pdserve.types.sampling_params import SamplingParams
 
-from model_driver import DrivenRequest, MiniScheduler, greedy
+from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
 
 ARCHS = ["deepseek_v2", "deepseek_v2_lite", "deepseek_v3"]
 ORIGINAL_CTX = 32  # the tiny configs' YaRN original_max_position_embeddings

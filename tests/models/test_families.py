@@ -19,9 +19,9 @@ from pdserve.models.loader import arch_config_from_hf, load_model
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.testing.tiny_models import make_tiny_model
 
-from model_driver import DrivenRequest, MiniScheduler, greedy
+from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
 
-from families import MODELS, ORIGINAL_CTX, YARN, make_family_model
+from tests.support.families import MODELS, ORIGINAL_CTX, YARN, make_family_model
 
 B = 16
 NUM_NEW = 6

@@ -15,8 +15,8 @@ import torch
 from pdserve.types.engine_config import EngineConfig
 from pdserve.runner.model_runner import ModelRunner
 
-from model_driver import DrivenRequest, MiniScheduler, greedy
-from servers import EngineServer, ProxyServer, nixl_config, start_all
+from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
+from tests.support.servers import EngineServer, ProxyServer, nixl_config, start_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

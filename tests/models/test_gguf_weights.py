@@ -18,6 +18,7 @@ def test_gguf_names():
     assert hf_name("rope_freqs.weight") is None
 
 
+@pytest.mark.slow
 def test_shards_equal_slices_of_the_whole_tensor():
     from pdserve.model_files import builtin_models
 

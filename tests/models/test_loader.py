@@ -21,7 +21,7 @@ from pdserve.models.loader import (
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.testing.tiny_models import make_tiny_model
 
-from model_driver import DrivenRequest, MiniScheduler, greedy
+from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
 
 
 def _params(model) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from pdserve.models.loader import load_model
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.model_files.tokenizer import load_tokenizer
 
-from model_driver import DrivenRequest, MiniScheduler, greedy
+from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
 
 
 def _chat_ids(tokenizer, text: str) -> list[int]:
@@ -33,6 +33,7 @@ def _answer(runner, tokenizer, prompt_ids, n=16) -> str:
     return tokenizer.decode(out)
 
 
+@pytest.mark.slow
 def test_builtin_answers_paris(smollm2_path):
     cfg = EngineConfig(max_model_len=256, num_gpu_blocks_override=16)
     assert smollm2.resolve_model_path(cfg.model) == smollm2_path

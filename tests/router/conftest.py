@@ -10,9 +10,9 @@ import pytest
 
 from pdserve.router.config import ProxyConfig
 from pdserve.router.proxy import RunningProxy, start_proxy
-from ports import free_port
+from tests.support.ports import free_port
 
-from .fakes import FakeInstance
+from tests.support.router_fakes import FakeInstance
 
 
 def unused_port() -> int:

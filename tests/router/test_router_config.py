@@ -77,6 +77,7 @@ def test_bad_flags_exit_2_with_message(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_dispatch_does_not_import_torch():
     code = ("import sys; from pdserve.cli import main\n"
             "try:\n    main(['proxy', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"

@@ -11,7 +11,7 @@ import json
 import aiohttp
 from aiohttp import web
 
-from .fakes import sse, wait_until
+from tests.support.router_fakes import sse, wait_until
 
 
 async def _send_and_leave(url, body, until):

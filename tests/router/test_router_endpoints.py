@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import unused_port
 
 
@@ -90,6 +92,7 @@ async def test_metrics_count_requests_errors_latency_and_in_flight(make_cluster)
         assert line in text, line
 
 
+@pytest.mark.slow
 async def test_pdserve_proxy_process_serves_and_stops_on_sigterm(make_cluster):
     c = await make_cluster()  # fakes + an in-process proxy; the subprocess is a second proxy
     p_port, d_port = (int(x.url.rsplit(":", 1)[1]) for x in (c.prefillers[0], c.decoders[0]))
@@ -110,6 +113,7 @@ async def test_pdserve_proxy_process_serves_and_stops_on_sigterm(make_cluster):
             await proc.wait()
 
 
+@pytest.mark.slow
 async def test_pdserve_proxy_port_in_use_exits_1(make_cluster):
     c = await make_cluster()
     used = c.url.rsplit(":", 1)[1]

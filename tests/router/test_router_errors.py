@@ -8,7 +8,7 @@ from aiohttp import web
 from pdserve.router import app as app_module
 
 from .conftest import unused_port
-from .fakes import sse, wait_until
+from tests.support.router_fakes import sse, wait_until
 
 BODY = {"model": "m", "prompt": "x", "max_tokens": 8}
 

@@ -13,7 +13,7 @@ from pdserve.router.config import ProxyConfig, check_disjoint, parse_args
 from pdserve.router.proxy import start_proxy
 from pdserve.router.role_check import RoleMismatch
 
-from .fakes import FakeInstance
+from tests.support.router_fakes import FakeInstance
 
 
 class InfoInstance(FakeInstance):

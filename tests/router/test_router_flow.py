@@ -5,7 +5,7 @@ import json
 
 from aiohttp import web
 
-from .fakes import prefill_params, sse, wait_until
+from tests.support.router_fakes import prefill_params, sse, wait_until
 
 STATELESS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
              "remote_block_ids": None, "remote_host": None, "remote_port": None}

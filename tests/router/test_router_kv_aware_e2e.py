@@ -22,11 +22,11 @@ import pytest
 from pdserve.types.block_hash import block_hashes
 from pdserve.router.config import ProxyConfig
 from pdserve.router.proxy import start_proxy
-from ports import free_port
-from servers import (EngineServer, ProxyServer, RedisServer, nixl_config, start_all,
+from tests.support.ports import free_port
+from tests.support.servers import (EngineServer, ProxyServer, RedisServer, nixl_config, start_all,
                      stop_together)
 
-from .fakes import wait_until
+from tests.support.router_fakes import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -67,7 +67,7 @@ def cluster(server_pool, tmp_path_factory):
                                                      **bidir), COMMON + events_args())
         server_pool.start("single")
         redis.wait_ready()
-        start_all(list(servers.values()))  # readiness waits scale to the machine (tests/processes.py)
+        start_all(list(servers.values()))  # readiness waits scale to the machine (tests/support/processes.py)
         # the oracle: the session's pooled plain instance (greedy outputs do not depend on the
         # number of KV blocks)
         single = server_pool.get("single")["single"]

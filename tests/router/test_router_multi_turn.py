@@ -135,7 +135,7 @@ async def test_params_recorded_before_the_client_sees_the_end_of_the_turn(make_c
 
     from aiohttp import web
 
-    from .fakes import sse
+    from tests.support.router_fakes import sse
 
     c = await make_cluster(multi_turn=True)
     d = c.decoders[0]

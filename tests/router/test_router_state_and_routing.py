@@ -16,7 +16,7 @@ from pdserve.router.proxy import start_proxy
 from pdserve.router.state_store import RedisStateStore
 from pdserve.router.upstreams import UpstreamPool
 
-from servers import RedisServer
+from tests.support.servers import RedisServer
 
 from .test_router_multi_turn import chat, decoder_params
 
@@ -36,6 +36,7 @@ def counter(proxy, name: str, **labels) -> float:
 
 
 # ------------------------------------------------------------------ state store
+@pytest.mark.slow
 async def test_redis_store_params_are_single_use_and_expire(redis_server):
     errors = []
     store = RedisStateStore(redis_server.url, ttl=30.0, on_error=errors.append)
@@ -62,7 +63,7 @@ async def test_redis_store_params_are_single_use_and_expire(redis_server):
 
 
 async def test_redis_store_unreachable_counts_and_returns_nothing(tmp_path):
-    from ports import free_port
+    from tests.support.ports import free_port
 
     errors = []
     store = RedisStateStore(f"redis://127.0.0.1:{free_port()}/0", ttl=30.0, on_error=errors.append)
@@ -83,6 +84,7 @@ def two_replicas_config(c, redis_url, **extra):
                        state_store=redis_url, **extra)
 
 
+@pytest.mark.slow
 async def test_two_replicas_share_conversations_and_race_hands_params_once(make_cluster,
                                                                            redis_server):
     c = await make_cluster(n_prefill=1, n_decode=1, multi_turn=True, state_store=redis_server.url)
@@ -109,6 +111,7 @@ async def test_two_replicas_share_conversations_and_race_hands_params_once(make_
         await replica_b.close()
 
 
+@pytest.mark.slow
 async def test_redis_down_serves_turns_as_recompute_and_counts(make_cluster, redis_server):
     c = await make_cluster(multi_turn=True, state_store=redis_server.url)
     c.decoders[0].decoder_params = decoder_params("d0")

@@ -12,8 +12,8 @@ import torch
 from pdserve.types.engine_config import EngineConfig
 from pdserve.runner.model_runner import ModelRunner
 
-from families import ORIGINAL_CTX, make_family_model
-from model_driver import DrivenRequest, MiniScheduler, greedy
+from tests.support.families import ORIGINAL_CTX, make_family_model
+from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

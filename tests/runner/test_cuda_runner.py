@@ -12,7 +12,7 @@ import torch
 from pdserve.types.engine_config import EngineConfig
 from pdserve.runner.model_runner import ModelRunner
 
-from model_driver import DrivenRequest, MiniScheduler, greedy
+from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

@@ -15,8 +15,8 @@ from pdserve.types.engine_config import EngineConfig
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.runner.piecewise_graphs import PiecewiseGraphs, piecewise_capture_sizes
 
-from families import make_family_model
-from model_driver import DrivenRequest, MiniScheduler, greedy
+from tests.support.families import make_family_model
+from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
 
 NUM_BLOCKS = 64
 SIZES = [16, 32, 64]

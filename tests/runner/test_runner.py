@@ -14,7 +14,7 @@ from pdserve.types.sampling_params import SamplingParams
 from pdserve.kv_transfer.base import KVConnectorWorkerSide
 from pdserve.runner.model_runner import ModelRunner
 
-from model_driver import DrivenRequest, MiniScheduler, greedy
+from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 from pdserve.types.engine_config import EngineConfig
 from pdserve.runner.model_runner import ModelRunner
 
-from model_driver import DrivenRequest, MiniScheduler, greedy
+from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
 
 B = 16
 PROMPT_LENS = [1, B - 1, B, B + 1, 2 * B + 1]

@@ -1,5 +1,5 @@
 """Child processes for end-to-end tests: logs, readiness waits that scale to the machine, and
-clean stops (used through ``tests/servers.py``).
+clean stops (used through ``tests/support/servers.py``).
 
 :func:`wait_progressing` polls until a condition holds and fails only when a process exited, or
 when none of the processes it waits for made progress (used CPU or wrote to its log) for

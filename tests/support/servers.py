@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
-from ports import free_port
-from processes import (MAX_WAIT_S, STALL_TIMEOUT_S, Process, descendants, still_running,
+from tests.support.ports import free_port
+from tests.support.processes import (MAX_WAIT_S, STALL_TIMEOUT_S, Process, descendants, still_running,
                        stop_together, wait_progressing)
 
 __all__ = ["BIDIR_TTL_S", "BLOCK_SIZE", "HANDSHAKE_TIMEOUT_S", "LOAD_FACTOR", "MAX_WAIT_S",
@@ -97,7 +97,7 @@ class EngineServer(Process):
         args: extra CLI arguments.
         host: the address it listens on and advertises its side channel on (another network
             namespace's address with ``netns``).
-        netns: run it inside this network namespace (``ip netns exec``; ``tests/netns.py``).
+        netns: run it inside this network namespace (``ip netns exec``; ``tests/support/netns.py``).
         env: variables added to its environment (after the side-channel ones).
     """
 

@@ -1,0 +1,1 @@
+"""Shared test helpers, imported as tests.support.<module>."""
