@@ -47,6 +47,7 @@ def _python_example(banner: str) -> str:
     return "\n".join(lines[start + 1:lines.index("EOF", start)])
 
 
+@pytest.mark.slow
 def test_banner_without_chat_template_uses_completions(tmp_path):
     banner = launcher.usage_banner("http://127.0.0.1:8000", "gemma3-270m",
                                    python="/venv/bin/python", openai_installed=True,

@@ -30,6 +30,7 @@ def _folder(root: Path, pid: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_create_names_the_owner_and_sweeps_dead_owners(tmp_path):
     dead = _folder(tmp_path, _dead_pid())
     alive = _folder(tmp_path, os.getppid())

@@ -109,7 +109,7 @@ def _engine(kv_role: str):
 async def test_proxy_refuses_swapped_engines_and_passes_tokenize_through():
     """The engine's route and the proxy's role check agree (both apps served in process)."""
     import aiohttp
-    from conftest import live_server
+    from tests.support.live_server import live_server
 
     from pdserve.router.config import ProxyConfig
     from pdserve.router.proxy import start_proxy

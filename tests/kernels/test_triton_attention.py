@@ -467,6 +467,7 @@ def _use_kernels(model, enabled: bool):
         model.set_attention_backend(attention.TorchAttentionBackend(*args))
 
 
+@pytest.mark.slow  # a Triton kernel in the interpreter: seconds on a CPU
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_fused_model_path_matches_torch_path(qk_norm, few_decode_splits):
     """Fused forward (mixed batch) and the graph-safe decode step equal the torch path."""
@@ -522,6 +523,7 @@ def test_fused_model_path_matches_torch_path(qk_norm, few_decode_splits):
     assert rel_err(kv_got, kv_ref) < 1e-5, "the padding row must not write the cache"
 
 
+@pytest.mark.slow  # a Triton kernel in the interpreter: seconds on a CPU
 def test_fused_gemma3_path_matches_torch_path():
     """Gemma 3 (a sliding layer with a 4-token window, then a global one) on the Triton path:
     the rotary kernel after Gemma's q/k norm and the windowed decode kernel equal the torch
@@ -586,6 +588,7 @@ class _EagerGraphRunner(cuda_graphs.CUDAGraphRunner):
         self._graphs = {bs: _EagerReplay(self, bs) for bs in self.capture_sizes}
 
 
+@pytest.mark.slow  # a Triton kernel in the interpreter: seconds on a CPU
 def test_runner_graph_decode_path_matches_eager(tiny_qwen3_path, monkeypatch, request):
     """The runner's graph decode step (input building, padding to a captured size, sampling
     outside) gives the eager step's greedy tokens. On a GPU both runs use the fused kernels.

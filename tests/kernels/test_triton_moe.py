@@ -88,6 +88,7 @@ def test_fused_moe_rejects_bad_shapes_and_handles_no_tokens():
     assert out.shape == (0, 16)
 
 
+@pytest.mark.slow  # a Triton kernel in the interpreter: seconds on a CPU
 def test_moe_model_fused_path_matches_torch_path(tmp_path):
     """A tiny Qwen3-MoE on the Triton attention backend (fused MoE, attention, norms) gives the
     logits of the torch path on a mixed batch."""

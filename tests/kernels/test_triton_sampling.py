@@ -95,6 +95,7 @@ def test_kernel_draws_the_reference_formula():
     assert out.tolist() == _reference(logits, temps, seeds, positions, step=7)
 
 
+@pytest.mark.slow  # a Triton kernel in the interpreter: seconds on a CPU
 def test_draws_follow_softmax_of_logits_over_temperature():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -3.0], device=DEV)
     temp = 0.7
@@ -131,6 +132,7 @@ def test_several_blocks_draw_what_one_block_draws(block_v):
     assert out.tolist() == ts.draw_tokens(logits, temps, seeds, positions, step=2).tolist()
 
 
+@pytest.mark.slow  # a Triton kernel in the interpreter: seconds on a CPU
 def test_two_allowed_tokens_are_drawn_in_proportion():
     """A row whose mass sits on two entries in different blocks: the draws over many positions
     follow the two probabilities (within 4 standard errors)."""
@@ -144,6 +146,7 @@ def test_two_allowed_tokens_are_drawn_in_proportion():
     assert abs((out == 50).float().mean().item() - p50) <= 4 * se
 
 
+@pytest.mark.slow  # a Triton kernel in the interpreter: seconds on a CPU
 def test_draw_at_the_top_of_the_distribution_stays_on_allowed_tokens():
     """With ``u`` next to 1 (seed 5 at position 4,165,581: ``u = 1 - 1.2e-7``), the running sums
     that locate ``u * total`` may end below it in float32 (sequential sums of a large entry and
@@ -169,6 +172,7 @@ def test_rejects_bad_block_size():
             ts.draw_tokens(torch.zeros(2, 4, device=DEV), *_args(2, 1.0), block_v=bad)
 
 
+@pytest.mark.slow  # a Triton kernel in the interpreter: seconds on a CPU
 def test_noise_depends_only_on_seed_and_position():
     rows = 16
     logits = torch.zeros(rows, 50, device=DEV)  # uniform: the token is decided by the noise alone
@@ -197,6 +201,7 @@ def _req(rid: str, sp: SamplingParams, n_out: int = 0) -> ScheduledRequest:
                             output_token_ids=[7] * n_out)
 
 
+@pytest.mark.slow  # a Triton kernel in the interpreter: seconds on a CPU
 def test_fused_sampler_masks_and_seeds():
     sampler = Sampler(DEV, seed=3, fused=True)
     assert sampler.fused
@@ -258,6 +263,7 @@ def test_kernel_reads_model_dtype_logits_as_their_float32_upcast(dtype):
     assert out.tolist() == up.tolist() == _reference(logits, temps, seeds, positions, step=1)
 
 
+@pytest.mark.slow  # a Triton kernel in the interpreter: seconds on a CPU
 def test_fused_sampler_on_bf16_logits_draws_as_on_their_upcast():
     """The fused sampler on bf16 logits: greedy only, unmasked (the kernel reads the bf16
     logits), masked (the masks work on a float32 copy) and with penalties, the tokens of the

@@ -55,7 +55,7 @@ def _check_prefix(ours: list[int], ref: list[int], what: str) -> None:
 
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen3", "tiny_gemma3",
-                                                  "smollm2"])
+                                        pytest.param("smollm2", marks=pytest.mark.slow)])
 def model_pair(request):
     path = request.getfixturevalue(f"{request.param}_path")
     return request.param, _runner(path), _hf(path)
