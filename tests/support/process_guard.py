@@ -20,8 +20,12 @@ from typing import Any, Callable
 
 #: programs that libraries run for themselves to look something up (``ldconfig -p`` from
 #: ``ctypes.util.find_library``, ``uname -p`` from ``platform.processor()`` as the openai client
-#: asks it, ``fc-list`` from matplotlib's font cache): not a process the test starts
-LIBRARY_PROBES = frozenset({"ldconfig", "uname", "fc-list"})
+#: asks it, ``fc-list`` from matplotlib's font cache), and the compilers that Triton and NVRTC's
+#: callers run to build a kernel on a GPU machine (``gcc``/``cc`` for Triton's driver module,
+#: ``ptxas``, ``nvcc``, ``cuobjdump``): not a process the test starts
+LIBRARY_PROBES = frozenset({"ldconfig", "uname", "fc-list",
+                            "gcc", "cc", "g++", "c++", "clang", "ptxas", "nvcc", "cuobjdump",
+                            "nvdisasm"})
 
 
 class ProcessInFastTest(RuntimeError):
