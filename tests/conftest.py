@@ -22,6 +22,7 @@ import os
 
 import pytest
 
+from pdserve.utils.host_devices import detect_gpus
 from tests.support.process_guard import ProcessGuard
 
 # Nothing may be downloaded at test time.
@@ -120,8 +121,13 @@ _PROCESS_GUARD = ProcessGuard()
 
 
 def pytest_configure(config):
-    """Wrap the process-starting functions for the session (tests/support/process_guard.py)."""
-    _PROCESS_GUARD.install()
+    """Wrap the process-starting functions for the session (tests/support/process_guard.py).
+
+    Only where there is no GPU: the fast lane is the CPU machine's, and on a GPU machine the
+    kernels' compilers (Triton's ``ptxas``, its driver module's C compiler, ``file``) run as
+    processes inside ordinary tests."""
+    if not detect_gpus():
+        _PROCESS_GUARD.install()
 
 
 @pytest.hookimpl(hookwrapper=True)
