@@ -99,7 +99,7 @@ async def test_instance_info_without_kv_transfer_or_chat_template(client, fake_e
 
 
 def _engine(kv_role: str):
-    from fake_engine_for_server import FakeEngine
+    from tests.support.fake_engine_for_server import FakeEngine
 
     engine = FakeEngine()
     engine.config.kv_transfer_config = KVTransferConfig(kv_role=kv_role)
