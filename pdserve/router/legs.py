@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import aiohttp
 
+from pdserve.utils import phase_trace
 from pdserve.router.bodies import decode_leg_body
 from pdserve.router.decode_guard import DecodeLegGuard
 from pdserve.router.errors import ProxyError
@@ -129,7 +130,9 @@ class TurnLegs:
         while True:
             p_up, p_params = await self._prefill(path, p_data, headers, turn, previous[0],
                                                  token_ids, att)
+            phase_trace.mark("px.p_parsed")
             d_data = _encode(decode_leg_body(body, p_params)).encode()
+            phase_trace.mark("px.d_body_built")
             order = [u for u in self._route(self._decoders, previous[1], token_ids, turn)
                      if u not in att.d_failed]
             try:
@@ -176,7 +179,9 @@ class TurnLegs:
                 return None, None
             try:
                 p_up, p_resp = await self._client.open(order, pool, path, p_data, headers, turn)
+                phase_trace.mark("px.p_hdr")
                 p_raw = await self._client.read_body(p_up, p_resp, turn)
+                phase_trace.mark("px.p_read")
                 self._client.check_status(p_up, p_resp, p_raw)
                 return p_up, self._params(p_up, p_raw)
             except ProxyError as e:
