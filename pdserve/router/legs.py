@@ -14,7 +14,9 @@ request shared by both legs (``--max-retries``):
   claimed P's blocks). D failed after the request was sent (HTTP 5xx, timeout, dropped
   connection, before its response reached the client) -> P's blocks are released
   (:mod:`pdserve.router.decode_guard`; D may have claimed them, so they are not reused), and the
-  turn is prefilled again and decoded on another decoder.
+  turn is prefilled again and decoded on another decoder; a decoder that answered 502/503 (its
+  KV read from P failed: P died or hung) is only tried after the others, and serves the retry
+  itself when it is the only one (a prefiller that died meanwhile then means decode-only).
 * An instance's 4xx is the client's error: relayed, never retried. A retry goes to an instance
   the request has not failed on; with none left, or no budget left, the last error is answered.
 
@@ -44,6 +46,10 @@ logger = logging.getLogger("pdserve.router")
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 
+#: A decoder's answers when its KV read from the prefiller failed (P did not answer in time /
+#: transport error; docs/configuration.md, ``kv_load_failure_policy``): D itself is alive, so
+#: with no other decoder the retry (a new prefill, or decode-only) may go to it again.
+_KV_SOURCE_FAILED = (502, 503)
 #: ``route(pool, previous_url, token_ids, turn)`` -> the instances to try, best first.
 Route = Callable[[UpstreamPool, "str | None", "list[int] | None", Turn], list[Upstream]]
 
@@ -75,6 +81,7 @@ class _Attempts:
     budget: int
     p_failed: list[Upstream] = field(default_factory=list)
     d_failed: list[Upstream] = field(default_factory=list)
+    d_again: list[Upstream] = field(default_factory=list)  # answered 502/503: tried last
     causes: list[str] = field(default_factory=list)  # why prefillers did not serve, in order
     fell_back: bool = False
 
@@ -133,8 +140,10 @@ class TurnLegs:
             phase_trace.mark("px.p_parsed")
             d_data = _encode(decode_leg_body(body, p_params)).encode()
             phase_trace.mark("px.d_body_built")
-            order = [u for u in self._route(self._decoders, previous[1], token_ids, turn)
-                     if u not in att.d_failed]
+            routed = [u for u in self._route(self._decoders, previous[1], token_ids, turn)
+                      if u not in att.d_failed]
+            order = ([u for u in routed if u not in att.d_again]
+                     + [u for u in routed if u in att.d_again])
             try:
                 d_up, d_resp = await self._client.open(order, self._decoders, path, d_data,
                                                        headers, turn)
@@ -231,7 +240,11 @@ class TurnLegs:
         """True when the turn is to be served again (prefill included) on another decoder."""
         if failure.upstream is None:  # no decoder accepted a connection: none is left
             return False
-        att.d_failed.append(self._decoders.get(failure.upstream))
+        up = self._decoders.get(failure.upstream)
+        if isinstance(failure, UpstreamHTTPError) and failure.status in _KV_SOURCE_FAILED:
+            att.d_again.append(up)  # D is alive; its read from P failed: it may serve the retry
+        else:
+            att.d_failed.append(up)
         if not any(u not in att.d_failed and self._health.in_rotation(u)
                    for u in self._decoders.upstreams):
             return False

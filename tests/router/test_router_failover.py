@@ -228,3 +228,22 @@ async def test_mixed_load_with_a_failing_decoder_leaves_no_lease_held(make_clust
     await assert_no_block_held(c, answered=20)
     assert sum(len(p.received) for p in c.prefillers) == 20 + n_failed
     assert retries(c, "decode") == n_failed
+
+
+async def test_single_decoder_whose_kv_read_failed_serves_the_retry(make_cluster):
+    c = await make_cluster(n_prefill=2)
+    answers = [respond(503, "timeout: the prefiller did not answer"), None]
+
+    async def once_then_fine(inst, request, rec):
+        handler = answers.pop(0)
+        return await (handler(inst, request, rec) if handler else inst._decode(request, rec))
+
+    c.decoders[0].handler = once_then_fine
+    status, _, raw = await c.post("/v1/completions", BODY)
+    assert status == 200 and json.loads(raw)["served_by"] == "d0"
+    assert len(c.decoders[0].received) == 2 and retries(c, "decode") == 1
+    await assert_no_block_held(c, answered=1)
+    # a decoder's own 500 is not retried on itself
+    c.decoders[0].handler = respond(500)
+    assert (await c.post("/v1/completions", BODY))[0] == 500
+    assert len(c.decoders[0].received) == 3
