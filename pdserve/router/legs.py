@@ -48,7 +48,8 @@ _encode = json.JSONEncoder(separators=(",", ":")).encode
 
 #: A decoder's answers when its KV read from the prefiller failed (P did not answer in time /
 #: transport error; docs/configuration.md, ``kv_load_failure_policy``): D itself is alive, so
-#: with no other decoder the retry (a new prefill, or decode-only) may go to it again.
+#: with no other decoder the retry (a new prefill, or decode-only) may go to it again, and the
+#: answer does not count against D's circuit breaker.
 _KV_SOURCE_FAILED = (502, 503)
 #: ``route(pool, previous_url, token_ids, turn)`` -> the instances to try, best first.
 Route = Callable[[UpstreamPool, "str | None", "list[int] | None", Turn], list[Upstream]]
@@ -167,7 +168,8 @@ class TurnLegs:
             if d_resp.status >= 400:  # D refused the request: it will not read P's blocks
                 self._guard.release(p_up, p_params, headers)
                 try:
-                    self._client.check_status(d_up, d_resp, raw)
+                    self._client.check_status(d_up, d_resp, raw,
+                                              breaker=d_resp.status not in _KV_SOURCE_FAILED)
                 except UpstreamHTTPError as e:
                     if e.status >= 500 and self._retry_decode(e, att, turn):
                         continue

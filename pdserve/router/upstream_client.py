@@ -199,13 +199,16 @@ class UpstreamClient:
         resp.release()
         return raw
 
-    def check_status(self, up: Upstream, resp: aiohttp.ClientResponse, raw: bytes) -> None:
+    def check_status(self, up: Upstream, resp: aiohttp.ClientResponse, raw: bytes,
+                     breaker: bool = True) -> None:
         """Raise :class:`UpstreamHTTPError` for an HTTP error answer (5xx counted as failures,
-        also by the instance's circuit breaker)."""
+        also by the instance's circuit breaker unless ``breaker`` is False: the failure is
+        another instance's, e.g. a decoder whose KV read from the prefiller failed)."""
         if resp.status >= 400:
             if resp.status >= 500:
                 self.metrics.count_error(up.url, up.leg)
-                self.health.failure(up)
+                if breaker:
+                    self.health.failure(up)
             raise UpstreamHTTPError(resp.status,
                                     normalize_upstream_error(resp.status, raw, up.leg, up.url),
                                     up.url)

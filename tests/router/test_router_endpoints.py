@@ -74,7 +74,7 @@ async def test_models_all_unreachable_is_503(make_cluster):
 
 
 async def test_metrics_count_requests_errors_latency_and_in_flight(make_cluster):
-    c = await make_cluster(api_key="k")
+    c = await make_cluster(api_key="k", max_retries=0)  # one failed request, not retried
     hdr = {"Authorization": "Bearer k"}
     for _ in range(3):
         assert (await c.post("/v1/completions", {"model": "m", "prompt": "x"}, hdr))[0] == 200

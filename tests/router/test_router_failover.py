@@ -243,7 +243,9 @@ async def test_single_decoder_whose_kv_read_failed_serves_the_retry(make_cluster
     assert status == 200 and json.loads(raw)["served_by"] == "d0"
     assert len(c.decoders[0].received) == 2 and retries(c, "decode") == 1
     await assert_no_block_held(c, answered=1)
+    breaker = c.proxy.proxy.health.breaker(c.proxy.proxy.decoders.upstreams[0])
+    assert breaker.failures == 0  # the prefiller's failure, not the decoder's
     # a decoder's own 500 is not retried on itself
     c.decoders[0].handler = respond(500)
     assert (await c.post("/v1/completions", BODY))[0] == 500
-    assert len(c.decoders[0].received) == 3
+    assert len(c.decoders[0].received) == 3 and breaker.failures == 1
