@@ -13,7 +13,9 @@ FastAPI/uvicorn (h11) + httpx reached about 270 requests/s, FastAPI + an aiohttp
 1,100-2,100, and aiohttp server + client 1,700-3,200 (docs/proxy.md has the figures).
 
 Failure handling (status codes in docs/proxy.md): upstream failures as described in
-:mod:`pdserve.router.upstream_client`; a failure after the stream to the client has started -> an
+:mod:`pdserve.router.upstream_client`; before the first token, retries on other instances,
+the decode-only fallback and ``--enforce-disagg`` as in :mod:`pdserve.router.legs`, instances
+taken out of rotation by their circuit breakers (:mod:`pdserve.router.health`); a failure after the stream to the client has started -> an
 SSE ``data: {"error": ...}`` event, then ``data: [DONE]``; the client going away -> the open
 upstream request is closed, which makes the instance's server abort it (during the prefill leg: P
 aborts and frees the blocks, no decode leg is sent). Work D will not do is not left to P
@@ -38,11 +40,13 @@ from aiohttp import web
 
 from pdserve.utils import phase_trace
 from pdserve.types.openai_errors import MAX_BODY_BYTES, body_too_large
-from pdserve.router.bodies import (check_client_body, conversation_key, decode_leg_body,
-                                   prefill_leg_body)
+from pdserve.router.bodies import check_client_body, conversation_key, prefill_leg_body
 from pdserve.router.config import ProxyConfig
 from pdserve.router.conversations import ConversationStore
 from pdserve.router.decode_guard import DecodeLegGuard
+from pdserve.router.fallback import DecodeOnlyFallback
+from pdserve.router.health import BreakerPolicy, UpstreamHealth
+from pdserve.router.legs import TurnLegs
 from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, METHOD_NOT_ALLOWED,
                                    NOT_FOUND, REQUEST_TOO_LARGE, UPSTREAM_ERROR,
                                    UPSTREAM_UNAVAILABLE,
@@ -89,9 +93,16 @@ class DisaggProxy:
 
     def __init__(self, config: ProxyConfig):
         self.config = config
-        self.prefillers = UpstreamPool("prefill", config.prefillers, config.routing)
-        self.decoders = UpstreamPool("decode", config.decoders, config.routing)
+        available = self._in_rotation
+        self.prefillers = UpstreamPool("prefill", config.prefillers, config.routing,
+                                       available=available, panic=False)
+        self.decoders = UpstreamPool("decode", config.decoders, config.routing,
+                                     available=available)
         self.metrics = ProxyMetrics(config.prefillers, config.decoders)
+        self.health = UpstreamHealth(
+            self.prefillers.upstreams + self.decoders.upstreams,
+            BreakerPolicy(config.breaker_failures, config.breaker_backoff),
+            lambda up: self.client.probe(up, self._upstream_auth), self.metrics.upstream_healthy)
         self.conversations: ConversationStore | None = None
         self.state_store: MemoryStateStore | RedisStateStore | None = None
         if config.multi_turn and config.state_store == "memory":
@@ -108,13 +119,20 @@ class DisaggProxy:
         self._api_key = (f"Bearer {config.api_key}".encode() if config.api_key else None)
         self._upstream_auth = (f"Bearer {config.upstream_api_key}" if config.upstream_api_key else None)
         self.client = UpstreamClient(config.timeout, (self.prefillers, self.decoders),
-                                     tuple(_ENDPOINTS), self.metrics)
+                                     tuple(_ENDPOINTS), self.metrics, self.health)
         self.role_check = RoleCheck((self.prefillers, self.decoders), lambda: self.client.session,
                                     self._upstream_auth)
         self.decode_guard = DecodeLegGuard(
             self.decoders, lambda up: self.client.probe(up, self._upstream_auth), self.metrics,
             lambda: self.client.session)
+        self.legs = TurnLegs(self.client, self.prefillers, self.decoders, self.health,
+                             self.decode_guard,
+                             DecodeOnlyFallback(config.enforce_disagg,
+                                                self.metrics.decode_only_fallback),
+                             self.metrics, self._route, config.max_retries)
 
+    def _in_rotation(self, up: Upstream) -> bool:
+        return self.health.in_rotation(up)
     # ------------------------------------------------------------------ application
     def build_app(self) -> web.Application:
         """The aiohttp application (run it with ``handler_cancellation=True``, see :func:`serve`)."""
@@ -146,6 +164,7 @@ class DisaggProxy:
             await self.kv_router.close()
         if self.state_store is not None:
             await self.state_store.close()
+        await self.health.close()
         await self.client.close()
 
     # ------------------------------------------------------------------ helpers
@@ -175,7 +194,8 @@ class DisaggProxy:
         if self.config.session_affinity and pool is self.decoders and previous is not None:
             if affinity_allows(pool, previous):
                 order = pool.order(previous)
-                decision = (RoutingDecision(order, RoutingReason.AFFINITY) if order[0] is previous
+                decision = (RoutingDecision(order, RoutingReason.AFFINITY)
+                            if order and order[0] is previous
                             else route_plain(pool, None))
             else:  # too busy: routed as a new conversation would be
                 decision = kv.route(pool, token_ids) if kv is not None else route_plain(pool, None)
@@ -185,7 +205,7 @@ class DisaggProxy:
             decision = route_plain(pool, previous)
         self.metrics.count_decision(pool.leg, decision.reason.value,
                                     decision.hit_blocks if kv is not None else None)
-        if logger.isEnabledFor(logging.DEBUG):
+        if decision.order and logger.isEnabledFor(logging.DEBUG):
             up = decision.order[0]
             logger.debug("request %s: %s leg -> %s (%s; %d/%d prompt blocks cached there; "
                          "%d in flight)", turn.request_id, pool.leg, up.url, decision.reason.value,
@@ -258,44 +278,18 @@ class DisaggProxy:
                              + ", ".join(u.url for u in self.decoders.upstreams)
                              + "); the request was not prefilled", UPSTREAM_UNAVAILABLE)
 
-        # Prefill leg.
-        p_body = prefill_leg_body(body, state.kv_transfer_params if state else None)
+        p_data = _encode(prefill_leg_body(body, state.kv_transfer_params if state else None)).encode()
         if state is not None and state.kv_transfer_params:
             self.metrics.kv_params_forwarded.inc()
         phase_trace.mark("px.p_body_built")
-        p_order = self._route(self.prefillers, state.prefiller_url if state else None, token_ids, turn)
-        p_up, p_resp = await self.client.open(p_order, self.prefillers, path,
-                                              _encode(p_body).encode(), headers, turn)
-        phase_trace.mark("px.p_hdr")
-        p_raw = await self.client.read_body(p_up, p_resp, turn)
-        phase_trace.mark("px.p_read")
-        self.client.check_status(p_up, p_resp, p_raw)
-        try:
-            p_answer = json.loads(p_raw)
-        except ValueError:
-            raise self.client.invalid_response(p_up, "body is not JSON") from None
-        p_params = p_answer.get("kv_transfer_params") if isinstance(p_answer, dict) else None
-        if p_params is not None and not isinstance(p_params, dict):
-            raise self.client.invalid_response(p_up, "kv_transfer_params is not an object")
-
-        phase_trace.mark("px.p_parsed")
-        # Decode leg.
-        d_data = _encode(decode_leg_body(body, p_params)).encode()
-        phase_trace.mark("px.d_body_built")
-        d_order = self._route(self.decoders, state.decoder_url if state else None, token_ids, turn)
-        try:
-            d_up, d_resp = await self.client.open(d_order, self.decoders, path, d_data, headers,
-                                                  turn)
-        except BaseException:  # no decoder reachable, or the client went away between the legs
-            self.decode_guard.release(p_up, p_params, headers)
-            raise
+        stream = body.get("stream") is True
+        answer = await self.legs.run(path, body, p_data, headers, turn, stream,
+                                     (state.prefiller_url, state.decoder_url) if state
+                                     else (None, None), token_ids)
+        p_up, d_up, d_resp, d_raw = answer.p_up, answer.d_up, answer.d_resp, answer.raw
         phase_trace.mark("px.d_hdr")
-        if body.get("stream") is True and d_resp.status == 200:
+        if d_raw is None:
             return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id, headers)
-        d_raw = await self.client.read_body(d_up, d_resp, turn)
-        if d_resp.status >= 400:  # D refused the request: it will not read P's blocks
-            self.decode_guard.release(p_up, p_params, headers)
-        self.client.check_status(d_up, d_resp, d_raw)
         keep = conv_id is not None
         if keep or (self.state_store is not None and _D_PARAMS_NEEDLE in d_raw):
             try:
@@ -318,9 +312,11 @@ class DisaggProxy:
         self.metrics.added_latency.observe(perf_counter() - turn.t0 - turn.upstream_wait)
         return resp
 
-    async def _record_turn(self, conv_id: str, p_up: Upstream, d_up: Upstream,
+    async def _record_turn(self, conv_id: str, p_up: Upstream | None, d_up: Upstream,
                            d_params: dict[str, Any] | None) -> None:
-        await self.state_store.record_turn(conv_id, p_up.url, d_up.url, d_params)
+        """Remember a finished turn (``p_up`` None: served decode-only)."""
+        await self.state_store.record_turn(conv_id, p_up.url if p_up is not None else None,
+                                           d_up.url, d_params)
         if self.conversations is not None:
             self.metrics.conversations.set(len(self.conversations))
 
@@ -408,17 +404,23 @@ class DisaggProxy:
                              self._upstream_headers(request, None), self.metrics)
 
     async def _health(self, request: web.Request) -> web.Response:
-        """200 when at least one prefill and one decode instance answer their ``/health``, else 503.
+        """200 when a decode instance and a prefill instance answer their ``/health``
+        (``status: ok``), or only a decode instance, without ``--enforce-disagg``
+        (``status: degraded``: requests are served decode-only); else 503 (``unhealthy``).
 
-        The body maps each instance URL to true/false per leg.
+        The body maps each instance URL to true/false per leg, and under ``breakers`` to its
+        circuit breaker's state (``closed``, ``open``, ``half_open``).
         """
         ups = self.prefillers.upstreams + self.decoders.upstreams
         results = await asyncio.gather(*(self.client.probe(u, self._upstream_auth) for u in ups))
         report: dict[str, Any] = {"prefill": {}, "decode": {}}
         for up, ok in zip(ups, results):
             report[up.leg][up.url] = ok
-        healthy = any(report["prefill"].values()) and any(report["decode"].values())
-        report["status"] = "ok" if healthy else "unhealthy"
+        p_ok, d_ok = any(report["prefill"].values()), any(report["decode"].values())
+        healthy = d_ok and (p_ok or not self.config.enforce_disagg)
+        report["status"] = ("ok" if p_ok else "degraded") if healthy else "unhealthy"
+        report["breakers"] = {"prefill": self.health.report(self.prefillers.upstreams),
+                              "decode": self.health.report(self.decoders.upstreams)}
         return _json_response(200 if healthy else 503, _encode(report).encode())
 
     async def _metrics(self, request: web.Request) -> web.Response:

@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass
 
 from pdserve.commands import parser as cli_types
+from pdserve.router.health import DEFAULT_BREAKER_BACKOFF_S, DEFAULT_BREAKER_FAILURES
 from pdserve.router.kv_index import DEFAULT_STALE_AFTER_S
 from pdserve.router.kv_routing import DEFAULT_KV_LOAD_WEIGHT
 from pdserve.router.state_store import check_state_store_url
@@ -24,6 +25,8 @@ DEFAULT_CONVERSATION_TTL_S = 480.0
 DEFAULT_MAX_CONVERSATIONS = 100_000
 #: Default per-leg timeout in seconds (wait for a response or for the next streamed chunk).
 DEFAULT_TIMEOUT_S = 600.0
+#: Default retries per request before its first token, both legs together (``--max-retries``).
+DEFAULT_MAX_RETRIES = 2
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,14 @@ class ProxyConfig:
         log_level: ``critical`` .. ``debug`` (``debug`` logs every routing decision).
         session_affinity: a conversation's next turn prefers its previous decoder while that
             decoder's load allows (``pdserve.router.kv_routing.AFFINITY_MAX_EXTRA_IN_FLIGHT``).
+        max_retries: sends of a leg again, on another instance, after an instance failed before
+            the request's first token (both legs of a request share it; 0 = never). Connection
+            failures, where nothing was sent, move on to the next instance without counting.
+        breaker_failures: consecutive failures that take an instance out of rotation (0 = never).
+        breaker_backoff: seconds an instance stays out of rotation before its first
+            ``/health`` probe (doubled per failed probe, up to 60 s).
+        enforce_disagg: with no prefill instance available, answer 503 instead of letting a
+            decoder prefill the request itself (decode-only fallback).
     """
 
     host: str = "127.0.0.1"
@@ -70,6 +81,10 @@ class ProxyConfig:
     state_store: str = "memory"
     session_affinity: bool = False
     log_level: str = "info"
+    max_retries: int = DEFAULT_MAX_RETRIES
+    breaker_failures: int = DEFAULT_BREAKER_FAILURES
+    breaker_backoff: float = DEFAULT_BREAKER_BACKOFF_S
+    enforce_disagg: bool = False
 
 
 def base_url(host: str, port: int) -> str:
@@ -178,6 +193,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=cli_types.positive_float, default=DEFAULT_TIMEOUT_S,
                    help="seconds to wait for an instance's response or next streamed chunk "
                         f"(default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--max-retries", type=cli_types.non_negative_int, default=DEFAULT_MAX_RETRIES,
+                   metavar="N",
+                   help="times a request is sent again, on another instance, when an instance "
+                        "fails before the first token (5xx, timeout, dropped connection; both legs "
+                        f"share it; default {DEFAULT_MAX_RETRIES}; 0 = never); an instance's 4xx is "
+                        "never retried, a refused connection moves on without counting")
+    p.add_argument("--breaker-failures", type=cli_types.non_negative_int,
+                   default=DEFAULT_BREAKER_FAILURES, metavar="N",
+                   help="consecutive failures that take an instance out of rotation until a "
+                        f"/health probe brings it back (default {DEFAULT_BREAKER_FAILURES}; 0 = never)")
+    p.add_argument("--breaker-backoff", type=cli_types.positive_float,
+                   default=DEFAULT_BREAKER_BACKOFF_S, metavar="S",
+                   help="seconds an instance stays out of rotation before its first probe, doubled "
+                        f"per failed probe up to 60 (default {DEFAULT_BREAKER_BACKOFF_S:g})")
+    p.add_argument("--enforce-disagg", action="store_true",
+                   help="with no prefill instance available, answer 503 instead of letting a decoder "
+                        "prefill the request itself (decode-only fallback, the default)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default info; debug logs every routing decision)")
@@ -215,4 +247,6 @@ def parse_args(argv: list[str]) -> ProxyConfig:
         conversation_ttl=ns.conversation_ttl, timeout=ns.timeout, tokenizer=ns.tokenizer,
         kv_load_weight=ns.kv_load_weight, kv_events_stale_after=ns.kv_events_stale_after,
         state_store=ns.state_store, session_affinity=ns.session_affinity, log_level=ns.log_level,
+        max_retries=ns.max_retries, breaker_failures=ns.breaker_failures,
+        breaker_backoff=ns.breaker_backoff, enforce_disagg=ns.enforce_disagg,
     )

@@ -43,14 +43,18 @@ class ProxyError(Exception):
             e.g. ``"prefill instance http://127.0.0.1:8100 unreachable (...)"``.
         err_type: the ``type`` field of the body (one of the constants in this module).
         param: the offending request field, if any.
+        upstream: base URL of the instance that failed, when the error is one instance's failure
+            (the proxy may retry the leg on another instance).
     """
 
-    def __init__(self, status: int, message: str, err_type: str, param: str | None = None):
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None,
+                 upstream: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.err_type = err_type
         self.param = param
+        self.upstream = upstream
 
     def body(self) -> bytes:
         """The JSON error body as bytes."""

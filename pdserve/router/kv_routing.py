@@ -73,7 +73,7 @@ class RoutingDecision:
 def route_plain(pool: UpstreamPool, preferred: Upstream | None) -> RoutingDecision:
     """Round-robin / least-loaded routing, the conversation's previous instance first."""
     order = pool.order(preferred)
-    if preferred is not None and order[0] is preferred:
+    if preferred is not None and order and order[0] is preferred:
         reason = RoutingReason.CONVERSATION
     else:
         reason = RoutingReason.LEAST_LOADED if pool.least_loaded else RoutingReason.ROUND_ROBIN
@@ -216,6 +216,8 @@ class KVAwareRouter:
             return RoutingDecision(pool.order(None), reason)
         hashes_by_size: dict[int, list[int]] = {}
         order = pool.order(None)  # least-loaded, ties in round-robin order
+        if not order:  # every instance of the leg is out of rotation
+            return RoutingDecision(order, RoutingReason.LEAST_LOADED)
         best: Upstream | None = None
         best_cost = best_hits = best_blocks = 0
         for up in order:

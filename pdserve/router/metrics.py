@@ -26,6 +26,13 @@ Names (kept here until the project-wide ``pdserve/entrypoints/metrics.py`` takes
   without a conversation (``released``, ``not_held``, ``failed``).
 * ``pdserve:proxy_prefills_skipped_total``: requests answered 503 before the prefill leg because
   no decode instance was reachable.
+* ``pdserve:proxy_retries_total{leg}``: legs sent again after an instance failed before the
+  first token (``--max-retries``); a decode-leg retry that needs a new prefill counts once, on
+  the decode leg.
+* ``pdserve:proxy_decode_only_fallback_total``: requests a decoder served alone (it prefilled
+  them itself) because no prefill instance was available.
+* ``pdserve:proxy_upstream_healthy{upstream, leg}``: 1 while the instance is in rotation (its
+  circuit breaker closed or half-open), 0 while it is out (open).
 """
 
 from __future__ import annotations
@@ -83,6 +90,18 @@ class ProxyMetrics:
         self.prefills_skipped = Counter("pdserve:proxy_prefills_skipped",
                                         "Requests refused before prefill: no decoder reachable",
                                         registry=self.registry)
+        self.retries = Counter("pdserve:proxy_retries",
+                               "Legs sent again after an instance failed before the first token",
+                               ["leg"], registry=self.registry)
+        self.retries_child = {leg: self.retries.labels(leg=leg) for leg in ("prefill", "decode")}
+        self.decode_only_fallback = Counter(
+            "pdserve:proxy_decode_only_fallback",
+            "Requests a decoder served alone because no prefill instance was available",
+            registry=self.registry)
+        self.upstream_healthy = Gauge("pdserve:proxy_upstream_healthy",
+                                      "1 while the instance is in rotation (circuit breaker "
+                                      "closed or half-open), 0 while it is out (open)",
+                                      ["upstream", "leg"], registry=self.registry)
         self.in_flight_child = {}
         for leg, urls in (("prefill", prefillers), ("decode", decoders)):
             for url in urls:

@@ -6,10 +6,15 @@ errors (status codes in docs/proxy.md):
 
 * an instance that cannot be connected to (nothing was sent) -> the next instance of the same leg
   is tried; when none can be reached -> 503 naming each instance tried;
-* an instance that times out -> 504; that drops the connection or answers garbage -> 502; such
-  requests are not retried (the instance may have acted on them);
+* an instance that times out -> 504; that drops the connection or answers garbage -> 502; the
+  error names the instance (``ProxyError.upstream``), and :mod:`pdserve.router.legs` decides
+  whether the leg is retried elsewhere (within ``--max-retries``);
 * an instance's own HTTP error (4xx/5xx) -> :class:`UpstreamHTTPError`, passed to the client with
-  its status, never retried.
+  its status; a 5xx may be retried elsewhere, a 4xx never.
+
+Every outcome is also reported to the instance's circuit breaker (:mod:`pdserve.router.health`):
+a connection failure, a timeout, a dropped connection, an invalid answer or a 5xx as a failure,
+any answer below 500 as a success.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from yarl import URL
 
 from pdserve.router.errors import (UPSTREAM_ERROR, UPSTREAM_TIMEOUT, UPSTREAM_UNAVAILABLE,
                                    ProxyError, normalize_upstream_error)
+from pdserve.router.health import UpstreamHealth
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.upstreams import Upstream, UpstreamPool
 
@@ -39,12 +45,14 @@ HEALTH_PROBE_TIMEOUT_S = 5.0
 
 
 class UpstreamHTTPError(Exception):
-    """An instance answered with HTTP >= 400; ``body`` is the (OpenAI-shaped) body to relay."""
+    """An instance answered with HTTP >= 400; ``body`` is the (OpenAI-shaped) body to relay;
+    ``upstream`` the instance's base URL."""
 
-    def __init__(self, status: int, body: bytes):
+    def __init__(self, status: int, body: bytes, upstream: str | None = None):
         super().__init__(status)
         self.status = status
         self.body = body
+        self.upstream = upstream
 
 
 class Turn:
@@ -67,15 +75,17 @@ class UpstreamClient:
         pools: the leg pools (their instance URLs are pre-parsed per path).
         paths: the generation paths the proxy forwards.
         metrics: in-flight gauges and error counters are updated here.
+        health: the instances' circuit breakers (every outcome is reported to them).
 
     Attributes:
         session: the aiohttp session, between :meth:`start` and :meth:`close`.
     """
 
     def __init__(self, timeout: float, pools: tuple[UpstreamPool, ...], paths: tuple[str, ...],
-                 metrics: ProxyMetrics):
+                 metrics: ProxyMetrics, health: UpstreamHealth):
         self.timeout = timeout
         self.metrics = metrics
+        self.health = health
         self.session: aiohttp.ClientSession | None = None
         # Parsed upstream URLs per (instance, path): parsing a URL string per request costs more
         # than the rest of building the request.
@@ -112,12 +122,14 @@ class UpstreamClient:
     def failure(self, up: Upstream, exc: BaseException) -> ProxyError:
         """Count and describe an upstream failure after the request may have reached it."""
         self.metrics.count_error(up.url, up.leg)
+        self.health.failure(up)
         if isinstance(exc, asyncio.TimeoutError):
             err = ProxyError(504, f"{up.leg} instance {up.url} timed out after "
-                             f"{self.timeout:g} s", UPSTREAM_TIMEOUT)
+                             f"{self.timeout:g} s", UPSTREAM_TIMEOUT, upstream=up.url)
         else:
             err = ProxyError(502, f"{up.leg} instance {up.url} failed: "
-                             f"{type(exc).__name__}: {exc}".rstrip(": "), UPSTREAM_ERROR)
+                             f"{type(exc).__name__}: {exc}".rstrip(": "), UPSTREAM_ERROR,
+                             upstream=up.url)
         logger.warning("%s", err.message)
         return err
 
@@ -148,6 +160,7 @@ class UpstreamClient:
                 self.leave(up)
                 pool.mark_down(up)
                 self.metrics.count_error(up.url, up.leg)
+                self.health.failure(up)
                 reason = connect_reason(e)
                 logger.warning("%s instance %s unreachable (%s)", up.leg, up.url, reason)
                 unreachable.append(f"{up.leg} instance {up.url} unreachable ({reason})")
@@ -160,6 +173,8 @@ class UpstreamClient:
                 raise
             turn.upstream_wait += perf_counter() - t
             pool.mark_up(up)
+            if resp.status < 500:  # a 5xx is reported by check_status, once its body is read
+                self.health.success(up)
             return up, resp
         raise ProxyError(503, "; ".join(unreachable), UPSTREAM_UNAVAILABLE)
 
@@ -184,19 +199,26 @@ class UpstreamClient:
         resp.release()
         return raw
 
-    def check_status(self, up: Upstream, resp: aiohttp.ClientResponse, raw: bytes) -> None:
-        """Raise :class:`UpstreamHTTPError` for an HTTP error answer (5xx counted as failures)."""
+    def check_status(self, up: Upstream, resp: aiohttp.ClientResponse, raw: bytes,
+                     breaker: bool = True) -> None:
+        """Raise :class:`UpstreamHTTPError` for an HTTP error answer (5xx counted as failures,
+        also by the instance's circuit breaker unless ``breaker`` is False: the failure is
+        another instance's, e.g. a decoder whose KV read from the prefiller failed)."""
         if resp.status >= 400:
             if resp.status >= 500:
                 self.metrics.count_error(up.url, up.leg)
+                if breaker:
+                    self.health.failure(up)
             raise UpstreamHTTPError(resp.status,
-                                    normalize_upstream_error(resp.status, raw, up.leg, up.url))
+                                    normalize_upstream_error(resp.status, raw, up.leg, up.url),
+                                    up.url)
 
     def invalid_response(self, up: Upstream, what: str) -> ProxyError:
         """Count and describe an answer the proxy cannot use (502)."""
         self.metrics.count_error(up.url, up.leg)
+        self.health.failure(up)
         err = ProxyError(502, f"{up.leg} instance {up.url} returned an invalid response: {what}",
-                         UPSTREAM_ERROR)
+                         UPSTREAM_ERROR, upstream=up.url)
         logger.warning("%s", err.message)
         return err
 

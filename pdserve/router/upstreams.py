@@ -8,6 +8,11 @@ Routing policies:
 * ``kv-aware``: the pool orders least-loaded; :mod:`pdserve.router.kv_routing` then puts the
   instance with the best cache-hit-vs-load score first.
 
+Instances whose circuit breaker is open (:mod:`pdserve.router.health`) are left out of every
+order; when that leaves none, a pool made with ``panic=True`` (the decode leg) orders them all
+anyway (Envoy's "panic routing": trying is better than refusing), one without (the prefill leg)
+orders none and the proxy falls back to decode-only.
+
 An instance whose last connection attempt failed is "cooling down" for :data:`COOL_DOWN_S`
 seconds and is tried after all other instances (never skipped entirely: it is still tried when
 nothing else answers).
@@ -55,13 +60,17 @@ class UpstreamPool:
         urls: base URLs (at least one).
         routing: ``"round-robin"``, ``"least-loaded"`` or ``"kv-aware"`` (ordered least-loaded).
         clock: monotonic clock in seconds (injectable for tests).
+        available: ``available(upstream)`` -> False while its circuit breaker is open (it is
+            left out of :meth:`order`); None = always available.
+        panic: when no instance is available, :meth:`order` returns them all (else none).
 
     Raises:
         ValueError: empty ``urls`` or unknown ``routing``.
     """
 
     def __init__(self, leg: str, urls: tuple[str, ...] | list[str], routing: str,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 available: Callable[[Upstream], bool] | None = None, panic: bool = True):
         if not urls:
             raise ValueError(f"no {leg} instances")
         if routing not in ROUTING_POLICIES:
@@ -72,6 +81,8 @@ class UpstreamPool:
         self._least_loaded = routing != "round-robin"
         self._next = 0
         self._clock = clock
+        self._available = available
+        self._panic = panic
 
     @property
     def least_loaded(self) -> bool:
@@ -91,15 +102,22 @@ class UpstreamPool:
 
         The first element is the routing decision; the rest are fallbacks for when an instance
         cannot be connected to. ``preferred`` (a multi-turn conversation's previous instance) goes
-        first unless it is cooling down. Advances the round-robin position by one.
+        first unless it is cooling down. Instances out of rotation are left out (see the module
+        docstring for when none is left). Advances the round-robin position by one.
         """
         ups = self.upstreams
         n = len(ups)
         start = self._next
         self._next = (start + 1) % n
-        if n == 1:
-            return [ups[0]]
         rotated = ups[start:] + ups[:start]
+        if self._available is not None:
+            rotated = [u for u in rotated if self._available(u)]
+            if not rotated:
+                rotated = ups[start:] + ups[:start] if self._panic else []
+            if preferred is not None and preferred not in rotated:
+                preferred = None
+        if len(rotated) <= 1:
+            return rotated
         if self._least_loaded:
             rotated.sort(key=lambda u: u.in_flight)  # stable: ties keep round-robin order
         now = self._clock()

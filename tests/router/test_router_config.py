@@ -85,3 +85,17 @@ def test_cli_dispatch_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "--prefiller-hosts" in out.stdout and "--multi-turn" in out.stdout
+
+
+def test_failover_flags():
+    base = ["--prefiller-ports", "1", "--decoder-ports", "2"]
+    c = parse_args(base)
+    assert (c.max_retries, c.breaker_failures, c.breaker_backoff, c.enforce_disagg) == (2, 3, 5.0,
+                                                                                      False)
+    c = parse_args(base + ["--max-retries", "0", "--breaker-failures", "5", "--breaker-backoff",
+                           "0.5", "--enforce-disagg"])
+    assert (c.max_retries, c.breaker_failures, c.breaker_backoff, c.enforce_disagg) == (0, 5, 0.5,
+                                                                                      True)
+    for bad in (["--max-retries", "-1"], ["--breaker-backoff", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(base + bad)

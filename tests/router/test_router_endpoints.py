@@ -17,12 +17,13 @@ async def get(c, path, headers=None):
 
 
 async def test_health_needs_one_prefiller_and_one_decoder(make_cluster):
-    c = await make_cluster(n_prefill=2, n_decode=1)
+    c = await make_cluster(n_prefill=2, n_decode=1, enforce_disagg=True)
     p0, p1 = (p.url for p in c.prefillers)
     d0 = c.decoders[0].url
     status, _, raw = await get(c, "/health")
-    assert (status, json.loads(raw)) == (200, {"prefill": {p0: True, p1: True}, "decode": {d0: True},
-                                               "status": "ok"})
+    assert (status, json.loads(raw)) == (200, {
+        "prefill": {p0: True, p1: True}, "decode": {d0: True}, "status": "ok",
+        "breakers": {"prefill": {p0: "closed", p1: "closed"}, "decode": {d0: "closed"}}})
     c.prefillers[0].health_status = 503
     status, _, raw = await get(c, "/health")
     assert status == 200 and json.loads(raw)["prefill"] == {p0: False, p1: True}
@@ -32,6 +33,16 @@ async def test_health_needs_one_prefiller_and_one_decoder(make_cluster):
     c.prefillers[0].health_status = c.prefillers[1].health_status = 200
     c.decoders[0].health_status = 503
     assert (await get(c, "/health"))[0] == 503
+
+
+async def test_health_without_prefillers_is_degraded_when_decode_only_is_allowed(make_cluster):
+    c = await make_cluster()
+    c.prefillers[0].health_status = 503
+    status, _, raw = await get(c, "/health")
+    assert (status, json.loads(raw)["status"]) == (200, "degraded")
+    c.decoders[0].health_status = 503
+    status, _, raw = await get(c, "/health")
+    assert (status, json.loads(raw)["status"]) == (503, "unhealthy")
 
 
 async def test_health_with_unreachable_decoder(make_cluster):
@@ -63,7 +74,7 @@ async def test_models_all_unreachable_is_503(make_cluster):
 
 
 async def test_metrics_count_requests_errors_latency_and_in_flight(make_cluster):
-    c = await make_cluster(api_key="k")
+    c = await make_cluster(api_key="k", max_retries=0)  # one failed request, not retried
     hdr = {"Authorization": "Bearer k"}
     for _ in range(3):
         assert (await c.post("/v1/completions", {"model": "m", "prompt": "x"}, hdr))[0] == 200

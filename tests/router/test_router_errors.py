@@ -49,7 +49,7 @@ async def test_decode_client_error_passes_through(make_cluster):
 
 
 async def test_non_openai_upstream_errors_are_wrapped(make_cluster):
-    c = await make_cluster()
+    c = await make_cluster(max_retries=0)
     c.prefillers[0].handler = respond(500, b"Internal Server Error", "text/plain")
     status, _, raw = await c.post("/v1/completions", BODY)
     assert status == 500
@@ -65,11 +65,12 @@ async def test_non_openai_upstream_errors_are_wrapped(make_cluster):
 
 async def test_unreachable_prefill_instance_is_503_naming_the_leg(make_cluster):
     dead = f"http://127.0.0.1:{unused_port()}"
-    c = await make_cluster(n_prefill=0, prefill_urls=[dead])
+    c = await make_cluster(n_prefill=0, prefill_urls=[dead], enforce_disagg=True)
     status, _, raw = await c.post("/v1/completions", BODY)
     assert status == 503
-    assert json.loads(raw) == err(f"prefill instance {dead} unreachable (Connection refused)",
-                                  "upstream_unavailable", 503)
+    assert json.loads(raw) == err(f"no prefill instance is available (prefill instance {dead} "
+                                  "unreachable (Connection refused)); decode-only fallback is off "
+                                  "(--enforce-disagg)", "upstream_unavailable", 503)
     assert c.decoders[0].received == []
 
 
@@ -94,7 +95,7 @@ async def test_dead_instance_fails_over_and_is_counted(make_cluster):
 
 
 async def test_invalid_prefill_answer_is_502(make_cluster):
-    c = await make_cluster()
+    c = await make_cluster(max_retries=0)
     c.prefillers[0].handler = respond(200, b"<html>oops</html>", "text/html")
     status, _, raw = await c.post("/v1/completions", BODY)
     assert status == 502
@@ -104,7 +105,7 @@ async def test_invalid_prefill_answer_is_502(make_cluster):
 
 
 async def test_prefill_timeout_is_504(make_cluster):
-    c = await make_cluster(timeout=0.3)
+    c = await make_cluster(timeout=0.3, max_retries=0)
     never = asyncio.Event()
 
     async def hang(inst, request, rec):
