@@ -61,7 +61,7 @@ def _engine_folders(root: Path) -> set[Path]:
 
 @pytest.mark.slow
 def test_kill_9_of_serve_leaves_no_socket_folder(tiny_llama_path, tmp_path):
-    from servers import EngineServer
+    from tests.support.servers import EngineServer
 
     tmp_root = tmp_path / "tmp"
     tmp_root.mkdir()
