@@ -20,7 +20,7 @@ from pdserve.bench.distributions import SpecError
 from pdserve.bench.plot import StatsFileError, load_stats_file, plot_ttft_by_turn
 from pdserve.bench.runner import RunConfig, RunResult, run_benchmark
 from pdserve.bench.stats import format_summary, format_ttft_comparison, summarize
-from pdserve.bench.tokenizer import BUILTIN_MODEL, TokenizerLoadError, load_tokenizer
+from pdserve.model_files.client_tokenizer import BUILTIN_MODEL, TokenizerLoadError, load_tokenizer
 from pdserve.commands.parser import Parser
 
 PROG = "pdserve bench multi-turn"

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from itertools import chain
 from typing import TYPE_CHECKING, Sequence
 
-from pdserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.types.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.types.block_hash import ROOT_HASH, block_hashes
 
 if TYPE_CHECKING:

@@ -20,7 +20,8 @@ from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.async_scheduling import launch_phase
 from pdserve.engine.executor_interface import Executor, ExecutorFactory
 from pdserve.types.core_messages import AddRequest
-from pdserve.engine.kv_events import KVEventPublisher, default_snapshot_endpoint
+from pdserve.engine.kv_events import KVEventPublisher
+from pdserve.types.kv_events import default_snapshot_endpoint
 from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, PendingStep, SchedulerOutput
 from pdserve.types.request import Request
 from pdserve.engine.scheduler import Scheduler

@@ -1,4 +1,5 @@
-"""KV cache events of one engine: what they say, and how the engine core publishes them.
+"""KV cache events of one engine: how the engine core publishes them (what they say:
+:mod:`pdserve.types.kv_events`).
 
 An engine started with ``--kv-events-endpoint tcp://HOST:PORT`` tells subscribers (the proxy's
 ``--routing kv-aware``) which prefix-cache blocks it holds, by their chained block hashes
@@ -23,75 +24,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Union
 
 import msgspec
 
+from pdserve.types.kv_events import HEARTBEAT_INTERVAL_S, KVEvent, KVEventBatch, KVSnapshot
+
 logger = logging.getLogger(__name__)
-
-#: Seconds after which the core publishes an empty batch when nothing changed (liveness).
-HEARTBEAT_INTERVAL_S = 1.0
-
-
-class BlockStored(msgspec.Struct, tag=True, array_like=True):
-    """Blocks registered in the prefix cache. ``block_hashes``: chained hashes, in prefix order."""
-
-    block_hashes: list[int]
-
-
-class BlockRemoved(msgspec.Struct, tag=True, array_like=True):
-    """Blocks that left the prefix cache (``block_hashes``: their chained hashes)."""
-
-    block_hashes: list[int]
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True, array_like=True):
-    """The whole prefix cache was reset."""
-
-
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
-
-
-class KVEventBatch(msgspec.Struct, array_like=True):
-    """The events of one engine step.
-
-    Attributes:
-        epoch: identifies the publishing engine process (its start time in ns); a new epoch
-            means the engine restarted and its sequence began again.
-        seq: batch number, 1, 2, 3, ... per engine process (a heartbeat is a batch too).
-        ts: the engine's ``time.time()`` when the batch was sent (s).
-        events: in the order they happened (empty for a heartbeat).
-    """
-
-    epoch: int
-    seq: int
-    ts: float
-    events: list[KVEvent]
-
-
-class KVSnapshot(msgspec.Struct, array_like=True):
-    """Every block hash in an engine's prefix cache after batch ``seq`` (the answer of the
-    snapshot endpoint to any request). ``epoch``: as in :class:`KVEventBatch`;
-    ``block_size``: tokens per block of that engine."""
-
-    epoch: int
-    seq: int
-    block_size: int
-    block_hashes: list[int]
-
-
-def default_snapshot_endpoint(endpoint: str) -> str:
-    """``tcp://HOST:PORT`` -> ``tcp://HOST:PORT+1``.
-
-    Raises:
-        ValueError: ``endpoint`` is not ``tcp://HOST:PORT`` (give the snapshot endpoint then).
-    """
-    head, sep, port = endpoint.rpartition(":")
-    if not endpoint.startswith("tcp://") or not sep or not port.isdigit():
-        raise ValueError(f"cannot derive a snapshot endpoint from {endpoint!r}: give "
-                         "--kv-events-snapshot-endpoint")
-    return f"{head}:{int(port) + 1}"
-
 
 class KVEventPublisher:
     """The engine core's side: a PUB socket for batches and a REP socket for snapshots.

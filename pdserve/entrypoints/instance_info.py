@@ -7,11 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve import __version__
+from pdserve.types.instance_info import INSTANCE_INFO_PATH
 
 __all__ = ["INSTANCE_INFO_PATH", "instance_info", "instance_info_router"]
 
-#: Path of the route (outside ``/v1``: no API key, like ``/health``).
-INSTANCE_INFO_PATH = "/pdserve/instance"
 
 
 def instance_info(model_name: str, kv_role: str | None, engine_id: str | None,

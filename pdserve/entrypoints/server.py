@@ -27,7 +27,7 @@ from pdserve import __version__
 from pdserve.utils import phase_trace
 from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.async_engine import EngineDeadError
-from pdserve.engine.kv_events import default_snapshot_endpoint
+from pdserve.types.kv_events import default_snapshot_endpoint
 from pdserve.entrypoints.auth import APIKeyMiddleware
 from pdserve.entrypoints.body_limit import BodySizeLimitMiddleware
 from pdserve.entrypoints.chat_completions import ChatCompletionsHandler

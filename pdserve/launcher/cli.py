@@ -34,7 +34,7 @@ def _engine_facts(url: str, fallback: str, api_key: str | None = None) -> tuple[
     whether its model has a chat template (``GET /pdserve/instance``; True if that fails)."""
     import httpx
 
-    from pdserve.entrypoints.instance_info import INSTANCE_INFO_PATH
+    from pdserve.types.instance_info import INSTANCE_INFO_PATH
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from pdserve.model_files import builtin_gemma3
-from pdserve.model_files.gguf_file import GgufFile, read_gguf
+from pdserve.model_files.gguf_file import GgufFile, hf_name, read_gguf
 
 logger = logging.getLogger("pdserve.model")
 
@@ -213,8 +213,6 @@ def _llama_state_dict(gguf: GgufFile, config) -> dict:
         ValueError: a tensor the Llama model does not use.
     """
     import torch
-
-    from pdserve.models.gguf_weights import hf_name
 
     heads = {"self_attn.q_proj": config.num_attention_heads,
              "self_attn.k_proj": config.num_key_value_heads}

@@ -13,6 +13,7 @@ helpers and falls back to ``gguf.GGUFReader`` when they are missing, changed or 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -158,3 +159,28 @@ def _read_with_gguf_reader(path: Path) -> GgufFile:
                    t.data)
         for t in reader.tensors)
     return GgufFile(metadata, tensors)
+
+
+# Tensor names follow llama.cpp's GGUF conventions for Llama-family and Qwen3 models
+# (llama.cpp's gguf-py/gguf/constants.py).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+_BLOCK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor name, or None for one the models do not use."""
+    m = _BLOCK.match(gguf_name)
+    if m is not None:
+        part = _LAYER_NAMES.get(m.group(2))
+        return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+    base, _, kind = gguf_name.rpartition(".")
+    part = _GLOBAL_NAMES.get(base)
+    return None if part is None else f"{part}.{kind}"

@@ -13,7 +13,6 @@ alone.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,29 +21,7 @@ import numpy as np
 import torch
 
 from pdserve.layers.weights import LazyWeight
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                 "output": "lm_head"}
-_BLOCK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor name, or None for one the models do not use."""
-    m = _BLOCK.match(gguf_name)
-    if m is not None:
-        part = _LAYER_NAMES.get(m.group(2))
-        return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
-    base, _, kind = gguf_name.rpartition(".")
-    part = _GLOBAL_NAMES.get(base)
-    return None if part is None else f"{part}.{kind}"
-
+from pdserve.model_files.gguf_file import hf_name
 
 def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
     """Undo llama.cpp's per-head rotary permutation of whole heads' rows ``[n*head_dim, ...]``

@@ -88,7 +88,7 @@ class DisaggProxy:
         metrics: the Prometheus metrics served at ``/metrics``.
 
     Raises:
-        pdserve.bench.tokenizer.TokenizerLoadError: kv-aware routing cannot load ``--tokenizer``.
+        pdserve.model_files.client_tokenizer.TokenizerLoadError: kv-aware routing cannot load ``--tokenizer``.
     """
 
     def __init__(self, config: ProxyConfig):

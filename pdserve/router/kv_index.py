@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
-from pdserve.engine.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
+from pdserve.types.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
                                       KVSnapshot)
 
 logger = logging.getLogger("pdserve.router")

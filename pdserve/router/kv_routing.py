@@ -114,11 +114,11 @@ class PromptTokenizer:
         source: the built-in model name, a model/tokenizer directory, or a ``.gguf`` file.
 
     Raises:
-        pdserve.bench.tokenizer.TokenizerLoadError: the tokenizer cannot be loaded.
+        pdserve.model_files.client_tokenizer.TokenizerLoadError: the tokenizer cannot be loaded.
     """
 
     def __init__(self, source: str):
-        from pdserve.bench.tokenizer import load_tokenizer
+        from pdserve.model_files.client_tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(source)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-proxy-tok")

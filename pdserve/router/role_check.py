@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import aiohttp
 
-from pdserve.entrypoints.instance_info import INSTANCE_INFO_PATH
+from pdserve.types.instance_info import INSTANCE_INFO_PATH
 from pdserve.router.upstreams import Upstream, UpstreamPool
 
 __all__ = ["ROLE_PROBE_TIMEOUT_S", "RoleCheck", "RoleMismatch"]

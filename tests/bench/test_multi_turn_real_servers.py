@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.bench.multi_turn import main
 from pdserve.bench.runner import count_prompt_tokens
-from pdserve.bench.tokenizer import load_tokenizer
+from pdserve.model_files.client_tokenizer import load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

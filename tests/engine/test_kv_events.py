@@ -10,8 +10,9 @@ import pytest
 
 from pdserve.engine.block_manager import KVCacheManager
 from pdserve.types.block_hash import block_hashes
-from pdserve.engine.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
-                                      KVEventPublisher, KVSnapshot, default_snapshot_endpoint)
+from pdserve.engine.kv_events import KVEventPublisher
+from pdserve.types.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
+                                     KVSnapshot, default_snapshot_endpoint)
 from pdserve.router.kv_index import InstanceKVIndex, connectable
 
 from pdserve.types.request import Request

@@ -39,7 +39,7 @@ def cluster(server_pool):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_path):
-    from pdserve.bench.tokenizer import load_tokenizer
+    from pdserve.model_files.client_tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama_path)
 

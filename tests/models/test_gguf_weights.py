@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.models.gguf_weights import hf_name, iter_gguf
+from pdserve.model_files.gguf_file import hf_name
+from pdserve.models.gguf_weights import iter_gguf
 
 
 def test_gguf_names():

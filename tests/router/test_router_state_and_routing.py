@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pdserve.types.block_hash import block_hashes
-from pdserve.engine.kv_events import KVSnapshot
+from pdserve.types.kv_events import KVSnapshot
 from pdserve.router.config import ProxyConfig, parse_args
 from pdserve.router.kv_routing import KVAwareRouter, RoutingReason
 from pdserve.router.proxy import start_proxy

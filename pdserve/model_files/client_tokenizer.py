@@ -1,4 +1,5 @@
-"""Load the benchmark's tokenizer (``-m/--model``) from local files only; nothing is downloaded."""
+"""The tokenizer a client of the server loads (the benchmark's ``-m/--model``, the proxy's
+``--routing kv-aware --tokenizer``), from local files only; nothing is downloaded."""
 
 from __future__ import annotations
 
