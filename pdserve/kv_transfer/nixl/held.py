@@ -6,7 +6,9 @@ every held request) with what the engine thread does to it: start a lease for ea
 step (in host-buffer mode once the blocks are staged in the host mirror, :mod:`.host_buffer`),
 end it on the proxy's release, a reader's "done" or "abort", or its expiry, extend it on a
 heartbeat. Every request whose held blocks may be freed is reported once through
-:meth:`HeldBlocks.take_finished` (the engine's ``finished_sending``).
+:meth:`HeldBlocks.take_finished` (the engine's ``finished_sending``). :meth:`HeldBlocks.waits`
+says when the engine loop must step for them: fast while a reader's READ may be under way, slowly
+while the blocks are merely held, and at each lease's expiry.
 """
 
 from __future__ import annotations
