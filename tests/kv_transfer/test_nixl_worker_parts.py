@@ -14,13 +14,14 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.kv_transfer.nixl.heartbeats import Heartbeats
-from pdserve.kv_transfer.nixl.held import NOTIF_POLL_INTERVAL_S, HeldBlocks
+from pdserve.kv_transfer.nixl.held import (
+    HELD_NOTIF_POLL_INTERVAL_S, NOTIF_POLL_INTERVAL_S, READ_POLL_WINDOW_S, HeldBlocks,
+)
 from pdserve.kv_transfer.nixl.leases import LeaseTable
 from pdserve.kv_transfer.nixl.metadata import RemoteNotice, SendSpec
 from pdserve.kv_transfer.nixl.notice_inbox import NoticeInbox
 from pdserve.kv_transfer.nixl.notice_sender import NoticeSender
 from pdserve.kv_transfer.nixl.notifications import Notice, decode_notif, encode_notif
-from pdserve.kv_transfer.nixl.release import RELEASE_NOTICE
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 
@@ -115,9 +116,20 @@ def test_held_blocks_end_on_the_readers_done_and_are_reported_once():
 def test_a_notice_naming_other_blocks_ends_nothing():
     held = HeldBlocks(LeaseTable(), stats())
     held.send("r1", SendSpec("r1", [3, 4], lease_duration=30.0), now=0.0)
-    for kind in ("done", "abort", RELEASE_NOTICE):
+    for kind in ("done", "abort"):
         held.apply(Notice(kind, "r1", 1, [3, 5]))
+    held.release_early("r1", [3, 5])
     assert held.take_finished() == set() and "r1" in held.leases
+
+
+def test_a_release_notice_from_a_reader_ends_nothing():
+    """The proxy's early release reaches the owner only through its engine core: a notice of
+    that kind (by NIXL or side channel) naming the lease's own blocks is not applied."""
+    held = HeldBlocks(LeaseTable(), st := stats())
+    held.send("r1", SendSpec("r1", [3, 4], lease_duration=30.0), now=0.0)
+    held.apply(Notice("release", "r1", 1, [3, 4]))
+    assert held.take_finished() == set() and "r1" in held.leases
+    assert st.current.num_kv_leases_released_early == 0
 
 
 def test_tp_done_needs_every_expected_notice():
@@ -141,7 +153,7 @@ def test_release_and_early_release_are_counted():
     held.send("a", SendSpec("a", [1], lease_duration=30.0), now=0.0)
     held.send("b", SendSpec("b", [2], lease_duration=30.0), now=0.0)
     held.release("a")  # the scheduler: its client left before the params
-    held.apply(Notice(RELEASE_NOTICE, "b", 1, [2]))  # the proxy: the decode leg will not read
+    held.release_early("b", [2])  # the proxy: the decode leg will not read
     held.release("never-held")
     assert held.take_finished() == {"a", "b"}
     assert st.current.num_kv_leases_released_early == 2
@@ -161,10 +173,34 @@ def test_heartbeat_extends_a_renewable_lease_and_waits_follow_expiry():
     held = HeldBlocks(LeaseTable(), stats())
     start = time.monotonic() - 4.0
     held.send("r1", SendSpec("r1", [3], lease_duration=5.0), now=start)
-    assert held.waits(start) == [NOTIF_POLL_INTERVAL_S, 5.0]
+    assert held.waits(start) == [HELD_NOTIF_POLL_INTERVAL_S, 5.0]
     held.apply(Notice("heartbeat", "r1", 1, [3]))  # extended to time.monotonic() + 5
     assert held.leases.next_expiry() >= start + 9.0
     assert HeldBlocks(LeaseTable(), stats()).waits(0.0) == []
+
+
+def test_merely_held_blocks_are_polled_slowly_and_a_claimed_lease_fast():
+    """An instance that only holds blocks (a decoder's finished turn, 480 s) sleeps until its
+    next lease expiry or the slow notification poll; a granted claim (the reader's READ comes
+    next) brings the fast poll back until the lease ends or the read window passes."""
+    held = HeldBlocks(LeaseTable(), stats())
+    held.send("turn", SendSpec("turn", [3, 4], lease_duration=480.0, renew_on_heartbeat=False),
+              now=100.0)
+    held.send("short", SendSpec("short", [7], lease_duration=0.2), now=100.0)
+    assert min(held.waits(100.0)) == pytest.approx(0.2)  # the short lease's expiry is due first
+    assert held.waits(100.0)[0] == HELD_NOTIF_POLL_INTERVAL_S >= 0.5
+    assert held.leases.expire(now=100.2) == ["short"]
+    assert min(held.waits(101.0)) == HELD_NOTIF_POLL_INTERVAL_S  # not 1-10 ms
+    status, _, _ = held.leases.claim("turn", [3, 4], now=102.0)
+    assert status == "ok"
+    assert min(held.waits(102.0)) == NOTIF_POLL_INTERVAL_S
+    assert min(held.waits(102.0 + READ_POLL_WINDOW_S)) == HELD_NOTIF_POLL_INTERVAL_S
+    held.leases.add("other", [9], 480.0, now=102.0)
+    held.apply(Notice("done", "turn", 1, [3, 4]))  # the read ended its lease
+    assert held.take_finished() == {"turn"}
+    assert min(held.waits(102.5)) == HELD_NOTIF_POLL_INTERVAL_S
+    assert held.leases.claim("other", [8], now=103.0)[0] == "reject"  # a refused claim: slow
+    assert min(held.waits(103.0)) == HELD_NOTIF_POLL_INTERVAL_S
 
 
 class FakeMirror:

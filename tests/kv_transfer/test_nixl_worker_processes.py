@@ -179,28 +179,84 @@ def test_early_release_from_the_engine_core_frees_a_lease_only_for_its_blocks(pa
     assert not any(s["num_kv_expired_reqs"] for s in acc["stats"])
 
 
-def test_release_frees_a_lease_at_once_only_for_its_blocks(pair, monkeypatch):
-    """The proxy's early release (the decode leg will not read): exactly the leased blocks."""
+def test_a_release_reaches_a_lease_only_through_the_engine_core(pair, monkeypatch):
+    """The side channel takes readers' notices only: a "release" sent to it is refused and ends
+    nothing. The proxy's release, checked by P's front end (``parse_release``) and handed on by
+    the engine core (``early_releases``), ends the lease only when it names exactly its blocks:
+    not with fewer blocks, nor with another lease's blocks under this request id."""
     from pdserve.types.kv_transfer_config import KVTransferConfig
-    from pdserve.kv_transfer.nixl.release import parse_release, send_release
+    from pdserve.kv_transfer.nixl.release import parse_release
+    from pdserve.kv_transfer.nixl.side_channel import side_channel_request
 
     p, _ = pair
     monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_PORT", str(p.port))  # P's front end's view
     lease(p, "p-rel", [22, 23])
+    lease(p, "p-rel-other", [26])
+    p.wait_wakeup(0.0)  # consume wake-ups left over from earlier tests
+    reply = side_channel_request("127.0.0.1", p.port, {
+        "type": "notify", "kind": "release", "request_id": "p-rel", "block_ids": [22, 23]}, 10.0)
+    assert not reply.get("ok") and "unknown notice kind 'release'" in reply["reason"], reply
+    assert not p.wait_wakeup(0.3)["woke"]  # nothing reached the engine thread
+    out = p.step()
+    assert "p-rel" not in out["finished_sending"]
+
     config = KVTransferConfig.from_dict(dict(make_config("kv_producer"), engine_id=p.engine_id))
     params = {"remote_engine_id": p.engine_id, "remote_host": "127.0.0.1",
-              "remote_port": p.port, "remote_request_id": "p-rel", "remote_block_ids": [22]}
-    assert send_release(config, parse_release(config, params))  # wrong blocks: kept
-    assert p.wait_wakeup(5.0)["woke"]  # the notice reached the engine thread
-    out = p.step()
-    assert "p-rel" not in out["finished_sending"] and out["num_leases"] >= 1
-    params["remote_block_ids"] = [22, 23]
-    assert send_release(config, parse_release(config, params))
-    acc = p.step_until(lambda a: "p-rel" in a["finished_sending"], timeout_s=5)
-    assert sum(s["num_kv_leases_released_early"] for s in acc["stats"]) == 1
-    assert not any(s["num_kv_expired_reqs"] for s in acc["stats"])
+              "remote_port": p.port, "remote_request_id": "p-rel"}
+
+    def release(block_ids: list[int]) -> dict:
+        ref = parse_release(config, dict(params, remote_block_ids=block_ids))
+        p.bind(NixlConnectorMetadata(early_releases={ref.request_id: list(ref.block_ids)}))
+        return p.step()
+
+    def released(out: dict) -> int:
+        return (out["stats"] or {}).get("num_kv_leases_released_early", 0)
+
+    for wrong in ([22], [26]):  # fewer blocks; the other lease's blocks
+        out = release(wrong)
+        assert not {"p-rel", "p-rel-other"} & set(out["finished_sending"]), wrong
+        assert released(out) == 0
+    out = release([22, 23])
+    assert "p-rel" in out["finished_sending"] and "p-rel-other" not in out["finished_sending"]
+    assert released(out) == 1 and not (out["stats"] or {}).get("num_kv_expired_reqs")
     with pytest.raises(ValueError, match="not this instance"):
-        parse_release(config, dict(params, remote_engine_id="someone-else"))
+        parse_release(config, dict(params, remote_engine_id="someone-else",
+                                   remote_block_ids=[22, 23]))
+    p.bind(NixlConnectorMetadata(release_sends={"p-rel-other"}))
+    assert "p-rel-other" in p.step()["finished_sending"]
+
+
+def test_an_owner_that_only_holds_blocks_sleeps_until_a_claim_wakes_it(pair):
+    """Merely held blocks (a decoder's finished turn) ask for a step only at the slow
+    notification poll (or their lease's expiry), not every few ms; the reader's claim wakes the
+    owner, which then polls fast for the READ's "done"."""
+    from pdserve.kv_transfer.nixl.held import HELD_NOTIF_POLL_INTERVAL_S, NOTIF_POLL_INTERVAL_S
+
+    _, d = pair
+    p = PeerProcess(make_config("kv_producer", kv_lease_duration=LEASE_S), free_port(), GEOMETRY)
+    try:
+        assert p.hello.get("ok"), p.hello
+        p.bind(NixlConnectorMetadata(reqs_to_send={
+            "turn": SendSpec("turn", [5, 6], 480.0, renew_on_heartbeat=False)}))
+        out = p.step()
+        assert out["next_poll_in"] == pytest.approx(HELD_NOTIF_POLL_INTERVAL_S, abs=0.05)
+        p.bind(NixlConnectorMetadata(reqs_to_send={"soon": SendSpec("soon", [9], 0.2)}))
+        assert p.step()["next_poll_in"] <= 0.2  # a lease's expiry comes before the slow poll
+        p.step_until(lambda a: "soon" in a["finished_sending"], timeout_s=5)
+        assert p.step()["next_poll_in"] == pytest.approx(HELD_NOTIF_POLL_INTERVAL_S, abs=0.05)
+        p.wait_wakeup(0.0)
+        with cf.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(p.wait_wakeup, 15.0)
+            d.bind(recv_meta("d-turn", ref_to(p, "turn", [5, 6]), [16, 17], [5, 6]))
+            acc = d.step_until(lambda a: "d-turn" in a["finished_recving"])
+            woke = waiting.result()
+        assert not acc["invalid_block_ids"]
+        assert woke["woke"], "the granted claim did not wake the owner's loop"
+        assert woke["next_poll_in"] <= NOTIF_POLL_INTERVAL_S  # the READ's "done" comes next
+        p_acc = p.step_until(lambda a: "turn" in a["finished_sending"], timeout_s=10)
+        assert p_acc["last"]["num_leases"] == 0 and p_acc["last"]["next_poll_in"] is None
+    finally:
+        p.shutdown()
 
 
 def test_abort_notification_frees_owner_lease(pair):

@@ -11,11 +11,12 @@ from pdserve.kv_transfer.nixl.side_channel import rank_info
 
 def test_notification_round_trip_and_the_tp_1_form():
     assert decode_notif(encode_notif("done", "r|1", 3)) == Notice("done", "r|1", 3)
-    assert decode_notif(encode_notif("release", "r", 1, [4, 5])) == Notice("release", "r", 1,
-                                                                           [4, 5])
+    assert decode_notif(encode_notif("heartbeat", "r", 1, [4, 5])) == Notice("heartbeat", "r",
+                                                                             1, [4, 5])
     assert decode_notif(b"pdserve1|abort|req-7") == Notice("abort", "req-7")
     for bad in (b"other", b"pdserve2|\x00", encode_notif("done", "r", 0),
-                encode_notif("bogus", "r"), b"pdserve1|release|r"):
+                encode_notif("bogus", "r"), b"pdserve1|release|r",
+                encode_notif("release", "r", 1, [4, 5])):  # the proxy's release: not a notice
         assert decode_notif(bad) is None, bad
 
 

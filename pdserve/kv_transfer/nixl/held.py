@@ -6,7 +6,9 @@ every held request) with what the engine thread does to it: start a lease for ea
 step (in host-buffer mode once the blocks are staged in the host mirror, :mod:`.host_buffer`),
 end it on the proxy's release, a reader's "done" or "abort", or its expiry, extend it on a
 heartbeat. Every request whose held blocks may be freed is reported once through
-:meth:`HeldBlocks.take_finished` (the engine's ``finished_sending``).
+:meth:`HeldBlocks.take_finished` (the engine's ``finished_sending``). :meth:`HeldBlocks.waits`
+says when the engine loop must step for them: fast while a reader's READ may be under way, slowly
+while the blocks are merely held, and at each lease's expiry.
 """
 
 from __future__ import annotations
@@ -18,15 +20,23 @@ from pdserve.kv_transfer.nixl import host_buffer
 from pdserve.kv_transfer.nixl.leases import LeaseTable
 from pdserve.kv_transfer.nixl.loads import XFER_POLL_INTERVAL_S
 from pdserve.kv_transfer.nixl.notifications import Notice
-from pdserve.kv_transfer.nixl.release import RELEASE_NOTICE
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
 
 # the worker's logger: its log lines keep the name they always had
 logger = logging.getLogger("pdserve.kv_transfer.nixl.worker")
 
-# NIXL notifications for held blocks ("done", heartbeats) are polled this often (seconds) while
-# blocks are held: they only free blocks or extend leases, nothing waits on them.
+# NIXL notifications for held blocks ("done", "abort", heartbeats) cannot wake the engine loop;
+# they are polled (seconds between polls):
+# - every NOTIF_POLL_INTERVAL_S while a read may be under way: a lease had a claim granted in
+#   the last READ_POLL_WINDOW_S (every reader claims over the side channel right before its
+#   READ, and a granted claim wakes the loop, see worker.py), so its "done" is seen at once;
 NOTIF_POLL_INTERVAL_S = 0.01
+READ_POLL_WINDOW_S = 30.0
+# - every HELD_NOTIF_POLL_INTERVAL_S while the blocks are merely held (no claim yet, or none
+#   lately): what can come then (a heartbeat, an abort, a late "done") only extends a lease or
+#   frees blocks a little later, and the notifications are always read right before the
+#   leases' expiry is checked, so a heartbeat waiting in NIXL's queue still saves its lease.
+HELD_NOTIF_POLL_INTERVAL_S = 0.5
 
 
 class HeldBlocks:
@@ -81,16 +91,20 @@ class HeldBlocks:
             for request_id, (send,) in self._mirror.take_staged():
                 self._start_lease(request_id, send, now)
 
+    def release_early(self, request_id: str, block_ids: list[int]) -> None:
+        """The proxy's early release (the decode leg will not read these blocks), as the engine
+        core delivers it (``NixlConnectorMetadata.early_releases``): ends the lease only when it
+        holds exactly ``block_ids`` for ``request_id``, and counts it."""
+        if self.leases.release_early(request_id, block_ids):
+            self._finished.add(request_id)
+            self._stats.current.num_kv_leases_released_early += 1
+            logger.debug("NIXL: lease of request %s released early", request_id)
+
     def apply(self, notice: Notice) -> None:
-        """Apply a notice about a held request: the proxy's release, a reader's heartbeat,
-        "done" or "abort" (each acts only on a lease holding exactly the blocks it names)."""
+        """Apply a reader's notice about a held request: heartbeat, "done" or "abort" (each
+        acts only on a lease holding exactly the blocks it names)."""
         request_id, kind = notice.request_id, notice.kind
-        if kind == RELEASE_NOTICE:  # the proxy: the decode leg will not read these blocks
-            if self.leases.release_early(request_id, notice.block_ids):
-                self._finished.add(request_id)
-                self._stats.current.num_kv_leases_released_early += 1
-                logger.debug("NIXL: lease of request %s released early", request_id)
-        elif kind == "heartbeat":
+        if kind == "heartbeat":
             self.leases.renew(request_id, notice.block_ids)
         elif kind == "done":
             if self.leases.done(request_id, notice.expected, block_ids=notice.block_ids):
@@ -119,13 +133,17 @@ class HeldBlocks:
         return len(self.leases)
 
     def waits(self, now: float) -> list[float]:
-        """Seconds until a step is due for the held blocks (staging polls, notification polls,
-        the next lease expiry); empty when nothing is held or staged."""
+        """Seconds until a step is due for the held blocks: staging polls, notification polls
+        (:data:`NOTIF_POLL_INTERVAL_S` while a read may be under way,
+        :data:`HELD_NOTIF_POLL_INTERVAL_S` while the blocks are merely held) and the next lease
+        expiry; empty when nothing is held or staged (``now``: ``time.monotonic()``)."""
         waits: list[float] = []
         if self.staging():
             waits.append(XFER_POLL_INTERVAL_S)
         if len(self.leases):
-            waits.append(NOTIF_POLL_INTERVAL_S)
+            claimed = self.leases.last_claim()
+            reading = claimed is not None and now - claimed < READ_POLL_WINDOW_S
+            waits.append(NOTIF_POLL_INTERVAL_S if reading else HELD_NOTIF_POLL_INTERVAL_S)
             expiry = self.leases.next_expiry()
             if expiry is not None:
                 waits.append(expiry - now)

@@ -49,6 +49,7 @@ class Lease:
     token_ids: list[int] | None = None
     first_token: int | None = None
     dones: int = 0  # "done" notices received so far
+    claimed_at: float | None = None  # ``time.monotonic()`` of the last granted claim
 
 
 class LeaseTable:
@@ -227,7 +228,16 @@ class LeaseTable:
                             f"{request_id!r} holds", 0.0)
             if lease.renewable:
                 lease.expiry = max(lease.expiry, now + lease.duration_s)
+            lease.claimed_at = now
             return "ok", "", lease.expiry - now
+
+    def last_claim(self) -> float | None:
+        """The ``time.monotonic()`` of the latest claim granted to an open lease (its reader's
+        READ may be under way), or None when no open lease was claimed."""
+        with self._lock:
+            times = [lease.claimed_at for lease in self._leases.values()
+                     if lease.claimed_at is not None]
+        return max(times, default=None)
 
     def next_expiry(self) -> float | None:
         """The earliest ``time.monotonic()`` deadline among the open leases (and remembered

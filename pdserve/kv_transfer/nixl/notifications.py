@@ -1,5 +1,6 @@
-"""The NIXL notification payloads pdserve sends between instances ("done", "abort",
-"heartbeat" for one of the owner's requests; "release" between the ranks of one instance).
+"""The NIXL notification payloads pdserve sends between instances: a reader's "done", "abort"
+or "heartbeat" for one of the owner's requests (the same kinds the side channel's ``notify``
+takes; rank 0 forwards those to its sibling ranks in this form).
 
 Two encodings are read: ``pdserve1|kind|request_id`` (one notice closes a lease) and
 ``pdserve2|`` + msgpack ``{"k": kind, "r": request_id, "n": expected, "b": block_ids}``, written
@@ -17,7 +18,9 @@ import msgspec
 
 NOTIF_PREFIX = b"pdserve1|"
 NOTIF_PREFIX_V2 = b"pdserve2|"
-NOTIF_KINDS = ("done", "abort", "heartbeat", "release")
+#: The notice kinds a reader sends an owner (by NIXL notification or side channel). The proxy's
+#: early release is not one: it reaches the owner through its own engine core (release.py).
+NOTIF_KINDS = ("done", "abort", "heartbeat")
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
@@ -28,7 +31,7 @@ class Notice:
     """One decoded notification.
 
     Attributes:
-        kind: ``"done"``, ``"abort"``, ``"heartbeat"`` or ``"release"``.
+        kind: ``"done"``, ``"abort"`` or ``"heartbeat"`` (:data:`NOTIF_KINDS`).
         request_id: the owner's request id.
         expected: "done" notices the owner rank receives for this request in all (>= 1).
         block_ids: the lease's block ids as the sender knows them (None in the old form).
@@ -75,4 +78,4 @@ def decode_notif(msg: bytes) -> Notice | None:
         kind_s, req_s = kind.decode(), req.decode()
     except UnicodeDecodeError:
         return None
-    return Notice(kind_s, req_s) if kind_s in NOTIF_KINDS[:3] else None
+    return Notice(kind_s, req_s) if kind_s in NOTIF_KINDS else None

@@ -10,8 +10,9 @@ the worker (``NixlConnectorMetadata.early_releases``); the worker closes the lea
 holds exactly those blocks for that request (a forged release naming another request's id with
 other block ids leaves that lease alone), and counts it
 (``pdserve:kv_leases_released_early_total``). Without the call the lease still ends by itself,
-so a proxy that dies leaks nothing. The side channel still takes a ``release`` notice
-(:func:`send_release`), applied the same way.
+so a proxy that dies leaks nothing. That is the only way in: the side channel and NIXL
+notifications carry readers' notices only ("done", "abort", "heartbeat"), so no one but this
+instance's own front end can end a lease early.
 """
 
 from __future__ import annotations
@@ -20,13 +21,6 @@ from typing import Any
 
 from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.types.remote_ref import KVTransferParamsError, RemoteKVRef
-from pdserve.kv_transfer.nixl.side_channel import side_channel_request
-
-#: Side-channel notice kind of an early release (carries ``block_ids``).
-RELEASE_NOTICE = "release"
-
-#: Seconds :func:`send_release` waits for the side channel's answer.
-RELEASE_TIMEOUT_S = 5.0
 
 
 def parse_release(config: KVTransferConfig | None, params: Any,
@@ -69,20 +63,3 @@ def release_rank(config: KVTransferConfig, ref: RemoteKVRef) -> int:
     (the one whose side-channel port it names)."""
     return ref.endpoint.port - config.side_channel_base_port
 
-
-def send_release(config: KVTransferConfig, ref: RemoteKVRef,
-                 timeout_s: float = RELEASE_TIMEOUT_S) -> bool:
-    """Send the release notice to this instance's side channel (blocking: call from a thread).
-
-    Returns:
-        True when the side channel accepted the notice (the worker frees the lease if it still
-        holds exactly ``ref.block_ids`` for ``ref.request_id``).
-
-    Raises:
-        SideChannelError: the side channel did not answer.
-    """
-    reply = side_channel_request(
-        config.side_channel_host, ref.endpoint.port,
-        {"type": "notify", "kind": RELEASE_NOTICE, "request_id": ref.request_id,
-         "block_ids": list(ref.block_ids)}, timeout_s)
-    return bool(reply.get("ok"))

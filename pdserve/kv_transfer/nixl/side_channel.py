@@ -28,9 +28,9 @@ instances' ``REQ`` sockets:
     that could not load this agent's metadata (for example after a compatibility mismatch).
     A notice acts only on a lease holding exactly ``block_ids`` (:mod:`.leases`).
     Without ``tp_rank`` a notice is for every TP rank of the instance (rank 0 forwards it);
-    ``expected`` is the count a "done" carries (:mod:`.notifications`).
-    ``"kind": "release", "block_ids": [int]`` is the proxy's early release of a lease the
-    decode leg will not read (:mod:`pdserve.kv_transfer.nixl.release`).
+    ``expected`` is the count a "done" carries (:mod:`.notifications`). Any other kind is
+    answered ``{"ok": False, "reason": ...}`` and applied to nothing (the proxy's early release
+    reaches the owner through its own engine core, :mod:`pdserve.kv_transfer.nixl.release`).
 
 Clients: :func:`side_channel_request` (one blocking request on a fresh ``REQ`` socket) runs in
 background threads only, never on the engine loop;
@@ -55,6 +55,7 @@ import msgspec
 import zmq
 
 from pdserve.utils import phase_trace
+from pdserve.kv_transfer.nixl.notifications import NOTIF_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +254,10 @@ class SideChannelServer:
             request_id, note = msg.get("request_id"), msg.get("kind")
             block_ids = msg.get("block_ids")
             tp_rank, expected = msg.get("tp_rank"), msg.get("expected", 1)
-            if "tp_rank" in msg or "expected" in msg:  # a notice for some TP rank(s)
+            if isinstance(note, str) and note not in NOTIF_KINDS:
+                self._reply(ident, {"ok": False, "reason": f"unknown notice kind {note!r} "
+                                    f"(one of {', '.join(NOTIF_KINDS)})"}, seq)
+            elif "tp_rank" in msg or "expected" in msg:  # a notice for some TP rank(s)
                 if isinstance(request_id, str) and isinstance(note, str) and \
                         (tp_rank is None or isinstance(tp_rank, int)) and \
                         isinstance(expected, int) and expected >= 1:

@@ -20,9 +20,10 @@ wires together:
 Nothing here blocks the engine loop: handshakes and side-channel notices run on a small thread
 pool (only ZMQ happens there); NIXL calls happen on the engine thread in :meth:`start_load_kv`
 / :meth:`get_finished`, which only post and poll. The engine loop does not poll on a fixed tick:
-it sleeps until one of :meth:`wakeup_handles` is readable (a claim answer, a side-channel
-notice, a finished handshake) or until :meth:`next_poll_in` says a step is due (a posted READ,
-which NIXL cannot signal; notifications for held blocks; lease and heartbeat deadlines).
+it sleeps until one of :meth:`wakeup_handles` is readable (a claim answer, a claim granted to a
+reader, a side-channel notice, a finished handshake) or until :meth:`next_poll_in` says a step
+is due (a posted READ, which NIXL cannot signal; notifications for held blocks, polled fast only
+while a reader's READ may be under way; lease and heartbeat deadlines).
 
 A peer whose KV cache is on this instance's GPU is read by a CUDA IPC copy instead of the READ
 (:mod:`.cuda_ipc`); in host-buffer mode a peer on this host is read by a copy from its shared
@@ -58,8 +59,6 @@ from pdserve.kv_transfer.nixl.loads import LoadTracker
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata
 from pdserve.kv_transfer.nixl.notice_inbox import NoticeInbox
 from pdserve.kv_transfer.nixl.notice_sender import BG_NOTICE_POLL_INTERVAL_S, NoticeSender
-from pdserve.kv_transfer.nixl.notifications import Notice
-from pdserve.kv_transfer.nixl.release import RELEASE_NOTICE
 from pdserve.kv_transfer.nixl.remotes import LocalKV, RemoteRegistry, RemoteState
 from pdserve.kv_transfer.nixl.side_channel import SideChannelServer
 from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
@@ -143,7 +142,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self.side_channel_host,
             self.side_channel_port,
             get_info=lambda: self._info,
-            claim=self.leases.claim_answer,
+            claim=self._answer_claim,
             notify=self.inbox.on_side_channel_notice,
             claim_wait_s=config.kv_handshake_timeout,
             instance_id=self.instance_id,
@@ -218,7 +217,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         for request_id in metadata.release_sends:  # its client left before the params
             self.held.release(request_id)
         for request_id, block_ids in metadata.early_releases.items():  # the proxy's
-            self.held.apply(Notice(RELEASE_NOTICE, request_id, 1, block_ids))
+            self.held.release_early(request_id, block_ids)
         self._take_held_finished()
         for endpoint in metadata.handshakes:
             self.remotes.ensure(endpoint)
@@ -277,6 +276,16 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
                     or self.notices.has_queued() or self.held.staging())
 
     # ------------------------------------------------------------------- engine loop wake-ups
+    def _answer_claim(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
+                      digest: Any = None) -> tuple[str, str, float, int | None]:
+        """Side-channel thread: answer a reader's claim from the lease table
+        (:meth:`~.leases.LeaseTable.claim_answer`); a granted one wakes the engine loop, whose
+        next wait then polls NIXL notifications at the read rate (its READ follows)."""
+        answer = self.leases.claim_answer(request_id, block_ids, num_tokens, digest)
+        if answer[0] == "ok":
+            self._waker.wake()
+        return answer
+
     def wakeup_handles(self) -> list[Any]:
         """What the engine loop polls besides its input socket: a descriptor other threads
         make readable (side-channel notices, finished handshakes) and the engine thread's
@@ -300,7 +309,12 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         :data:`~pdserve.kv_transfer.nixl.loads.XFER_POLL_INTERVAL_S` (not at all for its first
         :data:`~pdserve.kv_transfer.nixl.loads.XFER_SPIN_S`, to catch short transfers at once),
         and notifications for held blocks every
-        :data:`~pdserve.kv_transfer.nixl.held.NOTIF_POLL_INTERVAL_S`. Lease expiries,
+        :data:`~pdserve.kv_transfer.nixl.held.NOTIF_POLL_INTERVAL_S` while a reader's READ may
+        be under way (a claim granted in the last
+        :data:`~pdserve.kv_transfer.nixl.held.READ_POLL_WINDOW_S`; the claim woke the loop),
+        every :data:`~pdserve.kv_transfer.nixl.held.HELD_NOTIF_POLL_INTERVAL_S` while blocks
+        are merely held (an instance that only holds blocks sleeps until then, its next lease
+        expiry, or a wake-up). Lease expiries,
         heartbeats and side-channel timeouts are deadlines; finished background side-channel
         notices are collected every
         :data:`~pdserve.kv_transfer.nixl.notice_sender.BG_NOTICE_POLL_INTERVAL_S`.
