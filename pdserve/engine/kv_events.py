@@ -1,23 +1,10 @@
-"""KV cache events of one engine: how the engine core publishes them (what they say:
-:mod:`pdserve.types.kv_events`).
+"""KV cache events of one engine: the engine core's publisher (``--kv-events-endpoint``).
 
-An engine started with ``--kv-events-endpoint tcp://HOST:PORT`` tells subscribers (the proxy's
-``--routing kv-aware``) which prefix-cache blocks it holds, by their chained block hashes
-(:func:`pdserve.types.block_hash.block_hashes`, the same hashes its prefix cache looks up):
-
-* :class:`BlockStored`: blocks were registered in the prefix cache (their KV is computed);
-* :class:`BlockRemoved`: blocks left the prefix cache (evicted for reuse, or invalidated);
-* :class:`AllBlocksCleared`: the whole prefix cache was reset.
-
-Wire format (msgpack via msgspec): the engine core sends one :class:`KVEventBatch` per engine
-step that changed the cache, on a ZMQ PUB socket bound at the endpoint, and an empty batch at
-least every :data:`HEARTBEAT_INTERVAL_S` seconds so that a subscriber can tell a quiet engine
-from a lost stream. Batches carry a sequence number that rises by one per batch, from 1; a
-subscriber that sees a gap (a batch lost by PUB/SUB, a late join, an engine restart) asks the
-snapshot endpoint (ZMQ REP, default: the same host, port + 1) for a :class:`KVSnapshot`: every
-cached hash, as of batch ``seq``. It then applies only batches after ``seq``. The scheme follows
-vLLM's KV events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` on ZMQ PUB with a
-replay endpoint).
+What the events say, their wire format, the heartbeat and the snapshot endpoint that a subscriber
+asks after a gap: :mod:`pdserve.types.kv_events`. :class:`KVEventPublisher` sends one batch per
+engine step that changed the prefix cache on a ZMQ PUB socket, a heartbeat batch when nothing
+changed for :data:`~pdserve.types.kv_events.HEARTBEAT_INTERVAL_S`, and answers snapshot requests
+on a ZMQ REP socket.
 """
 
 from __future__ import annotations
