@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps per scheduling round when all running requests decode "
                         "(multi-step scheduling; tokens stream in bursts of this many; default 1)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="overlapped scheduling: prepare and launch step n+1 while the device "
+                   help="async scheduling: prepare and launch step n+1 while the device "
                         "runs step n; each token reaches the client one step later (default: "
                         "on; --no-async-scheduling runs every step synchronously)")
     p.add_argument("--api-key", default=None,

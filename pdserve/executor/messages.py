@@ -59,7 +59,7 @@ class RegisterKVCache:
 class Execute:
     """Run one engine step, the same :class:`SchedulerOutput` on every rank."""
 
-    sched: SchedulerOutput
+    sched_out: SchedulerOutput
 
 
 @dataclass

@@ -298,7 +298,7 @@ class TPExecutor:
             worker = worker.rank0
         self.runner.set_kv_connector_worker(worker)
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; rank 0's output, with the ranks' connector outputs
         merged (:mod:`.kv_merge`).
 
@@ -306,8 +306,8 @@ class TPExecutor:
             RankFailedError: a rank failed or died.
         """
         self._in_call = True
-        self._broadcast(Execute(sched))
-        out = self.runner.execute(sched)
+        self._broadcast(Execute(sched_out))
+        out = self.runner.execute(sched_out)
         replies = self._collect()
         self._in_call = False
         now = time.monotonic()

@@ -94,7 +94,7 @@ class RankWorker:
         """Answer one message (the value of the reply)."""
         runner = self.runner
         if isinstance(msg, Execute):
-            return runner.execute(msg.sched).kv_connector_output
+            return runner.execute(msg.sched_out).kv_connector_output
         if isinstance(msg, NumBlocksRequest):
             return int(runner.determine_num_blocks())
         if isinstance(msg, AllocateKVCache):

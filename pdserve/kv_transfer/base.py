@@ -10,23 +10,24 @@ runner (owns the KV cache tensor). The scheduler side talks to the worker side o
 Call order inside one engine step::
 
     # scheduler (once, when a request arrives; optional hook)
-    sched.request_added(req)
+    connector.request_added(req)
     # scheduler
-    n, load_async = sched.get_num_new_matched_tokens(req, num_local_computed_tokens)
+    n, load_async = connector.get_num_new_matched_tokens(req, num_local_computed_tokens)
     ... allocate blocks for local + n tokens ...
-    sched.update_state_after_alloc(req, block_ids, n)
-    meta = sched.build_connector_meta(scheduler_output)
+    connector.update_state_after_alloc(req, block_ids, n)
+    meta = connector.build_connector_meta(sched_out)
     # runner
     worker.bind_connector_metadata(meta)
     worker.start_load_kv()            # posts async reads, never blocks
     ... forward pass ...
     out = worker.get_finished(finished_request_ids)   # polls, never blocks
     # scheduler
-    sched.update_connector_output(out)
-    hold_blocks, params = sched.request_finished(req, block_ids)   # for each finished request
+    connector.update_connector_output(out)
+    hold_blocks, params = connector.request_finished(req, block_ids)   # for each finished request
 
 The engine keeps stepping (``execute`` with an empty batch if need be) while
-``sched.has_pending_work()`` is True.
+``connector.has_pending_work()`` is True (``connector``: the scheduler side,
+``worker``: the worker side).
 """
 
 from __future__ import annotations

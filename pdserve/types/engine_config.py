@@ -82,7 +82,7 @@ class EngineConfig:
             and reads tokens back once per round, so its per-step work overlaps the GPU. Tokens
             then reach clients in bursts of up to this many, and new requests wait up to one
             round. 1 (the default) schedules every step.
-        async_scheduling: overlapped scheduling (``--async-scheduling``): the engine core
+        async_scheduling: async scheduling (``--async-scheduling``): the engine core
             schedules and launches step n+1 while the device still runs step n; step n+1's
             decodes take step n's sampled tokens on the device, and the host reads step n's
             tokens after step n+1 is launched, so they reach clients one step later and the

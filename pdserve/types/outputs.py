@@ -232,10 +232,10 @@ class EngineCoreOutput:
 
 
 class PendingStep(Protocol):
-    """A step launched by ``runner.execute_async(sched)`` whose results the host reads later
+    """A step launched by ``runner.execute_async(sched_out)`` whose results the host reads later
     (async scheduling, :mod:`pdserve.engine.async_scheduling`)."""
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the step's sampled tokens (on CUDA: its event) and return the step's
-        output, as ``runner.execute(sched)`` would have."""
+        output, as ``runner.execute(sched_out)`` would have."""
         ...
