@@ -50,6 +50,7 @@ from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, METHOD_NOT_A
 from pdserve.router.kv_routing import (KVAwareRouter, PromptTokenizer, RoutingDecision,
                                        RoutingReason, affinity_allows, route_plain)
 from pdserve.router.metrics import ProxyMetrics
+from pdserve.router.migration import Leg, StreamMigrator, migration_refusal
 from pdserve.router.passthrough import PASS_THROUGH_ROUTES, forward
 from pdserve.router.role_check import RoleCheck, RoleMismatch
 from pdserve.router.state_store import MemoryStateStore, RedisStateStore
@@ -114,6 +115,13 @@ class DisaggProxy:
         self.decode_guard = DecodeLegGuard(
             self.decoders, lambda up: self.client.probe(up, self._upstream_auth), self.metrics,
             lambda: self.client.session)
+        self.migrator: StreamMigrator | None = None
+        if config.migration_limit > 0:
+            self.migrator = StreamMigrator(
+                self.client, self.prefillers, self.decoders,
+                lambda pool, turn: self._route(pool, None, None, turn), self.decode_guard.release,
+                self._record_turn if self.state_store is not None else None, self.metrics,
+                config.migration_limit, config.stall_timeout)
 
     # ------------------------------------------------------------------ application
     def build_app(self) -> web.Application:
@@ -280,7 +288,9 @@ class DisaggProxy:
 
         phase_trace.mark("px.p_parsed")
         # Decode leg.
-        d_data = _encode(decode_leg_body(body, p_params)).encode()
+        migrate = (self.migrator is not None and body.get("stream") is True
+                   and migration_refusal(body) is None)
+        d_data = _encode(decode_leg_body(body, p_params, return_token_ids=migrate)).encode()
         phase_trace.mark("px.d_body_built")
         d_order = self._route(self.decoders, state.decoder_url if state else None, token_ids, turn)
         try:
@@ -291,7 +301,8 @@ class DisaggProxy:
             raise
         phase_trace.mark("px.d_hdr")
         if body.get("stream") is True and d_resp.status == 200:
-            return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id, headers)
+            return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id, headers,
+                                            body if migrate else None, p_params)
         d_raw = await self.client.read_body(d_up, d_resp, turn)
         if d_resp.status >= 400:  # D refused the request: it will not read P's blocks
             self.decode_guard.release(p_up, p_params, headers)
@@ -326,14 +337,26 @@ class DisaggProxy:
 
     async def _relay_stream(self, request: web.Request, turn: Turn, d_up: Upstream,
                             d_resp: aiohttp.ClientResponse, p_up: Upstream,
-                            conv_id: str | None, headers: dict[str, str]) -> web.StreamResponse:
+                            conv_id: str | None, headers: dict[str, str],
+                            migrate_body: dict[str, Any] | None = None,
+                            p_params: dict[str, Any] | None = None) -> web.StreamResponse:
         """Forward D's SSE stream chunk by chunk; in multi-turn mode record D's
         ``kv_transfer_params`` for the conversation (or release them on D when the request has
-        none) and forward them as null (:class:`KVParamsWatcher` with strip)."""
+        none) and forward them as null (:class:`KVParamsWatcher` with strip).
+
+        ``migrate_body``: the client's body when the stream may be migrated mid-stream
+        (``--migration-limit``; :class:`pdserve.router.migration.StreamMigrator` relays it).
+        """
         out = web.StreamResponse(status=200, headers={
             "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.request_id})
+        if migrate_body is not None:
+            return await self.migrator.relay(request, out, turn, Leg(p_up, p_params, d_up, d_resp),
+                                             migrate_body, conv_id, headers)
+            if completed and conv_id and not recorded:
+                await self._record_turn(conv_id, leg.p_up, leg.d_up, None)
+            return out
         watcher = KVParamsWatcher(strip=True) if self.state_store is not None else None
         recorded = False
         content = d_resp.content

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pdserve.commands import parser as cli_types
 from pdserve.router.kv_index import DEFAULT_STALE_AFTER_S
 from pdserve.router.kv_routing import DEFAULT_KV_LOAD_WEIGHT
+from pdserve.router.migration import DEFAULT_STALL_TIMEOUT_S
 from pdserve.router.state_store import check_state_store_url
 from pdserve.router.upstreams import ROUTING_POLICIES
 
@@ -51,6 +52,10 @@ class ProxyConfig:
         log_level: ``critical`` .. ``debug`` (``debug`` logs every routing decision).
         session_affinity: a conversation's next turn prefers its previous decoder while that
             decoder's load allows (``pdserve.router.kv_routing.AFFINITY_MAX_EXTRA_IN_FLIGHT``).
+        migration_limit: the most times one streamed request's decode leg is moved to another
+            P/D pair after it failed mid-stream (0 = never; :mod:`pdserve.router.migration`).
+        stall_timeout: seconds without a byte from a streaming decoder after which it has
+            failed (with ``migration_limit`` > 0).
     """
 
     host: str = "127.0.0.1"
@@ -70,6 +75,8 @@ class ProxyConfig:
     state_store: str = "memory"
     session_affinity: bool = False
     log_level: str = "info"
+    migration_limit: int = 0
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
 
 
 def base_url(host: str, port: int) -> str:
@@ -178,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=cli_types.positive_float, default=DEFAULT_TIMEOUT_S,
                    help="seconds to wait for an instance's response or next streamed chunk "
                         f"(default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--migration-limit", type=cli_types.non_negative_int, default=0, metavar="N",
+                   help="move a streamed request whose decoder fails mid-stream to another "
+                        "prefiller/decoder pair, at most N times (default 0 = off)")
+    p.add_argument("--stall-timeout", type=cli_types.positive_float,
+                   default=DEFAULT_STALL_TIMEOUT_S, metavar="S",
+                   help="with --migration-limit: seconds without a byte from a streaming "
+                        f"decoder after which it has failed (default {DEFAULT_STALL_TIMEOUT_S:g})")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default info; debug logs every routing decision)")
@@ -215,4 +229,5 @@ def parse_args(argv: list[str]) -> ProxyConfig:
         conversation_ttl=ns.conversation_ttl, timeout=ns.timeout, tokenizer=ns.tokenizer,
         kv_load_weight=ns.kv_load_weight, kv_events_stale_after=ns.kv_events_stale_after,
         state_store=ns.state_store, session_affinity=ns.session_affinity, log_level=ns.log_level,
+        migration_limit=ns.migration_limit, stall_timeout=ns.stall_timeout,
     )
