@@ -375,27 +375,30 @@ class StreamMigrator:
                 return MigrationReason.EOF, ProxyError(
                     502, f"decode instance {up.url} ended the stream before its end",
                     UPSTREAM_ERROR)
+            batch: list[bytes] = []  # one write per chunk read, as the plain relay does
+            failed = None
             for payload in events.feed(chunk):
                 if payload == b"[DONE]":
                     ledger.done = True
-                    await out.write(_DONE)
+                    batch.append(_DONE)
                     continue
                 try:
                     event = json.loads(payload)
                 except ValueError:
                     event = None
                 if not isinstance(event, dict):
-                    await out.write(b"data: " + payload + b"\n\n")
+                    batch.append(b"data: " + payload + b"\n\n")
                     continue
                 error = event.get("error")
                 if isinstance(error, dict):
                     code = error.get("code")
                     if isinstance(code, int) and code >= 500:
                         self._metrics.count_error(up.url, up.leg)
-                        return MigrationReason.UPSTREAM_ERROR, ProxyError(
+                        failed = MigrationReason.UPSTREAM_ERROR, ProxyError(
                             code, f"decode instance {up.url}: {error.get('message')}",
                             error_type(code))
-                    await out.write(b"data: " + payload + b"\n\n")
+                        break
+                    batch.append(b"data: " + payload + b"\n\n")
                     continue
                 params = event.get("kv_transfer_params")
                 if on_kv_params is not None and isinstance(params, dict):
@@ -403,7 +406,11 @@ class StreamMigrator:
                     event["kv_transfer_params"] = None
                 data = ledger.forward(event)
                 if data is not None:
-                    await out.write(data)
+                    batch.append(data)
+            if batch:
+                await out.write(b"".join(batch))
+            if failed is not None:
+                return failed
 
     async def _open_legs(self, body: dict[str, Any], path: str, headers: dict[str, str],
                          turn: Turn, tried: set[str]) -> Leg:
