@@ -354,9 +354,6 @@ class DisaggProxy:
         if migrate_body is not None:
             return await self.migrator.relay(request, out, turn, Leg(p_up, p_params, d_up, d_resp),
                                              migrate_body, conv_id, headers)
-            if completed and conv_id and not recorded:
-                await self._record_turn(conv_id, leg.p_up, leg.d_up, None)
-            return out
         watcher = KVParamsWatcher(strip=True) if self.state_store is not None else None
         recorded = False
         content = d_resp.content

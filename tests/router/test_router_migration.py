@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
-
 from aiohttp import web
 
 from tests.support.router_fakes import prefill_params
@@ -39,7 +37,7 @@ def held(pending: list[int], tok: int, last: bool) -> tuple[str, list[int]]:
     return text_of(pending + [tok]), []
 
 
-def token_decoder(fail_after: int | None = None, how: str = "drop", log: list | None = None):
+def token_decoder(fail_after: int | None = None, how: str = "drop"):
     """A streaming decode handler honouring ``return_token_ids`` and ``pdserve_resume``; after
     ``fail_after`` token chunks it fails: ``drop`` (connection cut), ``eof`` (clean end without
     [DONE]), ``error`` (an in-band 503 event), ``stall`` (silence)."""
@@ -90,9 +88,7 @@ def token_decoder(fail_after: int | None = None, how: str = "drop", log: list | 
             seq.append(tok)
             last = i == max_tokens - len(done) - 1
             piece, pending = held(pending, tok, last)
-            if not ids and not piece and not last:
-                pass  # the engine skips chunks that carry nothing
-            else:
+            if ids or piece or last:  # the engine skips chunks that carry nothing
                 choice = ({"index": 0, "delta": {"content": piece} if piece else {}}
                           if chat else {"index": 0, "text": piece})
                 choice["logprobs"] = None
