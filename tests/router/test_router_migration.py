@@ -9,7 +9,7 @@ import asyncio
 import json
 from aiohttp import web
 
-from tests.support.router_fakes import prefill_params
+from tests.support.router_fakes import prefill_params, wait_until
 
 PROMPT = [11, 12, 13]
 
@@ -264,3 +264,41 @@ async def test_multi_turn_next_turn_pulls_from_the_new_decoder(make_cluster):
     next_prefill = c.prefillers[0].received[-1].body["kv_transfer_params"]
     assert next_prefill["remote_engine_id"] == "engine-d1"
     assert next_prefill["remote_request_id"] == "d1-turn"
+
+
+async def test_lost_end_after_the_finish_is_completed_by_the_proxy(make_cluster):
+    c = await make_cluster(n_decode=2, migration_limit=3)
+
+    async def finish_then_drop(inst, request, rec):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, tok in enumerate(greedy(PROMPT, 3)):
+            choice = {"index": 0, "text": text_of([tok]), "logprobs": None,
+                      "finish_reason": "length" if i == 2 else None, "token_ids": [tok]}
+            if i == 0:
+                choice["prompt_token_ids"] = PROMPT
+            await resp.write(b"data: " + json.dumps({"id": "cmpl-x", "object": "text_completion",
+                                                     "created": 1, "model": "m", "usage": None,
+                                                     "choices": [choice]}).encode() + b"\n\n")
+        request.transport.abort()  # the usage chunk and [DONE] are lost
+        return resp
+
+    c.decoders[0].handler = finish_then_drop
+    events = await stream(c, "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+    assert answer_text(events, False) == text_of(greedy(PROMPT, 3))
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert not c.decoders[1].received and sum(migrations(c).values()) == 0
+
+
+async def test_client_going_away_closes_the_decode_leg(make_cluster):
+    c = await make_cluster(n_decode=2, migration_limit=3)
+    c.decoders[0].handler = token_decoder(fail_after=2, how="stall")
+    async with c.session.post(c.url + "/v1/completions",
+                              json={"prompt": "x", "max_tokens": 12, "stream": True}) as r:
+        await asyncio.wait_for(r.content.readany(), 5)
+    await asyncio.sleep(0.2)
+    await wait_until(lambda: bool(c.decoders[0].cancelled))  # D sees the disconnect: aborts
+    assert not c.decoders[1].received
+    await wait_until(lambda: all(u.in_flight == 0 for u in c.proxy.proxy.decoders.upstreams))
