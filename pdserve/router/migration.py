@@ -327,7 +327,6 @@ class StreamMigrator:
                             return leg, False
                         continue
                     open_leg = leg
-                    tried.add(leg.d_up.url)
                     break
         finally:
             if open_leg is not None:  # the client went away: D's server aborts the request
@@ -414,7 +413,8 @@ class StreamMigrator:
 
     async def _open_legs(self, body: dict[str, Any], path: str, headers: dict[str, str],
                          turn: Turn, tried: set[str]) -> Leg:
-        """A prefill leg and a decode leg (on a decoder not in ``tried``) for a resumed body.
+        """A prefill leg and a decode leg (on a decoder not in ``tried``, which it is added to
+        once reached) for a resumed body.
 
         Raises:
             ProxyError: 503 when no untried decoder is left or no instance can be reached,
@@ -444,6 +444,7 @@ class StreamMigrator:
         except BaseException:
             self._release(p_up, p_params, headers)
             raise
+        tried.add(d_up.url)  # reached: never tried again in this request, whatever it answers
         if d_resp.status != 200:
             d_raw = await self._client.read_body(d_up, d_resp, turn)
             self._release(p_up, p_params, headers)

@@ -302,3 +302,21 @@ async def test_client_going_away_closes_the_decode_leg(make_cluster):
     await wait_until(lambda: bool(c.decoders[0].cancelled))  # D sees the disconnect: aborts
     assert not c.decoders[1].received
     await wait_until(lambda: all(u.in_flight == 0 for u in c.proxy.proxy.decoders.upstreams))
+
+
+async def test_decoder_answering_5xx_to_the_resumed_request_is_skipped(make_cluster):
+    c = await make_cluster(n_decode=3, migration_limit=3)
+    c.decoders[0].handler = token_decoder(fail_after=3)
+
+    async def unavailable(inst, request, rec):
+        return web.json_response({"error": {"message": "overloaded", "type": "x", "param": None,
+                                            "code": 503}}, status=503)
+
+    c.decoders[1].handler = unavailable
+    c.decoders[2].handler = token_decoder()
+    events = await stream(c, "/v1/completions", {"prompt": "x", "max_tokens": 9, "stream": True})
+    assert answer_text(events, False) == text_of(greedy(PROMPT, 9))
+    assert [len(d.received) for d in c.decoders] == [1, 1, 1]
+    assert migrations(c) == {"connection": 1, "eof": 0, "upstream_error": 1, "stall": 0}
+    # P's lease of the refused decode leg was released
+    await wait_until(lambda: len(c.prefillers[0].released) >= 1)
