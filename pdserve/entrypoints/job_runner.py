@@ -82,6 +82,8 @@ class JobRunner:
             arrival: ``time.monotonic()`` when the HTTP request arrived (for TTFT / e2e).
         """
         unfinished = {job.index: job.request_id for job in jobs}
+        # a resumed job's output count includes the tokens another instance generated
+        resumed = {job.index: len(job.resumed_output_ids) for job in jobs}
         first_token_at: dict[int, float] = {}
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         done_marker = object()
@@ -123,7 +125,7 @@ class JobRunner:
                     if item.finish_reason in OK_FINISH_REASONS:
                         self.metrics.observe_finished(now - arrival, (
                             first_token_at[index] - arrival if index in first_token_at else None
-                        ), item.num_output_tokens)
+                        ), item.num_output_tokens - resumed[index])
                 yield index, item
         finally:
             for t in tasks:
