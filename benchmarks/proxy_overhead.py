@@ -14,7 +14,7 @@ machine noise hits both alike); throughput with ``--concurrency`` requests in fl
 one proxy process on the 2-core development machine.
 
 Usage: ``python benchmarks/proxy_overhead.py [--requests 2000] [--concurrency 32]
-[--duration 5] [--stream] [--json-out FILE]``
+[--duration 5] [--stream] [--migration-limit N] [--json-out FILE]``
 """
 
 from __future__ import annotations
@@ -237,6 +237,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32, help="requests in flight for throughput")
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
     ap.add_argument("--stream", action="store_true", help="streaming requests (D sends 16 SSE events)")
+    ap.add_argument("--migration-limit", type=int, default=0,
+                    help="the proxy's --migration-limit (streams are then relayed event by event)")
     ap.add_argument("--json-out", help="also write the figures to this JSON file")
     ap.add_argument("--serve-fake", choices=("prefill", "decode"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -252,7 +254,8 @@ def main() -> int:
         procs.append(d_proc)
         x_proc, proxy_url = start_process(
             [sys.executable, "-m", "pdserve.cli", "proxy", "--port", "0", "--prefiller-port", p_port,
-             "--decoder-port", d_port], r"listening on (\S+)")
+             "--decoder-port", d_port, "--migration-limit", str(args.migration_limit)],
+            r"listening on (\S+)")
         procs.append(x_proc)
         res = (uvloop.run if uvloop else asyncio.run)(run(args, p_port, d_port, proxy_url, x_proc.pid))
     finally:

@@ -250,6 +250,7 @@ def test_plan_engine_and_proxy_commands():
     assert argv[argv.index("--prefiller-ports") + 1] == str(prefill.port)
     assert argv[argv.index("--decoder-ports") + 1] == str(decode.port)
     assert "--multi-turn" in argv
+    assert argv[argv.index("--migration-limit") + 1] == "3"
 
 
 def test_plan_passes_the_api_key_to_the_proxy():

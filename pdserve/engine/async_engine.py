@@ -25,7 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import shutil
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import zmq
 import zmq.asyncio
@@ -319,6 +319,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
+        resumed_output_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Run one sequence; yield its output deltas until (and including) the finished one.
 
@@ -329,15 +330,19 @@ class AsyncEngine:
         Args:
             kv_transfer_params: the request's ``kv_transfer_params`` as the front end parsed
                 and checked them (:func:`pdserve.types.kv_params.parse_request_params`).
+            resumed_output_ids: a resumed request's output so far: the core's prompt is
+                ``prompt_token_ids + resumed_output_ids`` (``sampling_params`` already counts
+                only the tokens left); the outputs continue its text and count it
+                (:class:`~pdserve.engine.output_processor.RequestState`).
 
         Raises:
             ValueError: invalid input (duplicate id, empty or too long prompt, bad parameters).
             EngineDeadError: the core died before or while the request ran.
         """
         await self.check_health()
-        prompt_token_ids = list(prompt_token_ids)
+        st = RequestState(self.tokenizer, prompt_token_ids, sampling_params, resumed_output_ids)
+        prompt_token_ids = list(prompt_token_ids) + list(resumed_output_ids)
         self._validate(request_id, prompt_token_ids, sampling_params)
-        st = RequestState(self.tokenizer, prompt_token_ids, sampling_params)
         core = self._pick_core()
         self._requests[request_id] = (st, core)
         core.outstanding += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.types.outputs import EngineCoreOutput, TokenLogprobs
@@ -110,13 +110,24 @@ class RequestState:
     num_output_tokens: int
     finished: bool
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 resumed_output_ids: Sequence[int] = ()):
+        """``resumed_output_ids``: a resumed request's output so far (the proxy's migration):
+        replayed through the detokenizer and the stop-string matcher as the first instance
+        processed them, one token at a time and with no stop string ending in them (the first
+        instance did not stop there), so the text held back at the seam (an incomplete
+        character, a possible stop-string prefix) comes out with the next tokens, and counted as
+        output tokens; ``params.min_tokens`` counts only the tokens left."""
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self.stop_matcher = StopStringMatcher(params.stop)
-        self.min_tokens = params.min_tokens  # no stop string ends in the first min_tokens tokens
+        for tok in resumed_output_ids:
+            self.stop_matcher.feed(self.detokenizer.add_tokens([tok]), search=False)
+        done = len(resumed_output_ids)
+        # no stop string ends in the first min_tokens tokens (numbered from the first instance's)
+        self.min_tokens = params.min_tokens + done
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_output_tokens = 0
+        self.num_output_tokens = done
         self.finished = False
 
 
@@ -167,7 +178,8 @@ def process_output(o: EngineCoreOutput, st: RequestState) -> RequestOutput:
         stop_reason=stop_reason,
         num_prompt_tokens=st.num_prompt_tokens,
         num_output_tokens=st.num_output_tokens,
-        num_cached_tokens=o.num_cached_tokens,
+        # a resumed request's cache hits may include its earlier output, not counted as prompt
+        num_cached_tokens=min(o.num_cached_tokens, st.num_prompt_tokens),
         num_transferred_tokens=o.num_transferred_tokens,
         kv_transfer_params=o.kv_transfer_params,
         error=o.error,

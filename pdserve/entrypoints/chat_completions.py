@@ -57,19 +57,21 @@ class ChatCompletionsHandler:
         s.check_model(req.model)
         kv = s.kv_params(req)
         phase_trace.mark("api.kv")
-        prompt = await s.chat_prompt(req, kv)
+        prompt = s.resumed_prompt(req)
+        if prompt is None:
+            prompt = await s.chat_prompt(req, kv)
         phase_trace.mark("api.prompt")
         response_id = new_request_id("chatcmpl")
         jobs = s.make_jobs(response_id, req, [prompt], req.requested_max_tokens(),
                            req.num_logprobs(), prompt_param="messages", kv=kv)
         phase_trace.mark("api.jobs")
         if req.stream:
-            return EventStreamResponse(self._stream(req, response_id, jobs, arrival))
+            return EventStreamResponse(self._stream(req, response_id, jobs, arrival, prompt))
         states = await cancel_on_disconnect(raw, s.jobs.collect(jobs, arrival, [0] * len(jobs)))
         if states is None:
             return Response(status_code=499)
         phase_trace.mark("api.collected")
-        return JSONResponse(self._response(req, response_id, states).model_dump())
+        return JSONResponse(self._response(req, response_id, states, prompt).model_dump())
 
     def _logprobs(self, req: ChatCompletionRequest, entries: list[Any]) -> ChatLogprobs | None:
         if not req.logprobs:
@@ -77,7 +79,8 @@ class ChatCompletionsHandler:
         return chat_logprobs(self.tokens, entries, req.top_logprobs or 0)
 
     def _response(self, req: ChatCompletionRequest, response_id: str,
-                  states: list[ChoiceState]) -> ChatCompletionResponse:
+                  states: list[ChoiceState], prompt: list[int]) -> ChatCompletionResponse:
+        extra = {"prompt_token_ids": list(prompt)} if req.return_token_ids else {}
         return ChatCompletionResponse(
             id=response_id,
             model=self.serving.model_name,
@@ -87,20 +90,37 @@ class ChatCompletionsHandler:
                     message=ChatResponseMessage(role="assistant", content=st.text),
                     logprobs=self._logprobs(req, st.logprobs),
                     finish_reason=st.finish_reason,
+                    **({"token_ids": st.token_ids} if req.return_token_ids else {}),
                 )
                 for st in states
             ],
             usage=usage_of(states),
             kv_transfer_params=first_kv_transfer_params(states),
+            **extra,
         )
 
     def _stream(self, req: ChatCompletionRequest, response_id: str, jobs: list[EngineJob],
-                arrival: float) -> AsyncIterator[str]:
+                arrival: float, prompt: list[int]) -> AsyncIterator[str]:
+        """The chunks; ``return_token_ids`` (vLLM's): the first chunk carries
+        ``prompt_token_ids`` and every choice its ``token_ids``. A resumed request
+        (``pdserve_resume``) continues a stream whose role chunk was sent: it sends none and
+        no ``prompt_token_ids``."""
+        ids = req.return_token_ids
+        resumed = req.pdserve_resume is not None
+
         def choice_of(index: int, out: Any, finish_reason: str | None) -> dict[str, Any]:
             logprobs = self._logprobs(req, out.new_logprobs or [])
-            return {"index": index, "delta": {"content": out.new_text} if out.new_text else {},
-                    "logprobs": None if logprobs is None else logprobs.model_dump(),
-                    "finish_reason": finish_reason}
+            choice = {"index": index, "delta": {"content": out.new_text} if out.new_text else {},
+                      "logprobs": None if logprobs is None else logprobs.model_dump(),
+                      "finish_reason": finish_reason}
+            if ids:
+                choice["token_ids"] = list(out.new_token_ids)
+            return choice
+
+        opening = [] if resumed else [
+            {"index": job.index, "delta": {"role": "assistant", "content": ""},
+             "logprobs": None, "finish_reason": None, **({"token_ids": []} if ids else {})}
+            for job in jobs]
 
         return self.serving.jobs.stream(
             jobs, arrival, response_id=response_id, object_name="chat.completion.chunk",
@@ -108,6 +128,6 @@ class ChatCompletionsHandler:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             choice_of=choice_of,
             # Every choice opens with the assistant role and empty content.
-            opening_choices=[{"index": job.index, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None} for job in jobs],
+            opening_choices=opening, token_ids=ids,
+            first_chunk_extra={"prompt_token_ids": list(prompt)} if ids and not resumed else None,
         )

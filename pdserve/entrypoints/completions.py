@@ -55,21 +55,27 @@ class CompletionsHandler:
         s = self.serving
         s.check_model(req.model)
         kv = s.kv_params(req)
-        prompts = await s.completion_prompts(req)
+        resumed = s.resumed_prompt(req)
+        prompts = [resumed] if resumed is not None else await s.completion_prompts(req)
         response_id = new_request_id("cmpl")
         jobs = s.make_jobs(response_id, req, prompts, req.max_tokens, req.logprobs,
                            prompt_param="prompt", kv=kv)
         prompt_indices = [j.index // req.n for j in jobs]
         if req.stream:
             return EventStreamResponse(
-                self._stream(req, response_id, jobs, prompt_indices, arrival))
+                self._stream(req, response_id, jobs, prompts, prompt_indices, arrival))
         states = await cancel_on_disconnect(raw, s.jobs.collect(jobs, arrival, prompt_indices))
         if states is None:
             return Response(status_code=499)
-        return JSONResponse(self._response(req, response_id, states).model_dump())
+        return JSONResponse(self._response(req, response_id, states, prompts).model_dump())
 
     def _response(self, req: CompletionRequest, response_id: str,
-                  states: list[ChoiceState]) -> CompletionResponse:
+                  states: list[ChoiceState], prompts: list[list[int]]) -> CompletionResponse:
+        def ids(st: ChoiceState) -> dict[str, Any]:
+            if not req.return_token_ids:
+                return {}
+            return {"prompt_token_ids": list(prompts[st.prompt_index]), "token_ids": st.token_ids}
+
         return CompletionResponse(
             id=response_id,
             model=self.serving.model_name,
@@ -80,6 +86,7 @@ class CompletionsHandler:
                     logprobs=None if req.logprobs is None else completion_logprobs(
                         self.tokens, st.logprobs, req.logprobs),
                     finish_reason=st.finish_reason,
+                    **ids(st),
                 )
                 for st in states
             ],
@@ -88,8 +95,15 @@ class CompletionsHandler:
         )
 
     def _stream(self, req: CompletionRequest, response_id: str, jobs: list[EngineJob],
-                prompt_indices: list[int], arrival: float) -> AsyncIterator[str]:
+                prompts: list[list[int]], prompt_indices: list[int],
+                arrival: float) -> AsyncIterator[str]:
+        """The chunks; ``return_token_ids`` (vLLM's): each choice's first chunk carries its
+        ``prompt_token_ids`` (not for a resumed request: ``pdserve_resume``), every chunk its
+        ``token_ids``."""
         text_offsets = {j.index: 0 for j in jobs}
+        ids = req.return_token_ids
+        prompt_of = {j.index: prompts[prompt_indices[k]] for k, j in enumerate(jobs)}
+        first = set() if req.pdserve_resume is not None or not ids else set(prompt_of)
 
         def choice_of(index: int, out: Any, finish_reason: str | None) -> dict[str, Any]:
             logprobs = None
@@ -98,12 +112,18 @@ class CompletionsHandler:
                                          text_offsets[index])
                 text_offsets[index] += sum(len(t) for t in lp.tokens)
                 logprobs = lp.model_dump()
-            return {"index": index, "text": out.new_text or "", "logprobs": logprobs,
-                    "finish_reason": finish_reason}
+            choice = {"index": index, "text": out.new_text or "", "logprobs": logprobs,
+                      "finish_reason": finish_reason}
+            if ids:
+                if index in first:
+                    first.discard(index)
+                    choice["prompt_token_ids"] = list(prompt_of[index])
+                choice["token_ids"] = list(out.new_token_ids)
+            return choice
 
         return self.serving.jobs.stream(
             jobs, arrival, response_id=response_id, object_name="text_completion",
             prompt_indices=prompt_indices,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            choice_of=choice_of,
+            choice_of=choice_of, token_ids=ids,
         )

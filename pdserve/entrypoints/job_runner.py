@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from pdserve.utils import phase_trace
@@ -45,6 +45,8 @@ class EngineJob:
         sampling_params: sampling for this choice (``n`` = 1; seed already offset by i).
         kv_transfer_params: the request's parsed ``kv_transfer_params`` (with a prefill leg's
             rendered-prompt digest: ``KVTransferParams.with_prompt_digest``) or None.
+        resumed_output_ids: a resumed request's output so far (``pdserve_resume``), which the
+            engine computes after the prompt and continues; empty otherwise.
     """
 
     index: int
@@ -52,7 +54,7 @@ class EngineJob:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     kv_transfer_params: KVTransferParams | None = None
-
+    resumed_output_ids: list[int] = field(default_factory=list)
 
 
 class JobRunner:
@@ -80,14 +82,18 @@ class JobRunner:
             arrival: ``time.monotonic()`` when the HTTP request arrived (for TTFT / e2e).
         """
         unfinished = {job.index: job.request_id for job in jobs}
+        # a resumed job's output count includes the tokens another instance generated
+        resumed = {job.index: len(job.resumed_output_ids) for job in jobs}
         first_token_at: dict[int, float] = {}
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         done_marker = object()
 
         async def pump(job: EngineJob) -> None:
             try:
-                gen = self.engine.generate(job.request_id, job.prompt_token_ids,
-                                           job.sampling_params, job.kv_transfer_params)
+                args = (job.request_id, job.prompt_token_ids, job.sampling_params,
+                        job.kv_transfer_params)
+                gen = (self.engine.generate(*args, resumed_output_ids=job.resumed_output_ids)
+                       if job.resumed_output_ids else self.engine.generate(*args))
                 async with contextlib.aclosing(gen):
                     async for out in gen:
                         queue.put_nowait((job.index, out))
@@ -119,7 +125,7 @@ class JobRunner:
                     if item.finish_reason in OK_FINISH_REASONS:
                         self.metrics.observe_finished(now - arrival, (
                             first_token_at[index] - arrival if index in first_token_at else None
-                        ), item.num_output_tokens)
+                        ), item.num_output_tokens - resumed[index])
                 yield index, item
         finally:
             for t in tasks:
@@ -152,7 +158,9 @@ class JobRunner:
     async def stream(self, jobs: list[EngineJob], arrival: float, *, response_id: str,
                      object_name: str, prompt_indices: list[int], include_usage: bool,
                      choice_of: Callable[[int, Any, str | None], dict[str, Any]],
-                     opening_choices: Sequence[dict[str, Any]] = ()) -> AsyncIterator[str]:
+                     opening_choices: Sequence[dict[str, Any]] = (),
+                     token_ids: bool = False,
+                     first_chunk_extra: dict[str, Any] | None = None) -> AsyncIterator[str]:
         """The SSE events of a streamed completions / chat response, ending with ``[DONE]``.
 
         Each chunk is ``{"id", "object": object_name, "created", "model", "choices"}``, plus
@@ -161,6 +169,10 @@ class JobRunner:
         choice is ``choice_of(index, output, finish_reason or None)``. The chunk that finishes the
         last choice carries ``kv_transfer_params`` unless ``include_usage``, in which case a final
         chunk with no choices carries ``usage`` and ``kv_transfer_params``.
+
+        ``token_ids`` (the request's ``return_token_ids``): an output that carries only tokens
+        (its text held back) still gets a chunk, so that the choices' ``token_ids`` add up to
+        every generated token. ``first_chunk_extra``: top-level fields of the first chunk.
 
         A choice that finishes with ``error``/``abort``, an :class:`OpenAIError`, or any other
         exception is reported in-band as an OpenAI error event followed by ``[DONE]`` (the HTTP
@@ -176,9 +188,13 @@ class JobRunner:
                                     "choices": choices}
             if include_usage:
                 body["usage"] = None
+            if pending_extra:
+                body.update(pending_extra)
+                pending_extra.clear()
             body.update(extra)
             return sse_event(body)
 
+        pending_extra = dict(first_chunk_extra or {})
         try:
             for choice in opening_choices:
                 yield chunk([choice])
@@ -191,7 +207,8 @@ class JobRunner:
                         yield sse_event(failed_request_error(st).body())
                         yield DONE
                         return
-                    if not (out.new_text or out.new_logprobs or out.finished):
+                    if not (out.new_text or out.new_logprobs or out.finished
+                            or (token_ids and out.new_token_ids)):
                         continue
                     extra: dict[str, Any] = {}
                     if out.finished:

@@ -4,8 +4,10 @@ Requests accept unknown extra fields (clients send many we do not use) but valid
 know strictly: a string where a number belongs, ``true`` where an integer belongs, or an
 out-of-range value is a 400, never a silent coercion. Field names follow the OpenAI API; fields
 that are not OpenAI's (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``repetition_penalty``, ``kv_transfer_params``, ``chat_template_kwargs``) follow vLLM's so that its
-users find the same knobs.
+``repetition_penalty``, ``kv_transfer_params``, ``chat_template_kwargs``, ``return_token_ids``)
+follow vLLM's so that its users find the same knobs. ``pdserve_resume`` (:class:`ResumeFields`) is
+pdserve's own extension: the proxy's mid-stream migration continues a generation another instance
+started (docs/proxy.md).
 
 OpenAI fields pdserve does not implement are refused with a 400 naming them rather than ignored,
 since ignoring them silently changes what the client gets: ``logit_bias`` (unless empty),
@@ -44,8 +46,35 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+#: Body field of a resumed request (the proxy's mid-stream migration; docs/proxy.md).
+RESUME_FIELD = "pdserve_resume"
+
+
+class ResumeFields(_Request):
+    """``pdserve_resume``: continue a generation another instance started and streamed.
+
+    The instance computes ``prompt_token_ids + output_token_ids`` as its prompt (the body's
+    ``messages`` / ``prompt`` are still validated but not used), generates at most
+    ``max_tokens - len(output_token_ids)`` more tokens (``min_tokens`` reduced alike), reports
+    usage as ``len(prompt_token_ids)`` prompt tokens and all completion tokens, continues the
+    text (detokenizer and stop strings) after the output already sent, and streams without a
+    second assistant-role chunk. Only the continuation is returned.
+    """
+
+    prompt_token_ids: list[int] = Field(..., min_length=1)
+    output_token_ids: list[int]
+
+    @field_validator("prompt_token_ids", "output_token_ids")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+
 #: Fields whose ``null`` means their default.
-_NULL_IS_DEFAULT = ("n", "stream", "min_tokens", "ignore_eos", "echo", "add_generation_prompt")
+_NULL_IS_DEFAULT = ("n", "stream", "min_tokens", "ignore_eos", "echo", "add_generation_prompt",
+                    "return_token_ids")
 
 
 class _SamplingFields(_Request):
@@ -71,6 +100,9 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: answers carry the prompt's and each choice's token ids
+    return_token_ids: bool = False
+    pdserve_resume: ResumeFields | None = None
     # accepted only in the forms that ask for nothing (see the module docstring)
     logit_bias: Any = None
     response_format: Any = None
@@ -128,6 +160,10 @@ class _SamplingFields(_Request):
         if v is not None and any(t < 0 for t in v):
             raise ValueError("token ids must be non-negative")
         return v
+
+    def resumed_output_ids(self) -> list[int]:
+        """The output token ids a resumed request continues after (empty when not resumed)."""
+        return list(self.pdserve_resume.output_token_ids) if self.pdserve_resume else []
 
     def stop_list(self) -> list[str]:
         """``stop`` as a list (empty strings dropped)."""

@@ -26,7 +26,8 @@ from pdserve.types.kv_params import (
 from pdserve.entrypoints import decode_leg
 from pdserve.entrypoints.errors import bad_request, model_not_found
 from pdserve.entrypoints.job_runner import EngineJob, JobRunner
-from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.entrypoints.protocol import RESUME_FIELD, ChatCompletionRequest, CompletionRequest
+from pdserve.types.resume import resume_refusal
 from pdserve.entrypoints.metrics import ServerMetrics
 
 
@@ -106,6 +107,31 @@ class OpenAIServing:
                 raise bad_request("prompt must not be empty", param="prompt")
             self._check_token_ids(ids, "prompt")
         return result
+
+    def resumed_prompt(self, req: CompletionRequest | ChatCompletionRequest) -> list[int] | None:
+        """A resumed request's original prompt ids (``pdserve_resume``), checked; None when
+        the request is not resumed.
+
+        Raises:
+            OpenAIError: 400 naming ``pdserve_resume`` (or the field that forbids resuming:
+                :func:`pdserve.types.resume.resume_refusal`) for ids outside the vocabulary, or
+                a request that cannot be continued identically.
+        """
+        resume = req.pdserve_resume
+        if resume is None:
+            return None
+        refusal = resume_refusal(
+            n=req.n, seed=req.seed, logprobs=req.logprobs,
+            top_logprobs=getattr(req, "top_logprobs", None),
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+        if refusal is not None:
+            raise bad_request(f"{RESUME_FIELD}: {refusal[1]}", param=refusal[0])
+        if isinstance(req, CompletionRequest) and len(req.prompts()) > 1:
+            raise bad_request(f"{RESUME_FIELD}: a request with several prompts cannot be resumed",
+                              param="prompt")
+        self._check_token_ids(resume.prompt_token_ids, RESUME_FIELD)
+        self._check_token_ids(resume.output_token_ids, RESUME_FIELD)
+        return list(resume.prompt_token_ids)
 
     def kv_params(self, req: CompletionRequest | ChatCompletionRequest) -> KVTransferParams | None:
         """The request's ``kv_transfer_params``, parsed and checked once, when it arrives
@@ -205,8 +231,9 @@ class OpenAIServing:
         return requested
 
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                        logprobs: int | None, choice: int) -> SamplingParams:
-        """SamplingParams for choice ``choice`` (its seed is ``seed + choice``).
+                        logprobs: int | None, choice: int, done_tokens: int = 0) -> SamplingParams:
+        """SamplingParams for choice ``choice`` (its seed is ``seed + choice``); ``done_tokens``:
+        output tokens a resumed request already has (``min_tokens`` counts them).
 
         Raises:
             OpenAIError: 400 when a combination is invalid (``SamplingParams.validate``).
@@ -222,7 +249,7 @@ class OpenAIServing:
             presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
             max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
+            min_tokens=max(0, req.min_tokens - done_tokens),
             stop=req.stop_list(),
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
@@ -242,9 +269,16 @@ class OpenAIServing:
         ``f"{base_id}-{index}"``. ``kv``: the request's parsed ``kv_transfer_params``
         (:meth:`kv_params`).
 
+        A resumed request (``pdserve_resume``; ``prompts`` is then its original prompt): the
+        engine's prompt is the prompt plus the output ids, ``max_tokens`` and ``min_tokens`` are
+        reduced by their number (a prefill leg checks its decode leg's limits so reduced).
+
         Raises:
-            OpenAIError: 400 when a prompt does not fit or a sampling parameter is invalid.
+            OpenAIError: 400 when a prompt does not fit, a sampling parameter is invalid, or a
+                resumed request has no tokens left to generate.
         """
+        resumed = req.resumed_output_ids()
+        done = len(resumed)
         # the prompt-ids hand-off was consumed by chat_prompt; the engine does not need it
         kv_params = kv.for_engine() if kv is not None else None
         hand_on = kv is not None and kv.role is KVRole.PREFILL
@@ -256,10 +290,14 @@ class OpenAIServing:
         jobs = []
         for p, ids in enumerate(prompts):
             if d_view is not None:
-                d_max = self.max_tokens_for(len(ids), decode_leg.requested_max_tokens(d_view),
-                                            prompt_param)
-                self.sampling_params(d_view, d_max, logprobs, 0)
-            max_tokens = self.max_tokens_for(len(ids), requested_max_tokens, prompt_param)
+                d_max = self.max_tokens_for(
+                    len(ids) + done, _left(decode_leg.requested_max_tokens(d_view), done),
+                    prompt_param)
+                self.sampling_params(d_view, d_max, logprobs, 0, done)
+            # a prefill leg's own max_tokens (1) is not reduced
+            own_max = requested_max_tokens if d_view is not None else _left(requested_max_tokens,
+                                                                             done)
+            max_tokens = self.max_tokens_for(len(ids) + done, own_max, prompt_param)
             # a prefiller's connector hands its prompt ids on with the params it returns
             digest = getattr(ids, "text_digest", None) if hand_on else None
             for i in range(req.n):
@@ -269,11 +307,26 @@ class OpenAIServing:
                     index=index,
                     request_id=base_id if total == 1 else f"{base_id}-{index}",
                     prompt_token_ids=ids,
-                    sampling_params=self.sampling_params(req, max_tokens, logprobs, i),
+                    sampling_params=self.sampling_params(req, max_tokens, logprobs, i, done),
                     kv_transfer_params=job_params.with_prompt_digest(digest)
                     if job_params is not None else None,
+                    resumed_output_ids=resumed,
                 ))
         return jobs
+
+def _left(requested: int | None, done: int) -> int | None:
+    """A resumed request's remaining ``max_tokens`` (None: up to ``max_model_len``).
+
+    Raises:
+        OpenAIError: 400 when ``done`` output tokens already reach ``requested``.
+    """
+    if requested is None or not done:
+        return requested
+    if done >= requested:
+        raise bad_request(f"{RESUME_FIELD}: {done} output tokens already reach max_tokens "
+                          f"({requested}); nothing is left to generate", param=RESUME_FIELD)
+    return requested - done
+
 
 def new_request_id(prefix: str) -> str:
     """``prefix-<32 hex digits>``."""

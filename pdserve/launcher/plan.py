@@ -27,6 +27,8 @@ from pdserve.utils.host_devices import detect_gpus, nixl_progress_thread_default
 
 DEFAULT_PROXY_PORT = 8000
 ENGINE_HOST = "127.0.0.1"
+#: --migration-limit of the proxy that `pdserve up` starts (the proxy's own default is 0: off).
+UP_MIGRATION_LIMIT = 3
 # Fraction of a GPU's memory that the engines sharing it may use together when
 # --gpu-memory-utilization is not given (vLLM's default for one engine alone); a given value is
 # likewise split between the engines sharing a GPU.
@@ -268,7 +270,8 @@ class ChildCommands:
     def proxy(self, *, host: str, port: int, prefillers: Sequence[tuple[str, int]],
               decoders: Sequence[tuple[str, int]], multi_turn: bool,
               api_key: str | None = None) -> list[str]:
-        """``pdserve proxy`` in front of the given (host, HTTP port) engines.
+        """``pdserve proxy`` in front of the given (host, HTTP port) engines, migrating a
+        stream whose decoder fails mid-stream up to :data:`UP_MIGRATION_LIMIT` times.
 
         With ``api_key`` the proxy requires it from clients and forwards their ``Authorization``
         header to the engines, which were started with the same key.
@@ -277,7 +280,8 @@ class ChildCommands:
                 "--prefiller-hosts", *[h for h, _ in prefillers],
                 "--prefiller-ports", *[str(p) for _, p in prefillers],
                 "--decoder-hosts", *[h for h, _ in decoders],
-                "--decoder-ports", *[str(p) for _, p in decoders]]
+                "--decoder-ports", *[str(p) for _, p in decoders],
+                "--migration-limit", str(UP_MIGRATION_LIMIT)]
         if multi_turn:
             argv.append("--multi-turn")
         if api_key:

@@ -54,6 +54,7 @@ from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, METHOD_NOT_A
 from pdserve.router.kv_routing import (KVAwareRouter, PromptTokenizer, RoutingDecision,
                                        RoutingReason, affinity_allows, route_plain)
 from pdserve.router.metrics import ProxyMetrics
+from pdserve.router.migration import Leg, StreamMigrator, migration_refusal
 from pdserve.router.passthrough import PASS_THROUGH_ROUTES, forward
 from pdserve.router.role_check import RoleCheck, RoleMismatch
 from pdserve.router.state_store import MemoryStateStore, RedisStateStore
@@ -130,6 +131,13 @@ class DisaggProxy:
                              DecodeOnlyFallback(config.enforce_disagg,
                                                 self.metrics.decode_only_fallback),
                              self.metrics, self._route, config.max_retries)
+        self.migrator: StreamMigrator | None = None
+        if config.migration_limit > 0:
+            self.migrator = StreamMigrator(
+                self.client, self.prefillers, self.decoders,
+                lambda pool, turn: self._route(pool, None, None, turn), self.decode_guard.release,
+                self._record_turn if self.state_store is not None else None, self.metrics,
+                config.migration_limit, config.stall_timeout)
 
     def _in_rotation(self, up: Upstream) -> bool:
         return self.health.in_rotation(up)
@@ -283,13 +291,15 @@ class DisaggProxy:
             self.metrics.kv_params_forwarded.inc()
         phase_trace.mark("px.p_body_built")
         stream = body.get("stream") is True
+        migrate = self.migrator is not None and stream and migration_refusal(body) is None
         answer = await self.legs.run(path, body, p_data, headers, turn, stream,
                                      (state.prefiller_url, state.decoder_url) if state
-                                     else (None, None), token_ids)
+                                     else (None, None), token_ids, return_token_ids=migrate)
         p_up, d_up, d_resp, d_raw = answer.p_up, answer.d_up, answer.d_resp, answer.raw
         phase_trace.mark("px.d_hdr")
         if d_raw is None:
-            return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id, headers)
+            return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id, headers,
+                                            body if migrate else None, answer.p_params)
         keep = conv_id is not None
         if keep or (self.state_store is not None and _D_PARAMS_NEEDLE in d_raw):
             try:
@@ -322,14 +332,23 @@ class DisaggProxy:
 
     async def _relay_stream(self, request: web.Request, turn: Turn, d_up: Upstream,
                             d_resp: aiohttp.ClientResponse, p_up: Upstream,
-                            conv_id: str | None, headers: dict[str, str]) -> web.StreamResponse:
+                            conv_id: str | None, headers: dict[str, str],
+                            migrate_body: dict[str, Any] | None = None,
+                            p_params: dict[str, Any] | None = None) -> web.StreamResponse:
         """Forward D's SSE stream chunk by chunk; in multi-turn mode record D's
         ``kv_transfer_params`` for the conversation (or release them on D when the request has
-        none) and forward them as null (:class:`KVParamsWatcher` with strip)."""
+        none) and forward them as null (:class:`KVParamsWatcher` with strip).
+
+        ``migrate_body``: the client's body when the stream may be migrated mid-stream
+        (``--migration-limit``; :class:`pdserve.router.migration.StreamMigrator` relays it).
+        """
         out = web.StreamResponse(status=200, headers={
             "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.request_id})
+        if migrate_body is not None:
+            return await self.migrator.relay(request, out, turn, Leg(p_up, p_params, d_up, d_resp),
+                                             migrate_body, conv_id, headers)
         watcher = KVParamsWatcher(strip=True) if self.state_store is not None else None
         recorded = False
         content = d_resp.content

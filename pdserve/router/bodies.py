@@ -8,7 +8,8 @@ multi-turn mode the decoder's params from the previous turn are merged in (see
 :func:`prefill_leg_body`).
 
 Decode leg (to D): the client's body without ``conversation_id``, with ``kv_transfer_params``
-replaced by what P returned.
+replaced by what P returned; with ``return_token_ids: true`` when the stream may be migrated
+(:mod:`pdserve.router.migration`).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def prefill_leg_body(body: dict[str, Any], decoder_params: dict[str, Any] | None
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    for field in ("min_tokens", "stream_options", "n", *PROXY_FIELDS):
+    for field in ("min_tokens", "stream_options", "n", "return_token_ids", *PROXY_FIELDS):
         out.pop(field, None)
     params = dict(PREFILL_KV_PARAMS)
     if decoder_params:
@@ -131,8 +132,10 @@ def prefill_leg_body(body: dict[str, Any], decoder_params: dict[str, Any] | None
     return out
 
 
-def decode_leg_body(body: dict[str, Any], prefill_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The body sent to D: the client's body plus P's returned ``kv_transfer_params``.
+def decode_leg_body(body: dict[str, Any], prefill_params: dict[str, Any] | None,
+                    return_token_ids: bool = False) -> dict[str, Any]:
+    """The body sent to D: the client's body plus P's returned ``kv_transfer_params``
+    (``return_token_ids``: ask D for the token ids, so the stream can be migrated).
 
     When P returned no params (P not configured as a KV producer), D gets no
     ``kv_transfer_params`` and computes the prompt itself.
@@ -144,4 +147,6 @@ def decode_leg_body(body: dict[str, Any], prefill_params: dict[str, Any] | None)
         out.pop("kv_transfer_params", None)
     else:
         out["kv_transfer_params"] = prefill_params
+    if return_token_ids:
+        out["return_token_ids"] = True
     return out

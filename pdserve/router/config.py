@@ -15,6 +15,7 @@ from pdserve.commands import parser as cli_types
 from pdserve.router.health import DEFAULT_BREAKER_BACKOFF_S, DEFAULT_BREAKER_FAILURES
 from pdserve.router.kv_index import DEFAULT_STALE_AFTER_S
 from pdserve.router.kv_routing import DEFAULT_KV_LOAD_WEIGHT
+from pdserve.router.migration import DEFAULT_STALL_TIMEOUT_S
 from pdserve.router.state_store import check_state_store_url
 from pdserve.router.upstreams import ROUTING_POLICIES
 
@@ -62,6 +63,10 @@ class ProxyConfig:
             ``/health`` probe (doubled per failed probe, up to 60 s).
         enforce_disagg: with no prefill instance available, answer 503 instead of letting a
             decoder prefill the request itself (decode-only fallback).
+        migration_limit: the most times one streamed request's decode leg is moved to another
+            P/D pair after it failed mid-stream (0 = never; :mod:`pdserve.router.migration`).
+        stall_timeout: seconds without a byte from a streaming decoder after which it has
+            failed (with ``migration_limit`` > 0).
     """
 
     host: str = "127.0.0.1"
@@ -85,6 +90,8 @@ class ProxyConfig:
     breaker_failures: int = DEFAULT_BREAKER_FAILURES
     breaker_backoff: float = DEFAULT_BREAKER_BACKOFF_S
     enforce_disagg: bool = False
+    migration_limit: int = 0
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
 
 
 def base_url(host: str, port: int) -> str:
@@ -210,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-disagg", action="store_true",
                    help="with no prefill instance available, answer 503 instead of letting a decoder "
                         "prefill the request itself (decode-only fallback, the default)")
+    p.add_argument("--migration-limit", type=cli_types.non_negative_int, default=0, metavar="N",
+                   help="move a streamed request whose decoder fails mid-stream to another "
+                        "prefiller/decoder pair, at most N times (default 0 = off)")
+    p.add_argument("--stall-timeout", type=cli_types.positive_float,
+                   default=DEFAULT_STALL_TIMEOUT_S, metavar="S",
+                   help="with --migration-limit: seconds without a byte from a streaming "
+                        f"decoder after which it has failed (default {DEFAULT_STALL_TIMEOUT_S:g})")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default info; debug logs every routing decision)")
@@ -249,4 +263,5 @@ def parse_args(argv: list[str]) -> ProxyConfig:
         state_store=ns.state_store, session_affinity=ns.session_affinity, log_level=ns.log_level,
         max_retries=ns.max_retries, breaker_failures=ns.breaker_failures,
         breaker_backoff=ns.breaker_backoff, enforce_disagg=ns.enforce_disagg,
+        migration_limit=ns.migration_limit, stall_timeout=ns.stall_timeout,
     )

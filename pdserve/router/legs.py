@@ -117,7 +117,7 @@ class TurnLegs:
 
     async def run(self, path: str, body: dict[str, Any], p_data: bytes, headers: dict[str, str],
                   turn: Turn, stream: bool, previous: tuple[str | None, str | None],
-                  token_ids: list[int] | None) -> DecodeAnswer:
+                  token_ids: list[int] | None, return_token_ids: bool = False) -> DecodeAnswer:
         """Serve the turn up to D's answer.
 
         Args:
@@ -128,6 +128,8 @@ class TurnLegs:
             stream: the client asked for a stream (a 200 stream is returned unread).
             previous: multi-turn: the conversation's previous (prefiller, decoder) URLs.
             token_ids: kv-aware routing's prompt ids, or None.
+            return_token_ids: ask D for the token ids of its answer (a stream that may be
+                migrated, :mod:`pdserve.router.migration`).
 
         Raises:
             ProxyError: 502/503/504 when the turn cannot be served (the last failure, or the
@@ -139,7 +141,7 @@ class TurnLegs:
             p_up, p_params = await self._prefill(path, p_data, headers, turn, previous[0],
                                                  token_ids, att)
             phase_trace.mark("px.p_parsed")
-            d_data = _encode(decode_leg_body(body, p_params)).encode()
+            d_data = _encode(decode_leg_body(body, p_params, return_token_ids)).encode()
             phase_trace.mark("px.d_body_built")
             routed = [u for u in self._route(self._decoders, previous[1], token_ids, turn)
                       if u not in att.d_failed]

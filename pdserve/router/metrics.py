@@ -24,6 +24,9 @@ Names (kept here until the project-wide ``pdserve/entrypoints/metrics.py`` takes
 * ``pdserve:proxy_kv_leases_released_total{outcome}``: leases the proxy asked an instance to free
   early: P's when the decode leg will not read them, and in multi-turn mode D's for a request
   without a conversation (``released``, ``not_held``, ``failed``).
+* ``pdserve:proxy_migrations_total{reason}``: streamed decode legs moved to another P/D pair
+  after failing mid-stream (``connection``, ``eof``, ``upstream_error``, ``stall``;
+  :mod:`pdserve.router.migration`).
 * ``pdserve:proxy_prefills_skipped_total``: requests answered 503 before the prefill leg because
   no decode instance was reachable.
 * ``pdserve:proxy_retries_total{leg}``: legs sent again after an instance failed before the
@@ -102,6 +105,11 @@ class ProxyMetrics:
                                       "1 while the instance is in rotation (circuit breaker "
                                       "closed or half-open), 0 while it is out (open)",
                                       ["upstream", "leg"], registry=self.registry)
+        self.migrations = Counter("pdserve:proxy_migrations",
+                                  "Streamed decode legs moved to another P/D pair mid-stream",
+                                  ["reason"], registry=self.registry)
+        for reason in ("connection", "eof", "upstream_error", "stall"):
+            self.migrations.labels(reason=reason)
         self.in_flight_child = {}
         for leg, urls in (("prefill", prefillers), ("decode", decoders)):
             for url in urls:
@@ -130,6 +138,10 @@ class ProxyMetrics:
     def count_state_store_error(self, op: str) -> None:
         """Count one failed or skipped state store operation."""
         self.state_store_errors.labels(op=op).inc()
+
+    def count_migration(self, reason: str) -> None:
+        """Count one mid-stream migration (``reason``: a ``MigrationReason`` value)."""
+        self.migrations.labels(reason=reason).inc()
 
     def count_error(self, upstream: str, leg: str) -> None:
         """Count one upstream failure."""

@@ -45,6 +45,7 @@ def test_defaults():
     cfg = parse_args(["--prefiller-port", "1", "--decoder-port", "2"])
     assert (cfg.host, cfg.port, cfg.routing, cfg.multi_turn) == ("127.0.0.1", 8000, "round-robin", False)
     assert cfg.conversation_ttl == 480.0 and cfg.api_key is None and cfg.upstream_api_key is None
+    assert cfg.migration_limit == 0 and cfg.stall_timeout == 30.0  # migration off, as in Dynamo
     assert cfg == ProxyConfig(prefillers=("http://127.0.0.1:1",), decoders=("http://127.0.0.1:2",))
 
 
@@ -52,11 +53,13 @@ def test_all_flags():
     cfg = parse_args(["--host", "0.0.0.0", "--port", "9000", "--prefiller-port", "1",
                       "--decoder-port", "2", "--routing", "least-loaded", "--multi-turn",
                       "--api-key", "k", "--upstream-api-key", "u", "--max-conversations", "7",
-                      "--conversation-ttl", "30", "--timeout", "2.5"])
+                      "--conversation-ttl", "30", "--timeout", "2.5", "--migration-limit", "3",
+                      "--stall-timeout", "4.5"])
     assert cfg == ProxyConfig(host="0.0.0.0", port=9000, prefillers=("http://127.0.0.1:1",),
                               decoders=("http://127.0.0.1:2",), routing="least-loaded",
                               multi_turn=True, api_key="k", upstream_api_key="u",
-                              max_conversations=7, conversation_ttl=30.0, timeout=2.5)
+                              max_conversations=7, conversation_ttl=30.0, timeout=2.5,
+                              migration_limit=3, stall_timeout=4.5)
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -69,6 +72,8 @@ def test_all_flags():
     (["--prefiller-port", "1", "--decoder-port", "2", "--conversation-ttl", "0"], "must be > 0"),
     (["--prefiller-port", "1", "--decoder-port", "2", "--max-conversations", "0"], "must be >= 1"),
     (["--prefiller-port", "1", "--decoder-port", "2", "--prefill-port", "3"], "unrecognized"),
+    (["--prefiller-port", "1", "--decoder-port", "2", "--migration-limit", "-1"], "must be >= 0"),
+    (["--prefiller-port", "1", "--decoder-port", "2", "--stall-timeout", "0"], "must be > 0"),
 ])
 def test_bad_flags_exit_2_with_message(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:

@@ -97,19 +97,24 @@ class FakeEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling_params: SamplingParams,
                        kv_transfer_params: dict[str, Any] | None = None,
+                       resumed_output_ids: list[int] = (),
                        ) -> AsyncIterator[RequestOutput]:
+        # A resumed request (AsyncEngine.generate's contract): the tokens continue those of the
+        # uninterrupted request after the resumed ones, which count as output tokens.
         if self.dead:
             raise EngineDeadError("fake engine is dead")
         if request_id in self.active:
             raise ValueError(f"request id {request_id!r} is already in use")
         sampling_params.validate()
         self.calls[request_id] = dict(prompt=list(prompt_token_ids), params=sampling_params,
-                                      kv=kv_transfer_params.to_dict() if kv_transfer_params else None)
+                                      kv=kv_transfer_params.to_dict() if kv_transfer_params else None,
+                                      resumed=list(resumed_output_ids))
+        n_resumed = len(resumed_output_ids)
         self.active.add(request_id)
         abort_event = self._abort_events[request_id] = asyncio.Event()
         finished = False
         sp = sampling_params
-        tokens = self.expected_tokens(prompt_token_ids, sp.seed, sp.max_tokens)
+        tokens = self.expected_tokens(prompt_token_ids, sp.seed, n_resumed + sp.max_tokens)[n_resumed:]
         try:
             if self.gate is not None:
                 await self.gate.wait()
@@ -152,7 +157,7 @@ class FakeEngine:
                     finished=done,
                     finish_reason=("stop" if stop else "length") if done else None,
                     num_prompt_tokens=len(prompt_token_ids),
-                    num_output_tokens=i + 1,
+                    num_output_tokens=n_resumed + i + 1,
                     num_cached_tokens=self.cached_tokens,
                     kv_transfer_params=self._kv_out(kv_transfer_params, prompt_token_ids)
                     if done else None,

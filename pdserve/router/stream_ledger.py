@@ -1,0 +1,132 @@
+"""What the client of a migratable stream has received (:class:`StreamLedger`), read from the
+decode legs' Server-Sent Events (:class:`SSEEvents`) as :mod:`pdserve.router.migration` relays
+them: the token ids, the response id, the finish, usage and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: Body field of a resumed request (the engine's ``ResumeFields``).
+RESUME_FIELD = "pdserve_resume"
+#: The end of an SSE stream.
+SSE_DONE = b"data: [DONE]\n\n"
+
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
+class SSEEvents:
+    """Splits a byte stream of Server-Sent Events into the ``data`` payloads of whole events."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The payloads (``data:`` lines joined) of the events completed by ``chunk``."""
+        self._buf += chunk.replace(b"\r\n", b"\n")
+        *events, self._buf = self._buf.split(b"\n\n")
+        out = []
+        for event in events:
+            data = [line[5:].lstrip(b" ") for line in event.split(b"\n")
+                    if line.startswith(b"data:")]
+            if data:
+                out.append(b"\n".join(data))
+        return out
+
+
+class StreamLedger:
+    """What the client of one stream has received: the prompt's and the output's token ids,
+    the response id, whether the choice finished, whether usage and ``[DONE]`` were sent.
+
+    Args:
+        client_wants_ids: the client sent ``return_token_ids: true`` (else those fields are
+            stripped).
+        include_usage: the client asked for the final usage chunk.
+    """
+
+    def __init__(self, client_wants_ids: bool, include_usage: bool):
+        self.client_wants_ids = client_wants_ids
+        self.include_usage = include_usage
+        self.prompt_token_ids: list[int] | None = None
+        self.output_token_ids: list[int] = []
+        self.response_id: Any = None
+        self.created: Any = None
+        self.object_name: Any = None
+        self.model: Any = None
+        self.finished = False  # the choice's finish_reason was forwarded
+        self.usage_sent = False
+        self.done = False  # [DONE] was forwarded
+
+    def forward(self, event: dict[str, Any]) -> bytes | None:
+        """The bytes to send the client for one chunk of a decode leg (None: nothing), after
+        noting its token ids and usage."""
+        if self.response_id is None:
+            self.response_id, self.created = event.get("id"), event.get("created")
+            self.object_name, self.model = event.get("object"), event.get("model")
+        else:  # a resumed leg's chunks continue the first leg's response
+            if "id" in event:
+                event["id"] = self.response_id
+            if "created" in event:
+                event["created"] = self.created
+        self._take_prompt_ids(event)
+        choices = event.get("choices")
+        only_tokens = bool(choices)
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            self._take_prompt_ids(choice)
+            ids = choice.get("token_ids") if self.client_wants_ids else choice.pop("token_ids", None)
+            if isinstance(ids, list):
+                self.output_token_ids.extend(ids)
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+            only_tokens = only_tokens and _carries_nothing(choice)
+        if event.get("usage") is not None:
+            self.usage_sent = True
+        if only_tokens and not self.client_wants_ids:
+            return None  # a chunk the client would not have got without return_token_ids
+        return b"data: " + _encode(event).encode() + b"\n\n"
+
+    def _take_prompt_ids(self, obj: dict[str, Any]) -> None:
+        ids = obj.get("prompt_token_ids") if self.client_wants_ids else obj.pop(
+            "prompt_token_ids", None)
+        if isinstance(ids, list) and self.prompt_token_ids is None:
+            self.prompt_token_ids = ids
+
+    def resumable(self) -> bool:
+        """Whether the decode leg said which prompt ids it computed (needed to resume)."""
+        return self.prompt_token_ids is not None
+
+    def resumed_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The client's body continued after the output so far (``pdserve_resume``)."""
+        out = dict(body)
+        out["return_token_ids"] = True
+        out[RESUME_FIELD] = {"prompt_token_ids": self.prompt_token_ids,
+                             "output_token_ids": list(self.output_token_ids)}
+        return out
+
+    def tail(self) -> bytes:
+        """The end of a stream whose choice finished but whose decoder failed before the end:
+        the usage chunk when asked for and not yet sent, then ``[DONE]``."""
+        out = b""
+        if self.include_usage and not self.usage_sent and self.prompt_token_ids is not None:
+            prompt, completion = len(self.prompt_token_ids), len(self.output_token_ids)
+            out = b"data: " + _encode({
+                "id": self.response_id, "object": self.object_name, "created": self.created,
+                "model": self.model, "choices": [],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion}}).encode() + b"\n\n"
+        return out + (b"" if self.done else SSE_DONE)
+
+
+def _carries_nothing(choice: dict[str, Any]) -> bool:
+    """True for a chunk's choice with no text, role, logprobs or finish (only token ids)."""
+    if choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return not any(v for k, v in delta.items() if k != "content") and not delta.get("content")
+    return not choice.get("text")
