@@ -58,7 +58,7 @@ from pdserve.router.migration import Leg, StreamMigrator, migration_refusal
 from pdserve.router.passthrough import PASS_THROUGH_ROUTES, forward
 from pdserve.router.role_check import RoleCheck, RoleMismatch
 from pdserve.router.state_store import MemoryStateStore, RedisStateStore
-from pdserve.router.sse import KVParamsWatcher
+from pdserve.router.stream_relay import StreamRelay
 from pdserve.router.upstream_client import Turn, UpstreamClient, UpstreamHTTPError
 from pdserve.router.upstreams import Upstream, UpstreamPool
 
@@ -69,7 +69,6 @@ _JSON = "application/json"
 _PARSE_INLINE_BYTES = 1 << 20
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
-_SSE_DONE = b"data: [DONE]\n\n"
 #: Bytes every ``kv_transfer_params`` object a decoder keeps blocks with contains.
 _D_PARAMS_NEEDLE = b'"remote_request_id"'
 
@@ -131,6 +130,8 @@ class DisaggProxy:
                              DecodeOnlyFallback(config.enforce_disagg,
                                                 self.metrics.decode_only_fallback),
                              self.metrics, self._route, config.max_retries)
+        self.relay = StreamRelay(self.client, self.metrics, self.decode_guard,
+                                 self._record_turn if self.state_store is not None else None)
         self.migrator: StreamMigrator | None = None
         if config.migration_limit > 0:
             self.migrator = StreamMigrator(
@@ -337,7 +338,7 @@ class DisaggProxy:
                             p_params: dict[str, Any] | None = None) -> web.StreamResponse:
         """Forward D's SSE stream chunk by chunk; in multi-turn mode record D's
         ``kv_transfer_params`` for the conversation (or release them on D when the request has
-        none) and forward them as null (:class:`KVParamsWatcher` with strip).
+        none) and forward them as null (:class:`~pdserve.router.stream_relay.StreamRelay`).
 
         ``migrate_body``: the client's body when the stream may be migrated mid-stream
         (``--migration-limit``; :class:`pdserve.router.migration.StreamMigrator` relays it).
@@ -349,60 +350,7 @@ class DisaggProxy:
         if migrate_body is not None:
             return await self.migrator.relay(request, out, turn, Leg(p_up, p_params, d_up, d_resp),
                                              migrate_body, conv_id, headers)
-        watcher = KVParamsWatcher(strip=True) if self.state_store is not None else None
-        recorded = False
-        content = d_resp.content
-        finished = False
-        try:
-            await out.prepare(request)
-            turn.status = 200
-            self.metrics.added_latency.observe(perf_counter() - turn.t0 - turn.upstream_wait)
-            last = b"\n\n"
-            while True:
-                try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    err = self.client.failure(d_up, e)
-                    d_resp.close()
-                    sep = b"" if last.endswith(b"\n\n") else b"\n\n"
-                    await out.write_eof(sep + b"data: " + err.body() + b"\n\n" + _SSE_DONE)
-                    break
-                phase_trace.mark("px.chunk")
-                if not chunk:
-                    finished = True
-                    await out.write_eof(watcher.flush() if watcher is not None else b"")
-                    break
-                if watcher is not None:
-                    chunk = watcher.feed(chunk)
-                    if not recorded and watcher.kv_transfer_params is not None:
-                        # Record D's params before the client can see the end of the turn: a
-                        # client that sends its next turn as soon as it reads the final event
-                        # must find them (else P would try the blocks it already pulled).
-                        if conv_id:
-                            await self._record_turn(conv_id, p_up, d_up,
-                                                    watcher.kv_transfer_params)
-                        else:
-                            self.decode_guard.release(d_up, watcher.kv_transfer_params, headers)
-                        recorded = True
-                if content.at_eof():  # D's last chunk: send it with the end of the response
-                    finished = True
-                    await out.write_eof(chunk + (watcher.flush() if watcher is not None else b""))
-                elif chunk:
-                    await out.write(chunk)
-                last = chunk or last
-                if finished:
-                    break
-        except ConnectionResetError:
-            turn.status = 499  # the client went away; the finally clause aborts the decode
-        finally:
-            if finished:
-                d_resp.release()
-            else:
-                d_resp.close()  # D's server sees the disconnect and aborts the request
-            self.client.leave(d_up)
-        if finished and conv_id and not recorded:
-            await self._record_turn(conv_id, p_up, d_up, None)  # keeps the routing stickiness
-        return out
+        return await self.relay.relay(request, out, turn, d_up, d_resp, p_up, conv_id, headers)
 
     # ------------------------------------------------------------------ other routes
     async def _models(self, request: web.Request) -> web.Response:
