@@ -34,8 +34,11 @@ Usage::
     python benchmarks/fault_matrix.py            # every fault
     python benchmarks/fault_matrix.py --quick    # SIGKILL of a decoder and of a prefiller
 
-Needs no GPU (``--device cpu`` by default); the slow-link and side-channel rows need root and
-network namespaces and are not run by this version (they print as skipped, with the reason).
+Needs no GPU (``--device cpu`` by default). The link rows (P's side channel unreachable from D for 10 s,
+P's link limited to 2 Mbit/s) run on a second deployment, a prefiller and a decoder in network
+namespaces of their own (``benchmarks/fault_deployments.py``); they need root, ``ip netns`` and
+``tc``, and print as skipped, with the reason, where those are missing (as the redis row does
+without ``redis-server``).
 """
 
 from __future__ import annotations
@@ -43,10 +46,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,51 +56,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.netns
+
+from fault_deployments import ENGINE_ARGS, NetnsPair, UpDeployment, free_port, stop, wait_http
+
 QUESTIONS = ["Tell me about rivers.", "And the mountains?", "What about the sea?",
              "Name a city.", "Why is the sky blue?"]
-ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--block-size", "16",
-               "--num-gpu-blocks-override", "1024"]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen | None, timeout_s: float, what: str) -> None:
-    """Waits until ``url`` answers 200.
-
-    Raises:
-        SystemExit: ``proc`` exited or ``timeout_s`` passed.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"{what} exited with code {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"{what} not ready after {timeout_s:.0f} s ({url})")
-
-
-def stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s: float = 60) -> None:
-    """Stops ``proc`` with ``sig`` (SIGKILL after ``timeout_s``) and reaps it."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(sig)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 # ---------------------------------------------------------------------------- conversations
@@ -198,185 +164,61 @@ def known_answers(model: str, args: argparse.Namespace, work: Path) -> list[list
         log.close()
 
 
-# ----------------------------------------------------------------------------- deployment
-class Deployment:
-    """``pdserve up`` (2 P, 2 D), two proxy replicas and, when installed, ``redis-server``.
-
-    Args:
-        model: model path; args: the command line; work: directory for logs.
-    """
-
-    def __init__(self, model: str, args: argparse.Namespace, work: Path):
-        self.model, self.args, self.work = model, args, work
-        self.up: subprocess.Popen | None = None
-        self.redis: subprocess.Popen | None = None
-        self.redis_port = free_port()
-        self.replicas: list[subprocess.Popen | None] = [None, None]
-        self.replica_ports = [free_port(), free_port()]
-        self.status: dict = {}
-        self.replaced: dict[str, int] = {}  # engine name -> the PID a fault ended
-
-    @property
-    def replica_urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{p}" for p in self.replica_ports]
-
-    @property
-    def state_store(self) -> str | None:
-        return None if self.redis is None else f"redis://127.0.0.1:{self.redis_port}/0"
-
-    def start(self) -> None:
-        """Starts everything and waits until it serves.
-
-        Raises:
-            SystemExit: a part did not come up.
-        """
-        if shutil.which("redis-server"):
-            self.start_redis()
-        log_dir = self.work / "up"
-        self.up = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "up", self.model, "--num-prefillers", "2",
-             "--num-decoders", "2", "--multi-turn", "--device", self.args.device, "--port", "0",
-             "--log-dir", str(log_dir), "--restart-window", "600", "--", *ENGINE_ARGS],
-            stdout=open(self.work / "up.out", "wb"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.args.startup_timeout
-        while self.read_status().get("state") != "ready":
-            if self.up.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"pdserve up did not become ready; see {self.work / 'up.out'}")
-            time.sleep(0.5)
-        for i in range(2):
-            self.start_replica(i)
-
-    def read_status(self) -> dict:
-        try:
-            self.status = json.loads((self.work / "up" / "pdserve-up.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        return self.status
-
-    def engine(self, name: str) -> dict:
-        """The status entry of engine ``name`` (``prefill-1``, ``decode-1``)."""
-        return next(c for c in self.read_status()["children"] if c["name"] == name)
-
-    def engines_serving(self) -> bool:
-        status = self.read_status()
-        return status.get("state") == "ready" and all(
-            c.get("state", "serving") == "serving" and self.replaced.get(c["name"]) != c["pid"]
-            for c in status["children"])
-
-    def start_redis(self) -> None:
-        self.redis = subprocess.Popen(
-            ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"], stdout=open(self.work / "redis.log", "ab"),
-            stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.redis_port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise SystemExit("redis-server did not start")
-
-    def start_replica(self, i: int) -> None:
-        status = self.read_status()
-        prefill = [c for c in status["children"] if c["role"] == "prefill"]
-        decode = [c for c in status["children"] if c["role"] == "decode"]
-        argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--port",
-                str(self.replica_ports[i]), "--multi-turn",
-                "--prefiller-ports", *[str(c["port"]) for c in prefill],
-                "--decoder-ports", *[str(c["port"]) for c in decode]]
-        if self.state_store:
-            argv += ["--state-store", self.state_store]
-        self.replicas[i] = subprocess.Popen(
-            argv, stdout=open(self.work / f"replica-{i}.log", "ab"), stderr=subprocess.STDOUT)
-        wait_http(self.replica_urls[i] + "/health", self.replicas[i], 120, f"proxy replica {i}")
-
-    def restore(self, timeout_s: float) -> None:
-        """Brings back what a fault took down: a replica, redis; waits for the engines."""
-        if self.redis is not None and self.redis.poll() is not None:
-            self.start_redis()
-        for i, proc in enumerate(self.replicas):
-            if proc is None or proc.poll() is not None:
-                self.start_replica(i)
-        deadline = time.monotonic() + timeout_s
-        while not self.engines_serving():
-            if self.up.poll() is not None:
-                raise SystemExit(f"pdserve up stopped (exit {self.up.returncode}); see "
-                                 f"{self.work / 'up.out'}")
-            if time.monotonic() > deadline:
-                raise SystemExit("the engines did not come back")
-            time.sleep(0.3)
-
-    def migrations(self) -> int | None:
-        """Sum of ``pdserve:proxy_migrations_total`` over the live replicas (None: no metric)."""
-        total, seen = 0.0, False
-        for url in self.replica_urls:
-            try:
-                text = httpx.get(url + "/metrics", timeout=5).text
-            except httpx.HTTPError:
-                continue
-            for line in text.splitlines():
-                m = re.match(r"^pdserve:proxy_migrations_total(?:\{[^}]*\})? ([0-9.eE+-]+)$",
-                             line)
-                if m:
-                    total += float(m.group(1))
-                    seen = True
-        return int(total) if seen else None
-
-    def close(self) -> None:
-        for proc in self.replicas:
-            stop(proc)
-        stop(self.up, signal.SIGINT, 90)
-        stop(self.redis)
-
-
 # ------------------------------------------------------------------------------------ faults
 @dataclass
 class Fault:
-    """One row: a name, how to inject it (None: skipped, with ``skip`` saying why)."""
+    """One row: its name, the deployment it needs (``up`` or ``netns``), how to inject it and,
+    for a fault that lasts, how to end it ``undo_after_s`` seconds later (None: it lasts until
+    the deployment is restored after the load). ``inject`` None: skipped, ``skip`` says why."""
 
     name: str
-    inject: object = None
+    deployment: str = "up"
+    inject: Callable | None = None
+    undo: Callable | None = None
+    undo_after_s: float = 0.0
     skip: str = ""
 
 
-def signal_engine(name: str, sig: int):
-    def inject(dep: Deployment) -> None:
+def signal_engine(name: str, sig: int) -> Callable:
+    def inject(dep: UpDeployment) -> None:
         pid = dep.engine(name)["pid"]
         dep.replaced[name] = pid  # restore() waits for a new PID that serves
         os.kill(pid, sig)
     return inject
 
 
-def signal_replica(sig: int):
-    def inject(dep: Deployment) -> None:
+def signal_replica(sig: int) -> Callable:
+    def inject(dep) -> None:
         dep.replicas[1].send_signal(sig)
     return inject
 
 
-def stop_redis(dep: Deployment) -> None:
+def stop_redis(dep) -> None:
     dep.redis.kill()
     dep.redis.wait()
 
 
-def faults(dep: Deployment, quick: bool) -> list[Fault]:
-    """The rows of the matrix (``quick``: SIGKILL of a decoder and of a prefiller)."""
-    rows = [Fault("SIGKILL decode-1", signal_engine("decode-1", signal.SIGKILL)),
-            Fault("SIGKILL prefill-1", signal_engine("prefill-1", signal.SIGKILL))]
+def faults(quick: bool, redis: bool, netns_error: str | None) -> list[Fault]:
+    """The rows of the matrix (``quick``: SIGKILL of a decoder and of a prefiller);
+    ``netns_error``: why the namespace rows cannot run (None: they can)."""
+    rows = [Fault("SIGKILL decode-1", inject=signal_engine("decode-1", signal.SIGKILL)),
+            Fault("SIGKILL prefill-1", inject=signal_engine("prefill-1", signal.SIGKILL))]
     if quick:
         return rows
-    no_root = "" if os.geteuid() == 0 else "needs root; "
+    netns_skip = "" if netns_error is None else f"network namespaces unavailable: {netns_error}"
     rows += [
-        Fault("SIGTERM decode-1", signal_engine("decode-1", signal.SIGTERM)),
-        Fault("SIGTERM prefill-1", signal_engine("prefill-1", signal.SIGTERM)),
-        Fault("SIGKILL proxy replica 1", signal_replica(signal.SIGKILL)),
-        Fault("SIGTERM proxy replica 1", signal_replica(signal.SIGTERM)),
-        Fault("redis stopped", stop_redis if dep.redis is not None else None,
-              "" if dep.redis is not None else "redis-server is not installed"),
-        Fault("side channel unreachable", None,
-              no_root + "not built yet (a peer's side channel blocked in a network namespace)"),
-        Fault("slow link P-D", None,
-              no_root + "not built yet (P and D in network namespaces with a netem delay)"),
+        Fault("SIGTERM decode-1", inject=signal_engine("decode-1", signal.SIGTERM)),
+        Fault("SIGTERM prefill-1", inject=signal_engine("prefill-1", signal.SIGTERM)),
+        Fault("SIGKILL proxy replica 1", inject=signal_replica(signal.SIGKILL)),
+        Fault("SIGTERM proxy replica 1", inject=signal_replica(signal.SIGTERM)),
+        Fault("redis stopped", inject=stop_redis if redis else None,
+              skip="" if redis else "redis-server is not installed"),
+        Fault("P side channel unreachable (10 s)", "netns",
+              inject=None if netns_skip else NetnsPair.block_side_channel,
+              undo=NetnsPair.clear_link, undo_after_s=10.0, skip=netns_skip),
+        Fault("slow link P-D (2 Mbit/s)", "netns",
+              inject=None if netns_skip else (lambda dep: dep.slow_link("2mbit")),
+              skip=netns_skip),
     ]
     return rows
 
@@ -395,6 +237,7 @@ class Row:
     lost_or_duplicated: int = 0
     recovery_s: float | None = None
     skip: str = ""
+    not_injected: str = ""  # why the fault could not be injected (the row then means nothing)
     errors: list[str] = field(default_factory=list)
 
 
@@ -405,7 +248,7 @@ def _lost_or_duplicated(got: Answer, turn: Turn) -> int:
     return count
 
 
-def run_fault(dep: Deployment, conversations: list[list[Turn]], fault: Fault,
+def run_fault(dep: UpDeployment | NetnsPair, conversations: list[list[Turn]], fault: Fault,
               args: argparse.Namespace) -> Row:
     """Runs the load once with ``fault`` injected once a quarter of its requests are answered."""
     row = Row(fault.name, skip=fault.skip)
@@ -457,7 +300,14 @@ def run_fault(dep: Deployment, conversations: list[list[Turn]], fault: Fault,
                     fault_at.append(time.monotonic())
                     break
             time.sleep(0.02)
-        fault.inject(dep)
+        try:
+            fault.inject(dep)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, not a crash
+            row.not_injected = f"{type(exc).__name__}: {exc}"
+            return
+        if fault.undo is not None:
+            time.sleep(fault.undo_after_s)
+            fault.undo(dep)
 
     injector = threading.Thread(target=inject_later, daemon=True)
     injector.start()
@@ -488,8 +338,9 @@ def table(rows: list[Row]) -> str:
             "tokens lost or duplicated | recovery s |")
     lines = [head, "|" + "---|" * 9]
     for r in rows:
-        if r.skip:
-            lines.append(f"| {r.fault} | skipped: {r.skip} | | | | | | | |")
+        if r.skip or r.not_injected:
+            why = f"skipped: {r.skip}" if r.skip else f"NOT INJECTED: {r.not_injected}"
+            lines.append(f"| {r.fault} | {why} | | | | | | | |")
             continue
         mig = "-" if r.migrated is None else str(r.migrated)
         rec = "-" if r.recovery_s is None else f"{r.recovery_s:.1f}"
@@ -498,10 +349,27 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def netns_unavailable() -> str | None:
+    """Why network namespaces cannot be made here (None: they can)."""
+    from tests.support.netns import Hosts, NetnsUnavailable
+
+    if os.geteuid() != 0:
+        return "needs root"
+    if shutil.which("tc") is None:
+        return "the 'tc' command is not installed"  # the slow link's rate limit
+    try:
+        Hosts(["probe"]).close()
+    except NetnsUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="only SIGKILL of a decoder and of a prefiller, a small load (for CI)")
+    p.add_argument("--only", action="append", default=[], metavar="TEXT",
+                   help="only the rows whose fault names contain TEXT (repeatable)")
     p.add_argument("--model", default=None, help="model (default: a tiny random Llama)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--conversations", type=int, default=None, help="default 4 (quick: 2)")
@@ -517,8 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the matrix and prints the table; returns 1 if an answer was wrong or tokens were
-    lost or duplicated, else 0."""
+    """Runs the matrix and prints the table; returns 1 if an answer was wrong, tokens were lost
+    or duplicated or a fault could not be injected, else 0."""
     args = build_parser().parse_args(argv)
     args.conversations = args.conversations or (2 if args.quick else 4)
     args.turns = args.turns or (3 if args.quick else 4)
@@ -531,27 +399,46 @@ def main(argv: list[str] | None = None) -> int:
         model = str(make_tiny_model(work / "tiny-llama", "llama"))
     print(f"fault matrix: model {model}, logs in {work}", flush=True)
     conversations = known_answers(model, args, work)
-    dep = Deployment(model, args, work)
     rows: list[Row] = []
-    try:
-        dep.start()
-        print(f"deployment ready; state store {dep.state_store or 'memory (no redis-server)'}",
-              flush=True)
-        for fault in faults(dep, args.quick):
-            row = run_fault(dep, conversations, fault, args)
-            rows.append(row)
-            print(f"  {fault.name}: {row.ok}/{row.requests} ok, {row.failed} failed, "
-                  f"{row.wrong} wrong" if not row.skip else f"  {fault.name}: skipped",
-                  flush=True)
-            for error in row.errors:
-                print(f"    {error}", flush=True)
-    finally:
-        dep.close()
+    redis = shutil.which("redis-server") is not None
+    netns_error = None if args.quick else netns_unavailable()
+    plan = [f for f in faults(args.quick, redis, netns_error)
+            if not args.only or any(word in f.name for word in args.only)]
+    for kind in ("up", "netns"):
+        todo = [f for f in plan if f.deployment == kind]
+        if all(f.inject is None for f in todo):
+            rows += [Row(f.name, skip=f.skip) for f in todo]
+            continue
+        hosts = None
+        if kind == "up":
+            dep = UpDeployment(model, args.device, work, args.startup_timeout)
+        else:
+            from tests.support.netns import Hosts
+
+            hosts = Hosts(["p", "d"])
+            dep = NetnsPair(model, work, hosts, args.startup_timeout)
+        try:
+            dep.start()
+            print(f"{kind} deployment ready; state store "
+                  f"{dep.state_store or 'memory (no redis-server)'}", flush=True)
+            for fault in todo:
+                row = run_fault(dep, conversations, fault, args)
+                rows.append(row)
+                print(f"  {fault.name}: " + (
+                    f"not injected ({row.not_injected})" if row.not_injected else
+                    f"{row.ok}/{row.requests} ok, {row.failed} failed, {row.wrong} wrong"),
+                    flush=True)
+                for error in row.errors:
+                    print(f"    {error}", flush=True)
+        finally:
+            dep.close()
+            if hosts is not None:
+                hosts.close()
     print()
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=2))
-    bad = any(r.wrong or r.lost_or_duplicated for r in rows)
+    bad = any(r.wrong or r.lost_or_duplicated or r.not_injected for r in rows)
     return 1 if bad else 0
 
 
