@@ -15,7 +15,8 @@ tiny random Llama (:func:`pdserve.testing.tiny_models.make_tiny_model`, ``--dtyp
    client alternating between the replicas per turn and resending a request once to the other
    replica when it fails before its answer is complete (connection error, HTTP error, an error
    event, no ``[DONE]``, a timeout). The fault is injected once a quarter of the load's requests
-   are answered (the others are in flight or still to come). After the load the deployment is brought back (the launcher restarts the engine
+   are answered, at a moment when at least two requests are streaming their answers (waited
+   for up to 5 s), so that it can cut a stream; the number streaming then is printed. After the load the deployment is brought back (the launcher restarts the engine
    itself; this script restarts a proxy replica or ``redis-server``) before the next fault.
 3. Each answer is compared with the known one as text and as its number of completion tokens
    (``usage.completion_tokens`` of the stream, ``stream_options.include_usage``).
@@ -64,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.ne
 
 from fault_deployments import ENGINE_ARGS, NetnsPair, UpDeployment, free_port, stop, wait_http
 
+MID_STREAM_WAIT_S = 5.0
 QUESTIONS = ["Tell me about rivers.", "And the mountains?", "What about the sea?",
              "Name a city.", "Why is the sky blue?"]
 
@@ -88,6 +90,18 @@ def prompt_of(history: list[tuple[str, str]], question: str) -> str:
     return text + f"User: {question}\nAssistant:"
 
 
+class Streaming:
+    """How many requests are between their first token and their end (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.count += n
+
+
 @dataclass
 class Answer:
     """What a streamed completion returned: its text, completion tokens and whether it ended."""
@@ -99,13 +113,15 @@ class Answer:
 
 
 def stream_completion(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float,
-                      extra: dict | None = None) -> Answer:
+                      extra: dict | None = None, streaming: Streaming | None = None) -> Answer:
     """One greedy streamed ``/v1/completions`` request; never raises (errors go in
-    :attr:`Answer.error`)."""
+    :attr:`Answer.error`). ``streaming`` counts this request from its first token to its
+    end."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": True, **(extra or {})}
     out = Answer()
+    counted = False
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body,
                           timeout=httpx.Timeout(timeout_s)) as resp:
@@ -126,10 +142,16 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int, timeou
                     return out
                 for choice in event.get("choices") or []:
                     out.text += choice.get("text") or ""
+                if streaming is not None and out.text and not counted:
+                    counted = True
+                    streaming.add(1)
                 if event.get("usage"):
                     out.tokens = event["usage"].get("completion_tokens")
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if counted:
+            streaming.add(-1)
     if out.error is None and not out.done:
         out.error = "stream ended without [DONE]"
     return out
@@ -237,6 +259,7 @@ class Row:
     lost_or_duplicated: int = 0
     recovery_s: float | None = None
     skip: str = ""
+    streams_at_fault: int = 0  # requests streaming their answers when the fault came
     not_injected: str = ""  # why the fault could not be injected (the row then means nothing)
     errors: list[str] = field(default_factory=list)
 
@@ -262,7 +285,7 @@ def run_fault(dep: UpDeployment | NetnsPair, conversations: list[list[Turn]], fa
     def send(turn: Turn, replica: int) -> Answer:
         extra = {"conversation_id": f"{fault.name}-{turn.conversation}"}
         return stream_completion(dep.replica_urls[replica], dep.model, turn.prompt,
-                                 args.max_tokens, args.request_timeout, extra)
+                                 args.max_tokens, args.request_timeout, extra, streaming)
 
     def converse(turns: list[Turn]) -> None:
         for turn in turns:
@@ -293,13 +316,22 @@ def run_fault(dep: UpDeployment | NetnsPair, conversations: list[list[Turn]], fa
 
     total = sum(len(turns) for turns in conversations)
 
-    def inject_later() -> None:  # once a quarter of the requests are answered
+    streaming = Streaming()
+
+    def inject_later() -> None:
+        # Once a quarter of the requests are answered and, where that comes within
+        # MID_STREAM_WAIT_S, while at least two others are streaming their answers, so that the
+        # fault can cut a stream.
+        waited_since = None
         while True:
             with lock:
                 if row.requests >= max(1, total // 4):
-                    fault_at.append(time.monotonic())
-                    break
-            time.sleep(0.02)
+                    waited_since = waited_since or time.monotonic()
+                    if streaming.count >= 2 or time.monotonic() - waited_since > MID_STREAM_WAIT_S:
+                        fault_at.append(time.monotonic())
+                        row.streams_at_fault = streaming.count
+                        break
+            time.sleep(0.005)
         try:
             fault.inject(dep)
         except Exception as exc:  # noqa: BLE001 - reported in the table, not a crash
@@ -426,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(f"  {fault.name}: " + (
                     f"not injected ({row.not_injected})" if row.not_injected else
-                    f"{row.ok}/{row.requests} ok, {row.failed} failed, {row.wrong} wrong"),
+                    f"{row.ok}/{row.requests} ok, {row.failed} failed, {row.wrong} wrong, "
+                    f"{row.streams_at_fault} streaming when it came"),
                     flush=True)
                 for error in row.errors:
                     print(f"    {error}", flush=True)

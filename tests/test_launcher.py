@@ -790,3 +790,130 @@ def test_main_refuses_a_negative_restart_limit(capsys):
     assert launcher.main(["--restart-limit", "-1"], commands=FakeCommands(Path("/nonexistent")),
                          gpus=[]) == 2
     assert "--restart-limit" in capsys.readouterr().err
+
+
+class _FakeProc:
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        return self.returncode
+
+
+class _FakeChild(launcher.Child):
+    """A Child whose process is a stand-in: ``die(code)`` ends it, ``start()`` makes a new one."""
+
+    next_pid = 1000
+
+    def start(self) -> None:
+        _FakeChild.next_pid += 1
+        self.proc = _FakeProc(_FakeChild.next_pid)
+        self.starts += 1
+
+    def die(self, code: int) -> None:
+        self.proc.returncode = code
+
+    def signal_group(self, sig: int) -> None:
+        self.group_signals = [*getattr(self, "group_signals", []), sig]
+
+
+def _restarter(tmp_path, policy, healthy: set[str]):
+    """A Restarter over fake decode-0, decode-1 and proxy, with a clock the test moves."""
+    from pdserve.launcher.plan import ChildSpec
+    from pdserve.launcher import restarts
+
+    specs = [ChildSpec("decode-0", "decode", ["x"], port=1, side_channel_port=11),
+             ChildSpec("decode-1", "decode", ["x"], port=2, side_channel_port=12),
+             ChildSpec("proxy", "proxy", ["x"], port=3)]
+    children = [_FakeChild(s, tmp_path / f"{s.name}.log") for s in specs]
+    for c in children:
+        c.start()
+        c.ready = True
+    clock = [100.0]
+    lines: list[str] = []
+    changes: list[int] = []
+    r = restarts.Restarter(children, policy, health_check=lambda url: url in healthy,
+                           say=lines.append, on_change=lambda: changes.append(1),
+                           clock=lambda: clock[0])
+    return r, children, clock, lines, changes
+
+
+def test_restarter_backs_off_waits_for_ports_and_counts_deaths(tmp_path, monkeypatch):
+    from pdserve.launcher import restarts
+    from pdserve.launcher.restarts import InstanceState, RestartPolicy
+
+    busy = {2}
+    monkeypatch.setattr(restarts, "ports_free", lambda host, ports: not busy & set(ports))
+    healthy: set[str] = set()
+    policy = RestartPolicy(max_restarts=2, window_s=60, initial_backoff_s=1, port_wait_s=10,
+                           startup_timeout_s=30)
+    r, (d0, d1, proxy), clock, lines, changes = _restarter(tmp_path, policy, healthy)
+    assert r.poll() is None
+    d1.die(-9)
+    first_pid = d1.pid
+    assert r.poll() is None and r.state(d1) is InstanceState.BACKING_OFF
+    assert d1.group_signals == [signal.SIGKILL]  # its engine cores go with it
+    assert "restarting it in 1 s (restart 1 of 2 within 60 s); decode-0 keep serving" in lines[-1]
+    assert "[pdserve up] decode-1 (pid" in (tmp_path / "decode-1.log").read_text()
+    clock[0] += 0.5
+    assert r.poll() is None and d1.pid == first_pid  # still backing off
+    clock[0] += 1
+    assert r.poll() is None and d1.pid == first_pid and "waiting for its ports 2, 12" in lines[-1]
+    busy.clear()
+    clock[0] += 1
+    assert r.poll() is None and d1.pid != first_pid and r.state(d1) is InstanceState.RESTARTING
+    assert d1.starts == 2 and not d1.ready
+    healthy.add(d1.spec.url + "/health")
+    clock[0] += 1
+    assert r.poll() is None and r.state(d1) is InstanceState.SERVING and d1.ready
+    assert "decode-1 is serving again" in lines[-1] and "3.5 s after it died" in lines[-1]
+    # second death in the window: twice the back-off; the third is past the limit
+    d1.die(1)
+    assert r.poll() is None and "restarting it in 2 s (restart 2 of 2" in lines[-1]
+    clock[0] += 2
+    r.poll()
+    clock[0] += 1
+    r.poll()
+    d1.die(1)
+    stop = r.poll()
+    assert stop is not None and stop[0] is d1
+    assert "died 3 times within 60 s (restart limit 2)" in stop[1]
+    assert changes  # the status file was rewritten on every change
+
+
+def test_restarter_gives_up_on_ports_health_and_the_last_instance(tmp_path, monkeypatch):
+    from pdserve.launcher import restarts
+    from pdserve.launcher.restarts import RestartPolicy
+
+    policy = RestartPolicy(initial_backoff_s=1, port_wait_s=5, startup_timeout_s=20)
+    monkeypatch.setattr(restarts, "ports_free", lambda host, ports: False)
+    r, (d0, d1, proxy), clock, lines, _ = _restarter(tmp_path, policy, set())
+    d1.die(3)
+    r.poll()
+    clock[0] += 1
+    assert r.poll() is None
+    clock[0] += 6
+    stop = r.poll()
+    assert stop[0] is d1 and "ports 2, 12 are still busy after 5 s" in stop[1]
+
+    monkeypatch.setattr(restarts, "ports_free", lambda host, ports: True)
+    r, (d0, d1, proxy), clock, lines, _ = _restarter(tmp_path, policy, set())
+    d1.die(3)
+    r.poll()
+    clock[0] += 1
+    r.poll()  # restarted, never healthy
+    clock[0] += 21
+    stop = r.poll()
+    assert stop[0] is d1 and "not healthy 20 s after its restart" in stop[1]
+
+    r, (d0, d1, proxy), clock, lines, _ = _restarter(tmp_path, policy, set())
+    d1.die(3)
+    r.poll()
+    d0.die(3)  # the other decoder dies while decode-1 backs off: no decoder left
+    stop = r.poll()
+    assert stop[0] is d0 and "no other decode instance is serving" in stop[1]
+
+    r, (d0, d1, proxy), clock, lines, _ = _restarter(tmp_path, policy, set())
+    proxy.die(-15)
+    stop = r.poll()
+    assert stop[0] is proxy and "was killed by SIGTERM" in stop[1]
