@@ -173,18 +173,25 @@ class UpDeployment(Replicas):
         self.status: dict = {}
         self.replaced: dict[str, int] = {}  # engine name -> the PID a fault ended
 
-    def start(self) -> None:
-        """Starts everything and waits until it serves.
-
-        Raises:
-            SystemExit: a part did not come up.
-        """
+    def launch(self) -> None:
+        """Starts ``pdserve up`` without waiting for it (it may start while other work runs)."""
+        if self.up is not None:
+            return
         log_dir = self.work / "up"
         self.up = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "up", self.model, "--num-prefillers", "2",
              "--num-decoders", "2", "--multi-turn", "--device", self.device, "--port", "0",
              "--log-dir", str(log_dir), "--restart-window", "600", "--", *ENGINE_ARGS],
             stdout=open(self.work / "up.out", "wb"), stderr=subprocess.STDOUT)
+
+    def start(self) -> None:
+        """Starts everything (``pdserve up`` unless :meth:`launch` did) and waits until it
+        serves.
+
+        Raises:
+            SystemExit: a part did not come up.
+        """
+        self.launch()
         deadline = time.monotonic() + self.startup_timeout_s
         while self.read_status().get("state") != "ready":
             if self.up.poll() is not None or time.monotonic() > deadline:

@@ -430,7 +430,13 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(make_tiny_model(work / "tiny-llama", "llama"))
     print(f"fault matrix: model {model}, logs in {work}", flush=True)
-    conversations = known_answers(model, args, work)
+    up_dep = UpDeployment(model, args.device, work, args.startup_timeout)
+    up_dep.launch()  # it starts while the reference engine answers
+    try:
+        conversations = known_answers(model, args, work)
+    except BaseException:
+        up_dep.close()
+        raise
     rows: list[Row] = []
     redis = shutil.which("redis-server") is not None
     netns_error = None if args.quick else netns_unavailable()
@@ -440,10 +446,12 @@ def main(argv: list[str] | None = None) -> int:
         todo = [f for f in plan if f.deployment == kind]
         if all(f.inject is None for f in todo):
             rows += [Row(f.name, skip=f.skip) for f in todo]
+            if kind == "up":
+                up_dep.close()
             continue
         hosts = None
         if kind == "up":
-            dep = UpDeployment(model, args.device, work, args.startup_timeout)
+            dep = up_dep
         else:
             from tests.support.netns import Hosts
 
