@@ -16,8 +16,9 @@ tiny random Llama (:func:`pdserve.testing.tiny_models.make_tiny_model`, ``--dtyp
    replica when it fails before its answer is complete (connection error, HTTP error, an error
    event, no ``[DONE]``, a timeout). The fault is injected once a quarter of the load's requests
    are answered, at a moment when at least two requests are streaming their answers (waited
-   for up to 5 s), so that it can cut a stream; the number streaming then is printed. After the load the deployment is brought back (the launcher restarts the engine
-   itself; this script restarts a proxy replica or ``redis-server``) before the next fault.
+   for up to 5 s), so that it can cut a stream; the number streaming then is printed. After
+   the load the deployment is brought back (the launcher restarts the engine itself; this
+   script restarts a proxy replica or ``redis-server``) before the next fault.
 3. Each answer is compared with the known one as text and as its number of completion tokens
    (``usage.completion_tokens`` of the stream, ``stream_options.include_usage``).
 
@@ -25,8 +26,8 @@ Columns: ``requests`` (turns sent), ``ok`` (answered, right or wrong), ``retried
 other replica by the client), ``migrated`` (the replicas' ``pdserve:proxy_migrations_total``
 increase, ``-`` where the proxy has no such metric), ``failed`` (no answer after the resend),
 ``answers wrong`` (an answer whose text differs from the known one), ``tokens lost or duplicated``
-(sum over answered requests of ``|completion tokens - known completion tokens|``, and, where the
-texts differ, the characters of the known answer missing or repeated), ``recovery s`` (from the
+(sum over answered requests of ``|completion tokens - known completion tokens|``, at least 1 for
+an answer whose text differs), ``recovery s`` (from the
 fault until the first request sent after it is answered right; probed after the load when none
 in it was).
 
@@ -35,9 +36,10 @@ Usage::
     python benchmarks/fault_matrix.py            # every fault
     python benchmarks/fault_matrix.py --quick    # SIGKILL of a decoder and of a prefiller
 
-Needs no GPU (``--device cpu`` by default). The link rows (P's side channel unreachable from D for 10 s,
-P's link limited to 2 Mbit/s) run on a second deployment, a prefiller and a decoder in network
-namespaces of their own (``benchmarks/fault_deployments.py``); they need root, ``ip netns`` and
+Needs no GPU (``--device cpu`` by default). The link rows (P's side channel unreachable from D
+for 10 s, P's link limited to 2 Mbit/s) run on a second deployment, a prefiller and a decoder in network
+namespaces of their own (``benchmarks/fault_deployments.py``; the load is in
+``benchmarks/fault_load.py``); they need root, ``ip netns`` and
 ``tc``, and print as skipped, with the reason, where those are missing (as the redis row does
 without ``redis-server``).
 """
@@ -49,7 +51,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -59,131 +60,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.netns
 
-from fault_deployments import ENGINE_ARGS, NetnsPair, UpDeployment, free_port, stop, wait_http
+from fault_deployments import NetnsPair, UpDeployment
+from fault_load import Answer, Streaming, Turn, known_answers, stream_completion
 
 MID_STREAM_WAIT_S = 5.0
-QUESTIONS = ["Tell me about rivers.", "And the mountains?", "What about the sea?",
-             "Name a city.", "Why is the sky blue?"]
-
-
-# ---------------------------------------------------------------------------- conversations
-@dataclass(frozen=True)
-class Turn:
-    """One request of the load: its prompt and the known greedy answer."""
-
-    conversation: int
-    index: int
-    prompt: str
-    answer: str = ""
-    tokens: int = 0
-
-
-def prompt_of(history: list[tuple[str, str]], question: str) -> str:
-    """The completion prompt of a turn after ``history`` (question, answer pairs)."""
-    text = "A conversation.\n"
-    for q, a in history:
-        text += f"User: {q}\nAssistant:{a}\n"
-    return text + f"User: {question}\nAssistant:"
-
-
-class Streaming:
-    """How many requests are between their first token and their end (thread-safe)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.count = 0
-
-    def add(self, n: int) -> None:
-        with self._lock:
-            self.count += n
-
-
-@dataclass
-class Answer:
-    """What a streamed completion returned: its text, completion tokens and whether it ended."""
-
-    text: str = ""
-    tokens: int | None = None
-    done: bool = False
-    error: str | None = None
-
-
-def stream_completion(url: str, model: str, prompt: str, max_tokens: int, timeout_s: float,
-                      extra: dict | None = None, streaming: Streaming | None = None) -> Answer:
-    """One greedy streamed ``/v1/completions`` request; never raises (errors go in
-    :attr:`Answer.error`). ``streaming`` counts this request from its first token to its
-    end."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True, **(extra or {})}
-    out = Answer()
-    counted = False
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=body,
-                          timeout=httpx.Timeout(timeout_s)) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                out.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                return out
-            for line in resp.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    out.done = True
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    out.error = f"error event: {event['error']}"
-                    return out
-                for choice in event.get("choices") or []:
-                    out.text += choice.get("text") or ""
-                if streaming is not None and out.text and not counted:
-                    counted = True
-                    streaming.add(1)
-                if event.get("usage"):
-                    out.tokens = event["usage"].get("completion_tokens")
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        if counted:
-            streaming.add(-1)
-    if out.error is None and not out.done:
-        out.error = "stream ended without [DONE]"
-    return out
-
-
-def known_answers(model: str, args: argparse.Namespace, work: Path) -> list[list[Turn]]:
-    """Every turn of every conversation, answered by one plain engine (greedy)."""
-    port = free_port()
-    log = open(work / "reference.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "serve", model, "--port",
-                             str(port), "--device", args.device, *ENGINE_ARGS],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", proc, args.startup_timeout, "the reference engine")
-        conversations = []
-        for c in range(args.conversations):
-            history: list[tuple[str, str]] = []
-            turns = []
-            for t in range(args.turns):
-                question = QUESTIONS[(c + t) % len(QUESTIONS)] + f" (#{c})"
-                prompt = prompt_of(history, question)
-                ans = stream_completion(url, model, prompt, args.max_tokens, 120)
-                if ans.error:
-                    raise SystemExit(f"reference engine: {ans.error}")
-                turns.append(Turn(c, t, prompt, ans.text, ans.tokens or 0))
-                history.append((question, ans.text))
-            conversations.append(turns)
-        return conversations
-    finally:
-        stop(proc)
-        log.close()
 
 
 # ------------------------------------------------------------------------------------ faults
