@@ -46,11 +46,17 @@ p.add_argument("--name"); p.add_argument("--port", type=int); p.add_argument("--
 p.add_argument("--exit-after", type=float); p.add_argument("--exit-code", type=int, default=3)
 p.add_argument("--ignore-term", action="store_true"); p.add_argument("--never-healthy", action="store_true")
 p.add_argument("--grandchild", action="store_true")
+p.add_argument("--exit-once", action="store_true")  # --exit-after only in the first start
+p.add_argument("--only", default=None)  # the flags above apply only to the child of this name
 p.add_argument("--helper", action="store_true")  # like multiprocessing's resource tracker
 p.add_argument("--say", action="append", default=[]); p.add_argument("--healthy-after", type=float)
 a, rest = p.parse_known_args()
 started = time.monotonic()
 rec = os.path.join(a.record, a.name)
+if a.only is not None and a.only != a.name:
+    a.exit_after = None
+if a.exit_once and os.path.exists(rec + ".died"):
+    a.exit_after = None
 def note(what):
     with open(rec + ".events", "a") as f:
         f.write(what + "\n")
@@ -83,6 +89,7 @@ print(f"fake {a.name} listening on {a.port}", flush=True)
 if a.exit_after is not None:
     time.sleep(a.exit_after)
     print(f"fake {a.name} dying with code {a.exit_code}", flush=True)
+    open(rec + ".died", "a").write("x")
     os._exit(a.exit_code)
 while True:
     time.sleep(1)
@@ -689,3 +696,225 @@ def test_argument_errors_print_one_short_usage_line(argv, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and err[0] == f"usage: {prog} [options] (see {prog} --help)", err
     assert err[1].startswith(f"{prog}: error: "), err
+
+
+# ------------------------------------------------------------------ restarts of dead instances
+
+
+@pytest.mark.slow
+def test_dead_decoder_is_restarted_on_its_ports_while_the_other_serves(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    cmds = FakeCommands(tmp_path, {"decode": ["--exit-after", "0.5", "--exit-once",
+                                              "--only", "decode-1", "--exit-code", "9"]})
+    seen: dict = {}
+
+    def watch():  # the launcher runs in this (main) thread, which gets its signals
+        _wait_for(lambda: (_status(log_dir) or {}).get("state") == "ready", what="ready")
+        seen["first"] = {c["name"]: c for c in _status(log_dir)["children"]}
+        _wait_for(lambda: any(c["restarts"] == 1 and c["state"] == "serving"
+                              for c in (_status(log_dir) or {}).get("children", [])),
+                  what="decode-1 serving again")
+        seen["now"] = _status(log_dir)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port()),
+                        "--num-decoders", "2"], commands=cmds, gpus=[])
+    thread.join(5)
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "decode-1 (pid" in out and "exited with code 9; restarting it in 1 s" in out
+    assert "restart 1 of 3 within 300 s" in out and "decode-0 keep serving" in out
+    assert "decode-1 is serving again" in out
+    first, status = seen["first"], seen["now"]
+    assert status["state"] == "ready"
+    now = {c["name"]: c for c in status["children"]}
+    assert now["decode-1"]["pid"] != first["decode-1"]["pid"]
+    assert now["decode-1"]["port"] == first["decode-1"]["port"]
+    assert now["decode-1"]["side_channel_port"] == first["decode-1"]["side_channel_port"]
+    for name in ("prefill-0", "decode-0", "proxy"):
+        assert now[name]["pid"] == first[name]["pid"] and now[name]["restarts"] == 0
+    log = Path(now["decode-1"]["log"]).read_text()
+    assert log.count("fake decode-1 listening") == 2 and "[pdserve up] decode-1 (pid" in log
+    assert _events(tmp_path, "decode-1") == ["SIGTERM"]  # the restarted one is stopped too
+    assert not _alive(now["decode-1"]["pid"])
+
+
+@pytest.mark.slow
+def test_an_instance_that_keeps_dying_stops_the_deployment(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    cmds = FakeCommands(tmp_path, {"prefill": ["--exit-after", "0.5", "--only", "prefill-1",
+                                               "--exit-code", "4"]})
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port()),
+                        "--num-prefillers", "2", "--restart-limit", "1"], commands=cmds, gpus=[])
+    assert rc == 1
+    out = capsys.readouterr().out
+    assert "restarting it in 1 s (restart 1 of 1 within 300 s)" in out
+    assert "it died 2 times within 300 s (restart limit 1); stopping the others." in out
+    assert "fake prefill-1 dying with code 4" in out  # its last log lines
+    for child in _status(log_dir)["children"]:
+        assert not _alive(child["pid"])
+
+
+@pytest.mark.slow
+def test_a_role_without_live_instances_stops_the_deployment(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    cmds = FakeCommands(tmp_path, {"decode": ["--exit-after", "0.6"]})
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port()),
+                        "--num-decoders", "2"], commands=cmds, gpus=[])
+    assert rc == 1
+    out = capsys.readouterr().out
+    assert "no other decode instance is serving; stopping the others." in out
+    assert _events(tmp_path, "prefill-0") == ["SIGTERM"]
+
+
+@pytest.mark.slow
+def test_restart_limit_zero_keeps_the_old_stop_everything_behaviour(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    cmds = FakeCommands(tmp_path, {"decode": ["--exit-after", "0.5", "--only", "decode-1"]})
+    rc = launcher.main(["--log-dir", str(log_dir), "--port", str(_proxy_port()),
+                        "--num-decoders", "2", "--restart-limit", "0"], commands=cmds, gpus=[])
+    assert rc == 1
+    out = capsys.readouterr().out
+    assert "restarting" not in out and "decode-1 (pid" in out
+
+
+def test_restart_backoff_doubles_up_to_its_cap():
+    from pdserve.launcher.restarts import RestartPolicy
+
+    policy = RestartPolicy(initial_backoff_s=1, max_backoff_s=5)
+    assert [policy.backoff(n) for n in range(1, 6)] == [1, 2, 4, 5, 5]
+
+
+def test_main_refuses_a_negative_restart_limit(capsys):
+    assert launcher.main(["--restart-limit", "-1"], commands=FakeCommands(Path("/nonexistent")),
+                         gpus=[]) == 2
+    assert "--restart-limit" in capsys.readouterr().err
+
+
+class _FakeProc:
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        return self.returncode
+
+
+class _FakeChild(launcher.Child):
+    """A Child whose process is a stand-in: ``die(code)`` ends it, ``start()`` makes a new one."""
+
+    next_pid = 1000
+
+    def start(self) -> None:
+        _FakeChild.next_pid += 1
+        self.proc = _FakeProc(_FakeChild.next_pid)
+        self.starts += 1
+
+    def die(self, code: int) -> None:
+        self.proc.returncode = code
+
+    def signal_group(self, sig: int) -> None:
+        self.group_signals = [*getattr(self, "group_signals", []), sig]
+
+
+def _restarter(tmp_path, policy, healthy: set[str]):
+    """A Restarter over fake decode-0, decode-1 and proxy, with a clock the test moves."""
+    from pdserve.launcher.plan import ChildSpec
+    from pdserve.launcher import restarts
+
+    specs = [ChildSpec("decode-0", "decode", ["x"], port=1, side_channel_port=11),
+             ChildSpec("decode-1", "decode", ["x"], port=2, side_channel_port=12),
+             ChildSpec("proxy", "proxy", ["x"], port=3)]
+    children = [_FakeChild(s, tmp_path / f"{s.name}.log") for s in specs]
+    for c in children:
+        c.start()
+        c.ready = True
+    clock = [100.0]
+    lines: list[str] = []
+    changes: list[int] = []
+    r = restarts.Restarter(children, policy, health_check=lambda url: url in healthy,
+                           say=lines.append, on_change=lambda: changes.append(1),
+                           clock=lambda: clock[0])
+    return r, children, clock, lines, changes
+
+
+def test_restarter_backs_off_waits_for_ports_and_counts_deaths(tmp_path, monkeypatch):
+    from pdserve.launcher import restarts
+    from pdserve.launcher.restarts import InstanceState, RestartPolicy
+
+    busy = {2}
+    monkeypatch.setattr(restarts, "ports_free", lambda host, ports: not busy & set(ports))
+    healthy: set[str] = set()
+    policy = RestartPolicy(max_restarts=2, window_s=60, initial_backoff_s=1, port_wait_s=10,
+                           startup_timeout_s=30)
+    r, (d0, d1, proxy), clock, lines, changes = _restarter(tmp_path, policy, healthy)
+    assert r.poll() is None
+    d1.die(-9)
+    first_pid = d1.pid
+    assert r.poll() is None and r.state(d1) is InstanceState.BACKING_OFF
+    assert d1.group_signals == [signal.SIGKILL]  # its engine cores go with it
+    assert "restarting it in 1 s (restart 1 of 2 within 60 s); decode-0 keep serving" in lines[-1]
+    assert "[pdserve up] decode-1 (pid" in (tmp_path / "decode-1.log").read_text()
+    clock[0] += 0.5
+    assert r.poll() is None and d1.pid == first_pid  # still backing off
+    clock[0] += 1
+    assert r.poll() is None and d1.pid == first_pid and "waiting for its ports 2, 12" in lines[-1]
+    busy.clear()
+    clock[0] += 1
+    assert r.poll() is None and d1.pid != first_pid and r.state(d1) is InstanceState.RESTARTING
+    assert d1.starts == 2 and not d1.ready
+    healthy.add(d1.spec.url + "/health")
+    clock[0] += 1
+    assert r.poll() is None and r.state(d1) is InstanceState.SERVING and d1.ready
+    assert "decode-1 is serving again" in lines[-1] and "3.5 s after it died" in lines[-1]
+    # second death in the window: twice the back-off; the third is past the limit
+    d1.die(1)
+    assert r.poll() is None and "restarting it in 2 s (restart 2 of 2" in lines[-1]
+    clock[0] += 2
+    r.poll()
+    clock[0] += 1
+    r.poll()
+    d1.die(1)
+    stop = r.poll()
+    assert stop is not None and stop[0] is d1
+    assert "died 3 times within 60 s (restart limit 2)" in stop[1]
+    assert changes  # the status file was rewritten on every change
+
+
+def test_restarter_gives_up_on_ports_health_and_the_last_instance(tmp_path, monkeypatch):
+    from pdserve.launcher import restarts
+    from pdserve.launcher.restarts import RestartPolicy
+
+    policy = RestartPolicy(initial_backoff_s=1, port_wait_s=5, startup_timeout_s=20)
+    monkeypatch.setattr(restarts, "ports_free", lambda host, ports: False)
+    r, (d0, d1, proxy), clock, lines, _ = _restarter(tmp_path, policy, set())
+    d1.die(3)
+    r.poll()
+    clock[0] += 1
+    assert r.poll() is None
+    clock[0] += 6
+    stop = r.poll()
+    assert stop[0] is d1 and "ports 2, 12 are still busy after 5 s" in stop[1]
+
+    monkeypatch.setattr(restarts, "ports_free", lambda host, ports: True)
+    r, (d0, d1, proxy), clock, lines, _ = _restarter(tmp_path, policy, set())
+    d1.die(3)
+    r.poll()
+    clock[0] += 1
+    r.poll()  # restarted, never healthy
+    clock[0] += 21
+    stop = r.poll()
+    assert stop[0] is d1 and "not healthy 20 s after its restart" in stop[1]
+
+    r, (d0, d1, proxy), clock, lines, _ = _restarter(tmp_path, policy, set())
+    d1.die(3)
+    r.poll()
+    d0.die(3)  # the other decoder dies while decode-1 backs off: no decoder left
+    stop = r.poll()
+    assert stop[0] is d0 and "no other decode instance is serving" in stop[1]
+
+    r, (d0, d1, proxy), clock, lines, _ = _restarter(tmp_path, policy, set())
+    proxy.die(-15)
+    stop = r.poll()
+    assert stop[0] is proxy and "was killed by SIGTERM" in stop[1]

@@ -7,6 +7,7 @@ ready-to-paste examples, and supervises the children until Ctrl-C.
 
 * :mod:`~pdserve.launcher.plan`: ports, GPUs, environment and command line of each part.
 * :mod:`~pdserve.launcher.supervisor`: starting the parts, health, death and shutdown.
+* :mod:`~pdserve.launcher.restarts`: restarting a dead engine instance while its role serves.
 * :mod:`~pdserve.launcher.children`: one child process, its process group and its log.
 * :mod:`~pdserve.launcher.cli`: argparse, pass-through of engine options, progress and banner.
 """
@@ -28,11 +29,12 @@ from pdserve.launcher.plan import (
     option_value,
 )
 from pdserve.launcher.children import Child, tail_lines
+from pdserve.launcher.restarts import InstanceState, RestartPolicy, Restarter
 from pdserve.launcher.supervisor import STATUS_FILE_NAME, Launcher
 
 __all__ = [
     "ENGINE_HOST", "SHARED_GPU_MEMORY_FRACTION", "STATUS_FILE_NAME", "Child", "ChildCommands",
-    "ChildSpec", "LaunchError", "Launcher", "allocate_free_ports", "assign_gpus", "build_parser",
+    "ChildSpec", "InstanceState", "LaunchError", "Launcher", "RestartPolicy", "Restarter", "allocate_free_ports", "assign_gpus", "build_parser",
     "build_plan", "connect_host", "detect_gpus", "engine_args_error", "ensure_port_free",
     "kv_transfer_config", "main",
     "option_value", "parse_args", "tail_lines", "usage_banner",

@@ -84,8 +84,14 @@ class Child:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self.ready = False
+        self.starts = 0  # times the process was started (restarts: starts - 1)
 
     def start(self) -> None:
+        """Starts the process (again, after it exited: same command, log appended).
+
+        Raises:
+            OSError: the command cannot be executed.
+        """
         env = dict(os.environ)
         env.update(self.spec.env)
         parent = os.getpid()
@@ -96,6 +102,7 @@ class Child:
                 self.spec.argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=lambda: _die_with_parent(parent))
+        self.starts += 1
 
     @property
     def pid(self) -> int:

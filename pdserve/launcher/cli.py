@@ -22,6 +22,11 @@ from pdserve.launcher.plan import (
     build_plan,
     option_value,
 )
+from pdserve.launcher.restarts import (
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_RESTART_WINDOW_S,
+    RestartPolicy,
+)
 from pdserve.launcher.supervisor import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_STARTUP_TIMEOUT_S,
@@ -192,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    metavar="SECONDS", help="SIGKILL children still running this long after the "
                                            f"stop signal (default {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})")
+    p.add_argument("--restart-limit", type=int, default=DEFAULT_MAX_RESTARTS, metavar="K",
+                   help="restart a dead prefiller/decoder (while another instance of its role "
+                        "serves) at most K times within --restart-window, with a back-off of "
+                        "1, 2, 4 ... s (at most 30 s); 0 = never restart, any death stops "
+                        f"everything (default {DEFAULT_MAX_RESTARTS})")
+    p.add_argument("--restart-window", type=float, default=DEFAULT_RESTART_WINDOW_S,
+                   metavar="SECONDS", help="the window --restart-limit counts deaths in "
+                                           f"(default {DEFAULT_RESTART_WINDOW_S:.0f})")
     return p
 
 
@@ -324,8 +337,14 @@ def main(argv: Sequence[str] | None = None, *, commands: ChildCommands | None = 
         return 2
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     print(f"pdserve up: model {opts.model}, logs in {log_dir}", flush=True)
+    if opts.restart_limit < 0 or opts.restart_window <= 0:
+        print("pdserve up: error: --restart-limit must be 0 or more and --restart-window "
+              "positive", file=sys.stderr)
+        return 2
+    policy = RestartPolicy(max_restarts=opts.restart_limit, window_s=opts.restart_window,
+                           startup_timeout_s=opts.startup_timeout)
     launcher = Launcher(specs, log_dir, startup_timeout=opts.startup_timeout,
-                        shutdown_timeout=opts.shutdown_timeout)
+                        shutdown_timeout=opts.shutdown_timeout, restart_policy=policy)
     rc = launcher.run(on_ready=lambda la: _print_ready(la, opts))
     print(f"pdserve up: stopped (exit code {rc}); logs in {log_dir}", flush=True)
     return rc

@@ -3,8 +3,11 @@ them and stops them (with everything they spawned) on a signal or a child's deat
 
 * Ctrl-C / SIGTERM / SIGHUP is forwarded to every child (a second one sends SIGKILL); children that
   have not exited after ``shutdown_timeout`` seconds are killed.
-* If a child dies, the others are stopped and the launcher exits non-zero, printing that child's
-  last log lines.
+* If an engine instance dies after startup while another instance of its role serves, it is
+  restarted on its own ports after a back-off (:mod:`~pdserve.launcher.restarts`); if the proxy
+  or a role's last instance dies, or an instance keeps failing, the others are stopped and the
+  launcher exits non-zero, printing that child's last log lines. A death during startup stops
+  everything too.
 * Every child runs in its own session (process group), and the whole group is signalled, so the
   engine-core processes that ``pdserve serve`` spawns are stopped too. Children also get
   ``PR_SET_PDEATHSIG`` (Linux), so they are terminated even when the launcher itself is killed with
@@ -28,6 +31,7 @@ from typing import Callable, Sequence, TextIO
 
 from pdserve.launcher.children import Child, tail_lines
 from pdserve.launcher.plan import ChildSpec, LaunchError
+from pdserve.launcher.restarts import RestartPolicy, Restarter, describe_exit
 
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -71,13 +75,16 @@ class Launcher:
         shutdown_timeout: seconds to wait for children after the stop signal before SIGKILL.
         health_check: ``url -> bool``; replaceable in tests.
         out: where the banner and messages go.
+        restart_policy: when a dead instance is restarted (default :class:`RestartPolicy`;
+            ``RestartPolicy(max_restarts=0)``: never, any death stops everything).
     """
 
     def __init__(self, specs: Sequence[ChildSpec], log_dir: Path, *,
                  startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                  health_check: Callable[[str], bool] = _check_health,
-                 poll_interval: float = 0.25, out: TextIO | None = None):
+                 poll_interval: float = 0.25, out: TextIO | None = None,
+                 restart_policy: RestartPolicy | None = None):
         self.log_dir = Path(log_dir)
         self.children = [Child(s, self.log_dir / f"{s.name}.log") for s in specs]
         self.startup_timeout = startup_timeout
@@ -92,6 +99,11 @@ class Launcher:
         self._phase: str | None = None
         self._phases_noted: set[tuple[str, str]] = set()
         self._next_phase_check = 0.0
+        self.restarter = Restarter(
+            self.children, restart_policy or RestartPolicy(startup_timeout_s=startup_timeout),
+            health_check=health_check, say=self.say,
+            on_change=lambda: self.write_status("ready", ready_after_s=self.ready_after_s))
+        self.ready_after_s: float | None = None
 
     # ---- messages -----------------------------------------------------------------------
     def say(self, msg: str = "") -> None:
@@ -107,7 +119,8 @@ class Launcher:
             "state": state,
             "children": [
                 {**asdict(c.spec), "pid": c.proc.pid if c.proc else None,
-                 "url": c.spec.url, "log": str(c.log_path), "ready": c.ready}
+                 "url": c.spec.url, "log": str(c.log_path), "ready": c.ready,
+                 "state": self.restarter.state(c).value, "restarts": max(c.starts - 1, 0)}
                 for c in self.children],
             **extra,
         }
@@ -245,22 +258,24 @@ class Launcher:
         return self._phase
 
     def supervise(self) -> int:
-        """After startup: sleeps until a stop signal (returns 0) or a child's death (returns 1)."""
+        """After startup: sleeps until a stop signal (returns 0), restarting dead instances
+        (:class:`~pdserve.launcher.restarts.Restarter`) until one ends the deployment
+        (returns 1)."""
         while True:
             if self.stop_signal is not None:
                 self.say(f"\nreceived {signal.Signals(self.stop_signal).name}, stopping ...")
                 return 0
-            dead = self.dead_child()
-            if dead is not None:
-                self.report_death(dead)
+            stop = self.restarter.poll()
+            if stop is not None:
+                child, why = stop
+                self.say(f"pdserve up: {why}; stopping the others.")
+                self.print_log_tail(child)
                 return 1
             time.sleep(self.poll_interval)
 
     def report_death(self, child: Child) -> None:
-        code = child.poll()
-        how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exited with code {code}")
-        self.say(f"pdserve up: {child.spec.name} (pid {child.pid}) {how}; stopping the others.")
+        self.say(f"pdserve up: {child.spec.name} (pid {child.pid}) {describe_exit(child.poll())}; "
+                 f"stopping the others.")
         self.print_log_tail(child)
 
     def print_log_tail(self, child: Child) -> None:
@@ -342,7 +357,7 @@ class Launcher:
                 rc = 0 if self.stop_signal is not None and self.dead_child() is None else 1
                 self.write_status("failed" if rc else "stopping")
                 return rc
-            ready_after_s = round(time.monotonic() - self.started_at, 2)
+            ready_after_s = self.ready_after_s = round(time.monotonic() - self.started_at, 2)
             if on_ready is not None:
                 on_ready(self)
             # Written after the banner, so a reader that sees "ready" also finds the endpoint
