@@ -15,10 +15,10 @@ from typing import Sequence
 
 from pdserve.commands.parser import NEGATIVE_NUMBER, Parser, port_list, positive_int
 from pdserve.types.engine_config import DEFAULT_MODEL
+from pdserve.launcher.errors import LaunchError
 from pdserve.launcher.plan import (
     DEFAULT_PROXY_PORT,
     ChildCommands,
-    LaunchError,
     build_plan,
     option_value,
 )

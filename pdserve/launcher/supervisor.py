@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
 from pdserve.launcher.children import Child, tail_lines
-from pdserve.launcher.plan import ChildSpec, LaunchError
+from pdserve.launcher.errors import LaunchError
+from pdserve.launcher.plan import ChildSpec
 from pdserve.launcher.restarts import RestartPolicy, Restarter, describe_exit
 
 DEFAULT_STARTUP_TIMEOUT_S = 900.0

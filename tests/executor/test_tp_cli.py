@@ -15,7 +15,8 @@ from tests.support.ports import free_port
 from pdserve.types.engine_config import EngineConfig
 from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
 from pdserve.launcher.cli import parse_args
-from pdserve.launcher.plan import ChildCommands, LaunchError, build_plan
+from pdserve.launcher.errors import LaunchError
+from pdserve.launcher.plan import ChildCommands, build_plan
 from pdserve.engine.core_client import rank_devices
 from pdserve.models.loader import check_tp_devices, tp_device
 
