@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.launcher.plan import UP_MIGRATION_LIMIT
+
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--block-size", "16",
                "--num-gpu-blocks-override", "1024"]
 
@@ -66,7 +68,7 @@ def stop(proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s: fl
 
 
 class Replicas:
-    """Two ``pdserve proxy --multi-turn`` replicas in this namespace, sharing a
+    """Two ``pdserve proxy --multi-turn --migration-limit 3`` replicas in this namespace, sharing a
     ``redis-server`` of their own when one is installed.
 
     Args:
@@ -117,6 +119,7 @@ class Replicas:
         prefill, decode = self.engines
         argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--port",
                 str(self.replica_ports[i]), "--multi-turn",
+                "--migration-limit", str(UP_MIGRATION_LIMIT),  # as the proxy of pdserve up
                 "--prefiller-hosts", *[h for h, _ in prefill],
                 "--prefiller-ports", *[str(p) for _, p in prefill],
                 "--decoder-hosts", *[h for h, _ in decode],

@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.netns
 
 from fault_deployments import NetnsPair, UpDeployment
@@ -83,10 +85,30 @@ class Fault:
     skip: str = ""
 
 
+def busiest_decoder(dep: UpDeployment) -> str:
+    """The decoder with the most running requests (``pdserve:num_requests_running`` on its
+    ``/metrics``), so that a kill cuts streams in flight; ``decode-1`` on a tie."""
+    def running(child: dict) -> float:
+        try:
+            text = httpx.get(f"http://127.0.0.1:{child['port']}/metrics", timeout=2.0).text
+        except httpx.HTTPError:
+            return -1.0
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pdserve:num_requests_running"))
+    decoders = [c for c in dep.read_status()["children"] if c["role"] == "decode"]
+    return max(sorted(decoders, key=lambda c: c["name"] != "decode-1"), key=running)["name"]
+
+
 def signal_engine(name: str, sig: int) -> Callable:
+    """Send ``sig`` to engine ``name``, or to the busiest decoder for ``name == "decode"``."""
     def inject(dep: UpDeployment) -> None:
-        pid = dep.engine(name)["pid"]
-        dep.replaced[name] = pid  # restore() waits for a new PID that serves
+        if name == "decode":
+            victim = busiest_decoder(dep)
+            print(f"  (the busiest decoder: {victim})", flush=True)
+        else:
+            victim = name
+        pid = dep.engine(victim)["pid"]
+        dep.replaced[victim] = pid  # restore() waits for a new PID that serves
         os.kill(pid, sig)
     return inject
 
@@ -105,13 +127,13 @@ def stop_redis(dep) -> None:
 def faults(quick: bool, redis: bool, netns_error: str | None) -> list[Fault]:
     """The rows of the matrix (``quick``: SIGKILL of a decoder and of a prefiller);
     ``netns_error``: why the namespace rows cannot run (None: they can)."""
-    rows = [Fault("SIGKILL decode-1", inject=signal_engine("decode-1", signal.SIGKILL)),
+    rows = [Fault("SIGKILL the busiest decoder", inject=signal_engine("decode", signal.SIGKILL)),
             Fault("SIGKILL prefill-1", inject=signal_engine("prefill-1", signal.SIGKILL))]
     if quick:
         return rows
     netns_skip = "" if netns_error is None else f"network namespaces unavailable: {netns_error}"
     rows += [
-        Fault("SIGTERM decode-1", inject=signal_engine("decode-1", signal.SIGTERM)),
+        Fault("SIGTERM the busiest decoder", inject=signal_engine("decode", signal.SIGTERM)),
         Fault("SIGTERM prefill-1", inject=signal_engine("prefill-1", signal.SIGTERM)),
         Fault("SIGKILL proxy replica 1", inject=signal_replica(signal.SIGKILL)),
         Fault("SIGTERM proxy replica 1", inject=signal_replica(signal.SIGTERM)),

@@ -24,13 +24,13 @@ def test_quick_fault_matrix_has_no_wrong_answers_and_no_lost_tokens(tmp_path, ca
                             "--json", str(rows_path), "--recovery-timeout", "240"])
     out = capsys.readouterr().out
     rows = json.loads(rows_path.read_text())
-    assert [r["fault"] for r in rows] == ["SIGKILL decode-1", "SIGKILL prefill-1"], out
+    assert [r["fault"] for r in rows] == ["SIGKILL the busiest decoder", "SIGKILL prefill-1"], out
     for row in rows:
         assert row["requests"] > 0 and row["ok"] + row["failed"] == row["requests"], out
         assert row["wrong"] == 0 and row["lost_or_duplicated"] == 0, out
         assert row["recovery_s"] is not None, out
     assert rc == 0, out
-    assert re.search(r"\| SIGKILL decode-1 \| \d+ \| \d+ \|", out)
+    assert re.search(r"\| SIGKILL the busiest decoder \| \d+ \| \d+ \|", out)
     up_out = (tmp_path / "work" / "up.out").read_text()
-    for name in ("decode-1", "prefill-1"):
-        assert f"{name} is serving again" in up_out
+    assert re.search(r"decode-\d is serving again", up_out), up_out
+    assert "prefill-1 is serving again" in up_out, up_out
