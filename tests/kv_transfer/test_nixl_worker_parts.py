@@ -290,6 +290,22 @@ def test_a_failed_nixl_notice_forgets_the_remote_and_goes_by_side_channel():
                        "block_ids": [3, 4], "tp_rank": 1, "expected": 3}
 
 
+def test_without_nixls_progress_thread_every_notice_goes_by_side_channel_per_rank():
+    """A notification posted outside a transfer leaves only while the sender polls its agent:
+    without the progress thread every notice goes by the side channel, which answers it."""
+    agent, pool = FakeAgent(), ImmediatePool()
+    sender = NoticeSender(agent, FakeRemotes(targets=(0, 1), expected={0: 2, 1: 1}), pool,
+                          stats(), lambda e, why: None, 1.0, nixl_delivers=False)
+    sender.queue(RemoteNotice(ref(), "abort"))
+    sender.flush()
+    assert agent.sent == []
+    assert [call[2] for call in pool.calls] == [
+        {"type": "notify", "kind": "abort", "request_id": "r1", "block_ids": [3, 4],
+         "tp_rank": 0, "expected": 2},
+        {"type": "notify", "kind": "abort", "request_id": "r1", "block_ids": [3, 4],
+         "tp_rank": 1, "expected": 1}]
+
+
 def test_a_notice_to_a_remote_not_handshaken_goes_by_side_channel_and_failures_count():
     pool = ImmediatePool(raises=RuntimeError("no answer"))
     sender = NoticeSender(FakeAgent(), FakeRemotes(ready=False), pool, st := stats(),

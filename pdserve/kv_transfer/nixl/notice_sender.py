@@ -1,6 +1,6 @@
 """Outgoing notices of the NIXL connector: "done", "abort" and "heartbeat" to a remote owner's
-ranks, by NIXL notification when its agents are loaded, else by its side channel in the
-background (so a notice never waits for a handshake)."""
+ranks, by NIXL notification when its agents are loaded and NIXL's progress thread runs, else by
+its side channel in the background (so a notice never waits for a handshake)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,20 @@ class NoticeSender:
         forget_remote: called with an endpoint and a reason when a NIXL notification to it
             failed (the peer vanished); its cached agent is dropped.
         timeout_s: seconds a side-channel notice waits for its answer.
+        nixl_delivers: True when this rank's agent runs NIXL's progress thread
+            (``nixl_progress_thread``). Without it a notification posted outside a transfer
+            leaves only while the engine thread polls the agent, and its connection's wire-up
+            takes several polls on both sides: an engine with nothing else to poll after the
+            notice (a decoder that aborted its one waiting request) would never deliver it,
+            and the owner would hold the blocks until the lease expires. So without the thread
+            every notice goes by the side channel, which answers each one.
     """
 
     def __init__(self, agent: NixlAgent, remotes: RemoteRegistry, pool: cf.Executor,
                  stats: StatsRecorder, forget_remote: Callable[[RemoteEndpoint, str], None],
-                 timeout_s: float):
+                 timeout_s: float, nixl_delivers: bool = True):
         self._agent = agent
+        self._nixl_delivers = nixl_delivers
         self._remotes = remotes
         self._pool = pool
         self._stats = stats
@@ -62,10 +70,12 @@ class NoticeSender:
 
     def send(self, ref: RemoteKVRef, kind: str, tp_rank: int | None = None) -> None:
         """Send one notice naming the remote's request and block ids to the remote ranks this
-        rank notifies (or to ``tp_rank``): by NIXL if the remote agents are loaded, else by the
-        side channel in the background."""
+        rank notifies (or to ``tp_rank``): by NIXL if the remote agents are loaded and NIXL
+        delivers notifications on its own, else by the side channel in the background (one
+        message per target rank, with its expected count, once the handshake is done; before
+        it one that the remote's rank 0 applies and forwards to its ranks)."""
         remote = self._remotes.get(ref.endpoint)
-        if remote is not None and remote.ready:
+        if remote is not None and remote.ready and self._nixl_delivers:
             route = remote.route
             ranks = route.targets if tp_rank is None else (tp_rank,)
             try:
@@ -77,11 +87,17 @@ class NoticeSender:
                 self._forget_remote(ref.endpoint, f"a {kind} notification failed: {e}")
         message = {"type": "notify", "kind": kind, "request_id": ref.request_id,
                    "block_ids": list(ref.block_ids)}
-        if tp_rank is not None and remote is not None and remote.route is not None:
-            message.update(tp_rank=tp_rank, expected=remote.route.expected[tp_rank])
+        route = remote.route if remote is not None else None
+        if route is not None and (remote.ready or tp_rank is not None):
+            for rank in (route.targets if tp_rank is None else (tp_rank,)):
+                self._submit(ref.endpoint,
+                             dict(message, tp_rank=rank, expected=route.expected[rank]))
+        else:
+            self._submit(ref.endpoint, message)
+
+    def _submit(self, endpoint: RemoteEndpoint, message: dict) -> None:
         self._background.append(self._pool.submit(
-            side_channel_request, ref.endpoint.host, ref.endpoint.port, message,
-            self._timeout_s,
+            side_channel_request, endpoint.host, endpoint.port, message, self._timeout_s,
         ))
 
     def flush(self) -> None:

@@ -128,7 +128,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         # notification makes the loads forget that remote
         self.notices = NoticeSender(self.agent, self.remotes, self._pool, self.stats,
                                     lambda endpoint, why: self.loads.forget_remote(endpoint, why),
-                                    config.kv_handshake_timeout)
+                                    config.kv_handshake_timeout,
+                                    nixl_delivers=config.nixl_progress_thread)
         self.loads = LoadTracker(config, self.agent, self.remotes, self._client, self.stats,
                                  lambda: self._out, self.notices.queue,
                                  lambda: self._mirror, self.paths)
