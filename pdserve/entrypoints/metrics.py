@@ -66,6 +66,8 @@ E2E_REQUEST_LATENCY_SECONDS = "pdserve:e2e_request_latency_seconds"
 
 # --- KV connector (NIXL) -----------------------------------------------------------------------
 NIXL_XFER_TIME_SECONDS = "pdserve:nixl_xfer_time_seconds"
+# P/D hand-off on the owner: from a prompt lease's start to its reader's "done" (seconds)
+KV_HANDOFF_SECONDS = "pdserve:kv_handoff_seconds"
 NIXL_POST_TIME_SECONDS = "pdserve:nixl_post_time_seconds"
 NIXL_BYTES_TRANSFERRED = "pdserve:nixl_bytes_transferred"
 NIXL_NUM_DESCRIPTORS = "pdserve:nixl_num_descriptors"
@@ -151,6 +153,7 @@ CONNECTOR_HISTOGRAM_KEYS = {
     "post_time_s": NIXL_POST_TIME_SECONDS,
     "bytes": NIXL_BYTES_TRANSFERRED,
     "num_descriptors": NIXL_NUM_DESCRIPTORS,
+    "handoff_s": KV_HANDOFF_SECONDS,
 }
 CONNECTOR_COUNTER_KEYS = {
     "num_failed_transfers": NIXL_NUM_FAILED_TRANSFERS,
@@ -315,6 +318,10 @@ class ServerMetrics:
             NIXL_NUM_DESCRIPTORS: Histogram(
                 NIXL_NUM_DESCRIPTORS, "Descriptors per KV transfer.",
                 buckets=DESCRIPTOR_BUCKETS, registry=self.registry),
+            KV_HANDOFF_SECONDS: Histogram(
+                KV_HANDOFF_SECONDS, "P/D hand-off on the prefiller: from holding a prompt's "
+                "KV to the decoder's read done (s).",
+                buckets=XFER_TIME_BUCKETS_S, registry=self.registry),
         }
         self._connector_counts = {name: 0 for name in CONNECTOR_COUNTER_KEYS.values()}
         self.transfer_paths = TransferPathCollector()
@@ -345,7 +352,8 @@ class ServerMetrics:
     def on_connector_stats(self, delta: Mapping[str, Any]) -> None:
         """Adds one connector delta dict.
 
-        Keys (all optional): ``xfer_time_s``, ``post_time_s`` (lists of seconds), ``bytes``,
+        Keys (all optional): ``xfer_time_s``, ``post_time_s``, ``handoff_s`` (lists of
+        seconds), ``bytes``,
         ``num_descriptors`` (lists of ints), ``num_failed_transfers``,
         ``num_failed_notifications``, ``num_kv_expired_reqs``, ``num_kv_turns_expired``,
         ``num_kv_leases_released_early`` (ints, increments), ``transfer_paths`` (each peer's read

@@ -21,6 +21,11 @@ Fields read (all others are kept in ``wire`` and otherwise ignored):
   :class:`~pdserve.types.remote_ref.RemoteKVRef`; ``first_token_id``: the token the
   prefiller sampled (only a hint: the decoder takes the prefiller's own token from its lease
   claim answer, see ``kv_transfer/nixl/leases.py``).
+* ``transfer_id`` (prefill leg) and ``remote_transfer_id`` (decoder leg): the router's id of a
+  concurrent hand-off (docs/proxy.md, "Concurrent hand-off"). A decoder leg with
+  ``remote_transfer_id`` and no ``remote_block_ids`` / ``remote_request_id`` is *pending*
+  (:attr:`RemoteKVRef.pending <pdserve.types.remote_ref.RemoteKVRef.pending>`): the decoder
+  learns the prefiller's request, blocks and first token from the prefiller's side channel.
 * ``prompt_tokens``: the prefiller's prompt ids for the decoder's front end
   (:mod:`pdserve.types.prompt_handoff`); consumed by the front end, not sent to the engine.
 
@@ -41,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from pdserve.types import prompt_handoff
-from pdserve.types.remote_ref import MAX_KV_CACHE_GROUPS, KVTransferParamsError, RemoteKVRef, parse_block_id_groups
+from pdserve.types.remote_ref import (MAX_KV_CACHE_GROUPS, KVTransferParamsError, RemoteKVRef,
+                                      check_transfer_id, parse_block_id_groups)
 
 if TYPE_CHECKING:
     from pdserve.types.kv_transfer_config import KVTransferConfig
@@ -96,6 +102,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
             (:func:`pdserve.types.prompt_handoff.text_digest`), set by the front end
             (:meth:`with_prompt_digest`): the connector hands the prompt ids on with the
             params it returns. None: nothing to hand on.
+        transfer_id: a prefill leg's concurrent hand-off id (``transfer_id``): a decoder's
+            pending claim naming it gets the held blocks. None: a sequential hand-off.
     """
 
     role: KVRole = KVRole.NONE
@@ -106,6 +114,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     handoff: Any = None
     wire: dict[str, Any] = {}
     prompt_digest: str | None = None
+    transfer_id: str | None = None
 
     # ------------------------------------------------------------------------ parsing
     @classmethod
@@ -165,10 +174,18 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
             else:
                 first_error = ("kv_transfer_params.first_token_id must be a non-negative integer "
                                "token id")
+        transfer_id: str | None = None
+        transfer_error: str | None = None
+        if role is KVRole.PREFILL and raw.get("transfer_id") is not None:
+            try:
+                transfer_id = check_transfer_id(raw["transfer_id"], "transfer_id")
+            except KVTransferParamsError as e:
+                transfer_error = str(e)
         wire = {k: v for k, v in raw.items() if k != prompt_handoff.KEY}
         return cls(role=role, remote=remote, remote_error=remote_error,
-                   error=error or remote_error or first_error, first_token=first_token,
-                   handoff=raw.get(prompt_handoff.KEY), wire=wire)
+                   error=error or remote_error or first_error or transfer_error,
+                   first_token=first_token, handoff=raw.get(prompt_handoff.KEY), wire=wire,
+                   transfer_id=transfer_id)
 
     def check(self, bidirectional: bool, vocab_size: int | None = None) -> None:
         """Refuse params of a KV transfer this instance would perform that lack or mistype a

@@ -43,6 +43,8 @@ Top-level keys:
     ``kv_metrics_log_interval``  10          seconds between ``KV Transfer metrics`` log lines
     ``kv_handshake_timeout``     5           seconds to wait for a remote side channel's answer
     ``kv_transfer_timeout``      120         seconds a posted READ may take before it fails
+    ``kv_prefill_wait_timeout``  120         concurrent hand-off (docs/proxy.md): seconds a
+                                             decoder's pending claim waits for the prefiller
     ``same_host_transport``      ``auto``    reads from a peer on the same GPU: ``auto`` (CUDA
                                              IPC copy when possible, else NIXL), ``cuda_ipc``
                                              (the same, warning when not possible) or ``nixl``
@@ -99,6 +101,7 @@ EXTRA_DEFAULTS: dict[str, Any] = {
     "kv_metrics_log_interval": 10.0,
     "kv_handshake_timeout": 5.0,
     "kv_transfer_timeout": 120.0,
+    "kv_prefill_wait_timeout": 120.0,
     "same_host_transport": "auto",
     "nixl_progress_thread": True,
 }
@@ -109,6 +112,7 @@ _EXTRA_POSITIVE_SECONDS = (
     "kv_metrics_log_interval",
     "kv_handshake_timeout",
     "kv_transfer_timeout",
+    "kv_prefill_wait_timeout",
 )
 _TOP_KEYS = (
     "kv_connector",
@@ -348,6 +352,12 @@ class KVTransferConfig:
     def kv_transfer_timeout(self) -> float:
         """Seconds a posted READ may stay in progress before it counts as failed."""
         return self.kv_connector_extra_config["kv_transfer_timeout"]
+
+    @property
+    def kv_prefill_wait_timeout(self) -> float:
+        """Seconds a decoder's pending claim (concurrent hand-off) waits for the prefiller to
+        hold the prompt's blocks before the load fails."""
+        return self.kv_connector_extra_config["kv_prefill_wait_timeout"]
 
     @property
     def same_host_transport(self) -> str:

@@ -87,6 +87,10 @@ class RemoteKVRef:
             :mod:`pdserve.kv_transfer.nixl.prefix_match`).
         expiry_time: the remote's wall-clock time (``time.time()`` seconds) at which its blocks
             are freed, when given.
+        transfer_id: the router's id of a concurrent hand-off (``remote_transfer_id``,
+            docs/proxy.md "Concurrent hand-off"), or None. A reference with it and no blocks
+            is *pending*: the prefiller is still computing, and its request id and block ids
+            come from its answer to the reader's pending claim (:meth:`resolved`).
     """
 
     endpoint: RemoteEndpoint
@@ -95,6 +99,18 @@ class RemoteKVRef:
     num_tokens: int | None = None
     block_hashes: list[int] | None = None
     expiry_time: float | None = None
+    transfer_id: str | None = None
+
+    @property
+    def pending(self) -> bool:
+        """True while the remote request and its blocks are not known yet (a concurrent
+        hand-off before the prefiller's claim answer)."""
+        return self.transfer_id is not None and not self.request_id
+
+    def resolved(self, request_id: str, block_ids: list[int]) -> "RemoteKVRef":
+        """This pending reference completed with what the owner's claim answer named."""
+        return RemoteKVRef(self.endpoint, request_id, list(block_ids), self.num_tokens,
+                           self.block_hashes, self.expiry_time, self.transfer_id)
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "RemoteKVRef":
@@ -118,8 +134,16 @@ class RemoteKVRef:
         port = need("remote_port", int)
         if not 0 < port < 65536:
             raise KVTransferParamsError(f"kv_transfer_params.remote_port {port} is out of range")
-        request_id = need("remote_request_id", str)
-        (block_ids,) = parse_block_id_groups(need("remote_block_ids", list))
+        transfer_id = params.get("remote_transfer_id")
+        if transfer_id is not None:
+            transfer_id = check_transfer_id(transfer_id, "remote_transfer_id")
+        if transfer_id is not None and params.get("remote_block_ids") is None \
+                and params.get("remote_request_id") is None:
+            # a concurrent hand-off: the prefiller names its request and blocks when it holds them
+            request_id, block_ids = "", []
+        else:
+            request_id = need("remote_request_id", str)
+            (block_ids,) = parse_block_id_groups(need("remote_block_ids", list))
         num_tokens = params.get("remote_num_tokens")
         if num_tokens is not None and (not isinstance(num_tokens, int) or num_tokens < 0):
             raise KVTransferParamsError("kv_transfer_params.remote_num_tokens must be an integer")
@@ -145,7 +169,27 @@ class RemoteKVRef:
             num_tokens=num_tokens,
             block_hashes=list(hashes) if hashes is not None else None,
             expiry_time=float(expiry) if expiry is not None else None,
+            transfer_id=transfer_id,
         )
+
+
+#: The longest ``transfer_id`` accepted (the router draws 32 hex digits).
+MAX_TRANSFER_ID_CHARS = 128
+
+
+def check_transfer_id(value: Any, name: str) -> str:
+    """A concurrent hand-off's transfer id as received in ``kv_transfer_params.<name>``.
+
+    Raises:
+        KVTransferParamsError: not a string of 1..:data:`MAX_TRANSFER_ID_CHARS` characters from
+            ``[A-Za-z0-9_-]``.
+    """
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TRANSFER_ID_CHARS or \
+            not all(c.isascii() and (c.isalnum() or c in "-_") for c in value):
+        raise KVTransferParamsError(
+            f"kv_transfer_params.{name} must be a string of 1 to {MAX_TRANSFER_ID_CHARS} "
+            "letters, digits, '-' or '_'")
+    return value
 
 
 def token_digest(token_ids: Sequence[int]) -> str:

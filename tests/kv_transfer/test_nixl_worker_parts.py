@@ -15,7 +15,8 @@ import pytest
 
 from pdserve.kv_transfer.nixl.heartbeats import Heartbeats
 from pdserve.kv_transfer.nixl.held import (
-    HELD_NOTIF_POLL_INTERVAL_S, NOTIF_POLL_INTERVAL_S, READ_POLL_WINDOW_S, HeldBlocks,
+    HELD_NOTIF_POLL_INTERVAL_S, NOTIF_POLL_INTERVAL_S, READ_FAST_POLL_INTERVAL_S,
+    READ_FAST_POLL_WINDOW_S, READ_POLL_WINDOW_S, HeldBlocks,
 )
 from pdserve.kv_transfer.nixl.leases import LeaseTable
 from pdserve.kv_transfer.nixl.metadata import RemoteNotice, SendSpec
@@ -193,7 +194,8 @@ def test_merely_held_blocks_are_polled_slowly_and_a_claimed_lease_fast():
     assert min(held.waits(101.0)) == HELD_NOTIF_POLL_INTERVAL_S  # not 1-10 ms
     status, _, _ = held.leases.claim("turn", [3, 4], now=102.0)
     assert status == "ok"
-    assert min(held.waits(102.0)) == NOTIF_POLL_INTERVAL_S
+    assert min(held.waits(102.0)) == READ_FAST_POLL_INTERVAL_S  # the READ is served now
+    assert min(held.waits(102.0 + READ_FAST_POLL_WINDOW_S)) == NOTIF_POLL_INTERVAL_S
     assert min(held.waits(102.0 + READ_POLL_WINDOW_S)) == HELD_NOTIF_POLL_INTERVAL_S
     held.leases.add("other", [9], 480.0, now=102.0)
     held.apply(Notice("done", "turn", 1, [3, 4]))  # the read ended its lease

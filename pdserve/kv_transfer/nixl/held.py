@@ -14,6 +14,9 @@ while the blocks are merely held, and at each lease's expiry.
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.kv_transfer.nixl import host_buffer
@@ -27,9 +30,16 @@ logger = logging.getLogger("pdserve.kv_transfer.nixl.worker")
 
 # NIXL notifications for held blocks ("done", "abort", heartbeats) cannot wake the engine loop;
 # they are polled (seconds between polls):
-# - every NOTIF_POLL_INTERVAL_S while a read may be under way: a lease had a claim granted in
-#   the last READ_POLL_WINDOW_S (every reader claims over the side channel right before its
-#   READ, and a granted claim wakes the loop, see worker.py), so its "done" is seen at once;
+# - every READ_FAST_POLL_INTERVAL_S for READ_FAST_POLL_WINDOW_S after a claim was granted
+#   (every reader claims over the side channel right before its READ, and a granted claim wakes
+#   the loop, see worker.py): without NIXL's progress thread the owner's polls are what serve
+#   the reader's READ over UCX's TCP and shared-memory transports, so a 10 ms poll made every
+#   CPU READ take about 10 ms whatever its size (docs/benchmarks.md, "P/D hand-off overhead");
+#   polled each millisecond, the READ takes what its bytes take, and its "done" is seen at once;
+READ_FAST_POLL_INTERVAL_S = 0.001
+READ_FAST_POLL_WINDOW_S = 0.5
+# - every NOTIF_POLL_INTERVAL_S after that while a read may still be under way: a lease had a
+#   claim granted in the last READ_POLL_WINDOW_S;
 NOTIF_POLL_INTERVAL_S = 0.01
 READ_POLL_WINDOW_S = 30.0
 # - every HELD_NOTIF_POLL_INTERVAL_S while the blocks are merely held (no claim yet, or none
@@ -46,11 +56,20 @@ class HeldBlocks:
         leases: the lease table (shared with the side-channel server, which answers claims
             from it on its own thread).
         stats: the transfer counters (early releases, expiries).
+        lease_started: called after a lease starts (the side channel then answers the
+            pending claims waiting for it at once).
+        records_handoff: count each prompt lease's hand-off time (``TransferStats.handoff_s``;
+            TP rank 0 only, so a request is counted once).
     """
 
-    def __init__(self, leases: LeaseTable, stats: StatsRecorder):
+    def __init__(self, leases: LeaseTable, stats: StatsRecorder,
+                 lease_started: Callable[[], None] = lambda: None,
+                 records_handoff: bool = True):
         self.leases = leases
         self._stats = stats
+        self._lease_started = lease_started
+        self._records_handoff = records_handoff
+        self._started: dict[str, float] = {}  # prompt leases: request id -> lease start
         self._mirror: host_buffer.HostMirror | None = None
         self._finished: set[str] = set()
 
@@ -61,6 +80,8 @@ class HeldBlocks:
     def take_finished(self) -> set[str]:
         """The requests whose held blocks may be freed since the last call (each once)."""
         out, self._finished = self._finished, set()
+        for request_id in out:
+            self._started.pop(request_id, None)
         return out
 
     def send(self, request_id: str, send: Any, now: float) -> None:
@@ -73,9 +94,15 @@ class HeldBlocks:
 
     def _start_lease(self, request_id: str, send: Any, now: float) -> None:
         early = self.leases.add(request_id, send.block_ids, send.lease_duration,
-                                send.renew_on_heartbeat, now, send.token_ids, send.first_token)
+                                send.renew_on_heartbeat, now, send.token_ids, send.first_token,
+                                send.transfer_id)
         if early is not None and self.leases.close(request_id, f"{early} before lease"):
             self._finished.add(request_id)
+            return
+        if send.renew_on_heartbeat and self._records_handoff:
+            self._started[request_id] = time.monotonic()
+        if send.transfer_id is not None:
+            self._lease_started()
 
     def release(self, request_id: str) -> None:
         """The scheduler's release of a request its client left before it got the params."""
@@ -109,6 +136,9 @@ class HeldBlocks:
         elif kind == "done":
             if self.leases.done(request_id, notice.expected, block_ids=notice.block_ids):
                 self._finished.add(request_id)
+                started = self._started.pop(request_id, None)
+                if started is not None:
+                    self._stats.current.handoff_s.append(time.monotonic() - started)
         elif kind == "abort":  # ignored unless it names the lease's own blocks (forged params)
             if self.leases.abort(request_id, notice.block_ids):
                 self._finished.add(request_id)
@@ -136,14 +166,17 @@ class HeldBlocks:
         """Seconds until a step is due for the held blocks: staging polls, notification polls
         (:data:`NOTIF_POLL_INTERVAL_S` while a read may be under way,
         :data:`HELD_NOTIF_POLL_INTERVAL_S` while the blocks are merely held) and the next lease
-        expiry; empty when nothing is held or staged (``now``: ``time.monotonic()``)."""
+        expiry; empty when nothing is held or staged (``now``: ``time.monotonic()``). Right after
+        a granted claim the poll is :data:`READ_FAST_POLL_INTERVAL_S` (the READ follows)."""
         waits: list[float] = []
         if self.staging():
             waits.append(XFER_POLL_INTERVAL_S)
         if len(self.leases):
             claimed = self.leases.last_claim()
-            reading = claimed is not None and now - claimed < READ_POLL_WINDOW_S
-            waits.append(NOTIF_POLL_INTERVAL_S if reading else HELD_NOTIF_POLL_INTERVAL_S)
+            since = now - claimed if claimed is not None else math.inf
+            waits.append(READ_FAST_POLL_INTERVAL_S if since < READ_FAST_POLL_WINDOW_S else
+                         NOTIF_POLL_INTERVAL_S if since < READ_POLL_WINDOW_S else
+                         HELD_NOTIF_POLL_INTERVAL_S)
             expiry = self.leases.next_expiry()
             if expiry is not None:
                 waits.append(expiry - now)

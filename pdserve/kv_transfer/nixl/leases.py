@@ -11,6 +11,12 @@ Every reader notice (done, abort, heartbeat) and the proxy's early release name 
 block ids; a notice whose ids are not exactly the lease's is ignored. So a reader holding forged
 params (the right request id, other block ids) whose claim is refused cannot end, or keep alive,
 the lease of the request it named: the honest reader still finds it.
+
+A concurrent hand-off (docs/proxy.md) names a lease by the router's ``transfer_id`` instead: the
+reader's *pending claim* (:meth:`LeaseTable.claim_transfer`) waits for the lease of the request
+that came with that id and, when the reader's tokens match, learns its request id and block ids;
+from then on it names the lease as any reader does. An "abort" by transfer id that arrives
+before the lease (the reader gave up while the prefill ran) closes the lease when it starts.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.types.remote_ref import token_digest
@@ -50,6 +56,7 @@ class Lease:
     first_token: int | None = None
     dones: int = 0  # "done" notices received so far
     claimed_at: float | None = None  # ``time.monotonic()`` of the last granted claim
+    transfer_id: str | None = None  # the router's concurrent hand-off id, if any
 
 
 class LeaseTable:
@@ -62,6 +69,11 @@ class LeaseTable:
         # notices seen before their lease: (request_id, block ids named) -> (kind, forget-at, dones,
         # expected)
         self._early: dict[tuple[str, tuple[int, ...]], tuple[str, float, int, int]] = {}
+        # concurrent hand-offs: transfer id -> request id of its open lease; the reasons of
+        # closed ones; aborts by transfer id before the lease -> forget-at
+        self._transfers: dict[str, str] = {}
+        self._closed_transfers: OrderedDict[str, str] = OrderedDict()
+        self._early_transfer_aborts: dict[str, float] = {}
 
     def __len__(self) -> int:
         with self._lock:
@@ -73,8 +85,8 @@ class LeaseTable:
 
     def add(self, request_id: str, block_ids: list[int], duration_s: float, renewable: bool = True,
             now: float | None = None, token_ids: list[int] | None = None,
-            first_token: int | None = None) -> str | None:
-        """Start a lease (``token_ids``, ``first_token``: see :class:`Lease`).
+            first_token: int | None = None, transfer_id: str | None = None) -> str | None:
+        """Start a lease (``token_ids``, ``first_token``, ``transfer_id``: see :class:`Lease`).
 
         Returns:
             The kind of a notice (``"done"``/``"abort"``) that arrived before the lease; the
@@ -84,8 +96,12 @@ class LeaseTable:
         with self._lock:
             self._leases[request_id] = Lease(list(block_ids), duration_s, now + duration_s, renewable,
                                          None if token_ids is None else list(token_ids),
-                                         first_token)
+                                         first_token, transfer_id=transfer_id)
             self._closed.pop(request_id, None)
+            if transfer_id is not None:
+                self._transfers[transfer_id] = request_id
+                if self._early_transfer_aborts.pop(transfer_id, None) is not None:
+                    return "abort"
             # notices that named other blocks (forged params) are not this lease's: they expire
             early = self._early.pop((request_id, tuple(block_ids)), None)
             if early is None:
@@ -99,10 +115,9 @@ class LeaseTable:
     def close(self, request_id: str, reason: str) -> bool:
         """End a lease (read done, aborted, released). Returns True when it existed."""
         with self._lock:
-            lease = self._leases.pop(request_id, None)
-            if lease is None:
+            if request_id not in self._leases:
                 return False
-            self._remember(request_id, reason)
+            self._end(request_id, reason)
             return True
 
     def release_early(self, request_id: str, block_ids: Any) -> bool:
@@ -111,8 +126,7 @@ class LeaseTable:
         with self._lock:
             if not self._holds(request_id, block_ids):
                 return False
-            del self._leases[request_id]
-            self._remember(request_id, "released: the decode leg will not read it")
+            self._end(request_id, "released: the decode leg will not read it")
             return True
 
     def abort(self, request_id: str, block_ids: Any, now: float | None = None) -> bool:
@@ -125,8 +139,7 @@ class LeaseTable:
                 return False
             if not self._holds(request_id, block_ids):
                 return False
-            del self._leases[request_id]
-            self._remember(request_id, "aborted by reader")
+            self._end(request_id, "aborted by reader")
             return True
 
     def done(self, request_id: str, expected: int = 1, now: float | None = None,
@@ -144,8 +157,7 @@ class LeaseTable:
             lease.dones += 1
             if lease.dones < expected:
                 return False
-            del self._leases[request_id]
-            self._remember(request_id, "read done")
+            self._end(request_id, "read done")
             return True
 
     def note_unknown(self, request_id: str, kind: str, expected: int = 1,
@@ -245,6 +257,7 @@ class LeaseTable:
         with self._lock:
             times = [lease.expiry for lease in self._leases.values()]
             times.extend(early[1] for early in self._early.values())
+            times.extend(self._early_transfer_aborts.values())
         return min(times, default=None)
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -262,10 +275,11 @@ class LeaseTable:
         with self._lock:
             expired = [(request_id, lease) for request_id, lease in self._leases.items() if lease.expiry <= now]
             for request_id, _ in expired:
-                del self._leases[request_id]
-                self._remember(request_id, "lease expired")
+                self._end(request_id, "lease expired")
             for key in [k for k, early in self._early.items() if early[1] <= now]:
                 del self._early[key]
+            for transfer_id in [t for t, at in self._early_transfer_aborts.items() if at <= now]:
+                del self._early_transfer_aborts[transfer_id]
         return expired
 
     def _holds(self, request_id: str, block_ids: Any) -> bool:
@@ -274,10 +288,93 @@ class LeaseTable:
         return lease is not None and _is_block_list(block_ids) and \
             list(block_ids) == lease.block_ids
 
+    def _end(self, request_id: str, reason: str) -> None:
+        """Close the open lease of ``request_id`` and remember why (lock held)."""
+        lease = self._leases.pop(request_id)
+        self._remember(request_id, reason)
+        if lease.transfer_id is not None:
+            self._transfers.pop(lease.transfer_id, None)
+            self._closed_transfers[lease.transfer_id] = reason
+            while len(self._closed_transfers) > _CLOSED_MEMORY:
+                self._closed_transfers.popitem(last=False)
+
     def _remember(self, request_id: str, reason: str) -> None:
         self._closed[request_id] = reason
         while len(self._closed) > _CLOSED_MEMORY:
             self._closed.popitem(last=False)
+
+    # ------------------------------------------------------------- concurrent hand-offs
+    def claim_transfer(self, transfer_id: str, num_tokens: Any, digest: Any,
+                       now: float | None = None) -> TransferClaim:
+        """A reader's pending claim (side-channel thread): the lease of the request that came
+        with ``transfer_id``, checked and extended as :meth:`claim` does.
+
+        Returns:
+            A :class:`TransferClaim`: ``"ok"`` with the lease's request id, block ids and first
+            token when the reader's tokens match the lease's; ``"wait"`` while no such lease
+            started; ``"reject"`` when it already ended, or the tokens differ (the lease is
+            left to its honest reader).
+        """
+        with self._lock:
+            request_id = self._transfers.get(transfer_id)
+            if request_id is None:
+                closed = self._closed_transfers.get(transfer_id)
+                if closed is not None:
+                    return TransferClaim("reject", f"transfer {transfer_id!r} holds no blocks "
+                                         f"any more ({closed})")
+                return TransferClaim("wait", f"no blocks are held for transfer {transfer_id!r}")
+            lease = self._leases[request_id]
+            status, reason, left = self.claim(request_id, lease.block_ids, num_tokens, digest,
+                                              now)
+            if status != "ok":
+                return TransferClaim(status, reason)
+            return TransferClaim("ok", "", left, lease.first_token, request_id,
+                                 list(lease.block_ids))
+
+    def transfer_lease(self, transfer_id: str) -> tuple[str, list[int]] | None:
+        """``(request_id, block_ids)`` of the open lease that came with ``transfer_id``, or
+        None."""
+        with self._lock:
+            request_id = self._transfers.get(transfer_id)
+            if request_id is None:
+                return None
+            return request_id, list(self._leases[request_id].block_ids)
+
+    def abort_transfer(self, transfer_id: str, now: float | None = None
+                       ) -> tuple[str, list[int]] | None:
+        """A reader's "abort" by transfer id (it gave up before its claim was answered).
+
+        Returns:
+            ``(request_id, block_ids)`` of the open lease it names (the caller applies the
+            abort to it as a notice naming those blocks); None when there is none yet, and
+            then a lease starting with that id within the early-notice TTL closes at once.
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            found = self.transfer_lease(transfer_id)
+            if found is None and transfer_id not in self._closed_transfers:
+                self._early_transfer_aborts[transfer_id] = now + _EARLY_NOTICE_TTL_S
+            return found
+
+
+@dataclass
+class TransferClaim:
+    """The answer to a pending claim (:meth:`LeaseTable.claim_transfer`).
+
+    Attributes:
+        status: ``"ok"``, ``"wait"`` or ``"reject"``.
+        reason: why not ``"ok"`` ("" when ok).
+        lease_left_s: seconds left on the lease after the claim (0 unless ok).
+        first_token: the lease's first output token (ok only; None when it has none).
+        request_id, block_ids: the lease's request and blocks (ok only).
+    """
+
+    status: str
+    reason: str
+    lease_left_s: float = 0.0
+    first_token: int | None = None
+    request_id: str = ""
+    block_ids: list[int] = field(default_factory=list)
 
 
 def _is_block_list(block_ids: Any) -> bool:

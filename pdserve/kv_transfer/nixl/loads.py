@@ -22,6 +22,12 @@ regions of a head slice), each carrying a "done" for that owner rank with the co
 it expects; when the READs are over the reader tells the owner ranks it notifies but did not
 read ("done" by notification). A failure tells every one of them ("abort").
 
+Concurrent hand-off (docs/proxy.md): a pending reference names the router's transfer id, not
+the owner's request and blocks. Its claim is a *pending claim* that the owner answers when it
+holds the prompt's blocks (up to ``kv_prefill_wait_timeout``); the answer's request id and
+block ids complete the reference, and the load goes on as any other. A load aborted while its
+pending claim waits tells the owner by transfer id.
+
 Restarted peers: a claim answered by another ``instance_id`` than the handshaken one (the owner
 restarted, with the same engine id or on the same host and port) drops the cached agent and
 sends the load back to the handshake; a READ that cannot be posted (``NIXL_ERR_REMOTE_DISCONNECT``)
@@ -147,25 +153,11 @@ class LoadTracker:
                 remote = self.remotes.ensure(spec.remote.endpoint)
                 if remote.agent is None:
                     continue
-                bad = [b for b in spec.remote_read_block_ids if b >= remote.agent.num_blocks]
-                if bad or len(spec.local_block_ids) != len(spec.remote_read_block_ids):
-                    self._fail(
-                        request_id, KVLoadFailure.INVALID_REFERENCE,
-                        f"remote block ids {bad[:8]} out of range (engine "
-                        f"{spec.remote.endpoint.engine_id} has {remote.agent.num_blocks} blocks)"
-                        if bad else "local/remote block counts differ",
-                        notify_remote=True,
-                    )
+                if not spec.remote.pending and not self._blocks_fit(request_id, spec, remote):
                     continue
                 phase_trace.mark("kv.claim_send")
                 load.t_claim = time.perf_counter()
-                load.claim = self._client.send(
-                    spec.remote.endpoint.host, spec.remote.endpoint.port,
-                    {"type": "claim", "request_id": spec.remote.request_id,
-                     "block_ids": spec.remote.block_ids, "num_tokens": spec.digest_tokens,
-                     "token_digest": spec.token_digest},
-                    self.config.kv_handshake_timeout * 2,
-                )
+                load.claim = self._send_claim(spec)
                 load.phase = LoadPhase.CLAIM
             if load.phase is LoadPhase.CLAIM:
                 try:
@@ -177,6 +169,8 @@ class LoadTracker:
                                notify_remote=not timeout)
                     continue
                 if reply is None:
+                    if load.aborted and spec.remote.pending:  # gave up while P prefills
+                        self._drop_aborted(request_id, load)
                     continue  # not answered yet
                 if not reply.get("ok"):
                     # No abort notice: this reader holds nothing, and one naming the lease's
@@ -188,6 +182,8 @@ class LoadTracker:
                     continue
                 if self._remote_restarted(request_id, load, reply):
                     continue
+                if spec.remote.pending and not self._resolve(request_id, spec, reply):
+                    continue
                 phase_trace.mark("kv.claim_ok")
                 load.claim_s = time.perf_counter() - load.t_claim
                 left = float(reply.get("lease_expiry_in") or 0.0)
@@ -197,9 +193,10 @@ class LoadTracker:
                         f"the remote frees the blocks in {left:.1f} s, less than the "
                         f"{spec.min_lease_left_s:g} s a read may need", notify_remote=True)
                     continue
-                if spec.first_token is not None:  # the decoder uses the owner's, never the relayed
+                if spec.starts_with_first_token or spec.first_token is not None:
+                    # the request starts with the owner's token, never with the relayed one
                     owner_first = reply.get("first_token_id")
-                    if owner_first != spec.first_token:
+                    if spec.first_token is not None and owner_first != spec.first_token:
                         # the relayed params are not P's own: leave the lease to the honest
                         # reader (no abort notice; it ends by that read or its expiry)
                         self._fail(
@@ -207,11 +204,67 @@ class LoadTracker:
                             f"the first token relayed by the client ({spec.first_token}) is not "
                             f"the prefiller's ({owner_first})", notify_remote=False)
                         continue
+                    if not _is_token(owner_first):
+                        self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
+                                   "the prefiller's claim answer names no first token",
+                                   notify_remote=True)
+                        continue
                     load.first_token = owner_first
                 if load.aborted:
                     self._drop_aborted(request_id, load)
                     continue
                 self._post(request_id, load, now)
+
+    def _blocks_fit(self, request_id: str, spec: RecvSpec, remote: Any) -> bool:
+        """True when the remote blocks read exist on the remote and pair with the local ones;
+        else the load fails."""
+        bad = [b for b in spec.remote_read_block_ids if b >= remote.agent.num_blocks]
+        if bad or len(spec.local_block_ids) != len(spec.remote_read_block_ids):
+            self._fail(
+                request_id, KVLoadFailure.INVALID_REFERENCE,
+                f"remote block ids {bad[:8]} out of range (engine "
+                f"{spec.remote.endpoint.engine_id} has {remote.agent.num_blocks} blocks)"
+                if bad else "local/remote block counts differ",
+                notify_remote=True,
+            )
+            return False
+        return True
+
+    def _send_claim(self, spec: RecvSpec) -> Any:
+        """Post the lease claim of a load (a pending claim for a pending reference)."""
+        ref = spec.remote
+        tokens = {"num_tokens": spec.digest_tokens, "token_digest": spec.token_digest}
+        if ref.pending:
+            wait_s = self.config.kv_prefill_wait_timeout
+            return self._client.send(
+                ref.endpoint.host, ref.endpoint.port,
+                {"type": "claim", "transfer_id": ref.transfer_id, "wait_s": wait_s, **tokens},
+                wait_s + self.config.kv_handshake_timeout * 2)
+        return self._client.send(
+            ref.endpoint.host, ref.endpoint.port,
+            {"type": "claim", "request_id": ref.request_id, "block_ids": ref.block_ids, **tokens},
+            self.config.kv_handshake_timeout * 2)
+
+    def _resolve(self, request_id: str, spec: RecvSpec, reply: dict[str, Any]) -> bool:
+        """Complete a pending reference from its granted claim (the owner's request id and
+        block ids); False when the answer cannot be read from (the load failed)."""
+        owner_request, block_ids = reply.get("request_id"), reply.get("block_ids")
+        if not isinstance(owner_request, str) or not owner_request or \
+                not isinstance(block_ids, list) or not all(_is_token(b) for b in block_ids):
+            self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
+                       "the prefiller's pending-claim answer names no request and blocks",
+                       notify_remote=True)
+            return False
+        spec.remote = spec.remote.resolved(owner_request, block_ids)
+        first = spec.remote_first_block
+        spec.remote_read_block_ids = list(block_ids[first:first + len(spec.local_block_ids)])
+        if len(spec.remote_read_block_ids) != len(spec.local_block_ids):
+            self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
+                       f"the prefiller holds {len(block_ids)} blocks; the prompt needs "
+                       f"{first + len(spec.local_block_ids)}", notify_remote=True)
+            return False
+        # the remote's agent is loaded: _remote_restarted sent the load back otherwise
+        return self._blocks_fit(request_id, spec, self.remotes.get(spec.remote.endpoint))
 
     def _back_to_handshake(self, load: Load) -> None:
         load.phase, load.claim = LoadPhase.HANDSHAKE, None
@@ -390,3 +443,8 @@ class LoadTracker:
             for handle in load.handles:
                 (load.mover or self.agent).release(handle)
         self._loads.clear()
+
+
+def _is_token(value: Any) -> bool:
+    """A non-negative integer (a token id or block id in an answer)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

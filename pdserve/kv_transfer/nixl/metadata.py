@@ -29,10 +29,16 @@ class RecvSpec:
         digest_tokens: the reader's tokens up to the end of what it loads (positions
             ``0 .. digest_tokens - 1``), whose :func:`token_digest` the claim carries.
         token_digest: :func:`token_digest` of those tokens ("" for none).
-        first_token: the prefiller's first output token as the client relayed it, when the
-            load brings the whole prompt and the request may start with that token; the
-            worker reports the owner's own token (from the claim answer) in
-            ``KVConnectorOutput.first_tokens`` and fails the load when the two differ.
+        first_token: the prefiller's first output token as the client relayed it (None when
+            not relayed: a pending reference); the worker fails the load when the owner's
+            own token (from the claim answer) differs.
+        starts_with_first_token: the load brings the whole prompt and the request starts with
+            the owner's first token: the worker reports it (from the claim answer) in
+            ``KVConnectorOutput.first_tokens``, and fails the load when the answer has none.
+            A relayed ``first_token`` implies it.
+        remote_first_block: the index, in the owner's block table, of the first block read
+            (the blocks before it are in the local prefix cache); a pending reference's
+            ``remote_read_block_ids`` are the owner's claimed blocks from there on.
     """
 
     request_id: str
@@ -45,6 +51,8 @@ class RecvSpec:
     digest_tokens: int = 0
     token_digest: str = ""
     first_token: int | None = None
+    starts_with_first_token: bool = False
+    remote_first_block: int = 0
 
 
 @dataclass
@@ -60,6 +68,8 @@ class SendSpec:
             :func:`token_digest` of a prefix of them (None: no check).
         first_token: the first output token sampled after those tokens (a prefiller's), told
             to the reader in the claim answer; None when there is none.
+        transfer_id: the router's concurrent hand-off id the request came with: a reader's
+            pending claim naming it is answered with this lease (None: no such claim).
     """
 
     request_id: str
@@ -68,6 +78,7 @@ class SendSpec:
     renew_on_heartbeat: bool = True
     token_ids: list[int] | None = None
     first_token: int | None = None
+    transfer_id: str | None = None
 
 
 @dataclass

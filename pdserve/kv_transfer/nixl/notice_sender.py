@@ -73,7 +73,14 @@ class NoticeSender:
         rank notifies (or to ``tp_rank``): by NIXL if the remote agents are loaded and NIXL
         delivers notifications on its own, else by the side channel in the background (one
         message per target rank, with its expected count, once the handshake is done; before
-        it one that the remote's rank 0 applies and forwards to its ranks)."""
+        it one that the remote's rank 0 applies and forwards to its ranks). A pending
+        reference (its claim not answered yet) is named by its transfer id: only an "abort" is
+        sent, to the remote's side channel."""
+        if ref.pending:  # a concurrent hand-off whose claim was not answered: by transfer id
+            if kind == "abort":
+                self._submit(ref.endpoint, {"type": "notify", "kind": "abort",
+                                            "transfer_id": ref.transfer_id})
+            return
         remote = self._remotes.get(ref.endpoint)
         if remote is not None and remote.ready and self._nixl_delivers:
             route = remote.route

@@ -87,10 +87,14 @@ def may_use_first_token(request: "Request") -> bool:
     ``n > 1`` the front end passes the token to the first choice only. Those requests, and
     requests that already have output tokens, recompute the last prompt token as before. The
     token itself comes from the prefiller's lease-claim answer (see
-    ``kv_transfer/nixl/leases.py``); the relayed one is only compared with it.
+    ``kv_transfer/nixl/leases.py``); the relayed one is only compared with it. A pending
+    reference (concurrent hand-off) relays none: the claim answer is the only source.
     """
     params = request.kv_transfer_params
-    if params is None or params.role is not KVRole.DECODE or params.first_token is None:
+    if params is None or params.role is not KVRole.DECODE:
+        return False
+    pending = params.remote is not None and params.remote.pending
+    if params.first_token is None and not pending:  # pending: the claim answer brings it
         return False
     sp = request.sampling_params
     return not (sp.n != 1 or sp.logprobs is not None or sp.min_tokens > 0
@@ -166,7 +170,8 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         (decoder side) the heartbeats that keep P's lease alive while the request waits."""
         kind, ref, _ = self._source(request)
         if ref is not None and request.request_id not in self._waiting:
-            self._start_waiting(request.request_id, ref, heartbeat=kind is LoadKind.PREFILL)
+            self._start_waiting(request.request_id, ref,
+                                heartbeat=kind is LoadKind.PREFILL and not ref.pending)
 
     # ---------------------------------------------------------------------------- the contract
     def get_num_new_matched_tokens(
@@ -200,13 +205,14 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             return 0, False
         if ref is not None:
             needed = math.ceil(needed_tokens / self.block_size)
-            if len(ref.block_ids) < needed:
+            if len(ref.block_ids) < needed and not ref.pending:
                 error = (
                     f"kv_transfer_params.remote_block_ids has {len(ref.block_ids)} blocks but "
                     f"the prompt needs {needed}"
                 )
             if request_id not in self._waiting:
-                self._start_waiting(request_id, ref, heartbeat=True)
+                # a pending reference names no lease yet: nothing to keep alive
+                self._start_waiting(request_id, ref, heartbeat=not ref.pending)
         self._plans[request_id] = _LoadPlan(LoadKind.PREFILL, ref, num_computed_tokens, num_tokens, error)
         return num_tokens, True
 
@@ -263,10 +269,15 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
                 f"{len(block_ids)} allocated blocks cannot hold tokens up to position "
                 f"{plan.num_local_tokens + num_external_tokens - 1}"
             )
+        # a pending reference's blocks are named by the owner's claim answer (the worker
+        # reads them from block ``first`` on)
         remote_ids = list(ref.block_ids[first : last + 1]) if ref is not None else []
-        if ref is not None and len(remote_ids) != len(local) and error is None:
+        if ref is not None and not ref.pending and len(remote_ids) != len(local) \
+                and error is None:
             error = "remote_block_ids is too short for the prompt"
         end = plan.num_local_tokens + num_external_tokens  # the owner checks tokens 0..end-1
+        starts = (plan.kind is LoadKind.PREFILL and end >= request.num_tokens
+                  and may_use_first_token(request))
         self._meta.reqs_to_recv[request_id] = RecvSpec(
             request_id=request_id,
             remote=ref,
@@ -277,9 +288,9 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             min_lease_left_s=PULL_SAFETY_MARGIN_S if plan.kind is LoadKind.PULL else 0.0,
             digest_tokens=end,
             token_digest=token_digest(request.token_ids(0, end)),
-            first_token=(request.kv_transfer_params.first_token
-                         if plan.kind is LoadKind.PREFILL and end >= request.num_tokens
-                         and may_use_first_token(request) else None),
+            first_token=request.kv_transfer_params.first_token if starts else None,
+            starts_with_first_token=starts,
+            remote_first_block=first,
         )
         self._waiting.pop(request_id, None)
         self._inflight[request_id] = plan.kind
@@ -370,6 +381,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self._meta.reqs_to_send[request_id] = SendSpec(
             request_id=request_id, block_ids=remote_ids, lease_duration=self.config.kv_lease_duration,
             renew_on_heartbeat=True, token_ids=list(request.prompt_token_ids), first_token=first,
+            transfer_id=request.kv_transfer_params.transfer_id,
         )
         self._held.add(request_id)
         params = prefill_done_params(self.engine_id, remote_ids, self.side_channel_host,

@@ -22,6 +22,15 @@ instances' ``REQ`` sockets:
     token the prefiller sampled (the decoder uses it, not the one a client relayed).
     ``instance_id`` (also in ``get_info``'s info) is new at every process start: a reader whose
     handshake named another instance knows the remote restarted and handshakes again.
+``{"type": "claim", "transfer_id": str, "num_tokens": int, "token_digest": str, "wait_s": float}``
+    -> the claim answer above plus ``"request_id"`` and ``"block_ids"``: a *pending claim* of a
+    concurrent hand-off (docs/proxy.md), naming the router's transfer id instead of a request
+    and its blocks, which the reader does not know yet. It is answered when the lease of the
+    request that came with that transfer id starts (the reader's tokens must match it), or
+    rejected after ``wait_s`` seconds (at most :data:`MAX_PENDING_WAIT_S`) or at once when that
+    lease already ended.
+``{"type": "notify", "kind": "abort", "transfer_id": str}`` -> ``{"ok": True}``: a reader gave
+    up a pending claim; the lease of that transfer is aborted (now, or when it starts).
 ``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str, "block_ids": [int][,
 "tp_rank": int, "expected": int]}``
     -> ``{"ok": True}``: the same control messages as the NIXL notifications, for readers
@@ -151,6 +160,9 @@ def side_channel_request(host: str, port: int, message: dict[str, Any], timeout_
 # ("ok"|"wait"|"reject", reason, lease seconds left[, the owner's first output token or None])
 ClaimResult = tuple
 
+#: The longest a pending claim waits for its lease (seconds), whatever the reader asks.
+MAX_PENDING_WAIT_S = 600.0
+
 
 class SideChannelServer:
     """Serves this instance's side channel from a daemon thread.
@@ -169,6 +181,11 @@ class SideChannelServer:
             expected)`` when it names TP fields; thread-safe.
         claim_wait_s: how long a ``"wait"`` claim is retried before it is rejected.
         instance_id: this process's instance id, sent with every claim answer.
+        claim_transfer: ``claim_transfer(transfer_id, num_tokens, token_digest) ->``
+            :class:`~pdserve.kv_transfer.nixl.leases.TransferClaim`, a pending claim's answer
+            (thread-safe); None: pending claims are refused.
+        abort_transfer: ``abort_transfer(transfer_id)``, a reader's abort by transfer id
+            (thread-safe); None: refused.
 
     Raises:
         SideChannelBindError: the port is in use or the address cannot be bound.
@@ -183,8 +200,12 @@ class SideChannelServer:
         notify: Callable[[str, str], None],
         claim_wait_s: float = 5.0,
         instance_id: str = "",
+        claim_transfer: Callable[[str, Any, Any], Any] | None = None,
+        abort_transfer: Callable[[str], None] | None = None,
     ):
         self.host = host
+        self._claim_transfer = claim_transfer
+        self._abort_transfer = abort_transfer
         self.instance_id = instance_id
         self.port = port
         self._get_info = get_info
@@ -210,8 +231,14 @@ class SideChannelServer:
                 f"cannot listen for the NIXL side channel on {address} ({e}): {hint}"
             ) from e
         self._stop = threading.Event()
-        # (identity, request_id, block_ids, deadline, seq) of claims answered "wait"
-        self._pending_claims: list[tuple[bytes, str, list[int], float, Any, tuple[Any, Any]]] = []
+        # claims answered "wait": each retried by calling it (it re-queues itself if still
+        # waiting)
+        self._pending_claims: list[Callable[[], None]] = []
+        # another thread makes this readable when a lease starts: waiting claims are retried
+        # at once instead of at the next poll
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._thread = threading.Thread(
             target=self._serve, name=f"nixl-side-channel-{port}", daemon=True
         )
@@ -241,6 +268,16 @@ class SideChannelServer:
                 self._reply(ident, {"ok": False, "reason": answer}, seq)
             else:
                 self._reply(ident, {"ok": True, "info": dict(answer, time=time.time())}, seq)
+        elif kind == "claim" and "transfer_id" in msg:
+            phase_trace.mark("sc.claim_in")
+            transfer_id, wait_s = msg.get("transfer_id"), msg.get("wait_s", self._claim_wait_s)
+            if self._claim_transfer is None or not isinstance(transfer_id, str) or \
+                    isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)):
+                self._reply(ident, {"ok": False, "reason": "malformed claim"}, seq)
+                return
+            deadline = time.monotonic() + min(max(float(wait_s), 0.0), MAX_PENDING_WAIT_S)
+            self._try_transfer_claim(ident, transfer_id, deadline, seq,
+                                     (msg.get("num_tokens"), msg.get("token_digest")))
         elif kind == "claim":
             phase_trace.mark("sc.claim_in")
             request_id, block_ids = msg.get("request_id"), msg.get("block_ids")
@@ -250,6 +287,15 @@ class SideChannelServer:
             tokens = (msg.get("num_tokens"), msg.get("token_digest"))
             self._try_claim(ident, request_id, block_ids, time.monotonic() + self._claim_wait_s, seq,
                             tokens)
+        elif kind == "notify" and "transfer_id" in msg:
+            transfer_id = msg.get("transfer_id")
+            if self._abort_transfer is None or msg.get("kind") != "abort" or \
+                    not isinstance(transfer_id, str):
+                self._reply(ident, {"ok": False, "reason": "malformed notify (a notice by "
+                                    "transfer id is an abort)"}, seq)
+                return
+            self._abort_transfer(transfer_id)
+            self._reply(ident, {"ok": True}, seq)
         elif kind == "notify":
             request_id, note = msg.get("request_id"), msg.get("kind")
             block_ids = msg.get("block_ids")
@@ -282,7 +328,8 @@ class SideChannelServer:
         status, reason, left, *first = self._claim(request_id, block_ids, *tokens)
         phase_trace.mark("sc.claim_" + status)
         if status == "wait" and time.monotonic() < deadline:
-            self._pending_claims.append((ident, request_id, block_ids, deadline, seq, tokens))
+            self._pending_claims.append(lambda: self._try_claim(
+                ident, request_id, block_ids, deadline, seq, tokens))
             return
         if status == "wait":
             status = "reject"
@@ -292,15 +339,48 @@ class SideChannelServer:
             answer["first_token_id"] = first[0]
         self._reply(ident, answer, seq)
 
+    def _try_transfer_claim(self, ident: bytes, transfer_id: str, deadline: float, seq: Any,
+                            tokens: tuple[Any, Any]) -> None:
+        answer = self._claim_transfer(transfer_id, *tokens)
+        phase_trace.mark("sc.claim_" + answer.status)
+        if answer.status == "wait" and time.monotonic() < deadline:
+            self._pending_claims.append(lambda: self._try_transfer_claim(
+                ident, transfer_id, deadline, seq, tokens))
+            return
+        ok = answer.status == "ok"
+        reason = answer.reason if answer.status != "wait" else (
+            f"{answer.reason} within the reader's wait")
+        payload = {"ok": ok, "reason": reason,
+                   "lease_expiry_in": answer.lease_left_s, "instance_id": self.instance_id}
+        if ok:
+            payload.update(request_id=answer.request_id, block_ids=answer.block_ids)
+            if answer.first_token is not None:
+                payload["first_token_id"] = answer.first_token
+        self._reply(ident, payload, seq)
+
+    def wake(self) -> None:
+        """Retry the waiting claims now (any thread; a lease just started)."""
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already readable, or closed
+
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
         while not self._stop.is_set():
             timeout_ms = 5 if self._pending_claims else 100
             try:
                 events = dict(poller.poll(timeout_ms))
             except zmq.ZMQError:
                 break
+            if self._wake_r.fileno() in events:
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
             if self._sock in events:
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -313,8 +393,8 @@ class SideChannelServer:
                         logger.exception("NIXL side channel: error while handling a request")
             if self._pending_claims:
                 pending, self._pending_claims = self._pending_claims, []
-                for ident, request_id, block_ids, deadline, seq, tokens in pending:
-                    self._try_claim(ident, request_id, block_ids, deadline, seq, tokens)
+                for retry in pending:
+                    retry()
         self._sock.close(linger=0)
 
     def close(self) -> None:
@@ -322,3 +402,5 @@ class SideChannelServer:
         self._stop.set()
         self._thread.join(timeout=5)
         self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()

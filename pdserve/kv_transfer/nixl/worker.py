@@ -120,7 +120,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         # Lease claims: non-blocking requests from the engine thread over persistent connections.
         self._client = SideChannelClient()
         self.leases = LeaseTable()
-        self.held = HeldBlocks(self.leases, self.stats)
+        self.held = HeldBlocks(self.leases, self.stats, self._lease_started,
+                               records_handoff=tp.rank == 0)
         self.remotes = RemoteRegistry(config, self.agent, self._pool, self._client,
                                       lambda: self._local, self._waker.wake,
                                       self._connect_same_host)
@@ -147,6 +148,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             notify=self.inbox.on_side_channel_notice,
             claim_wait_s=config.kv_handshake_timeout,
             instance_id=self.instance_id,
+            claim_transfer=self._answer_transfer_claim,
+            abort_transfer=self._abort_transfer,
         )
 
     # ------------------------------------------------------------------------- registration
@@ -287,6 +290,28 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self._waker.wake()
         return answer
 
+    def _answer_transfer_claim(self, transfer_id: str, num_tokens: Any, digest: Any) -> Any:
+        """Side-channel thread: a reader's pending claim
+        (:meth:`~.leases.LeaseTable.claim_transfer`); a granted one wakes the engine loop as
+        :meth:`_answer_claim` does."""
+        answer = self.leases.claim_transfer(transfer_id, num_tokens, digest)
+        if answer.status == "ok":
+            self._waker.wake()
+        return answer
+
+    def _abort_transfer(self, transfer_id: str) -> None:
+        """Side-channel thread: a reader's abort by transfer id, applied to the lease it names
+        as an abort notice for every rank (or remembered until the lease starts)."""
+        found = self.leases.abort_transfer(transfer_id)
+        if found is not None:
+            self.inbox.on_side_channel_notice("abort", found[0], found[1])
+
+    def _lease_started(self) -> None:
+        """Engine thread: a lease of a concurrent hand-off started; its pending claim may be
+        waiting at this rank's side channel."""
+        if self.side_channel is not None:
+            self.side_channel.wake()
+
     def wakeup_handles(self) -> list[Any]:
         """What the engine loop polls besides its input socket: a descriptor other threads
         make readable (side-channel notices, finished handshakes) and the engine thread's
@@ -310,8 +335,10 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         :data:`~pdserve.kv_transfer.nixl.loads.XFER_POLL_INTERVAL_S` (not at all for its first
         :data:`~pdserve.kv_transfer.nixl.loads.XFER_SPIN_S`, to catch short transfers at once),
         and notifications for held blocks every
-        :data:`~pdserve.kv_transfer.nixl.held.NOTIF_POLL_INTERVAL_S` while a reader's READ may
-        be under way (a claim granted in the last
+        :data:`~pdserve.kv_transfer.nixl.held.READ_FAST_POLL_INTERVAL_S` for
+        :data:`~pdserve.kv_transfer.nixl.held.READ_FAST_POLL_WINDOW_S` after a granted claim,
+        then every :data:`~pdserve.kv_transfer.nixl.held.NOTIF_POLL_INTERVAL_S` while a reader's
+        READ may be under way (a claim granted in the last
         :data:`~pdserve.kv_transfer.nixl.held.READ_POLL_WINDOW_S`; the claim woke the loop),
         every :data:`~pdserve.kv_transfer.nixl.held.HELD_NOTIF_POLL_INTERVAL_S` while blocks
         are merely held (an instance that only holds blocks sleeps until then, its next lease
