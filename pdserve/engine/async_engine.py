@@ -8,7 +8,8 @@ event loop never stall the decoding loop. The two talk over ZMQ sockets with the
 With data parallelism (``data_parallel_size > 1``, :mod:`pdserve.engine.data_parallel`) there is
 one core per rank, local or on other hosts; each request goes to the rank with the fewest
 outstanding requests (ties: the next rank after the last one chosen), whether or not it loads
-remote KV. A prefill's returned ``kv_transfer_params`` name the rank that computed it (its own
+remote KV, unless the request names its rank (``X-data-parallel-rank``: a router's concurrent
+hand-off). A prefill's returned ``kv_transfer_params`` name the rank that computed it (its own
 side-channel port and engine id), so a decoder reads from that rank. One rank dying makes the
 whole engine dead.
 
@@ -283,10 +284,15 @@ class AsyncEngine:
                 st.finished = True
                 st.queue.put_nowait(EngineDeadError(reason))
 
-    def _pick_core(self) -> CoreClient:
-        """The rank with the fewest outstanding requests; ties go to the first one at or after
-        the rank following the last choice (round robin among equals)."""
+    def _pick_core(self, rank: int | None = None) -> CoreClient:
+        """The core of ``rank`` (ValueError when there is none); without one, the rank with the
+        fewest outstanding requests, ties to the first one at or after the rank following the
+        last choice (round robin among equals)."""
         n = len(self._cores)
+        if rank is not None:
+            if not 0 <= rank < n:
+                raise ValueError(f"data-parallel rank {rank} does not exist (ranks 0..{n - 1})")
+            return self._cores[rank]
         order = [self._cores[(self._next_rank + i) % n] for i in range(n)]
         core = min(order, key=lambda c: c.outstanding)
         self._next_rank = (core.rank + 1) % n
@@ -320,6 +326,7 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         kv_transfer_params: KVTransferParams | None = None,
         resumed_output_ids: Sequence[int] = (),
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Run one sequence; yield its output deltas until (and including) the finished one.
 
@@ -334,16 +341,19 @@ class AsyncEngine:
                 ``prompt_token_ids + resumed_output_ids`` (``sampling_params`` already counts
                 only the tokens left); the outputs continue its text and count it
                 (:class:`~pdserve.engine.output_processor.RequestState`).
+            data_parallel_rank: the rank whose core runs the request (a router's
+                ``X-data-parallel-rank``, concurrent hand-off); None: the least-loaded rank.
 
         Raises:
-            ValueError: invalid input (duplicate id, empty or too long prompt, bad parameters).
+            ValueError: invalid input (duplicate id, empty or too long prompt, bad parameters,
+                a rank outside ``0 .. data_parallel_size - 1``).
             EngineDeadError: the core died before or while the request ran.
         """
         await self.check_health()
         st = RequestState(self.tokenizer, prompt_token_ids, sampling_params, resumed_output_ids)
         prompt_token_ids = list(prompt_token_ids) + list(resumed_output_ids)
         self._validate(request_id, prompt_token_ids, sampling_params)
-        core = self._pick_core()
+        core = self._pick_core(data_parallel_rank)
         self._requests[request_id] = (st, core)
         core.outstanding += 1
         delivered = False  # the caller got the finished output

@@ -24,6 +24,7 @@ from pdserve.entrypoints.job_runner import EngineJob
 from pdserve.entrypoints.serving import OpenAIServing, new_request_id
 from pdserve.entrypoints.sse import EventStreamResponse
 from pdserve.entrypoints.tokens import TokenText
+from pdserve.types.kv_endpoints import DATA_PARALLEL_RANK_HEADER
 
 
 def chat_logprobs(tokens: TokenText, entries: list[Any], num: int) -> ChatLogprobs:
@@ -55,6 +56,7 @@ class ChatCompletionsHandler:
         arrival = time.monotonic()
         s = self.serving
         s.check_model(req.model)
+        rank = s.data_parallel_rank(raw.headers.get(DATA_PARALLEL_RANK_HEADER))
         kv = s.kv_params(req)
         phase_trace.mark("api.kv")
         prompt = s.resumed_prompt(req)
@@ -63,7 +65,8 @@ class ChatCompletionsHandler:
         phase_trace.mark("api.prompt")
         response_id = new_request_id("chatcmpl")
         jobs = s.make_jobs(response_id, req, [prompt], req.requested_max_tokens(),
-                           req.num_logprobs(), prompt_param="messages", kv=kv)
+                           req.num_logprobs(), prompt_param="messages", kv=kv,
+                           data_parallel_rank=rank)
         phase_trace.mark("api.jobs")
         if req.stream:
             return EventStreamResponse(self._stream(req, response_id, jobs, arrival, prompt))

@@ -20,6 +20,7 @@ from pdserve.entrypoints.job_runner import EngineJob
 from pdserve.entrypoints.serving import OpenAIServing, new_request_id
 from pdserve.entrypoints.sse import EventStreamResponse
 from pdserve.entrypoints.tokens import TokenText
+from pdserve.types.kv_endpoints import DATA_PARALLEL_RANK_HEADER
 
 
 def completion_logprobs(tokens: TokenText, entries: list[Any], num: int,
@@ -54,12 +55,14 @@ class CompletionsHandler:
         arrival = time.monotonic()
         s = self.serving
         s.check_model(req.model)
+        rank = s.data_parallel_rank(raw.headers.get(DATA_PARALLEL_RANK_HEADER))
         kv = s.kv_params(req)
         resumed = s.resumed_prompt(req)
         prompts = [resumed] if resumed is not None else await s.completion_prompts(req)
         response_id = new_request_id("cmpl")
         jobs = s.make_jobs(response_id, req, prompts, req.max_tokens, req.logprobs,
-                           prompt_param="prompt", kv=kv)
+                           prompt_param="prompt", kv=kv,
+                           data_parallel_rank=rank)
         prompt_indices = [j.index // req.n for j in jobs]
         if req.stream:
             return EventStreamResponse(

@@ -47,6 +47,8 @@ class EngineJob:
             rendered-prompt digest: ``KVTransferParams.with_prompt_digest``) or None.
         resumed_output_ids: a resumed request's output so far (``pdserve_resume``), which the
             engine computes after the prompt and continues; empty otherwise.
+        data_parallel_rank: the rank that serves the job (the request's
+            ``X-data-parallel-rank``); None: the engine picks the least-loaded one.
     """
 
     index: int
@@ -55,6 +57,7 @@ class EngineJob:
     sampling_params: SamplingParams
     kv_transfer_params: KVTransferParams | None = None
     resumed_output_ids: list[int] = field(default_factory=list)
+    data_parallel_rank: int | None = None
 
 
 class JobRunner:
@@ -92,8 +95,13 @@ class JobRunner:
             try:
                 args = (job.request_id, job.prompt_token_ids, job.sampling_params,
                         job.kv_transfer_params)
-                gen = (self.engine.generate(*args, resumed_output_ids=job.resumed_output_ids)
-                       if job.resumed_output_ids else self.engine.generate(*args))
+                # only the options a job uses are passed (engine doubles take the basic call)
+                options: dict[str, Any] = {}
+                if job.resumed_output_ids:
+                    options["resumed_output_ids"] = job.resumed_output_ids
+                if job.data_parallel_rank is not None:
+                    options["data_parallel_rank"] = job.data_parallel_rank
+                gen = self.engine.generate(*args, **options)
                 async with contextlib.aclosing(gen):
                     async for out in gen:
                         queue.put_nowait((job.index, out))

@@ -40,7 +40,7 @@ from pdserve.entrypoints.protocol import (
     ModelCard,
     ModelList,
 )
-from pdserve.entrypoints.instance_info import instance_info_router
+from pdserve.entrypoints.instance_info import instance_info_router, prefill_endpoints
 from pdserve.entrypoints.serving import OpenAIServing
 from pdserve.entrypoints.tokenize_routes import tokenize_router
 from pdserve.kv_transfer.nixl import release as kv_release
@@ -67,7 +67,9 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
     ends the lease, :meth:`AsyncEngine.release_early
     <pdserve.engine.async_engine.AsyncEngine.release_early>`), vLLM's ``POST /tokenize``,
     ``POST /detokenize`` and ``GET /version`` (:mod:`pdserve.entrypoints.tokenize_routes`),
-    ``GET /pdserve/instance`` (:mod:`pdserve.entrypoints.instance_info`).
+    ``GET /pdserve/instance`` (:mod:`pdserve.entrypoints.instance_info`). The generation
+    routes honour the ``X-data-parallel-rank`` header (the rank that serves the request;
+    :func:`pdserve.types.kv_endpoints.parse_data_parallel_rank`).
 
     Args:
         engine: an ``AsyncEngine`` or an object with the same interface.
@@ -157,7 +159,8 @@ def build_app(engine: Any, api_key: str | None = None) -> FastAPI:
                                        serving._in_tokenizer_thread))
     kv = engine.config.kv_transfer_config
     app.include_router(instance_info_router(serving.model_name, kv and kv.kv_role,
-                                            kv and kv.engine_id, engine.tokenizer))
+                                            kv and kv.engine_id, engine.tokenizer,
+                                            prefill_endpoints(engine.config)))
     return app
 
 

@@ -27,6 +27,7 @@ from pdserve.entrypoints import decode_leg
 from pdserve.entrypoints.errors import bad_request, model_not_found
 from pdserve.entrypoints.job_runner import EngineJob, JobRunner
 from pdserve.entrypoints.protocol import RESUME_FIELD, ChatCompletionRequest, CompletionRequest
+from pdserve.types.kv_endpoints import DATA_PARALLEL_RANK_HEADER, parse_data_parallel_rank
 from pdserve.types.resume import resume_refusal
 from pdserve.entrypoints.metrics import ServerMetrics
 
@@ -76,6 +77,19 @@ class OpenAIServing:
         """Raises a 404 when ``name`` is given and is not the served model name."""
         if name is not None and name != self.model_name:
             raise model_not_found(name, self.model_name)
+
+    def data_parallel_rank(self, header: str | None) -> int | None:
+        """The data-parallel rank a request's ``X-data-parallel-rank`` header pins it to (None:
+        no header, the least-loaded rank serves it). Without data parallelism only 0 is valid.
+
+        Raises:
+            OpenAIError: 400 naming the header for a value that is not an integer in
+                ``0 .. data_parallel_size - 1``.
+        """
+        try:
+            return parse_data_parallel_rank(header, self.engine.config.data_parallel_size)
+        except ValueError as e:
+            raise bad_request(str(e), param=DATA_PARALLEL_RANK_HEADER) from None
 
     async def _in_tokenizer_thread(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -264,10 +278,12 @@ class OpenAIServing:
     def make_jobs(self, base_id: str, req: CompletionRequest | ChatCompletionRequest,
                   prompts: list[list[int]], requested_max_tokens: int | None,
                   logprobs: int | None, prompt_param: str,
-                  kv: KVTransferParams | None = None) -> list[EngineJob]:
+                  kv: KVTransferParams | None = None,
+                  data_parallel_rank: int | None = None) -> list[EngineJob]:
         """One job per (prompt, choice); engine ids are ``base_id`` for a single job, else
         ``f"{base_id}-{index}"``. ``kv``: the request's parsed ``kv_transfer_params``
-        (:meth:`kv_params`).
+        (:meth:`kv_params`); ``data_parallel_rank``: the rank every job goes to
+        (:meth:`data_parallel_rank`; None: the engine picks).
 
         A resumed request (``pdserve_resume``; ``prompts`` is then its original prompt): the
         engine's prompt is the prompt plus the output ids, ``max_tokens`` and ``min_tokens`` are
@@ -311,6 +327,7 @@ class OpenAIServing:
                     kv_transfer_params=job_params.with_prompt_digest(digest)
                     if job_params is not None else None,
                     resumed_output_ids=resumed,
+                    data_parallel_rank=data_parallel_rank,
                 ))
         return jobs
 

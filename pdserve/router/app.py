@@ -2,9 +2,11 @@
 
 One generation request (``POST /v1/completions`` or ``/v1/chat/completions``) becomes two legs
 (docs/proxy.md): a prefill leg to a P instance (``max_tokens=1``, non-streaming; its answer carries
-``kv_transfer_params``) and a decode leg to a D instance (the client's body plus P's params), whose
-answer goes back to the client byte for byte; a streamed answer is forwarded chunk by chunk as it
-arrives. Both legs carry the same ``X-Request-Id``. Which instance serves each leg is decided in
+``kv_transfer_params``) and a decode leg to a D instance, whose answer goes back to the client
+byte for byte; a streamed answer is forwarded chunk by chunk as it arrives. With ``--handoff
+concurrent`` (the default, :mod:`pdserve.router.concurrent_legs`) both legs are sent at once and
+D learns P's blocks from P's side channel; with ``--handoff sequential`` (and for instances the
+concurrent hand-off cannot use) the decode leg follows P's answer, with P's params. Both legs carry the same ``X-Request-Id``. Which instance serves each leg is decided in
 :mod:`pdserve.router.kv_routing` (round-robin, least-loaded, KV-cache-aware, session affinity);
 multi-turn state lives in a :mod:`pdserve.router.state_store` (memory or Redis).
 
@@ -35,18 +37,20 @@ import uuid
 from time import perf_counter
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from pdserve.utils import phase_trace
 from pdserve.types.openai_errors import MAX_BODY_BYTES, body_too_large
 from pdserve.router.bodies import check_client_body, conversation_key, prefill_leg_body
+from pdserve.router.concurrent_legs import ConcurrentLegs
 from pdserve.router.config import ProxyConfig
 from pdserve.router.conversations import ConversationStore
 from pdserve.router.decode_guard import DecodeLegGuard
 from pdserve.router.fallback import DecodeOnlyFallback
+from pdserve.router.handoff import HandoffMode, HandoffTargets
 from pdserve.router.health import BreakerPolicy, UpstreamHealth
-from pdserve.router.legs import TurnLegs
+from pdserve.router.legs import DecodeAnswer, TurnLegs
+from pdserve.router.retries import RetryPolicy
 from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, METHOD_NOT_ALLOWED,
                                    NOT_FOUND, REQUEST_TOO_LARGE, UPSTREAM_ERROR,
                                    UPSTREAM_UNAVAILABLE,
@@ -120,16 +124,24 @@ class DisaggProxy:
         self._upstream_auth = (f"Bearer {config.upstream_api_key}" if config.upstream_api_key else None)
         self.client = UpstreamClient(config.timeout, (self.prefillers, self.decoders),
                                      tuple(_ENDPOINTS), self.metrics, self.health)
+        self.handoff_targets = HandoffTargets()
         self.role_check = RoleCheck((self.prefillers, self.decoders), lambda: self.client.session,
-                                    self._upstream_auth)
+                                    self._upstream_auth, on_info=self.handoff_targets.learn)
         self.decode_guard = DecodeLegGuard(
             self.decoders, lambda up: self.client.probe(up, self._upstream_auth), self.metrics,
             lambda: self.client.session)
-        self.legs = TurnLegs(self.client, self.prefillers, self.decoders, self.health,
-                             self.decode_guard,
-                             DecodeOnlyFallback(config.enforce_disagg,
-                                                self.metrics.decode_only_fallback),
-                             self.metrics, self._route, config.max_retries)
+        retries = RetryPolicy(self.prefillers, self.decoders, self.health,
+                              DecodeOnlyFallback(config.enforce_disagg,
+                                                 self.metrics.decode_only_fallback),
+                              self.metrics, config.max_retries)
+        self.legs = TurnLegs(self.client, self.prefillers, self.decoders, self.decode_guard,
+                             retries, self.metrics, self._route)
+        self.concurrent: ConcurrentLegs | None = None
+        if config.handoff is HandoffMode.CONCURRENT:
+            self.concurrent = ConcurrentLegs(
+                self.client, self.prefillers, self.decoders, self.handoff_targets,
+                self.role_check.refresh, self.decode_guard, retries, self.legs, self.metrics,
+                self._route)
         self.relay = StreamRelay(self.client, self.metrics, self.decode_guard,
                                  self._record_turn if self.state_store is not None else None)
         self.migrator: StreamMigrator | None = None
@@ -173,6 +185,9 @@ class DisaggProxy:
             await self.kv_router.close()
         if self.state_store is not None:
             await self.state_store.close()
+        if self.concurrent is not None:
+            await self.concurrent.close()
+        await self.role_check.close()
         await self.health.close()
         await self.client.close()
 
@@ -287,20 +302,26 @@ class DisaggProxy:
                              + ", ".join(u.url for u in self.decoders.upstreams)
                              + "); the request was not prefilled", UPSTREAM_UNAVAILABLE)
 
-        p_data = _encode(prefill_leg_body(body, state.kv_transfer_params if state else None)).encode()
+        p_body = prefill_leg_body(body, state.kv_transfer_params if state else None)
         if state is not None and state.kv_transfer_params:
             self.metrics.kv_params_forwarded.inc()
-        phase_trace.mark("px.p_body_built")
         stream = body.get("stream") is True
         migrate = self.migrator is not None and stream and migration_refusal(body) is None
-        answer = await self.legs.run(path, body, p_data, headers, turn, stream,
-                                     (state.prefiller_url, state.decoder_url) if state
-                                     else (None, None), token_ids, return_token_ids=migrate)
+        previous = (state.prefiller_url, state.decoder_url) if state else (None, None)
+        if self.concurrent is not None:
+            phase_trace.mark("px.p_body_built")
+            answer = await self.concurrent.run(path, body, p_body, headers, turn, stream,
+                                               previous, token_ids, return_token_ids=migrate)
+        else:
+            p_data = _encode(p_body).encode()
+            phase_trace.mark("px.p_body_built")
+            answer = await self.legs.run(path, body, p_data, headers, turn, stream, previous,
+                                         token_ids, return_token_ids=migrate)
         p_up, d_up, d_resp, d_raw = answer.p_up, answer.d_up, answer.d_resp, answer.raw
         phase_trace.mark("px.d_hdr")
         if d_raw is None:
-            return await self._relay_stream(request, turn, d_up, d_resp, p_up, conv_id, headers,
-                                            body if migrate else None, answer.p_params)
+            return await self._relay_stream(request, turn, answer, conv_id, headers,
+                                            body if migrate else None)
         keep = conv_id is not None
         if keep or (self.state_store is not None and _D_PARAMS_NEEDLE in d_raw):
             try:
@@ -331,11 +352,9 @@ class DisaggProxy:
         if self.conversations is not None:
             self.metrics.conversations.set(len(self.conversations))
 
-    async def _relay_stream(self, request: web.Request, turn: Turn, d_up: Upstream,
-                            d_resp: aiohttp.ClientResponse, p_up: Upstream,
+    async def _relay_stream(self, request: web.Request, turn: Turn, answer: DecodeAnswer,
                             conv_id: str | None, headers: dict[str, str],
-                            migrate_body: dict[str, Any] | None = None,
-                            p_params: dict[str, Any] | None = None) -> web.StreamResponse:
+                            migrate_body: dict[str, Any] | None = None) -> web.StreamResponse:
         """Forward D's SSE stream chunk by chunk; in multi-turn mode record D's
         ``kv_transfer_params`` for the conversation (or release them on D when the request has
         none) and forward them as null (:class:`~pdserve.router.stream_relay.StreamRelay`).
@@ -343,14 +362,17 @@ class DisaggProxy:
         ``migrate_body``: the client's body when the stream may be migrated mid-stream
         (``--migration-limit``; :class:`pdserve.router.migration.StreamMigrator` relays it).
         """
+        d_resp = answer.d_resp
         out = web.StreamResponse(status=200, headers={
             "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.request_id})
         if migrate_body is not None:
-            return await self.migrator.relay(request, out, turn, Leg(p_up, p_params, d_up, d_resp),
-                                             migrate_body, conv_id, headers)
-        return await self.relay.relay(request, out, turn, d_up, d_resp, p_up, conv_id, headers)
+            leg = Leg(answer.p_up, answer.p_params, answer.d_up, d_resp, answer.held, answer.timer)
+            return await self.migrator.relay(request, out, turn, leg, migrate_body, conv_id,
+                                             headers)
+        return await self.relay.relay(request, out, turn, answer.d_up, d_resp, answer.p_up,
+                                      conv_id, headers, answer.held, answer.timer)
 
     # ------------------------------------------------------------------ other routes
     async def _models(self, request: web.Request) -> web.Response:

@@ -10,6 +10,11 @@ multi-turn mode the decoder's params from the previous turn are merged in (see
 Decode leg (to D): the client's body without ``conversation_id``, with ``kv_transfer_params``
 replaced by what P returned; with ``return_token_ids: true`` when the stream may be migrated
 (:mod:`pdserve.router.migration`).
+
+Concurrent hand-off (docs/proxy.md, "the wire contract"): the prefill leg's params get the
+attempt's ``transfer_id`` (:func:`concurrent_prefill_body`); the decode leg, sent at the same
+time, gets pending params naming P's rank and the transfer id, without P's blocks, request id or
+first token (:func:`pending_decode_leg_body`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 
 from pdserve.types.openai_errors import STREAM_OPTIONS_WITHOUT_STREAM
 from pdserve.router.errors import INVALID_REQUEST, ProxyError
+from pdserve.types.kv_endpoints import KVEndpoint
 
 #: ``kv_transfer_params`` of a stateless prefill request: P must keep the blocks for a remote
 #: decoder and has nothing to pull itself.
@@ -150,3 +156,22 @@ def decode_leg_body(body: dict[str, Any], prefill_params: dict[str, Any] | None,
     if return_token_ids:
         out["return_token_ids"] = True
     return out
+
+
+def concurrent_prefill_body(prefill_body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """The prefill leg of a concurrent attempt: :func:`prefill_leg_body`'s result (not
+    modified) with ``transfer_id`` added to its ``kv_transfer_params``."""
+    out = dict(prefill_body)
+    out["kv_transfer_params"] = dict(prefill_body["kv_transfer_params"], transfer_id=transfer_id)
+    return out
+
+
+def pending_decode_leg_body(body: dict[str, Any], endpoint: KVEndpoint, tp_size: int,
+                            transfer_id: str, return_token_ids: bool = False) -> dict[str, Any]:
+    """The decode leg of a concurrent attempt: the client's body with the pending params of the
+    wire contract (P's rank ``endpoint``, P's ``tp_size``, the attempt's ``transfer_id``)."""
+    return decode_leg_body(body, {
+        "do_remote_prefill": True, "do_remote_decode": False,
+        "remote_engine_id": endpoint.engine_id, "remote_host": endpoint.host,
+        "remote_port": endpoint.port, "remote_transfer_id": transfer_id, "tp_size": tp_size},
+        return_token_ids)

@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass
 
 from pdserve.commands import parser as cli_types
+from pdserve.router.handoff import HandoffMode
 from pdserve.router.health import DEFAULT_BREAKER_BACKOFF_S, DEFAULT_BREAKER_FAILURES
 from pdserve.router.kv_index import DEFAULT_STALE_AFTER_S
 from pdserve.router.kv_routing import DEFAULT_KV_LOAD_WEIGHT
@@ -67,6 +68,9 @@ class ProxyConfig:
             P/D pair after it failed mid-stream (0 = never; :mod:`pdserve.router.migration`).
         stall_timeout: seconds without a byte from a streaming decoder after which it has
             failed (with ``migration_limit`` > 0).
+        handoff: how a turn's two legs are sent (``--handoff``): both at once (concurrent,
+            :mod:`pdserve.router.concurrent_legs`) or the decode leg after P's answer
+            (sequential, :mod:`pdserve.router.legs`).
     """
 
     host: str = "127.0.0.1"
@@ -92,6 +96,7 @@ class ProxyConfig:
     enforce_disagg: bool = False
     migration_limit: int = 0
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
+    handoff: HandoffMode = HandoffMode.CONCURRENT
 
 
 def base_url(host: str, port: int) -> str:
@@ -224,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
                    default=DEFAULT_STALL_TIMEOUT_S, metavar="S",
                    help="with --migration-limit: seconds without a byte from a streaming "
                         f"decoder after which it has failed (default {DEFAULT_STALL_TIMEOUT_S:g})")
+    p.add_argument("--handoff", choices=[m.value for m in HandoffMode],
+                   default=HandoffMode.CONCURRENT.value,
+                   help="concurrent (default): send the decode leg together with the prefill leg "
+                        "(the decoder waits at the prefiller's side channel; prefillers that list "
+                        "no KV endpoints are served sequentially); sequential: send it after the "
+                        "prefiller's answer, with the params it returned")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default info; debug logs every routing decision)")
@@ -264,4 +275,5 @@ def parse_args(argv: list[str]) -> ProxyConfig:
         max_retries=ns.max_retries, breaker_failures=ns.breaker_failures,
         breaker_backoff=ns.breaker_backoff, enforce_disagg=ns.enforce_disagg,
         migration_limit=ns.migration_limit, stall_timeout=ns.stall_timeout,
+        handoff=HandoffMode(ns.handoff),
     )

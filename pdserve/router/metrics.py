@@ -36,6 +36,11 @@ Names (kept here until the project-wide ``pdserve/entrypoints/metrics.py`` takes
   them itself) because no prefill instance was available.
 * ``pdserve:proxy_upstream_healthy{upstream, leg}``: 1 while the instance is in rotation (its
   circuit breaker closed or half-open), 0 while it is out (open).
+* ``pdserve:proxy_handoff_seconds{leg}``: the P/D hand-off per leg, in seconds: ``prefill``
+  from sending the prefill leg to P's whole answer; ``decode`` from sending the decode leg (in
+  the concurrent hand-off at the same time as the prefill leg, in the sequential one after P's
+  answer) to D's first token at the proxy (a stream's first event with output; a non-streamed
+  answer's response, which comes with its whole body). Legs that failed are not observed.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ HIT_BLOCKS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 #: Buckets of the added-latency histogram, in seconds (50 µs .. 1 s).
 ADDED_LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
                          0.1, 0.25, 1.0)
+#: Buckets of the hand-off histogram, in seconds (0.5 ms .. 60 s).
+HANDOFF_BUCKETS = (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 1e-2, 1.5e-2, 2e-2, 3e-2, 5e-2, 7.5e-2,
+                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class ProxyMetrics:
@@ -110,6 +118,11 @@ class ProxyMetrics:
                                   ["reason"], registry=self.registry)
         for reason in ("connection", "eof", "upstream_error", "stall"):
             self.migrations.labels(reason=reason)
+        self.handoff = Histogram("pdserve:proxy_handoff_seconds",
+                                 "P/D hand-off per leg: prefill = leg sent to P's answer, decode "
+                                 "= leg sent to D's first token (s)",
+                                 ["leg"], buckets=HANDOFF_BUCKETS, registry=self.registry)
+        self.handoff_child = {leg: self.handoff.labels(leg=leg) for leg in ("prefill", "decode")}
         self.in_flight_child = {}
         for leg, urls in (("prefill", prefillers), ("decode", decoders)):
             for url in urls:

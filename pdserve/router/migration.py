@@ -31,6 +31,7 @@ from aiohttp import web
 
 from pdserve.router.bodies import decode_leg_body, prefill_leg_body
 from pdserve.router.errors import UPSTREAM_ERROR, UPSTREAM_TIMEOUT, UPSTREAM_UNAVAILABLE, ProxyError
+from pdserve.router.first_token import DecodeTimer
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.upstream_client import Turn, UpstreamClient, UpstreamHTTPError
 from pdserve.router.stream_ledger import SSE_DONE, SSEEvents, StreamLedger
@@ -68,12 +69,16 @@ def migration_refusal(body: dict[str, Any]) -> str | None:
 
 @dataclass
 class Leg:
-    """One P/D attempt of a stream: the instances, P's returned params and D's open response."""
+    """One P/D attempt of a stream: the instances, P's returned params (None: none, or not read
+    yet in the concurrent hand-off) and D's open response; ``held``: the stream's start already
+    read from it (relayed first); ``timer``: the decode hand-off time still to observe."""
 
     p_up: Upstream
     p_params: dict[str, Any] | None
     d_up: Upstream
     d_resp: aiohttp.ClientResponse
+    held: bytes = b""
+    timer: DecodeTimer | None = None
 
 
 class StreamMigrator:
@@ -239,9 +244,11 @@ class StreamMigrator:
         content = leg.d_resp.content
         events = SSEEvents()
         up = leg.d_up
+        held, leg.held = leg.held, b""
         while True:
             try:
-                chunk = await asyncio.wait_for(content.readany(), self.stall_timeout)
+                chunk = held or await asyncio.wait_for(content.readany(), self.stall_timeout)
+                held = b""
             except asyncio.TimeoutError:
                 self._metrics.count_error(up.url, up.leg)
                 return MigrationReason.STALL, ProxyError(
@@ -249,6 +256,8 @@ class StreamMigrator:
                     UPSTREAM_TIMEOUT)
             except aiohttp.ClientError as e:
                 return MigrationReason.CONNECTION, self._client.failure(up, e)
+            if leg.timer is not None and leg.timer.feed(chunk):
+                leg.timer = None
             if not chunk:
                 if ledger.done:
                     return None

@@ -86,7 +86,8 @@ async def _serve(config: ProxyConfig) -> int:
     logger.info("prefill instances: %s", ", ".join(config.prefillers))
     logger.info("decode instances: %s", ", ".join(config.decoders))
     store = f", state in {config.state_store}" if config.multi_turn else ""
-    logger.info("routing %s, %s mode%s", config.routing, mode, store)
+    logger.info("routing %s, %s mode%s, %s hand-off", config.routing, mode, store,
+                config.handoff.value)
     print(f"pdserve proxy listening on {running.url}", flush=True)
     try:
         await stop.wait()

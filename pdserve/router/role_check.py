@@ -4,14 +4,18 @@ prefiller that is a decoder (``kv_consumer``), a decoder that is a prefiller (``
 or one instance in both lists, naming the flags to fix (docs/proxy.md, "Role check").
 
 An instance that does not answer the route (a vLLM engine, an older pdserve) is taken as
-configured; one not reachable yet is asked again on the next request.
+configured; one not reachable yet is asked again on the next request. Every answer also goes
+to ``on_info`` (the concurrent hand-off learns a prefiller's KV endpoints from it,
+:mod:`pdserve.router.handoff`); :meth:`RoleCheck.refresh` asks one instance again in the
+background (its engine restarted: another engine id).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import aiohttp
 
@@ -24,6 +28,8 @@ logger = logging.getLogger("pdserve.router")
 
 #: Seconds one instance may take to answer its role.
 ROLE_PROBE_TIMEOUT_S = 5.0
+#: Seconds between two background questions to one instance (:meth:`RoleCheck.refresh`).
+REFRESH_INTERVAL_S = 1.0
 #: The ``kv_role`` values that cannot serve a leg.
 _WRONG_ROLE = {"prefill": "kv_consumer", "decode": "kv_producer"}
 _FLAGS = {"prefill": "--prefiller-hosts/--prefiller-ports",
@@ -46,12 +52,21 @@ class RoleCheck:
         pools: the prefill and decode pools.
         session: returns the proxy's aiohttp session (it exists from the app's start-up on).
         auth: the ``Authorization`` header sent to the instances, or None.
+        on_info: ``on_info(upstream, info)`` with every answer (None: the instance has no such
+            route); None: nobody listens.
+        clock: monotonic seconds (rate of :meth:`refresh`).
     """
 
     def __init__(self, pools: Sequence[UpstreamPool],
-                 session: Callable[[], aiohttp.ClientSession], auth: str | None):
+                 session: Callable[[], aiohttp.ClientSession], auth: str | None,
+                 on_info: Callable[[Upstream, dict[str, Any] | None], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self._session = session
         self._auth = auth
+        self._on_info = on_info
+        self._clock = clock
+        self._refreshing: dict[str, asyncio.Task] = {}
+        self._refreshed: dict[str, float] = {}  # url -> clock() of its last background question
         self._pending: list[Upstream] = [up for pool in pools for up in pool.upstreams]
         self._engine_ids: dict[str, Upstream] = {}  # engine id -> the first instance that had it
         self._mismatch: RoleMismatch | None = None
@@ -83,9 +98,37 @@ class RoleCheck:
                 self._pending.remove(up)
                 if info is not None:
                     self._judge(up, info)
+                if self._on_info is not None and self._mismatch is None:
+                    self._on_info(up, info)
                 if self._mismatch is not None:
                     logger.error("%s", self._mismatch)
                     raise self._mismatch
+
+    def refresh(self, up: Upstream) -> None:
+        """Ask ``up`` again in the background and hand its answer to ``on_info`` (nothing when
+        it cannot be reached); at most one question in flight per instance and one every
+        :data:`REFRESH_INTERVAL_S`. Roles are not judged again."""
+        now = self._clock()
+        if up.url in self._refreshing or now - self._refreshed.get(up.url, -REFRESH_INTERVAL_S) \
+                < REFRESH_INTERVAL_S:
+            return
+        self._refreshed[up.url] = now
+        task = asyncio.get_running_loop().create_task(self._refresh(up))
+        self._refreshing[up.url] = task
+        task.add_done_callback(lambda _: self._refreshing.pop(up.url, None))
+
+    async def _refresh(self, up: Upstream) -> None:
+        info = await self._ask(up)
+        if info is not _Unknown and self._on_info is not None:
+            logger.info("asked %s again for its KV endpoints", up.url)
+            self._on_info(up, info)
+
+    async def close(self) -> None:
+        """Cancel the background questions."""
+        tasks = list(self._refreshing.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _judge(self, up: Upstream, info: dict) -> None:
         role = info.get("kv_role")

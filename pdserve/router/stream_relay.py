@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.router.decode_guard import DecodeLegGuard
+from pdserve.router.first_token import DecodeTimer
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.sse import KVParamsWatcher
 from pdserve.router.upstream_client import Turn, UpstreamClient
@@ -44,10 +45,16 @@ class StreamRelay:
 
     async def relay(self, request: web.Request, out: web.StreamResponse, turn: Turn,
                     d_up: Upstream, d_resp: aiohttp.ClientResponse, p_up: Upstream | None,
-                    conv_id: str | None, headers: dict[str, str]) -> web.StreamResponse:
+                    conv_id: str | None, headers: dict[str, str], held: bytes = b"",
+                    timer: DecodeTimer | None = None) -> web.StreamResponse:
         """Relay D's stream into ``out`` (not prepared yet); a failure of D after the first
         byte ends the stream with an SSE error event and ``[DONE]``; a client that goes away
-        closes D's response (D aborts the request). Returns ``out``."""
+        closes D's response (D aborts the request). Returns ``out``.
+
+        Args:
+            held: the stream's start, already read from ``d_resp`` (sent first).
+            timer: fed the chunks until D's first token (the decode hand-off time).
+        """
         watcher = KVParamsWatcher(strip=True) if self._strip else None
         recorded = False
         content = d_resp.content
@@ -59,7 +66,7 @@ class StreamRelay:
             last = b"\n\n"
             while True:
                 try:
-                    chunk = await content.readany()
+                    chunk, held = held or await content.readany(), b""
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     err = self._client.failure(d_up, e)
                     d_resp.close()
@@ -67,6 +74,8 @@ class StreamRelay:
                     await out.write_eof(sep + b"data: " + err.body() + b"\n\n" + _SSE_DONE)
                     break
                 phase_trace.mark("px.chunk")
+                if timer is not None and timer.feed(chunk):
+                    timer = None
                 if not chunk:
                     finished = True
                     await out.write_eof(watcher.flush() if watcher is not None else b"")

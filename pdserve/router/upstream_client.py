@@ -205,13 +205,19 @@ class UpstreamClient:
         also by the instance's circuit breaker unless ``breaker`` is False: the failure is
         another instance's, e.g. a decoder whose KV read from the prefiller failed)."""
         if resp.status >= 400:
-            if resp.status >= 500:
-                self.metrics.count_error(up.url, up.leg)
-                if breaker:
-                    self.health.failure(up)
-            raise UpstreamHTTPError(resp.status,
-                                    normalize_upstream_error(resp.status, raw, up.leg, up.url),
-                                    up.url)
+            raise self.http_error(up, resp.status, raw, breaker)
+
+    def http_error(self, up: Upstream, status: int, raw: bytes,
+                   breaker: bool = True) -> UpstreamHTTPError:
+        """Count and describe an instance's error answer (``status`` >= 400, ``raw`` its body;
+        also an in-band error event of a stream the client has not seen yet); a 5xx counts as
+        a failure, by the circuit breaker too unless ``breaker`` is False."""
+        if status >= 500:
+            self.metrics.count_error(up.url, up.leg)
+            if breaker:
+                self.health.failure(up)
+        return UpstreamHTTPError(status, normalize_upstream_error(status, raw, up.leg, up.url),
+                                 up.url)
 
     def invalid_response(self, up: Upstream, what: str) -> ProxyError:
         """Count and describe an answer the proxy cannot use (502)."""

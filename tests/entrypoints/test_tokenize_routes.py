@@ -80,14 +80,19 @@ async def test_version(client):
     assert r.status_code == 200 and r.json() == {"version": __version__}
 
 
-async def test_instance_info_names_role_and_chat_template(fake_engine):
+async def test_instance_info_names_role_and_chat_template(fake_engine, monkeypatch):
+    monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_HOST", "10.1.2.3")
+    monkeypatch.setenv("PDSERVE_NIXL_SIDE_CHANNEL_PORT", "5610")
     fake_engine.config.kv_transfer_config = KVTransferConfig(kv_role="kv_producer", engine_id="e1")
     transport = httpx.ASGITransport(app=build_app(fake_engine))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         r = await c.get("/pdserve/instance")
     assert r.status_code == 200
+    # a prefiller also lists its KV endpoint (the concurrent hand-off: docs/proxy.md)
     assert r.json() == {"model": "fake-model", "kv_role": "kv_producer", "engine_id": "e1",
-                        "chat_template": True, "version": __version__}
+                        "chat_template": True, "version": __version__,
+                        "kv_endpoints": [{"engine_id": "e1", "host": "10.1.2.3", "port": 5610}],
+                        "tp_size": 1}
 
 
 async def test_instance_info_without_kv_transfer_or_chat_template(client, fake_engine):

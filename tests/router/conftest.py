@@ -45,14 +45,18 @@ class Cluster:
 @pytest.fixture
 async def make_cluster():
     """Factory: ``await make_cluster(n_prefill=1, n_decode=1, prefill_urls=(), decode_urls=(),
-    **ProxyConfig fields)``; extra URLs (e.g. dead ports) are appended to the fakes' URLs."""
+    instance_info=None, **ProxyConfig fields)``; extra URLs (e.g. dead ports) are appended to the
+    fakes' URLs; ``instance_info(fake)`` gives each fake's ``GET /pdserve/instance`` body before
+    the proxy's role check asks it (None: the route answers 404)."""
     made: list[Cluster] = []
 
     async def make(n_prefill: int = 1, n_decode: int = 1, prefill_urls=(), decode_urls=(),
-                   **overrides) -> Cluster:
+                   instance_info=None, **overrides) -> Cluster:
         ps = [FakeInstance(f"p{i}", "prefill") for i in range(n_prefill)]
         ds = [FakeInstance(f"d{i}", "decode") for i in range(n_decode)]
         for inst in ps + ds:
+            if instance_info is not None:
+                inst.info = instance_info(inst)
             await inst.start()
         config = ProxyConfig(host="127.0.0.1", port=0,
                              prefillers=tuple(p.url for p in ps) + tuple(prefill_urls),

@@ -104,3 +104,13 @@ def test_failover_flags():
     for bad in (["--max-retries", "-1"], ["--breaker-backoff", "0"]):
         with pytest.raises(SystemExit):
             parse_args(base + bad)
+
+
+def test_handoff_flag():
+    from pdserve.router.handoff import HandoffMode
+
+    base = ["--prefiller-port", "1", "--decoder-port", "2"]
+    assert parse_args(base).handoff is HandoffMode.CONCURRENT
+    assert parse_args(base + ["--handoff", "sequential"]).handoff is HandoffMode.SEQUENTIAL
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--handoff", "pushed"])

@@ -98,6 +98,7 @@ class FakeEngine:
                        sampling_params: SamplingParams,
                        kv_transfer_params: dict[str, Any] | None = None,
                        resumed_output_ids: list[int] = (),
+                       data_parallel_rank: int | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         # A resumed request (AsyncEngine.generate's contract): the tokens continue those of the
         # uninterrupted request after the resumed ones, which count as output tokens.
@@ -108,7 +109,8 @@ class FakeEngine:
         sampling_params.validate()
         self.calls[request_id] = dict(prompt=list(prompt_token_ids), params=sampling_params,
                                       kv=kv_transfer_params.to_dict() if kv_transfer_params else None,
-                                      resumed=list(resumed_output_ids))
+                                      resumed=list(resumed_output_ids),
+                                      rank=data_parallel_rank)
         n_resumed = len(resumed_output_ids)
         self.active.add(request_id)
         abort_event = self._abort_events[request_id] = asyncio.Event()

@@ -53,6 +53,9 @@ class FakeInstance:
         health_status: status of ``GET /health``.
         chunks: D only, streaming: text pieces sent one per SSE event.
         released: P only: the ``kv_transfer_params`` of each ``POST /v1/kv_transfer/release``.
+        info: the body of ``GET /pdserve/instance``; None: the route answers 404 (as a vLLM
+            engine, which has no such route).
+        info_asked: how many times ``GET /pdserve/instance`` was asked.
     """
 
     name: str
@@ -65,6 +68,8 @@ class FakeInstance:
     chunks: tuple[str, ...] = ("Hel", "lo", " world")
     url: str = ""
     released: list[Any] = field(default_factory=list)
+    info: dict[str, Any] | None = None
+    info_asked: int = 0
     _runner: web.AppRunner | None = None
 
     async def start(self) -> str:
@@ -74,6 +79,7 @@ class FakeInstance:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/kv_transfer/release", self._release)
+        app.router.add_get("/pdserve/instance", self._info)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -88,6 +94,12 @@ class FakeInstance:
     async def _release(self, request: web.Request) -> web.Response:
         self.released.append((await request.json())["kv_transfer_params"])
         return web.json_response({"released": True})
+
+    async def _info(self, request: web.Request) -> web.Response:
+        self.info_asked += 1
+        if self.info is None:
+            raise web.HTTPNotFound()
+        return web.json_response(self.info)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status, text="")
