@@ -58,8 +58,11 @@ requests (an error, no token event, or not exactly ``--load-output-len`` tokens;
 follow the table).
 
 TTFT is the time from just before the client sends the request to the stream event that carries
-the first generated token (the first chunk whose choice has content, or a delta without the
-opening ``role``: a token that decodes to no text yet), as the client (httpx) sees it.
+the first generated token, as the client (httpx) sees it. Every request asks for vLLM's
+``return_token_ids``, so that a token that decodes to no text yet still comes in a chunk of its
+own (its choice's ``token_ids``): with dummy weights most sampled ids decode to nothing (the
+dummies' vocabulary is larger than the tokenizer's), and without the ids the "first token" would
+be the first one that happens to have text, several decode steps later.
 
 Printed per mode, one row per prompt length (``first``: the length asked for; ``bidi``: ``h`` and
 the history) and target:
@@ -321,7 +324,7 @@ def stream_chat(client, url: str, body: dict, group: str | None, mark) -> dict:
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or ():
                 delta = choice.get("delta") or {}
-                if ttft is None and (delta.get("content") or "role" not in delta):
+                if ttft is None and (delta.get("content") or choice.get("token_ids")):
                     ttft = time.perf_counter() - t0
                     if group:
                         mark("cl.first")
@@ -337,7 +340,8 @@ def stream_chat(client, url: str, body: dict, group: str | None, mark) -> dict:
 
 def _body(args: argparse.Namespace, messages: list[dict], cid: str | None = None) -> dict:
     body = {"messages": messages, "stream": True, "max_tokens": args.output_len,
-            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
     if cid is not None:
         body["conversation_id"] = cid
     return body
@@ -447,7 +451,7 @@ async def _load_one(client, url: str, body: dict) -> dict:
                     usage = chunk.get("usage") or usage
                     for choice in chunk.get("choices") or ():
                         delta = choice.get("delta") or {}
-                        if delta.get("content") or "role" not in delta:
+                        if delta.get("content") or choice.get("token_ids"):
                             chunks += 1
                             if ttft is None:
                                 ttft = time.perf_counter() - t0
@@ -577,7 +581,7 @@ def run_load_mode(args, work: Path, handoff_flag: bool) -> dict:
             msgs = [{"role": "system", "content": prompts.head()},
                     {"role": "user", "content": bodies[k]}]
             return {"messages": msgs, "stream": True, "max_tokens": args.load_output_len,
-                    "ignore_eos": True, "temperature": 0,
+                    "ignore_eos": True, "temperature": 0, "return_token_ids": True,
                     "stream_options": {"include_usage": True}}
 
         async def all_rounds() -> None:
