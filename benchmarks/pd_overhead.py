@@ -34,11 +34,13 @@ with a deployment of its own):
 * ``bidi``: turns 2+ of chats of ``--turns`` turns: turn 1 (not counted) is a ~``--history``
   token prompt, every later turn adds the previous answer and a ~``--turn-len`` token user
   message, with a ``conversation_id``. Through the ``--multi-turn`` proxies P pulls the history's
-  KV back from D, prefills the new tokens, and D pulls them from P; P and D run with
-  ``--no-enable-prefix-caching`` (unless ``--engine-args`` has ``--enable-prefix-caching``) so
-  that P pulls instead of finding the history in its own cache, as once other conversations have
-  evicted it. ``single`` keeps prefix caching on, so its cache hits the history: the same
-  compute (the new tokens) as P/D.
+  KV back from D, prefills the new tokens, and D reads from P only the blocks its own prefix
+  cache does not hold (the new ones: the history's blocks, which D kept for P's pull, stay in
+  D's cache). P runs with ``--no-enable-prefix-caching`` (unless ``--engine-args`` has
+  ``--enable-prefix-caching``) so that it pulls instead of finding the history in its own cache,
+  as once other conversations have evicted it; D and ``single`` keep prefix caching on (the
+  engine default; ``--engine-args`` may turn it off for every engine), so ``single``'s cache
+  hits the history: the same compute (the new tokens) as P/D.
 
 Mode ``load`` (``--mode load``, not part of ``both``; a deployment of its own, as ``first``'s but
 without the phase trace) asks whether P/D keeps throughput and TPOT under concurrent streams
@@ -176,12 +178,6 @@ class Deployment:
         base = shlex.split(args.engine_args)
         if not _given(base, "--max-model-len"):
             base += ["--max-model-len", str(args.max_model_len)]
-        single_args = list(base)
-        pd_args = list(base)
-        if bidi:  # single hits the history in its prefix cache, P pulls it from D
-            single_args = [a for a in single_args if a != "--no-enable-prefix-caching"]
-            if "--enable-prefix-caching" not in pd_args:
-                pd_args.append("--no-enable-prefix-caching")
         gpu = None
         if args.device == "cuda":
             gpus = detect_gpus()
@@ -190,9 +186,12 @@ class Deployment:
             gpu = gpus[0]
             if not _given(base, "--kv-cache-memory"):
                 util = float(option_value(base, "--gpu-memory-utilization") or 0.9)
-                share = ["--gpu-memory-utilization", f"{util / 3:.3f}"]  # the last one wins
-                single_args += share
-                pd_args += share
+                base += ["--gpu-memory-utilization", f"{util / 3:.3f}"]  # the last one wins
+        single_args, d_args, p_args = list(base), list(base), list(base)
+        if bidi:  # single hits the history in its prefix cache, P pulls it from D
+            single_args = [a for a in single_args if a != "--no-enable-prefix-caching"]
+            if "--enable-prefix-caching" not in base:
+                p_args.append("--no-enable-prefix-caching")
         n_proxies = len(args.handoffs)
         ports = allocate_free_ports(5 + n_proxies, ENGINE_HOST)
         s_port, p_port, d_port, p_side, d_side = ports[:5]
@@ -213,7 +212,8 @@ class Deployment:
                 name=name, role=name,
                 argv=cmds.engine(model=args.model, role=name, host=ENGINE_HOST, port=port,
                                  kv_config=kv_transfer_config(kv_role, bidi, progress),
-                                 device=args.device, engine_args=pd_args),
+                                 device=args.device,
+                                 engine_args=p_args if name == "prefill" else d_args),
                 env={**engine_env, "PDSERVE_NIXL_SIDE_CHANNEL_HOST": ENGINE_HOST,
                      "PDSERVE_NIXL_SIDE_CHANNEL_PORT": str(side)},
                 port=port, side_channel_port=side, gpu=gpu))
