@@ -42,22 +42,8 @@ with a deployment of its own):
   engine default; ``--engine-args`` may turn it off for every engine), so ``single``'s cache
   hits the history: the same compute (the new tokens) as P/D.
 
-Mode ``load`` (``--mode load``, not part of ``both``; a deployment of its own, as ``first``'s but
-without the phase trace) asks whether P/D keeps throughput and TPOT under concurrent streams
-(issue 35: 64 streams): per round (``--load-rounds``, default 2) every target in turn, one after
-the other (``single``, then the proxies in ``--handoffs`` order: sequential, concurrent,
-sequential, concurrent, ... over the rounds, so warm-up and drift show), gets
-``--load-requests`` (default 4 x ``--streams``) streamed chat requests, ``--streams`` (default
-64) in flight at a time (one asyncio client; a new request goes out when one ends), each a
-first turn of ``--load-prompt-len`` tokens (default 1024 on CUDA, 256 on CPU) with a fresh random
-head (no prefix-cache hit: the counters printed after the table show 0 cached tokens) and
-exactly ``--load-output-len`` output tokens (default 128 on CUDA, 32 on CPU; greedy,
-``ignore_eos``). No warm-up. Printed per round and target: output tokens/s (the completion tokens
-of all requests from ``usage``, else their token events, over the wall time from the first send
-to the last response), TTFT p50/p90 (ms, as below), TPOT p50/p90 (ms, per request (e2e - TTFT)
-/ (tokens - 1)), tokens/s and TPOT p50 against ``single``'s row of the same round, and failed
-requests (an error, no token event, or not exactly ``--load-output-len`` tokens; the reasons
-follow the table).
+Mode ``load`` (``--mode load``) asks whether P/D keeps throughput and TPOT under concurrent
+streams: benchmarks/pd_overhead_load.py says what it does and prints.
 
 TTFT is the time from just before the client sends the request to the stream event that carries
 the first generated token, as the client (httpx) sees it. Every request asks for vLLM's
@@ -121,8 +107,6 @@ is measured as the longest that does, and a note says so)::
 from __future__ import annotations
 
 import argparse
-import asyncio
-import io
 import json
 import math
 import os
@@ -131,7 +115,6 @@ import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -143,213 +126,9 @@ from pd_latency import _percentile  # noqa: E402
 from pd_multi_turn import _read_counters  # noqa: E402
 from pd_phases import read_traces, timeline  # noqa: E402
 
-SINGLE = "single"
-HANDOFFS = ("sequential", "concurrent")
-ENGINE_HOST = "127.0.0.1"
-PREFIX_WORDS = 16  # random words per request and target at the head of the prompt
-SYLLABLES = ["ka", "lo", "mi", "ten", "ra", "so", "vu", "pel", "dor", "an", "ex", "tri", "qua",
-             "ne", "bi"]
-
-
-# --------------------------------------------------------------------------- deployment
-def _given(args: list[str], name: str) -> bool:
-    return any(a == name or a.startswith(name + "=") for a in args)
-
-
-def proxy_has_handoff_flag() -> bool:
-    """Whether this checkout's ``pdserve proxy`` knows ``--handoff``."""
-    res = subprocess.run([sys.executable, "-m", "pdserve.cli", "proxy", "--help"],
-                         capture_output=True, text=True)
-    return "--handoff" in res.stdout
-
-
-class Deployment:
-    """``single``, P, D and one proxy per hand-off mode, started together by pdserve.launcher's
-    :class:`~pdserve.launcher.supervisor.Launcher` (own sessions, ``PR_SET_PDEATHSIG``;
-    :meth:`stop` stops every process group)."""
-
-    def __init__(self, args: argparse.Namespace, bidi: bool, log_dir: Path, handoff_flag: bool):
-        from pdserve.launcher.plan import (ChildCommands, ChildSpec, kv_transfer_config,
-                                           option_value)
-        from pdserve.launcher.ports import allocate_free_ports
-        from pdserve.utils.host_devices import detect_gpus, nixl_progress_thread_default
-
-        self.log_dir = log_dir
-        base = shlex.split(args.engine_args)
-        if not _given(base, "--max-model-len"):
-            base += ["--max-model-len", str(args.max_model_len)]
-        gpu = None
-        if args.device == "cuda":
-            gpus = detect_gpus()
-            if not gpus:
-                raise SystemExit("--device cuda: no GPU visible")
-            gpu = gpus[0]
-            if not _given(base, "--kv-cache-memory"):
-                util = float(option_value(base, "--gpu-memory-utilization") or 0.9)
-                base += ["--gpu-memory-utilization", f"{util / 3:.3f}"]  # the last one wins
-        single_args, d_args, p_args = list(base), list(base), list(base)
-        if bidi:  # single hits the history in its prefix cache, P pulls it from D
-            single_args = [a for a in single_args if a != "--no-enable-prefix-caching"]
-            if "--enable-prefix-caching" not in base:
-                p_args.append("--no-enable-prefix-caching")
-        n_proxies = len(args.handoffs)
-        ports = allocate_free_ports(5 + n_proxies, ENGINE_HOST)
-        s_port, p_port, d_port, p_side, d_side = ports[:5]
-        proxy_ports = ports[5:]
-        cmds = ChildCommands()
-        progress = nixl_progress_thread_default(args.device, [gpu] if gpu else [])
-        engine_env = {"PYTHONUNBUFFERED": "1"}
-        if gpu is not None:
-            engine_env["CUDA_VISIBLE_DEVICES"] = gpu
-        specs = [ChildSpec(
-            name=SINGLE, role="single",
-            argv=[sys.executable, "-m", "pdserve.cli", "serve", args.model, "--host", ENGINE_HOST,
-                  "--port", str(s_port), "--device", args.device, *single_args],
-            env=dict(engine_env), port=s_port, gpu=gpu)]
-        for name, kv_role, port, side in (("prefill", "kv_producer", p_port, p_side),
-                                          ("decode", "kv_consumer", d_port, d_side)):
-            specs.append(ChildSpec(
-                name=name, role=name,
-                argv=cmds.engine(model=args.model, role=name, host=ENGINE_HOST, port=port,
-                                 kv_config=kv_transfer_config(kv_role, bidi, progress),
-                                 device=args.device,
-                                 engine_args=p_args if name == "prefill" else d_args),
-                env={**engine_env, "PDSERVE_NIXL_SIDE_CHANNEL_HOST": ENGINE_HOST,
-                     "PDSERVE_NIXL_SIDE_CHANNEL_PORT": str(side)},
-                port=port, side_channel_port=side, gpu=gpu))
-        for handoff, port in zip(args.handoffs, proxy_ports):
-            argv = cmds.proxy(host=ENGINE_HOST, port=port, prefillers=[(ENGINE_HOST, p_port)],
-                              decoders=[(ENGINE_HOST, d_port)], multi_turn=bidi)
-            if handoff_flag:
-                argv += ["--handoff", handoff]
-            specs.append(ChildSpec(name=f"pd-{handoff}", role="proxy", argv=argv, port=port,
-                                   env={"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}))
-        self.specs = specs
-        self.targets = {s.name: s.url for s in specs if s.role in ("single", "proxy")}
-        self.engines = {"S": specs[0].url, "P": specs[1].url, "D": specs[2].url}
-        self.launcher = None
-
-    def start(self, timeout: float) -> float:
-        """Starts everything and waits until every part answers ``/health``; returns the
-        seconds it took. Raises SystemExit (with the launcher's report) if a part fails."""
-        from pdserve.launcher.supervisor import Launcher
-
-        self._out = io.StringIO()
-        self.launcher = Launcher(self.specs, self.log_dir, startup_timeout=timeout,
-                                 out=self._out)
-        t = time.monotonic()
-        self.launcher.start_all()
-        if not self.launcher.wait_until_ready():
-            raise SystemExit(f"deployment did not start; logs in {self.log_dir}\n"
-                             + self._out.getvalue())
-        return time.monotonic() - t
-
-    def stop(self) -> None:
-        if self.launcher is None:
-            return
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut it
-        try:
-            self.launcher.stop_all(signal.SIGTERM)
-        finally:
-            signal.signal(signal.SIGINT, old)
-            self.launcher = None
-
-
-# --------------------------------------------------------------------------- requests
-class Prompts:
-    """Word prompts fitted to token counts with the engine's ``/tokenize``."""
-
-    def __init__(self, client, url: str, seed: int):
-        self.client, self.url = client, url
-        self.rng = random.Random(seed)
-        self.vocab = sorted({"".join(self.rng.choice(SYLLABLES)
-                                     for _ in range(self.rng.randint(1, 3)))
-                             for _ in range(4000)})
-        self.per_word = 2.0  # tokens per word, refined by every count
-
-    def head(self) -> str:
-        """A random head for one request and target: one-syllable words (one token each with
-        the SmolLM2 tokenizer, so every head renders to the same length)."""
-        return " ".join(self.rng.choice(SYLLABLES) for _ in range(PREFIX_WORDS))
-
-    def words(self, n: int, rng: random.Random | None = None) -> str:
-        rng = rng or self.rng
-        return " ".join(rng.choice(self.vocab) for _ in range(n))
-
-    def count(self, messages: list[dict]) -> int:
-        r = self.client.post(self.url + "/tokenize", json={"messages": messages})
-        r.raise_for_status()
-        return r.json()["count"]
-
-    def fit(self, head: str, tokens: int, rng: random.Random) -> tuple[list[dict], int]:
-        """A system message ``head`` and a user message of words from ``rng``, as many as make
-        the rendered prompt about ``tokens`` tokens long (within 2, or the closest of 10
-        tries); returns the messages and their token count."""
-        pool = [rng.choice(self.vocab) for _ in range(2 * tokens + 64)]
-
-        def build(n: int) -> list[dict]:
-            return [{"role": "system", "content": head},
-                    {"role": "user", "content": " ".join(pool[:n])}]
-
-        best = None
-        k = max(1, min(len(pool), round(tokens / self.per_word)))
-        for _ in range(10):
-            msgs = build(k)
-            c = self.count(msgs)
-            if best is None or abs(c - tokens) < abs(best[1] - tokens):
-                best = (msgs, c)
-            if abs(c - tokens) <= 2:
-                break
-            if k > 20:
-                self.per_word = max(0.5, c / k)
-            step = round((tokens - c) / self.per_word) or (1 if tokens > c else -1)
-            k = max(1, min(len(pool), k + step))
-        return best
-
-
-def stream_chat(client, url: str, body: dict, group: str | None, mark) -> dict:
-    """One streamed chat request; ``group`` names the client's trace marks around a counted
-    request (``cl.send.G`` / ``cl.first`` / ``cl.end.G``). Returns its record."""
-    text, usage, ttft = [], None, None
-    if group:
-        mark(f"cl.send.{group}")
-    t0 = time.perf_counter()
-    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise SystemExit(f"{url}: HTTP {r.status_code}: {r.read()[:500]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or ():
-                delta = choice.get("delta") or {}
-                if ttft is None and (delta.get("content") or choice.get("token_ids")):
-                    ttft = time.perf_counter() - t0
-                    if group:
-                        mark("cl.first")
-                text.append(delta.get("content") or "")
-    total = time.perf_counter() - t0
-    if group:
-        mark(f"cl.end.{group}")
-    usage = usage or {}
-    return {"ttft_ms": None if ttft is None else 1e3 * ttft, "total_ms": 1e3 * total,
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens"), "text": "".join(text)}
-
-
-def _body(args: argparse.Namespace, messages: list[dict], cid: str | None = None) -> dict:
-    body = {"messages": messages, "stream": True, "max_tokens": args.output_len,
-            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
-    if cid is not None:
-        body["conversation_id"] = cid
-    return body
-
-
-def _rotated(targets: list[str], k: int) -> list[str]:
-    k %= len(targets)
-    return targets[k:] + targets[:k]
+from pd_overhead_deploy import (HANDOFFS, SINGLE, Deployment, Prompts, _body,  # noqa: E402
+                                _fmt, _rotated, proxy_has_handoff_flag, stream_chat)
+from pd_overhead_load import run_load_mode  # noqa: E402
 
 
 def run_first(args, dep: Deployment, client, prompts: Prompts, mark) -> dict:
@@ -418,196 +197,6 @@ def run_bidi(args, dep: Deployment, client, prompts: Prompts, mark) -> dict:
     return {f"h{args.history}": rec}
 
 
-# --------------------------------------------------------------------------- load
-def load_bodies(args, prompts: Prompts) -> list[str]:
-    """The user messages of mode ``load``: one per request index k, fitted (with a stand-in
-    head) to ``--load-prompt-len`` tokens, the same for every target and round; each request
-    gets a fresh head of its own (:func:`run_load_mode`), so no prompt shares a KV block with
-    another."""
-    bodies = []
-    for k in range(args.load_requests):
-        msgs, _ = prompts.fit(prompts.head(), args.load_prompt_len,
-                              random.Random(f"{args.seed}-load-{k}"))
-        bodies.append(msgs[1]["content"])
-    return bodies
-
-
-async def _load_one(client, url: str, body: dict) -> dict:
-    """One streamed chat request under load; never raises (a failure is in ``error``)."""
-    ttft, usage, chunks, error = None, None, 0, None
-    t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-            else:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("error"):
-                        error = f"stream error: {str(chunk['error'])[:200]}"
-                        break
-                    usage = chunk.get("usage") or usage
-                    for choice in chunk.get("choices") or ():
-                        delta = choice.get("delta") or {}
-                        if delta.get("content") or choice.get("token_ids"):
-                            chunks += 1
-                            if ttft is None:
-                                ttft = time.perf_counter() - t0
-    except Exception as e:  # noqa: BLE001 - a failed request is a result here
-        error = f"{type(e).__name__}: {str(e)[:200]}"
-    end = time.perf_counter()
-    usage = usage or {}
-    return {"t_send": t0, "t_end": end, "ttft_ms": None if ttft is None else 1e3 * ttft,
-            "e2e_ms": 1e3 * (end - t0), "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens"), "token_chunks": chunks,
-            "error": error}
-
-
-async def _load_target(client, url: str, bodies: list[dict], streams: int) -> list[dict]:
-    """All ``bodies`` against one target, ``streams`` of them in flight at a time (a new one
-    goes out as soon as one ends), in order of their index."""
-    records: list = [None] * len(bodies)
-    next_k = 0
-
-    async def worker() -> None:
-        nonlocal next_k
-        while next_k < len(bodies):
-            k = next_k
-            next_k += 1
-            records[k] = await _load_one(client, url, bodies[k])
-            records[k]["k"] = k
-
-    await asyncio.gather(*(worker() for _ in range(min(streams, len(bodies)))))
-    return records
-
-
-def load_row(args, rnd: int, target: str, records: list[dict]) -> dict:
-    """The figures of one target in one round (see the module docstring)."""
-    ok, failed = [], {}
-    for r in records:
-        tokens = r["completion_tokens"] if r["completion_tokens"] is not None \
-            else r["token_chunks"]
-        r["tokens"] = tokens
-        why = r["error"] or (None if r["ttft_ms"] is not None else "no token event") or (
-            None if tokens == args.load_output_len else
-            f"{tokens} tokens, not {args.load_output_len}")
-        if why:
-            key = why.split(":")[0] if r["error"] else why
-            failed[key] = failed.get(key, 0) + 1
-        else:
-            ok.append(r)
-    wall = max(r["t_end"] for r in records) - min(r["t_send"] for r in records)
-    out_tokens = sum(r["tokens"] or 0 for r in records)
-    ttfts = [r["ttft_ms"] for r in ok]
-    tpots = [(r["e2e_ms"] - r["ttft_ms"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
-    toks = [r["prompt_tokens"] for r in ok if r["prompt_tokens"] is not None]
-
-    def pct(xs, q):
-        return (statistics.median(xs) if q == 0.5 else _percentile(xs, q)) if xs else None
-
-    return {"mode": "load", "round": rnd, "target": target, "n": len(records), "ok": len(ok),
-            "failed": len(records) - len(ok), "failed_why": failed,
-            "prompt_tokens": statistics.median(toks) if toks else None,
-            "output_tokens": out_tokens, "wall_s": wall,
-            "tok_s": out_tokens / wall if wall > 0 else None,
-            "ttft_p50": pct(ttfts, 0.5), "ttft_p90": pct(ttfts, 0.9),
-            "tpot_p50": pct(tpots, 0.5), "tpot_p90": pct(tpots, 0.9)}
-
-
-def print_load(rows: list[dict], counters: dict, args) -> None:
-    print(f"\n== mode load: {args.streams} streams in flight, {args.load_requests} requests per "
-          f"target and round, ~{args.load_prompt_len}-token prompts (a fresh head each, no "
-          f"prefix-cache hit), {args.load_output_len} output tokens (ignore_eos); streamed chat; "
-          f"targets one after the other")
-    print(f"{'round':>5} {'target':<15} {'ok':>5} {'failed':>6} {'tokens':>6} {'out tok/s':>10} "
-          f"{'vs single':>9} {'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p50':>9} {'TPOT p90':>9} "
-          f"{'vs single':>9} {'wall s':>7}")
-    base = {r["round"]: r for r in rows if r["target"] == SINGLE}
-
-    def vs_single(r, key) -> str:
-        """``r[key]`` against single's in the same round, as a signed percentage."""
-        b = base.get(r["round"])
-        if r["target"] == SINGLE or not b or not b[key] or r[key] is None:
-            return f"{'-':>9}"
-        return f"{100.0 * (r[key] / b[key] - 1.0):+8.1f}%"
-
-    for r in rows:
-        print(f"{r['round']:>5} {r['target']:<15} {r['ok']:>5} {r['failed']:>6} "
-              f"{_fmt(r['prompt_tokens'], '6.0f')} {_fmt(r['tok_s'], '10.1f')} "
-              f"{vs_single(r, 'tok_s')} "
-              f"{_fmt(r['ttft_p50'], '9.1f')} {_fmt(r['ttft_p90'], '9.1f')} "
-              f"{_fmt(r['tpot_p50'], '9.2f')} {_fmt(r['tpot_p90'], '9.2f')} "
-              f"{vs_single(r, 'tpot_p50')} {r['wall_s']:7.1f}")
-    print("out tok/s: completion tokens of all requests (usage, else token events) over the wall "
-          "time from the first send to the last response; TTFT ms; TPOT ms = (e2e - TTFT) / "
-          "(tokens - 1) per request; vs single: against single's row of the same round (tok/s, "
-          "TPOT p50); tokens: median prompt tokens")
-    for r in rows:
-        if r["failed_why"]:
-            print(f"   failed, round {r['round']} {r['target']}: "
-                  + ", ".join(f"{n} x {why}" for why, n in r["failed_why"].items()))
-    print("\n-- load: engines' prompt tokens over the mode")
-    for eng, c in counters.items():
-        print(f"   {eng}: total {c['pdserve:prompt_tokens_total']:.0f}, computed "
-              f"{c['pdserve:prompt_tokens_computed_total']:.0f}, cached "
-              f"{c['pdserve:prompt_tokens_cached_total']:.0f}, transferred "
-              f"{c['pdserve:prompt_tokens_transferred_total']:.0f}")
-
-
-def run_load_mode(args, work: Path, handoff_flag: bool) -> dict:
-    """Mode ``load``: a deployment as in ``first`` (no phase trace), then per round every target
-    in turn (single, then the proxies in ``--handoffs`` order) under ``--streams`` concurrent
-    streams."""
-    import httpx
-
-    mode_dir = work / "load"
-    mode_dir.mkdir(parents=True)
-    dep = Deployment(args, False, mode_dir / "logs", handoff_flag)
-    targets = list(dep.targets)
-    rows, samples = [], {}
-    try:
-        print(f"load: starting {', '.join(s.name for s in dep.specs)} (logs in "
-              f"{mode_dir / 'logs'})", file=sys.stderr, flush=True)
-        took = dep.start(args.startup_timeout)
-        print(f"load: ready after {took:.1f} s", file=sys.stderr, flush=True)
-        with httpx.Client(timeout=600) as client:
-            prompts = Prompts(client, dep.targets[SINGLE], args.seed)
-            bodies = load_bodies(args, prompts)
-            before = {e: _read_counters(u) for e, u in dep.engines.items()}
-
-        def request(k: int) -> dict:
-            msgs = [{"role": "system", "content": prompts.head()},
-                    {"role": "user", "content": bodies[k]}]
-            return {"messages": msgs, "stream": True, "max_tokens": args.load_output_len,
-                    "ignore_eos": True, "temperature": 0, "return_token_ids": True,
-                    "stream_options": {"include_usage": True}}
-
-        async def all_rounds() -> None:
-            limits = httpx.Limits(max_connections=args.streams + 8,
-                                  max_keepalive_connections=args.streams + 8)
-            async with httpx.AsyncClient(timeout=600, limits=limits) as aclient:
-                for rnd in range(1, args.load_rounds + 1):
-                    for t in targets:
-                        reqs = [request(k) for k in range(args.load_requests)]
-                        recs = await _load_target(aclient, dep.targets[t], reqs, args.streams)
-                        row = load_row(args, rnd, t, recs)
-                        rows.append(row)
-                        samples[f"{rnd}.{t}"] = recs
-                        print(f"  load, round {rnd}, {t}: {row['ok']} ok, {row['failed']} "
-                              f"failed, {row['wall_s']:.1f} s", file=sys.stderr, flush=True)
-                        await asyncio.sleep(args.gap_ms / 1e3)
-
-        asyncio.run(all_rounds())
-        after = {e: _read_counters(u) for e, u in dep.engines.items()}
-    finally:
-        dep.stop()
-    counters = {e: {k: after[e][k] - before[e][k] for k in after[e]} for e in after}
-    print_load(rows, counters, args)
-    return {"rows": rows, "samples": samples, "counters": counters, "dir": str(mode_dir)}
-
-
 # --------------------------------------------------------------------------- analysis
 def group_timeline(events: list, group: str) -> list:
     """pd_phases.timeline() of the requests marked ``cl.send.G`` .. ``cl.end.G``.
@@ -651,12 +240,6 @@ def summarize(mode: str, samples: dict) -> list[dict]:
                    "diff_p90": _percentile(diffs, 0.9) if diffs and t != SINGLE else None}
             rows.append(row)
     return rows
-
-
-def _fmt(v, spec: str = "8.1f", sign: bool = False) -> str:
-    if v is None:
-        return f"{'-':>{spec.split('.')[0]}}"
-    return format(v, ("+" if sign else "") + spec)
 
 
 def print_mode(mode: str, rows: list[dict], timelines: dict, counters: dict, args) -> None:
