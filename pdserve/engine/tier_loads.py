@@ -3,7 +3,7 @@ scheduler's side of a tier hit. Pure bookkeeping: no torch.
 
 A waiting request whose prefix-cache lookup stops on the device but goes on in a tier
 (:meth:`~pdserve.engine.kv_tiers.TierManager.match`) gets device blocks for the device hit and
-the tier hit, LOAD jobs for the tier blocks, and parks in ``WAITING_FOR_TIER_KVS`` as a request
+the rest of its tokens, LOAD jobs for the tier blocks, and parks in ``WAITING_FOR_TIER_KVS`` as a request
 whose KV loads from another instance does (other requests keep running). When the runner
 reports every LOAD done, the loaded blocks join the prefix cache, the request's computed tokens
 cover them and it goes back to the front of the waiting queue; its admission then asks the KV
@@ -74,7 +74,10 @@ class TierLoads:
         if not media:
             return None
         n = len(media)
-        if kvm.allocate_slots(req, n * bs, computed_blocks) is None:
+        # Blocks for the whole sequence, not only the loaded part: a request back from its
+        # load then never waits for blocks while holding some (parked requests that each held
+        # part of what they need could otherwise hold every block, none able to run).
+        if kvm.allocate_slots(req, req.num_tokens - num_local, computed_blocks) is None:
             return 0
         first = len(computed_blocks)
         loading = self.tiers.start_load(req.request_id, hashes[:n], req.block_ids[first:first + n])
