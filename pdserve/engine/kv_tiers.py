@@ -331,6 +331,25 @@ class TierManager:
             self._event(BlockRemoved, h, KVTierMedium.DISK)
             self._add_job(TierJobKind.DISK_DELETE, h)
 
+    def clear(self) -> bool:
+        """Forget every block of both tiers (their files are deleted by DISK_DELETE jobs).
+        Only possible while no load is in flight.
+
+        Returns:
+            True when the tiers were cleared.
+        """
+        if self._loads:
+            return False
+        for h in list(self._host):
+            self._event(BlockRemoved, h, KVTierMedium.CPU)
+        for h in list(self._disk):
+            self._event(BlockRemoved, h, KVTierMedium.DISK)
+            self._add_job(TierJobKind.DISK_DELETE, h)
+        self._host.clear()
+        self._disk.clear()
+        self._free_slots = list(range(self.host_blocks - 1, -1, -1))
+        return True
+
     # ---------------------------------------------------------------- status
     def stats(self) -> dict:
         """Snapshot for ``/metrics``: per tier capacity, use and cumulative counters, the

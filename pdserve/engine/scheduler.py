@@ -483,6 +483,17 @@ class Scheduler:
         stats["failed_loads"] = self.tier_loads.num_failed_loads_total
         return stats
 
+    def reset_kv_caches(self) -> bool:
+        """Forget every cached block: the prefix cache's and the tiers' (benchmarks between
+        runs). Only possible while no request holds blocks and no tier load runs.
+
+        Returns:
+            True when everything was reset.
+        """
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        return self.tiers is None or self.tiers.clear()
+
     def shutdown(self) -> None:
         """Shut the connector's scheduler side down."""
         if self.connector is not None:
