@@ -190,6 +190,9 @@ class EngineCore:
         off = config.kv_offloading
         if off is None:
             return None
+        if not config.enable_prefix_caching:
+            logger.warning("--kv-offloading-size without prefix caching: no block has a hash, "
+                           "so the KV cache tiers stay empty")
         block_bytes = runner.kv_cache_spec.block_bytes
         host_blocks, disk_blocks = off.capacity(block_bytes, config.tensor_parallel_size)
         runner.allocate_kv_tiers(host_blocks, off.disk_dir)

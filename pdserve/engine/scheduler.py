@@ -445,8 +445,7 @@ class Scheduler:
         return self.remote_kv.has_pending_work() or self.has_pending_tier_work()
 
     def has_pending_tier_work(self) -> bool:
-        """True while tier loads are in flight (the runner reports their end at a later
-        step: the core polls every tick)."""
+        """True while tier loads are in flight (the core polls every tick until reported)."""
         return self.tier_loads is not None and self.tier_loads.has_pending_work()
 
     def stats(self) -> dict[str, Any]:
@@ -472,16 +471,8 @@ class Scheduler:
             "num_requests_finished_total": self.num_requests_finished_total,
             "prefix_cache_queries_total": kvm.prefix_cache_queries,
             "prefix_cache_hits_total": kvm.prefix_cache_hits,
-            "kv_tiers": self._tier_stats(),
+            "kv_tiers": self.tier_loads.stats() if self.tier_loads is not None else None,
         }
-
-    def _tier_stats(self) -> dict[str, Any] | None:
-        if self.tiers is None or self.tier_loads is None:
-            return None
-        stats = self.tiers.stats()
-        stats["prompt_tokens_loaded"] = self.tier_loads.prompt_tokens_loaded_total
-        stats["failed_loads"] = self.tier_loads.num_failed_loads_total
-        return stats
 
     def reset_kv_caches(self) -> bool:
         """Forget every cached block: the prefix cache's and the tiers' (benchmarks between

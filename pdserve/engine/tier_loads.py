@@ -130,6 +130,12 @@ class TierLoads:
             return True
         return False
 
+    def stats(self) -> dict:
+        """:meth:`TierManager.stats <pdserve.engine.kv_tiers.TierManager.stats>` plus the
+        prompt tokens loaded and the failed loads."""
+        return {**self.tiers.stats(), "prompt_tokens_loaded": self.prompt_tokens_loaded_total,
+                "failed_loads": self.num_failed_loads_total}
+
     @property
     def num_held_blocks(self) -> int:
         """Blocks of finished requests that a tier load still writes."""

@@ -280,6 +280,9 @@ class KVTierStore:
                 self._report.failed_loads.add(job.job_id)
                 continue
             self._report.copy_times_s.append(time.perf_counter() - t0)
+            ev = self._store_events.pop(job.slot, None)
+            if ev is not None and not ev.query():
+                ev.synchronize()  # an older STORE into this slot must land before we overwrite
             flat = self.host[job.slot].reshape(-1).view(torch.uint8)
             flat.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             ready.append(job)

@@ -289,10 +289,10 @@ class ModelRunner:
         """
         if self.kv_cache is None or self.kv_cache_spec is None:
             raise RuntimeError("allocate_kv_cache() must be called before allocate_kv_tiers()")
-        spec = self.kv_cache_spec
-        namespace = block_namespace(self.model_info.name, spec.dtype, tuple(self.kv_cache.shape[1:]),
-                                    spec.kind.value, spec.kv_scales, get_tp_rank(), get_tp_size())
-        self._tiers = KVTierStore(self.kv_cache, host_blocks, namespace, disk_dir)
+        s = self.kv_cache_spec
+        self._tiers = KVTierStore(self.kv_cache, host_blocks, block_namespace(
+            self.model_info.name, s.dtype, tuple(self.kv_cache.shape[1:]), s.kind.value,
+            s.kv_scales, get_tp_rank(), get_tp_size()), disk_dir)
 
     def set_kv_connector_worker(self, worker: KVConnectorWorkerSide | None) -> None:
         """Attach (or detach with None) the KV connector's worker side.

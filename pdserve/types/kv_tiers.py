@@ -152,22 +152,11 @@ class KVTierReport:
         failed_loads: LOAD job ids whose block could not be read (a corrupt or truncated
             file): the block's KV is NOT in the device cache.
         copy_times_s: seconds of each finished copy batch (device<->host, or a file read).
-        bytes_moved: bytes copied into each medium (``"GPU"``: loads; ``"CPU"``: stores and
-            file reads; ``"DISK"``: file writes), since the last report.
     """
 
     finished_loads: set[int] = field(default_factory=set)
     failed_loads: set[int] = field(default_factory=set)
     copy_times_s: list[float] = field(default_factory=list)
-    bytes_moved: dict[str, int] = field(default_factory=dict)
-
-    def merge(self, other: "KVTierReport") -> None:
-        """Add ``other``'s entries to this report."""
-        self.finished_loads |= other.finished_loads
-        self.failed_loads |= other.failed_loads
-        self.copy_times_s.extend(other.copy_times_s)
-        for k, v in other.bytes_moved.items():
-            self.bytes_moved[k] = self.bytes_moved.get(k, 0) + v
 
 
 #: Upper bounds (s) of the tier copy-time histogram's buckets.

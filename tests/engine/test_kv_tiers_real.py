@@ -100,3 +100,21 @@ def test_disk_tier_below_a_tiny_host_tier_and_a_corrupt_file(tiny_llama_path, ti
     assert media["DISK"]["hits"] >= 20 and stats["kv_tiers"]["failed_loads"] >= 1
     assert any("fails its checksum" in r.getMessage() for r in caplog.records)
     assert not glob.glob(str(tmp_path / "*" / "*.kvblock"))  # removed at shutdown
+
+
+@pytest.mark.slow
+def test_tp2_with_host_and_disk_tiers_gives_the_tp1_tokens(tiny_llama_path, tiers_off, tmp_path,
+                                                          scheduling_mode):
+    """At TP 2 every rank keeps its shard of each block in its own host pool and files (the
+    reports merged: a load is done when both ranks did it)."""
+    if scheduling_mode:
+        pytest.skip("tensor-parallel engines run synchronous steps")
+    off = KVOffloadingConfig(host_bytes=8 * 2048, disk_dir=str(tmp_path), disk_bytes=400 * 2048)
+    engine = LLMEngine(EngineConfig(
+        model=tiny_llama_path, dtype="float32", device="cpu", block_size=BS, max_model_len=96,
+        num_gpu_blocks_override=24, tensor_parallel_size=2, kv_offloading=off))
+    answers = three_turns(engine)
+    stats = finish(engine)
+    assert answers == tiers_off[0]
+    media = stats["kv_tiers"]["media"]
+    assert media["DISK"]["hits"] >= 20

@@ -256,6 +256,34 @@ def test_expired_decoder_blocks_are_recomputed(short_ttl_cluster, tokenizer):
     assert delta["pdserve:prompt_tokens_computed_total"] == delta["pdserve:prompt_tokens_total"]
 
 
+def test_three_turn_chats_come_back_from_the_prefillers_host_tier(server_pool, tokenizer):
+    """A bidirectional P with prefix caching, a KV cache of ``TIER_BLOCKS`` blocks and a host
+    tier, behind the multi-turn proxy with the pooled D: three three-turn chats, interleaved,
+    so each conversation's history left P's KV cache before its next turn. Answers equal the
+    single instance's; on turns 2 and 3 P's history comes back from its host tier (or, for what
+    the tier lacks, from D), never recomputed."""
+    servers = server_pool.get("single", "p_tier_bidir", "d_bidir")
+    proxy = server_pool.proxy("multi-turn-tier", ["p_tier_bidir"], ["d_bidir"], ["--multi-turn"])
+    cluster = {"model": server_pool.model, "proxy": proxy, "single": servers["single"],
+               "p": servers["p_tier_bidir"], "d": servers["d_bidir"]}
+    chats = [[{"role": "system", "content": f"{SYSTEM} Conversation {c}."}] for c in range(3)]
+    for k in range(1, 4):
+        for c, messages in enumerate(chats):
+            messages.append(user_message(200 + 10 * c + k))
+            ids = prompt_ids(tokenizer, messages)
+            hits0 = cluster["p"].metrics().get("pdserve:kv_offload_prompt_tokens_loaded_total", 0.0)
+            answer, delta = turn(cluster, messages, f"tiered-{c}")
+            assert answer == single_answer(cluster, messages), (k, c)
+            loaded = cluster["p"].metrics()["pdserve:kv_offload_prompt_tokens_loaded_total"] - hits0
+            if k > 1:
+                # the previous turn's full prompt blocks were evicted and came back
+                assert loaded + delta["pdserve:prompt_tokens_transferred_total"] >= THRESHOLD
+                assert loaded > 0, (k, c)
+                assert delta["pdserve:prompt_tokens_computed_total"] < len(ids) - THRESHOLD
+            messages.append({"role": "assistant", "content": answer})
+    cluster["p"].wait_all_blocks_free(timeout_s=60)
+
+
 def test_all_blocks_free_after_conversations_and_ttl(cluster):
     # run last in this module: every conversation above is over
     cluster["p"].wait_all_blocks_free(timeout_s=TTL_S + 20)
