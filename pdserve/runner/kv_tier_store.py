@@ -129,11 +129,18 @@ class KVTierStore:
     """Host pool, block files and the copies of one rank's KV cache shard.
 
     Args:
-        kv_cache: the paged KV cache ``[num_blocks, ...]`` (a block is ``kv_cache[b]``).
+        kv_cache: the paged KV cache ``[num_blocks, L, 2, H_kv, block_size, D]`` (or an MLA
+            cache's shape: anything whose dim 0 is the block; a block is ``kv_cache[b]``,
+            contiguous).
         host_blocks: slots of the host pool (>= 1).
         namespace: :func:`block_namespace` of this engine and rank.
         disk_dir: directory under which this engine's block files go (a subdirectory of its
             own, removed at shutdown), or None.
+
+    Attributes:
+        host: the host pool ``[host_blocks, *kv_cache.shape[1:]]`` in the cache's dtype (pinned
+            on CUDA); slot ``s`` is ``host[s]``.
+        block_nbytes: bytes of one block (a file's payload).
 
     Raises:
         ValueError: ``host_blocks < 1``.

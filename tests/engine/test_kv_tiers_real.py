@@ -13,7 +13,7 @@ import pytest
 
 from tests.support import engine_fakes
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.types.engine_config import EngineConfig
+from pdserve.types.engine_config import EngineConfig, KVCacheDtype
 from pdserve.types.kv_tiers import KVOffloadingConfig
 from pdserve.types.sampling_params import SamplingParams
 
@@ -23,11 +23,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("scheduling_mode")
 
 
-def make_engine(path: str, off: KVOffloadingConfig | None) -> LLMEngine:
+def make_engine(path: str, off: KVOffloadingConfig | None,
+                kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=path, dtype="float32", device="cpu", block_size=BS, max_model_len=96,
         num_gpu_blocks_override=24, async_scheduling=engine_fakes.ASYNC_SCHEDULING,
-        kv_offloading=off))
+        kv_offloading=off, kv_cache_dtype=kv_cache_dtype))
 
 
 def three_turns(engine: LLMEngine, before_turn=None) -> list[list[int]]:
@@ -100,6 +101,20 @@ def test_disk_tier_below_a_tiny_host_tier_and_a_corrupt_file(tiny_llama_path, ti
     assert media["DISK"]["hits"] >= 20 and stats["kv_tiers"]["failed_loads"] >= 1
     assert any("fails its checksum" in r.getMessage() for r in caplog.records)
     assert not glob.glob(str(tmp_path / "*" / "*.kvblock"))  # removed at shutdown
+
+
+def test_fp8_cache_with_host_and_disk_tiers_gives_the_same_tokens(tiny_llama_path, tmp_path):
+    """The tiers copy an fp8 cache's bytes as they are (1-byte elements, the same scales)."""
+    fp8 = KVCacheDtype.FP8_E4M3
+    engine = make_engine(tiny_llama_path, None, fp8)
+    expected = three_turns(engine)
+    finish(engine)
+    off = KVOffloadingConfig(host_bytes=6 * 512, disk_dir=str(tmp_path), disk_bytes=400 * 512)
+    engine = make_engine(tiny_llama_path, off, fp8)
+    answers = three_turns(engine)
+    stats = finish(engine)
+    assert answers == expected
+    assert stats["kv_tiers"]["media"]["DISK"]["hits"] >= 20
 
 
 @pytest.mark.slow
