@@ -20,14 +20,17 @@ any difference is an error.
 
 Each engine first runs an untimed warm-up (``--warmup-conversations``, another seed), after
 which its prefix cache and tier are emptied, so that no timed run pays first-time costs (the
-model is loaded twice: once per engine). Prints, per run: TTFT of turn 1 and of turns 2+ (p50 / p90, ms), throughput (generated and
-prompt tokens per second of wall time), prompt tokens computed, and the tier's counters.
+model is loaded twice: once per engine).
+
+Prints, per run: TTFT of turn 1 and of turns 2+ (p50 / p90, ms), throughput (generated and
+prompt tokens per second of wall time), prompt tokens computed and those served by the host
+tier; then a summary line (the turns-2+ ratio, and whether the greedy answers were identical).
 
 Examples::
 
     python benchmarks/kv_tiers.py                         # CPU, a tiny random Llama (~1 min)
     python benchmarks/kv_tiers.py --device cuda --model /path/llama8b-dummy \\
-        --engine-args="--load-format dummy" --conversations 48 --turns 4 \\
+        --engine-args="--load-format dummy" --conversations 32 --turns 4 \\
         --first-tokens 2048 --user-tokens 256 --output-tokens 64 --concurrency 8
 
 Raises:
