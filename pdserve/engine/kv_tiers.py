@@ -252,6 +252,7 @@ class TierManager:
                 if slot is None:
                     break
                 self._host[h] = slot
+                self._event(BlockStored, h, KVTierMedium.CPU)
                 self._disk.move_to_end(h)
                 self._disk_pins[h] = self._disk_pins.get(h, 0) + 1
                 from_disk = True

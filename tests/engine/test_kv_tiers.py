@@ -185,3 +185,38 @@ def test_an_abort_during_a_swap_in_leaks_no_block():
     assert_all_free(core)
     core.scheduler.tiers.check_consistency()
     chat(core, runner, convs, turns=1)  # and the engine goes on serving exact tokens
+
+
+def test_kv_events_follow_every_tier_and_a_router_index_agrees(monkeypatch):
+    """The core publishes the KV cache's events and the tiers' (with ``medium``) together; a
+    router index fed with them holds exactly what each tier holds, also after a snapshot."""
+    from pdserve.router.kv_index import InstanceKVIndex
+    from pdserve.types.kv_events import KVEventBatch, KVSnapshot
+    from tests.support.ports import free_port
+
+    core, runner = make_tiered_core(num_blocks=20, host_blocks=6, disk_blocks=500,
+                                    kv_events_endpoint=f"tcp://127.0.0.1:{free_port()}",
+                                    kv_events_snapshot_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    batches: list = []
+    monkeypatch.setattr(core.kv_events, "publish", lambda events: batches.append(list(events)))
+    index = InstanceKVIndex("http://x")
+    index.apply_snapshot(KVSnapshot(1, 0, 4, []))
+    step = core.step
+
+    def step_and_publish():
+        out = step()
+        core.publish_kv_events()
+        index.apply_batch(KVEventBatch(1, index.seq + 1, 0.0, batches[-1]))
+        return out
+
+    monkeypatch.setattr(core, "step", step_and_publish)
+    chat(core, runner, conversations(6, seed=8), turns=2)
+    tiers = core.scheduler.tiers.snapshot()
+    assert tiers["CPU"] and tiers["DISK"]
+    assert index.hashes == set(core.scheduler.kv_cache_manager.cached_block_hashes())
+    assert {m: sorted(s) for m, s in index.tier_hashes.items()} == {
+        m: sorted(hs) for m, hs in tiers.items()}
+    try:
+        core.kv_events.close()
+    finally:
+        core.kv_events = None
