@@ -173,7 +173,12 @@ def _timed(args: argparse.Namespace, config: "EngineConfig") -> tuple[dict, int]
             warm = argparse.Namespace(**{**vars(args), "conversations": args.warmup_conversations,
                                          "seed": args.seed + 1})
             _run(warm, engine)
-            engine.core.scheduler.reset_kv_caches()
+            for _ in range(1000):  # a launched step (async scheduling) may still hold blocks
+                if not engine.core.has_work():
+                    break
+                engine.core.step()
+            if not engine.core.scheduler.reset_kv_caches():
+                raise SystemExit("the warm-up left KV blocks in use; cannot empty the caches")
         return _run(args, engine), block_bytes
     finally:
         engine.shutdown()
