@@ -6,6 +6,7 @@ greedy tokens with tiers on and off, the histories come back from the host or th
 from __future__ import annotations
 
 import glob
+import time
 import logging
 import os
 
@@ -136,3 +137,41 @@ def test_tp2_with_host_and_disk_tiers_gives_the_tp1_tokens(tiny_llama_path, tier
     assert answers == tiers_off[0]
     media = stats["kv_tiers"]["media"]
     assert media["DISK"]["hits"] >= 20
+
+
+def test_an_abort_while_a_block_file_is_read_leaks_no_block(tiny_llama_path, tmp_path,
+                                                            monkeypatch):
+    """A request parked on a disk read (slowed down here) is aborted: its blocks stay held
+    until the read is over, then everything is free and the engine serves on."""
+    from pdserve.runner import kv_tier_store
+    from pdserve.types.core_messages import AddRequest
+    from pdserve.types.request import RequestStatus
+
+    off = KVOffloadingConfig(host_bytes=2 * 2048, disk_dir=str(tmp_path), disk_bytes=400 * 2048)
+    engine = make_engine(tiny_llama_path, off)
+    history = [(5 * i) % 3000 + 70 for i in range(40)]
+    engine.generate([history], GREEDY)
+    engine.generate([[(9 * i) % 3000 + 80 for i in range(80)]], GREEDY)  # evicts the history
+    read = kv_tier_store._DiskIO.read
+
+    def slow_read(self, block_hash, expected_len):
+        time.sleep(0.3)
+        return read(self, block_hash, expected_len)
+
+    monkeypatch.setattr(kv_tier_store._DiskIO, "read", slow_read)
+    core = engine.core
+    core.add_request(AddRequest("victim", history + [7, 8, 9], GREEDY))
+    core.step()
+    loads = core.scheduler.tier_loads
+    assert loads.waiting["victim"].status is RequestStatus.WAITING_FOR_TIER_KVS
+    core.abort_requests(["victim"])
+    assert loads.num_held_blocks > 0  # the read still writes into them
+    deadline = time.monotonic() + 30
+    while core.has_work():
+        assert time.monotonic() < deadline
+        core.step()
+        time.sleep(0.01)
+    assert loads.num_held_blocks == 0
+    again = engine.generate([history + [7, 8, 9]], GREEDY)[0]
+    assert again.finish_reason == "length"
+    finish(engine)
