@@ -13,6 +13,7 @@ import enum
 from pdserve.engine.block_manager import KVCacheManager
 from pdserve.engine.remote_kv import RemoteKV
 from pdserve.engine.request_queues import RequestQueues, scheduled_request
+from pdserve.engine.tier_loads import TierLoads
 from pdserve.types.outputs import SchedulerOutput
 from pdserve.types.request import Request, RequestStatus
 
@@ -21,7 +22,7 @@ class Admission(enum.Enum):
     """What :meth:`Admitter.try_schedule` did with a waiting request."""
 
     SCHEDULED = "scheduled"  # now running, in this step's output
-    REMOTE = "remote"  # parked in WAITING_FOR_REMOTE_KVS while its KV loads
+    REMOTE = "remote"  # parked in WAITING_FOR_REMOTE_KVS (or _TIER_KVS) while its KV loads
     SKIP = "skip"  # nothing to compute now; stays waiting
     BLOCKED = "blocked"  # not enough free blocks: stop scheduling waiting requests this step
 
@@ -35,6 +36,8 @@ class Admitter:
         kv_cache_manager: the engine's block manager.
         remote_kv: the scheduler's remote-KV state (external hits, loads, parking).
         max_num_seqs: most requests running at once.
+        tier_loads: the KV cache tiers' loads (None: no tiers): a fresh request whose prefix
+            goes on in a tier past its device hit parks while those blocks come back.
 
     Attributes:
         prompt_tokens_cached_total: prompt tokens served from the local prefix cache, over all
@@ -42,8 +45,9 @@ class Admitter:
     """
 
     def __init__(self, queues: RequestQueues, kv_cache_manager: KVCacheManager, remote_kv: RemoteKV,
-                 max_num_seqs: int):
+                 max_num_seqs: int, tier_loads: TierLoads | None = None):
         self.queues = queues
+        self.tier_loads = tier_loads
         self.kv_cache_manager = kv_cache_manager
         self.remote_kv = remote_kv
         self.max_num_seqs = max_num_seqs
@@ -94,8 +98,21 @@ class Admitter:
         num_external = 0
         load_async = False
         fresh = not req.block_ids and req.num_computed_tokens == 0
+        tiers = self.tier_loads
+        # back from a tier load: the connector is asked about what lies beyond, as when fresh
+        consult = fresh or (tiers is not None and req.request_id in tiers.loaded)
         if fresh:
             computed_blocks, num_local = kvm.get_computed_blocks(req)
+            if tiers is not None:
+                loading = tiers.try_load(req, computed_blocks, num_local)
+                if loading == 0:
+                    return Admission.BLOCKED
+                if loading is not None:
+                    self._record_cached(req, num_local + loading)
+                    return Admission.REMOTE
+        elif consult:
+            num_local = req.num_computed_tokens
+        if consult:
             num_external, load_async = remote_kv.num_matched_tokens(req, num_local)
 
         if load_async:
@@ -104,21 +121,25 @@ class Admitter:
             req.num_computed_tokens = num_local
             self._record_cached(req, num_local)
             remote_kv.start_async_load(req, num_local, num_external)
+            if tiers is not None:
+                tiers.loaded.discard(req.request_id)
             return Admission.REMOTE
 
         # Tokens whose KV will exist before this step's forward pass (cache hit + sync load);
         # at least one token is always computed, for the logits.
-        start = min(num_local + num_external, req.num_tokens - 1) if fresh else req.num_computed_tokens
+        start = min(num_local + num_external, req.num_tokens - 1) if consult else req.num_computed_tokens
         num_new = min(req.num_tokens - start, budget)
         if num_new <= 0:
             return Admission.SKIP
-        room = (start - num_local + num_new) if fresh else num_new
+        room = (start - num_local + num_new) if consult else num_new
         if kvm.allocate_slots(req, room, computed_blocks) is None:
             return Admission.BLOCKED
-        if fresh:
+        if consult:
             remote_kv.blocks_allocated(req, num_local, num_external, start)
             self._record_cached(req, num_local)
             req.num_computed_tokens = start
+            if tiers is not None:
+                tiers.loaded.discard(req.request_id)
         req.status = RequestStatus.RUNNING
         self.queues.running.append(req)
         sched_out.scheduled.append(scheduled_request(req, req.num_computed_tokens, num_new))

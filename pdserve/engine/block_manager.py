@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from itertools import chain
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from pdserve.types.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.types.block_hash import ROOT_HASH, block_hashes
@@ -52,6 +52,9 @@ class KVCacheManager:
         num_blocks: physical blocks in the KV cache.
         block_size: tokens per block.
         enable_prefix_caching: register computed full blocks by chained hash and reuse them.
+        on_evict: called as ``on_evict(block_id, block_hash)`` when a cached block is taken for
+            other tokens, before anything overwrites it (the KV cache tiers keep its KV,
+            :meth:`pdserve.engine.kv_tiers.TierManager.on_evict`); None: evicted KV is lost.
 
     Attributes:
         num_blocks: physical blocks.
@@ -60,7 +63,8 @@ class KVCacheManager:
         ref_counts: per block id, how many requests hold it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 on_evict: Callable[[int, int], None] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -68,6 +72,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._on_evict = on_evict
         self.ref_counts: list[int] = [0] * num_blocks
         # Hash under which each block is registered in the prefix cache (None: not cached).
         self._block_hash: list[int | None] = [None] * num_blocks
@@ -135,6 +140,11 @@ class KVCacheManager:
     def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
         """Chained hashes of the full blocks of ``token_ids`` with this manager's block size."""
         return block_hashes(token_ids, self.block_size)
+
+    def request_block_hashes(self, request: "Request", num_tokens: int) -> list[int]:
+        """Chained hashes of the request's first ``num_tokens // block_size`` blocks (memoised
+        until the request is freed; the returned list may be longer: do not mutate it)."""
+        return self._request_hashes(request, num_tokens)[: num_tokens // self.block_size]
 
     def _request_hashes(self, request: "Request", num_tokens: int) -> list[int]:
         """Hashes of the first ``num_tokens // block_size`` blocks of the request (memoised)."""
@@ -309,6 +319,8 @@ class KVCacheManager:
             if self._cached.get(h) == block_id:
                 del self._cached[h]
                 self._removed(h)
+                if self._on_evict is not None:
+                    self._on_evict(block_id, h)
             self._block_hash[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

@@ -24,6 +24,7 @@ from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.types.kv_events import default_snapshot_endpoint
 from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, PendingStep, SchedulerOutput
 from pdserve.types.request import Request
+from pdserve.engine.kv_tiers import TierManager
 from pdserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -152,8 +153,10 @@ class EngineCore:
             self.connector_worker.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)
             runner.set_kv_connector_worker(self.connector_worker)
         self.eos_token_ids = list(self.model_info.eos_token_ids or [])
+        self.tiers = self._build_tiers(config, runner)
         self.scheduler = Scheduler(
-            self.config, self.num_blocks, self.connector, eos_token_ids=self.eos_token_ids
+            self.config, self.num_blocks, self.connector, eos_token_ids=self.eos_token_ids,
+            tiers=self.tiers,
         )
         self._connector_stats: list[dict[str, Any]] = []
         # --async-scheduling: steps two deep (_async_step); TP ranks run synchronous steps only.
@@ -173,6 +176,32 @@ class EngineCore:
                 or default_snapshot_endpoint(config.kv_events_endpoint),
                 config.block_size)
             self.scheduler.kv_cache_manager.enable_events()
+            if self.tiers is not None:
+                self.tiers.enable_events()
+
+    def _build_tiers(self, config: EngineConfig, runner: Executor) -> TierManager | None:
+        """The KV cache tiers of ``config.kv_offloading``: their capacity in blocks of this
+        cache (each TP rank its shard), the runner's host pool and files, and the scheduler's
+        bookkeeping; None without tiers.
+
+        Raises:
+            ValueError: a tier too small for one block.
+        """
+        off = config.kv_offloading
+        if off is None:
+            return None
+        if not config.enable_prefix_caching:
+            logger.warning("--kv-offloading-size without prefix caching: no block has a hash, "
+                           "so the KV cache tiers stay empty")
+        block_bytes = runner.kv_cache_spec.block_bytes
+        host_blocks, disk_blocks = off.capacity(block_bytes, config.tensor_parallel_size)
+        runner.allocate_kv_tiers(host_blocks, off.disk_dir)
+        disk = (f"; disk tier: {disk_blocks} blocks, {disk_blocks * block_bytes / (1 << 30):.2f} "
+                f"GiB under {off.disk_dir}" if off.disk_dir else "; no disk tier")
+        logger.info("KV cache tiers (backend %s): host tier %d blocks, %.2f GiB per rank "
+                    "(%.1fx the KV cache)%s", off.backend.value, host_blocks,
+                    host_blocks * block_bytes / (1 << 30), host_blocks / self.num_blocks, disk)
+        return TierManager(host_blocks, disk_blocks, block_bytes)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, msg: AddRequest) -> EngineCoreOutput | None:
@@ -243,6 +272,7 @@ class EngineCore:
         else:
             sched_out = self.scheduler.schedule()
             if (not sched_out.scheduled and not sched_out.finished_request_ids
+                    and sched_out.kv_tier_jobs is None
                     and not self.scheduler.has_pending_kv_work()):
                 return [], False
             if sched_out.scheduled and phase_trace.enabled():
@@ -280,7 +310,7 @@ class EngineCore:
         if self._running is None:
             first = scheduler.schedule()
             if (not first.scheduled and not first.finished_request_ids
-                    and not scheduler.has_pending_kv_work()):
+                    and first.kv_tier_jobs is None and not scheduler.has_pending_kv_work()):
                 return [], False, None
             if not first.scheduled or first.num_steps > 1:
                 runner_out = self.runner.execute(first)
@@ -334,6 +364,8 @@ class EngineCore:
         scheduler = self.scheduler
         if progressed or scheduler.finished_request_ids or scheduler.loaded_since_schedule:
             return 0.0
+        if scheduler.has_pending_tier_work():  # copies in flight: see them end soon
+            return KV_POLL_INTERVAL_S
         if self.connector is not None and self.connector.has_pending_metadata():
             return 0.0
         if scheduler.queues.waiting or scheduler.queues.running:
@@ -367,12 +399,17 @@ class EngineCore:
         """Publish the prefix-cache changes of the last step as one batch (a heartbeat when
         there were none and one is due); no-op without ``--kv-events-endpoint``."""
         if self.kv_events is not None:
-            self.kv_events.publish(self.scheduler.kv_cache_manager.take_events())
+            events = self.scheduler.kv_cache_manager.take_events()
+            if self.tiers is not None:
+                events += self.tiers.take_events()
+            self.kv_events.publish(events)
 
     def serve_kv_snapshot(self) -> None:
         """Answer a pending KV events snapshot request (its socket is readable)."""
         if self.kv_events is not None:
-            self.kv_events.serve_snapshot(self.scheduler.kv_cache_manager.cached_block_hashes())
+            self.kv_events.serve_snapshot(
+                self.scheduler.kv_cache_manager.cached_block_hashes(),
+                self.tiers.snapshot() if self.tiers is not None else {})
 
     def take_connector_stats(self) -> list[dict[str, Any]]:
         """Connector stats deltas collected since the last call."""

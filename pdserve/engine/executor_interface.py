@@ -40,6 +40,10 @@ class Executor(Protocol):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache of ``num_blocks`` blocks."""
 
+    def allocate_kv_tiers(self, host_blocks: int, disk_dir: "str | None") -> None:
+        """Allocate the KV cache tiers' host pool (``host_blocks`` blocks) and block files
+        under ``disk_dir`` (None: no disk tier); only with ``--kv-offloading-size``."""
+
     def set_kv_connector_worker(self, worker: Any) -> None:
         """Drive the connector's worker side around every step (None: no connector)."""
 

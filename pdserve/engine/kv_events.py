@@ -61,9 +61,11 @@ class KVEventPublisher:
         self._last_sent = now
         self._pub.send(self._encoder.encode(KVEventBatch(self.epoch, self.seq, time.time(), events)))
 
-    def serve_snapshot(self, block_hashes: list[int]) -> None:
+    def serve_snapshot(self, block_hashes: list[int],
+                       tier_block_hashes: dict[str, list[int]] | None = None) -> None:
         """Answer one pending snapshot request (call when :attr:`snapshot_socket` is readable)
-        with ``block_hashes`` as of the last published batch."""
+        with ``block_hashes`` (the KV cache's) and ``tier_block_hashes`` (each tier's, by
+        medium) as of the last published batch."""
         import zmq
 
         try:
@@ -71,7 +73,8 @@ class KVEventPublisher:
         except zmq.Again:
             return
         self.snapshot_socket.send(self._encoder.encode(
-            KVSnapshot(self.epoch, self.seq, self.block_size, block_hashes)))
+            KVSnapshot(self.epoch, self.seq, self.block_size, block_hashes,
+                       tier_block_hashes or {})))
 
     def close(self) -> None:
         """Close both sockets (idempotent)."""

@@ -78,6 +78,8 @@ class EngineStats:
     num_preemptions_total: int = 0
     num_kv_load_failures_total: int = 0
     num_held_for_transfer: int = 0
+    # the KV cache tiers' snapshot (pdserve.engine.kv_tiers.TierManager.stats), None without
+    kv_tiers: dict[str, Any] | None = None
     per_rank: tuple["EngineStats", ...] = ()
 
     @classmethod
@@ -85,8 +87,10 @@ class EngineStats:
         """The sum of several ranks' snapshots, keeping each in ``per_rank``."""
         total = cls(per_rank=tuple(ranks))
         for f in dataclasses.fields(cls):
-            if f.name not in ("per_rank", "kv_cache_usage"):
+            if f.name not in ("per_rank", "kv_cache_usage", "kv_tiers"):
                 setattr(total, f.name, sum(getattr(r, f.name) for r in ranks))
+        tiers = [r.kv_tiers for r in ranks if r.kv_tiers]
+        total.kv_tiers = _sum_nested(tiers) if tiers else None
         used = sum(r.kv_cache_usage * r.num_blocks for r in ranks)
         total.kv_cache_usage = used / total.num_blocks if total.num_blocks else 0.0
         return total
@@ -95,6 +99,17 @@ class EngineStats:
     def from_snapshot(cls, snapshot: dict[str, Any]) -> "EngineStats":
         names = {f.name for f in dataclasses.fields(cls)} - {"per_rank"}
         return cls(**{k: v for k, v in snapshot.items() if k in names})
+
+
+def _sum_nested(parts: list[Any]) -> Any:
+    """Sum numbers, element-wise lists and dicts key by key (the ranks' tier snapshots)."""
+    first = parts[0]
+    if isinstance(first, dict):
+        keys = {k for p in parts for k in p}
+        return {k: _sum_nested([p[k] for p in parts if k in p]) for k in keys}
+    if isinstance(first, list):
+        return [sum(p[i] for p in parts) for i in range(len(first))]
+    return sum(parts)
 
 
 @dataclass(slots=True, init=False)

@@ -205,9 +205,10 @@ class RemoteKV:
             req.num_transferred_tokens = num_ext
             self.prompt_tokens_transferred_total += min(num_ext, req.num_prompt_tokens - num_local)
 
-    def request_finished(self, req: Request) -> dict[str, Any] | None:
+    def request_finished(self, req: Request, free_blocks: bool = True) -> dict[str, Any] | None:
         """Forget the request's loads (it leaves ``waiting_for_remote`` if it was parked there),
-        tell the connector, and free its blocks or hold them for a transfer. Returns the
+        tell the connector, and free its blocks or hold them for a transfer (``free_blocks``
+        False: the caller frees them later, a tier load still writes them). Returns the
         connector's ``kv_transfer_params`` for the client, or None."""
         request_id = req.request_id
         self.waiting_for_remote.pop(request_id, None)
@@ -219,7 +220,7 @@ class RemoteKV:
             hold, params = self.connector.request_finished(req, list(req.block_ids))
         if (hold or was_loading) and req.block_ids:
             self.held[request_id] = _Held(req, until_sent=bool(hold), until_recved=was_loading)
-        else:
+        elif free_blocks:
             self.kv_cache_manager.free(req)
         return params
 

@@ -41,6 +41,11 @@ prefix cache) in :meth:`Scheduler.update_from_output`, after their KV exists.
 KV that crosses instances (loads through the KV connector, their failures, blocks held for a
 transfer) is tracked by :class:`~pdserve.engine.remote_kv.RemoteKV`, whose module docstring says
 how the scheduler drives the connector.
+
+With KV cache tiers (``--kv-offloading-size``), a :class:`~pdserve.engine.kv_tiers.TierManager`
+keeps evicted cached blocks in host memory (and on disk); the step's copy jobs travel in
+``SchedulerOutput.kv_tier_jobs`` and requests whose prefix comes back from a tier wait in
+:class:`~pdserve.engine.tier_loads.TierLoads`.
 """
 
 from __future__ import annotations
@@ -51,9 +56,11 @@ from typing import TYPE_CHECKING, Any, Iterable
 from pdserve.engine.admission import Admitter
 from pdserve.engine.async_scheduling import AsyncSchedulingPolicy
 from pdserve.engine.block_manager import KVCacheManager
+from pdserve.engine.kv_tiers import TierManager
 from pdserve.engine.multi_step import MultiStepRounds
 from pdserve.engine.remote_kv import LoadOutcome, LoadResult, RemoteKV, parse_load_failure_policy
 from pdserve.engine.request_queues import RequestQueues, scheduled_request
+from pdserve.engine.tier_loads import TierLoads
 from pdserve.engine.token_acceptor import TokenAcceptor
 from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pdserve.types.request import Request, RequestStatus
@@ -78,6 +85,7 @@ class Scheduler:
         connector: the KV connector's scheduler side, or None.
         eos_token_ids: every token id that means end of sequence (in addition to each request's
             ``eos_token_id``).
+        tiers: the KV cache tiers' bookkeeping, or None (evicted KV is lost).
 
     Attributes:
         queues: the waiting and running requests (:class:`RequestQueues`).
@@ -98,6 +106,7 @@ class Scheduler:
         num_blocks: int,
         connector: "KVConnectorSchedulerSide | None" = None,
         eos_token_ids: Iterable[int] = (),
+        tiers: TierManager | None = None,
     ):
         self.config = config
         self.block_size = config.block_size
@@ -111,9 +120,13 @@ class Scheduler:
         self.num_scheduler_steps = config.num_scheduler_steps
         if self.num_scheduler_steps < 1:
             raise ValueError("num_scheduler_steps must be at least 1")
+        self.tiers = tiers
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            on_evict=tiers.on_evict if tiers is not None else None,
         )
+        self.tier_loads = (TierLoads(self.kv_cache_manager, tiers) if tiers is not None
+                           else None)
         self.connector = connector
         self.remote_kv = RemoteKV(self.kv_cache_manager, connector,
                                   parse_load_failure_policy(config.kv_transfer_config))
@@ -121,7 +134,8 @@ class Scheduler:
 
         self.requests: dict[str, Request] = {}
         self.queues = RequestQueues()
-        self.admitter = Admitter(self.queues, self.kv_cache_manager, self.remote_kv, self.max_num_seqs)
+        self.admitter = Admitter(self.queues, self.kv_cache_manager, self.remote_kv,
+                                 self.max_num_seqs, self.tier_loads)
         self.multi_step = MultiStepRounds(
             self.queues, self.kv_cache_manager, self.remote_kv, self.acceptor, self.num_scheduler_steps,
             self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len)
@@ -176,7 +190,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.queues.running.remove(req)
-            elif req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:  # remote_kv unparks it
+            elif req.status not in (RequestStatus.WAITING_FOR_REMOTE_KVS,
+                                    RequestStatus.WAITING_FOR_TIER_KVS):  # finish unparks it
                 self.queues.waiting.remove(req)
             self.finish(req, RequestStatus.FINISHED_ABORTED)
 
@@ -239,6 +254,8 @@ class Scheduler:
         build its metadata for the step; returns ``sched_out``."""
         sched_out.finished_request_ids = self.finished_request_ids
         self.finished_request_ids = set()
+        if self.tiers is not None:
+            sched_out.kv_tier_jobs = self.tiers.take_jobs()
         if self.connector is not None:
             sched_out.kv_connector_metadata = self.connector.build_connector_meta(sched_out)
         return sched_out
@@ -316,6 +333,10 @@ class Scheduler:
             for sr in sched_out.scheduled:
                 sync_loads.pop(sr.request_id, None)
 
+        if runner_out.kv_tier_report is not None and self.tier_loads is not None:
+            for req in self.tier_loads.report(runner_out.kv_tier_report):
+                self.queues.requeue_front(req)
+                self.loaded_since_schedule = True
         if kv_out is not None:
             remote_kv.update_connector_output(kv_out, invalid)
             for request_id in kv_out.finished_recving:
@@ -404,7 +425,8 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         self.finished_request_ids.add(req.request_id)
         self.num_requests_finished_total += 1
-        params = self.remote_kv.request_finished(req)
+        loading = self.tier_loads is not None and self.tier_loads.request_finished(req)
+        params = self.remote_kv.request_finished(req, free_blocks=not loading)
         o = self.output(req, [], None)
         o.finish_reason = status.finish_reason
         o.kv_transfer_params = params
@@ -414,11 +436,17 @@ class Scheduler:
     # ================================================================ status
     def has_unfinished_requests(self) -> bool:
         """True while any request waits, runs or waits for remote KV."""
-        return bool(self.queues.waiting or self.queues.running or self.remote_kv.waiting_for_remote)
+        return bool(self.queues.waiting or self.queues.running or self.remote_kv.waiting_for_remote
+                    or (self.tier_loads is not None and self.tier_loads.waiting))
 
     def has_pending_kv_work(self) -> bool:
-        """True while the connector has transfers, notifications or leases to poll."""
-        return self.remote_kv.has_pending_work()
+        """True while the connector has transfers, notifications or leases to poll, or tier
+        loads are in flight."""
+        return self.remote_kv.has_pending_work() or self.has_pending_tier_work()
+
+    def has_pending_tier_work(self) -> bool:
+        """True while tier loads are in flight (the core polls every tick until reported)."""
+        return self.tier_loads is not None and self.tier_loads.has_pending_work()
 
     def stats(self) -> dict[str, Any]:
         """Snapshot for metrics: queue sizes, KV cache usage (0..1) and cumulative counters."""
@@ -427,7 +455,8 @@ class Scheduler:
         return {
             "num_running": len(self.queues.running),
             "num_waiting": len(self.queues.waiting),
-            "num_waiting_for_remote_kvs": len(remote_kv.waiting_for_remote),
+            "num_waiting_for_remote_kvs": len(remote_kv.waiting_for_remote)
+            + (len(self.tier_loads.waiting) if self.tier_loads is not None else 0),
             "num_held_for_transfer": len(remote_kv.held),
             "kv_cache_usage": kvm.usage,
             "num_blocks": kvm.num_blocks,
@@ -442,7 +471,19 @@ class Scheduler:
             "num_requests_finished_total": self.num_requests_finished_total,
             "prefix_cache_queries_total": kvm.prefix_cache_queries,
             "prefix_cache_hits_total": kvm.prefix_cache_hits,
+            "kv_tiers": self.tier_loads.stats() if self.tier_loads is not None else None,
         }
+
+    def reset_kv_caches(self) -> bool:
+        """Forget every cached block: the prefix cache's and the tiers' (benchmarks between
+        runs). Only possible while no request holds blocks and no tier load runs.
+
+        Returns:
+            True when everything was reset.
+        """
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        return self.tiers is None or self.tiers.clear()
 
     def shutdown(self) -> None:
         """Shut the connector's scheduler side down."""

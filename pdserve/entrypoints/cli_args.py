@@ -6,6 +6,7 @@ import argparse
 from typing import Any, Sequence
 
 from pdserve.model_files.builtin_models import BUILTIN_NAMES
+from pdserve.types.kv_tiers import KVOffloadingConfig
 from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.utils.host_devices import detect_gpus, nixl_progress_thread_default
 
@@ -87,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-snapshot-endpoint", default=None, metavar="ZMQ_ENDPOINT",
                    help="ZMQ REP endpoint serving KV event snapshots (default: the events "
                         "endpoint's port + 1)")
+    p.add_argument("--kv-offloading-size", type=positive_float, default=None, metavar="GiB",
+                   help="KV cache tier in host memory behind the prefix cache, in GiB over all "
+                        "TP ranks: cached blocks evicted from the KV cache are kept there and "
+                        "copied back on a prefix hit (default: off)")
+    p.add_argument("--kv-offloading-backend", default=None, metavar="native",
+                   help="offloading backend: 'native' (the only one; default)")
+    p.add_argument("--kv-offloading-disk-dir", default=None, metavar="DIR",
+                   help="a disk tier below the host tier: block files under DIR (needs "
+                        "--kv-offloading-disk-size)")
+    p.add_argument("--kv-offloading-disk-size", type=positive_float, default=None, metavar="GiB",
+                   help="size of the disk tier in GiB over all TP ranks")
     # --- tensor parallelism
     p.add_argument("-tp", "--tensor-parallel-size", type=positive_int, default=1,
                    help="shard the model over N devices, one process per rank (default 1)")
@@ -133,6 +145,9 @@ def engine_config_from_args(args: argparse.Namespace, kv_transfer_config: Any) -
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enforce_eager=args.enforce_eager,
         kv_transfer_config=kv_transfer_config,
+        kv_offloading=KVOffloadingConfig.from_flags(
+            args.kv_offloading_size, args.kv_offloading_backend, args.kv_offloading_disk_dir,
+            args.kv_offloading_disk_size),
         trust_remote_code=args.trust_remote_code,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_snapshot_endpoint=args.kv_events_snapshot_endpoint,

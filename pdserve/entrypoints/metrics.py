@@ -10,6 +10,8 @@ Three sources feed ``GET /metrics``:
   (:meth:`ServerMetrics.observe_first_token`, :meth:`ServerMetrics.observe_finished`,
   :meth:`ServerMetrics.count_finished`), because the front end sees the request arrive, the
   tokens leave, and the requests its clients abandon.
+* **KV cache tiers** — the snapshot's ``kv_tiers``, rendered by
+  :class:`~pdserve.entrypoints.tier_metrics.KVTierCollector` (its module lists the families).
 * **KV connector observations** — delta dicts pushed by the engine through
   ``engine.add_stats_listener(fn)`` (see :meth:`ServerMetrics.on_connector_stats`).
 
@@ -38,6 +40,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pdserve.entrypoints.tier_metrics import KVTierCollector
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +287,7 @@ class ServerMetrics:
     def __init__(self, engine: Any):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineStatsCollector(engine.stats))
+        self.registry.register(KVTierCollector(engine.stats))
         self.ttft = Histogram(
             TIME_TO_FIRST_TOKEN_SECONDS,
             "Time from request arrival at the server to its first generated token (s).",

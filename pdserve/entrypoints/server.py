@@ -314,7 +314,11 @@ def run_server(args: argparse.Namespace) -> int:
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    config = engine_config_from_args(args, getattr(args, "kv_transfer_config", None))
+    try:
+        config = engine_config_from_args(args, getattr(args, "kv_transfer_config", None))
+    except ValueError as e:  # e.g. the KV cache tier flags
+        print(f"pdserve serve: error: {e}", file=sys.stderr)
+        return 2
     api_key = args.api_key or os.environ.get("PDSERVE_API_KEY") or None
     from pdserve.engine import data_parallel
 

@@ -1,5 +1,6 @@
-"""Merge the KV connector outputs of an instance's tensor-parallel ranks into the one
-:class:`~pdserve.types.outputs.KVConnectorOutput` the scheduler consumes.
+"""Merge the KV connector outputs (and KV cache tier reports, :class:`TierReportMerger`) of an
+instance's tensor-parallel ranks into the one :class:`~pdserve.types.outputs.KVConnectorOutput`
+the scheduler consumes.
 
 Rules (shared with the connector; docs/architecture.md, "Tensor parallelism"):
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from pdserve.types.outputs import KVConnectorOutput
 from pdserve.types.outputs import KVLoadError
+from pdserve.types.kv_tiers import KVTierReport
 
 
 def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -98,3 +100,41 @@ class KVOutputMerger:
     def num_pending(self) -> int:
         """Requests reported by some ranks but not yet by all."""
         return len(self._recving) + len(self._sending)
+
+
+class TierReportMerger:
+    """Merge the ranks' KV cache tier reports (:class:`~pdserve.types.kv_tiers.KVTierReport`):
+    a LOAD job is finished once EVERY rank has reported it (each rank copies its own shard,
+    possibly in different steps), and failed as soon as any rank failed it (its shard's file
+    was bad: the block's KV is incomplete); copy times are rank 0's.
+
+    Args:
+        size: TP ranks.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._seen: dict[int, set[int]] = {}  # job -> ranks that reported it
+        self._failed: set[int] = set()
+
+    def merge(self, reports: "list[KVTierReport | None]") -> "KVTierReport | None":
+        """One step's reports by rank (None: a rank without tiers) -> the scheduler's."""
+        if all(r is None for r in reports):
+            return None
+        out = KVTierReport()
+        for rank, report in enumerate(reports):
+            if report is None:
+                continue
+            if rank == 0:
+                out.copy_times_s.extend(report.copy_times_s)
+            self._failed |= report.failed_loads
+            for job in report.finished_loads | report.failed_loads:
+                self._seen.setdefault(job, set()).add(rank)
+        for job in [j for j, ranks in self._seen.items() if len(ranks) == self.size]:
+            del self._seen[job]
+            if job in self._failed:
+                self._failed.discard(job)
+                out.failed_loads.add(job)
+            else:
+                out.finished_loads.add(job)
+        return out

@@ -50,6 +50,15 @@ class AllocateKVCache:
 
 
 @dataclass
+class AllocateKVTiers:
+    """Allocate the rank's KV cache tiers (host pool of ``host_blocks``, files under
+    ``disk_dir`` or none); after :class:`AllocateKVCache`."""
+
+    host_blocks: int
+    disk_dir: str | None
+
+
+@dataclass
 class RegisterKVCache:
     """Register the rank's KV cache with its connector worker side and attach the connector
     to its runner (every rank at the same point, as the connector's collectives need)."""
@@ -73,7 +82,8 @@ class WorkerReply:
 
     Attributes:
         rank: the answering rank.
-        value: the answer (``int`` blocks; the step's ``KVConnectorOutput`` or None).
+        value: the answer (``int`` blocks; the step's ``(KVConnectorOutput | None,
+            KVTierReport | None)``; else None).
         error: ``"Type: message"`` when the rank failed (it exits after sending this).
         next_poll_in: the rank's connector's ``next_poll_in()`` after answering (None without a
             connector, or when it needs no poll).

@@ -36,9 +36,10 @@ from pdserve.types.engine_config import EngineConfig
 from pdserve.distributed.communication import tp_all_gather_object
 from pdserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from pdserve.types.outputs import ModelRunnerOutput, SchedulerOutput
-from pdserve.executor.kv_merge import KVOutputMerger
+from pdserve.executor.kv_merge import KVOutputMerger, TierReportMerger
 from pdserve.executor.messages import (
     AllocateKVCache,
+    AllocateKVTiers,
     ConnectorFactory,
     Execute,
     NumBlocksRequest,
@@ -99,6 +100,7 @@ class TPExecutor:
         self.connector_worker: TPConnectorWorker | None = None
         self._rank0_connector: KVConnectorWorkerSide | None = None
         self._merger = KVOutputMerger(self.size)
+        self._tier_merger = TierReportMerger(self.size)
         self._poll_due: list[float] = []  # monotonic times at which ranks > 0 want a poll
         self._started = False
         self._controls: list[Any] = []
@@ -281,6 +283,14 @@ class TPExecutor:
         self._collect()
         self._in_call = False
 
+    def allocate_kv_tiers(self, host_blocks: int, disk_dir: str | None) -> None:
+        """Allocate every rank's KV cache tiers (each its shard of every block)."""
+        self._in_call = True
+        self._broadcast(AllocateKVTiers(host_blocks, disk_dir))
+        self.runner.allocate_kv_tiers(host_blocks, disk_dir)
+        self._collect()
+        self._in_call = False
+
     def register_kv_caches(self, kv_cache: Any, spec: KVCacheSpec) -> None:
         """Register every rank's KV cache with its connector worker side at the same time
         (rank 0's with ``kv_cache`` / ``spec``; the workers' with their own)."""
@@ -312,9 +322,11 @@ class TPExecutor:
         self._in_call = False
         now = time.monotonic()
         self._poll_due = [now + r.next_poll_in for r in replies if r.next_poll_in is not None]
-        outputs = [out.kv_connector_output] + [r.value for r in replies]
+        outputs = [out.kv_connector_output] + [r.value[0] for r in replies]
         if any(o is not None for o in outputs):
             out.kv_connector_output = self._merger.merge(outputs)
+        out.kv_tier_report = self._tier_merger.merge(
+            [out.kv_tier_report] + [r.value[1] for r in replies])
         return out
 
     def workers_next_poll_in(self) -> float | None:

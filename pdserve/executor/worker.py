@@ -27,6 +27,7 @@ from typing import Any
 
 from pdserve.executor.messages import (
     AllocateKVCache,
+    AllocateKVTiers,
     Execute,
     NumBlocksRequest,
     RegisterKVCache,
@@ -94,11 +95,15 @@ class RankWorker:
         """Answer one message (the value of the reply)."""
         runner = self.runner
         if isinstance(msg, Execute):
-            return runner.execute(msg.sched_out).kv_connector_output
+            out = runner.execute(msg.sched_out)
+            return out.kv_connector_output, out.kv_tier_report
         if isinstance(msg, NumBlocksRequest):
             return int(runner.determine_num_blocks())
         if isinstance(msg, AllocateKVCache):
             runner.allocate_kv_cache(msg.num_blocks)
+            return None
+        if isinstance(msg, AllocateKVTiers):
+            runner.allocate_kv_tiers(msg.host_blocks, msg.disk_dir)
             return None
         if isinstance(msg, RegisterKVCache):
             if self.connector is not None:

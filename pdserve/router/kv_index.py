@@ -1,7 +1,8 @@
 """The proxy's view of which prefix-cache blocks each instance holds, kept from its KV events.
 
 One :class:`InstanceKVIndex` per instance holds the set of chained block hashes the instance
-has in its prefix cache. A :class:`KVEventSubscriber` task per instance fills it:
+has in its prefix cache, and those of each of its KV cache tiers (events with ``medium``
+``"CPU"`` / ``"DISK"``; ``"GPU"`` or none is the KV cache itself). A :class:`KVEventSubscriber` task per instance fills it:
 
 1. discovery: ``GET {instance}/kv_events`` names the PUB and snapshot endpoints (retried every
    :data:`DISCOVERY_RETRY_S` seconds while the instance has none or is down); a wildcard bind
@@ -40,6 +41,9 @@ SNAPSHOT_TIMEOUT_S = 2.0
 DEFAULT_STALE_AFTER_S = 5.0
 
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+#: The medium of an engine's own KV cache in KV events (vLLM's name, whatever the device).
+GPU = "GPU"
+_TIER_ORDER = {"CPU": 0, "DISK": 1}
 
 
 class InstanceKVIndex:
@@ -47,7 +51,8 @@ class InstanceKVIndex:
 
     Attributes:
         url: the instance's base URL.
-        hashes: chained block hashes in its prefix cache.
+        hashes: chained block hashes in its prefix cache (medium ``"GPU"``).
+        tier_hashes: medium (``"CPU"``, ``"DISK"``) -> chained block hashes in that tier.
         block_size: tokens per block (from its snapshot; 0 until synced).
         epoch, seq: the engine process and the last batch applied.
         synced: a snapshot was applied and no gap has been seen since.
@@ -58,6 +63,7 @@ class InstanceKVIndex:
     def __init__(self, url: str, clock: Callable[[], float] = time.monotonic):
         self.url = url
         self.hashes: set[int] = set()
+        self.tier_hashes: dict[str, set[int]] = {}
         self.block_size = 0
         self.epoch = 0
         self.seq = 0
@@ -80,11 +86,29 @@ class InstanceKVIndex:
             n += 1
         return n
 
+    def hit_media(self, prompt_hashes: Sequence[int]) -> list[str]:
+        """The medium of each leading block of a prompt that the instance holds: ``"GPU"``
+        when its KV cache has it, else the first tier that does (``"CPU"`` before
+        ``"DISK"``); stops at the first block held nowhere."""
+        media: list[str] = []
+        hashes = self.hashes
+        tiers = sorted(self.tier_hashes.items(), key=lambda kv: _TIER_ORDER.get(kv[0], 9))
+        for h in prompt_hashes:
+            if h in hashes:
+                media.append(GPU)
+                continue
+            medium = next((m for m, s in tiers if h in s), None)
+            if medium is None:
+                break
+            media.append(medium)
+        return media
+
     def apply_snapshot(self, snap: KVSnapshot) -> None:
         """Replace the hash set by ``snap`` (then batches after ``snap.seq`` apply)."""
         if self.synced or self.epoch:
             self.resyncs += 1
         self.hashes = set(snap.block_hashes)
+        self.tier_hashes = {m: set(hs) for m, hs in snap.tier_block_hashes.items()}
         self.block_size = snap.block_size
         self.epoch = snap.epoch
         self.seq = snap.seq
@@ -109,14 +133,20 @@ class InstanceKVIndex:
             return False
         for ev in batch.events:
             if type(ev) is BlockStored:
-                self.hashes.update(ev.block_hashes)
+                self._set(ev.medium).update(ev.block_hashes)
             elif type(ev) is BlockRemoved:
-                self.hashes.difference_update(ev.block_hashes)
+                self._set(ev.medium).difference_update(ev.block_hashes)
             elif type(ev) is AllBlocksCleared:
                 self.hashes.clear()
         self.seq = batch.seq
         self.last_message = self._clock()
         return True
+
+
+    def _set(self, medium: str | None) -> set[int]:
+        if medium is None or medium == GPU:
+            return self.hashes
+        return self.tier_hashes.setdefault(medium, set())
 
 
 def connectable(endpoint: str, instance_url: str) -> str:

@@ -4,9 +4,16 @@
 cache (from its KV events, :mod:`pdserve.router.kv_index`) against its load, and picks the
 lowest cost::
 
-    cost(instance) = (prompt_blocks - hit_blocks) / prompt_blocks + load_weight * in_flight
+    cost(instance) = sum(block_cost) / prompt_blocks + load_weight * in_flight
 
-``hit_blocks``: leading full blocks of the prompt the instance holds; ``in_flight``: requests
+``block_cost`` of each full block of the prompt: 0 for a leading block in the instance's KV
+cache, :data:`TIER_BLOCK_COST` ``["CPU"]`` (0.1) for one in its host-memory tier,
+``["DISK"]`` (0.5) for one in its disk tier, and 1 (a recompute) for every block from the first
+one held nowhere on. The weights are costs relative to prefilling the block: a host-tier hit
+costs a copy into the KV cache (one block of an 8B model in bf16, 2 MiB, crosses PCIe in
+~0.1 ms where its 16 tokens of prefill take ~0.5-1 ms), a disk hit a file read at a few GB/s
+plus that copy. Without tiers this is ``(prompt_blocks - hit_blocks) / prompt_blocks``.
+``hit_blocks``: leading full blocks of the prompt the instance holds (in any tier); ``in_flight``: requests
 this proxy has open on it; ``load_weight`` (``--kv-load-weight``, default
 :data:`DEFAULT_KV_LOAD_WEIGHT`): a whole prompt found in the cache is worth that many fewer
 requests in flight (1 / 0.5 = 2). Ties go to the round-robin order. The prompt's hashes are
@@ -35,6 +42,9 @@ from pdserve.router.upstreams import Upstream, UpstreamPool
 
 logger = logging.getLogger("pdserve.router")
 
+#: Cost of a prompt block found in a KV cache tier, relative to recomputing it (1) and to a
+#: block in the KV cache itself (0); see the module docstring.
+TIER_BLOCK_COST = {"CPU": 0.1, "DISK": 0.5}
 #: Default weight of one request in flight against a whole prompt found in an instance's cache.
 DEFAULT_KV_LOAD_WEIGHT = 0.5
 #: Session affinity (``--session-affinity``): a conversation's decoder is kept while it has at
@@ -223,14 +233,17 @@ class KVAwareRouter:
         for up in order:
             index = self.indexes[up.url]
             hits = blocks = 0
+            miss_cost = 0.0
             if index.live(self.stale_after):
                 hashes = hashes_by_size.get(index.block_size)
                 if hashes is None:
                     hashes = hashes_by_size[index.block_size] = block_hashes(token_ids,
                                                                              index.block_size)
                 blocks = len(hashes)
-                hits = index.hit_blocks(hashes)
-            cost = (1.0 - hits / blocks if blocks else 1.0) + self.load_weight * up.in_flight
+                media = index.hit_media(hashes)
+                hits = len(media)
+                miss_cost = blocks - hits + sum(TIER_BLOCK_COST.get(m, 0.0) for m in media)
+            cost = (miss_cost / blocks if blocks else 1.0) + self.load_weight * up.in_flight
             if best is None or cost < best_cost:
                 best, best_cost, best_hits, best_blocks = up, cost, hits, blocks
         if best is not order[0] and not pool.is_down(best):

@@ -46,6 +46,7 @@ from pdserve.attention.host_tensors import int_tensor
 from pdserve.runner.device_tokens import DeviceTokens, feed_previous_tokens
 from pdserve.runner.multi_step import MultiStepDecoder
 from pdserve.runner.piecewise_graphs import PiecewiseGraphs
+from pdserve.runner.kv_tier_store import KVTierStore, block_namespace
 from pdserve.runner.step_launch import PendingRunnerStep, StepLauncher
 from pdserve.runner.sampler import Sampler
 
@@ -117,6 +118,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_spec: KVCacheSpec | None = None
         self._connector: KVConnectorWorkerSide | None = None
+        self._tiers: KVTierStore | None = None  # the KV cache tiers' memory and copies
         # replays decode graphs; keeps the host block tables of their requests between steps
         self._decode_replay = DecodeGraphReplay(DecodeBlockTables(self.max_blocks_per_seq),
                                                 self.block_size, self.max_model_len, self.device)
@@ -274,6 +276,24 @@ class ModelRunner:
         """Width of a block table row: blocks of a ``max_model_len``-token sequence."""
         return -(-self.max_model_len // self.block_size)
 
+    def allocate_kv_tiers(self, host_blocks: int, disk_dir: str | None) -> None:
+        """Allocate the KV cache tiers of this rank: a host pool of ``host_blocks`` blocks
+        shaped like the KV cache's (pinned on CUDA) and, with ``disk_dir``, a directory of
+        block files (:mod:`pdserve.runner.kv_tier_store`). Files are tagged with this engine's
+        model, cache dtype, block shape, fp8 scales and TP rank.
+
+        Raises:
+            RuntimeError: the KV cache was not allocated.
+            ValueError: ``host_blocks < 1``.
+            OSError: the disk directory cannot be created.
+        """
+        if self.kv_cache is None or self.kv_cache_spec is None:
+            raise RuntimeError("allocate_kv_cache() must be called before allocate_kv_tiers()")
+        s = self.kv_cache_spec
+        self._tiers = KVTierStore(self.kv_cache, host_blocks, block_namespace(
+            self.model_info.name, s.dtype, tuple(self.kv_cache.shape[1:]), s.kind.value,
+            s.kv_scales, get_tp_rank(), get_tp_size()), disk_dir)
+
     def set_kv_connector_worker(self, worker: KVConnectorWorkerSide | None) -> None:
         """Attach (or detach with None) the KV connector's worker side.
 
@@ -300,6 +320,7 @@ class ModelRunner:
         self.sampler.drop(sched_out.finished_request_ids)
         self._launcher.reset()
         worker = self._connector
+        self._run_tier_jobs(sched_out)
         if worker is not None:
             worker.bind_connector_metadata(sched_out.kv_connector_metadata)
             worker.start_load_kv()
@@ -318,7 +339,17 @@ class ModelRunner:
                     runner_out.logprobs[req.request_id] = lp
         if worker is not None:
             runner_out.kv_connector_output = worker.get_finished(sched_out.finished_request_ids)
+        if self._tiers is not None:
+            runner_out.kv_tier_report = self._tiers.report()
         return runner_out
+
+    def _run_tier_jobs(self, sched_out: SchedulerOutput) -> None:
+        """Issue the step's tier copies before anything writes the KV cache (a connector's
+        READ into a block whose old KV is being stored waits for the store)."""
+        if self._tiers is not None:
+            self._tiers.run(sched_out.kv_tier_jobs)
+            if self._connector is not None:
+                self._tiers.wait_stores()
 
     @torch.inference_mode()
     def execute_async(self, sched_out: SchedulerOutput) -> PendingRunnerStep:
@@ -326,7 +357,11 @@ class ModelRunner:
         :mod:`pdserve.engine.async_scheduling`); see :meth:`StepLauncher.launch
         <pdserve.runner.step_launch.StepLauncher.launch>` for what differs from :meth:`execute`
         and the errors raised."""
-        return self._launcher.launch(sched_out, self.kv_cache, self._connector)
+        self._run_tier_jobs(sched_out)
+        step = self._launcher.launch(sched_out, self.kv_cache, self._connector)
+        if self._tiers is not None:
+            step.kv_tier_report = self._tiers.report()
+        return step
 
     def forward_and_sample(self, scheduled: list[ScheduledRequest], kv_cache: torch.Tensor):
         """Flatten the batch (prefills first, then single-token decodes), run the model on
@@ -414,6 +449,9 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Release the KV cache and the weights (the connector is shut down by its owner)."""
         self._connector = None
+        if self._tiers is not None:
+            self._tiers.shutdown()
+            self._tiers = None
         self.decode_graphs = None
         self.piecewise_graphs = None
         self.kv_cache = None

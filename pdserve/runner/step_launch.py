@@ -25,6 +25,7 @@ from pdserve.types.outputs import (
     TokenLogprobs,
 )
 from pdserve.kv_transfer.base import KVConnectorWorkerSide
+from pdserve.types.kv_tiers import KVTierReport
 from pdserve.attention.host_tensors import int_tensor
 from pdserve.runner.device_tokens import DeviceTokens
 from pdserve.runner.sampler import Sampler
@@ -43,6 +44,9 @@ class PendingRunnerStep:
         tokens: ``[S]`` int64 sampled tokens on the device.
         logprobs: request_id -> logprobs, for the requests that asked (sampled on the host).
         kv_connector_output: the connector's report of this step, or None.
+
+    Attributes:
+        kv_tier_report: the KV cache tiers' report at launch (set by the runner), or None.
     """
 
     def __init__(self, request_ids: list[str], tokens: torch.Tensor,
@@ -50,6 +54,7 @@ class PendingRunnerStep:
         self._request_ids = request_ids
         self._logprobs = logprobs
         self._kv_out = kv_connector_output
+        self.kv_tier_report: KVTierReport | None = None
         self._event: torch.cuda.Event | None = None
         if tokens.device.type == "cuda":
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -65,7 +70,8 @@ class PendingRunnerStep:
             self._event.synchronize()
         tokens = self._host.tolist()
         return ModelRunnerOutput(sampled_token_ids=dict(zip(self._request_ids, tokens)),
-                                 logprobs=self._logprobs, kv_connector_output=self._kv_out)
+                                 logprobs=self._logprobs, kv_connector_output=self._kv_out,
+                                 kv_tier_report=self.kv_tier_report)
 
 
 class StepLauncher:

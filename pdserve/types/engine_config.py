@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pdserve.types.kv_tiers import KVOffloadingConfig
     from pdserve.types.kv_transfer_config import KVTransferConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -91,6 +92,9 @@ class EngineConfig:
             (:mod:`pdserve.engine.async_scheduling` lists them). On by default; ignored at
             tensor-parallel size > 1.
         kv_transfer_config: parsed ``--kv-transfer-config`` (None: no connector).
+        kv_offloading: the KV cache tiers behind the prefix cache (``--kv-offloading-size``,
+            ``--kv-offloading-disk-dir``; :mod:`pdserve.types.kv_tiers`), or None (evicted
+            cached blocks are lost).
         trust_remote_code: passed to transformers when reading configs/tokenizers.
         kv_events_endpoint: ZMQ endpoint on which the engine core publishes its prefix-cache
             changes (:mod:`pdserve.engine.kv_events`); None (the default) publishes nothing.
@@ -139,6 +143,7 @@ class EngineConfig:
     num_scheduler_steps: int = 1
     async_scheduling: bool = True
     kv_transfer_config: KVTransferConfig | None = None
+    kv_offloading: KVOffloadingConfig | None = None
     trust_remote_code: bool = False
     kv_events_endpoint: str | None = None
     kv_events_snapshot_endpoint: str | None = None

@@ -9,6 +9,9 @@ An engine started with ``--kv-events-endpoint tcp://HOST:PORT`` tells subscriber
 * :class:`BlockRemoved`: blocks left the prefix cache (evicted for reuse, or invalidated);
 * :class:`AllBlocksCleared`: the whole prefix cache was reset.
 
+With KV cache tiers (``--kv-offloading-size``) the same events with ``medium`` ``"CPU"`` or
+``"DISK"`` say which blocks a tier holds (:mod:`pdserve.engine.kv_tiers`).
+
 Wire format (msgpack via msgspec): the engine core sends one :class:`KVEventBatch` per engine
 step that changed the cache, on a ZMQ PUB socket bound at the endpoint, and an empty batch at
 least every :data:`HEARTBEAT_INTERVAL_S` seconds so that a subscriber can tell a quiet engine
@@ -31,15 +34,20 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 
 class BlockStored(msgspec.Struct, tag=True, array_like=True):
-    """Blocks registered in the prefix cache. ``block_hashes``: chained hashes, in prefix order."""
+    """Blocks registered in the prefix cache. ``block_hashes``: chained hashes, in prefix order;
+    ``medium``: where they are now (vLLM's field: ``"GPU"`` the engine's KV cache, ``"CPU"``
+    the host-memory tier, ``"DISK"`` the disk tier; None means ``"GPU"``)."""
 
     block_hashes: list[int]
+    medium: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, array_like=True):
-    """Blocks that left the prefix cache (``block_hashes``: their chained hashes)."""
+    """Blocks that left the prefix cache, or the tier ``medium`` (as in :class:`BlockStored`)
+    (``block_hashes``: their chained hashes)."""
 
     block_hashes: list[int]
+    medium: str | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, array_like=True):
@@ -69,12 +77,15 @@ class KVEventBatch(msgspec.Struct, array_like=True):
 class KVSnapshot(msgspec.Struct, array_like=True):
     """Every block hash in an engine's prefix cache after batch ``seq`` (the answer of the
     snapshot endpoint to any request). ``epoch``: as in :class:`KVEventBatch`;
-    ``block_size``: tokens per block of that engine."""
+    ``block_size``: tokens per block of that engine; ``block_hashes``: those of the engine's
+    KV cache (``"GPU"``); ``tier_block_hashes``: those of each KV cache tier by medium
+    (``"CPU"``, ``"DISK"``; empty without tiers)."""
 
     epoch: int
     seq: int
     block_size: int
     block_hashes: list[int]
+    tier_block_hashes: dict[str, list[int]] = {}
 
 
 def default_snapshot_endpoint(endpoint: str) -> str:

@@ -16,6 +16,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pdserve.types.kv_tiers import KVTierJobs, KVTierReport
 from pdserve.types.sampling_params import SamplingParams
 
 
@@ -126,11 +127,14 @@ class SchedulerOutput:
             ``num_steps`` new tokens, and the runner feeds each step's sampled token to the
             next, reporting ``num_steps`` tokens per request in
             :attr:`ModelRunnerOutput.sampled_token_id_lists`. 1 for an ordinary step.
+        kv_tier_jobs: the KV cache tiers' copies of this step (:mod:`pdserve.types.kv_tiers`),
+            run in order before the forward pass; None when there are none.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
+    kv_tier_jobs: KVTierJobs | None = None
     total_num_scheduled_tokens: int = 0
     num_steps: int = 1
 
@@ -191,12 +195,15 @@ class ModelRunnerOutput:
             order (instead of ``sampled_token_ids``).
         logprobs: request_id -> logprobs of that token, only when the request asked for logprobs.
         kv_connector_output: the connector's report, or None without a connector.
+        kv_tier_report: the KV cache tiers' report (finished and failed loads, copy times),
+            or None without tiers.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     sampled_token_id_lists: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
+    kv_tier_report: KVTierReport | None = None
 
 
 @dataclass

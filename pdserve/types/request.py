@@ -16,6 +16,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     # KV is being loaded from another instance (connector); not schedulable until it lands.
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    # KV is being copied back from the KV cache tiers (host memory, disk); as above.
+    WAITING_FOR_TIER_KVS = "waiting_for_tier_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"

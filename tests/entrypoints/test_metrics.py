@@ -155,3 +155,31 @@ def test_transfer_path_of_each_peer_is_an_info_metric() -> None:
         == 1500.5
     for fam in text_string_to_metric_families(text):
         assert fam.samples, fam.name
+
+
+def test_kv_tier_metrics_from_the_engine_snapshot_summed_over_ranks() -> None:
+    from pdserve.engine.kv_tiers import TierManager
+    from pdserve.types.kv_tiers import KVTierReport
+
+    tm = TierManager(host_blocks=2, disk_blocks=8, block_bytes=100)
+    for b, h in enumerate([1, 2, 3]):
+        tm.on_evict(b, h)
+    tm.start_load("r", [2], [9])
+    job = [j for j in tm.take_jobs().jobs if j.kind.value == "load"][0]
+    tm.loads_reported(KVTierReport(finished_loads={job.job_id}, copy_times_s=[0.0003, 2.0]))
+    snap = dict(tm.stats(), prompt_tokens_loaded=16, failed_loads=0)
+    one = EngineStats(num_blocks=4, kv_tiers=snap)
+    two = EngineStats.combine([one, EngineStats(num_blocks=4, kv_tiers=snap), EngineStats()])
+    lines = _sample_lines(m.ServerMetrics(_Engine(two)).render()[0].decode())
+    assert lines['pdserve:kv_offload_capacity_blocks{medium="CPU"}'] == 4
+    assert lines['pdserve:kv_offload_used_blocks{medium="DISK"}'] == 2
+    assert lines['pdserve:kv_offload_stored_blocks_total{medium="CPU"}'] == 6
+    assert lines['pdserve:kv_offload_hits_total{medium="CPU"}'] == 2
+    assert lines['pdserve:kv_offload_evictions_total{medium="CPU"}'] == 2
+    assert lines['pdserve:kv_offload_bytes_total{medium="GPU"}'] == 200
+    assert lines['pdserve:kv_offload_prompt_tokens_loaded_total'] == 32
+    assert lines['pdserve:kv_offload_copy_seconds_bucket{le="0.0005"}'] == 2
+    assert lines['pdserve:kv_offload_copy_seconds_count'] == 4
+    assert lines['pdserve:kv_offload_copy_seconds_sum'] == 2 * 2.0003
+    no_tiers = _sample_lines(m.ServerMetrics(_Engine(EngineStats())).render()[0].decode())
+    assert not any("kv_offload" in k for k in no_tiers)

@@ -80,6 +80,27 @@ def test_bad_kv_transfer_config_exits_2(capsys: pytest.CaptureFixture[str]) -> N
     assert "kv_sideways" in capsys.readouterr().err
 
 
+def test_kv_offloading_flags_reach_engine_config() -> None:
+    args = build_parser().parse_args([
+        "--kv-offloading-size", "2", "--kv-offloading-backend", "native",
+        "--kv-offloading-disk-dir", "/d", "--kv-offloading-disk-size", "0.5"])
+    off = engine_config_from_args(args, None).kv_offloading
+    assert (off.host_bytes, off.disk_dir, off.disk_bytes) == (2 * 2**30, "/d", 2**29)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-offloading-size", "0"], "--kv-offloading-size"),
+    (["--kv-offloading-size", "1", "--kv-offloading-backend", "lmcache"], "must be 'native'"),
+    (["--kv-offloading-disk-dir", "/d", "--kv-offloading-disk-size", "1"],
+     "need --kv-offloading-size"),
+    (["--kv-offloading-size", "1", "--kv-offloading-disk-dir", "/d"], "go together"),
+])
+def test_bad_kv_offloading_flags_exit_2(argv, message, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "pdserve serve" in err and message in err
+
+
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

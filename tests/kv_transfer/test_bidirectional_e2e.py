@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.servers import BIDIR_TTL_S as TTL_S, BLOCK_SIZE as B, LOAD_FACTOR, POOL_COMMON
+from tests.support.servers import TIER_BLOCKS
 from tests.support.servers import EngineServer, ProxyServer, nixl_config, start_all, stop_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -254,6 +255,39 @@ def test_expired_decoder_blocks_are_recomputed(short_ttl_cluster, tokenizer):
     assert answer == single_answer(cluster, messages)
     assert delta["pdserve:prompt_tokens_transferred_total"] == 0
     assert delta["pdserve:prompt_tokens_computed_total"] == delta["pdserve:prompt_tokens_total"]
+
+
+def test_three_turn_chats_come_back_from_the_prefillers_host_tier(server_pool, tokenizer):
+    """A bidirectional P with prefix caching, a KV cache of ``TIER_BLOCKS`` blocks and a host
+    tier, behind the multi-turn proxy with the pooled D: four three-turn chats with long
+    system prompts, interleaved, so each conversation's history (part of it at least) left P's
+    KV cache before its next turn. Answers equal the single instance's; on turns 2 and 3 the
+    previous prompt is never recomputed: it comes back from P's KV cache and host tier (the
+    tier's counter grows on every such turn), or from D."""
+    servers = server_pool.get("single", "p_tier_bidir", "d_bidir")
+    proxy = server_pool.proxy("multi-turn-tier", ["p_tier_bidir"], ["d_bidir"], ["--multi-turn"])
+    cluster = {"model": server_pool.model, "proxy": proxy, "single": servers["single"],
+               "p": servers["p_tier_bidir"], "d": servers["d_bidir"]}
+    key = "pdserve:kv_offload_prompt_tokens_loaded_total"
+    chats = [[{"role": "system", "content": f"Conversation {c}. " + SYSTEM * 6}] for c in range(4)]
+    previous = [0] * len(chats)  # tokens of each chat's previous prompt
+    assert len(prompt_ids(tokenizer, chats[0])) * len(chats) > TIER_BLOCKS * B
+    for k in range(1, 4):
+        for c, messages in enumerate(chats):
+            messages.append(user_message(200 + 10 * c + k))
+            ids = prompt_ids(tokenizer, messages)
+            loaded0 = cluster["p"].metrics().get(key, 0.0)
+            answer, delta = turn(cluster, messages, f"tiered-{c}")
+            assert answer == single_answer(cluster, messages), (k, c)
+            loaded = cluster["p"].metrics()[key] - loaded0
+            if k > 1:
+                assert loaded > 0, (k, c)  # evicted history came back from the host tier
+                # none of the previous prompt's full blocks was recomputed
+                reused = previous[c] // B * B
+                assert delta["pdserve:prompt_tokens_computed_total"] <= len(ids) - reused, (k, c)
+            previous[c] = len(ids)
+            messages.append({"role": "assistant", "content": answer})
+    cluster["p"].wait_all_blocks_free(timeout_s=60)
 
 
 def test_all_blocks_free_after_conversations_and_ttl(cluster):

@@ -364,3 +364,37 @@ def test_producer_killed_after_answering(cluster, tmp_path):
 def test_all_producer_blocks_free_at_the_end(cluster):
     for name in ("p", "p_short"):
         cluster[name].wait_all_blocks_free(timeout_s=SHORT_LEASE_S + 10)
+
+
+# --------------------------------------------------------------------------------- KV cache tiers
+def test_multi_turn_histories_come_back_from_the_tiers_of_p_and_d(server_pool):
+    """P (host tier) and D (a tiny host tier over a disk tier), each with a KV cache of
+    ``TIER_BLOCKS`` blocks: three turns of five conversations, interleaved, so each turn's
+    history was evicted from both caches by the others' (5 x 150 tokens > the cache's 640).
+    D's answers equal the single instance's; on both instances the tier counters show every
+    history coming back from the tiers (P: its host tier; D: mostly its disk tier)."""
+    from tests.support.servers import TIER_BLOCKS
+
+    servers = server_pool.get("single", "p_tier", "d_tier")
+    cluster = {**servers, "model": server_pool.model}
+    p, d = servers["p_tier"], servers["d_tier"]
+    convs = [token_prompt(150, seed=700 + c) for c in range(5)]
+    key = "pdserve:kv_offload_prompt_tokens_loaded_total"
+    loaded0 = {s: s.metrics().get(key, 0.0) for s in (p, d)}
+    history = 0  # full blocks of every turn's previous prompt, in tokens
+    for turn in range(3):
+        for c, prompt in enumerate(convs):
+            body = completion_body(cluster, prompt, stream=False)
+            expected = reference(cluster, "completions", body)
+            params = prefill_leg(p, "completions", body)
+            out = decode_leg(d, "completions", body, params)
+            assert out["status"] == 200 and out["text"] == expected, (turn, c)
+            convs[c] = prompt + token_prompt(40, seed=800 + 10 * c + turn)
+            if turn < 2:
+                history += len(prompt) // B * B
+    assert sum(len(c) for c in convs) > TIER_BLOCKS * B  # the histories do not fit
+    for s in (p, d):
+        m = s.wait_metrics(lambda m: m.get("pdserve:kv_cache_free_blocks")
+                           == m.get("pdserve:kv_cache_total_blocks"))
+        assert m[key] - loaded0[s] >= history * 0.9, (s.log_path, m[key] - loaded0[s], history)
+        assert m.get("pdserve:kv_offload_failed_loads_total", 0.0) == 0

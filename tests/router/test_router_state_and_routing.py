@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pdserve.types.block_hash import block_hashes
-from pdserve.types.kv_events import KVSnapshot
+from pdserve.types.kv_events import BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 from pdserve.router.config import ProxyConfig, parse_args
 from pdserve.router.kv_routing import KVAwareRouter, RoutingReason
 from pdserve.router.proxy import start_proxy
@@ -170,6 +170,31 @@ def test_kv_aware_prefers_cached_prefix_against_load():
     assert (d.order[0].url, d.reason) == ("http://a", RoutingReason.LEAST_LOADED)
     pool.get("http://b").in_flight = 0
     assert router.route(pool, [7] * 40).reason == RoutingReason.LEAST_LOADED  # nothing cached
+
+
+def test_kv_aware_weighs_a_hit_by_its_tier():
+    urls = ("http://gpu", "http://cpu", "http://disk")
+    pool = UpstreamPool("prefill", urls, "kv-aware")
+    prompt = list(range(40))  # 10 blocks of 4
+    hashes = block_hashes(prompt, 4)
+    router = live_router(urls, {u: [] for u in urls})
+    # 4 blocks in the KV cache of "gpu"; all 10 in the host tier of "cpu" (KV events with
+    # medium CPU), 8 in the disk tier of "disk" after 2 in its KV cache
+    ixs = router.indexes
+    ixs["http://gpu"].apply_batch(KVEventBatch(1, 1, 0.0, [BlockStored(hashes[:4], medium="GPU")]))
+    ixs["http://cpu"].apply_batch(KVEventBatch(1, 1, 0.0, [BlockStored(hashes, medium="CPU")]))
+    ixs["http://disk"].apply_batch(KVEventBatch(1, 1, 0.0, [BlockStored(hashes[:2]),
+                                                          BlockStored(hashes[2:], medium="DISK")]))
+    assert ixs["http://disk"].hit_media(hashes) == ["GPU"] * 2 + ["DISK"] * 8
+    # costs: gpu 6/10 = 0.6; cpu 10 * 0.1 / 10 = 0.1; disk 8 * 0.5 / 10 = 0.4
+    d = router.route(pool, prompt)
+    assert [u.url for u in d.order][:1] == ["http://cpu"] and d.hit_blocks == 10
+    ixs["http://cpu"].apply_batch(KVEventBatch(1, 2, 0.0, [BlockRemoved(hashes[5:], medium="CPU")]))
+    d = router.route(pool, prompt)  # cpu: (5 * 0.1 + 5) / 10 = 0.55 > disk's 0.4
+    assert d.order[0].url == "http://disk" and d.hit_blocks == 10
+    ixs["http://disk"].apply_snapshot(KVSnapshot(1, 5, 4, [], {"DISK": hashes[:3]}))
+    d = router.route(pool, prompt)  # disk: (3 * 0.5 + 7) / 10 = 0.85; cpu's 0.55 wins
+    assert d.order[0].url == "http://cpu" and d.hit_blocks == 5
 
 
 def test_kv_aware_without_live_events_is_least_loaded():

@@ -24,6 +24,7 @@ import re
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,13 +39,21 @@ __all__ = ["BIDIR_TTL_S", "BLOCK_SIZE", "HANDSHAKE_TIMEOUT_S", "LOAD_FACTOR", "M
            "POOL_COMMON", "POOL_SPECS", "SHORT_LEASE_S", "STALL_TIMEOUT_S", "EngineServer",
            "Process", "ProxyServer", "RedisServer", "ServerPool", "Spec", "UpDeployment", "decode_leg",
            "descendants", "generate", "nixl_config", "prefill_leg", "sse_events",
-           "start_all", "still_running", "stop_together", "wait_progressing"]
+           "start_all", "still_running", "stop_together", "wait_progressing", "TIER_BLOCKS",
+           "TIER_COMMON", "TIER_DISK_DIR"]
 
 
 #: Arguments shared by the pooled tiny-model instances (greedy outputs do not depend on them).
 BLOCK_SIZE = 16
 POOL_COMMON = ["--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", "1024",
                "--max-model-len", "1024"]
+#: KV cache blocks of the pooled instances with KV cache tiers (``*_tier*``): 640 tokens, so a
+#: few conversations' histories do not fit and come back from the tiers.
+TIER_BLOCKS = 40
+TIER_COMMON = ["--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(TIER_BLOCKS),
+               "--max-model-len", str(TIER_BLOCKS * BLOCK_SIZE)]
+#: Where the disk tier of ``d_tier`` writes (a subdirectory per process, removed at its exit).
+TIER_DISK_DIR = os.path.join(tempfile.gettempdir(), "pdserve-test-kv-disk")
 
 
 def _load_factor() -> float:
@@ -354,6 +363,14 @@ POOL_SPECS: dict[str, Spec] = {
     "p_fp8": Spec(nixl_config("kv_producer"), (*POOL_COMMON, "--kv-cache-dtype", "fp8")),
     "d_fp8": Spec(nixl_config("kv_consumer", kv_handshake_timeout=HANDSHAKE_TIMEOUT_S),
                   (*POOL_COMMON, "--kv-cache-dtype", "fp8")),
+    # KV cache tiers behind small KV caches (TIER_BLOCKS blocks): a P with a host tier, a D
+    # with a tiny host tier over a disk tier, and a bidirectional P with a host tier
+    "p_tier": Spec(nixl_config("kv_producer"), (*TIER_COMMON, "--kv-offloading-size", "0.004")),
+    "d_tier": Spec(nixl_config("kv_consumer", kv_handshake_timeout=HANDSHAKE_TIMEOUT_S),
+                   (*TIER_COMMON, "--kv-offloading-size", "0.0001",
+                    "--kv-offloading-disk-dir", TIER_DISK_DIR, "--kv-offloading-disk-size", "0.01")),
+    "p_tier_bidir": Spec(nixl_config("kv_producer", bidirectional_kv_xfer=True),
+                         (*TIER_COMMON, "--kv-offloading-size", "0.004")),
 }
 @dataclass
 class ServerPool:
