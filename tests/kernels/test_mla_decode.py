@@ -14,6 +14,11 @@ from tests.support.triton_kernels import import_kernels
 
 mk, HAS_CUDA = import_kernels("pdserve.kernels.mla_decode", "_mla_decode_split_kernel")
 kvk, _ = import_kernels("pdserve.kernels.kv_cache", "_store_kv_kernel")
+# the layers' Triton ops, for the whole-model test (interpreted on CPU)
+import_kernels("pdserve.kernels.rms_norm", "_rms_norm_kernel")
+import_kernels("pdserve.kernels.rotary", "_rotary_kernel")
+import_kernels("pdserve.kernels.activation", "_silu_and_mul_kernel")
+import_kernels("pdserve.kernels.moe", "_grouped_gemm_kernel")
 
 from pdserve.attention.kv_quant import FP8_KV_DTYPE, dequantize  # noqa: E402
 from pdserve.attention.metadata import build_attention_metadata, decode_metadata  # noqa: E402
@@ -162,3 +167,44 @@ def test_mla_kernel_compiles_for_hopper(hopper_compile):
     ok, failed, stderr = hopper_compile
     assert not failed.get("mla") and not failed.get("script"), (failed, stderr[-3000:])
     assert ok.get("mla") == EXPECTED["mla"], (ok, stderr[-3000:])
+
+
+@pytest.mark.slow  # the whole model's Triton ops in the interpreter: about 10 s on a CPU
+def test_whole_model_on_the_triton_path_gives_the_torch_paths_tokens(tmp_path):
+    """A tiny DeepSeek-V2 (low-rank queries, group-limited routing) with the Triton MLA backend,
+    so that every layer runs its Triton op (RMSNorm, rotary, SwiGLU, the fused MoE of the routed
+    experts, the latent write and decode): greedy tokens of a mixed batch with a chunked prefill
+    equal the torch path's."""
+    import random
+
+    from pdserve.attention.mla_triton import TritonMLAAttentionBackend
+    from pdserve.runner.model_runner import ModelRunner
+    from pdserve.testing.tiny_models import make_tiny_model
+    from pdserve.types.engine_config import EngineConfig
+    from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
+
+    # two layers: the dense one and an MoE one
+    path = str(make_tiny_model(tmp_path / "v2", "deepseek_v2", num_hidden_layers=2))
+
+    def requests() -> list[DrivenRequest]:
+        rng = random.Random(0)
+        return [DrivenRequest(f"r{i}", [rng.randrange(3, 49152) for _ in range(n)], 4, greedy(4),
+                              start_step=i, chunks=[n // 2, n - n // 2] if n > BS else None)
+                for i, n in enumerate([1, BS + 9])]
+
+    outputs = {}
+    for triton_path in (False, True):
+        runner = ModelRunner(EngineConfig(model=path, device=str(DEVICE), dtype="float32",
+                                          max_model_len=128, block_size=BS,
+                                          num_gpu_blocks_override=32))
+        runner.allocate_kv_cache(32)
+        if triton_path:
+            torch_backend = runner.model.attn_backend
+            backend = TritonMLAAttentionBackend(torch_backend.geometry, BS, torch_backend.scale)
+            backend._kv_cache_kernels, backend._decode_kernels = kvk, mk
+            runner.model.set_attention_backend(backend)
+        reqs = requests()
+        MiniScheduler(runner, 32).run(reqs)
+        outputs[triton_path] = [r.output for r in reqs]
+    assert outputs[True] == outputs[False]
+    assert len({tuple(o) for o in outputs[False]}) == 2
