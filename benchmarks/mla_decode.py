@@ -17,19 +17,23 @@ entries are as far apart as in the engine. For each batch size and context lengt
 Each time is the median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``); bandwidth
 is the latent bytes the step must read (context tokens x 576 values x bytes per value: 2, or 1
 with ``--kv-cache-dtype fp8``) per second for all three columns (the gather also writes them).
-``rel err`` compares the kernel's output with the torch path's in float32. Without CUDA the
-kernel runs in Triton's interpreter on tiny shapes, to check this script, not to time it.
+``rel err`` compares the kernel's output with the torch path's in float32. ``--sweep`` also
+times the kernel for ``block_n`` 16/32 x 4/8 warps x 8/16/32 context pieces and prints the best
+launch of each row. Without CUDA the kernel runs in Triton's interpreter on tiny shapes, to check
+this script, not to time it.
 
 Examples::
 
     python benchmarks/mla_decode.py                          # H200: batches 1..128, 1k and 4k
     python benchmarks/mla_decode.py --kv-cache-dtype fp8 --batch-sizes 1,32
+    python benchmarks/mla_decode.py --sweep --batch-sizes 1,32,128 --context-lens 4096
     python benchmarks/mla_decode.py --device cpu             # interpreter, tiny shapes
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -52,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=27)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time other launches (block_n, warps, pieces) of the kernel")
     p.add_argument("--json", default=None, help="also write the rows here")
     return p.parse_args(argv)
 
@@ -132,18 +138,29 @@ def main(argv: list[str] | None = None) -> int:
                 torch.index_select(kv_layer, 0, flat, out=gathered)
 
             t_kernel, t_torch, t_gather = bench_us(kernel), bench_us(torch_path), bench_us(gather)
+            sweep = {}
+            if args.sweep:
+                for bn, warps, pieces in itertools.product((16, 32), (4, 8), (8, 16, 32)):
+                    sweep[f"block_n={bn} warps={warps} pieces={pieces}"] = bench_us(
+                        lambda bn=bn, warps=warps, pieces=pieces: mla_decode_attention(
+                            s["q"], s["cache"], layer, s["tables"], s["ctx"], scale, r, k_scale,
+                            v_scale, out=out, num_splits=pieces, block_n=bn, num_warps=warps))
             kernel()
             ref = decode_absorbed(s["q"].float(), kv_layer.float() if elem == 2 else kv_layer,
                                   s["tables"], s["ctx"], scale, r, k_scale, v_scale)
             err = ((out.float() - ref).norm() / ref.norm()).item()
             nbytes = batch * ctx * width * elem
             row = {"batch": batch, "ctx": ctx, "bytes": nbytes, "kernel_us": t_kernel,
-                   "torch_us": t_torch, "gather_us": t_gather, "rel_err": err}
+                   "torch_us": t_torch, "gather_us": t_gather, "rel_err": err, "sweep": sweep}
             rows.append(row)
             gbs = [nbytes / t / 1e3 for t in (t_kernel, t_torch, t_gather)]
             print(f"{batch:>5} {ctx:>6} {nbytes / 2**20:>8.2f} {t_kernel:>10.1f} {gbs[0]:>7.0f} "
                   f"{t_torch:>9.1f} {gbs[1]:>7.0f} {t_gather:>9.1f} {gbs[2]:>7.0f} "
                   f"{t_gather / t_kernel:>9.0%} {err:>8.1e}", flush=True)
+            if sweep:
+                best = min(sweep, key=sweep.get)
+                print(f"      best launch: {best}: {sweep[best]:.1f} us "
+                      f"({nbytes / sweep[best] / 1e3:.0f} GB/s)", flush=True)
             del s, gathered
     if args.json:
         with open(args.json, "w") as fh:

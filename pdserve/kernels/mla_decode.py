@@ -19,8 +19,9 @@ the pieces of one launch have the same length, ``ceil(max_context_len / num_spli
 batch's longest context read from ``context_lens`` by the kernel itself, so the grid depends on
 the batch size alone and the launch can be captured in a CUDA graph (nothing here synchronises
 with the host); each piece keeps an online softmax in log2 space and that module's merge kernel
-combines the pieces. Each half of the entry is padded to a power of two in registers (masked
-loads read no padding bytes). An fp8 (e4m3) cache is read as stored and converted in registers:
+combines the pieces (at most :data:`MAX_SPLITS`). Each half of the entry is a tile of the largest
+power of two it holds and a tail tile of the rest (``288 = 256 + 32`` for DeepSeek's 576-value
+entry; masked loads read no padding bytes). An fp8 (e4m3) cache is read as stored and converted in registers:
 the K slot's values times the layer's key scale, the V slot's times its value scale
 (:mod:`pdserve.attention.kv_quant`'s convention). A sequence with no context (the padding rows
 of a CUDA graph batch) gets zeros.
@@ -39,13 +40,19 @@ import triton.language as tl
 from pdserve.kernels import pdl
 from pdserve.kernels.common import next_power_of_2
 from pdserve.kernels.paged_decode import (
-    MAX_NUM_SPLITS, _jit_without_specialising, _paged_decode_reduce_kernel, choose_num_splits)
+    _jit_without_specialising, _paged_decode_reduce_kernel, choose_num_splits)
 
 _LOG2_E = 1.4426950408889634
 #: query heads per program (tl.dot's smallest M; a sequence's heads share each entry read)
 BLOCK_H = 16
-_BLOCK_N = 16  # context tokens per inner iteration
+#: context tokens per inner iteration by default (``[16, 288]`` tiles of the two slots fit in
+#: registers beside the accumulators without spilling at 4 or 8 warps; 32 spills at 4 warps)
+BLOCK_N = 16
 _REDUCE_PIECES = 16  # as paged_decode's merge: pieces (heads x splits) per merge program
+#: most context pieces per sequence: the merge holds a sequence's pieces of one head in
+#: registers, ``[32, 512]`` fp32 at DeepSeek's latent width over its 8 warps without spilling
+#: (64 pieces spill on sm_90: ``cuobjdump -res-usage`` of the compiled merge kernel)
+MAX_SPLITS = 32
 
 
 def _mla_decode_split_kernel(
@@ -78,7 +85,8 @@ def _mla_decode_split_kernel(
     NUM_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
+    MAIN: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
     LORA_RANK: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -102,79 +110,105 @@ def _mla_decode_split_kernel(
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, ctx)
 
-    offs_d = tl.arange(0, HALF_PAD)
-    d_mask = offs_d < HALF
+    # Each half (slot) of the entry is a MAIN-wide tile and a TAIL_PAD-wide tile of its last
+    # HALF - MAIN values (masked; all masked when HALF is a power of two): 288 = 256 + 32 for
+    # DeepSeek's 576-value entry, instead of one 512-wide tile per half.
+    offs_m = tl.arange(0, MAIN)
+    offs_t = MAIN + tl.arange(0, TAIL_PAD)
+    t_mask = offs_t < HALF
     h_mask = heads < NUM_HEADS
+    hm = h_mask[:, None]
     q_rows = q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h
-    qd_mask = h_mask[:, None] & d_mask[None, :]
-    q_a = tl.load(q_rows + offs_d[None, :], mask=qd_mask, other=0.0)  # entry values 0 .. HALF
-    q_b = tl.load(q_rows + HALF + offs_d[None, :], mask=qd_mask, other=0.0)  # HALF .. W
+    # the query's values against the K slot (entry values 0 .. HALF) and the V slot (HALF .. W)
+    qk_m = tl.load(q_rows + offs_m[None, :], mask=hm, other=0.0)
+    qk_t = tl.load(q_rows + offs_t[None, :], mask=hm & t_mask[None, :], other=0.0)
+    qv_m = tl.load(q_rows + HALF + offs_m[None, :], mask=hm, other=0.0)
+    qv_t = tl.load(q_rows + HALF + offs_t[None, :], mask=hm & t_mask[None, :], other=0.0)
     if DOT_IN_FP32:
-        q_a = q_a.to(tl.float32)
-        q_b = q_b.to(tl.float32)
+        qk_m, qk_t = qk_m.to(tl.float32), qk_t.to(tl.float32)
+        qv_m, qv_t = qv_m.to(tl.float32), qv_t.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_a = tl.zeros([BLOCK_H, HALF_PAD], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_H, HALF_PAD], dtype=tl.float32)
+    acc_km = tl.zeros([BLOCK_H, MAIN], dtype=tl.float32)
+    acc_kt = tl.zeros([BLOCK_H, TAIL_PAD], dtype=tl.float32)
+    acc_vm = tl.zeros([BLOCK_H, MAIN], dtype=tl.float32)
+    acc_vt = tl.zeros([BLOCK_H, TAIL_PAD], dtype=tl.float32)
 
     bt_base = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         block = tl.load(bt_base + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-        tok = block.to(tl.int64) * stride_kv_b + (offs_n % BLOCK_SIZE) * stride_kv_t
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_a = tl.load(kv_ptr + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        k_b = tl.load(kv_ptr + stride_kv_kv + tok[:, None] + offs_d[None, :], mask=kv_mask,
+        rows = kv_ptr + (block.to(tl.int64) * stride_kv_b
+                         + (offs_n % BLOCK_SIZE) * stride_kv_t)[:, None]
+        nm = n_mask[:, None]
+        k_m = tl.load(rows + offs_m[None, :], mask=nm, other=0.0)
+        k_t = tl.load(rows + offs_t[None, :], mask=nm & t_mask[None, :], other=0.0)
+        v_m = tl.load(rows + stride_kv_kv + offs_m[None, :], mask=nm, other=0.0)
+        v_t = tl.load(rows + stride_kv_kv + offs_t[None, :], mask=nm & t_mask[None, :],
                       other=0.0)
         if KV_FP8:  # exact conversion, then the layer's scales
-            k_a = (k_a.to(tl.float32) * k_scale).to(q_a.dtype)
-            k_b = (k_b.to(tl.float32) * v_scale).to(q_b.dtype)
+            k_m = (k_m.to(tl.float32) * k_scale).to(qk_m.dtype)
+            k_t = (k_t.to(tl.float32) * k_scale).to(qk_m.dtype)
+            v_m = (v_m.to(tl.float32) * v_scale).to(qk_m.dtype)
+            v_t = (v_t.to(tl.float32) * v_scale).to(qk_m.dtype)
         elif DOT_IN_FP32:
-            k_a = k_a.to(tl.float32)
-            k_b = k_b.to(tl.float32)
+            k_m, k_t = k_m.to(tl.float32), k_t.to(tl.float32)
+            v_m, v_t = v_m.to(tl.float32), v_t.to(tl.float32)
         if DOT_IN_FP32:
-            s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
-            s += tl.dot(q_b, tl.trans(k_b), input_precision="ieee")
+            s = tl.dot(qk_m, tl.trans(k_m), input_precision="ieee")
+            s += tl.dot(qk_t, tl.trans(k_t), input_precision="ieee")
+            s += tl.dot(qv_m, tl.trans(v_m), input_precision="ieee")
+            s += tl.dot(qv_t, tl.trans(v_t), input_precision="ieee")
         else:
-            s = tl.dot(q_a, tl.trans(k_a))
-            s += tl.dot(q_b, tl.trans(k_b))
+            s = tl.dot(qk_m, tl.trans(k_m))
+            s += tl.dot(qk_t, tl.trans(k_t))
+            s += tl.dot(qv_m, tl.trans(v_m))
+            s += tl.dot(qv_t, tl.trans(v_t))
         s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DOT_IN_FP32:
-            pa = tl.dot(p, k_a, input_precision="ieee")
-            pb = tl.dot(p, k_b, input_precision="ieee")
+            acc_km = acc_km * alpha[:, None] + tl.dot(p, k_m, input_precision="ieee")
+            acc_kt = acc_kt * alpha[:, None] + tl.dot(p, k_t, input_precision="ieee")
+            acc_vm = acc_vm * alpha[:, None] + tl.dot(p, v_m, input_precision="ieee")
+            acc_vt = acc_vt * alpha[:, None] + tl.dot(p, v_t, input_precision="ieee")
         else:
-            pa = tl.dot(p.to(k_a.dtype), k_a)
-            pb = tl.dot(p.to(k_b.dtype), k_b)
-        acc_a = acc_a * alpha[:, None] + pa
-        acc_b = acc_b * alpha[:, None] + pb
+            p16 = p.to(k_m.dtype)
+            acc_km = acc_km * alpha[:, None] + tl.dot(p16, k_m)
+            acc_kt = acc_kt * alpha[:, None] + tl.dot(p16, k_t)
+            acc_vm = acc_vm * alpha[:, None] + tl.dot(p16, v_m)
+            acc_vt = acc_vt * alpha[:, None] + tl.dot(p16, v_t)
         m_i = m_new
 
-    inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-    out_a = acc_a * inv[:, None]
-    out_b = acc_b * inv[:, None]
-    # the output is the latent part of the averaged entries: values 0 .. LORA_RANK, i.e. all of
-    # the K slot's half and the V slot's first LORA_RANK - HALF values
-    a_mask = h_mask[:, None] & d_mask[None, :]
-    b_mask = h_mask[:, None] & (offs_d < LORA_RANK - HALF)[None, :]
+    inv = (1.0 / tl.where(l_i > 0, l_i, 1.0))[:, None]
+    # the output is the latent part of the averaged entries, values 0 .. LORA_RANK: all of the
+    # K slot's half, then the V slot's first LORA_RANK - HALF values (the rest is k_pe)
+    v_values = LORA_RANK - HALF
+    masks = (hm & (offs_m < HALF)[None, :], hm & t_mask[None, :],
+             hm & (offs_m < v_values)[None, :], hm & (offs_t < v_values)[None, :])
     if SPLIT:
-        po = (part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h
-              + split * stride_po_p + offs_d[None, :])
-        nonempty = (offs_d * 0 + start) < end  # an empty piece writes only l == 0
-        tl.store(po, out_a, mask=a_mask & nonempty[None, :])
-        tl.store(po + HALF, out_b, mask=b_mask & nonempty[None, :])
+        base = (part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h
+                + split * stride_po_p)
+        nonempty = (heads * 0 + start) < end  # an empty piece writes only l == 0
+        live = nonempty[:, None]
+        tl.store(base + offs_m[None, :], acc_km * inv, mask=masks[0] & live)
+        tl.store(base + offs_t[None, :], acc_kt * inv, mask=masks[1] & live)
+        tl.store(base + HALF + offs_m[None, :], acc_vm * inv, mask=masks[2] & live)
+        tl.store(base + HALF + offs_t[None, :], acc_vt * inv, mask=masks[3] & live)
         pm = seq * stride_pm_s + heads * stride_pm_h + split
         tl.store(part_max_ptr + pm, m_i, mask=h_mask)
         tl.store(part_sum_ptr + pm, l_i, mask=h_mask)
     else:
-        o = out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + offs_d[None, :]
-        tl.store(o, out_a.to(out_ptr.dtype.element_ty), mask=a_mask)
-        tl.store(o + HALF, out_b.to(out_ptr.dtype.element_ty), mask=b_mask)
+        base = out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h
+        ty = out_ptr.dtype.element_ty
+        tl.store(base + offs_m[None, :], (acc_km * inv).to(ty), mask=masks[0])
+        tl.store(base + offs_t[None, :], (acc_kt * inv).to(ty), mask=masks[1])
+        tl.store(base + HALF + offs_m[None, :], (acc_vm * inv).to(ty), mask=masks[2])
+        tl.store(base + HALF + offs_t[None, :], (acc_vt * inv).to(ty), mask=masks[3])
 
 
 # the batch size and block-table width change from step to step: not specialised on (as
@@ -185,8 +219,8 @@ _mla_decode_split_kernel = _jit_without_specialising(_mla_decode_split_kernel)
 def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                          kv_lora_rank: int, k_scale: float = 1.0, v_scale: float = 1.0,
-                         out: torch.Tensor | None = None, num_splits: int | None = None
-                         ) -> torch.Tensor:
+                         out: torch.Tensor | None = None, num_splits: int | None = None,
+                         block_n: int = BLOCK_N, num_warps: int | None = None) -> torch.Tensor:
     """Absorbed-form MLA attention of one new token per sequence over its paged latent cache.
 
     Args:
@@ -202,9 +236,13 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         kv_lora_rank: ``r``, the latent width (``W / 2 <= r < W``).
         k_scale, v_scale: the layer's fp8 scales of the K and V slots (ignored otherwise).
         out: optional ``[num_seqs, num_heads, r]`` buffer (contiguous last dim).
-        num_splits: context pieces per sequence; default :func:`choose_num_splits
-            <pdserve.kernels.paged_decode.choose_num_splits>` of the batch size (no context hint,
-            so that eager and graph-replayed steps of one batch size compute the same bits).
+        num_splits: context pieces per sequence, at most :data:`MAX_SPLITS`; default
+            :func:`choose_num_splits <pdserve.kernels.paged_decode.choose_num_splits>` of the
+            batch size (no context hint, so that eager and graph-replayed steps of one batch
+            size compute the same bits), capped.
+        block_n: context tokens per inner iteration (a power of two, at least 16).
+        num_warps: warps per program of the split kernel; default 8 for halves over 128 values,
+            else 4 (``benchmarks/mla_decode.py --sweep`` times the others).
 
     Returns:
         ``out``: ``[num_seqs, num_heads, r]`` attention-weighted latents, in ``q``'s dtype.
@@ -217,16 +255,17 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                          f"{tuple(q.shape)} and {tuple(kv_cache.shape)}")
     num_seqs, num_heads, width = q.shape
     half, block_size = kv_cache.shape[5], kv_cache.shape[4]
-    if width != 2 * half or not half <= kv_lora_rank < width:
-        raise ValueError(f"entry width {width} does not match the cache's halves of {half} and "
-                         f"kv_lora_rank {kv_lora_rank}")
+    if width != 2 * half or not half <= kv_lora_rank < width or half < 16:
+        raise ValueError(f"entry width {width} does not match the cache's halves of {half} "
+                         f"(at least 16) and kv_lora_rank {kv_lora_rank}")
     if not 0 <= layer < kv_cache.shape[1]:
         raise ValueError(f"layer {layer} out of range for {kv_cache.shape[1]} layers")
     kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if q.dtype != kv_cache.dtype and not kv_fp8:
         raise ValueError(f"q dtype {q.dtype} differs from kv_cache dtype {kv_cache.dtype}")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if block_size & (block_size - 1) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_size and block_n must be powers of two (block_n at least 16), "
+                         f"got {block_size} and {block_n}")
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or \
             context_lens.shape != (num_seqs,):
         raise ValueError("block_tables must be [num_seqs, max_blocks] and context_lens "
@@ -241,10 +280,11 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, 1, q.device)
-    if not 1 <= num_splits <= MAX_NUM_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_NUM_SPLITS}], got {num_splits}")
+        num_splits = min(MAX_SPLITS, choose_num_splits(num_seqs, 1, q.device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     block_h = BLOCK_H
+    main = next_power_of_2(half + 1) // 2  # the largest power of two <= half
     split = num_splits > 1
     if split:
         part_out = torch.empty((num_seqs, num_heads, num_splits, kv_lora_rank),
@@ -265,12 +305,13 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         part_out.stride(0) if split else 0, part_out.stride(1) if split else 0,
         part_out.stride(2) if split else 0, part_max.stride(0) if split else 0,
         part_max.stride(1) if split else 0,
-        NUM_HEADS=num_heads, BLOCK_H=block_h, HALF=half, HALF_PAD=next_power_of_2(half),
-        LORA_RANK=kv_lora_rank, BLOCK_SIZE=block_size, BLOCK_N=_BLOCK_N, SPLIT=split,
+        NUM_HEADS=num_heads, BLOCK_H=block_h, HALF=half, MAIN=main,
+        TAIL_PAD=max(16, next_power_of_2(half - main)),
+        LORA_RANK=kv_lora_rank, BLOCK_SIZE=block_size, BLOCK_N=block_n, SPLIT=split,
         # Triton's CPU interpreter multiplies 16-bit tl.dot operands as raw bits (see
         # paged_decode): interpreted runs widen them first
         DOT_IN_FP32=q.dtype == torch.float32 or q.device.type != "cuda", KV_FP8=kv_fp8,
-        num_warps=8 if half > 128 else 4, num_stages=2, **options)
+        num_warps=num_warps or (8 if half > 128 else 4), num_stages=2, **options)
     if split:
         splits_pad = next_power_of_2(num_splits)
         heads = max(1, min(_REDUCE_PIECES // splits_pad, next_power_of_2(num_heads)))
@@ -278,6 +319,7 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
             out, part_out, part_max, part_sum, num_splits, out.stride(0), out.stride(1),
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_max.stride(0),
             part_max.stride(1), NUM_HEADS=num_heads, HEADS=heads, HEAD_DIM=kv_lora_rank,
-            HEAD_DIM_PAD=next_power_of_2(kv_lora_rank), SPLITS_PAD=splits_pad, num_warps=4,
+            HEAD_DIM_PAD=next_power_of_2(kv_lora_rank), SPLITS_PAD=splits_pad,
+            num_warps=8 if kv_lora_rank > 256 else 4,
             **options)
     return out

@@ -153,7 +153,7 @@ def mla() -> None:
     def aligned(n):
         return n.endswith("_ptr") or (n.startswith("stride") and not n.startswith("stride_pm"))
 
-    # DeepSeek-V2-Lite's latent (halves of 288, padded to 512), bf16 and an fp8 cache, with and
+    # DeepSeek-V2-Lite's latent (halves of 288 = 256 + 32), bf16 and an fp8 cache, with and
     # without the merge
     for label, kv_dt, split in (("mla_decode_bf16_split0", "*bf16", False),
                                 ("mla_decode_bf16_split1", "*bf16", True),
@@ -163,7 +163,7 @@ def mla() -> None:
                   "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
                   "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
                   "scale_log2": "fp32", "k_scale": "fp32", "v_scale": "fp32"},
-                 dict(NUM_HEADS=16, BLOCK_H=16, HALF=288, HALF_PAD=512, LORA_RANK=512,
+                 dict(NUM_HEADS=16, BLOCK_H=16, HALF=288, MAIN=256, TAIL_PAD=32, LORA_RANK=512,
                       BLOCK_SIZE=16, BLOCK_N=16, SPLIT=split, DOT_IN_FP32=False,
                       KV_FP8=kv_dt == "*fp8e4nv"), aligned, num_warps=8, num_stages=2)
 

@@ -30,7 +30,8 @@ W, HALF, BS = R + ROPE, (R + ROPE) // 2, 16
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def _case(context_lens: list[int], heads: int, dtype: torch.dtype, seed: int = 0):
+def _case(context_lens: list[int], heads: int, dtype: torch.dtype, seed: int = 0,
+          width: int = W):
     """Absorbed queries ``[B, H, W]``, a 2-layer latent cache with each sequence's blocks
     scattered, block tables (padded with an out-of-range id) and context lengths."""
     gen = torch.Generator().manual_seed(seed)
@@ -42,13 +43,13 @@ def _case(context_lens: list[int], heads: int, dtype: torch.dtype, seed: int = 0
     for i, n in enumerate(per_seq):
         tables[i, :n] = perm[used:used + n].to(torch.int32)
         used += n
-    kv = torch.randn(num_blocks, 2, 2, 1, BS, HALF, generator=gen)
-    q = torch.randn(len(context_lens), heads, W, generator=gen) * 0.5
+    kv = torch.randn(num_blocks, 2, 2, 1, BS, width // 2, generator=gen)
+    q = torch.randn(len(context_lens), heads, width, generator=gen) * 0.5
     return (q.to(DEVICE, dtype), kv.to(DEVICE, dtype), tables.to(DEVICE),
             torch.tensor(context_lens, dtype=torch.int32, device=DEVICE))
 
 
-def _reference(q, kv, layer, tables, lens, scale, k_scale=1.0, v_scale=1.0):
+def _reference(q, kv, layer, tables, lens, scale, k_scale=1.0, v_scale=1.0, r=R):
     """float64 softmax of ``q . [c | k_pe]`` over each sequence's entries, averaging ``c``."""
     kv = kv.cpu()
     if kv.dtype == FP8_KV_DTYPE:
@@ -57,14 +58,14 @@ def _reference(q, kv, layer, tables, lens, scale, k_scale=1.0, v_scale=1.0):
     else:
         k, v = kv[:, :, 0].double(), kv[:, :, 1].double()
     entries = torch.cat((k, v), dim=-1)  # [N, L, 1, BS, W]
-    out = torch.zeros(q.shape[0], q.shape[1], R, dtype=torch.float64)
+    out = torch.zeros(q.shape[0], q.shape[1], r, dtype=torch.float64)
     for i, n in enumerate(lens.tolist()):
         if n == 0:
             continue
         pos = torch.arange(n)
         e = entries[tables[i].cpu().long()[pos // BS], layer, 0, pos % BS]  # [n, W]
         p = (q[i].double().cpu() @ e.T * scale).softmax(-1)
-        out[i] = p @ e[:, :R]
+        out[i] = p @ e[:, :r]
     return out
 
 
@@ -90,6 +91,18 @@ def test_kernel_matches_float64_and_the_torch_path(dtype, heads, num_splits):
     valid_tables = tables.clamp(max=kv.shape[0] - 1)
     torch_path = decode_absorbed(q, kv[:, 1], valid_tables, ctx, scale, R)
     assert _rel(torch_path[:-1], ref[:-1]) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize(("r", "rope"), [(24, 8), (100, 4)],
+                         ids=["halves-a-power-of-two", "values-in-the-v-tail"])
+def test_kernel_tiles_of_other_latent_widths(r, rope):
+    """Halves of 16 (no tail: its tile is all masked) and of 52 = 32 + 20 with latent values in
+    the V slot's tail tile (``r - W/2 = 48 > 32``)."""
+    lens = [3, 40, 17]
+    q, kv, tables, ctx = _case(lens, 4, torch.float32, seed=2, width=r + rope)
+    out = mk.mla_decode_attention(q, kv, 0, tables, ctx, 0.2, r, num_splits=2)
+    assert out.shape == (3, 4, r)
+    assert _rel(out, _reference(q, kv, 0, tables, ctx, 0.2, r=r)) < 1e-5
 
 
 def test_kernel_reads_an_fp8_cache_with_the_layers_scales():
@@ -183,12 +196,14 @@ def test_whole_model_on_the_triton_path_gives_the_torch_paths_tokens(tmp_path):
     from pdserve.types.engine_config import EngineConfig
     from tests.support.model_driver import DrivenRequest, MiniScheduler, greedy
 
-    # two layers: the dense one and an MoE one
-    path = str(make_tiny_model(tmp_path / "v2", "deepseek_v2", num_hidden_layers=2))
+    # two layers (the dense one and an MoE one) and a small vocabulary: the LM head's
+    # interpreted GEMV would take most of the time
+    path = str(make_tiny_model(tmp_path / "v2", "deepseek_v2", num_hidden_layers=2,
+                               vocab_size=1024))
 
     def requests() -> list[DrivenRequest]:
         rng = random.Random(0)
-        return [DrivenRequest(f"r{i}", [rng.randrange(3, 49152) for _ in range(n)], 4, greedy(4),
+        return [DrivenRequest(f"r{i}", [rng.randrange(3, 1024) for _ in range(n)], 4, greedy(4),
                               start_step=i, chunks=[n // 2, n - n // 2] if n > BS else None)
                 for i, n in enumerate([1, BS + 9])]
 
