@@ -25,7 +25,9 @@ views are the queries, keys and values attention reads (the q/k norms and the ro
 run in attention, on them in place with Triton; where a model's own q/k norms return new tensors,
 as Gemma 3's do, those are copied in). Three copies per layer into separate buffers would be a
 noticeable share of a long prefill step (docs/benchmarks.md, "Measurements moved out of code
-comments"). Attention writes its output into a static buffer that the next piece reads. The logits
+comments"). The model defines these buffers (``stage_buffers``,
+:class:`~pdserve.models.stage_buffers.StageBuffers`): DeepSeek's layers project queries and a
+latent into no buffer, and both are copied into buffers of their own. Attention writes its output into a static buffer that the next piece reads. The logits
 of the sampled rows are computed eagerly from the last piece's state (their count varies). Rows
 ``n .. N - 1`` of a step of ``n`` tokens are padding: they hold earlier steps' ids and attention
 outputs, go through the row-wise stages without touching the real rows, and never reach attention
@@ -128,11 +130,8 @@ class PiecewiseGraphs:
         self.max_tokens = self.sizes[-1]
         self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
         # what the stages hand attention and back, as the model defines them (Llama: the QKV
-        # projection writes into ``qkv``; queries, keys and values are its views)
+        # projection writes into one buffer; queries, keys and values are its views)
         self.buffers = model.stage_buffers(self.max_tokens)
-        self.qkv = self.buffers.projection
-        self.query, self.key, self.value = self.buffers.inputs
-        self.attn_out = self.buffers.out
         self._pieces: dict[int, list[Callable[[], None]]] = {}
         # per size: the dict whose "state" is the last piece's layer state after a replay
         self._carry: dict[int, dict[str, LayerState]] = {}

@@ -105,7 +105,7 @@ def test_padding_rows_do_not_reach_the_real_rows(tiny_qwen3_path):
     idx = torch.tensor([4])
     clean = pieces.run(ids, pos, cache.clone(), meta, idx)
     pieces.input_ids.fill_(999)
-    pieces.attn_out.fill_(1e4)
+    pieces.buffers.out.fill_(1e4)
     torch.testing.assert_close(pieces.run(ids, pos, cache.clone(), meta, idx), clean,
                                rtol=0, atol=0)
     runner.shutdown()
