@@ -19,7 +19,9 @@ per run of blocks per D rank (docs/architecture.md, "MLA latent cache").
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -85,11 +87,8 @@ def _counters(server: EngineServer) -> dict[str, float]:
 
 
 def _block_bytes(model: str) -> int:
-    """One rank's latent block: 3 layers, two slots of half the entry, float32 (the tiny
-    models' kv_lora_rank 32 + qk_rope_head_dim 8), ``B`` tokens."""
-    import json
-    from pathlib import Path
-
+    """One rank's latent block (bytes): every layer's entries of ``kv_lora_rank +
+    qk_rope_head_dim`` float32 values (the servers' dtype on CPU) for ``B`` tokens."""
     hf = json.loads((Path(model) / "config.json").read_text())
     width = hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
     return hf["num_hidden_layers"] * width * B * 4
