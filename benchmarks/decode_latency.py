@@ -7,8 +7,10 @@ TPOT (time per output token) is measured end to end through
     TPOT = (median time to N tokens - median time to 1 token) / (N - 1)
 
 so prefill, start-up and the first token cancel out. Each repeat uses a fresh random prompt. The
-model is Qwen3-0.6B with dummy weights (issue #8's target: TPOT <= 2 ms on one H200), or a tiny
-Qwen3 for CPU checks. Modes: ``graphs`` (the default engine) and ``eager`` (``enforce_eager``).
+model is Qwen3-0.6B with dummy weights (issue #8's target: TPOT <= 2 ms on one H200), another
+preset of ``benchmarks/offline_throughput.py`` (e.g. ``deepseek-v2-lite``: multi-head latent
+attention, 64 experts; 15.7B parameters, so at least ``--gpu-memory-utilization 0.5`` on an
+80 GB card), or a tiny model for CPU checks. Modes: ``graphs`` (the default engine) and ``eager`` (``enforce_eager``).
 
 ``--kernels`` (CUDA; on a CPU with ``TRITON_INTERPRET=1`` it only checks the code on tiny
 shapes) also times pdserve's Triton kernels against the torch code they
@@ -19,6 +21,7 @@ decode attention is also swept over ``block_n`` and ``num_warps`` and reported i
 Examples::
 
     python benchmarks/decode_latency.py --kernels
+    python benchmarks/decode_latency.py --model-preset deepseek-v2-lite --gpu-memory-utilization 0.6
     python benchmarks/decode_latency.py --model-preset tiny-qwen3 --input-len 8 --output-len 8 \\
         --modes eager --dtype float32 --kv-cache-memory 50000000
 """

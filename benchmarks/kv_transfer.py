@@ -30,8 +30,10 @@ NIXL READ, "done" notification). For each prompt length the script reports:
   ``--kv-buffer-device cpu`` choose.
 
 The KV geometry is SmolLM2-135M's (30 layers, 3 KV heads, head size 64) by default, an 8B
-Llama-class one with ``--geometry llama-8b``, Qwen3-0.6B's with ``--geometry qwen3-0.6b``, or
-anything with ``--num-layers`` etc. With ``--same-gpu`` both processes use ``cuda:0`` even when
+Llama-class one with ``--geometry llama-8b``, Qwen3-0.6B's with ``--geometry qwen3-0.6b``,
+DeepSeek-V2-Lite's multi-head latent with ``--geometry deepseek-v2-lite`` (a latent cache,
+replicated on every TP rank: each reader rank reads it once, whole, from one owner rank, so a
+rank's ``descs`` are those of a TP-1 read), or anything with ``--num-layers`` etc. With ``--same-gpu`` both processes use ``cuda:0`` even when
 there are more GPUs (the one-GPU P/D case). Blocks are
 taken contiguously (``--layout contiguous``: one descriptor per request) or as a random
 permutation (``--layout fragmented``: about one descriptor per block, the worst case of docs/architecture.md, "KV cache layout").
@@ -44,6 +46,7 @@ Examples::
     python benchmarks/kv_transfer.py --device cuda --same-gpu --geometry qwen3-0.6b \
         --lengths 4096 --same-host-transport nixl       # force NIXL between two processes
     python benchmarks/kv_transfer.py --prefill-tp 2 --decode-tp 1 --lengths 512,2048
+    python benchmarks/kv_transfer.py --geometry deepseek-v2-lite --prefill-tp 1 --decode-tp 2
 """
 
 from __future__ import annotations
@@ -57,14 +60,12 @@ import socket
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-GEOMETRIES = {
-    "smollm2": {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64},
-    "llama-8b": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128},
-    "qwen3-0.6b": {"num_layers": 28, "num_kv_heads": 8, "head_dim": 128},
-}
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_transfer_plan import DTYPE_BYTES, GEOMETRIES, print_plan  # noqa: E402
+
 POLL_INTERVAL_S = 0.0002  # reader's pause between connector polls
 
 
@@ -106,6 +107,7 @@ def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blo
     from pdserve.types.kv_transfer_config import KVTransferConfig
     from pdserve.kv_transfer.factory import create_connector
     from pdserve.kv_transfer.nixl.tp_plan import rank_heads
+    from pdserve.types.kv_cache_kind import KVCacheKind
 
     tp = tp or {"rank": 0, "size": 1}
     if device.startswith("cuda"):
@@ -117,7 +119,8 @@ def _make_worker(role: str, port: int, device: str, geo: dict[str, Any], num_blo
                        num_layers=geo["num_layers"], num_kv_heads=heads.count,
                        head_dim=geo["head_dim"], dtype=geo["dtype"],
                        element_size=DTYPE_BYTES[geo["dtype"]], model_name="bench",
-                       total_num_kv_heads=geo["num_kv_heads"])
+                       total_num_kv_heads=geo["num_kv_heads"],
+                       kind=KVCacheKind(geo.get("kind", "per_head")))
     kv = torch.empty((num_blocks, spec.num_layers, 2, spec.num_kv_heads, spec.block_size,
                       spec.head_dim), dtype=dtype, device=device)
     if role == "owner":
@@ -148,23 +151,33 @@ def _owner_main(conn, port: int, device: str, geo: dict[str, Any], num_blocks: i
     worker, _, _, engine_id = _make_worker("owner", port, device, geo, num_blocks,
                                            same_host_transport, kv_buffer_device, tp)
     conn.send(engine_id)
+    released: set[str] = set()  # leases that ended, from every poll
+
+    def poll() -> None:
+        released.update(worker.get_finished(set()).finished_sending)
+
     while True:
+        # between commands the owner keeps polling like an engine: rank 0 forwards the
+        # side-channel notices of its sibling ranks, which leave only while it polls
+        while not conn.poll(POLL_INTERVAL_S):
+            poll()
         cmd, arg = conn.recv()
         if cmd == "lease":
             request_id, block_ids = arg
             worker.bind_connector_metadata(NixlConnectorMetadata(
                 reqs_to_send={request_id: SendSpec(request_id, block_ids, 600.0)}))
-            worker.get_finished(set())
+            poll()
             while request_id not in worker.leases:  # host-buffer mode: leased once staged
                 time.sleep(0.0002)
-                worker.get_finished(set())
+                poll()
             conn.send(None)
         elif cmd == "wait_released":
             deadline = time.monotonic() + 60
-            while arg not in worker.get_finished(set()).finished_sending:
+            while arg not in released:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"lease {arg} not released")
                 time.sleep(POLL_INTERVAL_S)
+                poll()
             conn.send(None)
         elif cmd == "stop":
             worker.shutdown()
@@ -214,6 +227,11 @@ def _reader_main(conn, port: int, device: str, copy_device: str, geo: dict[str, 
                 # the side-channel thread of the GIL and inflate the claim round trip
                 time.sleep(POLL_INTERVAL_S)
             load_s = time.perf_counter() - t0
+            # the "done" notices of owner ranks no READ carried (an owner rank nobody reads,
+            # e.g. the second replica of a latent) leave while the worker polls, as in the engine
+            while worker.notices.has_queued() or worker.notices.has_background():
+                worker.get_finished(set())
+                time.sleep(POLL_INTERVAL_S)
             if out.invalid_block_ids or not stats or not stats["xfer_time_s"]:
                 raise RuntimeError(f"transfer failed: {out}")
             # spot-check the data: block i of the owner holds the value i
@@ -299,24 +317,6 @@ def _start_group(ctx, target, devices: list[str], port: int, *args: Any) -> list
     return out
 
 
-def _print_plan(heads: int, prefill_tp: int, decode_tp: int, num_layers: int) -> None:
-    from pdserve.kv_transfer.nixl.tp_plan import (
-        descriptors_per_request, heads_per_rank, pairing_error, plan_reads)
-
-    err = pairing_error(heads, prefill_tp, heads, decode_tp)
-    if err is not None:
-        raise SystemExit(f"P TP {prefill_tp} -> D TP {decode_tp} with {heads} KV heads: {err}")
-    print(f"# P TP {prefill_tp} ({heads_per_rank(heads, prefill_tp)} KV heads per rank) -> D TP "
-          f"{decode_tp} ({heads_per_rank(heads, decode_tp)} per rank), {heads} KV heads")
-    for j in range(decode_tp):
-        reads = ", ".join(f"P rank {r.src_rank} heads {r.src_head}..{r.src_head + r.count - 1}"
-                          for r in plan_reads(heads, prefill_tp, decode_tp, j))
-        print(f"#   D rank {j} reads {reads}")
-    print(f"# descriptors per request of n blocks in one run: "
-          f"{descriptors_per_request(heads, prefill_tp, decode_tp, num_layers, 1)} for n = 1, "
-          f"{descriptors_per_request(heads, prefill_tp, decode_tp, num_layers, 8)} for n = 8")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -361,8 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     block_bytes = (geo["num_layers"] * 2 * geo["num_kv_heads"] * args.block_size
                    * geo["head_dim"] * DTYPE_BYTES[args.dtype])
     print(f"# KV geometry: {geo} -> {block_bytes / 1024:.1f} KiB per block, "
-          f"{block_bytes / args.block_size / 1024:.1f} KiB per token (all TP ranks)")
-    _print_plan(geo["num_kv_heads"], args.prefill_tp, args.decode_tp, geo["num_layers"])
+          f"{block_bytes / args.block_size / 1024:.1f} KiB per token "
+          f"({'each TP rank: replicated' if geo.get('kind') == 'mla_latent' else 'all TP ranks'})")
+    print_plan(geo["num_kv_heads"], args.prefill_tp, args.decode_tp, geo["num_layers"],
+                geo.get("kind", "per_head"))
     print(f"# owner on {','.join(owner_devs)}, reader on {','.join(reader_devs)}; {num_blocks} "
           f"blocks per side ({num_blocks * block_bytes / 2**30:.2f} GiB over all ranks); layout "
           f"{args.layout}; median of {args.repeats}; same_host_transport "

@@ -44,6 +44,8 @@ Examples::
     # transformers on the longest-output requests only (--hf-max-prompts) keeps its part short
     python benchmarks/offline_throughput.py --model-preset qwen3-30b-a3b --hf-max-prompts 64
     python benchmarks/offline_throughput.py --model-preset qwen2.5-7b
+    # DeepSeek-V2-Lite shaped (MLA, 64 experts top-6 + 2 shared), dummy weights
+    python benchmarks/offline_throughput.py --model-preset deepseek-v2-lite --hf-max-prompts 64
     # the same families on a CPU: tiny-qwen3-moe, tiny-qwen2
 """
 
@@ -63,7 +65,8 @@ from pathlib import Path
 
 import torch
 
-from model_configs import qwen2_5_7b_config, qwen3_30b_a3b_config, tiny_config
+from model_configs import (deepseek_v2_lite_config, qwen2_5_7b_config, qwen3_30b_a3b_config,
+                           tiny_config, tiny_deepseek_config)
 from workload import Workload, make_workload
 from run_diagnostics import PauseWatch, StepTimer, on_cuda, sync_device, profile_decode_steps, profile_host
 
@@ -115,7 +118,9 @@ TINY_QWEN3_CONFIG = {
 MODEL_PRESETS = {"qwen3-0.6b": QWEN3_0_6B_CONFIG, "tiny-qwen3": TINY_QWEN3_CONFIG,
                  "qwen3-30b-a3b": qwen3_30b_a3b_config(), "qwen2.5-7b": qwen2_5_7b_config(),
                  "tiny-qwen3-moe": tiny_config(qwen3_30b_a3b_config()),
-                 "tiny-qwen2": tiny_config(qwen2_5_7b_config())}
+                 "tiny-qwen2": tiny_config(qwen2_5_7b_config()),
+                 "deepseek-v2-lite": deepseek_v2_lite_config(),
+                 "tiny-deepseek-v2-lite": tiny_deepseek_config(deepseek_v2_lite_config())}
 
 
 def write_model_config(directory: Path, preset: str) -> Path:
@@ -201,7 +206,12 @@ def run_pdserve(model_dir: Path, work: Workload, args: argparse.Namespace,
         if pauses is not None:
             pauses.report()
         attn = engine.core.runner.model.attn_backend
-        print(f"[{label}] prefill attention: {attn.last_prefill_impl}", flush=True)
+        from pdserve.attention.torch_backend import TorchAttentionBackend
+
+        if isinstance(attn, TorchAttentionBackend):  # per-head models
+            print(f"[{label}] prefill attention: {attn.last_prefill_impl}", flush=True)
+        else:  # multi-head latent attention (its own prefill forms)
+            print(f"[{label}] attention backend: {type(attn).__name__}", flush=True)
         if args.host_profile:
             profile_host(engine, work, params, args.host_profile)
         if args.profile_decode:

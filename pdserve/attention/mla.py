@@ -115,7 +115,43 @@ def _entries(blocks: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: 
     k, v = blocks[..., 0, 0, :, :], blocks[..., 1, 0, :, :]
     if blocks.dtype == FP8_KV_DTYPE:
         k, v = dequantize(k, k_scale, dtype), dequantize(v, v_scale, dtype)
-    return torch.cat((k, v), dim=-1)
+    return torch.cat((k.to(dtype), v.to(dtype)), dim=-1)
+
+
+def decode_absorbed(q: torch.Tensor, blocks_of_layer: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Absorbed-form decode attention with torch ops: the reference of
+    :func:`pdserve.kernels.mla_decode.mla_decode_attention` (same arguments, the layer's blocks
+    given instead of the cache and a layer index).
+
+    The ``H`` heads of a request play SDPA's query positions over its one shared key sequence
+    ``[c | k_pe]`` (values: ``c``). The mask is built on the device from ``seq_lens``, so the
+    call makes no host synchronisation; a row of length 0 (CUDA graph padding) attends to its
+    first slot instead of nothing (finite garbage, never read).
+
+    Args:
+        q: ``[B, H, W]`` absorbed queries ``[q_nope W_UK | q_pe]``.
+        blocks_of_layer: ``[num_blocks, 2, 1, block_size, W / 2]`` (``kv_cache[:, layer]``).
+        block_tables: ``[B, M]`` int block ids (padded with any valid id).
+        seq_lens: ``[B]`` int tokens to attend to, the new one included.
+        scale: softmax scale.
+        kv_lora_rank: ``r``.
+        k_scale, v_scale: fp8 scales of the K and V slots (ignored for a full-precision cache).
+
+    Returns:
+        ``[B, H, r]`` in ``q``'s dtype.
+    """
+    b, m = block_tables.shape
+    block_size = blocks_of_layer.shape[3]
+    blocks = blocks_of_layer.index_select(0, block_tables.flatten().long())  # [B*M, 2, 1, bs, .]
+    keys = _entries(blocks, q.dtype, k_scale, v_scale).reshape(b, m * block_size, -1)
+    key_pos = torch.arange(m * block_size, device=q.device)
+    mask = (key_pos[None, :] < seq_lens.clamp(min=1)[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    o_lat = F.scaled_dot_product_attention(q.unsqueeze(1), keys.unsqueeze(1),
+                                           keys[..., :kv_lora_rank].unsqueeze(1),
+                                           attn_mask=mask, scale=scale)
+    return o_lat.squeeze(1)
 
 
 class MLAAttentionBackend(AttentionBackend):
@@ -153,7 +189,7 @@ class MLAAttentionBackend(AttentionBackend):
 
     def forward_mla(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
                     entry: torch.Tensor, kv_b_weight: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
+                    meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's latent entries of layer ``layer``, then attend every token.
 
         Args:
@@ -165,17 +201,20 @@ class MLAAttentionBackend(AttentionBackend):
                 rows of ``kv_b_proj`` (per head: the key rows, then the value rows).
             kv_cache: ``[num_blocks, num_layers, 2, 1, block_size, W / 2]``.
             meta: the step's metadata (prefill tokens first, then one token per decode).
+            out: where to write the output (``[T, H, v_head_dim]``, e.g. a CUDA graph's static
+                buffer); None allocates it.
 
         Returns:
-            ``[T, H, v_head_dim]`` attention output (before ``o_proj``).
+            ``[T, H, v_head_dim]`` attention output (before ``o_proj``; ``out`` when given).
         """
         g = self.geometry
         k_scale, v_scale = self.kv_scale(layer)
-        write_latent(kv_cache, layer, entry, meta, k_scale, v_scale)
+        self._write(kv_cache, layer, entry, meta, k_scale, v_scale)
         w = kv_b_weight.view(g.num_heads, g.qk_nope_head_dim + g.v_head_dim, g.kv_lora_rank)
         w_uk, w_uv = w[:, :g.qk_nope_head_dim], w[:, g.qk_nope_head_dim:]
         t = q_nope.shape[0]
-        out = q_nope.new_empty(t, g.num_heads, g.v_head_dim)
+        if out is None:
+            out = q_nope.new_empty(t, g.num_heads, g.v_head_dim)
         blocks_of_layer = kv_cache[:, layer]
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
@@ -189,9 +228,25 @@ class MLAAttentionBackend(AttentionBackend):
                 out[rows] = self._prefill(q_nope[rows], q_pe[rows], ctx, w, span.mask)
         if meta.num_decodes:
             p = meta.num_prefill_tokens
-            out[p:] = self._decode(q_nope[p:], q_pe[p:], blocks_of_layer, meta, w_uk, w_uv,
-                                   k_scale, v_scale)
+            q_lat = torch.einsum("bhd,hdr->bhr", q_nope[p:], w_uk)
+            q = torch.cat((q_lat, q_pe[p:]), dim=-1)  # [B, H, W]
+            o_lat = self._decode_latent(q, kv_cache, layer, meta, k_scale, v_scale)
+            out[p:] = torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
         return out
+
+    def _write(self, kv_cache: torch.Tensor, layer: int, entry: torch.Tensor,
+               meta: AttentionMetadata, k_scale: float, v_scale: float) -> None:
+        """Store the step's latent entries ``[T, W]`` of ``layer`` (:func:`write_latent`)."""
+        write_latent(kv_cache, layer, entry, meta, k_scale, v_scale)
+
+    def _decode_latent(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                       meta: AttentionMetadata, k_scale: float, v_scale: float) -> torch.Tensor:
+        """The decode rows' absorbed queries ``[B, H, W]`` -> attention-weighted latents
+        ``[B, H, r]`` (:func:`decode_absorbed`)."""
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        return decode_absorbed(q, kv_cache[:, layer], meta.decode_block_tables,
+                               meta.decode_seq_lens, self.scale, self.geometry.kv_lora_rank,
+                               k_scale, v_scale)
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor,
                  w: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -224,25 +279,3 @@ class MLAAttentionBackend(AttentionBackend):
                                                attn_mask=mask, is_causal=mask is None,
                                                scale=self.scale)
         return torch.einsum("hlr,hvr->lhv", o_lat.squeeze(0), w_uv)
-
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, blocks_of_layer: torch.Tensor,
-                meta: AttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                k_scale: float, v_scale: float) -> torch.Tensor:
-        """One token per request in the absorbed form: ``q_*`` ``[B, H, *]`` -> ``[B, H,
-        v_head_dim]``; the ``H`` heads of a request play SDPA's query positions over its one
-        shared key sequence ``[c | k_pe]`` (values: ``c``)."""
-        g = self.geometry
-        b = q_nope.shape[0]
-        tables = meta.decode_block_tables
-        assert tables is not None and meta.decode_mask is not None
-        m = tables.shape[1]
-        blocks = blocks_of_layer.index_select(0, tables.flatten())  # [B*M, 2, 1, bs, W/2]
-        keys = _entries(blocks, q_nope.dtype, k_scale, v_scale).reshape(b, m * self.block_size,
-                                                                       g.entry_width)
-        q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
-        q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, W]
-        mask = meta.decode_mask.transpose(0, 1)  # [B, 1, 1, S]
-        o_lat = F.scaled_dot_product_attention(q.unsqueeze(1), keys.unsqueeze(1),
-                                               keys[..., :g.kv_lora_rank].unsqueeze(1),
-                                               attn_mask=mask, scale=self.scale)
-        return torch.einsum("bhr,hvr->bhv", o_lat.squeeze(1), w_uv)

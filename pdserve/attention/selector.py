@@ -1,4 +1,5 @@
-"""Picks the attention backend for a device (``PDSERVE_ATTENTION_BACKEND``)."""
+"""Picks the attention backend for a device (``PDSERVE_ATTENTION_BACKEND``): per-head models'
+and multi-head latent (MLA) models'."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import torch
 
 from pdserve.attention.base import AttentionBackend
+from pdserve.attention.mla import MLAAttentionBackend, MLAGeometry
 from pdserve.attention.torch_backend import TorchAttentionBackend
 from pdserve.attention.triton_backend import TritonAttentionBackend
 
@@ -30,10 +32,7 @@ def select_attention_backend(device: torch.device, num_heads: int, num_kv_heads:
             bad head geometry (see :class:`AttentionBackend`).
     """
     args = (num_heads, num_kv_heads, head_dim, block_size, scale)
-    choice = os.environ.get("PDSERVE_ATTENTION_BACKEND", "auto").lower()
-    if choice not in BACKEND_CHOICES:
-        raise ValueError(f"PDSERVE_ATTENTION_BACKEND={choice!r} is not one of "
-                         f"{', '.join(BACKEND_CHOICES)}")
+    choice = _choice()
     if device.type == "cuda" and choice in ("auto", "triton"):
         try:
             return TritonAttentionBackend(*args)
@@ -41,3 +40,40 @@ def select_attention_backend(device: torch.device, num_heads: int, num_kv_heads:
             if choice == "triton":
                 raise
     return TorchAttentionBackend(*args)
+
+
+def _choice() -> str:
+    """``PDSERVE_ATTENTION_BACKEND`` (default ``auto``).
+
+    Raises:
+        ValueError: not one of :data:`BACKEND_CHOICES`.
+    """
+    choice = os.environ.get("PDSERVE_ATTENTION_BACKEND", "auto").lower()
+    if choice not in BACKEND_CHOICES:
+        raise ValueError(f"PDSERVE_ATTENTION_BACKEND={choice!r} is not one of "
+                         f"{', '.join(BACKEND_CHOICES)}")
+    return choice
+
+
+def select_mla_backend(device: torch.device, geometry: MLAGeometry, block_size: int,
+                       scale: float) -> MLAAttentionBackend:
+    """The multi-head latent attention backend for ``device``, by the rule of
+    :func:`select_attention_backend`: :class:`~pdserve.attention.mla_triton.
+    TritonMLAAttentionBackend` on CUDA when Triton is importable (CUDA graphs, the layers' Triton
+    ops), the torch :class:`~pdserve.attention.mla.MLAAttentionBackend` otherwise or with
+    ``PDSERVE_ATTENTION_BACKEND=torch``.
+
+    Raises:
+        ImportError: ``PDSERVE_ATTENTION_BACKEND=triton`` on CUDA without Triton.
+        ValueError: a bad ``PDSERVE_ATTENTION_BACKEND`` or an odd latent entry width.
+    """
+    choice = _choice()
+    if device.type == "cuda" and choice in ("auto", "triton"):
+        try:
+            from pdserve.attention.mla_triton import TritonMLAAttentionBackend
+
+            return TritonMLAAttentionBackend(geometry, block_size, scale)
+        except ImportError:
+            if choice == "triton":
+                raise
+    return MLAAttentionBackend(geometry, block_size, scale)

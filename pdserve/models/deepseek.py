@@ -35,6 +35,7 @@ from torch import nn
 from pdserve.attention.kv_quant import KVCacheScales, projection_row_bounds, scale_for_bound
 from pdserve.attention.metadata import AttentionMetadata
 from pdserve.attention.mla import MLAAttentionBackend, MLAGeometry
+from pdserve.attention.selector import select_mla_backend
 from pdserve.distributed.communication import tp_all_gather_object
 from pdserve.distributed.parallel_state import get_tp_size
 from pdserve.layers import rotary
@@ -47,6 +48,7 @@ from pdserve.layers.weights import LoadedWeight
 from pdserve.models.arch_config import ArchConfig
 from pdserve.models.llama import CausalLM, DecoderLayer, LayerState, LlamaMLP
 from pdserve.models.qwen3_moe import Qwen3MoeCausalLM
+from pdserve.models.stage_buffers import StageBuffers
 
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -250,10 +252,12 @@ class DeepseekAttention(nn.Module):
         return q.view(x.shape[0], self.num_heads, self.cfg.qk_head_dim), self.kv_a_proj_with_mqa(x)
 
     def attend(self, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor,
-               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+               kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """Normalise the latent, rotate ``q_pe`` and ``k_pe`` at ``positions`` ``[T]``, write
         the latent entries and attend (:meth:`MLAAttentionBackend.forward_mla`):
-        ``[T, H, v_head_dim]``."""
+        ``[T, H, v_head_dim]`` (``out`` when given). ``q`` and ``kv_a`` are not modified (the
+        Triton rotary embedding rotates in place: on a copy of the rotary parts)."""
         cfg = self.cfg
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         c, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
@@ -261,10 +265,12 @@ class DeepseekAttention(nn.Module):
         k_pe = k_pe.unsqueeze(1)
         if cfg.rope_interleave:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        else:
+            q_pe, k_pe = q_pe.contiguous(), k_pe.contiguous()
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         entry = torch.cat((c, k_pe.squeeze(1)), dim=-1)
         return self.backend.forward_mla(self.layer_idx, q_nope, q_pe, entry,
-                                        self.kv_b_proj.weight, kv_cache, meta)
+                                        self.kv_b_proj.weight, kv_cache, meta, out)
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output ``[T, H, v_head_dim]`` -> ``[T, hidden_size]``."""
@@ -319,10 +325,10 @@ class DeepseekDecoderLayer(DecoderLayer):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: None, positions: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
                ) -> torch.Tensor:
-        """:meth:`DeepseekAttention.attend` of ``q`` and the latent projection ``k``
-        (``v`` and ``out`` unused, None)."""
-        assert v is None and out is None, "MLA layers take queries and the latent projection"
-        return self.self_attn.attend(q, k, positions, kv_cache, meta)
+        """:meth:`DeepseekAttention.attend` of ``q`` and the latent projection ``k`` (``v``
+        unused, None), into ``out`` (``[T, H, v_head_dim]``) when given."""
+        assert v is None, "MLA layers take queries and the latent projection"
+        return self.self_attn.attend(q, k, positions, kv_cache, meta, out)
 
 
 def _beyond_layers(name: str, num_layers: int) -> bool:
@@ -339,8 +345,8 @@ def _with_intermediate(cfg: DeepseekArchConfig, width: int) -> DeepseekArchConfi
 
 class DeepseekForCausalLM(CausalLM):
     """DeepSeek-V2 / V3 causal language model over a paged latent cache (same interface as
-    :class:`pdserve.models.llama.CausalLM`; the attention backend is always the torch
-    :class:`MLAAttentionBackend`).
+    :class:`pdserve.models.llama.CausalLM`; the attention backend is an
+    :class:`MLAAttentionBackend`, its Triton subclass on CUDA: :func:`select_mla_backend`).
 
     Raises:
         ValueError: ``cfg`` is not a :class:`DeepseekArchConfig`, or an unsupported rope type.
@@ -368,7 +374,20 @@ class DeepseekForCausalLM(CausalLM):
         attn = self.layers[0].self_attn
         geometry = MLAGeometry(attn.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
                                cfg.qk_rope_head_dim, cfg.v_head_dim)
-        self.set_attention_backend(MLAAttentionBackend(geometry, block_size, softmax_scale(cfg)))
+        self.set_attention_backend(select_mla_backend(device, geometry, block_size,
+                                                      softmax_scale(cfg)))
+
+    def stage_buffers(self, num_tokens: int) -> StageBuffers:
+        """Zeroed buffers of ``num_tokens`` rows between this model's stages: the queries
+        ``[N, H, qk_head_dim]`` and the latent projection ``[N, kv_lora_rank +
+        qk_rope_head_dim]`` (copied in: MLA layers project into no buffer) and the attention
+        output ``[N, H, v_head_dim]``."""
+        cfg, attn = self.cfg, self.layers[0].self_attn
+        kw = {"dtype": self.dtype, "device": self.device}
+        q = torch.zeros(num_tokens, attn.num_heads, cfg.qk_head_dim, **kw)
+        kv_a = torch.zeros(num_tokens, cfg.kv_lora_rank + cfg.qk_rope_head_dim, **kw)
+        out = torch.zeros(num_tokens, attn.num_heads, cfg.v_head_dim, **kw)
+        return StageBuffers(None, (q, kv_a, None), out)
 
     @staticmethod
     def _param_name(short: str) -> tuple[str, int | None]:

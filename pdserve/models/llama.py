@@ -47,6 +47,7 @@ from pdserve.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers import rotary
 from pdserve.models.arch_config import ArchConfig
+from pdserve.models.stage_buffers import StageBuffers
 from pdserve.layers.rotary import QKRotation, RotaryEmbedding
 
 # What one decoder layer hands the next, ``[T, hidden_size]`` tensors: ``(embeddings,)`` into
@@ -304,6 +305,18 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> LayerState:
         """The first layer's state: ``(embeddings,)``, ``[T, hidden_size]``."""
         return (self.embed_tokens(input_ids),)
+
+    def stage_buffers(self, num_tokens: int) -> StageBuffers:
+        """Zeroed buffers of ``num_tokens`` rows between this model's stages
+        (:class:`~pdserve.models.stage_buffers.StageBuffers`): the fused QKV projection writes
+        into one buffer whose views are the queries, keys and values (this rank's heads)."""
+        attn = self.layers[0].self_attn
+        n, d = num_tokens, attn.head_dim
+        qkv = torch.zeros(n, attn.qkv_proj.output_size, dtype=self.dtype, device=self.device)
+        q, k, v = (t.view(n, heads, d) for t, heads in zip(
+            attn.qkv_proj.split(qkv), (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads)))
+        out = torch.zeros(n, attn.num_heads, d, dtype=self.dtype, device=self.device)
+        return StageBuffers(qkv, (q, k, v), out)
 
     def compute_logits(self, state: LayerState,
                        logits_indices: torch.Tensor | None = None) -> torch.Tensor:

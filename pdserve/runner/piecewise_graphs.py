@@ -25,7 +25,9 @@ views are the queries, keys and values attention reads (the q/k norms and the ro
 run in attention, on them in place with Triton; where a model's own q/k norms return new tensors,
 as Gemma 3's do, those are copied in). Three copies per layer into separate buffers would be a
 noticeable share of a long prefill step (docs/benchmarks.md, "Measurements moved out of code
-comments"). Attention writes its output into a static buffer that the next piece reads. The logits
+comments"). The model defines these buffers (``stage_buffers``,
+:class:`~pdserve.models.stage_buffers.StageBuffers`): DeepSeek's layers project queries and a
+latent into no buffer, and both are copied into buffers of their own. Attention writes its output into a static buffer that the next piece reads. The logits
 of the sampled rows are computed eagerly from the last piece's state (their count varies). Rows
 ``n .. N - 1`` of a step of ``n`` tokens are padding: they hold earlier steps' ids and attention
 outputs, go through the row-wise stages without touching the real rows, and never reach attention
@@ -126,15 +128,10 @@ class PiecewiseGraphs:
         self.capture_graphs = capture
         self.num_warmup = num_warmup
         self.max_tokens = self.sizes[-1]
-        attn = model.layers[0].self_attn  # this rank's heads
-        n, d = self.max_tokens, attn.head_dim
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        # The QKV projection writes into this buffer; queries, keys and values are its views.
-        self.qkv = torch.zeros(n, attn.qkv_proj.output_size, dtype=model.dtype, device=device)
-        self.query, self.key, self.value = (
-            t.view(n, heads, d) for t, heads in zip(
-                attn.qkv_proj.split(self.qkv), (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads)))
-        self.attn_out = torch.zeros(n, attn.num_heads, d, dtype=model.dtype, device=device)
+        self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
+        # what the stages hand attention and back, as the model defines them (Llama: the QKV
+        # projection writes into one buffer; queries, keys and values are its views)
+        self.buffers = model.stage_buffers(self.max_tokens)
         self._pieces: dict[int, list[Callable[[], None]]] = {}
         # per size: the dict whose "state" is the last piece's layer state after a replay
         self._carry: dict[int, dict[str, LayerState]] = {}
@@ -150,17 +147,17 @@ class PiecewiseGraphs:
         the layer state on (``carry["state"]``)."""
         model, layers = self.model, self.model.layers
         ids = self.input_ids[:size]
-        qkv_buf = self.qkv[:size]
-        buffers = (self.query[:size], self.key[:size], self.value[:size])
-        attn_out = self.attn_out[:size]
+        bufs = self.buffers.rows(size)
+        attn_out = bufs.out
         carry: dict[str, LayerState] = {}
 
         def inputs_of(i: int, state: LayerState) -> LayerState:
-            q, k, v, state = layers[i].attention_inputs(state, qkv_out=qkv_buf)
+            q, k, v, state = layers[i].attention_inputs(state, qkv_out=bufs.projection)
             # Queries, keys and values are views of the buffer (the rotary embedding runs in
-            # attend), except Gemma 3's normed queries and keys, which are new tensors.
-            for src, dst in zip((q, k, v), buffers):
-                if src.data_ptr() != dst.data_ptr():
+            # attend), except Gemma 3's normed queries and keys and the tensors of a model that
+            # projects into no buffer (DeepSeek's queries and latent), which are copied in.
+            for src, dst in zip((q, k, v), bufs.inputs):
+                if dst is not None and src.data_ptr() != dst.data_ptr():
                     dst.copy_(src)
             return state
 
@@ -254,7 +251,8 @@ class PiecewiseGraphs:
             raise ValueError(f"a step of {n} tokens is outside the captured sizes "
                              f"1..{self.max_tokens}")
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        q, k, v, out = self.query[:n], self.key[:n], self.value[:n], self.attn_out[:n]
+        bufs = self.buffers.rows(n)
+        (q, k, v), out = bufs.inputs, bufs.out
         pieces = self._pieces[size]
         for piece, layer in zip(pieces, self.model.layers):
             piece()

@@ -5,7 +5,8 @@ tests/kernels/conftest.py). Prints ``ok GROUP LABEL`` per compiled configuration
 
 Groups: ``attention`` (paged decode and its merge, KV store, RMS norm, rotary with and without
 the KV store, SwiGLU, the sampler's inverse-CDF draw) and ``moe`` (the grouped GEMM), checked by
-tests/kernels/test_triton_attention.py and tests/kernels/test_triton_moe.py. The interpreter accepts code the compiler rejects, so the
+tests/kernels/test_triton_attention.py and tests/kernels/test_triton_moe.py, and ``mla`` (the
+MLA decode split kernel; tests/kernels/test_mla_decode.py). The interpreter accepts code the compiler rejects, so the
 configurations cover every constexpr branch the kernels take in production.
 """
 
@@ -146,6 +147,27 @@ def moe() -> None:
                       BLOCK_N=64, BLOCK_K=64), aligned, num_warps=4)
 
 
+def mla() -> None:
+    from pdserve.kernels import mla_decode
+
+    def aligned(n):
+        return n.endswith("_ptr") or (n.startswith("stride") and not n.startswith("stride_pm"))
+
+    # DeepSeek-V2-Lite's latent (halves of 288 = 256 + 32), bf16 and an fp8 cache, with and
+    # without the merge
+    for label, kv_dt, split in (("mla_decode_bf16_split0", "*bf16", False),
+                                ("mla_decode_bf16_split1", "*bf16", True),
+                                ("mla_decode_bf16_fp8_kv", "*fp8e4nv", True)):
+        _compile("mla", label, mla_decode._mla_decode_split_kernel,
+                 {"out_ptr": "*bf16", "q_ptr": "*bf16", "kv_ptr": kv_dt,
+                  "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                  "block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
+                  "scale_log2": "fp32", "k_scale": "fp32", "v_scale": "fp32"},
+                 dict(NUM_HEADS=16, BLOCK_H=16, HALF=288, MAIN=256, TAIL_PAD=32, LORA_RANK=512,
+                      BLOCK_SIZE=16, BLOCK_N=16, SPLIT=split, DOT_IN_FP32=False,
+                      KV_FP8=kv_dt == "*fp8e4nv"), aligned, num_warps=8, num_stages=2)
+
+
 #: labels each group must report
 EXPECTED = {
     "attention": {"paged_decode_bf16_split0", "paged_decode_bf16_split1",
@@ -158,9 +180,11 @@ EXPECTED = {
                   "draw_pick_bf16", "draw_pick_fp32", "gemv_rows1", "gemv_rows2"},
     "moe": {"grouped_gemm_bf16_m16", "grouped_gemm_bf16_m32", "grouped_gemm_bf16_m64",
             "grouped_gemm_fp32_m64"},
+    "mla": {"mla_decode_bf16_split0", "mla_decode_bf16_split1", "mla_decode_bf16_fp8_kv"},
 }
 
 if __name__ == "__main__":
     attention()
     moe()
+    mla()
     print("done", flush=True)

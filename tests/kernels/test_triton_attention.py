@@ -497,8 +497,8 @@ def test_fused_model_path_matches_torch_path(qk_norm, few_decode_splits):
     # place on its views, without a copy.
     pieces = PiecewiseGraphs(model, [16], capture=False)
     assert pieces.capture()
-    q, k, v, _ = model.layers[0].attention_inputs(model.embed(ids), qkv_out=pieces.qkv[:t])
-    assert [x.data_ptr() for x in (q, k, v)] == [b.data_ptr() for b in (pieces.query, pieces.key, pieces.value)]
+    q, k, v, _ = model.layers[0].attention_inputs(model.embed(ids), qkv_out=pieces.buffers.projection[:t])
+    assert [x.data_ptr() for x in (q, k, v)] == [b.data_ptr() for b in pieces.buffers.inputs]
     kv_pieces = kv0.clone()
     assert rel_err(pieces.run(ids, pos, kv_pieces, meta, idx), logits[False]) < 1e-4
     assert rel_err(kv_pieces, caches[False]) < 1e-5

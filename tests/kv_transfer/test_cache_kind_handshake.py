@@ -75,3 +75,13 @@ def test_latent_caches_pair_and_every_reader_rank_reads_the_latent_once(
         route = _handshake(MLA, MLA, monkeypatch, remote_tp, tp)
         assert len(route.reads) == 1 and route.reads[0].src_rank == 0, route.reads
         assert route.whole(route.reads[0]) and route.src.heads == route.dst.heads == 1
+
+
+def test_a_latent_cache_of_more_than_one_head_is_refused(monkeypatch):
+    """A latent cache that says it has the model's attention heads (4) instead of one latent
+    entry is refused: the plan would otherwise read it per head slice."""
+    wide = KVCacheSpec(num_blocks=8, block_size=16, num_layers=3, num_kv_heads=4, head_dim=20,
+                       dtype="float32", element_size=4, model_name="m", total_num_kv_heads=4,
+                       kind=KVCacheKind.MLA_LATENT)
+    with pytest.raises(HandshakeMismatch, match="one latent entry per token"):
+        _handshake(wide, wide, monkeypatch, 2, TPRank(rank=0, size=1, all_gather=None))

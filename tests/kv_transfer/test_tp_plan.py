@@ -8,6 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
+from pdserve.types.kv_cache_kind import KVCacheKind
+
 from pdserve.kv_transfer.nixl.tp_plan import (
     HeadRange,
     HeadRead,
@@ -160,3 +162,32 @@ def test_read_regions_rejects_mismatched_inputs():
     with pytest.raises(ValueError):
         read_regions(r, RankCache(2, 1, 8), RankCache(3, 1, 8), [1], [1])
     assert read_regions(r, RankCache(2, 1, 8), RankCache(2, 1, 8), [], []).shape == (0, 3)
+
+
+LATENT = KVCacheKind.MLA_LATENT
+
+
+@pytest.mark.parametrize("tp,td", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (3, 2)])
+def test_a_latent_is_read_once_whole_from_one_owner_rank(tp, td):
+    """A latent cache (one replicated entry per token) is read by every reader rank once, whole
+    blocks, from owner rank ``j % tp``: per reader rank as many descriptors as one rank's read at
+    TP 1 -> TP 1, and every owner rank is still told about the request."""
+    one_rank = descriptors_per_request(1, 1, 1, 32, 10, kind=LATENT)
+    assert one_rank == 1
+    assert descriptors_per_request(1, 1, 1, 32, 10, contiguous=False, kind=LATENT) == 10
+    for j in range(td):
+        assert plan_reads(1, tp, td, j, LATENT) == [HeadRead(j % tp, 0, 0, 1)]
+        assert is_whole(plan_reads(1, tp, td, j, LATENT)[0], 1, 1)
+        assert descriptors_per_request(1, tp, td, 32, 10, kind=LATENT, dst_rank=j) == one_rank
+        assert 0 in notice_targets(1, tp, td, j, LATENT)
+    assert descriptors_per_request(1, tp, td, 32, 10, kind=LATENT) == td * one_rank
+    for p in range(tp):
+        assert expected_notices(1, tp, td, p, LATENT) >= 1
+    # the owner's own heads field must say one head: a latent declared with the model's
+    # attention heads would otherwise be planned as head slices
+    with pytest.raises(TPLayoutError, match="one latent entry per token"):
+        plan_reads(4, tp, td, 0, LATENT)
+    assert "one latent entry per token" in pairing_error(4, tp, 4, td, LATENT)
+    assert pairing_error(1, tp, 1, td, LATENT) is None
+    with pytest.raises(TPLayoutError):
+        plan_reads(1, tp, td, td, LATENT)

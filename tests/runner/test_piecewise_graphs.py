@@ -1,8 +1,8 @@
 """The piecewise stages of steps with prefills (pdserve/runner/piecewise_graphs.py) on the CPU,
 run eagerly (``capture=False``) on the same static buffers and padding as the CUDA graphs:
 logits and greedy tokens of mixed batches (chunked prefills over cached context, decodes) equal
-the model's own forward pass, for the Llama, Qwen3 and Gemma 3 layer stages and a mixture-of-
-experts MLP; sizes and errors."""
+the model's own forward pass, for the Llama, Qwen3 and Gemma 3 layer stages, a mixture-of-
+experts MLP and DeepSeek's (multi-head latent attention, DeepSeek-MoE); sizes and errors."""
 
 from __future__ import annotations
 
@@ -48,10 +48,16 @@ def _run(runner: ModelRunner) -> list[list[int]]:
     return [r.output for r in reqs]
 
 
-@pytest.fixture(params=["llama", "qwen3", "gemma3", "qwen3-moe"])
+@pytest.fixture(params=["llama", "qwen3", "gemma3", "qwen3-moe", "deepseek_v2_lite",
+                        "deepseek_v3"])
 def model_path(request, tmp_path_factory):
     if request.param == "qwen3-moe":
         return make_family_model("qwen3-moe", tmp_path_factory.mktemp("moe"))
+    if request.param.startswith("deepseek"):  # MLA: stages that project into no buffer
+        from pdserve.testing.tiny_models import make_tiny_model
+
+        return str(make_tiny_model(tmp_path_factory.mktemp(request.param), request.param,
+                                   max_position_embeddings=256))
     return request.getfixturevalue(f"tiny_{request.param}_path")
 
 
@@ -99,7 +105,7 @@ def test_padding_rows_do_not_reach_the_real_rows(tiny_qwen3_path):
     idx = torch.tensor([4])
     clean = pieces.run(ids, pos, cache.clone(), meta, idx)
     pieces.input_ids.fill_(999)
-    pieces.attn_out.fill_(1e4)
+    pieces.buffers.out.fill_(1e4)
     torch.testing.assert_close(pieces.run(ids, pos, cache.clone(), meta, idx), clean,
                                rtol=0, atol=0)
     runner.shutdown()

@@ -29,6 +29,7 @@ from pdserve.kv_transfer.nixl.agent import NixlAgent, RemoteAgent
 from pdserve.types.remote_ref import RemoteEndpoint
 from pdserve.kv_transfer.nixl.tp_plan import Route, TPLayoutError, pairing_error, plan_route
 from pdserve.kv_transfer.nixl.compat import cache_kind_mismatch, compat_hash, compat_mismatch
+from pdserve.types.kv_cache_kind import KVCacheKind
 from pdserve.kv_transfer.nixl.side_channel import (
     SideChannelError,
     SideChannelTimeout,
@@ -209,8 +210,9 @@ class RemoteRegistry:
         if kinds is not None:
             raise HandshakeMismatch(f"KV cache of engine {endpoint.engine_id} is incompatible: "
                                     f"{kinds} ({sides})")
+        kind = KVCacheKind(local.compat["cache_kind"])
         why = (pairing_error(remote_heads, remote_tp, local.compat["total_num_kv_heads"],
-                             local.tp.size)
+                             local.tp.size, kind)
                if isinstance(remote_tp, int) and isinstance(remote_heads, int)
                else "the remote did not say its TP size and KV heads")
         if why is not None:
@@ -222,7 +224,7 @@ class RemoteRegistry:
             )
         try:
             route = plan_route(remote_heads, remote_tp, local.tp.size, local.tp.rank,
-                               local.compat["num_layers"], local.head_bytes)
+                               local.compat["num_layers"], local.head_bytes, kind)
         except TPLayoutError as e:
             raise HandshakeMismatch(f"KV cannot move between these instances: {sides}: {e}")
         infos = {0: info}

@@ -24,6 +24,13 @@ a decoder reading a prefiller's prompt, or a prefiller pulling a decoder's previ
   owner ranks nobody reads that are assigned to it (owner rank ``p`` to reader rank
   ``p % dst_tp``). A "done" notice carries how many an owner rank must receive before its lease
   ends.
+
+The plan knows the cache kind (:class:`~pdserve.types.kv_cache_kind.KVCacheKind`). A multi-head
+latent (MLA) cache is one entry per token, identical on every TP rank (replicated, never split
+by head): a reader rank reads it once, whole blocks, from the one owner rank
+``dst_rank % src_tp`` (so reader ranks spread over the owner ranks), and a request moves one
+rank's bytes per reader rank whatever the two TP sizes (docs/architecture.md, "MLA latent
+cache").
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from pdserve.types.kv_cache_kind import KVCacheKind
 
 
 class TPLayoutError(ValueError):
@@ -99,15 +108,37 @@ class HeadRead:
     count: int
 
 
-def plan_reads(total_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> list[HeadRead]:
+def latent_error(total_heads: int) -> str | None:
+    """Why a multi-head latent cache of ``total_heads`` cache heads cannot be planned (it holds
+    one entry per token, declared as one KV head on every rank), or None when it can."""
+    if total_heads != 1:
+        return (f"a multi-head latent (MLA) cache holds one latent entry per token (1 cache "
+                f"head on every TP rank), not {total_heads}")
+    return None
+
+
+def plan_reads(total_heads: int, src_tp: int, dst_tp: int, dst_rank: int,
+               kind: KVCacheKind = KVCacheKind.PER_HEAD) -> list[HeadRead]:
     """What reader rank ``dst_rank`` of ``dst_tp`` reads from an owner with ``src_tp`` ranks.
+
+    Args:
+        kind: the caches' content; a latent (:attr:`KVCacheKind.MLA_LATENT`) is read once, whole,
+            from owner rank ``dst_rank % src_tp``.
 
     Returns:
         The reads, by reader head; every head of the reader rank is read exactly once.
 
     Raises:
-        TPLayoutError: either side cannot hold ``total_heads`` by the ownership rule.
+        TPLayoutError: either side cannot hold ``total_heads`` by the ownership rule, a latent
+            cache of other than one head, or a TP size or rank out of range.
     """
+    if kind is KVCacheKind.MLA_LATENT:
+        err = latent_error(total_heads) or layout_error(1, src_tp) or layout_error(1, dst_tp)
+        if err is None and not 0 <= dst_rank < dst_tp:
+            err = f"rank {dst_rank} is outside a TP group of {dst_tp}"
+        if err is not None:
+            raise TPLayoutError(err)
+        return [HeadRead(dst_rank % src_tp, 0, 0, 1)]
     mine = rank_heads(total_heads, dst_tp, dst_rank)
     reads: list[HeadRead] = []
     for i in range(mine.count):
@@ -128,22 +159,25 @@ def is_whole(read: HeadRead, src_heads: int, dst_heads: int) -> bool:
     return read.count == src_heads == dst_heads
 
 
-def notice_targets(total_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> tuple[int, ...]:
+def notice_targets(total_heads: int, src_tp: int, dst_tp: int, dst_rank: int,
+                   kind: KVCacheKind = KVCacheKind.PER_HEAD) -> tuple[int, ...]:
     """The owner ranks reader rank ``dst_rank`` tells about a request (done, abort, heartbeat):
     the ranks it reads, owner rank 0, and the owner ranks no reader rank reads that fall to it
     (owner rank ``p`` to reader rank ``p % dst_tp``). Sorted."""
-    targets = {r.src_rank for r in plan_reads(total_heads, src_tp, dst_tp, dst_rank)}
+    targets = {r.src_rank for r in plan_reads(total_heads, src_tp, dst_tp, dst_rank, kind)}
     targets.add(0)
     read_by_any = {r.src_rank for j in range(dst_tp)
-                   for r in plan_reads(total_heads, src_tp, dst_tp, j)}
+                   for r in plan_reads(total_heads, src_tp, dst_tp, j, kind)}
     targets.update(p for p in range(src_tp) if p not in read_by_any and p % dst_tp == dst_rank)
     return tuple(sorted(targets))
 
 
-def expected_notices(total_heads: int, src_tp: int, dst_tp: int, src_rank: int) -> int:
+def expected_notices(total_heads: int, src_tp: int, dst_tp: int, src_rank: int,
+                     kind: KVCacheKind = KVCacheKind.PER_HEAD) -> int:
     """How many reader ranks notify owner rank ``src_rank`` about each request (its lease ends
     after that many "done" notices, or at the first "abort")."""
-    return sum(src_rank in notice_targets(total_heads, src_tp, dst_tp, j) for j in range(dst_tp))
+    return sum(src_rank in notice_targets(total_heads, src_tp, dst_tp, j, kind)
+               for j in range(dst_tp))
 
 
 @dataclass(frozen=True)
@@ -210,28 +244,37 @@ def read_regions(read: HeadRead, src: RankCache, dst: RankCache, dst_blocks: lis
 
 
 def pairing_error(total_heads_src: int, src_tp: int, total_heads_dst: int,
-                  dst_tp: int) -> str | None:
+                  dst_tp: int, kind: KVCacheKind = KVCacheKind.PER_HEAD) -> str | None:
     """Why an owner (``src_tp`` ranks, ``total_heads_src`` KV heads) and a reader cannot move
     KV between them, or None when they can: the KV heads must be the same model's and split by
-    the ownership rule on both sides. The TP sizes may differ."""
+    the ownership rule on both sides (a latent cache: one head, any TP sizes). The TP sizes may
+    differ."""
     if total_heads_src != total_heads_dst:
         return "the models have different numbers of KV heads"
+    if kind is KVCacheKind.MLA_LATENT and latent_error(total_heads_src) is not None:
+        return latent_error(total_heads_src)
     return layout_error(total_heads_src, src_tp) or layout_error(total_heads_dst, dst_tp)
 
 
 def descriptors_per_request(total_heads: int, src_tp: int, dst_tp: int, num_layers: int,
-                            num_blocks: int, contiguous: bool = True) -> int:
-    """NIXL descriptors one request of ``num_blocks`` blocks needs over all reader ranks.
+                            num_blocks: int, contiguous: bool = True,
+                            kind: KVCacheKind = KVCacheKind.PER_HEAD,
+                            dst_rank: int | None = None) -> int:
+    """NIXL descriptors one request of ``num_blocks`` blocks needs over all reader ranks (or
+    over reader rank ``dst_rank`` alone).
 
     Args:
         contiguous: the request's blocks are one run of consecutive ids on both sides (else
             every block is its own run).
+        kind: the caches' content (a latent is read whole from one owner rank: as many
+            descriptors per reader rank as runs of blocks).
     """
     src = RankCache(num_layers, heads_per_rank(total_heads, src_tp), 1)
     dst = RankCache(num_layers, heads_per_rank(total_heads, dst_tp), 1)
     ids = list(range(num_blocks)) if contiguous else list(range(0, 2 * num_blocks, 2))
+    ranks = range(dst_tp) if dst_rank is None else [dst_rank]
     return sum(len(read_regions(r, src, dst, ids, ids))
-               for j in range(dst_tp) for r in plan_reads(total_heads, src_tp, dst_tp, j))
+               for j in ranks for r in plan_reads(total_heads, src_tp, dst_tp, j, kind))
 
 
 @dataclass(frozen=True)
@@ -264,20 +307,22 @@ class Route:
 
 
 def plan_route(total_heads: int, src_tp: int, dst_tp: int, dst_rank: int, num_layers: int,
-               head_bytes: int) -> Route:
+               head_bytes: int, kind: KVCacheKind = KVCacheKind.PER_HEAD) -> Route:
     """The :class:`Route` of reader rank ``dst_rank``.
 
     Args:
         head_bytes: bytes of one head in one block, layer and K/V (``block_size * head_dim *
             element_size``), the same on both sides.
+        kind: the caches' content (see :func:`plan_reads`).
 
     Raises:
-        TPLayoutError: either side cannot hold ``total_heads`` by the ownership rule.
+        TPLayoutError: either side cannot hold ``total_heads`` by the ownership rule (or a
+            latent cache of other than one head).
     """
-    targets = notice_targets(total_heads, src_tp, dst_tp, dst_rank)
+    targets = notice_targets(total_heads, src_tp, dst_tp, dst_rank, kind)
     return Route(
-        src_tp, dst_tp, tuple(plan_reads(total_heads, src_tp, dst_tp, dst_rank)), targets,
-        {p: expected_notices(total_heads, src_tp, dst_tp, p) for p in targets},
+        src_tp, dst_tp, tuple(plan_reads(total_heads, src_tp, dst_tp, dst_rank, kind)), targets,
+        {p: expected_notices(total_heads, src_tp, dst_tp, p, kind) for p in targets},
         RankCache(num_layers, heads_per_rank(total_heads, src_tp), head_bytes),
         RankCache(num_layers, heads_per_rank(total_heads, dst_tp), head_bytes),
     )
