@@ -338,3 +338,31 @@ def test_two_processes_on_one_gpu_read_by_the_chosen_path(setting, transport):
         if d is not None:
             d.shutdown()
         p.shutdown()
+
+
+@pytest.mark.gpu
+def test_fragmented_gather_copy_survives_allocator_churn_on_the_current_stream():
+    """The gather path's block-id tensors are allocated on the current stream and read by the
+    peer's side stream: while the current stream is busy and allocates and frees memory, every
+    copy must still land in the right blocks (without ``record_stream`` the allocator reused the
+    id tensors' memory and the copy read garbage ids: a device-side assert under 64 streams)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    blocks, shape = 4096, (2, 4, 16, 64)
+    src = torch.randn(blocks, *shape, device=dev)
+    dst = torch.zeros_like(src)
+    peer = DirectPeer(dst, src)
+    g = torch.Generator().manual_seed(0)
+    busy = torch.randn(4096, 4096, device=dev)
+    for _ in range(20):
+        ids = torch.randperm(blocks, generator=g)[:4 * MAX_RUN_COPIES].tolist()
+        dst_ids = torch.randperm(blocks, generator=g)[:len(ids)].tolist()
+        busy = busy @ busy / 64  # the current stream is busy while the copy is queued
+        handle, _ = peer.post_read(dst_ids, ids)
+        for _ in range(8):  # churn: fresh allocations on the current stream reuse freed memory
+            torch.full((len(ids),), -1, dtype=torch.int64, device=dev)
+        torch.cuda.synchronize()
+        assert peer.check(handle) == "DONE"
+        assert torch.equal(dst[dst_ids], src[ids])
+    peer.close()

@@ -179,6 +179,12 @@ class DirectPeer:
             start.record()
             ops = issue_copy(self.local, self.remote, plan)
             end.record()
+        for index in (plan.dst_idx, plan.src_idx):
+            if index is not None:
+                # Allocated on the current stream, read by the side stream's copy: without
+                # this the caching allocator may hand their memory to the current stream's next
+                # allocation while the copy is still queued, and the copy reads garbage ids.
+                index.record_stream(self._stream)
         handle = _Copy(nbytes, ops, post_s=time.perf_counter() - t0, start=start, end=end)
         return handle, self.check(handle)
 
