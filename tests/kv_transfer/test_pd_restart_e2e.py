@@ -25,6 +25,7 @@ LEASE_S = 120.0  # long: a block freed in a few seconds was freed by the release
 TRANSFERRED = "pdserve:prompt_tokens_transferred_total"
 COMPUTED = "pdserve:prompt_tokens_computed_total"
 RELEASED = "pdserve:kv_leases_released_early_total"
+EXPIRED = "pdserve:nixl_num_kv_expired_reqs"
 
 
 @pytest.fixture(scope="module")
@@ -36,23 +37,27 @@ def cluster(tiny_llama_path, tmp_path_factory):
         "d": EngineServer(tiny_llama_path, logs / "d.log", nixl_config("kv_consumer"),
                     COMMON + ["--max-model-len", str(D_LEN)]),
     }
-    proxy = None
+    proxies: dict[str, ProxyServer] = {}
     try:
         start_all(list(servers.values()))
-        proxy = ProxyServer([servers["p"]], [servers["d"]], logs / "proxy.log")
-        proxy.wait_ready()
-        yield {**servers, "proxy": proxy, "model": tiny_llama_path}
+        for handoff in ("concurrent", "sequential"):
+            proxies[handoff] = ProxyServer([servers["p"]], [servers["d"]],
+                                           logs / f"proxy-{handoff}.log", ["--handoff", handoff])
+        for proxy in proxies.values():
+            proxy.wait_ready()
+        yield {**servers, "proxy": proxies["concurrent"], "proxy_sequential": proxies["sequential"],
+               "model": tiny_llama_path}
     finally:
-        if proxy is not None:
-            proxy.stop()
+        stop_together(list(proxies.values()))
         stop_together(list(servers.values()))
 
 
-def ask(cluster, prompt_len: int, max_tokens: int = 4, seed: int = 0, **extra) -> httpx.Response:
+def ask(cluster, prompt_len: int, max_tokens: int = 4, seed: int = 0, proxy: str = "proxy",
+        **extra) -> httpx.Response:
     prompt = [(seed * 7919 + i * 31) % 900 + 10 for i in range(prompt_len)]
     body = {"model": cluster["model"], "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, **extra}
-    return httpx.post(cluster["proxy"].url + "/v1/completions", json=body, timeout=300)
+    return httpx.post(cluster[proxy].url + "/v1/completions", json=body, timeout=300)
 
 
 def restart(server: EngineServer, sig: signal.Signals) -> None:
@@ -75,14 +80,29 @@ def test_refused_by_both_is_not_prefilled(cluster):
 
 
 def test_refused_by_the_decoder_frees_prefiller_blocks_at_once(cluster):
+    """Sequential hand-off: P has answered when D refuses, so the proxy releases P's lease."""
     p = cluster["p"]
     released0 = p.metrics().get(RELEASED, 0.0)
     t0 = time.monotonic()
-    r = ask(cluster, 480, max_tokens=100, seed=1)  # fits P (1024), not D (512)
+    r = ask(cluster, 480, max_tokens=100, seed=1, proxy="proxy_sequential")  # fits P, not D
     assert r.status_code == 400, r.text
     p.wait_all_blocks_free(timeout_s=30)
     assert time.monotonic() - t0 < LEASE_S / 2
     assert p.metrics()[RELEASED] == released0 + 1
+
+
+def test_refused_by_the_decoder_in_the_concurrent_hand_off_frees_prefiller_blocks_at_once(cluster):
+    """Concurrent hand-off: D's refusal may come before or after P's answer; the proxy then
+    closes P's leg (P aborts the request) or releases P's lease. Either way nothing waits for the
+    lease to expire."""
+    p = cluster["p"]
+    expired0 = p.metrics().get(EXPIRED, 0.0)
+    t0 = time.monotonic()
+    r = ask(cluster, 480, max_tokens=100, seed=2)  # fits P (1024), not D (512)
+    assert r.status_code == 400, r.text
+    p.wait_all_blocks_free(timeout_s=30)
+    assert time.monotonic() - t0 < LEASE_S / 2
+    assert p.metrics().get(EXPIRED, 0.0) == expired0
 
 
 @pytest.mark.parametrize("who,sig", [("p", signal.SIGKILL), ("p", signal.SIGTERM),
