@@ -109,8 +109,11 @@ class Admitter:
                     return Admission.BLOCKED
                 if loading is not None:
                     self._record_cached(req, num_local + loading)
-                    return Admission.REMOTE
-        elif consult:
+                    if req.request_id not in tiers.loaded:
+                        return Admission.REMOTE  # parked until its disk reads end
+                    # host tier only: loaded in this step, scheduled as one back from a load
+                    fresh, consult, computed_blocks = False, True, []
+        if consult and not fresh:
             num_local = req.num_computed_tokens
         if consult:
             num_external, load_async = remote_kv.num_matched_tokens(req, num_local)

@@ -108,7 +108,8 @@ class TierManager:
         self._jobs: list[TierJob] = []
         self._next_job = 0
         self._loads: dict[str, _PendingLoad] = {}
-        self._job_owner: dict[int, tuple[str, int, int, bool]] = {}  # job -> (request, hash, slot, disk)
+        # job -> (request, or None for a detached load; hash, slot, from disk)
+        self._job_owner: dict[int, tuple[str | None, int, int, bool]] = {}
         self._filling: set[int] = set()  # slots a file read fills (not readable before)
         self._events: list[KVEvent] | None = None
         self.counters = {KVTierMedium.CPU: _TierCounters(), KVTierMedium.DISK: _TierCounters()}
@@ -225,9 +226,14 @@ class TierManager:
         return found
 
     def start_load(self, request_id: str, block_hashes: Sequence[int],
-                   block_ids: Sequence[int]) -> int:
+                   block_ids: Sequence[int], detached: bool = False) -> int:
         """Schedule LOAD jobs of ``block_hashes`` (a :meth:`match` of this step) into the
         device blocks ``block_ids`` (same length) for ``request_id``.
+
+        ``detached``: host-tier blocks that the step's forward waits for (the request is
+        computed in this step): the load is not the request's (:meth:`is_loading` stays
+        False, :meth:`loads_reported` returns nothing for it); its reports only unpin the
+        host slots.
 
         Returns:
             How many leading blocks will be loaded (fewer than asked when a disk block finds no
@@ -238,7 +244,7 @@ class TierManager:
         """
         if len(block_hashes) != len(block_ids):
             raise ValueError("block_hashes and block_ids must have the same length")
-        if request_id in self._loads:
+        if not detached and request_id in self._loads:
             raise ValueError(f"request {request_id} already loads from the tiers")
         index: dict[int, int] = {}
         for i, (h, b) in enumerate(zip(block_hashes, block_ids)):
@@ -264,12 +270,16 @@ class TierManager:
             self._slot_pins[slot] = self._slot_pins.get(slot, 0) + 1
             job = self._add_job(TierJobKind.LOAD, h, block_id=b, slot=slot, from_disk=from_disk)
             index[job] = i
-            self._job_owner[job] = (request_id, h, slot, from_disk)
+            self._job_owner[job] = (None if detached else request_id, h, slot, from_disk)
             self.counters[medium].hits += 1
             self.bytes_to_device += self.block_bytes
-        if index:
+        if index and not detached:
             self._loads[request_id] = _PendingLoad(index, len(index))
         return len(index)
+
+    def has_unreported_loads(self) -> bool:
+        """True while any LOAD job (detached ones included) is not yet reported."""
+        return bool(self._job_owner)
 
     def is_loading(self, request_id: str) -> bool:
         """True while ``request_id`` has LOAD jobs not yet reported."""
@@ -296,6 +306,10 @@ class TierManager:
                 continue
             request_id, h, slot, from_disk = owner
             self._unpin(h, slot, from_disk)
+            if request_id is None:  # a detached load: only its slots were pinned
+                if failed:
+                    self._forget(h, slot)
+                continue
             load = self._loads[request_id]
             i = load.job_index.pop(job)
             if failed:
@@ -334,12 +348,12 @@ class TierManager:
 
     def clear(self) -> bool:
         """Forget every block of both tiers (their files are deleted by DISK_DELETE jobs).
-        Only possible while no load is in flight.
+        Only possible while no load is in flight (detached ones included).
 
         Returns:
             True when the tiers were cleared.
         """
-        if self._loads:
+        if self._loads or self._job_owner:
             return False
         for h in list(self._host):
             self._event(BlockRemoved, h, KVTierMedium.CPU)

@@ -28,7 +28,8 @@ nothing can be admitted is instead a round of several decode steps
 The scheduler composes helpers that own their state and get their collaborators (the
 :class:`~pdserve.engine.request_queues.RequestQueues`, the
 :class:`~pdserve.engine.block_manager.KVCacheManager`, the :class:`RemoteKV`, limits) in their
-constructors: :class:`~pdserve.engine.admission.Admitter` (step 2),
+constructors: :class:`~pdserve.engine.running_batch.RunningBatch` (step 1),
+:class:`~pdserve.engine.admission.Admitter` (step 2),
 :class:`~pdserve.engine.multi_step.MultiStepRounds`,
 :class:`~pdserve.engine.async_scheduling.AsyncSchedulingPolicy` (step n+1 while step n runs) and
 :class:`~pdserve.engine.remote_kv.RemoteKV`. A helper's outcome that moves a request between
@@ -59,7 +60,8 @@ from pdserve.engine.block_manager import KVCacheManager
 from pdserve.engine.kv_tiers import TierManager
 from pdserve.engine.multi_step import MultiStepRounds
 from pdserve.engine.remote_kv import LoadOutcome, LoadResult, RemoteKV, parse_load_failure_policy
-from pdserve.engine.request_queues import RequestQueues, scheduled_request
+from pdserve.engine.request_queues import RequestQueues
+from pdserve.engine.running_batch import RunningBatch
 from pdserve.engine.tier_loads import TierLoads
 from pdserve.engine.token_acceptor import TokenAcceptor
 from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -134,6 +136,7 @@ class Scheduler:
 
         self.requests: dict[str, Request] = {}
         self.queues = RequestQueues()
+        self.running_batch = RunningBatch(self.queues, self.kv_cache_manager)
         self.admitter = Admitter(self.queues, self.kv_cache_manager, self.remote_kv,
                                  self.max_num_seqs, self.tier_loads)
         self.multi_step = MultiStepRounds(
@@ -147,7 +150,6 @@ class Scheduler:
 
         self.prompt_tokens_total = 0
         self.prompt_tokens_computed_total = 0
-        self.num_preemptions_total = 0
         self.num_requests_finished_total = 0
 
     # ================================================================ requests in
@@ -207,33 +209,9 @@ class Scheduler:
         sched_out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.remote_kv.sync_loads.clear()
-        running = self.queues.running
-        scheduled_ids: set[str] = set()
-        preempted = False
 
         # 1. running requests: decodes first, then continuing chunked prefills.
-        decodes = [r for r in running if r.num_computed_tokens >= r.num_prompt_tokens]
-        prefills = [r for r in running if r.num_computed_tokens < r.num_prompt_tokens]
-        for req in decodes + prefills:
-            if budget <= 0:
-                break
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while True:
-                if self.kv_cache_manager.allocate_slots(req, num_new) is not None:
-                    break
-                victim = self._pick_victim(scheduled_ids)
-                preempted = True
-                if victim is None or victim is req:
-                    self._preempt(req)
-                    break
-                self._preempt(victim)
-            if req.status != RequestStatus.RUNNING:
-                continue
-            sched_out.scheduled.append(scheduled_request(req, req.num_computed_tokens, num_new))
-            scheduled_ids.add(req.request_id)
-            budget -= num_new
+        budget, preempted = self.running_batch.schedule(sched_out, budget)
 
         # 2. waiting requests (only when nothing had to be preempted this step).
         if not preempted:
@@ -259,25 +237,6 @@ class Scheduler:
         if self.connector is not None:
             sched_out.kv_connector_metadata = self.connector.build_connector_meta(sched_out)
         return sched_out
-
-    def _pick_victim(self, scheduled_ids: set[str]) -> Request | None:
-        """The running request not yet scheduled this step that arrived last."""
-        candidates = [r for r in self.queues.running if r.request_id not in scheduled_ids]
-        if not candidates:
-            return None
-        return max(candidates, key=lambda r: r.arrival_time)
-
-    def _preempt(self, req: Request) -> None:
-        """Free the request's blocks (and with them its memoised block hashes, see
-        :meth:`KVCacheManager.free`) and queue it for recomputation at the waiting front."""
-        self.queues.running.remove(req)
-        self.kv_cache_manager.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions_total += 1
-        self.queues.waiting.appendleft(req)
-        logger.debug("preempted request %s (%d tokens)", req.request_id, req.num_tokens)
 
     # ================================================================ results
     def update_from_output(
@@ -466,7 +425,7 @@ class Scheduler:
             "prompt_tokens_cached_total": self.admitter.prompt_tokens_cached_total,
             "prompt_tokens_transferred_total": remote_kv.prompt_tokens_transferred_total,
             "generation_tokens_total": self.acceptor.generation_tokens_total,
-            "num_preemptions_total": self.num_preemptions_total,
+            "num_preemptions_total": self.running_batch.num_preemptions_total,
             "num_kv_load_failures_total": remote_kv.num_kv_load_failures_total,
             "num_requests_finished_total": self.num_requests_finished_total,
             "prefix_cache_queries_total": kvm.prefix_cache_queries,

@@ -3,7 +3,11 @@ scheduler's side of a tier hit. Pure bookkeeping: no torch.
 
 A waiting request whose prefix-cache lookup stops on the device but goes on in a tier
 (:meth:`~pdserve.engine.kv_tiers.TierManager.match`) gets device blocks for the device hit and
-the rest of its tokens, LOAD jobs for the tier blocks, and parks in ``WAITING_FOR_TIER_KVS`` as a request
+the rest of its tokens and LOAD jobs for the tier blocks. When every such block is in the host
+tier, the request is computed in the same step: the runner's forward waits for the step's host
+LOADs, so a host-tier hit costs no step more than a device hit (the blocks join the prefix
+cache at once; their host slots stay pinned until the runner reports the copies). Otherwise
+(a block on disk: a file read may fail or take long) the request parks in ``WAITING_FOR_TIER_KVS`` as a request
 whose KV loads from another instance does (other requests keep running). When the runner
 reports every LOAD done, the loaded blocks join the prefix cache, the request's computed tokens
 cover them and it goes back to the front of the waiting queue; its admission then asks the KV
@@ -18,7 +22,7 @@ from typing import Sequence
 
 from pdserve.engine.block_manager import KVCacheManager
 from pdserve.engine.kv_tiers import TierManager
-from pdserve.types.kv_tiers import KVTierReport
+from pdserve.types.kv_tiers import KVTierMedium, KVTierReport
 from pdserve.types.request import Request, RequestStatus
 
 
@@ -49,8 +53,9 @@ class TierLoads:
         self.num_failed_loads_total = 0
 
     def has_pending_work(self) -> bool:
-        """True while tier loads are in flight (the engine must keep stepping to see them end)."""
-        return bool(self.waiting or self._held)
+        """True while tier loads are in flight (the engine must keep stepping to see them end,
+        and a detached load's host slots stay pinned until then)."""
+        return bool(self.waiting or self._held or self.tiers.has_unreported_loads())
 
     def try_load(self, req: Request, computed_blocks: Sequence[int], num_local: int) -> int | None:
         """Start loading the tier blocks that follow a fresh request's device hit.
@@ -61,8 +66,11 @@ class TierLoads:
 
         Returns:
             None when no tier holds the next block (admit it as usual); 0 when the blocks
-            could not be allocated (the request stays waiting); else the tokens that load
-            (the request is parked in ``WAITING_FOR_TIER_KVS``).
+            could not be allocated (the request stays waiting); else the tokens that load.
+            Blocks all in the host tier load in this step: the request's computed tokens
+            cover them already, it is in :attr:`loaded` and the caller schedules it now.
+            Otherwise (a disk block) the request is parked in ``WAITING_FOR_TIER_KVS`` until
+            the runner reports its loads.
         """
         kvm = self.kv_cache_manager
         bs = kvm.block_size
@@ -80,10 +88,25 @@ class TierLoads:
         if kvm.allocate_slots(req, req.num_tokens - num_local, computed_blocks) is None:
             return 0
         first = len(computed_blocks)
-        loading = self.tiers.start_load(req.request_id, hashes[:n], req.block_ids[first:first + n])
+        host_only = all(m is KVTierMedium.CPU for m in media)
+        loading = self.tiers.start_load(req.request_id, hashes[:n], req.block_ids[first:first + n],
+                                        detached=host_only)
         if loading == 0:  # every host slot is pinned: admit it as usual
             kvm.free(req)
             return None
+        if host_only:
+            # The runner's forward waits for this step's host LOADs (a host copy never fails),
+            # so the request is computed in this very step, like a device hit. The load is
+            # detached from it: the request may finish, be preempted or come back before the
+            # copies are reported; anything that writes its blocks later is ordered after them
+            # on the device (and a KV connector's writes wait on the host for them).
+            good = num_local + loading * bs
+            req.num_computed_tokens = good
+            self.prompt_tokens_loaded_total += min(good, req.num_prompt_tokens) - min(
+                num_local, req.num_prompt_tokens)
+            kvm.cache_blocks(req, good)
+            self.loaded.add(req.request_id)
+            return loading * bs
         req.num_computed_tokens = num_local
         req.status = RequestStatus.WAITING_FOR_TIER_KVS
         self.waiting[req.request_id] = req

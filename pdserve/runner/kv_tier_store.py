@@ -6,9 +6,12 @@ Copies (docs/architecture.md, "KV cache tiers"):
 
 * device <-> host on CUDA run on a copy stream of their own, after the work already queued on
   the engine's stream; the engine's stream waits for the step's STOREs before its forward pass
-  overwrites those blocks (a few microseconds of DMA per block; the host never blocks). A LOAD
-  is reported finished once its CUDA event has completed; the request it belongs to is only
-  scheduled after that. On a CPU engine the same copies are plain synchronous tensor copies.
+  overwrites those blocks (a few microseconds of DMA per block; the host never blocks). The
+  engine's stream waits for a step's host LOADs too (the scheduler computes a request whose
+  history is in the host tier in the step that loads it); a LOAD is reported finished, and
+  its host slot unpinned, once its CUDA event has completed. A disk LOAD's host-to-device
+  copy is issued when its file read ends; its request is only scheduled once that copy is
+  reported. On a CPU engine the same copies are plain synchronous tensor copies.
 * host <-> disk run on one I/O thread, in job order. A file is a header (magic, block hash,
   the engine's namespace: model, dtype, block shape, fp8 scales, TP rank, its payload length and
   CRC32) and the block's bytes. A read whose header or checksum does not match is a failed
@@ -169,7 +172,14 @@ class KVTierStore:
         self._stores_this_step: "torch.cuda.Event | None" = None
 
     def run(self, jobs: KVTierJobs | None) -> None:
-        """Issue a step's jobs in order (before its forward pass; see the module docstring).
+        """Issue a step's jobs (before its forward pass; see the module docstring): first the
+        STORE, DISK_WRITE and DISK_DELETE jobs in list order, then the LOAD jobs in list order.
+        Moving the loads behind the stores keeps every order that matters (a STORE into a
+        slot or out of a block that a LOAD of the same step uses is listed before that LOAD:
+        a loaded block is neither cached nor evictable, a slot a LOAD reads is pinned) and
+        lets the engine's stream wait for the stores alone before what overwrites them.
+        The engine's stream also waits for the step's host LOADs: a request whose history
+        comes back from the host tier is computed in the step that loads it.
 
         Raises:
             RuntimeError: a DISK job without a disk tier (a bookkeeping bug).
@@ -178,14 +188,16 @@ class KVTierStore:
         if jobs is None:
             return
         stream = self._stream
-        begin = None
+        begin = compute = None
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+            compute = torch.cuda.current_stream(self.kv_cache.device)  # the engine's stream
+            stream.wait_stream(compute)
             begin = torch.cuda.Event(enable_timing=True)
             begin.record(stream)
         loads: list[int] = []
         stored: set[int] = set()  # slots stored by this run, not yet ordered by an event
         t0 = time.perf_counter()
+        load_jobs: list[TierJob] = []
         with torch.cuda.stream(stream) if stream is not None else _nullcontext():
             for job in jobs.jobs:
                 kind = job.kind
@@ -193,12 +205,7 @@ class KVTierStore:
                     self.host[job.slot].copy_(self.kv_cache[job.block_id], non_blocking=self.cuda)
                     stored.add(job.slot)
                 elif kind is TierJobKind.LOAD:
-                    if job.from_disk:
-                        self._read_file(job)
-                    else:
-                        self.kv_cache[job.block_id].copy_(self.host[job.slot],
-                                                          non_blocking=self.cuda)
-                        loads.append(job.job_id)
+                    load_jobs.append(job)
                 elif kind is TierJobKind.DISK_WRITE:
                     if job.slot in stored and stream is not None:
                         stream.synchronize()  # stored and evicted in one step (a tiny pool)
@@ -206,6 +213,19 @@ class KVTierStore:
                 elif kind is TierJobKind.DISK_DELETE:
                     io = self._io()
                     io.submit(lambda h=job.block_hash: io.delete(h))
+            if stored and stream is not None:
+                stores_done = torch.cuda.Event()
+                stores_done.record(stream)
+                for slot in stored:
+                    self._store_events[slot] = stores_done
+                compute.wait_event(stores_done)
+                self._stores_this_step = stores_done
+            for job in load_jobs:
+                if job.from_disk:
+                    self._read_file(job)
+                else:
+                    self.kv_cache[job.block_id].copy_(self.host[job.slot], non_blocking=self.cuda)
+                    loads.append(job.job_id)
         if not (stored or loads):
             return
         if stream is None:
@@ -214,16 +234,16 @@ class KVTierStore:
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
-        for slot in stored:
-            self._store_events[slot] = end
-        if stored:
-            torch.cuda.current_stream(self.kv_cache.device).wait_event(end)
-            self._stores_this_step = end
+        if loads:
+            compute.wait_event(end)  # the step's forward may read the loaded blocks
+            self._stores_this_step = end  # and a KV connector's writes wait for them too
         self._pending.append(_Pending(loads, end, begin))
 
     def wait_stores(self) -> None:
-        """Block the host until this step's STOREs are done (before a KV connector READ may
-        write into the blocks they copy: that write does not follow the engine's stream)."""
+        """Block the host until this step's STOREs and host LOADs are done (before a KV
+        connector READ may write into the blocks they copy: that write does not follow the
+        engine's stream; a block loaded for a request that finished or was preempted since
+        may be handed out again at once)."""
         if self._stores_this_step is not None:
             self._stores_this_step.synchronize()
 

@@ -8,9 +8,11 @@ the device and hits a tier copies the blocks back (docs/architecture.md, "KV cac
 The names of the media are those of vLLM's KV events (``medium``): ``GPU`` (the engine's own KV
 cache, whatever its device), ``CPU``, ``DISK``.
 
-Jobs are ordered: the runner executes a step's :attr:`KVTierJobs.jobs` in list order before the
-step's forward pass, so a host slot written to disk and then reused, or a device block stored
-and then overwritten by the step, always sees its old content first.
+Jobs are ordered: the runner executes a step's :attr:`KVTierJobs.jobs` before the step's
+forward pass, the STORE / DISK_WRITE / DISK_DELETE jobs in list order and then the LOAD jobs in
+list order (no LOAD is ever listed before a job that it must follow: a loaded block is not
+cached, a slot a LOAD reads is pinned), so a host slot written to disk and then reused, or a
+device block stored and then overwritten by the step, always sees its old content first.
 """
 
 from __future__ import annotations

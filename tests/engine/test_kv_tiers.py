@@ -13,7 +13,9 @@ from pdserve.engine.kv_tiers import TierManager
 from pdserve.types.kv_events import BlockRemoved, BlockStored
 from pdserve.types.kv_tiers import KVOffloadingConfig, KVTierMedium, KVTierReport, TierJobKind
 from pdserve.types.request import RequestStatus
-from tests.support.engine_fakes import add, assert_all_free, reference_generate, run_until_done
+from tests.support.engine_fakes import (
+    add, assert_all_free, collect, reference_generate, run_until_done,
+)
 from tests.support.tier_fakes import make_tiered_core
 
 pytestmark = pytest.mark.usefixtures("scheduling_mode")
@@ -166,8 +168,79 @@ def test_tiers_on_and_off_give_the_same_tokens_under_preemption():
     assert_all_free(core)
 
 
-def test_an_abort_during_a_swap_in_leaks_no_block():
+def steps_to_first_token(core, request_id: str, prompt: list[int]) -> int:
+    add(core, request_id, prompt, max_tokens=4)
+    for n in range(1, 50):
+        outputs, _ = core.step()
+        if any(o.request_id == request_id and o.new_token_ids for o in outputs):
+            return n
+    raise AssertionError("no first token")
+
+
+def test_a_host_tier_hit_costs_no_step_more_than_a_device_hit():
+    """Oracle of the swap-in latency: a history in the host tier is loaded and computed in the
+    step that admits it (the runner's forward waits for the step's host LOADs), so its first
+    token comes after as many engine steps as with the history still in the device cache. A
+    disk hit parks the request until its reads are reported: at least one step more."""
+    convs = conversations(6, seed=8)
+    steps = {}
+    for name, num_blocks, host, disk in (("device", 200, 50, 0), ("host", 12, 50, 0),
+                                         ("disk", 12, 1, 500)):
+        core, runner = make_tiered_core(num_blocks=num_blocks, host_blocks=host, disk_blocks=disk)
+        cs = [list(c) for c in convs]
+        chat(core, runner, cs, turns=1)
+        before = core.stats()["kv_tiers"]["media"]
+        steps[name] = steps_to_first_token(core, "again", cs[0])
+        after = core.stats()["kv_tiers"]["media"]
+        medium = {"device": None, "host": "CPU", "disk": "DISK"}[name]
+        if medium is None:
+            assert after["CPU"]["hits"] == before["CPU"]["hits"]
+        else:
+            assert after[medium]["hits"] > before[medium]["hits"]
+        run_until_done(core)
+        assert_all_free(core)
+        core.scheduler.tiers.check_consistency()
+    assert steps["host"] == steps["device"], steps
+    assert steps["disk"] > steps["device"], steps
+
+
+@pytest.mark.parametrize("end", ["abort", "preempt"])
+def test_a_host_tier_hit_that_ends_before_its_copies_are_reported_leaks_nothing(end,
+                                                                              scheduling_mode):
+    """A host-tier hit runs in the step that loads it; the load is detached from the request,
+    so it may be aborted (or preempted and admitted again) while the copies' report lags: its
+    blocks are freed at once, the host slots stay pinned until the report."""
+    if end == "preempt" and scheduling_mode:
+        pytest.skip("preempting by hand while a launched step holds the request")
     core, runner = make_tiered_core(num_blocks=12, host_blocks=50, load_delay_steps=3)
+    convs = conversations(6, seed=7)
+    chat(core, runner, convs, turns=1)
+    add(core, "victim", convs[0], max_tokens=4)
+    results: dict = {}
+    collect(results, core.step()[0])
+    sched = core.scheduler
+    req = sched.requests["victim"]
+    assert req.status is RequestStatus.RUNNING and not sched.tiers.is_loading("victim")
+    assert sched.tiers._slot_pins  # the copies are not reported yet
+    if end == "abort":
+        core.abort_requests(["victim"])
+        assert not sched.kv_cache_manager.get_block_ids("victim")
+    else:
+        sched.running_batch.preempt(req)
+        res = run_until_done(core, results)
+        assert res["victim"].tokens == reference_generate(convs[0], 4)
+    for _ in range(6):
+        core.step()
+    assert not sched.has_pending_kv_work() and not sched.tiers._slot_pins
+    assert_all_free(core)
+    sched.tiers.check_consistency()
+    chat(core, runner, convs, turns=1)
+
+
+def test_an_abort_during_a_swap_in_leaks_no_block():
+    # a disk tier below a tiny host tier: the request parks while its files are read
+    core, runner = make_tiered_core(num_blocks=12, host_blocks=1, disk_blocks=500,
+                                    load_delay_steps=3)
     convs = conversations(6, seed=7)
     chat(core, runner, convs, turns=1)
     add(core, "victim", convs[0], max_tokens=4)
