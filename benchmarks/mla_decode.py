@@ -17,10 +17,11 @@ entries are as far apart as in the engine. For each batch size and context lengt
 Each time is the median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``); bandwidth
 is the latent bytes the step must read (context tokens x 576 values x bytes per value: 2, or 1
 with ``--kv-cache-dtype fp8``) per second for all three columns (the gather also writes them).
-``rel err`` compares the kernel's output with the torch path's in float32. ``--sweep`` also
-times the kernel for ``block_n`` 16/32 x 4/8 warps x 8/16/32 context pieces and prints the best
-launch of each row. Without CUDA the kernel runs in Triton's interpreter on tiny shapes, to check
-this script, not to time it.
+``of gather`` is the gather's time over the kernel's (100%: the kernel reads at the paged-read
+ceiling). ``rel err`` compares the kernel's output with the torch path's in float32.
+``--sweep`` also times the kernel for ``block_n`` 16/32 x 4/8 warps x 8/16/32 context pieces and
+prints the best launch of each row. Without CUDA the kernel runs in Triton's interpreter on
+tiny shapes, to check this script, not to time it.
 
 Examples::
 
@@ -76,9 +77,27 @@ def make_step(batch: int, ctx: int, args: argparse.Namespace, device: torch.devi
         cache = cache.to(FP8)
     tables = torch.randperm(num_blocks, generator=gen, device=device)[:batch * per_seq]
     q = torch.randn(batch, args.num_heads, width, generator=gen, device=device) * 0.1
-    return {"q": q.to(torch.bfloat16), "cache": cache,
+    step = {"q": q.to(torch.bfloat16), "cache": cache,
             "tables": tables.view(batch, per_seq).to(torch.int32),
             "ctx": torch.full((batch,), ctx, dtype=torch.int32, device=device)}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # filled before any other stream reads them
+    return step
+
+
+def check_step(step: dict, block_size: int) -> None:
+    """Raise ValueError unless every block id of the step is a block of its cache, each
+    sequence's table covers its context and no two sequences share a block (what the kernel's
+    reads rely on; checked on the host, outside the timings)."""
+    tables, ctx = step["tables"].cpu(), step["ctx"].cpu()
+    num_blocks = step["cache"].shape[0]
+    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
+        raise ValueError(f"block ids outside [0, {num_blocks})")
+    if int(ctx.max()) > tables.shape[1] * block_size:
+        raise ValueError(f"a context of {int(ctx.max())} tokens needs more than the table's "
+                         f"{tables.shape[1]} blocks of {block_size}")
+    if tables.flatten().unique().numel() != tables.numel():
+        raise ValueError("two table entries name the same block")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def bench_us(fn) -> float:
         if on_gpu:
+            # do_bench_cudagraph runs fn on a new stream, not ordered after the default stream's
+            # queued work: the step's tensors (cache, block tables, context lengths) must be
+            # written first, or the kernel reads block ids and lengths from memory not yet
+            # filled (stale values of the last configuration's freed tensors: out-of-range
+            # block ids, an illegal memory access)
+            torch.cuda.synchronize(device)
             return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
         times = []
         for _ in range(3):
@@ -120,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         for ctx in [int(c) for c in args.context_lens.split(",")]:
             s = make_step(batch, ctx, args, device, gen)
+            check_step(s, args.block_size)
             kv_layer = s["cache"][:, layer]
             flat = s["tables"].flatten().long()
             gathered = torch.empty((flat.numel(), *kv_layer.shape[1:]), dtype=kv_layer.dtype,

@@ -96,7 +96,9 @@ def _mla_decode_split_kernel(
     USE_PDL: tl.constexpr,
 ):
     pdl.enter(USE_PDL)
-    seq = tl.program_id(0)
+    # int64: seq * stride_po_s (heads x pieces x r values a sequence) passes 2**31 at a few
+    # thousand sequences of 128 heads
+    seq = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
 

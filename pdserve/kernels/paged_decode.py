@@ -332,7 +332,7 @@ def _paged_decode_reduce_kernel(
 ):
     pdl.enter(USE_PDL)
     # One program merges the pieces of HEADS query heads of one sequence: [HEADS, pieces, D].
-    seq = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)  # seq * stride_po_s may pass 2**31
     offs_h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     offs_p = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)

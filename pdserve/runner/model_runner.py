@@ -97,6 +97,11 @@ class ModelRunner:
         self.config = config
         # CUDA: (total, free) before this instance's weights, for its memory budget
         self._cuda_mem_at_start = _cuda_memory_at_start(config)
+        # torch memory this process already held (an earlier engine of the same process whose
+        # objects the garbage collector has not freed yet): not this instance's weights
+        device0 = tp_device(resolve_device(config.device), config, get_tp_rank())
+        self._held_before = (torch.cuda.memory_allocated(device0)
+                             if device0.type == "cuda" else 0)
         loaded = load_model(config)
         self.model = loaded.model
         self.arch = loaded.arch
@@ -138,7 +143,7 @@ class ModelRunner:
                              f"{config.piecewise_cuda_graph_max_tokens}")
         if self.device.type == "cpu":
             tune_cpu_malloc()
-        self._weights_bytes = (torch.cuda.memory_allocated(self.device)
+        self._weights_bytes = (torch.cuda.memory_allocated(self.device) - self._held_before
                                if self.device.type == "cuda" else 0)
 
     # ------------------------------------------------------------------ KV cache sizing
@@ -205,7 +210,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         total_start, free_start = self._cuda_mem_at_start or (total, total)
         budget = kv_cache_budget(
-            total_start, free_start, self._weights_bytes, peak - self._weights_bytes,
+            total_start, free_start, self._weights_bytes,
+            peak - self._weights_bytes - getattr(self, "_held_before", 0),
             cfg.gpu_memory_utilization, non_torch_growth_bytes=non_torch1 - non_torch0,
             free_now_bytes=torch.cuda.mem_get_info(self.device)[0])
         logger.info("%s", budget.describe())

@@ -79,3 +79,23 @@ def test_share_not_free_at_start_is_a_clear_error(monkeypatch):
     # a fixed KV size or block count is not checked against the fraction
     assert runner_mod._cuda_memory_at_start(
         EngineConfig(device="cuda", gpu_memory_utilization=0.7, kv_cache_memory=GiB)) is None
+
+
+def test_memory_the_process_held_before_loading_is_not_this_instances_weights(monkeypatch):
+    # An earlier engine of this process (not yet garbage-collected) still holds 30 GiB when this
+    # one starts: its share (0.4 of 100 GiB) is free, its weights are its own 10 GiB.
+    gpu = FakeGpu(other=0)
+    _install(monkeypatch, gpu)
+    gpu.allocated = 30 * GiB
+    config = EngineConfig(device="cuda", gpu_memory_utilization=0.4)
+    start = runner_mod._cuda_memory_at_start(config)
+    r = _runner(config, gpu, weights=10 * GiB, activations=2 * GiB)
+    r._cuda_mem_at_start = start
+    r._held_before = 30 * GiB
+    gpu.allocated = 40 * GiB  # held before + weights
+
+    def profile(num_tokens, num_seqs):
+        gpu.peak = 40 * GiB + 2 * GiB
+
+    r._profile_run = profile
+    assert r.determine_num_blocks() == (40 - 10 - 2) * 1024
