@@ -320,6 +320,10 @@ def main(argv: Sequence[str] | None = None, *, commands: ChildCommands | None = 
         gpus: GPUs to place engines on (default: :func:`detect_gpus`).
     """
     opts = parse_args(sys.argv[1:] if argv is None else argv)
+    if opts.restart_limit < 0 or opts.restart_window <= 0:  # before anything is looked at
+        print("pdserve up: error: --restart-limit must be 0 or more and --restart-window "
+              "positive", file=sys.stderr)
+        return 2
     error = engine_args_error(opts.model, opts.engine_args)
     if error is not None:
         print(f"usage: pdserve up [options] (see pdserve up --help)\n"
@@ -337,10 +341,6 @@ def main(argv: Sequence[str] | None = None, *, commands: ChildCommands | None = 
         return 2
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     print(f"pdserve up: model {opts.model}, logs in {log_dir}", flush=True)
-    if opts.restart_limit < 0 or opts.restart_window <= 0:
-        print("pdserve up: error: --restart-limit must be 0 or more and --restart-window "
-              "positive", file=sys.stderr)
-        return 2
     policy = RestartPolicy(max_restarts=opts.restart_limit, window_s=opts.restart_window,
                            startup_timeout_s=opts.startup_timeout)
     launcher = Launcher(specs, log_dir, startup_timeout=opts.startup_timeout,
