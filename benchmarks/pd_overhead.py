@@ -124,7 +124,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from pd_latency import _percentile  # noqa: E402
 from pd_multi_turn import _read_counters  # noqa: E402
-from pd_phases import read_traces, timeline  # noqa: E402
+from pd_phases import print_timeline, read_traces, timeline  # noqa: E402
 
 from pd_overhead_deploy import (HANDOFFS, SINGLE, Deployment, Prompts, _body,  # noqa: E402
                                 _fmt, _rotated, proxy_has_handoff_flag, stream_chat)
@@ -259,12 +259,7 @@ def print_mode(mode: str, rows: list[dict], timelines: dict, counters: dict, arg
         for t, tl in per_target.items():
             print(f"\n-- phases, {mode} {length}, {t}: median ms from the client's send, step "
                   f"from the row before")
-            prev = 0.0
-            for name, ms, n in tl:
-                print(f"{ms:9.2f} {ms - prev:+8.2f}  {name}  (n={n})")
-                prev = ms
-                if name == "client cl.first":
-                    break
+            print_timeline(tl)
     print(f"\n-- {mode}: engines' prompt tokens over the mode (warm-up included)")
     for eng, c in counters.items():
         print(f"   {eng}: total {c['pdserve:prompt_tokens_total']:.0f}, computed "

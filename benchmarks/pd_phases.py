@@ -55,6 +55,17 @@ def read_traces(directory: Path) -> list[tuple[float, str, str]]:
     return events
 
 
+def print_timeline(rows: list[tuple[str, float, int]]) -> None:
+    """Print :func:`timeline`'s rows, each with its step from the row before, down to the
+    client's first token (``client cl.first``)."""
+    prev = 0.0
+    for name, ms, n in rows:
+        print(f"{ms:9.2f} {ms - prev:+8.2f}  {name}  (n={n})")
+        prev = ms
+        if name == "client cl.first":
+            break
+
+
 def timeline(events: list[tuple[float, str, str]], turns: int, skip: int = 1,
              send: str = "cl.send", end: str = "cl.end") -> list[tuple[str, float, int]]:
     """Median offset (ms) of each ``(role, phase, occurrence)`` from the client's send.
@@ -229,12 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = timeline(read_traces(trace_dir), args.turns)
     print(f"mode {args.mode}, model {args.model}, device {args.device}; traces and logs in "
           f"{trace_dir}; turns 2+, medians (ms from the client's send)")
-    prev = 0.0
-    for name, ms, n in rows:
-        print(f"{ms:9.2f} {ms - prev:+8.2f}  {name}  (n={n})")
-        prev = ms
-        if name == "client cl.first":
-            break
+    print_timeline(rows)
     ttfts = [r["ttft_ms"] for r in records if r["turn"] > 0 and r["ttft_ms"] is not None]
     lens = [r["prompt_tokens"] for r in records if r["conv"] == 1]
     if ttfts:
