@@ -211,7 +211,7 @@ class ModelRunner:
         total_start, free_start = self._cuda_mem_at_start or (total, total)
         budget = kv_cache_budget(
             total_start, free_start, self._weights_bytes,
-            peak - self._weights_bytes - getattr(self, "_held_before", 0),
+            peak - self._weights_bytes - self._held_before,
             cfg.gpu_memory_utilization, non_torch_growth_bytes=non_torch1 - non_torch0,
             free_now_bytes=torch.cuda.mem_get_info(self.device)[0])
         logger.info("%s", budget.describe())

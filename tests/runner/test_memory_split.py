@@ -48,6 +48,7 @@ def _runner(config: EngineConfig, gpu: FakeGpu, weights: int, activations: int):
     r.config = config
     r._cuda_mem_at_start = start
     r._weights_bytes = weights
+    r._held_before = 0  # nothing held before this instance loaded
     r.device = torch.device("cuda", 0)
     r.dtype = r.kv_cache_dtype = torch.bfloat16
     r.block_size = 16
