@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("conversations", "turns", "first_tokens", "output_tokens", "concurrency"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.overcommit <= 1:
-        ap.error("--overcommit must be > 1")
+    if args.overcommit <= 0:
+        ap.error("--overcommit must be > 0 (below 1: the working set fits the device cache)")
     if args.warmup_conversations is None:
         args.warmup_conversations = 2 * args.concurrency
     if args.model is None:

@@ -60,6 +60,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -374,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # report and still run the other engine
                 failures.append(f"{name}: {type(exc).__name__}: {exc}")
                 print(f"[{name}] FAILED: {exc!r}", file=sys.stderr, flush=True)
+                traceback.print_exc()
                 continue
             results.append(r)
             print(f"[{r.engine}] {r.output_tokens} output tokens in {r.seconds:.2f} s = "

@@ -11,10 +11,13 @@ whichever starts first.
 Arithmetic (all in bytes)::
 
     requested = total * utilization                       # must be <= free at start
-    kv        = requested - weights - peak_activations - non_torch_growth
+    kv        = requested - weights - peak_activations - non_torch_growth - graphs
 
 ``weights`` is what torch allocated when the model was loaded; ``peak_activations`` is the
-allocation peak of a profiling forward pass above the weights; ``non_torch_growth`` is device
+allocation peak of a profiling forward pass above the weights; ``graphs`` is the memory pool of
+the CUDA graphs captured before the KV cache (the pieces between attentions of steps with
+prefills, :mod:`pdserve.runner.piecewise_graphs`: for a large MoE model several GiB, which a
+share that left them out overran); ``non_torch_growth`` is device
 memory this process took outside torch's allocator during that pass (library workspaces, JIT
 modules), at most :data:`NON_TORCH_GROWTH_CAP` (the device-wide figure it is read from also
 moves when another process allocates, so a larger growth is taken to be someone else's).
@@ -81,6 +84,7 @@ class KVCacheBudget:
         weights: model weights.
         peak_activations: profiling pass peak above the weights.
         non_torch: non-torch growth charged to this instance (capped).
+        graphs: the memory pool of the CUDA graphs captured before the KV cache.
         kv_cache: what is left for the KV cache.
     """
 
@@ -91,18 +95,20 @@ class KVCacheBudget:
     peak_activations: int
     non_torch: int
     kv_cache: int
+    graphs: int = 0
 
     def describe(self) -> str:
         """One log line with every term, in GiB."""
         return (f"GPU memory: {self.utilization:g} of {_gib(self.total)} = "
                 f"{_gib(self.requested)} for this instance: weights {_gib(self.weights)}, "
                 f"activations peak {_gib(self.peak_activations)}, non-torch "
-                f"{_gib(self.non_torch)}, KV cache {_gib(self.kv_cache)}")
+                f"{_gib(self.non_torch)}, CUDA graphs {_gib(self.graphs)}, "
+                f"KV cache {_gib(self.kv_cache)}")
 
 
 def kv_cache_budget(total_bytes: int, free_at_start_bytes: int, weights_bytes: int,
                     peak_activation_bytes: int, utilization: float,
-                    non_torch_growth_bytes: int = 0,
+                    non_torch_growth_bytes: int = 0, graphs_bytes: int = 0,
                     free_now_bytes: int | None = None) -> KVCacheBudget:
     """The KV cache budget of one instance (see the module docstring for the formula).
 
@@ -114,6 +120,7 @@ def kv_cache_budget(total_bytes: int, free_at_start_bytes: int, weights_bytes: i
         utilization: ``--gpu-memory-utilization``, in (0, 1].
         non_torch_growth_bytes: device memory this process gained outside torch during the
             profiling pass (charged up to :data:`NON_TORCH_GROWTH_CAP`).
+        graphs_bytes: the memory pool of the CUDA graphs captured before the KV cache.
         free_now_bytes: free memory now, just before the KV cache is allocated (None: not
             checked).
 
@@ -129,14 +136,15 @@ def kv_cache_budget(total_bytes: int, free_at_start_bytes: int, weights_bytes: i
     non_torch = min(max(0, int(non_torch_growth_bytes)), NON_TORCH_GROWTH_CAP)
     weights = max(0, int(weights_bytes))
     peak = max(0, int(peak_activation_bytes))
-    kv = requested - weights - peak - non_torch
+    graphs = max(0, int(graphs_bytes))
+    kv = requested - weights - peak - non_torch - graphs
     budget = KVCacheBudget(total=int(total_bytes), utilization=float(utilization),
                            requested=requested, weights=weights, peak_activations=peak,
-                           non_torch=non_torch, kv_cache=kv)
+                           non_torch=non_torch, kv_cache=kv, graphs=graphs)
     if kv <= 0:
         raise GpuMemoryBudgetError(
             f"no room for the KV cache: {budget.describe()}; raise --gpu-memory-utilization "
-            f"or lower --max-num-batched-tokens")
+            f"or lower --max-num-batched-tokens (or --piecewise-cuda-graph-max-tokens)")
     if free_now_bytes is not None and kv > free_now_bytes:
         raise GpuMemoryBudgetError(
             f"the KV cache needs {_gib(kv)} ({budget.describe()}) but only "

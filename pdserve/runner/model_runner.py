@@ -32,7 +32,7 @@ from pdserve.types.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledR
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.attention.kv_quant import kv_cache_torch_dtype
 from pdserve.types.model_info import ModelInfo
-from pdserve.runner.memory_budget import kv_cache_budget, requested_bytes
+from pdserve.runner.memory_profile import cuda_memory_at_start, measure_cuda_budget
 from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import kv_head_range
 from pdserve.models.loader import load_model, model_max_len, resolve_device, tp_device
@@ -54,23 +54,6 @@ logger = logging.getLogger("pdserve.model")
 
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
-
-
-def _cuda_memory_at_start(config: EngineConfig) -> tuple[int, int] | None:
-    """``(total, free)`` bytes of the engine's CUDA device before it loads anything, after
-    checking that its ``gpu_memory_utilization`` share is free (None on CPU or when
-    ``kv_cache_memory`` / ``num_gpu_blocks_override`` size the cache instead).
-
-    Raises:
-        GpuMemoryBudgetError: the share is not free (the message has the numbers).
-    """
-    device = tp_device(resolve_device(config.device), config, get_tp_rank())
-    if device.type != "cuda" or config.kv_cache_memory is not None \
-            or config.num_gpu_blocks_override:
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    requested_bytes(total, free, config.gpu_memory_utilization)
-    return total, free
 
 
 class ModelRunner:
@@ -96,7 +79,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         # CUDA: (total, free) before this instance's weights, for its memory budget
-        self._cuda_mem_at_start = _cuda_memory_at_start(config)
+        self._cuda_mem_at_start = cuda_memory_at_start(config)
         # torch memory this process already held (an earlier engine of the same process whose
         # objects the garbage collector has not freed yet): not this instance's weights
         device0 = tp_device(resolve_device(config.device), config, get_tp_rank())
@@ -136,6 +119,7 @@ class ModelRunner:
         # prefills (both built by allocate_kv_cache; None = eager).
         self.decode_graphs: CUDAGraphRunner | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None
+        self._piecewise_captured = False  # captured by the CUDA budget or allocate_kv_cache
         self.use_cuda_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                 and self.model.attn_backend.supports_cuda_graphs)
         if config.piecewise_cuda_graph_max_tokens < 0:
@@ -188,34 +172,30 @@ class ModelRunner:
     def _profile_cuda_budget(self) -> int:
         """Bytes left for the KV cache on CUDA: this instance's share of the GPU
         (``gpu_memory_utilization`` of the total, see :mod:`pdserve.runner.memory_budget`) minus its
-        weights and a profiling forward pass's activation peak.
+        weights, a profiling forward pass's activation peak and the pool of the CUDA graphs of
+        steps with prefills, captured here, before the KV cache (they do not read it).
 
         Raises:
             GpuMemoryBudgetError: the share was not free at start or leaves nothing for the KV
                 cache (the message has the numbers).
         """
         cfg = self.config
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        free0, total = torch.cuda.mem_get_info(self.device)
-        non_torch0 = (total - free0) - torch.cuda.memory_reserved(self.device)
         num_tokens = max(1, min(cfg.max_num_batched_tokens, self.max_model_len))
         num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
-        self._profile_run(num_tokens, num_seqs)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch1 = (total - free) - torch.cuda.memory_reserved(self.device)
-        torch.cuda.empty_cache()
-        total_start, free_start = self._cuda_mem_at_start or (total, total)
-        budget = kv_cache_budget(
-            total_start, free_start, self._weights_bytes,
-            peak - self._weights_bytes - self._held_before,
-            cfg.gpu_memory_utilization, non_torch_growth_bytes=non_torch1 - non_torch0,
-            free_now_bytes=torch.cuda.mem_get_info(self.device)[0])
+        budget = measure_cuda_budget(
+            self.device, cfg.gpu_memory_utilization, self._cuda_mem_at_start,
+            self._weights_bytes, self._held_before,
+            profile_run=lambda: self._profile_run(num_tokens, num_seqs),
+            capture_graphs=self._capture_piecewise_graphs)
         logger.info("%s", budget.describe())
         return budget.kv_cache
+
+    def _capture_piecewise_graphs(self) -> None:
+        """Capture the pieces between attentions once (they never read the KV cache, so they
+        may be captured before it exists and their memory charged to the budget)."""
+        if self.use_cuda_graphs and not self._piecewise_captured:
+            self.piecewise_graphs = capture_piecewise_graphs(self.model, self.config)
+            self._piecewise_captured = True
 
     def _profile_run(self, num_tokens: int, num_seqs: int) -> None:
         """A forward pass of ``num_tokens`` prompt tokens in ``num_seqs`` requests (sampled with
@@ -263,7 +243,7 @@ class ModelRunner:
         if self.use_cuda_graphs:
             self.decode_graphs = capture_decode_graphs(self.model, self.kv_cache, self.config,
                                                        self.max_blocks_per_seq)
-            self.piecewise_graphs = capture_piecewise_graphs(self.model, self.config)
+            self._capture_piecewise_graphs()
         total = num_blocks * self.block_bytes
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s on %s "
                     "(%.1f sequences of max_model_len=%d)", num_blocks, self.block_size,

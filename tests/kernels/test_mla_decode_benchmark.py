@@ -46,6 +46,10 @@ def test_check_refuses_invalid_steps():
 
 
 @pytest.mark.slow  # a process: the script under Triton's interpreter (about 10 s)
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="a CUDA machine runs the compiled kernel (tests/kernels/"
+                           "test_mla_decode.py); the interpreter of its older Triton (3.6) "
+                           "cannot loop over a runtime kernel argument")
 def test_script_runs_on_cpu():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
     script = str(ROOT / "benchmarks/mla_decode.py")

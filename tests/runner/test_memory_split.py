@@ -10,6 +10,7 @@ import torch
 
 from pdserve.types.engine_config import EngineConfig
 from pdserve.runner.memory_budget import GpuMemoryBudgetError
+from pdserve.runner import memory_profile
 from pdserve.runner import model_runner as runner_mod
 
 GiB = 1 << 30
@@ -30,7 +31,7 @@ class FakeGpu:
 
 def _install(monkeypatch, gpu: FakeGpu) -> None:
     cuda = torch.cuda
-    monkeypatch.setattr(runner_mod, "resolve_device", lambda name: torch.device("cuda", 0))
+    monkeypatch.setattr(memory_profile, "resolve_device", lambda name: torch.device("cuda", 0))
     monkeypatch.setattr(cuda, "mem_get_info", gpu.mem_get_info)
     monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: gpu.allocated)
     monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: gpu.allocated)
@@ -42,7 +43,7 @@ def _install(monkeypatch, gpu: FakeGpu) -> None:
 def _runner(config: EngineConfig, gpu: FakeGpu, weights: int, activations: int):
     """A ModelRunner whose model "loads" ``weights`` bytes and whose profiling pass peaks at
     ``activations`` bytes above them (block: 1 MiB)."""
-    start = runner_mod._cuda_memory_at_start(config)
+    start = memory_profile.cuda_memory_at_start(config)
     gpu.allocated = gpu.peak = weights
     r = object.__new__(runner_mod.ModelRunner)
     r.config = config
@@ -59,6 +60,8 @@ def _runner(config: EngineConfig, gpu: FakeGpu, weights: int, activations: int):
         gpu.peak = weights + activations
 
     r._profile_run = profile
+    r.use_cuda_graphs = False
+    r._piecewise_captured = False
     return r
 
 
@@ -76,9 +79,9 @@ def test_share_not_free_at_start_is_a_clear_error(monkeypatch):
     gpu = FakeGpu(other=40 * GiB)
     _install(monkeypatch, gpu)
     with pytest.raises(GpuMemoryBudgetError, match=r"asks for 70\.00 GiB.*only 60\.00 GiB"):
-        runner_mod._cuda_memory_at_start(EngineConfig(device="cuda", gpu_memory_utilization=0.7))
+        memory_profile.cuda_memory_at_start(EngineConfig(device="cuda", gpu_memory_utilization=0.7))
     # a fixed KV size or block count is not checked against the fraction
-    assert runner_mod._cuda_memory_at_start(
+    assert memory_profile.cuda_memory_at_start(
         EngineConfig(device="cuda", gpu_memory_utilization=0.7, kv_cache_memory=GiB)) is None
 
 
@@ -89,7 +92,7 @@ def test_memory_the_process_held_before_loading_is_not_this_instances_weights(mo
     _install(monkeypatch, gpu)
     gpu.allocated = 30 * GiB
     config = EngineConfig(device="cuda", gpu_memory_utilization=0.4)
-    start = runner_mod._cuda_memory_at_start(config)
+    start = memory_profile.cuda_memory_at_start(config)
     r = _runner(config, gpu, weights=10 * GiB, activations=2 * GiB)
     r._cuda_mem_at_start = start
     r._held_before = 30 * GiB
@@ -100,3 +103,25 @@ def test_memory_the_process_held_before_loading_is_not_this_instances_weights(mo
 
     r._profile_run = profile
     assert r.determine_num_blocks() == (40 - 10 - 2) * 1024
+
+
+def test_cuda_graphs_captured_before_the_kv_cache_are_charged_to_it(monkeypatch):
+    # The pieces between attentions take a 3 GiB pool: the KV cache gets 3 GiB less, and the
+    # pieces are not captured a second time when the cache is allocated.
+    gpu = FakeGpu(other=40 * GiB)
+    _install(monkeypatch, gpu)
+    r = _runner(EngineConfig(device="cuda", gpu_memory_utilization=0.4), gpu,
+                weights=10 * GiB, activations=2 * GiB)
+    captured = []
+
+    def capture(model, config):
+        gpu.allocated += 3 * GiB  # the graphs' pool stays reserved
+        captured.append(config)
+        return "pieces"
+
+    monkeypatch.setattr(runner_mod, "capture_piecewise_graphs", capture)
+    r.use_cuda_graphs, r.model = True, None
+    assert r.determine_num_blocks() == (40 - 10 - 2 - 3) * 1024
+    assert r.piecewise_graphs == "pieces" and len(captured) == 1
+    r._capture_piecewise_graphs()
+    assert len(captured) == 1
