@@ -63,6 +63,7 @@ from pdserve.engine.remote_kv import LoadOutcome, LoadResult, RemoteKV, parse_lo
 from pdserve.engine.request_queues import RequestQueues
 from pdserve.engine.running_batch import RunningBatch
 from pdserve.engine.tier_loads import TierLoads
+from pdserve.engine.turn_demotion import TurnDemoter
 from pdserve.engine.token_acceptor import TokenAcceptor
 from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pdserve.types.request import Request, RequestStatus
@@ -147,6 +148,9 @@ class Scheduler:
             self.max_num_batched_tokens, self.max_model_len)
         self.finished_request_ids: set[str] = set()
         self.loaded_since_schedule = False
+        # a decoder's held turn blocks go to the tiers under pressure (turn_demotion.py)
+        self.demoter = (TurnDemoter(self.queues, self.kv_cache_manager, self.remote_kv, connector,
+                                    self.tier_loads) if self.tier_loads and connector else None)
 
         self.prompt_tokens_total = 0
         self.prompt_tokens_computed_total = 0
@@ -232,6 +236,8 @@ class Scheduler:
         build its metadata for the step; returns ``sched_out``."""
         sched_out.finished_request_ids = self.finished_request_ids
         self.finished_request_ids = set()
+        if self.demoter is not None:
+            self.demoter.relieve({sr.request_id for sr in sched_out.scheduled})
         if self.tiers is not None:
             sched_out.kv_tier_jobs = self.tiers.take_jobs()
         if self.connector is not None:
@@ -296,6 +302,8 @@ class Scheduler:
             for req in self.tier_loads.report(runner_out.kv_tier_report):
                 self.queues.requeue_front(req)
                 self.loaded_since_schedule = True
+        if self.demoter is not None:
+            self.demoter.update(kv_out)
         if kv_out is not None:
             remote_kv.update_connector_output(kv_out, invalid)
             for request_id in kv_out.finished_recving:
@@ -430,7 +438,8 @@ class Scheduler:
             "num_requests_finished_total": self.num_requests_finished_total,
             "prefix_cache_queries_total": kvm.prefix_cache_queries,
             "prefix_cache_hits_total": kvm.prefix_cache_hits,
-            "kv_tiers": self.tier_loads.stats() if self.tier_loads is not None else None,
+            "kv_tiers": ({**self.tier_loads.stats(), **self.demoter.stats()} if self.demoter
+                         else self.tier_loads.stats() if self.tier_loads else None),
         }
 
     def reset_kv_caches(self) -> bool:

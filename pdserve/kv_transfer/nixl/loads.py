@@ -28,6 +28,9 @@ holds the prompt's blocks (up to ``kv_prefill_wait_timeout``); the answer's requ
 block ids complete the reference, and the load goes on as any other. A load aborted while its
 pending claim waits tells the owner by transfer id.
 
+A decoder's turn lease whose blocks were demoted to its host tier answers the claim with the
+blocks that hold them again (``block_ids``): the reference is resolved to them as a pending one.
+
 Restarted peers: a claim answered by another ``instance_id`` than the handshaken one (the owner
 restarted, with the same engine id or on the same host and port) drops the cached agent and
 sends the load back to the handshake; a READ that cannot be posted (``NIXL_ERR_REMOTE_DISCONNECT``)
@@ -182,7 +185,11 @@ class LoadTracker:
                     continue
                 if self._remote_restarted(request_id, load, reply):
                     continue
-                if spec.remote.pending and not self._resolve(request_id, spec, reply):
+                if not spec.remote.pending and isinstance(reply.get("block_ids"), list):
+                    # a restored turn lease: its KV is in other blocks than the params named
+                    reply = dict(reply, request_id=spec.remote.request_id)
+                if (spec.remote.pending or "block_ids" in reply) and \
+                        not self._resolve(request_id, spec, reply):
                     continue
                 phase_trace.mark("kv.claim_ok")
                 load.claim_s = time.perf_counter() - load.t_claim
