@@ -46,8 +46,6 @@ if TYPE_CHECKING:
     from pdserve.types.kv_transfer_config import KVLoadFailurePolicy
 
 
-@dataclass(frozen=True)
-
 class TurnMove(enum.Enum):
     """What the scheduler tells the connector about a decoder's turn lease under GPU pressure
     (:meth:`KVConnectorSchedulerSide.move_turn`)."""
@@ -56,6 +54,8 @@ class TurnMove(enum.Enum):
     RESTORED = "restored"  # the KV is back in GPU blocks (named with it)
     LOST = "lost"  # no tier holds the blocks any more: end the lease
 
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     """Geometry of the paged KV cache, shared by both connector sides.
 
