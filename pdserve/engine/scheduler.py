@@ -46,7 +46,8 @@ how the scheduler drives the connector.
 With KV cache tiers (``--kv-offloading-size``), a :class:`~pdserve.engine.kv_tiers.TierManager`
 keeps evicted cached blocks in host memory (and on disk); the step's copy jobs travel in
 ``SchedulerOutput.kv_tier_jobs`` and requests whose prefix comes back from a tier wait in
-:class:`~pdserve.engine.tier_loads.TierLoads`.
+:class:`~pdserve.engine.tier_loads.TierLoads`; a decoder's blocks held for the next turn's
+prefiller go there under pressure (:class:`~pdserve.engine.turn_demotion.TurnDemoter`).
 """
 
 from __future__ import annotations
@@ -148,7 +149,6 @@ class Scheduler:
             self.max_num_batched_tokens, self.max_model_len)
         self.finished_request_ids: set[str] = set()
         self.loaded_since_schedule = False
-        # a decoder's held turn blocks go to the tiers under pressure (turn_demotion.py)
         self.demoter = (TurnDemoter(self.queues, self.kv_cache_manager, self.remote_kv, connector,
                                     self.tier_loads) if self.tier_loads and connector else None)
 
@@ -438,8 +438,7 @@ class Scheduler:
             "num_requests_finished_total": self.num_requests_finished_total,
             "prefix_cache_queries_total": kvm.prefix_cache_queries,
             "prefix_cache_hits_total": kvm.prefix_cache_hits,
-            "kv_tiers": ({**self.tier_loads.stats(), **self.demoter.stats()} if self.demoter
-                         else self.tier_loads.stats() if self.tier_loads else None),
+            "kv_tiers": (self.demoter or self.tier_loads).stats() if self.tier_loads else None,
         }
 
     def reset_kv_caches(self) -> bool:

@@ -291,9 +291,10 @@ class TurnDemoter:
         """Blocks that restored (or restoring) turns hold."""
         return sum(len(t.blocks.block_ids) for t in self._turns.values() if t.blocks is not None)
 
-    def stats(self) -> dict[str, int]:
-        """Cumulative counters for ``/metrics`` (``pdserve:kv_offload_turns_*``)."""
-        return {"turns_demoted": self.num_turns_demoted_total,
+    def stats(self) -> dict:
+        """The tier loads' :meth:`~pdserve.engine.tier_loads.TierLoads.stats` plus the
+        cumulative turn counters (``pdserve:kv_offload_turn*``)."""
+        return {**self.tier_loads.stats(), "turns_demoted": self.num_turns_demoted_total,
                 "turns_restored": self.num_turns_restored_total,
                 "turn_blocks_from_gpu": self.num_turn_blocks_from_gpu_total,
                 "turn_blocks_from_tiers": self.num_turn_blocks_from_tiers_total,
