@@ -412,8 +412,8 @@ class Scheduler:
         return self.remote_kv.has_pending_work() or self.has_pending_tier_work()
 
     def has_pending_tier_work(self) -> bool:
-        """True while tier loads are in flight (the core polls every tick until reported)."""
-        return self.tier_loads is not None and self.tier_loads.has_pending_work()
+        """True while tier loads are in flight or a claimed turn waits for blocks (polled)."""
+        return self.tier_loads is not None and (self.demoter or self.tier_loads).has_pending_work()
 
     def stats(self) -> dict[str, Any]:
         """Snapshot for metrics: queue sizes, KV cache usage (0..1) and cumulative counters."""

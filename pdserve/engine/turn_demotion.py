@@ -286,6 +286,12 @@ class TurnDemoter:
         logger.debug("turn %s cannot be restored (%s): the reader recomputes", request_id, why)
 
     # ------------------------------------------------------------------------------ status
+    def has_pending_work(self) -> bool:
+        """True while tier loads are in flight (:meth:`TierLoads.has_pending_work
+        <pdserve.engine.tier_loads.TierLoads.has_pending_work>`) or a claimed turn waits for
+        blocks (its restore is retried as each step closes)."""
+        return bool(self._wanted) or self.tier_loads.has_pending_work()
+
     @property
     def num_held_blocks(self) -> int:
         """Blocks that restored (or restoring) turns hold."""
