@@ -237,7 +237,7 @@ class Scheduler:
         sched_out.finished_request_ids = self.finished_request_ids
         self.finished_request_ids = set()
         if self.demoter is not None:
-            self.demoter.relieve({sr.request_id for sr in sched_out.scheduled})
+            self.demoter.relieve(sched_out.scheduled)
         if self.tiers is not None:
             sched_out.kv_tier_jobs = self.tiers.take_jobs()
         if self.connector is not None:

@@ -34,8 +34,9 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from pdserve.engine.block_manager import KVCacheManager
 from pdserve.engine.remote_kv import RemoteKV
@@ -47,9 +48,13 @@ from pdserve.types.request import RequestStatus
 if TYPE_CHECKING:
     from pdserve.engine.kv_tiers import TierLoadDone
     from pdserve.kv_transfer.base import KVConnectorSchedulerSide
-    from pdserve.types.outputs import KVConnectorOutput
+    from pdserve.types.outputs import KVConnectorOutput, ScheduledRequest
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a claimed turn may wait for GPU blocks to be restored into before it is given up (its
+#: lease ends; the reader's claim waits ``kv_handshake_timeout`` at most, then recomputes).
+RESTORE_WAIT_S = 10.0
 
 
 class TurnState(enum.Enum):
@@ -106,6 +111,7 @@ class TurnDemoter:
         connector: the KV connector's scheduler side (``turn_leases``, ``move_turn``).
         tier_loads: the tier loads (their tiers' ``match`` / ``start_load``, and the ended
             loads that are restores).
+        clock: ``time.monotonic`` (tests pass their own).
 
     Attributes:
         num_turns_demoted_total: turn leases whose blocks left the GPU.
@@ -117,15 +123,17 @@ class TurnDemoter:
 
     def __init__(self, queues: RequestQueues, kv_cache_manager: KVCacheManager,
                  remote_kv: RemoteKV, connector: "KVConnectorSchedulerSide",
-                 tier_loads: TierLoads):
+                 tier_loads: TierLoads, clock: Callable[[], float] = time.monotonic):
         self.queues = queues
+        self._clock = clock
         self.kv_cache_manager = kv_cache_manager
         self.remote_kv = remote_kv
         self.connector = connector
         self.tier_loads = tier_loads
         self.tiers = tier_loads.tiers
         self._turns: dict[str, _Turn] = {}
-        self._wanted: dict[str, None] = {}  # demoted turns a claim waits for, oldest first
+        # demoted turns a claim waits for, oldest first -> give up at (``clock()``)
+        self._wanted: dict[str, float] = {}
         self.num_turns_demoted_total = 0
         self.num_turns_restored_total = 0
         self.num_turn_blocks_from_gpu_total = 0
@@ -150,23 +158,28 @@ class TurnDemoter:
         need -= len(kvm.get_block_ids(head.request_id))
         return max(0, need - kvm.num_free_blocks)
 
-    def relieve(self, scheduled: set[str]) -> int:
+    def relieve(self, scheduled: Sequence["ScheduledRequest"]) -> int:
         """As a step closes: restore the claimed turns that wait for blocks, then, when a
-        claimed turn or the waiting head (not scheduled: ``scheduled`` are this step's request
-        ids) lacks blocks, ask the oldest turn leases to demote until their blocks (with those
-        already being demoted) cover the shortfall.
+        claimed turn or the waiting head (not among ``scheduled``, this step's requests) lacks
+        blocks, ask the oldest turn leases to demote until their blocks (with those already
+        being demoted) cover the shortfall.
 
         Returns:
             How many leases were asked to demote now.
         """
         short = 0
-        for request_id in list(self._wanted):
+        for request_id, give_up_at in list(self._wanted.items()):
             short = self._restore(request_id, self._turns[request_id])
-            if short:
+            if short and self._clock() >= give_up_at:
+                self._lose(request_id, f"no GPU blocks for {RESTORE_WAIT_S:g} s")
+                short = 0
+            elif short:
                 break  # the oldest claim first
-        if not short and self.queues.waiting and \
-                self.queues.waiting[0].request_id not in scheduled:
+        if not short and self.queues.waiting:
             short = self.shortfall()
+            head = self.queues.waiting[0].request_id
+            if short and any(sr.request_id == head for sr in scheduled):
+                short = 0
         return self._demote(short) if short > 0 else 0
 
     def _demote(self, short: int) -> int:
@@ -220,7 +233,8 @@ class TurnDemoter:
         for request_id in kv_out.turns_to_restore:
             turn = self._turns.get(request_id)
             if turn is not None and turn.state is TurnState.DEMOTED:
-                self._wanted[request_id] = None  # restored as the next step closes
+                # restored as the next step closes
+                self._wanted[request_id] = self._clock() + RESTORE_WAIT_S
 
     def _restore(self, request_id: str, turn: _Turn) -> int:
         """Bring a claimed, demoted turn's leading full blocks back: re-pin those in the GPU

@@ -168,3 +168,29 @@ def test_a_lease_aborted_while_its_blocks_load_frees_them_when_the_loads_end():
         core.step()
     assert sched.demoter.state("a") is None and sched.demoter.num_held_blocks == 0
     assert_all_free(core)
+
+
+def test_a_claimed_turn_that_never_finds_blocks_is_given_up():
+    import pdserve.engine.turn_demotion as td
+
+    core, runner, reader = make_turn_core(num_blocks=20)
+    sched = core.scheduler
+    now = [0.0]
+    sched.demoter._clock = lambda: now[0]
+    finish_turns(core, {"a": prompt(1, 22)})
+    big = prompt(3, 72)  # "a" is demoted for it, then "c" holds every block while it decodes
+    add(core, "c", big, max_tokens=7)
+    for _ in range(20):
+        core.step()
+        if sched.queues.running and sched.queues.running[0].num_output_tokens:
+            break
+    assert sched.demoter.state("a") is TurnState.DEMOTED
+    assert reader.claim("a", max_steps=2)[0] == "wait"  # no block to restore into
+    now[0] += td.RESTORE_WAIT_S
+    assert reader.claim("a", max_steps=2)[0] == "reject"
+    assert sched.queues.running  # "c" ran all along
+    assert sched.stats()["kv_tiers"]["turns_lost"] == 1
+    run_until_done(core)
+    reader.abort_all()
+    drain(core)
+    assert_all_free(core)
