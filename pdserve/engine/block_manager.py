@@ -186,6 +186,17 @@ class KVCacheManager:
         self.prefix_cache_hits += num_tokens
         return blocks, num_tokens
 
+    def cached_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """The blocks registered under the leading ``hashes`` (stops at the first one not in the
+        prefix cache). Not held: pass them to :meth:`allocate_slots` in the same step."""
+        blocks: list[int] = []
+        for h in hashes if self.enable_prefix_caching else ():
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
     def cache_blocks(self, request: "Request", num_computed_tokens: int) -> None:
         """Register the request's full blocks whose KV is computed in the prefix cache.
 

@@ -46,7 +46,8 @@ how the scheduler drives the connector.
 With KV cache tiers (``--kv-offloading-size``), a :class:`~pdserve.engine.kv_tiers.TierManager`
 keeps evicted cached blocks in host memory (and on disk); the step's copy jobs travel in
 ``SchedulerOutput.kv_tier_jobs`` and requests whose prefix comes back from a tier wait in
-:class:`~pdserve.engine.tier_loads.TierLoads`.
+:class:`~pdserve.engine.tier_loads.TierLoads`; a decoder's blocks held for the next turn's
+prefiller go there under pressure (:class:`~pdserve.engine.turn_demotion.TurnDemoter`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from pdserve.engine.remote_kv import LoadOutcome, LoadResult, RemoteKV, parse_lo
 from pdserve.engine.request_queues import RequestQueues
 from pdserve.engine.running_batch import RunningBatch
 from pdserve.engine.tier_loads import TierLoads
+from pdserve.engine.turn_demotion import TurnDemoter
 from pdserve.engine.token_acceptor import TokenAcceptor
 from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pdserve.types.request import Request, RequestStatus
@@ -147,6 +149,8 @@ class Scheduler:
             self.max_num_batched_tokens, self.max_model_len)
         self.finished_request_ids: set[str] = set()
         self.loaded_since_schedule = False
+        self.demoter = (TurnDemoter(self.queues, self.kv_cache_manager, self.remote_kv, connector,
+                                    self.tier_loads) if self.tier_loads and connector else None)
 
         self.prompt_tokens_total = 0
         self.prompt_tokens_computed_total = 0
@@ -232,6 +236,8 @@ class Scheduler:
         build its metadata for the step; returns ``sched_out``."""
         sched_out.finished_request_ids = self.finished_request_ids
         self.finished_request_ids = set()
+        if self.demoter is not None:
+            self.demoter.relieve(sched_out.scheduled)
         if self.tiers is not None:
             sched_out.kv_tier_jobs = self.tiers.take_jobs()
         if self.connector is not None:
@@ -296,6 +302,8 @@ class Scheduler:
             for req in self.tier_loads.report(runner_out.kv_tier_report):
                 self.queues.requeue_front(req)
                 self.loaded_since_schedule = True
+        if self.demoter is not None:
+            self.demoter.update(kv_out)
         if kv_out is not None:
             remote_kv.update_connector_output(kv_out, invalid)
             for request_id in kv_out.finished_recving:
@@ -404,8 +412,8 @@ class Scheduler:
         return self.remote_kv.has_pending_work() or self.has_pending_tier_work()
 
     def has_pending_tier_work(self) -> bool:
-        """True while tier loads are in flight (the core polls every tick until reported)."""
-        return self.tier_loads is not None and self.tier_loads.has_pending_work()
+        """True while tier loads are in flight or a claimed turn waits for blocks (polled)."""
+        return self.tier_loads is not None and (self.demoter or self.tier_loads).has_pending_work()
 
     def stats(self) -> dict[str, Any]:
         """Snapshot for metrics: queue sizes, KV cache usage (0..1) and cumulative counters."""
@@ -430,7 +438,7 @@ class Scheduler:
             "num_requests_finished_total": self.num_requests_finished_total,
             "prefix_cache_queries_total": kvm.prefix_cache_queries,
             "prefix_cache_hits_total": kvm.prefix_cache_hits,
-            "kv_tiers": self.tier_loads.stats() if self.tier_loads is not None else None,
+            "kv_tiers": (self.demoter or self.tier_loads).stats() if self.tier_loads else None,
         }
 
     def reset_kv_caches(self) -> bool:

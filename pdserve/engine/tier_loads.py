@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pdserve.engine.block_manager import KVCacheManager
-from pdserve.engine.kv_tiers import TierManager
+from pdserve.engine.kv_tiers import TierLoadDone, TierManager
 from pdserve.types.kv_tiers import KVTierMedium, KVTierReport
 from pdserve.types.request import Request, RequestStatus
 
@@ -51,6 +51,7 @@ class TierLoads:
         self._held: dict[str, Request] = {}
         self.prompt_tokens_loaded_total = 0
         self.num_failed_loads_total = 0
+        self._others: list[TierLoadDone] = []  # ended loads not of a request (turn restores)
 
     def has_pending_work(self) -> bool:
         """True while tier loads are in flight (the engine must keep stepping to see them end,
@@ -126,6 +127,7 @@ class TierLoads:
                 continue
             req = self.waiting.pop(done.request_id, None)
             if req is None:
+                self._others.append(done)
                 continue
             num_local = self._num_local.pop(done.request_id)
             good = num_local + done.num_good * self.kv_cache_manager.block_size
@@ -139,6 +141,12 @@ class TierLoads:
             self.loaded.add(req.request_id)
             ready.append(req)
         return ready
+
+    def take_other_loads(self) -> list[TierLoadDone]:
+        """Ended loads that no parked or finished request of this class started (a decoder's
+        turn blocks coming back, :mod:`pdserve.engine.turn_demotion`), since the last call."""
+        out, self._others = self._others, []
+        return out
 
     def request_finished(self, req: Request) -> bool:
         """The request finishes (abort, error). Returns True when a tier load still writes its

@@ -13,7 +13,14 @@ the engine's KV cache):
 * ``pdserve:kv_offload_prompt_tokens_loaded_total``: prompt tokens whose KV came back from a
   tier; ``pdserve:kv_offload_failed_loads_total``: loads with an unreadable block (a corrupt or
   truncated file: recomputed);
-* ``pdserve:kv_offload_copy_seconds`` (histogram): time of each batch of tier copies.
+* ``pdserve:kv_offload_copy_seconds`` (histogram): time of each batch of tier copies;
+* a bidirectional decoder's turn leases under GPU pressure (:mod:`pdserve.engine.turn_demotion`):
+  ``pdserve:kv_offload_turns_demoted_total`` (leases whose blocks left the GPU),
+  ``pdserve:kv_offload_turns_restored_total`` (demoted turns brought back for the next turn's
+  reader), ``pdserve:kv_offload_turn_blocks_restored_total{medium}`` (their blocks, by where
+  they came from: ``GPU`` still in the prefix cache, ``TIER`` loaded from the host or disk
+  tier), ``pdserve:kv_offload_turns_lost_total`` (claimed after every tier lost them: the
+  reader recomputed).
 
 Nothing is rendered for an engine without tiers.
 """
@@ -40,6 +47,10 @@ KV_OFFLOAD_BYTES = "pdserve:kv_offload_bytes"
 KV_OFFLOAD_PROMPT_TOKENS_LOADED = "pdserve:kv_offload_prompt_tokens_loaded"
 KV_OFFLOAD_FAILED_LOADS = "pdserve:kv_offload_failed_loads"
 KV_OFFLOAD_COPY_SECONDS = "pdserve:kv_offload_copy_seconds"
+KV_OFFLOAD_TURNS_DEMOTED = "pdserve:kv_offload_turns_demoted"
+KV_OFFLOAD_TURNS_RESTORED = "pdserve:kv_offload_turns_restored"
+KV_OFFLOAD_TURN_BLOCKS_RESTORED = "pdserve:kv_offload_turn_blocks_restored"
+KV_OFFLOAD_TURNS_LOST = "pdserve:kv_offload_turns_lost"
 
 # (family, kind, key in a medium's stats, help)
 _PER_MEDIUM = (
@@ -99,6 +110,8 @@ class KVTierCollector:
         yield CounterMetricFamily(KV_OFFLOAD_FAILED_LOADS,
                                   "KV cache tier loads with an unreadable block (recomputed).",
                                   value=float(tiers.get("failed_loads", 0)))
+        if "turns_demoted" in tiers:  # an engine with a KV connector (turn_demotion.py)
+            yield from _turn_families(tiers)
         counts = list(tiers.get("copy_time_counts") or [0] * (len(COPY_TIME_BUCKETS_S) + 1))
         cumulative, running = [], 0
         for bound, n in zip([*map(str, COPY_TIME_BUCKETS_S), "+Inf"], counts):
@@ -107,3 +120,19 @@ class KVTierCollector:
         yield HistogramMetricFamily(KV_OFFLOAD_COPY_SECONDS,
                                     "Time of one batch of KV cache tier copies (s).",
                                     buckets=cumulative, sum_value=float(tiers.get("copy_time_sum_s", 0.0)))
+
+
+def _turn_families(tiers: Mapping[str, Any]) -> Iterable[Metric]:
+    """The families of a decoder's demoted turn leases (see the module docstring)."""
+    yield CounterMetricFamily(KV_OFFLOAD_TURNS_DEMOTED, "Turn leases whose blocks left the GPU "
+                              "under pressure.", value=float(tiers.get("turns_demoted", 0)))
+    yield CounterMetricFamily(KV_OFFLOAD_TURNS_RESTORED, "Demoted turn leases whose blocks came "
+                              "back for a reader.", value=float(tiers.get("turns_restored", 0)))
+    blocks = CounterMetricFamily(KV_OFFLOAD_TURN_BLOCKS_RESTORED, "Blocks of restored turn "
+                                 "leases, by where they came from.", labels=["medium"])
+    blocks.add_metric(["GPU"], float(tiers.get("turn_blocks_from_gpu", 0)))
+    blocks.add_metric(["TIER"], float(tiers.get("turn_blocks_from_tiers", 0)))
+    yield blocks
+    yield CounterMetricFamily(KV_OFFLOAD_TURNS_LOST, "Demoted turn leases claimed after every "
+                              "tier lost their blocks (recomputed).",
+                              value=float(tiers.get("turns_lost", 0)))

@@ -33,6 +33,7 @@ The engine keeps stepping (``execute`` with an empty batch if need be) while
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -43,6 +44,15 @@ if TYPE_CHECKING:
     from pdserve.types.outputs import KVConnectorOutput, SchedulerOutput
     from pdserve.types.request import Request
     from pdserve.types.kv_transfer_config import KVLoadFailurePolicy
+
+
+class TurnMove(enum.Enum):
+    """What the scheduler tells the connector about a decoder's turn lease under GPU pressure
+    (:meth:`KVConnectorSchedulerSide.move_turn`)."""
+
+    DEMOTE = "demote"  # give up the GPU blocks (they stay in the prefix cache, then a tier)
+    RESTORED = "restored"  # the KV is back in GPU blocks (named with it)
+    LOST = "lost"  # no tier holds the blocks any more: end the lease
 
 
 @dataclass(frozen=True)
@@ -192,6 +202,17 @@ class KVConnectorSchedulerSide(abc.ABC):
         end the hold when it is of exactly ``block_ids`` for ``request_id`` (its id then
         appears in ``finished_sending``); otherwise nothing. Default: nothing (the hold ends by
         itself)."""
+
+    def turn_leases(self) -> list[str]:
+        """Optional hook: the finished requests whose blocks are held under a decoder's turn
+        lease (bidirectional transfer) that may be demoted to the KV cache tiers, oldest first
+        (:mod:`pdserve.engine.turn_demotion`). Default: none."""
+        return []
+
+    def move_turn(self, request_id: str, move: TurnMove, block_ids: list[int] = ()) -> None:
+        """Optional hook: tell the worker side about a turn lease from :meth:`turn_leases`:
+        demote it, it is restored into ``block_ids``, or its blocks are lost. Default:
+        nothing (no turn lease is ever offered)."""
 
     def request_added(self, request: "Request") -> None:
         """Optional hook: a request entered the scheduler's queue (before any scheduling).

@@ -174,6 +174,10 @@ class KVConnectorOutput:
         load_errors: request_id -> why its load failed (for the error message), for the failed
             loads among ``finished_recving``.
         stats: connector statistics for the front end's metrics (JSON-serialisable).
+        demoted_turns: a decoder's turn leases that gave up their GPU blocks (the scheduler
+            frees them into the prefix cache; the lease lives on until its TTL).
+        turns_to_restore: demoted turn leases a reader's claim waits for (the scheduler brings
+            their blocks back, :mod:`pdserve.engine.turn_demotion`).
     """
 
     finished_sending: set[str] = field(default_factory=set)
@@ -183,6 +187,8 @@ class KVConnectorOutput:
     remote_clock_offsets: dict[tuple[str, str, int], float] = field(default_factory=dict)
     load_errors: dict[str, KVLoadError] = field(default_factory=dict)
     stats: dict[str, Any] | None = None
+    demoted_turns: set[str] = field(default_factory=set)
+    turns_to_restore: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -183,3 +183,26 @@ def test_kv_tier_metrics_from_the_engine_snapshot_summed_over_ranks() -> None:
     assert lines['pdserve:kv_offload_copy_seconds_sum'] == 2 * 2.0003
     no_tiers = _sample_lines(m.ServerMetrics(_Engine(EngineStats())).render()[0].decode())
     assert not any("kv_offload" in k for k in no_tiers)
+
+
+def test_demoted_turn_metrics_from_the_engine_snapshot() -> None:
+    from pdserve.engine.kv_tiers import TierManager
+
+    turns = {"turns_demoted": 3, "turns_restored": 2, "turn_blocks_from_gpu": 4,
+             "turn_blocks_from_tiers": 5, "turns_lost": 1}
+    snap = dict(TierManager(host_blocks=2).stats(), prompt_tokens_loaded=0, failed_loads=0,
+                **turns)
+    two = EngineStats.combine([EngineStats(num_blocks=4, kv_tiers=snap)] * 2)
+    lines = _sample_lines(m.ServerMetrics(_Engine(two)).render()[0].decode())
+    assert lines["pdserve:kv_offload_turns_demoted_total"] == 6
+    assert lines["pdserve:kv_offload_turns_restored_total"] == 4
+    assert lines['pdserve:kv_offload_turn_blocks_restored_total{medium="GPU"}'] == 8
+    assert lines['pdserve:kv_offload_turn_blocks_restored_total{medium="TIER"}'] == 10
+    assert lines["pdserve:kv_offload_turns_lost_total"] == 2
+    # an engine without a KV connector has no turn leases: no such family
+    plain = dict(snap)
+    for key in turns:
+        del plain[key]
+    lines = _sample_lines(m.ServerMetrics(_Engine(EngineStats(num_blocks=4, kv_tiers=plain)))
+                          .render()[0].decode())
+    assert not any("kv_offload_turn" in k for k in lines)

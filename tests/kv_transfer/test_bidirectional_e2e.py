@@ -290,6 +290,44 @@ def test_three_turn_chats_come_back_from_the_prefillers_host_tier(server_pool, t
     cluster["p"].wait_all_blocks_free(timeout_s=60)
 
 
+def test_three_turn_chats_are_pulled_from_the_decoders_host_tier(server_pool, tokenizer):
+    """The pooled P (no prefix cache) and a bidirectional D whose KV cache of ``TIER_BLOCKS``
+    blocks cannot keep the four interleaved chats' last turns: D demotes the held turns to its
+    host tier and brings them back when P claims them. Answers equal the single instance's; on
+    turns 2 and 3 no full block of the previous prompt is recomputed on P (it was pulled from
+    D); D counts demoted and restored turns; no block stays held on either side."""
+    servers = server_pool.get("single", "p_bidir", "d_tier_bidir")
+    proxy = server_pool.proxy("multi-turn-d-tier", ["p_bidir"], ["d_tier_bidir"],
+                              ["--multi-turn"])
+    cluster = {"model": server_pool.model, "proxy": proxy, "single": servers["single"],
+               "p": servers["p_bidir"], "d": servers["d_tier_bidir"]}
+    d = cluster["d"]
+    chats = [[{"role": "system", "content": f"Conversation {c}. " + SYSTEM * 6}] for c in range(4)]
+    assert len(prompt_ids(tokenizer, chats[0])) * len(chats) > TIER_BLOCKS * B
+    previous = [0] * len(chats)
+    for k in range(1, 4):
+        for c, messages in enumerate(chats):
+            messages.append(user_message(300 + 10 * c + k))
+            ids = prompt_ids(tokenizer, messages)
+            answer, delta = turn(cluster, messages, f"d-tiered-{c}")
+            assert answer == single_answer(cluster, messages), (k, c)
+            if k > 1:  # the previous prompt's full blocks came from D, none was recomputed
+                reused = previous[c] // B * B
+                assert delta["pdserve:prompt_tokens_transferred_total"] >= reused, (k, c)
+                assert delta["pdserve:prompt_tokens_computed_total"] <= len(ids) - reused, (k, c)
+            previous[c] = len(ids)
+            messages.append({"role": "assistant", "content": answer})
+    m = d.metrics()
+    assert m.get("pdserve:kv_offload_turns_demoted_total", 0) > 0
+    assert m.get("pdserve:kv_offload_turns_restored_total", 0) > 0
+    tier_line = [line for line in d.client.get("/metrics").text.splitlines() if line.startswith(
+        'pdserve:kv_offload_turn_blocks_restored_total{medium="TIER"}')]
+    assert tier_line and float(tier_line[0].rsplit(" ", 1)[1]) > 0  # read back from the host
+    assert m.get("pdserve:kv_offload_turns_lost_total", 0) == 0
+    cluster["p"].wait_all_blocks_free(timeout_s=TTL_S + 20)
+    d.wait_all_blocks_free(timeout_s=TTL_S + 20)
+
+
 def test_all_blocks_free_after_conversations_and_ttl(cluster):
     # run last in this module: every conversation above is over
     cluster["p"].wait_all_blocks_free(timeout_s=TTL_S + 20)

@@ -221,3 +221,39 @@ def test_lease_claim_checks_the_readers_tokens():
         assert status == "reject" and "tokens differ" in reason, (num, status)
     table.add("plain", [1], 30.0)  # no tokens known: the block ids alone decide
     assert table.claim("plain", [1])[0] == "ok"
+
+
+def test_a_demoted_turn_lease_waits_then_answers_the_blocks_it_was_restored_into():
+    from pdserve.kv_transfer.nixl.leases import LeaseBlocks, LeaseTable
+    from pdserve.types.remote_ref import token_digest
+
+    tokens = list(range(10))
+    digest = token_digest(tokens[:8])
+    leases = LeaseTable()
+    leases.add("t", [3, 4, 5], 60.0, renewable=False, token_ids=tokens)
+    assert not leases.demote("unknown")
+    assert leases.demote("t") and not leases.demote("t")
+    # foreign tokens are refused as ever; the right ones wait (reported once) while demoted
+    assert leases.claim_answer("t", [3, 4, 5], 8, token_digest([9] * 8))[0] == "reject"
+    assert leases.claim_answer("t", [3, 4, 5], 8, digest)[0] == "wait"
+    assert leases.has_restore_wanted()
+    assert leases.take_restore_wanted() == ["t"] and leases.take_restore_wanted() == []
+    assert leases.claim_answer("t", [3, 4, 5], 8, digest)[0] == "wait"
+    assert not leases.restore("unknown", [8, 9])
+    assert leases.restore("t", [8, 9])
+    status, _, left, _, moved = leases.claim_answer("t", [3, 4, 5], 8, digest)
+    assert (status, moved) == ("ok", [8, 9]) and left > 0
+    assert not leases.demote("t")  # claimed: its READ may be under way
+    # notices may name the advertised blocks or the restored ones; other ids are ignored
+    assert not leases.done("t", block_ids=[8])
+    assert leases.done("t", block_ids=[8, 9])
+    assert len(leases) == 0 and LeaseBlocks.HELD.value == "held"
+
+
+def test_a_prompt_lease_is_never_demoted():
+    from pdserve.kv_transfer.nixl.leases import LeaseTable
+
+    leases = LeaseTable()
+    leases.add("p", [1, 2], 30.0, renewable=True)
+    assert not leases.demote("p")
+    assert leases.claim_answer("p", [1, 2])[4] is None  # answers name no other blocks

@@ -128,6 +128,8 @@ def _serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
                 "finished_recving": sorted(out.finished_recving),
                 "invalid_block_ids": sorted(out.invalid_block_ids),
                 "first_tokens": dict(out.first_tokens),
+                "demoted_turns": sorted(out.demoted_turns),
+                "turns_to_restore": sorted(out.turns_to_restore),
                 "load_errors": {r: e.reason.name for r, e in out.load_errors.items()},
                 "load_error_details": {r: e.detail for r, e in out.load_errors.items()},
                 "stats": out.stats,

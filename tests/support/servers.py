@@ -371,6 +371,11 @@ POOL_SPECS: dict[str, Spec] = {
                     "--kv-offloading-disk-dir", TIER_DISK_DIR, "--kv-offloading-disk-size", "0.01")),
     "p_tier_bidir": Spec(nixl_config("kv_producer", bidirectional_kv_xfer=True),
                          (*TIER_COMMON, "--kv-offloading-size", "0.004")),
+    # a bidirectional D whose small KV cache cannot keep the live conversations' last turns:
+    # they are demoted to its host tier and come back when P pulls them
+    "d_tier_bidir": Spec(nixl_config("kv_consumer", decoder_kv_blocks_ttl=BIDIR_TTL_S,
+                                     bidirectional_kv_xfer=True),
+                         (*TIER_COMMON, "--kv-offloading-size", "0.01")),
 }
 @dataclass
 class ServerPool:

@@ -72,6 +72,7 @@ class HeldBlocks:
         self._started: dict[str, float] = {}  # prompt leases: request id -> lease start
         self._mirror: host_buffer.HostMirror | None = None
         self._finished: set[str] = set()
+        self._demoted: set[str] = set()
 
     def use_mirror(self, mirror: host_buffer.HostMirror | None) -> None:
         """Host-buffer mode: a send's lease starts once its blocks are staged in ``mirror``."""
@@ -154,6 +155,32 @@ class HeldBlocks:
             else:  # a multi-turn decoder's TTL: nobody pulled this turn, as expected
                 self._stats.current.num_kv_turns_expired += 1
                 logger.debug("NIXL: turn blocks of request %s expired unpulled; freed", request_id)
+
+    def apply_turn_moves(self, demote: set[str], restored: dict[str, list[int]],
+                         lost: set[str]) -> None:
+        """A decoder's turn leases under GPU pressure (:mod:`pdserve.engine.turn_demotion`):
+        ``demote``: give up their GPU blocks (reported by :meth:`take_demoted` when the lease
+        agreed; refused in host-buffer mode, whose reads come from the mirror); ``restored``:
+        the blocks now holding a demoted lease's KV (a lease that ended meanwhile is reported
+        finished again, so those blocks are freed); ``lost``: no tier had the blocks any more,
+        the lease ends (its waiting claim is rejected and the reader recomputes)."""
+        for request_id in demote:
+            if self._mirror is None and self.leases.demote(request_id):
+                self._demoted.add(request_id)
+        for request_id, block_ids in restored.items():
+            if self.leases.restore(request_id, block_ids):
+                self._lease_started()  # the waiting claim is answered at once
+            else:
+                self._finished.add(request_id)
+        for request_id in lost:
+            if self.leases.close(request_id, "its blocks left every KV cache tier"):
+                self._finished.add(request_id)
+                self._lease_started()
+
+    def take_demoted(self) -> set[str]:
+        """The turn leases that gave up their GPU blocks since the last call (each once)."""
+        out, self._demoted = self._demoted, set()
+        return out
 
     def staging(self) -> bool:
         """True while host-buffer mode stages blocks into the mirror."""

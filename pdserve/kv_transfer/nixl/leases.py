@@ -21,6 +21,7 @@ before the lease (the reader gave up while the prefill ran) closes the lease whe
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.types.remote_ref import token_digest
+
+class LeaseBlocks(enum.Enum):
+    """Where a lease's KV is (a decoder's turn lease may leave the GPU under pressure,
+    :mod:`pdserve.engine.turn_demotion`)."""
+
+    HELD = "held"  # in the lease's GPU blocks
+    DEMOTED = "demoted"  # no GPU blocks: in the prefix cache or a KV cache tier, if anywhere
+    RESTORE_WANTED = "restore_wanted"  # demoted, and a reader's claim waits for it
+    RESTORING = "restoring"  # demoted; the scheduler was asked to bring the blocks back
+
 
 _CLOSED_MEMORY = 10_000  # how many closed leases are remembered (to answer late claims clearly)
 _EARLY_NOTICE_TTL_S = 120.0
@@ -57,6 +68,10 @@ class Lease:
     dones: int = 0  # "done" notices received so far
     claimed_at: float | None = None  # ``time.monotonic()`` of the last granted claim
     transfer_id: str | None = None  # the router's concurrent hand-off id, if any
+    # a demoted turn lease (:class:`LeaseBlocks`): the block ids its params named (claims and
+    # notices may name them) while ``block_ids`` are the blocks holding the KV now
+    where: LeaseBlocks = LeaseBlocks.HELD
+    advertised: list[int] | None = None
 
 
 class LeaseTable:
@@ -194,11 +209,16 @@ class LeaseTable:
         """:meth:`claim`, plus the lease's first output token when the claim is ``"ok"`` (the
         side channel's claim answer): the token is only told to a reader whose tokens match
         the lease's, so a decoder gets the prefiller's own first token for exactly the prompt
-        whose KV it reads, whatever a client relayed."""
+        whose KV it reads, whatever a client relayed. A fifth element names the blocks that
+        hold the KV now when they are not those advertised (a restored turn lease), else
+        None."""
         with self._lock:
             status, reason, left = self.claim(request_id, block_ids, num_tokens, digest)
             lease = self._leases.get(request_id) if status == "ok" else None
-            return status, reason, left, (lease.first_token if lease is not None else None)
+            moved = lease.block_ids if lease is not None and lease.advertised is not None \
+                else None  # a restored turn: the reader reads these, not the advertised ones
+            return status, reason, left, (lease.first_token if lease is not None else None), \
+                moved
 
     def claim(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
               digest: Any = None, now: float | None = None) -> tuple[str, str, float]:
@@ -224,7 +244,7 @@ class LeaseTable:
                 if closed is not None:
                     return "reject", f"request {request_id!r} holds no blocks any more ({closed})", 0.0
                 return "wait", f"no blocks are held for request {request_id!r}", 0.0
-            if list(block_ids) != lease.block_ids:
+            if list(block_ids) != lease.block_ids and list(block_ids) != lease.advertised:
                 return (
                     "reject",
                     f"block ids {list(block_ids)[:8]}... do not match the {len(lease.block_ids)} "
@@ -238,10 +258,54 @@ class LeaseTable:
                 if not ok:
                     return ("reject", f"the reader's tokens differ from those whose KV request "
                             f"{request_id!r} holds", 0.0)
+            if lease.where is not LeaseBlocks.HELD:  # demoted: the engine thread restores it
+                if lease.where is LeaseBlocks.DEMOTED:
+                    lease.where = LeaseBlocks.RESTORE_WANTED
+                return "wait", f"the blocks of request {request_id!r} are being restored", 0.0
             if lease.renewable:
                 lease.expiry = max(lease.expiry, now + lease.duration_s)
             lease.claimed_at = now
             return "ok", "", lease.expiry - now
+
+    # ------------------------------------------------------------- demoted turn leases
+    def demote(self, request_id: str) -> bool:
+        """Let a decoder's turn lease (not renewable) give up its GPU blocks: claims wait from
+        now on until :meth:`restore`. Refused (False) for an unknown, renewable, already
+        demoted or claimed lease (a granted claim's READ may be under way)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.renewable or lease.where is not LeaseBlocks.HELD or \
+                    lease.claimed_at is not None:
+                return False
+            lease.advertised = lease.advertised or lease.block_ids
+            lease.block_ids, lease.where = [], LeaseBlocks.DEMOTED
+            return True
+
+    def take_restore_wanted(self) -> list[str]:
+        """The demoted leases a reader's claim waits for, each reported once per demotion."""
+        with self._lock:
+            out = [r for r, lease in self._leases.items()
+                   if lease.where is LeaseBlocks.RESTORE_WANTED]
+            for request_id in out:
+                self._leases[request_id].where = LeaseBlocks.RESTORING
+            return out
+
+    def has_restore_wanted(self) -> bool:
+        """True while a claim waits for a demoted lease not yet reported."""
+        with self._lock:
+            return any(lease.where is LeaseBlocks.RESTORE_WANTED
+                       for lease in self._leases.values())
+
+    def restore(self, request_id: str, block_ids: list[int]) -> bool:
+        """A demoted lease holds its KV again, in ``block_ids`` (the leading full blocks of the
+        advertised ones, in token order): claims are granted and answered with these ids.
+        Returns False when the lease is gone or not demoted (the caller frees the blocks)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.where is LeaseBlocks.HELD:
+                return False
+            lease.block_ids, lease.where = list(block_ids), LeaseBlocks.HELD
+            return True
 
     def last_claim(self) -> float | None:
         """The ``time.monotonic()`` of the latest claim granted to an open lease (its reader's
@@ -286,7 +350,7 @@ class LeaseTable:
         """True when an open lease of ``request_id`` holds exactly ``block_ids`` (lock held)."""
         lease = self._leases.get(request_id)
         return lease is not None and _is_block_list(block_ids) and \
-            list(block_ids) == lease.block_ids
+            list(block_ids) in (lease.block_ids, lease.advertised)
 
     def _end(self, request_id: str, reason: str) -> None:
         """Close the open lease of ``request_id`` and remember why (lock held)."""

@@ -27,6 +27,8 @@ the owner's request and blocks. Its claim is a *pending claim* that the owner an
 holds the prompt's blocks (up to ``kv_prefill_wait_timeout``); the answer's request id and
 block ids complete the reference, and the load goes on as any other. A load aborted while its
 pending claim waits tells the owner by transfer id.
+A claim of a decoder's demoted turn lease is answered with the blocks holding it again
+(``block_ids``): the reference is resolved to them as a pending one is.
 
 Restarted peers: a claim answered by another ``instance_id`` than the handshaken one (the owner
 restarted, with the same engine id or on the same host and port) drops the cached agent and
@@ -182,7 +184,10 @@ class LoadTracker:
                     continue
                 if self._remote_restarted(request_id, load, reply):
                     continue
-                if spec.remote.pending and not self._resolve(request_id, spec, reply):
+                if not spec.remote.pending and isinstance(reply.get("block_ids"), list):
+                    reply = dict(reply, request_id=spec.remote.request_id)  # a restored turn
+                if (spec.remote.pending or "block_ids" in reply) and \
+                        not self._resolve(request_id, spec, reply):
                     continue
                 phase_trace.mark("kv.claim_ok")
                 load.claim_s = time.perf_counter() - load.t_claim

@@ -116,6 +116,11 @@ class NixlConnectorMetadata:
         handshakes: remote instances to handshake with ahead of time.
         expired_pulls: bidirectional pulls skipped because the decoder's blocks expire too soon
             (counted by the worker as expired requests).
+        demote_turns: a decoder's turn leases to demote (give up their GPU blocks, which the
+            scheduler frees into the prefix cache once the worker reports them demoted).
+        restored_turns: demoted turn leases whose KV is back in GPU blocks (request id -> those
+            blocks, in token order).
+        lost_turns: demoted turn leases whose blocks left every tier (the lease ends).
     """
 
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
@@ -128,10 +133,14 @@ class NixlConnectorMetadata:
     early_releases: dict[str, list[int]] = field(default_factory=dict)
     handshakes: list[RemoteEndpoint] = field(default_factory=list)
     expired_pulls: int = 0
+    demote_turns: set[str] = field(default_factory=set)
+    restored_turns: dict[str, list[int]] = field(default_factory=dict)
+    lost_turns: set[str] = field(default_factory=set)
 
     def is_empty(self) -> bool:
         return not (
             self.reqs_to_recv or self.reqs_to_send or self.notices or self.heartbeat_start
             or self.heartbeat_stop or self.aborted_recvs or self.release_sends
             or self.early_releases or self.handshakes or self.expired_pulls
+            or self.demote_turns or self.restored_turns or self.lost_turns
         )

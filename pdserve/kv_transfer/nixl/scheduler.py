@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.types.request import RequestStatus
-from pdserve.kv_transfer.base import NOT_HELD, FinishedRequestKV, KVConnectorSchedulerSide
+from pdserve.kv_transfer.base import (
+    NOT_HELD, FinishedRequestKV, KVConnectorSchedulerSide, TurnMove,
+)
 from pdserve.types.kv_transfer_config import KVLoadFailurePolicy, KVTransferConfig
 from pdserve.kv_transfer.nixl.bidirectional import (
     PULL_SAFETY_MARGIN_S,
@@ -132,6 +134,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         # remote clock minus local clock per remote endpoint key, from the worker's handshakes
         self._clock_offsets: dict[tuple[str, str, int], float] = {}
         self._held: set[str] = set()  # blocks held for a remote reader
+        self._turns: dict[str, None] = {}  # decoder turn leases, oldest first
         self._meta = NixlConnectorMetadata()
 
     # ------------------------------------------------------------------------------- params
@@ -306,6 +309,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             self._aborted_inflight.discard(request_id)
         for request_id in output.finished_sending:
             self._held.discard(request_id)
+            self._turns.pop(request_id, None)
         # measured by the worker at handshakes (for the expiry checks of bidirectional pulls)
         self._clock_offsets.update(output.remote_clock_offsets)
 
@@ -399,7 +403,23 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         spec, params = held
         self._meta.reqs_to_send[spec.request_id] = spec
         self._held.add(spec.request_id)
+        self._turns[spec.request_id] = None
         return FinishedRequestKV(True, params)
+
+    def turn_leases(self) -> list[str]:
+        """The decoder's turn leases, oldest first (none at TP > 1: the ranks' reports of
+        demoted leases are not merged)."""
+        return list(self._turns) if self.tp_size == 1 else []
+
+    def move_turn(self, request_id: str, move: TurnMove, block_ids: list[int] = ()) -> None:
+        """Hand a turn lease's move to the worker side (``demote_turns``, ``restored_turns``,
+        ``lost_turns`` of the next metadata)."""
+        if move is TurnMove.DEMOTE:
+            self._meta.demote_turns.add(request_id)
+        elif move is TurnMove.RESTORED:
+            self._meta.restored_turns[request_id] = list(block_ids)
+        else:
+            self._meta.lost_turns.add(request_id)
 
     def has_pending_metadata(self) -> bool:
         """True when metadata for the worker side is waiting for the next step (the engine

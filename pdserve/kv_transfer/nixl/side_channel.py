@@ -19,7 +19,10 @@ instances' ``REQ`` sockets:
     and extends the lease for the read. A claim for a request the owner does not know yet (its lease is
     registered one engine step after the request finished) is answered when it appears, or
     rejected after ``claim_wait_s``. A granted claim of a prefiller's prompt carries the first
-    token the prefiller sampled (the decoder uses it, not the one a client relayed).
+    token the prefiller sampled (the decoder uses it, not the one a client relayed). A claim of
+    a decoder's turn lease whose blocks were demoted to its host tier waits while they are
+    restored; its answer then carries ``"block_ids"``, the blocks that hold them now (the
+    reader reads those).
     ``instance_id`` (also in ``get_info``'s info) is new at every process start: a reader whose
     handshake named another instance knows the remote restarted and handshakes again.
 ``{"type": "claim", "transfer_id": str, "num_tokens": int, "token_digest": str, "wait_s": float}``
@@ -337,6 +340,8 @@ class SideChannelServer:
                   "instance_id": self.instance_id}
         if status == "ok" and first and first[0] is not None:
             answer["first_token_id"] = first[0]
+        if status == "ok" and len(first) > 1 and first[1] is not None:
+            answer["block_ids"] = first[1]  # a restored turn lease's blocks (not those named)
         self._reply(ident, answer, seq)
 
     def _try_transfer_claim(self, ident: bytes, transfer_id: str, deadline: float, seq: Any,

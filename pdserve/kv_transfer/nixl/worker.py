@@ -222,6 +222,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self.held.release(request_id)
         for request_id, block_ids in metadata.early_releases.items():  # the proxy's
             self.held.release_early(request_id, block_ids)
+        self.held.apply_turn_moves(metadata.demote_turns, metadata.restored_turns,
+                                   metadata.lost_turns)
         self._take_held_finished()
         for endpoint in metadata.handshakes:
             self.remotes.ensure(endpoint)
@@ -260,6 +262,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.inbox.process()
         self.held.expire()
         self._take_held_finished()
+        self._out.demoted_turns |= self.held.take_demoted()
+        self._out.turns_to_restore.update(self.leases.take_restore_wanted())
         self.heartbeats.send_due()
         if self.notices.has_queued():
             self._finish_handshakes()
@@ -281,12 +285,13 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
 
     # ------------------------------------------------------------------- engine loop wake-ups
     def _answer_claim(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
-                      digest: Any = None) -> tuple[str, str, float, int | None]:
+                      digest: Any = None) -> tuple[str, str, float, int | None, Any]:
         """Side-channel thread: answer a reader's claim from the lease table
         (:meth:`~.leases.LeaseTable.claim_answer`); a granted one wakes the engine loop, whose
-        next wait then polls NIXL notifications at the read rate (its READ follows)."""
+        next wait then polls NIXL notifications at the read rate (its READ follows), and so
+        does one that waits for a demoted turn lease (the engine thread reports it)."""
         answer = self.leases.claim_answer(request_id, block_ids, num_tokens, digest)
-        if answer[0] == "ok":
+        if answer[0] == "ok" or (answer[0] == "wait" and self.leases.has_restore_wanted()):
             self._waker.wake()
         return answer
 
