@@ -25,23 +25,19 @@ With ``num_scheduler_steps > 1``, a step in which every running request is a pla
 nothing can be admitted is instead a round of several decode steps
 (:meth:`pdserve.engine.multi_step.MultiStepRounds.schedule` says exactly when).
 
-The scheduler composes helpers that own their state and get their collaborators (the
-:class:`~pdserve.engine.request_queues.RequestQueues`, the
-:class:`~pdserve.engine.block_manager.KVCacheManager`, the :class:`RemoteKV`, limits) in their
+The scheduler composes helpers that own their state and get their collaborators (queues, the
+:class:`~pdserve.engine.block_manager.KVCacheManager`, :class:`RemoteKV`, limits) in their
 constructors: :class:`~pdserve.engine.running_batch.RunningBatch` (step 1),
-:class:`~pdserve.engine.admission.Admitter` (step 2),
-:class:`~pdserve.engine.multi_step.MultiStepRounds`,
-:class:`~pdserve.engine.async_scheduling.AsyncSchedulingPolicy` (step n+1 while step n runs) and
-:class:`~pdserve.engine.remote_kv.RemoteKV`. A helper's outcome that moves a request between
-queues or finishes it (a finished KV load, :class:`~pdserve.engine.remote_kv.LoadResult`) is
+:class:`~pdserve.engine.admission.Admitter` (step 2), ``MultiStepRounds``,
+``AsyncSchedulingPolicy`` (step n+1 while step n runs) and
+:class:`~pdserve.engine.remote_kv.RemoteKV`; their outcomes that move or finish a request are
 applied here.
 
 Computed tokens are committed (``num_computed_tokens`` advanced, full blocks registered in the
 prefix cache) in :meth:`Scheduler.update_from_output`, after their KV exists.
 
-KV that crosses instances (loads through the KV connector, their failures, blocks held for a
-transfer) is tracked by :class:`~pdserve.engine.remote_kv.RemoteKV`, whose module docstring says
-how the scheduler drives the connector.
+KV that crosses instances is tracked by :class:`~pdserve.engine.remote_kv.RemoteKV` (its module
+docstring says how the scheduler drives the connector).
 
 With KV cache tiers (``--kv-offloading-size``), a :class:`~pdserve.engine.kv_tiers.TierManager`
 keeps evicted cached blocks in host memory (and on disk); the step's copy jobs travel in
