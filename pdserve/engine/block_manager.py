@@ -24,8 +24,8 @@ hashes of two engine instances to find the longest common prefix. The root paren
 (``pdserve/router/kv_routing.py``) import it.
 
 KV events (:meth:`KVCacheManager.enable_events`): every hash that enters or leaves the prefix cache
-is recorded as a :mod:`pdserve.engine.kv_events` event; the engine core takes them once per step
-(:meth:`KVCacheManager.take_events`) and publishes them.
+is recorded as a KV event (:class:`pdserve.engine.kv_events.KVEventBuffer`); the engine core takes
+them once per step (:meth:`KVCacheManager.take_events`) and publishes them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from collections import OrderedDict
 from itertools import chain
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from pdserve.engine.kv_events import KVEventBuffer
 from pdserve.types.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.types.block_hash import ROOT_HASH, block_hashes
 
@@ -85,7 +86,7 @@ class KVCacheManager:
         self._req_num_cached: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # tokens found
-        self._events: list[KVEvent] | None = None  # None: KV events off
+        self._events = KVEventBuffer()
         # Async scheduling: requests of the launched step(s) the device may still be
         # running, and the block lists of such requests freed meanwhile (held until released).
         self._in_flight: frozenset[str] = frozenset()
@@ -94,28 +95,18 @@ class KVCacheManager:
     # ---------------------------------------------------------------- KV events
     def enable_events(self) -> None:
         """Start recording prefix-cache changes as KV events (see :meth:`take_events`)."""
-        if self._events is None:
-            self._events = []
+        self._events.enable()
 
     def take_events(self) -> list[KVEvent]:
         """The events recorded since the last call, in order (empty when events are off)."""
-        events = self._events
-        if not events:
-            return []
-        self._events = []
-        return events
+        return self._events.take()
 
     def cached_block_hashes(self) -> list[int]:
         """Every hash registered in the prefix cache now (a KV events snapshot)."""
         return list(self._cached)
 
     def _removed(self, h: int) -> None:
-        events = self._events
-        if events is not None:
-            if events and type(events[-1]) is BlockRemoved:
-                events[-1].block_hashes.append(h)
-            else:
-                events.append(BlockRemoved([h]))
+        self._events.add_hash(BlockRemoved, h)
 
     # ---------------------------------------------------------------- accounting
     @property
@@ -232,7 +223,7 @@ class KVCacheManager:
             self._cached[h] = block_id
             stored.append(h)
         self._req_num_cached[request_id] = num_full
-        if stored and self._events is not None:
+        if stored and self._events.enabled:
             self._events.append(BlockStored(stored))
 
     def uncache_blocks(self, request: "Request", first_block_index: int) -> None:
@@ -259,8 +250,7 @@ class KVCacheManager:
             return False
         self._cached.clear()
         self._block_hash = [None] * self.num_blocks
-        if self._events is not None:
-            self._events.append(AllBlocksCleared())
+        self._events.append(AllBlocksCleared())
         return True
 
     # ---------------------------------------------------------------- allocation

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pdserve.engine.kv_events import KVEventBuffer
 from pdserve.types.kv_events import BlockRemoved, BlockStored, KVEvent
 from pdserve.types.kv_tiers import (
     COPY_TIME_BUCKETS_S, KVTierJobs, KVTierMedium, KVTierReport, TierJob, TierJobKind,
@@ -111,7 +112,7 @@ class TierManager:
         # job -> (request, or None for a detached load; hash, slot, from disk)
         self._job_owner: dict[int, tuple[str | None, int, int, bool]] = {}
         self._filling: set[int] = set()  # slots a file read fills (not readable before)
-        self._events: list[KVEvent] | None = None
+        self._events = KVEventBuffer()
         self.counters = {KVTierMedium.CPU: _TierCounters(), KVTierMedium.DISK: _TierCounters()}
         self.bytes_to_device = 0
         self.dropped = 0  # evicted device blocks no tier could take (every slot pinned)
@@ -120,26 +121,15 @@ class TierManager:
     # ---------------------------------------------------------------- KV events
     def enable_events(self) -> None:
         """Record tier changes as KV events with their ``medium`` (see :meth:`take_events`)."""
-        if self._events is None:
-            self._events = []
+        self._events.enable()
 
     def take_events(self) -> list[KVEvent]:
         """Events since the last call (empty when events are off)."""
-        events = self._events
-        if not events:
-            return []
-        self._events = []
-        return events
+        return self._events.take()
 
-    def _event(self, cls: type, h: int, medium: KVTierMedium) -> None:
-        events = self._events
-        if events is None:
-            return
-        last = events[-1] if events else None
-        if last is not None and type(last) is cls and last.medium == medium.value:
-            last.block_hashes.append(h)
-        else:
-            events.append(cls([h], medium=medium.value))
+    def _event(self, cls: type[BlockStored] | type[BlockRemoved], h: int,
+               medium: KVTierMedium) -> None:
+        self._events.add_hash(cls, h, medium.value)
 
     def snapshot(self) -> dict[str, list[int]]:
         """Every hash per tier now (``{"CPU": [...], "DISK": [...]}``), for KV event snapshots."""

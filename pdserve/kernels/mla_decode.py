@@ -40,7 +40,7 @@ import triton.language as tl
 from pdserve.kernels import pdl
 from pdserve.kernels.common import next_power_of_2
 from pdserve.kernels.paged_decode import (
-    _jit_without_specialising, _paged_decode_reduce_kernel, choose_num_splits)
+    _jit_without_specialising, _merge_pieces, _partial_buffers, _split_range, choose_num_splits)
 
 _LOG2_E = 1.4426950408889634
 #: query heads per program (tl.dot's smallest M; a sequence's heads share each entry read)
@@ -48,7 +48,6 @@ BLOCK_H = 16
 #: context tokens per inner iteration by default (``[16, 288]`` tiles of the two slots fit in
 #: registers beside the accumulators without spilling at 4 or 8 warps; 32 spills at 4 warps)
 BLOCK_N = 16
-_REDUCE_PIECES = 16  # as paged_decode's merge: pieces (heads x splits) per merge program
 #: most context pieces per sequence: the merge holds a sequence's pieces of one head in
 #: registers, ``[32, 512]`` fp32 at DeepSeek's latent width over its 8 warps without spilling
 #: (64 pieces spill on sm_90: ``cuobjdump -res-usage`` of the compiled merge kernel)
@@ -102,15 +101,7 @@ def _mla_decode_split_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
 
-    ctx = tl.load(context_lens_ptr + seq)
-    max_ctx = 0
-    for s0 in range(0, num_seqs, 256):
-        offs_s = s0 + tl.arange(0, 256)
-        lens = tl.load(context_lens_ptr + offs_s, mask=offs_s < num_seqs, other=0)
-        max_ctx = tl.maximum(max_ctx, tl.max(lens, 0))
-    tokens_per_split = tl.cdiv(tl.cdiv(max_ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, ctx)
+    _, start, end = _split_range(context_lens_ptr, seq, split, num_seqs, num_splits, BLOCK_N)
 
     # Each half (slot) of the entry is a MAIN-wide tile and a TAIL_PAD-wide tile of its last
     # HALF - MAIN values (masked; all masked when HALF is a power of two): 288 = 256 + 32 for
@@ -288,14 +279,7 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     block_h = BLOCK_H
     main = next_power_of_2(half + 1) // 2  # the largest power of two <= half
     split = num_splits > 1
-    if split:
-        part_out = torch.empty((num_seqs, num_heads, num_splits, kv_lora_rank),
-                               dtype=torch.float32, device=q.device)
-        part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
-                               device=q.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_out, part_max, part_sum = out, context_lens, context_lens
+    part_out, part_max, part_sum = _partial_buffers(out, context_lens, num_splits, split)
     kv_layer = kv_cache[:, layer]  # [num_blocks, 2, 1, block_size, half]
     options = pdl.launch_options(q.device)
     grid = (num_seqs, triton.cdiv(num_heads, block_h), num_splits)
@@ -315,13 +299,6 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         DOT_IN_FP32=q.dtype == torch.float32 or q.device.type != "cuda", KV_FP8=kv_fp8,
         num_warps=num_warps or (8 if half > 128 else 4), num_stages=2, **options)
     if split:
-        splits_pad = next_power_of_2(num_splits)
-        heads = max(1, min(_REDUCE_PIECES // splits_pad, next_power_of_2(num_heads)))
-        _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_heads, heads))](
-            out, part_out, part_max, part_sum, num_splits, out.stride(0), out.stride(1),
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_max.stride(0),
-            part_max.stride(1), NUM_HEADS=num_heads, HEADS=heads, HEAD_DIM=kv_lora_rank,
-            HEAD_DIM_PAD=next_power_of_2(kv_lora_rank), SPLITS_PAD=splits_pad,
-            num_warps=8 if kv_lora_rank > 256 else 4,
-            **options)
+        _merge_pieces(out, part_out, part_max, part_sum, num_splits,
+                      num_warps=8 if kv_lora_rank > 256 else 4)
     return out

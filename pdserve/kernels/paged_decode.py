@@ -177,6 +177,29 @@ def _jit_without_specialising(fn):
     return triton.jit(fn, do_not_specialize=[names.index(a) for a in _PER_STEP_ARGS if a in names])
 
 
+@triton.jit
+def _split_range(context_lens_ptr, seq, split, num_seqs, num_splits, BLOCK_N: tl.constexpr):
+    """The context piece of one split-K program: ``(ctx, start, end)``, the context length of
+    sequence ``seq`` and the token positions ``[start, end)`` that piece ``split`` reads.
+
+    Every piece of a launch is ``ceil(max_ctx / num_splits)`` tokens rounded up to a multiple of
+    ``BLOCK_N``, ``max_ctx`` being the batch's longest context, read here from
+    ``context_lens_ptr`` (``[num_seqs]`` int32 tokens): the grid then depends on the batch size
+    alone (module docstring). A piece past the sequence's context is empty (``start >= end``).
+    Shared by this module's split kernel and :mod:`pdserve.kernels.mla_decode`'s.
+    """
+    ctx = tl.load(context_lens_ptr + seq)
+    max_ctx = 0
+    for s0 in range(0, num_seqs, 256):
+        offs_s = s0 + tl.arange(0, 256)
+        lens = tl.load(context_lens_ptr + offs_s, mask=offs_s < num_seqs, other=0)
+        max_ctx = tl.maximum(max_ctx, tl.max(lens, 0))
+    tokens_per_split = tl.cdiv(tl.cdiv(max_ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, ctx)
+    return ctx, start, end
+
+
 def _paged_decode_split_kernel(
     out_ptr,  # [S, Hq, D] final output (used when not SPLIT)
     part_out_ptr,  # [S, Hq, P, D] fp32 normalised partial outputs (SPLIT)
@@ -224,16 +247,8 @@ def _paged_decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    ctx = tl.load(context_lens_ptr + seq)
     # The batch's longest context fixes the piece length of every sequence (module docstring).
-    max_ctx = 0
-    for s0 in range(0, num_seqs, 256):
-        offs_s = s0 + tl.arange(0, 256)
-        lens = tl.load(context_lens_ptr + offs_s, mask=offs_s < num_seqs, other=0)
-        max_ctx = tl.maximum(max_ctx, tl.max(lens, 0))
-    tokens_per_split = tl.cdiv(tl.cdiv(max_ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, ctx)
+    ctx, start, end = _split_range(context_lens_ptr, seq, split, num_seqs, num_splits, BLOCK_N)
     if SLIDING:
         # Pieces wholly before the window are empty (start >= end) and return at once.
         start = tl.maximum(start, ctx - sliding_window)
@@ -366,6 +381,55 @@ _paged_decode_split_kernel = _jit_without_specialising(_paged_decode_split_kerne
 _paged_decode_reduce_kernel = _jit_without_specialising(_paged_decode_reduce_kernel)
 
 
+def _partial_buffers(out: torch.Tensor, context_lens: torch.Tensor, num_splits: int,
+                     split: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split kernel's piece buffers for an ``out`` of ``[num_seqs, num_heads, head_dim]``:
+    ``(part_out, part_max, part_sum)``, fp32 ``[num_seqs, num_heads, num_splits, head_dim]``,
+    ``[num_seqs, num_heads, num_splits]`` and the same (uninitialised). Without ``split``
+    (one piece, written to ``out`` directly) unused placeholders of the right kind:
+    ``(out, context_lens, context_lens)``. Shared with :mod:`pdserve.kernels.mla_decode`."""
+    if not split:
+        return out, context_lens, context_lens
+    num_seqs, num_heads, head_dim = out.shape
+    part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                           device=out.device)
+    part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
+                           device=out.device)
+    return part_out, part_max, torch.empty_like(part_max)
+
+
+def _merge_pieces(out: torch.Tensor, part_out: torch.Tensor, part_max: torch.Tensor,
+                  part_sum: torch.Tensor, num_splits: int, num_warps: int) -> None:
+    """Launch the merge kernel: ``out`` (``[num_seqs, num_heads, head_dim]``) becomes the
+    log-sum-exp weighted mean of the ``num_splits`` pieces of :func:`_partial_buffers`'s
+    buffers, :data:`_REDUCE_PIECES` pieces (heads x splits) per program with ``num_warps``
+    warps. Shared with :mod:`pdserve.kernels.mla_decode`."""
+    num_seqs, num_heads, head_dim = out.shape
+    splits_pad = _next_power_of_2(num_splits)
+    heads = max(1, min(_REDUCE_PIECES // splits_pad, _next_power_of_2(num_heads)))
+    _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_heads, heads))](
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_max.stride(0),
+        part_max.stride(1),
+        NUM_HEADS=num_heads,
+        HEADS=heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=_next_power_of_2(head_dim),
+        SPLITS_PAD=splits_pad,
+        num_warps=num_warps,
+        **pdl.launch_options(out.device),
+    )
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -485,15 +549,7 @@ def paged_decode_attention(
         num_stages = cfg.fp8_num_stages if kv_fp8 else cfg.num_stages
 
     split = num_splits > 1 or mma  # the CUDA kernel always hands its pieces to the merge
-    if split:
-        part_out = torch.empty(
-            (num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        part_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-    else:  # unused placeholders of the right kind
-        part_out = out
-        part_max = part_sum = context_lens
+    part_out, part_max, part_sum = _partial_buffers(out, context_lens, num_splits, split)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (num_seqs, num_kv_heads, num_splits)
     if mma:
@@ -548,27 +604,5 @@ def paged_decode_attention(
             **pdl.launch_options(q.device),
         )
     if split:
-        splits_pad = _next_power_of_2(num_splits)
-        heads = max(1, min(_REDUCE_PIECES // splits_pad, _next_power_of_2(num_q_heads)))
-        _paged_decode_reduce_kernel[(num_seqs, triton.cdiv(num_q_heads, heads))](
-            out,
-            part_out,
-            part_max,
-            part_sum,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            part_out.stride(0),
-            part_out.stride(1),
-            part_out.stride(2),
-            part_max.stride(0),
-            part_max.stride(1),
-            NUM_HEADS=num_q_heads,
-            HEADS=heads,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=_next_power_of_2(head_dim),
-            SPLITS_PAD=splits_pad,
-            num_warps=4,
-            **pdl.launch_options(q.device),
-        )
+        _merge_pieces(out, part_out, part_max, part_sum, num_splits, num_warps=4)
     return out
