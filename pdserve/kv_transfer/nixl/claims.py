@@ -10,12 +10,12 @@ whole held turn, with the digest of the prompt's tokens up to the turn's end (th
 most that far). The worker sends it only to a decoder read by a direct copy (same GPU by CUDA IPC,
 or a shared host mirror): a NIXL READ over UCX's TCP and shared-memory transports advances only
 when the owner's engine loop polls, and the owner's one poll that comes at once is the one its
-granted claim wakes; an early grant spends it before the READ is posted (on the 2-core CPU
-machine the pull's READ then took 2.8 ms instead of 0.9 ms, more than the 0.5 ms the early claim
-saved; docs/benchmarks.md). It is the ordinary claim, so the owner checks exactly what it checks for the
-load's own. When the load comes, its claim is the early one if that names the same remote
-request and blocks and covers the load's tokens; otherwise, or when the early claim is refused
-or fails, the load sends its own (:meth:`Claims.again`). An early claim no load took (the pull
+granted claim wakes; an early grant spends it before the READ is posted, and the READ waits
+for the next poll (docs/benchmarks.md, "Lease at the finishing step, early pull claims"). It is
+the ordinary claim, so the owner checks exactly what it checks for the load's own. When the load
+comes, its claim is the early one if that names the same remote request and blocks and covers the
+load's tokens; otherwise, or when the early claim is refused or fails, the load sends its own
+(:meth:`Claims.again`). An early claim no load took (the pull
 was declined, the request ended) is dropped with the request's heartbeat stop, or after
 :data:`STALE_S`.
 """
