@@ -152,7 +152,7 @@ class EngineCore:
                 self.connector_worker = runner.connector_worker
             self.connector_worker.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)
             runner.set_kv_connector_worker(self.connector_worker)
-        # TP 1: the only worker side is in this process (_hold_finished)
+        # TP 1: the only worker side is in this process (_bind_early)
         self._bind_at_once = connectors is not None and config.tensor_parallel_size == 1
         self.eos_token_ids = list(self.model_info.eos_token_ids or [])
         self.tiers = self._build_tiers(config, runner)
@@ -336,10 +336,9 @@ class EngineCore:
         return outputs, True, runner_out
 
     def _bind_early(self) -> None:
-        """TP 1: hand the connector's worker side now what should not wait for the next step
-        (:meth:`~pdserve.kv_transfer.base.KVConnectorSchedulerSide.take_early_metadata`): the
-        leases of the requests the committed step finished, whose KV it computed (an
-        async-scheduled step launched since writes other blocks), and arrivals' pull claims."""
+        """TP 1: give the worker side now what need not wait for the next step (the holds of
+        the requests the committed step finished, whose KV it computed, and arrivals' pull
+        claims: :meth:`~pdserve.kv_transfer.base.KVConnectorSchedulerSide.take_early_metadata`)."""
         if self._bind_at_once:
             early = self.connector.take_early_metadata()
             if early is not None:
