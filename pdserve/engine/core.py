@@ -152,6 +152,8 @@ class EngineCore:
                 self.connector_worker = runner.connector_worker
             self.connector_worker.register_kv_cache(runner.kv_cache, runner.kv_cache_spec)
             runner.set_kv_connector_worker(self.connector_worker)
+        # TP 1: the only worker side is in this process (_bind_early)
+        self._bind_at_once = connectors is not None and config.tensor_parallel_size == 1
         self.eos_token_ids = list(self.model_info.eos_token_ids or [])
         self.tiers = self._build_tiers(config, runner)
         self.scheduler = Scheduler(
@@ -235,6 +237,7 @@ class EngineCore:
                 num_prompt_tokens=req.num_prompt_tokens,
                 error=str(e),
             )
+        self._bind_early()  # a pull's early claim
         return None
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -281,6 +284,7 @@ class EngineCore:
             if sched_out.scheduled:
                 phase_trace.mark("core.result")
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
+            self._bind_early()
             computed = bool(sched_out.scheduled)
         kv_out = runner_out.kv_connector_output if runner_out is not None else None
         if kv_out is not None and kv_out.stats:
@@ -314,8 +318,9 @@ class EngineCore:
                 return [], False, None
             if not first.scheduled or first.num_steps > 1:
                 runner_out = self.runner.execute(first)
-                return (scheduler.update_from_output(first, runner_out), bool(first.scheduled),
-                        runner_out)
+                outputs = scheduler.update_from_output(first, runner_out)
+                self._bind_early()
+                return outputs, bool(first.scheduled), runner_out
             self._launch(first, None)
         running, pending = self._running
         nxt = scheduler.schedule_async(running)
@@ -327,7 +332,17 @@ class EngineCore:
         phase_trace.mark("core.result")
         outputs = scheduler.update_from_output(running, runner_out)
         scheduler.kv_cache_manager.set_in_flight(launched)
+        self._bind_early()
         return outputs, True, runner_out
+
+    def _bind_early(self) -> None:
+        """TP 1: give the worker side now what need not wait for the next step (the holds of
+        the requests the committed step finished, whose KV it computed, and arrivals' pull
+        claims: :meth:`~pdserve.kv_transfer.base.KVConnectorSchedulerSide.take_early_metadata`)."""
+        if self._bind_at_once:
+            early = self.connector.take_early_metadata()
+            if early is not None:
+                self.connector_worker.bind_connector_metadata(early)
 
     def _launch(self, step: SchedulerOutput, running: SchedulerOutput | None) -> frozenset[str]:
         """Launch ``step``; the blocks of its requests and of ``running``'s stay held until they

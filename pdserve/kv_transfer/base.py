@@ -221,6 +221,15 @@ class KVConnectorSchedulerSide(abc.ABC):
         keeping the remote's lease alive while the request waits). Default: nothing.
         """
 
+    def take_early_metadata(self) -> Any:
+        """Optional hook: the worker-side metadata that should not wait for the next step,
+        taken out of it, or None. The engine core binds it to an in-process worker side (TP 1)
+        right after a step and after an arrival: the holds of the requests the committed step
+        finished (their KV was computed: the step's tokens were read back after its forward),
+        so a lease starts in the step that finished its request; and an arriving request's
+        early claim. Default: None (the next step's metadata carries everything)."""
+        return None
+
     def load_failure_policy(self, request: "Request") -> "KVLoadFailurePolicy | None":
         """Optional hook: the ``kv_load_failure_policy`` (``FAIL`` or ``RECOMPUTE``) for
         this request's failed load, overriding the configured one; None keeps the configured

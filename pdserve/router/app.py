@@ -368,7 +368,8 @@ class DisaggProxy:
             "Cache-Control": "no-cache",
             "X-Request-Id": turn.request_id})
         if migrate_body is not None:
-            leg = Leg(answer.p_up, answer.p_params, answer.d_up, d_resp, answer.held, answer.timer)
+            leg = Leg(answer.p_up, answer.p_params, answer.d_up, d_resp, answer.held, answer.timer,
+                      answer.held_parsed)
             return await self.migrator.relay(request, out, turn, leg, migrate_body, conv_id,
                                              headers)
         return await self.relay.relay(request, out, turn, answer.d_up, d_resp, answer.p_up,

@@ -77,15 +77,16 @@ class _Next(enum.Enum):
 
 class _DecodeStart:
     """D's response up to its first token: the instance, its response, a non-streamed (or
-    error) body, and a stream's bytes read so far."""
+    error) body, a stream's bytes read so far and their events parsed."""
 
-    __slots__ = ("up", "resp", "raw", "held", "first")
+    __slots__ = ("up", "resp", "raw", "held", "parsed", "first")
 
     def __init__(self) -> None:
         self.up: Upstream | None = None
         self.resp: aiohttp.ClientResponse | None = None
         self.raw: bytes | None = None
         self.held = b""
+        self.parsed: list[tuple[bytes, Any]] = []
         self.first: FirstEvent | None = None
 
 
@@ -236,7 +237,8 @@ class ConcurrentLegs:
         if start.raw is not None and d_resp.status < 400 or (
                 first is not None and first.kind is FirstEventKind.TOKEN):
             self._handoff["decode"].observe(perf_counter() - t_sent)
-            return DecodeAnswer(p_up, prefill.params, d_up, d_resp, start.raw, held=start.held)
+            return DecodeAnswer(p_up, prefill.params, d_up, d_resp, start.raw, held=start.held,
+                                held_parsed=start.parsed)
         if prefill.failure is not None:  # D failed because P did
             return self._prefill_failed(prefill, att, turn)
         if first is not None:  # an in-band error before any token: D's answer, as a status
@@ -295,6 +297,7 @@ class ConcurrentLegs:
             start.raw = await self._client.read_body(up, resp, turn)
             return
         watch = FirstTokenWatch()
+        start.parsed = watch.parsed
         t = perf_counter()
         try:
             while start.first is None:

@@ -43,18 +43,32 @@ class FirstEvent:
 
 
 class FirstTokenWatch:
-    """Feeds on a stream's bytes until its first token (or in-band error) event."""
+    """Feeds on a stream's bytes until its first token (or in-band error) event.
 
-    __slots__ = ("_events",)
+    Attributes:
+        parsed: ``(payload, value)`` of every event it parsed as JSON, in stream order: a relay
+            that parses the same events again takes these instead (the opening chunk carries
+            the prompt's token ids, whose parse would otherwise follow D's first token).
+    """
+
+    __slots__ = ("_events", "parsed")
 
     def __init__(self) -> None:
         self._events = SSEEvents()
+        self.parsed: list[tuple[bytes, Any]] = []
 
     def feed(self, chunk: bytes) -> FirstEvent | None:
         """The first event that is not an opening chunk, once ``chunk`` completes it; None
         while only opening chunks (or a partial event) came."""
         for payload in self._events.feed(chunk):
-            event = _first_event(payload)
+            if payload == b"[DONE]":
+                return FirstEvent(FirstEventKind.TOKEN)
+            try:
+                value = json.loads(payload)
+            except ValueError:
+                return FirstEvent(FirstEventKind.TOKEN)
+            self.parsed.append((payload, value))
+            event = _first_event(payload, value)
             if event is not None:
                 return event
         return None
@@ -83,13 +97,8 @@ class DecodeTimer:
         return True
 
 
-def _first_event(payload: bytes) -> FirstEvent | None:
-    if payload == b"[DONE]":
-        return FirstEvent(FirstEventKind.TOKEN)
-    try:
-        event = json.loads(payload)
-    except ValueError:
-        return FirstEvent(FirstEventKind.TOKEN)
+def _first_event(payload: bytes, event: Any) -> FirstEvent | None:
+    """What one parsed event (``payload`` parsed: ``event``) says about the stream's start."""
     if not isinstance(event, dict):
         return FirstEvent(FirstEventKind.TOKEN)
     error = event.get("error")

@@ -29,7 +29,7 @@ retry bookkeeping is :mod:`pdserve.router.retries` (shared with the concurrent h
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Callable
 
@@ -68,6 +68,9 @@ class DecodeAnswer:
             hand-off reads up to D's first token before answering): the relay sends it first.
         timer: a 200 stream's decode hand-off time still to observe: the relay feeds it the
             stream's chunks until D's first token.
+        held_parsed: ``(payload, value)`` of the events in ``held`` already parsed as JSON
+            (:attr:`~pdserve.router.first_token.FirstTokenWatch.parsed`), for a relay that
+            parses them.
     """
 
     p_up: Upstream | None
@@ -77,6 +80,7 @@ class DecodeAnswer:
     raw: bytes | None
     held: bytes = b""
     timer: DecodeTimer | None = None
+    held_parsed: list[tuple[bytes, Any]] = field(default_factory=list)
 
 
 class TurnLegs:

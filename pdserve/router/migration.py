@@ -22,7 +22,7 @@ import asyncio
 import enum
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Awaitable, Callable
 
@@ -71,7 +71,8 @@ def migration_refusal(body: dict[str, Any]) -> str | None:
 class Leg:
     """One P/D attempt of a stream: the instances, P's returned params (None: none, or not read
     yet in the concurrent hand-off) and D's open response; ``held``: the stream's start already
-    read from it (relayed first); ``timer``: the decode hand-off time still to observe."""
+    read from it (relayed first), ``held_parsed`` its events already parsed (``(payload,
+    value)``, in order); ``timer``: the decode hand-off time still to observe."""
 
     p_up: Upstream
     p_params: dict[str, Any] | None
@@ -79,6 +80,7 @@ class Leg:
     d_resp: aiohttp.ClientResponse
     held: bytes = b""
     timer: DecodeTimer | None = None
+    held_parsed: list[tuple[bytes, Any]] = field(default_factory=list)
 
 
 class StreamMigrator:
@@ -245,6 +247,7 @@ class StreamMigrator:
         events = SSEEvents()
         up = leg.d_up
         held, leg.held = leg.held, b""
+        parsed, leg.held_parsed = leg.held_parsed, []  # popped as their payloads come
         while True:
             try:
                 chunk = held or await asyncio.wait_for(content.readany(), self.stall_timeout)
@@ -272,10 +275,14 @@ class StreamMigrator:
                     ledger.done = True
                     batch.append(_DONE)
                     continue
-                try:
-                    event = json.loads(payload)
-                except ValueError:
-                    event = None
+                if parsed and parsed[0][0] == payload:
+                    event, raw = parsed.pop(0)[1], payload
+                else:
+                    parsed, raw = [], None
+                    try:
+                        event = json.loads(payload)
+                    except ValueError:
+                        event = None
                 if not isinstance(event, dict):
                     batch.append(b"data: " + payload + b"\n\n")
                     continue
@@ -294,7 +301,8 @@ class StreamMigrator:
                 if on_kv_params is not None and isinstance(params, dict):
                     await on_kv_params(leg, params)
                     event["kv_transfer_params"] = None
-                data = ledger.forward(event)
+                    raw = None  # changed
+                data = ledger.forward(event, raw)
                 if data is not None:
                     batch.append(data)
             if batch:

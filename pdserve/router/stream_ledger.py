@@ -60,17 +60,20 @@ class StreamLedger:
         self.usage_sent = False
         self.done = False  # [DONE] was forwarded
 
-    def forward(self, event: dict[str, Any]) -> bytes | None:
+    def forward(self, event: dict[str, Any], raw: bytes | None = None) -> bytes | None:
         """The bytes to send the client for one chunk of a decode leg (None: nothing), after
-        noting its token ids and usage."""
+        noting its token ids and usage. ``raw``: the event's payload as D sent it, sent as it
+        is when nothing in the event changes (no re-encoding)."""
         if self.response_id is None:
             self.response_id, self.created = event.get("id"), event.get("created")
             self.object_name, self.model = event.get("object"), event.get("model")
         else:  # a resumed leg's chunks continue the first leg's response
-            if "id" in event:
-                event["id"] = self.response_id
-            if "created" in event:
-                event["created"] = self.created
+            if "id" in event and event["id"] != self.response_id:
+                event["id"], raw = self.response_id, None
+            if "created" in event and event["created"] != self.created:
+                event["created"], raw = self.created, None
+        if not self.client_wants_ids:  # the token id fields are stripped
+            raw = None
         self._take_prompt_ids(event)
         choices = event.get("choices")
         only_tokens = bool(choices)
@@ -88,7 +91,7 @@ class StreamLedger:
             self.usage_sent = True
         if only_tokens and not self.client_wants_ids:
             return None  # a chunk the client would not have got without return_token_ids
-        return b"data: " + _encode(event).encode() + b"\n\n"
+        return b"data: " + (raw if raw is not None else _encode(event).encode()) + b"\n\n"
 
     def _take_prompt_ids(self, obj: dict[str, Any]) -> None:
         ids = obj.get("prompt_token_ids") if self.client_wants_ids else obj.pop(

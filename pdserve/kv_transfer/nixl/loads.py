@@ -52,6 +52,7 @@ from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl import host_buffer
 from pdserve.kv_transfer.nixl.agent import NixlAgent
 from pdserve.kv_transfer.nixl.metadata import RecvSpec, RemoteNotice
+from pdserve.kv_transfer.nixl.claims import Claims
 from pdserve.types.remote_ref import RemoteEndpoint
 from pdserve.kv_transfer.nixl.reads import Load, LoadPhase, post_reads, read_time
 from pdserve.kv_transfer.nixl.remotes import HandshakeFailure, RemoteRegistry
@@ -102,6 +103,7 @@ class LoadTracker:
         self._notify = notify
         self._mirror = mirror
         self._paths = paths if paths is not None else TransferPaths()
+        self.claims = Claims(config, client)  # lease claims, early ones too (claims.py)
         self._loads: dict[str, Load] = {}
 
     def __len__(self) -> int:
@@ -159,12 +161,14 @@ class LoadTracker:
                     continue
                 phase_trace.mark("kv.claim_send")
                 load.t_claim = time.perf_counter()
-                load.claim = self._send_claim(spec)
+                self.claims.claim(request_id, load)  # maybe the one sent at its arrival
                 load.phase = LoadPhase.CLAIM
             if load.phase is LoadPhase.CLAIM:
                 try:
                     reply = self._client.result(load.claim)
                 except Exception as e:
+                    if self.claims.again(load):
+                        continue
                     timeout = isinstance(e, SideChannelTimeout)
                     self._fail(request_id, KVLoadFailure.TIMEOUT if timeout else
                                KVLoadFailure.TRANSPORT, f"lease claim failed: {e}",
@@ -174,6 +178,8 @@ class LoadTracker:
                     if load.aborted and spec.remote.pending:  # gave up while P prefills
                         self._drop_aborted(request_id, load)
                     continue  # not answered yet
+                if not reply.get("ok") and self.claims.again(load):
+                    continue
                 if not reply.get("ok"):
                     # No abort notice: this reader holds nothing, and one naming the lease's
                     # blocks would let a forged reference (right ids, other tokens) end the
@@ -234,21 +240,6 @@ class LoadTracker:
             )
             return False
         return True
-
-    def _send_claim(self, spec: RecvSpec) -> Any:
-        """Post the lease claim of a load (a pending claim for a pending reference)."""
-        ref = spec.remote
-        tokens = {"num_tokens": spec.digest_tokens, "token_digest": spec.token_digest}
-        if ref.pending:
-            wait_s = self.config.kv_prefill_wait_timeout
-            return self._client.send(
-                ref.endpoint.host, ref.endpoint.port,
-                {"type": "claim", "transfer_id": ref.transfer_id, "wait_s": wait_s, **tokens},
-                wait_s + self.config.kv_handshake_timeout * 2)
-        return self._client.send(
-            ref.endpoint.host, ref.endpoint.port,
-            {"type": "claim", "request_id": ref.request_id, "block_ids": ref.block_ids, **tokens},
-            self.config.kv_handshake_timeout * 2)
 
     def _resolve(self, request_id: str, spec: RecvSpec, reply: dict[str, Any]) -> bool:
         """Complete a pending reference from its granted claim (the owner's request id and

@@ -82,6 +82,22 @@ class SendSpec:
 
 
 @dataclass
+class PullClaim:
+    """A bidirectional pull's lease claim sent when its request arrives (:mod:`.claims`).
+
+    Attributes:
+        remote: the decoder's held turn (its whole block table is claimed).
+        num_tokens: the prompt's leading tokens whose digest the claim carries (at most the
+            turn's tokens).
+        token_digest: :func:`token_digest` of those tokens.
+    """
+
+    remote: RemoteKVRef
+    num_tokens: int
+    token_digest: str
+
+
+@dataclass
 class RemoteNotice:
     """A control notification to a remote instance about one of its requests.
 
@@ -114,6 +130,7 @@ class NixlConnectorMetadata:
         early_releases: the proxy's early releases (request id -> the block ids it names):
             each lease ends only when it holds exactly those blocks.
         handshakes: remote instances to handshake with ahead of time.
+        pull_claims: early lease claims of arriving pulls (request id -> claim; TP 1).
         expired_pulls: bidirectional pulls skipped because the decoder's blocks expire too soon
             (counted by the worker as expired requests).
         demote_turns: a decoder's turn leases to demote (give up their GPU blocks, which the
@@ -132,6 +149,7 @@ class NixlConnectorMetadata:
     release_sends: set[str] = field(default_factory=set)
     early_releases: dict[str, list[int]] = field(default_factory=dict)
     handshakes: list[RemoteEndpoint] = field(default_factory=list)
+    pull_claims: dict[str, PullClaim] = field(default_factory=dict)
     expired_pulls: int = 0
     demote_turns: set[str] = field(default_factory=set)
     restored_turns: dict[str, list[int]] = field(default_factory=dict)
@@ -141,6 +159,6 @@ class NixlConnectorMetadata:
         return not (
             self.reqs_to_recv or self.reqs_to_send or self.notices or self.heartbeat_start
             or self.heartbeat_stop or self.aborted_recvs or self.release_sends
-            or self.early_releases or self.handshakes or self.expired_pulls
+            or self.early_releases or self.handshakes or self.pull_claims or self.expired_pulls
             or self.demote_turns or self.restored_turns or self.lost_turns
         )

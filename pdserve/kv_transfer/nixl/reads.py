@@ -30,6 +30,7 @@ class Load:
     spec: RecvSpec
     phase: LoadPhase = LoadPhase.HANDSHAKE
     claim: int | None = None  # SideChannelClient ticket
+    early: bool = False  # the claim is the one sent at the request's arrival (claims.py)
     handles: list[Any] = field(default_factory=list)  # one per owner rank read
     mover: Any = None  # what posted the read: the NixlAgent or a DirectPeer (same interface)
     unstage: Any = None  # host-buffer mode: the mirror -> GPU copy after the READ

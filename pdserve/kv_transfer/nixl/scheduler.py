@@ -45,7 +45,8 @@ from pdserve.kv_transfer.nixl.bidirectional import (
     decoder_hold_blocks,
     plan_pull,
 )
-from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, RemoteNotice, SendSpec
+from pdserve.kv_transfer.nixl.metadata import (
+    NixlConnectorMetadata, PullClaim, RecvSpec, RemoteNotice, SendSpec)
 from pdserve.types.remote_ref import RemoteKVRef, token_digest
 from pdserve.types.kv_params import KVRole, prefill_done_params, with_prompt_handoff
 
@@ -175,6 +176,17 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         if ref is not None and request.request_id not in self._waiting:
             self._start_waiting(request.request_id, ref,
                                 heartbeat=kind is LoadKind.PREFILL and not ref.pending)
+            if kind is LoadKind.PULL and self.tp_size == 1:
+                self._claim_pull_early(request, ref)
+
+    def _claim_pull_early(self, request: "Request", ref: RemoteKVRef) -> None:
+        """Claim D's held turn for the prompt's tokens up to its end now (:mod:`.claims`):
+        the pull reads at most that far, so its claim is this one when it comes."""
+        prompt = request.prompt_token_ids
+        end = min(ref.num_tokens or 0, len(prompt) - 1, len(ref.block_ids) * self.block_size)
+        if end > 0 and ref.endpoint.engine_id != self.engine_id:
+            self._meta.pull_claims[request.request_id] = PullClaim(
+                ref, end, token_digest(prompt[:end]))
 
     # ---------------------------------------------------------------------------- the contract
     def get_num_new_matched_tokens(
@@ -302,6 +314,16 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> NixlConnectorMetadata:
         meta, self._meta = self._meta, NixlConnectorMetadata()
         return meta
+
+    def take_early_metadata(self) -> NixlConnectorMetadata | None:
+        """The holds of finished requests and the early pull claims, taken out of the next
+        step's metadata (:meth:`KVConnectorSchedulerSide.take_early_metadata`)."""
+        meta = self._meta
+        if not meta.reqs_to_send and not meta.pull_claims:
+            return None
+        early = NixlConnectorMetadata(reqs_to_send=meta.reqs_to_send, pull_claims=meta.pull_claims)
+        meta.reqs_to_send, meta.pull_claims = {}, {}
+        return early
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         for request_id in output.finished_recving:

@@ -229,8 +229,13 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self.remotes.ensure(endpoint)
         for request_id, ref in metadata.heartbeat_start.items():
             self.heartbeats.start(request_id, ref)
-        for request_id in metadata.heartbeat_stop:
+        for request_id, claim in metadata.pull_claims.items():
+            remote = self.remotes.get(claim.remote.endpoint)
+            if remote is not None and remote.direct is not None:  # claims.py: direct reads only
+                self.loads.claims.send_early(request_id, claim)
+        for request_id in metadata.heartbeat_stop:  # also a declined or ended pull's
             self.heartbeats.stop(request_id)
+            self.loads.claims.drop(request_id)
         for notice in metadata.notices:
             self.notices.queue(notice)
         if metadata.expired_pulls:
@@ -261,6 +266,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.held.start_staged(time.monotonic())
         self.inbox.process()
         self.held.expire()
+        self.loads.claims.drop_stale(time.monotonic())
         self._take_held_finished()
         self._out.demoted_turns |= self.held.take_demoted()
         self._out.turns_to_restore.update(self.leases.take_restore_wanted())
@@ -353,7 +359,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         :data:`~pdserve.kv_transfer.nixl.notice_sender.BG_NOTICE_POLL_INTERVAL_S`.
         """
         now = time.monotonic() if now is None else now
-        if self.notices.has_queued() or self.inbox.has_side_notices():
+        if (self.notices.has_queued() or self.inbox.has_side_notices()
+                or self._out.finished_sending):  # e.g. a lease bound after its step, ended
             return 0.0
         waits: list[float] = []
         if self.tp.rank != 0 and (len(self.loads) or self.notices.has_background()):
