@@ -147,11 +147,12 @@ class TurnDemoter:
 
     # ----------------------------------------------------------------------------- pressure
     def shortfall(self) -> int:
-        """Blocks the waiting head needs beyond the free ones (0: none, or no waiting request)."""
+        """Blocks the waiting head (new, or preempted when its decode ran out of blocks) needs
+        beyond the free ones (0: none, or no waiting request)."""
         if not self.queues.waiting:
             return 0
         head = self.queues.waiting[0]
-        if head.status is not RequestStatus.WAITING:
+        if head.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             return 0
         kvm = self.kv_cache_manager
         need = math.ceil((head.num_tokens + 1) / kvm.block_size)

@@ -194,3 +194,19 @@ def test_a_claimed_turn_that_never_finds_blocks_is_given_up():
     reader.abort_all()
     drain(core)
     assert_all_free(core)
+
+
+def test_a_preempted_request_at_the_waiting_head_makes_room_by_demotion():
+    core, runner, reader = make_turn_core(num_blocks=20)
+    sched = core.scheduler
+    finish_turns(core, {"a": prompt(1, 22), "b": prompt(2, 22)})  # 14 of 20 blocks held
+    # fits the 6 free blocks when admitted, runs out of them while it decodes: preempted, it
+    # waits at the head of the queue (PREEMPTED), and only a demotion makes room for it
+    small = prompt(5, 20)
+    add(core, "c", small, max_tokens=12)
+    assert run_until_done(core, max_steps=300)["c"].tokens == reference_generate(small, 12)
+    assert sched.stats()["num_preemptions_total"] >= 1
+    assert sched.demoter.state("a") is TurnState.DEMOTED
+    reader.abort_all()
+    drain(core)
+    assert_all_free(core)
