@@ -96,7 +96,7 @@ def test_a_claimed_lease_is_not_demoted_and_the_request_waits_for_its_read():
     add(core, "c", big, max_tokens=4)
     for _ in range(10):
         core.step()
-    assert sched.demoter.state("a") is TurnState.DEMOTING  # asked, refused: still held
+    assert sched.demoter.state("a") is TurnState.KEPT  # asked, refused: still held
     assert sched.queues.waiting and sched.queues.waiting[0].request_id == "c"
     full = len(reader.sched.advertised["a"][1]) // BS
     assert reader.read(blocks, full) == reader.expected("a", full)
