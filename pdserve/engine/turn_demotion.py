@@ -14,16 +14,28 @@ requests:
    may be under way); from then on the lease holds no GPU blocks and claims of it wait. The
    scheduler then frees the turn's blocks: its full blocks stay in the prefix cache as
    evictable cached blocks, and the block manager's eviction stores them in the host tier
-   (:meth:`~pdserve.engine.kv_tiers.TierManager.on_evict`) when they are taken.
+   (:meth:`~pdserve.engine.kv_tiers.TierManager.on_evict`) when they are taken. A refusal
+   (``kept_turns``) is answered with ``TurnMove.KEEP``: the lease holds its blocks as before
+   and is not asked again (``TurnState.KEPT``).
 3. **Restore** (a reader's claim waits, ``KVConnectorOutput.turns_to_restore``; done as the
    next step closes): the leading full blocks still in the GPU prefix cache are re-pinned, the
    following ones found in a tier get fresh blocks and LOAD jobs (when blocks are short, other
-   turn leases are demoted first and the restore waits for them); once the LOADs are reported (at once when none is needed)
-   the lease is told the blocks that hold the KV now (``TurnMove.RESTORED``) and the waiting
-   claim is answered with them. Nothing found: ``TurnMove.LOST``, the lease ends, the claim is
-   rejected and the reader recomputes (its pull's failure path).
+   turn leases are demoted first and the restore waits for them); once the LOADs are reported
+   (at once when none is needed) the lease is told the blocks that hold the KV now
+   (``TurnMove.RESTORED``); once it took them (``restored_turns``) the turn counts as restored
+   and the waiting claim is answered with them (``TurnMove.SERVE``). Nothing found, or the
+   lease could not take them (``failed_turns``): ``TurnMove.LOST``, the lease ends, the claim
+   is rejected and the reader recomputes (its pull's failure path).
 4. **End**: the lease still ends by the reader's "done"/"abort" or its TTL (``finished_sending``);
    restored blocks are freed then, a demoted lease holds nothing to free.
+
+Tensor parallelism: every TP rank holds its shard of the turn's blocks (the same block ids) under
+its own lease and gets every move; the executor merges the ranks' answers
+(:mod:`pdserve.executor.kv_merge`), so a turn is demoted (its blocks freed) or restored only
+once every rank did it, kept when one rank refused, and lost when one rank failed. Tier LOADs
+are reported once every rank copied its shard
+(:class:`~pdserve.executor.kv_merge.TierReportMerger`), and rank 0, which answers the claims for
+every rank, serves a restore only at ``SERVE``: after every rank took the blocks.
 
 Hashes make it safe: a block is found in the prefix cache or a tier only under the chained hash
 of exactly the turn's tokens, and the lease's claim still checks the reader's token digest.
@@ -60,10 +72,12 @@ RESTORE_WAIT_S = 10.0
 class TurnState(enum.Enum):
     """Where a demoted turn lease's KV is, as the scheduler sees it."""
 
-    DEMOTING = "demoting"  # asked; the blocks are still held until the worker agrees
+    DEMOTING = "demoting"  # asked; the blocks are still held until every rank agrees
+    KEPT = "kept"  # a rank refused: held as before (the scheduler frees them at the lease's end)
     DEMOTED = "demoted"  # freed into the prefix cache (then a tier); the lease holds none
     RESTORING = "restoring"  # fresh blocks allocated, tier LOADs in flight
-    RESTORED = "restored"  # the lease holds the restored blocks
+    CONFIRMING = "confirming"  # the KV is in the blocks; waiting for every rank to take them
+    RESTORED = "restored"  # the lease holds the restored blocks and serves its claims
     ENDED = "ended"  # the lease ended while RESTORING: the blocks go when the LOADs end
 
 
@@ -99,6 +113,8 @@ class _Turn:
     num_blocks: int  # GPU blocks it held before the demotion
     blocks: TurnBlocks | None = None
     num_from_gpu: int = 0  # restored blocks found in the GPU prefix cache
+    num_good: int = 0  # restored blocks holding the KV (named to the lease)
+    claim_waits: bool = False  # a claim came while DEMOTING (not every rank had answered yet)
 
 
 class TurnDemoter:
@@ -118,7 +134,8 @@ class TurnDemoter:
         num_turns_restored_total: demoted turns whose blocks came back for a reader.
         num_turn_blocks_from_gpu_total: blocks of those still in the GPU prefix cache.
         num_turn_blocks_from_tiers_total: blocks of those that came back from a tier.
-        num_turns_lost_total: demoted turns claimed after their blocks left every tier.
+        num_turns_lost_total: demoted turns claimed after their blocks left every tier (or
+            that a TP rank's lease could not take back).
     """
 
     def __init__(self, queues: RequestQueues, kv_cache_manager: KVCacheManager,
@@ -147,11 +164,12 @@ class TurnDemoter:
 
     # ----------------------------------------------------------------------------- pressure
     def shortfall(self) -> int:
-        """Blocks the waiting head needs beyond the free ones (0: none, or no waiting request)."""
+        """Blocks the waiting head (new, or preempted when its decode ran out of blocks) needs
+        beyond the free ones (0: none, or no waiting request)."""
         if not self.queues.waiting:
             return 0
         head = self.queues.waiting[0]
-        if head.status is not RequestStatus.WAITING:
+        if head.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             return 0
         kvm = self.kv_cache_manager
         need = math.ceil((head.num_tokens + 1) / kvm.block_size)
@@ -206,9 +224,11 @@ class TurnDemoter:
 
     # ----------------------------------------------------------------------------- reports
     def update(self, kv_out: "KVConnectorOutput | None") -> None:
-        """Apply a step's reports (before the scheduler's own ``finished_sending`` handling):
-        ended restore LOADs, leases that agreed to demote (their blocks are freed now), leases
-        that ended, and claims waiting for a demoted lease (restored now, or after LOADs)."""
+        """Apply a step's reports (before the scheduler's own ``finished_sending`` handling;
+        at TP > 1 merged over the ranks): ended restore LOADs, leases that agreed to demote
+        (their blocks are freed now) or refused, leases that ended, restores the lease took
+        (its claims are served now) or could not (it ends), and claims waiting for a demoted
+        lease (restored now, or after LOADs)."""
         for done in self.tier_loads.take_other_loads():
             self._load_done(done)
         if kv_out is None:
@@ -219,6 +239,13 @@ class TurnDemoter:
                 turn.state = TurnState.DEMOTED
                 self.num_turns_demoted_total += 1
                 self.remote_kv.transfer_sent(request_id)  # its blocks: free, cached, evictable
+                if turn.claim_waits:
+                    self._want(request_id)
+        for request_id in kv_out.kept_turns:
+            turn = self._turns.get(request_id)
+            if turn is not None and turn.state is TurnState.DEMOTING:
+                turn.state = TurnState.KEPT  # the ranks that agreed take the blocks back
+                self.connector.move_turn(request_id, TurnMove.KEEP)
         for request_id in kv_out.finished_sending:
             turn = self._turns.get(request_id)
             self._wanted.pop(request_id, None)
@@ -227,14 +254,26 @@ class TurnDemoter:
             if turn.state is TurnState.RESTORING:
                 turn.state = TurnState.ENDED
                 continue
-            if turn.state is TurnState.RESTORED:
+            if turn.state in (TurnState.CONFIRMING, TurnState.RESTORED):
                 self.kv_cache_manager.free(turn.blocks)
-            del self._turns[request_id]  # DEMOTING: the scheduler frees the held blocks
+            del self._turns[request_id]  # DEMOTING, KEPT: the scheduler frees the held blocks
+        for request_id in kv_out.restored_turns:
+            turn = self._turns.get(request_id)
+            if turn is not None and turn.state is TurnState.CONFIRMING:
+                self._served(request_id, turn)
+        for request_id in kv_out.failed_turns:
+            turn = self._turns.get(request_id)
+            if turn is not None and turn.state is TurnState.CONFIRMING:
+                self._lose(request_id, "a TP rank's lease could not take the restored blocks")
         for request_id in kv_out.turns_to_restore:
             turn = self._turns.get(request_id)
             if turn is not None and turn.state is TurnState.DEMOTED:
-                # restored as the next step closes
-                self._wanted[request_id] = self._clock() + RESTORE_WAIT_S
+                self._want(request_id)  # restored as the next step closes
+            elif turn is not None and turn.state is TurnState.DEMOTING:
+                turn.claim_waits = True  # restored once every rank agreed to the demotion
+
+    def _want(self, request_id: str) -> None:
+        self._wanted[request_id] = self._clock() + RESTORE_WAIT_S
 
     def _restore(self, request_id: str, turn: _Turn) -> int:
         """Bring a claimed, demoted turn's leading full blocks back: re-pin those in the GPU
@@ -279,16 +318,23 @@ class TurnDemoter:
         self._restored(done.request_id, turn, good)
 
     def _restored(self, request_id: str, turn: _Turn, good: int) -> None:
+        """The KV of ``good`` leading blocks is in ``turn.blocks``: name them to the lease
+        (every rank's), which reports that it took them (:meth:`_served`) or could not."""
         if good == 0:  # the first block's read failed, or no host slot was free for it
             self._lose(request_id, "no block could be loaded")
             return
+        turn.state, turn.num_good = TurnState.CONFIRMING, good
+        self.connector.move_turn(request_id, TurnMove.RESTORED, turn.blocks.block_ids[:good])
+
+    def _served(self, request_id: str, turn: _Turn) -> None:
+        """Every rank's lease took the restored blocks: its claims are answered with them."""
         turn.state = TurnState.RESTORED
         self.num_turns_restored_total += 1
         self.num_turn_blocks_from_gpu_total += turn.num_from_gpu
-        self.num_turn_blocks_from_tiers_total += good - turn.num_from_gpu
-        self.connector.move_turn(request_id, TurnMove.RESTORED, turn.blocks.block_ids[:good])
+        self.num_turn_blocks_from_tiers_total += turn.num_good - turn.num_from_gpu
+        self.connector.move_turn(request_id, TurnMove.SERVE)
         logger.debug("turn %s restored: %d blocks (%d from the GPU prefix cache)", request_id,
-                     good, turn.num_from_gpu)
+                     turn.num_good, turn.num_from_gpu)
 
     def _lose(self, request_id: str, why: str) -> None:
         self._wanted.pop(request_id, None)
@@ -296,7 +342,7 @@ class TurnDemoter:
         if turn.blocks is not None:
             self.kv_cache_manager.free(turn.blocks)
         self.num_turns_lost_total += 1
-        self.connector.move_turn(request_id, TurnMove.LOST)
+        self.connector.move_turn(request_id, TurnMove.LOST)  # every rank's lease ends
         logger.debug("turn %s cannot be restored (%s): the reader recomputes", request_id, why)
 
     # ------------------------------------------------------------------------------ status

@@ -11,6 +11,12 @@ Rules (shared with the connector; docs/architecture.md, "Tensor parallelism"):
   ``finished_recving``;
 - ``first_tokens`` (handed over with the merged ``finished_recving`` too) and
   ``remote_clock_offsets`` come from rank 0;
+- a decoder's turn leases (every rank has its own lease of a turn, over the same block ids;
+  :mod:`pdserve.engine.turn_demotion`): a turn enters ``demoted_turns`` once EVERY rank gave up
+  its blocks, ``kept_turns`` once every rank answered the demotion and one refused;
+  ``restored_turns`` once every rank took the restored blocks; ``failed_turns`` as soon as ANY
+  rank could not (the scheduler then ends the lease on every rank); ``turns_to_restore`` (claims
+  come to rank 0) are united;
 - ``stats``: numbers are summed over the ranks, nested dicts merged the same way, lists
   concatenated, anything else taken from the lowest rank that has it.
 """
@@ -55,6 +61,7 @@ class KVOutputMerger:
         self._sending: dict[str, set[int]] = {}
         self._first_tokens: dict[str, int] = {}
         self._load_errors: dict[str, KVLoadError] = {}
+        self._turns = TurnAnswerMerger(size)
 
     def merge(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput:
         """One step's outputs, by rank (None: that rank has no report) -> the merged output.
@@ -77,8 +84,10 @@ class KVOutputMerger:
                 merged.remote_clock_offsets.update(out.remote_clock_offsets)
             self._count(self._recving, out.finished_recving, rank, merged.finished_recving)
             self._count(self._sending, out.finished_sending, rank, merged.finished_sending)
+            self._turns.add(rank, out, merged)
             if out.stats:
                 stats.append(out.stats)
+        self._turns.close_step(merged)
         for request_id in merged.finished_recving:
             if request_id in self._first_tokens:
                 merged.first_tokens[request_id] = self._first_tokens.pop(request_id)
@@ -98,8 +107,57 @@ class KVOutputMerger:
 
     @property
     def num_pending(self) -> int:
-        """Requests reported by some ranks but not yet by all."""
-        return len(self._recving) + len(self._sending)
+        """Requests (and turn moves) reported by some ranks but not yet by all."""
+        return len(self._recving) + len(self._sending) + self._turns.num_pending
+
+
+class TurnAnswerMerger:
+    """The ranks' answers to the moves of a decoder's turn leases
+    (:class:`~pdserve.kv_transfer.base.TurnMove`), merged by the rules in the module docstring.
+
+    Every rank answers a move in the step whose metadata carried it, so a turn's answers are
+    normally complete within one step; they are counted across steps all the same, and
+    forgotten once the turn failed or its lease ended on every rank.
+
+    Args:
+        size: the TP size.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self._demote: dict[str, dict[int, bool]] = {}  # turn -> rank -> agreed
+        self._restored: dict[str, set[int]] = {}  # turn -> ranks that took the blocks
+
+    def add(self, rank: int, out: KVConnectorOutput, merged: KVConnectorOutput) -> None:
+        """Count one rank's answers of a step into ``merged`` (the instance's output)."""
+        for request_id, agreed in [*((r, True) for r in out.demoted_turns),
+                                   *((r, False) for r in out.kept_turns)]:
+            votes = self._demote.setdefault(request_id, {})
+            votes[rank] = agreed
+            if len(votes) == self.size:
+                del self._demote[request_id]
+                (merged.demoted_turns if all(votes.values()) else merged.kept_turns).add(
+                    request_id)
+        for request_id in out.restored_turns:
+            ranks = self._restored.setdefault(request_id, set())
+            ranks.add(rank)
+            if len(ranks) == self.size:
+                del self._restored[request_id]
+                merged.restored_turns.add(request_id)
+        merged.failed_turns |= out.failed_turns
+        merged.turns_to_restore |= out.turns_to_restore
+
+    def close_step(self, merged: KVConnectorOutput) -> None:
+        """After every rank's :meth:`add` of a step: forget the turns that failed or whose
+        lease ended on every rank (their other answers no longer matter)."""
+        for request_id in merged.failed_turns | merged.finished_sending:
+            self._restored.pop(request_id, None)
+            self._demote.pop(request_id, None)
+
+    @property
+    def num_pending(self) -> int:
+        """Turn moves answered by some ranks but not yet by all."""
+        return len(self._demote) + len(self._restored)
 
 
 class TierReportMerger:

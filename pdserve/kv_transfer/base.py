@@ -48,11 +48,15 @@ if TYPE_CHECKING:
 
 class TurnMove(enum.Enum):
     """What the scheduler tells the connector about a decoder's turn lease under GPU pressure
-    (:meth:`KVConnectorSchedulerSide.move_turn`)."""
+    (:meth:`KVConnectorSchedulerSide.move_turn`). Every TP rank gets every move; the worker
+    side answers in :class:`~pdserve.types.outputs.KVConnectorOutput` (``demoted_turns`` /
+    ``kept_turns`` for ``DEMOTE``, ``restored_turns`` / ``failed_turns`` for ``RESTORED``)."""
 
     DEMOTE = "demote"  # give up the GPU blocks (they stay in the prefix cache, then a tier)
-    RESTORED = "restored"  # the KV is back in GPU blocks (named with it)
-    LOST = "lost"  # no tier holds the blocks any more: end the lease
+    KEEP = "keep"  # a rank refused the demotion: every rank holds the lease's own blocks again
+    RESTORED = "restored"  # the KV is back in GPU blocks (named with it); claims still wait
+    SERVE = "serve"  # every rank took the restored blocks: claims are answered with them
+    LOST = "lost"  # no tier holds the blocks any more, or a rank lost the lease: end it
 
 
 @dataclass(frozen=True)
@@ -210,9 +214,10 @@ class KVConnectorSchedulerSide(abc.ABC):
         return []
 
     def move_turn(self, request_id: str, move: TurnMove, block_ids: list[int] = ()) -> None:
-        """Optional hook: tell the worker side about a turn lease from :meth:`turn_leases`:
-        demote it, it is restored into ``block_ids``, or its blocks are lost. Default:
-        nothing (no turn lease is ever offered)."""
+        """Optional hook: tell the worker side (every TP rank) about a turn lease from
+        :meth:`turn_leases` (:class:`TurnMove`): demote it, keep it, it is restored into
+        ``block_ids``, serve its claims from those, or end it. Default: nothing (no turn lease
+        is ever offered)."""
 
     def request_added(self, request: "Request") -> None:
         """Optional hook: a request entered the scheduler's queue (before any scheduling).

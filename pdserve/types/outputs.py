@@ -176,8 +176,16 @@ class KVConnectorOutput:
         stats: connector statistics for the front end's metrics (JSON-serialisable).
         demoted_turns: a decoder's turn leases that gave up their GPU blocks (the scheduler
             frees them into the prefix cache; the lease lives on until its TTL).
+        kept_turns: turn leases asked to demote that refused (a granted claim's READ may be
+            under way, or the lease is gone): they keep their GPU blocks.
         turns_to_restore: demoted turn leases a reader's claim waits for (the scheduler brings
             their blocks back, :mod:`pdserve.engine.turn_demotion`).
+        restored_turns: demoted turn leases that took the blocks their KV was restored into.
+        failed_turns: demoted turn leases that could not take them (the lease ended here).
+
+    At TP > 1 each rank reports its own turn leases; the executor merges them
+    (:mod:`pdserve.executor.kv_merge`): a turn is demoted or restored once every rank said so,
+    kept once every rank answered and one refused, failed as soon as one rank failed.
     """
 
     finished_sending: set[str] = field(default_factory=set)
@@ -188,7 +196,10 @@ class KVConnectorOutput:
     load_errors: dict[str, KVLoadError] = field(default_factory=dict)
     stats: dict[str, Any] | None = None
     demoted_turns: set[str] = field(default_factory=set)
+    kept_turns: set[str] = field(default_factory=set)
     turns_to_restore: set[str] = field(default_factory=set)
+    restored_turns: set[str] = field(default_factory=set)
+    failed_turns: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -96,7 +96,7 @@ def test_a_claimed_lease_is_not_demoted_and_the_request_waits_for_its_read():
     add(core, "c", big, max_tokens=4)
     for _ in range(10):
         core.step()
-    assert sched.demoter.state("a") is TurnState.DEMOTING  # asked, refused: still held
+    assert sched.demoter.state("a") is TurnState.KEPT  # asked, refused: still held
     assert sched.queues.waiting and sched.queues.waiting[0].request_id == "c"
     full = len(reader.sched.advertised["a"][1]) // BS
     assert reader.read(blocks, full) == reader.expected("a", full)
@@ -191,6 +191,22 @@ def test_a_claimed_turn_that_never_finds_blocks_is_given_up():
     assert sched.queues.running  # "c" ran all along
     assert sched.stats()["kv_tiers"]["turns_lost"] == 1
     run_until_done(core)
+    reader.abort_all()
+    drain(core)
+    assert_all_free(core)
+
+
+def test_a_preempted_request_at_the_waiting_head_makes_room_by_demotion():
+    core, runner, reader = make_turn_core(num_blocks=20)
+    sched = core.scheduler
+    finish_turns(core, {"a": prompt(1, 22), "b": prompt(2, 22)})  # 14 of 20 blocks held
+    # fits the 6 free blocks when admitted, runs out of them while it decodes: preempted, it
+    # waits at the head of the queue (PREEMPTED), and only a demotion makes room for it
+    small = prompt(5, 20)
+    add(core, "c", small, max_tokens=12)
+    assert run_until_done(core, max_steps=300)["c"].tokens == reference_generate(small, 12)
+    assert sched.stats()["num_preemptions_total"] >= 1
+    assert sched.demoter.state("a") is TurnState.DEMOTED
     reader.abort_all()
     drain(core)
     assert_all_free(core)

@@ -48,3 +48,33 @@ def test_clock_offsets_from_rank0_and_stats_summed():
                          "lat": [1.0, 2.0]}
     assert m.merge([KVConnectorOutput(), KVConnectorOutput()]).stats is None
     assert merge_stats([{"ok": True}, {"ok": False}]) == {"ok": True}
+
+
+def test_a_turn_is_demoted_once_every_rank_gave_up_its_blocks_and_kept_if_one_refused():
+    m = KVOutputMerger(2)
+    out = m.merge([KVConnectorOutput(demoted_turns={"t", "u"}), KVConnectorOutput()])
+    assert out.demoted_turns == set() and out.kept_turns == set() and m.num_pending == 2
+    out = m.merge([KVConnectorOutput(), KVConnectorOutput(demoted_turns={"t"},
+                                                          kept_turns={"u"})])
+    assert out.demoted_turns == {"t"} and out.kept_turns == {"u"} and m.num_pending == 0
+    # refusals on every rank: kept; answers of one step suffice
+    out = m.merge([KVConnectorOutput(kept_turns={"v"}), KVConnectorOutput(kept_turns={"v"})])
+    assert out.kept_turns == {"v"} and out.demoted_turns == set()
+
+
+def test_a_restore_is_taken_once_every_rank_took_it_and_fails_when_one_rank_fails():
+    m = KVOutputMerger(3)
+    out = m.merge([KVConnectorOutput(restored_turns={"t", "u"}, turns_to_restore={"w"}),
+                   KVConnectorOutput(restored_turns={"t"}), None])
+    assert out.restored_turns == set() and out.turns_to_restore == {"w"}  # claims: rank 0's
+    out = m.merge([None, KVConnectorOutput(failed_turns={"u"}),
+                   KVConnectorOutput(restored_turns={"t", "u"})])
+    assert out.restored_turns == {"t"} and out.failed_turns == {"u"}  # at once
+    assert m.num_pending == 0  # the failed turn's partial answers are forgotten
+
+
+def test_a_turns_pending_answers_are_forgotten_when_its_lease_ended_on_every_rank():
+    m = KVOutputMerger(2)
+    m.merge([KVConnectorOutput(demoted_turns={"t"}, finished_sending={"t"}),
+             KVConnectorOutput(finished_sending={"t"})])
+    assert m.num_pending == 0

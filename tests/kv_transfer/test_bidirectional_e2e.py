@@ -5,7 +5,8 @@ Processes: a single instance (the oracle), a prefiller P and a decoder D (both w
 history token it does not compute must have been pulled from D (its
 ``pdserve:prompt_tokens_transferred_total``). The tiny random model's answers do not survive a
 detokenize/retokenize round trip, so D's reusable prefix ends inside the previous answer: P
-pulls at least every full block of the previous prompt and computes the rest.
+pulls at least every full block of the previous prompt and computes the rest. The tests of a D
+with KV cache tiers use the pool's small tiered D, and a TP 2 one (CPU, gloo) of their own.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.servers import BIDIR_TTL_S as TTL_S, BLOCK_SIZE as B, LOAD_FACTOR, POOL_COMMON
-from tests.support.servers import TIER_BLOCKS
+from tests.support.servers import POOL_SPECS, TIER_BLOCKS
 from tests.support.servers import EngineServer, ProxyServer, nixl_config, start_all, stop_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -290,26 +291,22 @@ def test_three_turn_chats_come_back_from_the_prefillers_host_tier(server_pool, t
     cluster["p"].wait_all_blocks_free(timeout_s=60)
 
 
-def test_three_turn_chats_are_pulled_from_the_decoders_host_tier(server_pool, tokenizer):
-    """The pooled P (no prefix cache) and a bidirectional D whose KV cache of ``TIER_BLOCKS``
-    blocks cannot keep the four interleaved chats' last turns: D demotes the held turns to its
-    host tier and brings them back when P claims them. Answers equal the single instance's; on
-    turns 2 and 3 no full block of the previous prompt is recomputed on P (it was pulled from
-    D); D counts demoted and restored turns; no block stays held on either side."""
-    servers = server_pool.get("single", "p_bidir", "d_tier_bidir")
-    proxy = server_pool.proxy("multi-turn-d-tier", ["p_bidir"], ["d_tier_bidir"],
-                              ["--multi-turn"])
-    cluster = {"model": server_pool.model, "proxy": proxy, "single": servers["single"],
-               "p": servers["p_bidir"], "d": servers["d_tier_bidir"]}
+def pull_chats_through_a_small_decoder(cluster, tokenizer, seed: int, tag: str) -> None:
+    """Four interleaved three-turn chats through ``cluster`` whose D has a KV cache of
+    ``TIER_BLOCKS`` blocks and a host tier, too small for the chats' held last turns: D demotes
+    them and restores them when P claims them. Answers equal the single instance's; on turns 2
+    and 3 no full block of the previous prompt is recomputed on P (it was pulled from D); D
+    counts demoted turns, restored turns and blocks read back from its host tier, none lost;
+    no block stays held on either side."""
     d = cluster["d"]
     chats = [[{"role": "system", "content": f"Conversation {c}. " + SYSTEM * 6}] for c in range(4)]
     assert len(prompt_ids(tokenizer, chats[0])) * len(chats) > TIER_BLOCKS * B
     previous = [0] * len(chats)
     for k in range(1, 4):
         for c, messages in enumerate(chats):
-            messages.append(user_message(300 + 10 * c + k))
+            messages.append(user_message(seed + 10 * c + k))
             ids = prompt_ids(tokenizer, messages)
-            answer, delta = turn(cluster, messages, f"d-tiered-{c}")
+            answer, delta = turn(cluster, messages, f"{tag}-{c}")
             assert answer == single_answer(cluster, messages), (k, c)
             if k > 1:  # the previous prompt's full blocks came from D, none was recomputed
                 reused = previous[c] // B * B
@@ -326,6 +323,39 @@ def test_three_turn_chats_are_pulled_from_the_decoders_host_tier(server_pool, to
     assert m.get("pdserve:kv_offload_turns_lost_total", 0) == 0
     cluster["p"].wait_all_blocks_free(timeout_s=TTL_S + 20)
     d.wait_all_blocks_free(timeout_s=TTL_S + 20)
+
+
+def test_three_turn_chats_are_pulled_from_the_decoders_host_tier(server_pool, tokenizer):
+    """The pooled P (no prefix cache) and the pooled bidirectional D with a small KV cache and
+    a host tier (:func:`pull_chats_through_a_small_decoder`)."""
+    servers = server_pool.get("single", "p_bidir", "d_tier_bidir")
+    proxy = server_pool.proxy("multi-turn-d-tier", ["p_bidir"], ["d_tier_bidir"],
+                              ["--multi-turn"])
+    cluster = {"model": server_pool.model, "proxy": proxy, "single": servers["single"],
+               "p": servers["p_bidir"], "d": servers["d_tier_bidir"]}
+    pull_chats_through_a_small_decoder(cluster, tokenizer, 300, "d-tiered")
+
+
+def test_three_turn_chats_are_pulled_from_a_tp2_decoders_host_tier(server_pool, tokenizer,
+                                                                     tmp_path):
+    """As above with a TP 2 decoder (CPU, gloo) of its own: each rank holds its shard of every
+    turn under its own lease; a turn is demoted and restored only when both ranks did it, and
+    P's claim (answered by rank 0 for both) names blocks that both ranks hold."""
+    servers = server_pool.get("single", "p_bidir")
+    d = EngineServer(server_pool.model, tmp_path / "d_tier_bidir_tp2.log",
+                     POOL_SPECS["d_tier_bidir"].kv_config,
+                     [*POOL_SPECS["d_tier_bidir"].args, "-tp", "2"])
+    proxy = None
+    try:
+        start_all([d])
+        proxy = ProxyServer([servers["p_bidir"]], [d], tmp_path / "proxy-tp2-d-tier.log",
+                            ["--multi-turn"])
+        proxy.wait_ready()
+        cluster = {"model": server_pool.model, "proxy": proxy, "single": servers["single"],
+                   "p": servers["p_bidir"], "d": d}
+        pull_chats_through_a_small_decoder(cluster, tokenizer, 500, "d-tp2-tiered")
+    finally:
+        stop_together([*([proxy] if proxy is not None else []), d])
 
 
 def test_all_blocks_free_after_conversations_and_ttl(cluster):

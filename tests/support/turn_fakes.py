@@ -5,7 +5,8 @@ a turn lease (as a bidirectional decoder does); the worker side keeps them in th
 so claims, demotions, restores and "done"/"abort" notices follow the production rules.
 :meth:`TurnReader.read` plays the next turn's prefiller: it claims the lease as the side
 channel would and reads the fake KV of the blocks the answer names, so any block of foreign or
-missing KV shows as wrong ``(position, token)`` pairs.
+missing KV shows as wrong ``(position, token)`` pairs. :class:`TPTurnConnectorWorker` plays a TP
+instance: one lease table per rank, their outputs merged by the executor's real merger.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from tests.support.tier_fakes import make_tiered_core
 class TurnMeta:
     sends: dict[str, SendSpec] = field(default_factory=dict)
     demote: set[str] = field(default_factory=set)
+    keep: set[str] = field(default_factory=set)
     restored: dict[str, list[int]] = field(default_factory=dict)
+    serve: set[str] = field(default_factory=set)
     lost: set[str] = field(default_factory=set)
 
 
@@ -73,23 +76,27 @@ class TurnConnectorScheduler(KVConnectorSchedulerSide):
         return bool(self.turns)
 
     def turn_leases(self):
-        return list(self.turns) if self.tp_size == 1 else []
+        return list(self.turns)
 
     def move_turn(self, request_id, move, block_ids=()):
         if move is TurnMove.DEMOTE:
             self._meta.demote.add(request_id)
+        elif move is TurnMove.KEEP:
+            self._meta.keep.add(request_id)
         elif move is TurnMove.RESTORED:
             self._meta.restored[request_id] = list(block_ids)
+        elif move is TurnMove.SERVE:
+            self._meta.serve.add(request_id)
         else:
             self._meta.lost.add(request_id)
 
 
 class TurnConnectorWorker(KVConnectorWorkerSide):
-    """The owner's half: the real lease table and held-blocks rules."""
+    """The owner's half (one TP rank's): the real lease table and held-blocks rules."""
 
-    def __init__(self) -> None:
+    def __init__(self, tp_size: int = 1) -> None:
         self.leases = LeaseTable()
-        self.held = HeldBlocks(self.leases, StatsRecorder(3600.0))
+        self.held = HeldBlocks(self.leases, StatsRecorder(3600.0), serve_restores=tp_size == 1)
         self.kv: list | None = None
 
     def register_kv_cache(self, kv_cache, spec):
@@ -101,7 +108,8 @@ class TurnConnectorWorker(KVConnectorWorkerSide):
         import time
         for request_id, send in metadata.sends.items():
             self.held.send(request_id, send, time.monotonic())
-        self.held.apply_turn_moves(metadata.demote, metadata.restored, metadata.lost)
+        self.held.apply_turn_moves(metadata.demote, metadata.restored, metadata.lost,
+                                   metadata.keep, metadata.serve)
 
     def start_load_kv(self):
         pass
@@ -110,17 +118,59 @@ class TurnConnectorWorker(KVConnectorWorkerSide):
         out = KVConnectorOutput()
         self.held.expire()
         out.finished_sending = self.held.take_finished()
-        out.demoted_turns = self.held.take_demoted()
-        out.turns_to_restore = set(self.leases.take_restore_wanted())
+        self.held.report_turns(out)
         return out
+
+
+class TPTurnConnectorWorker(KVConnectorWorkerSide):
+    """A TP instance's turn-lease workers as its engine core sees them (the executor's
+    ``TPConnectorWorker`` and :class:`~pdserve.executor.kv_merge.KVOutputMerger`): every rank
+    binds the same metadata and keeps its own leases over the same block ids; their outputs
+    are merged by the real merger. Rank 0 answers the claims.
+
+    Args:
+        size: TP ranks.
+        lag_steps: the outputs of the ranks but 0 reach the merge this many steps late (a
+            rank whose answers come in a later step).
+    """
+
+    def __init__(self, size: int = 2, lag_steps: int = 0) -> None:
+        from pdserve.executor.kv_merge import KVOutputMerger
+
+        self.ranks = [TurnConnectorWorker(size) for _ in range(size)]
+        self.merger = KVOutputMerger(size)
+        self.lag_steps = lag_steps
+        self._late: list[list[KVConnectorOutput]] = []
+
+    def register_kv_cache(self, kv_cache, spec):
+        for rank in self.ranks:
+            rank.register_kv_cache(kv_cache, spec)
+
+    def bind_connector_metadata(self, metadata):
+        for rank in self.ranks:
+            rank.bind_connector_metadata(metadata)
+
+    def start_load_kv(self):
+        pass
+
+    def get_finished(self, finished_request_ids):
+        outs = [rank.get_finished(finished_request_ids) for rank in self.ranks]
+        if self.lag_steps:
+            self._late.append(outs[1:])
+            late = self._late.pop(0) if len(self._late) > self.lag_steps else \
+                [KVConnectorOutput() for _ in outs[1:]]
+            outs = [outs[0], *late]
+        return self.merger.merge(outs)
 
 
 class TurnReader:
     """The next turn's prefiller reading a turn lease of ``core``'s decoder."""
 
     def __init__(self, core: Any, runner: Any, sched: TurnConnectorScheduler,
-                 worker: TurnConnectorWorker):
-        self.core, self.runner, self.sched, self.worker = core, runner, sched, worker
+                 ranks: list[TurnConnectorWorker]):
+        self.core, self.runner, self.sched = core, runner, sched
+        self.ranks = ranks
+        self.worker = ranks[0]  # the rank that answers claims
 
     def claim(self, request_id: str, max_steps: int = 50) -> tuple[str, list[int]]:
         """Claim as the side channel does, stepping the engine while the answer is "wait".
@@ -146,7 +196,9 @@ class TurnReader:
         return [(p, tokens[p]) for p in range(num_blocks * bs)]
 
     def notify(self, request_id: str, kind: str, block_ids: list[int]) -> None:
-        self.worker.held.apply(Notice(kind, request_id, 1, list(block_ids)))
+        """A reader's notice, to every rank (as rank 0 forwards side-channel notices)."""
+        for rank in self.ranks:
+            rank.held.apply(Notice(kind, request_id, 1, list(block_ids)))
 
     def abort_all(self) -> None:
         """Abort every lease still open (naming the advertised blocks, as a reader does)."""
@@ -156,14 +208,23 @@ class TurnReader:
 
 def make_turn_core(num_blocks: int, block_size: int = 4, host_blocks: int = 64,
                    ttl_s: float = 60.0, load_delay_steps: int = 0, disk_blocks: int = 0,
-                   **cfg: Any) -> tuple[Any, Any, TurnReader]:
+                   tp_size: int = 1, lag_steps: int = 0, **cfg: Any
+                   ) -> tuple[Any, Any, TurnReader]:
     """An EngineCore with KV cache tiers over the tiered fake runner, whose every finished
-    request holds its blocks under a turn lease; returns ``(core, runner, reader)``."""
-    sched = TurnConnectorScheduler(block_size, ttl_s)
-    worker = TurnConnectorWorker()
+    request holds its blocks under a turn lease; returns ``(core, runner, reader)``. With
+    ``tp_size`` > 1 the leases live on that many ranks whose outputs are merged
+    (:class:`TPTurnConnectorWorker`, ``lag_steps``)."""
     from types import SimpleNamespace
+
+    sched = TurnConnectorScheduler(block_size, ttl_s, tp_size)
+    if tp_size == 1:
+        worker: KVConnectorWorkerSide = TurnConnectorWorker()
+        ranks = [worker]
+    else:
+        worker = TPTurnConnectorWorker(tp_size, lag_steps)
+        ranks = worker.ranks
     core, runner = make_tiered_core(
         num_blocks, block_size, host_blocks, disk_blocks, load_delay_steps,
         connectors=(sched, worker),
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="fail"), **cfg)
-    return core, runner, TurnReader(core, runner, sched, worker)
+    return core, runner, TurnReader(core, runner, sched, ranks)

@@ -24,6 +24,7 @@ from pdserve.kv_transfer.nixl.leases import LeaseTable
 from pdserve.kv_transfer.nixl.loads import XFER_POLL_INTERVAL_S
 from pdserve.kv_transfer.nixl.notifications import Notice
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
+from pdserve.types.outputs import KVConnectorOutput
 
 # the worker's logger: its log lines keep the name they always had
 logger = logging.getLogger("pdserve.kv_transfer.nixl.worker")
@@ -60,11 +61,13 @@ class HeldBlocks:
             pending claims waiting for it at once).
         records_handoff: count each prompt lease's hand-off time (``TransferStats.handoff_s``;
             TP rank 0 only, so a request is counted once).
+        serve_restores: a restored turn lease answers claims at once (TP 1); at TP > 1 only
+            once the scheduler says every rank took the blocks (``serve``).
     """
 
     def __init__(self, leases: LeaseTable, stats: StatsRecorder,
                  lease_started: Callable[[], None] = lambda: None,
-                 records_handoff: bool = True):
+                 records_handoff: bool = True, serve_restores: bool = True):
         self.leases = leases
         self._stats = stats
         self._lease_started = lease_started
@@ -72,7 +75,8 @@ class HeldBlocks:
         self._started: dict[str, float] = {}  # prompt leases: request id -> lease start
         self._mirror: host_buffer.HostMirror | None = None
         self._finished: set[str] = set()
-        self._demoted: set[str] = set()
+        self._serve_restores = serve_restores
+        self._turns = KVConnectorOutput()  # the turn leases' answers not reported yet
 
     def use_mirror(self, mirror: host_buffer.HostMirror | None) -> None:
         """Host-buffer mode: a send's lease starts once its blocks are staged in ``mirror``."""
@@ -157,30 +161,56 @@ class HeldBlocks:
                 logger.debug("NIXL: turn blocks of request %s expired unpulled; freed", request_id)
 
     def apply_turn_moves(self, demote: set[str], restored: dict[str, list[int]],
-                         lost: set[str]) -> None:
-        """A decoder's turn leases under GPU pressure (:mod:`pdserve.engine.turn_demotion`):
-        ``demote``: give up their GPU blocks (reported by :meth:`take_demoted` when the lease
-        agreed; refused in host-buffer mode, whose reads come from the mirror); ``restored``:
-        the blocks now holding a demoted lease's KV (a lease that ended meanwhile is reported
-        finished again, so those blocks are freed); ``lost``: no tier had the blocks any more,
-        the lease ends (its waiting claim is rejected and the reader recomputes)."""
+                         lost: set[str], keep: set[str] = frozenset(),
+                         serve: set[str] = frozenset()) -> None:
+        """A decoder's turn leases under GPU pressure (:mod:`pdserve.engine.turn_demotion`;
+        every TP rank gets the same moves, :mod:`.turn_leases`), reported by
+        :meth:`report_turns`:
+
+        - ``demote``: give up their GPU blocks: ``demoted_turns`` when the lease agreed,
+          ``kept_turns`` when it refused (claimed, gone, or host-buffer mode, whose reads come
+          from the mirror);
+        - ``keep``: a rank refused the demotion: hold the advertised blocks again;
+        - ``restored``: the blocks now holding a demoted lease's KV: ``restored_turns`` when the
+          lease took them (served at once at TP 1, else after ``serve``), ``failed_turns``
+          when it is gone;
+        - ``serve``: every rank took the restored blocks: claims are answered;
+        - ``lost``: no tier had the blocks any more, or a rank lost the lease: it ends (its
+          waiting claim is rejected and the reader recomputes).
+        """
         for request_id in demote:
             if self._mirror is None and self.leases.demote(request_id):
-                self._demoted.add(request_id)
-        for request_id, block_ids in restored.items():
-            if self.leases.restore(request_id, block_ids):
-                self._lease_started()  # the waiting claim is answered at once
+                self._turns.demoted_turns.add(request_id)
             else:
-                self._finished.add(request_id)
+                self._turns.kept_turns.add(request_id)
+        for request_id in keep:
+            if self.leases.keep(request_id):
+                self._lease_started()  # a claim may wait for it
+        for request_id, block_ids in restored.items():
+            if self.leases.restore(request_id, block_ids, serve=self._serve_restores):
+                self._turns.restored_turns.add(request_id)
+                if self._serve_restores:
+                    self._lease_started()  # the waiting claim is answered at once
+            else:
+                self._turns.failed_turns.add(request_id)
+        for request_id in serve:
+            if self.leases.serve(request_id):
+                self._lease_started()
         for request_id in lost:
             if self.leases.close(request_id, "its blocks left every KV cache tier"):
                 self._finished.add(request_id)
                 self._lease_started()
 
-    def take_demoted(self) -> set[str]:
-        """The turn leases that gave up their GPU blocks since the last call (each once)."""
-        out, self._demoted = self._demoted, set()
-        return out
+    def report_turns(self, out: KVConnectorOutput) -> None:
+        """Add the turn leases' answers since the last call to ``out`` (each once):
+        ``demoted_turns``, ``kept_turns``, ``restored_turns``, ``failed_turns`` and the
+        demoted leases a claim waits for (``turns_to_restore``)."""
+        turns, self._turns = self._turns, KVConnectorOutput()
+        out.demoted_turns |= turns.demoted_turns
+        out.kept_turns |= turns.kept_turns
+        out.restored_turns |= turns.restored_turns
+        out.failed_turns |= turns.failed_turns
+        out.turns_to_restore.update(self.leases.take_restore_wanted())
 
     def staging(self) -> bool:
         """True while host-buffer mode stages blocks into the mirror."""

@@ -21,24 +21,16 @@ before the lease (the reader gave up while the prefill ran) closes the lease whe
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.kv_transfer.nixl.turn_leases import LeaseBlocks, TurnLeaseMoves
 from pdserve.types.remote_ref import token_digest
 
-class LeaseBlocks(enum.Enum):
-    """Where a lease's KV is (a decoder's turn lease may leave the GPU under pressure,
-    :mod:`pdserve.engine.turn_demotion`)."""
-
-    HELD = "held"  # in the lease's GPU blocks
-    DEMOTED = "demoted"  # no GPU blocks: in the prefix cache or a KV cache tier, if anywhere
-    RESTORE_WANTED = "restore_wanted"  # demoted, and a reader's claim waits for it
-    RESTORING = "restoring"  # demoted; the scheduler was asked to bring the blocks back
-
+__all__ = ["Lease", "LeaseBlocks", "LeaseTable", "TransferClaim"]
 
 _CLOSED_MEMORY = 10_000  # how many closed leases are remembered (to answer late claims clearly)
 _EARLY_NOTICE_TTL_S = 120.0
@@ -74,8 +66,9 @@ class Lease:
     advertised: list[int] | None = None
 
 
-class LeaseTable:
-    """Request id -> :class:`Lease`, with the reasons of recently closed leases."""
+class LeaseTable(TurnLeaseMoves):
+    """Request id -> :class:`Lease`, with the reasons of recently closed leases (and the moves
+    of a decoder's turn leases, :class:`~.turn_leases.TurnLeaseMoves`)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -266,46 +259,6 @@ class LeaseTable:
                 lease.expiry = max(lease.expiry, now + lease.duration_s)
             lease.claimed_at = now
             return "ok", "", lease.expiry - now
-
-    # ------------------------------------------------------------- demoted turn leases
-    def demote(self, request_id: str) -> bool:
-        """Let a decoder's turn lease (not renewable) give up its GPU blocks: claims wait from
-        now on until :meth:`restore`. Refused (False) for an unknown, renewable, already
-        demoted or claimed lease (a granted claim's READ may be under way)."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None or lease.renewable or lease.where is not LeaseBlocks.HELD or \
-                    lease.claimed_at is not None:
-                return False
-            lease.advertised = lease.advertised or lease.block_ids
-            lease.block_ids, lease.where = [], LeaseBlocks.DEMOTED
-            return True
-
-    def take_restore_wanted(self) -> list[str]:
-        """The demoted leases a reader's claim waits for, each reported once per demotion."""
-        with self._lock:
-            out = [r for r, lease in self._leases.items()
-                   if lease.where is LeaseBlocks.RESTORE_WANTED]
-            for request_id in out:
-                self._leases[request_id].where = LeaseBlocks.RESTORING
-            return out
-
-    def has_restore_wanted(self) -> bool:
-        """True while a claim waits for a demoted lease not yet reported."""
-        with self._lock:
-            return any(lease.where is LeaseBlocks.RESTORE_WANTED
-                       for lease in self._leases.values())
-
-    def restore(self, request_id: str, block_ids: list[int]) -> bool:
-        """A demoted lease holds its KV again, in ``block_ids`` (the leading full blocks of the
-        advertised ones, in token order): claims are granted and answered with these ids.
-        Returns False when the lease is gone or not demoted (the caller frees the blocks)."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None or lease.where is LeaseBlocks.HELD:
-                return False
-            lease.block_ids, lease.where = list(block_ids), LeaseBlocks.HELD
-            return True
 
     def last_claim(self) -> float | None:
         """The ``time.monotonic()`` of the latest claim granted to an open lease (its reader's

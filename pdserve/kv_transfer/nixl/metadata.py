@@ -134,10 +134,13 @@ class NixlConnectorMetadata:
         expired_pulls: bidirectional pulls skipped because the decoder's blocks expire too soon
             (counted by the worker as expired requests).
         demote_turns: a decoder's turn leases to demote (give up their GPU blocks, which the
-            scheduler frees into the prefix cache once the worker reports them demoted).
+            scheduler frees into the prefix cache once every rank reports them demoted).
+        keep_turns: turn leases whose demotion a rank refused (they hold their blocks again).
         restored_turns: demoted turn leases whose KV is back in GPU blocks (request id -> those
             blocks, in token order).
-        lost_turns: demoted turn leases whose blocks left every tier (the lease ends).
+        serve_turns: restored turn leases every rank took (TP > 1: their claims are answered).
+        lost_turns: demoted turn leases whose blocks left every tier, or that a rank could not
+            restore (the lease ends).
     """
 
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
@@ -152,7 +155,9 @@ class NixlConnectorMetadata:
     pull_claims: dict[str, PullClaim] = field(default_factory=dict)
     expired_pulls: int = 0
     demote_turns: set[str] = field(default_factory=set)
+    keep_turns: set[str] = field(default_factory=set)
     restored_turns: dict[str, list[int]] = field(default_factory=dict)
+    serve_turns: set[str] = field(default_factory=set)
     lost_turns: set[str] = field(default_factory=set)
 
     def is_empty(self) -> bool:
@@ -160,5 +165,6 @@ class NixlConnectorMetadata:
             self.reqs_to_recv or self.reqs_to_send or self.notices or self.heartbeat_start
             or self.heartbeat_stop or self.aborted_recvs or self.release_sends
             or self.early_releases or self.handshakes or self.pull_claims or self.expired_pulls
-            or self.demote_turns or self.restored_turns or self.lost_turns
+            or self.demote_turns or self.keep_turns or self.restored_turns
+            or self.serve_turns or self.lost_turns
         )

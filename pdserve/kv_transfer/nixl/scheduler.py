@@ -429,17 +429,23 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         return FinishedRequestKV(True, params)
 
     def turn_leases(self) -> list[str]:
-        """The decoder's turn leases, oldest first (none at TP > 1: the ranks' reports of
-        demoted leases are not merged)."""
-        return list(self._turns) if self.tp_size == 1 else []
+        """The decoder's turn leases, oldest first (at TP > 1 the executor merges the ranks'
+        answers to their moves, :mod:`pdserve.executor.kv_merge`)."""
+        return list(self._turns)
 
     def move_turn(self, request_id: str, move: TurnMove, block_ids: list[int] = ()) -> None:
-        """Hand a turn lease's move to the worker side (``demote_turns``, ``restored_turns``,
-        ``lost_turns`` of the next metadata)."""
+        """Hand a turn lease's move to the worker side of every rank (``demote_turns``,
+        ``keep_turns``, ``restored_turns``, ``serve_turns``, ``lost_turns`` of the next
+        metadata; ``SERVE`` only at TP > 1: one rank serves a restore when it takes it)."""
         if move is TurnMove.DEMOTE:
             self._meta.demote_turns.add(request_id)
+        elif move is TurnMove.KEEP:
+            self._meta.keep_turns.add(request_id)
         elif move is TurnMove.RESTORED:
             self._meta.restored_turns[request_id] = list(block_ids)
+        elif move is TurnMove.SERVE:
+            if self.tp_size > 1:
+                self._meta.serve_turns.add(request_id)
         else:
             self._meta.lost_turns.add(request_id)
 

@@ -121,7 +121,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._client = SideChannelClient()
         self.leases = LeaseTable()
         self.held = HeldBlocks(self.leases, self.stats, self._lease_started,
-                               records_handoff=tp.rank == 0)
+                               records_handoff=tp.rank == 0, serve_restores=tp.size == 1)
         self.remotes = RemoteRegistry(config, self.agent, self._pool, self._client,
                                       lambda: self._local, self._waker.wake,
                                       self._connect_same_host)
@@ -223,7 +223,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         for request_id, block_ids in metadata.early_releases.items():  # the proxy's
             self.held.release_early(request_id, block_ids)
         self.held.apply_turn_moves(metadata.demote_turns, metadata.restored_turns,
-                                   metadata.lost_turns)
+                                   metadata.lost_turns, metadata.keep_turns,
+                                   metadata.serve_turns)
         self._take_held_finished()
         for endpoint in metadata.handshakes:
             self.remotes.ensure(endpoint)
@@ -268,8 +269,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.held.expire()
         self.loads.claims.drop_stale(time.monotonic())
         self._take_held_finished()
-        self._out.demoted_turns |= self.held.take_demoted()
-        self._out.turns_to_restore.update(self.leases.take_restore_wanted())
+        self.held.report_turns(self._out)
         self.heartbeats.send_due()
         if self.notices.has_queued():
             self._finish_handshakes()
