@@ -51,11 +51,12 @@ from pdserve.types.remote_ref import (MAX_KV_CACHE_GROUPS, KVTransferParamsError
 
 if TYPE_CHECKING:
     from pdserve.types.kv_transfer_config import KVTransferConfig
+    from pdserve.types.request import Request
 
 __all__ = [
     "KVRole", "KVTransferParams", "KVTransferParamsError", "MAX_KV_CACHE_GROUPS",
     "RemoteKVRef", "block_id_groups", "decoder_turn_params", "parse_block_id_groups",
-    "parse_request_params", "prefill_done_params", "with_prompt_handoff",
+    "may_use_first_token", "parse_request_params", "prefill_done_params", "with_prompt_handoff",
 ]
 
 #: The remote fields a previous turn's decoder returns (and P reads for a bidirectional pull).
@@ -353,3 +354,29 @@ def with_prompt_handoff(returned: dict[str, Any] | None, prompt_ids: list[int],
     except OverflowError:
         return returned
     return dict(returned, **{prompt_handoff.KEY: handed})
+
+
+def may_use_first_token(request: "Request") -> bool:
+    """Whether a decoder's request may start with the prefiller's first output token instead
+    of recomputing the last prompt token for its logits.
+
+    The prefiller returns the token its prefill sampled; the decoder then loads the KV of the
+    whole prompt and emits that token without a forward pass (the token's own KV is computed by
+    the first decode step). This holds the same distribution as sampling on the decoder, since
+    the prefill leg runs the same sampling parameters, except for what the prefill leg cannot
+    reproduce: ``min_tokens`` (the proxy drops it there) and logprobs (not transferred); with
+    ``n > 1`` the front end passes the token to the first choice only. Those requests, and
+    requests that already have output tokens, recompute the last prompt token as before. The
+    token itself comes from the prefiller's lease-claim answer (see
+    ``kv_transfer/nixl/leases.py``); the relayed one is only compared with it. A pending
+    reference (concurrent hand-off) relays none: the claim answer is the only source.
+    """
+    params = request.kv_transfer_params
+    if params is None or params.role is not KVRole.DECODE:
+        return False
+    pending = params.remote is not None and params.remote.pending
+    if params.first_token is None and not pending:  # pending: the claim answer brings it
+        return False
+    sp = request.sampling_params
+    return not (sp.n != 1 or sp.logprobs is not None or sp.min_tokens > 0
+                or request.output_token_ids)
