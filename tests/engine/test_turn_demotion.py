@@ -16,23 +16,13 @@ import pytest
 
 from pdserve.engine.turn_demotion import TurnState
 from tests.support.engine_fakes import add, assert_all_free, drain, reference_generate, run_until_done
-from tests.support.turn_fakes import make_turn_core
+from tests.support.turn_fakes import finish_turns, make_turn_core, turn_prompt as prompt
 
 pytestmark = pytest.mark.usefixtures("scheduling_mode")
 
 BS = 4
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 131 + 7 * i) % 900 for i in range(n)]
-
-
-def finish_turns(core, turns: dict[str, list[int]], max_tokens: int = 5) -> None:
-    """Run each turn to its end (one after the other); answers equal the reference."""
-    for rid, ids in turns.items():
-        add(core, rid, ids, max_tokens=max_tokens)
-        results = run_until_done(core)
-        assert results[rid].tokens == reference_generate(ids, max_tokens), rid
 
 
 def test_held_turns_are_demoted_under_pressure_and_read_back_from_the_host_tier():

@@ -19,21 +19,13 @@ from pdserve.kv_transfer.nixl.notifications import Notice
 from pdserve.types.remote_ref import token_digest
 from tests.support.engine_fakes import (add, assert_all_free, collect, drain, reference_generate,
                                        run_until_done)
-from tests.support.turn_fakes import make_turn_core
+from tests.support.turn_fakes import finish_turns, make_turn_core, turn_prompt as prompt
 
 pytestmark = pytest.mark.usefixtures("scheduling_mode")
 
 BS = 4
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 131 + 7 * i) % 900 for i in range(n)]
-
-
-def finish_turns(core, turns: dict[str, list[int]], max_tokens: int = 5) -> None:
-    for rid, ids in turns.items():
-        add(core, rid, ids, max_tokens=max_tokens)
-        assert run_until_done(core)[rid].tokens == reference_generate(ids, max_tokens), rid
 
 
 def demote_a(core) -> None:

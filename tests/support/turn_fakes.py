@@ -24,6 +24,7 @@ from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.types.outputs import KVConnectorOutput
 from pdserve.types.remote_ref import token_digest
 from pdserve.types.request import RequestStatus
+from tests.support.engine_fakes import add, reference_generate, run_until_done
 from tests.support.tier_fakes import make_tiered_core
 
 
@@ -228,3 +229,15 @@ def make_turn_core(num_blocks: int, block_size: int = 4, host_blocks: int = 64,
         connectors=(sched, worker),
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="fail"), **cfg)
     return core, runner, TurnReader(core, runner, sched, ranks)
+
+
+def turn_prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids of conversation ``seed`` (deterministic, distinct per seed)."""
+    return [(seed * 131 + 7 * i) % 900 for i in range(n)]
+
+
+def finish_turns(core, turns: dict[str, list[int]], max_tokens: int = 5) -> None:
+    """Run each turn to its end (one after the other); answers equal the reference."""
+    for rid, ids in turns.items():
+        add(core, rid, ids, max_tokens=max_tokens)
+        assert run_until_done(core)[rid].tokens == reference_generate(ids, max_tokens), rid
