@@ -177,7 +177,8 @@ def _run_tiers(args: argparse.Namespace, work: Path) -> dict:
           f"{'holds' if p['fits'] else 'cannot hold'} every conversation's last turn",
           flush=True)
     results = {}
-    for name, gib_i in (("no tier", None), ("host tier", gib)):
+    cases = [("no tier", None), ("host tier", gib)]
+    for name, gib_i in (cases[::-1] if args.tier_first else cases):
         r = _run_case(args, name.replace(" ", "-"), True, work, spec=str(spec),
                       extra_engine_args=tiers.engine_args(args, gib_i),
                       extra_bench_args=tiers.bench_args(args))

@@ -80,18 +80,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--overcommit", type=float, default=1.75,
                    help="total KV of all conversations / one engine's device cache (below 1: "
                         "the working set fits); default 1.75")
-    g.add_argument("--conversations", type=int, default=16)
-    g.add_argument("--turns", type=int, default=3)
-    g.add_argument("--first-tokens", type=int, default=192, help="turn 1's message (tokens)")
-    g.add_argument("--user-tokens", type=int, default=48, help="each later turn's message")
-    g.add_argument("--output-tokens", type=int, default=16, help="every answer (tokens)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--conversations", type=int, default=16, help="default 16, all open at once")
+    g.add_argument("--turns", type=int, default=3, help="user turns per conversation, default 3")
+    g.add_argument("--first-tokens", type=int, default=192,
+                   help="turn 1's message (tokens), default 192")
+    g.add_argument("--user-tokens", type=int, default=48,
+                   help="each later turn's message (tokens), default 48")
+    g.add_argument("--output-tokens", type=int, default=16,
+                   help="every answer (tokens), default 16")
+    g.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block, given to the engines too (default 16)")
     g.add_argument("--template-tokens", type=int, default=12,
                    help="chat-template tokens per message (estimate; default 12)")
     g.add_argument("--lease-ttl", type=float, default=15.0,
                    help="decoder_kv_blocks_ttl of both deployments (seconds D keeps a finished "
                         "turn's blocks for the next turn's pull; default 15, pdserve's 480 would "
                         "stall the no-tier deployment for minutes, see the module docstring)")
+    g.add_argument("--tier-first", action="store_true",
+                   help="run the host-tier deployment first (to tell an order effect from the "
+                        "tier's own cost)")
     g.add_argument("--offload-gib", type=float, default=None,
                    help="host tier size per engine (default: every conversation's KV x 1.25, "
                         "from the model's config.json)")

@@ -37,6 +37,8 @@ def test_plan_sizes_the_cache_from_the_overcommit():
     assert fits["num_blocks"] == 525 and not fits["fits"]  # 420 held + 4 x 28 in flight > 525
     assert tiers.plan(_args("--overcommit", "0.7"))["fits"]  # 600 blocks
     assert tiers.check(args) is None
+    assert not args.tier_first and _args("--tier-first").tier_first
+    assert args.lease_ttl == 15.0
 
 
 @pytest.mark.parametrize("argv, message", [
