@@ -26,7 +26,7 @@ Examples::
     python benchmarks/pd_multi_turn.py --model /path/llama8b-dummy --device cuda \\
         --engine-args="--load-format dummy --max-model-len 16384" --spec long_histories.json
     python benchmarks/pd_multi_turn.py --kv-tiers --device cpu       # host tier, 1.75x overcommit
-    python benchmarks/pd_multi_turn.py --kv-tiers --device cpu --overcommit 0.8   # it fits
+    python benchmarks/pd_multi_turn.py --kv-tiers --device cpu --overcommit 0.7   # it fits
     python benchmarks/pd_multi_turn.py --kv-tiers --device cuda --model /path/llama8b-dummy \\
         --engine-args="--load-format dummy" --conversations 32 --turns 4 --first-tokens 2048 \\
         --user-tokens 256 --output-tokens 64 --num-clients 8
