@@ -13,11 +13,23 @@ Prometheus counters say it did (prompt tokens computed, cached, transferred), th
 the turns-2+ mean TTFTs. Both runs use ``--send-conversation-id`` so that the only difference is
 the deployment.
 
+``--kv-tiers`` measures the host-memory KV cache tier instead (:mod:`pd_multi_turn_tiers`):
+two ``pdserve up --multi-turn`` deployments whose P and D have a small device KV cache
+(``--overcommit``), without and with ``--kv-offloading-size``, on a generated workload of many
+interleaved conversations; it prints turns 1 and 2+ TTFT p50 / p90, throughput, P's prompt
+token counters, the tier counters of P and D and D's demoted / restored turns, then the
+turns-2+ ratios. Its default model is a tiny random Llama (2 layers; SmolLM2's tokenizer).
+
 Examples::
 
     python benchmarks/pd_multi_turn.py                               # CPU, embedded SmolLM2
     python benchmarks/pd_multi_turn.py --model /path/llama8b-dummy --device cuda \\
         --engine-args="--load-format dummy --max-model-len 16384" --spec long_histories.json
+    python benchmarks/pd_multi_turn.py --kv-tiers --device cpu       # host tier, 1.75x overcommit
+    python benchmarks/pd_multi_turn.py --kv-tiers --device cpu --overcommit 0.7   # it fits
+    python benchmarks/pd_multi_turn.py --kv-tiers --device cuda --model /path/llama8b-dummy \\
+        --engine-args="--load-format dummy" --conversations 32 --turns 4 --first-tokens 2048 \\
+        --user-tokens 256 --output-tokens 64 --num-clients 8
 
 Raises:
     SystemExit: a deployment failed to start or the benchmark failed (its output is shown).
@@ -26,9 +38,9 @@ Raises:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -36,8 +48,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pd_multi_turn_tiers as tiers  # noqa: E402
 
 _COUNTERS = (
     "pdserve:prompt_tokens_total",
@@ -47,21 +63,17 @@ _COUNTERS = (
 )
 
 
-def _read_counters(url: str) -> dict[str, float]:
-    """Sum of each counter in ``_COUNTERS`` on one engine's ``/metrics``."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out = {name: 0.0 for name in _COUNTERS}
-    for line in text.splitlines():
-        m = re.match(r"^(pdserve:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m and m.group(1) in out:
-            out[m.group(1)] += float(m.group(2))
-    return out
+def _read_series(url: str) -> dict[str, float]:
+    """Every ``pdserve:`` series on one engine's ``/metrics`` (:func:`tiers.parse_series`)."""
+    return tiers.parse_series(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 def _start_up(args: argparse.Namespace, multi_turn: bool, log_dir: Path,
-              output: Path | None = None) -> tuple[subprocess.Popen, dict]:
+              output: Path | None = None,
+              extra_engine_args: list[str] | None = None) -> tuple[subprocess.Popen, dict]:
     """Start ``pdserve up`` and wait until its status file says ready (its own output goes to
-    ``output`` when given, else nowhere).
+    ``output`` when given, else nowhere); ``extra_engine_args`` go to every engine before
+    ``--engine-args``.
 
     Returns:
         The launcher process and its parsed ``pdserve-up.json`` status.
@@ -70,8 +82,9 @@ def _start_up(args: argparse.Namespace, multi_turn: bool, log_dir: Path,
            "--log-dir", str(log_dir), "--device", args.device]
     if multi_turn:
         cmd.append("--multi-turn")
-    if args.engine_args:
-        cmd += ["--", *shlex.split(args.engine_args)]
+    engine_args = [*(extra_engine_args or []), *shlex.split(args.engine_args)]
+    if engine_args:
+        cmd += ["--", *engine_args]
     sink = open(output, "ab") if output is not None else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
@@ -106,30 +119,84 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _run_case(args: argparse.Namespace, name: str, multi_turn: bool, work: Path) -> dict:
-    """One deployment + one benchmark run; returns the summary and P's counter deltas."""
+def _run_case(args: argparse.Namespace, name: str, multi_turn: bool, work: Path,
+              spec: str | None = None, extra_engine_args: list[str] | None = None,
+              extra_bench_args: list[str] | None = None) -> dict:
+    """One deployment + one benchmark run (``spec``: the workload, default ``--spec``); returns
+    the summary, P's ``_COUNTERS`` deltas and every ``pdserve:`` series' increase on P and on
+    D (summed over the engines of each role)."""
     log_dir = work / name
     log_dir.mkdir()
-    proc, status = _start_up(args, multi_turn, log_dir)
+    proc, status = _start_up(args, multi_turn, log_dir, extra_engine_args=extra_engine_args)
     try:
         parts = status["children"]
         proxy = next(p["url"] for p in parts if p["role"] == "proxy")
-        prefillers = [p["url"] for p in parts if p["role"] == "prefill"]
-        before = [_read_counters(u) for u in prefillers]
+        engines = {role: [p["url"] for p in parts if p["role"] == role]
+                   for role in ("prefill", "decode")}
+        before = {role: [_read_series(u) for u in urls] for role, urls in engines.items()}
         stats_path = log_dir / "stats.json"
         cmd = [sys.executable, "-m", "pdserve.cli", "bench", "multi-turn", "-u", proxy,
-               "-i", args.spec, "-m", args.tokenizer or args.model, "--seed", str(args.seed),
-               "-p", str(args.num_clients), "--send-conversation-id", "--no-progress",
-               "--stats-json-output", str(stats_path), *shlex.split(args.bench_args)]
+               "-i", spec or args.spec, "-m", args.tokenizer or args.model,
+               "--seed", str(args.seed), "-p", str(args.num_clients), "--send-conversation-id",
+               "--no-progress", "--stats-json-output", str(stats_path),
+               *(extra_bench_args or []), *shlex.split(args.bench_args)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode not in (0, 1) or not stats_path.exists():
             raise SystemExit(f"benchmark failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
-        after = [_read_counters(u) for u in prefillers]
+        after = {role: [_read_series(u) for u in urls] for role, urls in engines.items()}
     finally:
         _stop(proc)
     summary = json.loads(stats_path.read_text())["summary"]
-    p_delta = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in _COUNTERS}
-    return {"summary": summary, "prefill_counters": p_delta}
+    series = {role: tiers.delta(after[role], before[role],
+                                set().union(*after[role], *before[role]))
+              for role in engines}
+    p_delta = {k: series["prefill"].get(k, 0.0) for k in _COUNTERS}
+    return {"summary": summary, "prefill_counters": p_delta, "series": series}
+
+
+def _run_tiers(args: argparse.Namespace, work: Path) -> dict:
+    """The ``--kv-tiers`` comparison: both deployments, results keyed ``no tier`` /
+    ``host tier`` (each: ``ttft`` figures, ``prefill`` and ``decode`` series increases)."""
+    from pdserve.model_files.builtin_models import resolve_model_path
+
+    if args.model is None:
+        from pdserve.testing.tiny_models import make_tiny_model
+
+        args.model = str(make_tiny_model(
+            work / "tiny-llama", "llama",
+            max_position_embeddings=max(1024, tiers.plan(args)["max_model_len"])))
+    spec = work / "workload.json"
+    spec.write_text(json.dumps(tiers.spec(args)))
+    p = tiers.plan(args)
+    gib = tiers.offload_gib(args, resolve_model_path(args.model))
+    print(f"workload: {args.conversations} conversations x {args.turns} turns ({args.first_tokens} "
+          f"+ {args.turns - 1} x {args.user_tokens} user tokens, {args.output_tokens}-token "
+          f"answers), {args.num_clients} in flight; total KV ~{p['total_tokens']} tokens = "
+          f"{args.overcommit:g}x a device cache of {p['num_blocks']} blocks x {args.block_size} "
+          f"on P and on D; host tier {gib:.3f} GiB each; D's cache "
+          f"{'holds' if p['fits'] else 'cannot hold'} every conversation's last turn",
+          flush=True)
+    results = {}
+    cases = [("no tier", None), ("host tier", gib)]
+    for name, gib_i in (cases[::-1] if args.tier_first else cases):
+        r = _run_case(args, name.replace(" ", "-"), True, work, spec=str(spec),
+                      extra_engine_args=tiers.engine_args(args, gib_i),
+                      extra_bench_args=tiers.bench_args(args))
+        results[name] = {"ttft": tiers.ttft_percentiles(r["summary"]),
+                         "prefill": r["series"]["prefill"], "decode": r["series"]["decode"],
+                         "summary": r["summary"]}
+    return results
+
+
+@contextlib.contextmanager
+def _work_dir(path: Path | None, prefix: str) -> Iterator[Path]:
+    """``path`` (created; kept), else a temporary directory removed on exit."""
+    if path is not None:
+        path.mkdir(parents=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp)
 
 
 def _ttft(summary: dict, section: str) -> tuple[float | None, float | None, int]:
@@ -140,23 +207,46 @@ def _ttft(summary: dict, section: str) -> tuple[float | None, float | None, int]
 def main(argv: list[str] | None = None) -> int:
     """Run both cases and print the comparison; returns the exit code."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default=None,
+                    help="model (default: smollm2-135m-instruct; with --kv-tiers a tiny random "
+                         "Llama)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer for the benchmark (default: model)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--spec", default=str(Path(__file__).with_name("pd_multi_turn_spec.json")),
                     help="pdserve bench multi-turn input file")
     ap.add_argument("--engine-args", default="", help="extra 'pdserve serve' options")
     ap.add_argument("--bench-args", default="", help="extra 'pdserve bench multi-turn' options")
-    ap.add_argument("--num-clients", type=int, default=2)
+    ap.add_argument("--num-clients", type=int, default=None,
+                    help="concurrent clients (requests in flight), default 2 (--kv-tiers: 4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="keep the deployments' logs in this new directory (default: a "
+                         "temporary one, removed at the end)")
+    tiers.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.num_clients is None:
+        args.num_clients = 4 if args.kv_tiers else 2
+    if args.kv_tiers:
+        error = tiers.check(args)
+        if error:
+            ap.error(error)
+        with _work_dir(args.work_dir, "pd-multi-turn-tiers-") as work:
+            results = _run_tiers(args, work)
+        print(f"model {args.model}, device {args.device}, {args.num_clients} clients, "
+              f"overcommit {args.overcommit:g}")
+        print("\n".join(tiers.report(results)))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return 0
+    if args.model is None:
+        args.model = "smollm2-135m-instruct"
 
     results = {}
-    with tempfile.TemporaryDirectory(prefix="pd-multi-turn-") as tmp:
+    with _work_dir(args.work_dir, "pd-multi-turn-") as work:
         for name, multi_turn in (("recompute", False), ("bidirectional", True)):
-            results[name] = _run_case(args, name, multi_turn, Path(tmp))
+            results[name] = _run_case(args, name, multi_turn, work)
 
     print(f"model {args.model}, device {args.device}, spec {os.path.basename(args.spec)}, "
           f"{args.num_clients} clients")
