@@ -146,7 +146,7 @@ class Scheduler:
         self.finished_request_ids: set[str] = set()
         self.loaded_since_schedule = False
         self.demoter = (TurnDemoter(self.queues, self.kv_cache_manager, self.remote_kv, connector,
-                                    self.tier_loads) if self.tier_loads and connector else None)
+                                    self.tier_loads) if connector is not None else None)
 
         self.prompt_tokens_total = 0
         self.prompt_tokens_computed_total = 0
@@ -409,7 +409,8 @@ class Scheduler:
 
     def has_pending_tier_work(self) -> bool:
         """True while tier loads are in flight or a claimed turn waits for blocks (polled)."""
-        return self.tier_loads is not None and (self.demoter or self.tier_loads).has_pending_work()
+        return ((self.demoter is not None and self.demoter.has_pending_work())
+                or (self.tier_loads is not None and self.tier_loads.has_pending_work()))
 
     def stats(self) -> dict[str, Any]:
         """Snapshot for metrics: queue sizes, KV cache usage (0..1) and cumulative counters."""

@@ -1,10 +1,11 @@
-"""A decoder's held turn blocks under GPU pressure: demoted to the KV cache tiers, restored into
-fresh GPU blocks when the next turn's prefiller claims them. Pure bookkeeping: no torch.
+"""A decoder's held turn blocks under GPU pressure: demoted to the prefix cache (and from there
+the KV cache tiers), restored into GPU blocks when the next turn's prefiller claims them. Pure
+bookkeeping: no torch.
 
 With ``bidirectional_kv_xfer`` a decoder (D) holds a finished turn's blocks under a lease of
-``decoder_kv_blocks_ttl`` seconds (:mod:`pdserve.kv_transfer.nixl.bidirectional`). With KV cache
-tiers (``--kv-offloading-size``), :class:`TurnDemoter` keeps those leases from starving new
-requests:
+``decoder_kv_blocks_ttl`` seconds (:mod:`pdserve.kv_transfer.nixl.bidirectional`).
+:class:`TurnDemoter` keeps those leases from starving new requests (without KV cache tiers too:
+a demoted turn's blocks then live only as evictable cached blocks on the GPU):
 
 1. **Pressure** (:meth:`TurnDemoter.relieve`, as each step closes): the head of the waiting
    queue was not scheduled and needs more blocks than are free (evictable cached blocks
@@ -126,7 +127,9 @@ class TurnDemoter:
         remote_kv: the finished requests whose blocks are held for a transfer.
         connector: the KV connector's scheduler side (``turn_leases``, ``move_turn``).
         tier_loads: the tier loads (their tiers' ``match`` / ``start_load``, and the ended
-            loads that are restores).
+            loads that are restores); None without tiers: a demoted turn's blocks then stay
+            in the GPU prefix cache only, as evictable cached blocks, and a claim finds them
+            there or is refused (the reader recomputes).
         clock: ``time.monotonic`` (tests pass their own).
 
     Attributes:
@@ -140,14 +143,14 @@ class TurnDemoter:
 
     def __init__(self, queues: RequestQueues, kv_cache_manager: KVCacheManager,
                  remote_kv: RemoteKV, connector: "KVConnectorSchedulerSide",
-                 tier_loads: TierLoads, clock: Callable[[], float] = time.monotonic):
+                 tier_loads: TierLoads | None, clock: Callable[[], float] = time.monotonic):
         self.queues = queues
         self._clock = clock
         self.kv_cache_manager = kv_cache_manager
         self.remote_kv = remote_kv
         self.connector = connector
         self.tier_loads = tier_loads
-        self.tiers = tier_loads.tiers
+        self.tiers = tier_loads.tiers if tier_loads is not None else None
         self._turns: dict[str, _Turn] = {}
         # demoted turns a claim waits for, oldest first -> give up at (``clock()``)
         self._wanted: dict[str, float] = {}
@@ -229,7 +232,7 @@ class TurnDemoter:
         (their blocks are freed now) or refused, leases that ended, restores the lease took
         (its claims are served now) or could not (it ends), and claims waiting for a demoted
         lease (restored now, or after LOADs)."""
-        for done in self.tier_loads.take_other_loads():
+        for done in self.tier_loads.take_other_loads() if self.tier_loads is not None else ():
             self._load_done(done)
         if kv_out is None:
             return
@@ -286,7 +289,7 @@ class TurnDemoter:
         kvm, bs = self.kv_cache_manager, self.kv_cache_manager.block_size
         gpu = kvm.cached_prefix(turn.hashes)
         rest = turn.hashes[len(gpu):]
-        media = self.tiers.match(rest) if rest else []
+        media = self.tiers.match(rest) if rest and self.tiers is not None else []
         total = len(gpu) + len(media)
         holder = TurnBlocks(request_id, turn.tokens[:total * bs])
         if total == 0:
@@ -350,7 +353,8 @@ class TurnDemoter:
         """True while tier loads are in flight (:meth:`TierLoads.has_pending_work
         <pdserve.engine.tier_loads.TierLoads.has_pending_work>`) or a claimed turn waits for
         blocks (its restore is retried as each step closes)."""
-        return bool(self._wanted) or self.tier_loads.has_pending_work()
+        return bool(self._wanted) or (self.tier_loads is not None
+                                      and self.tier_loads.has_pending_work())
 
     @property
     def num_held_blocks(self) -> int:
@@ -360,7 +364,8 @@ class TurnDemoter:
     def stats(self) -> dict:
         """The tier loads' :meth:`~pdserve.engine.tier_loads.TierLoads.stats` plus the
         cumulative turn counters (``pdserve:kv_offload_turn*``)."""
-        return {**self.tier_loads.stats(), "turns_demoted": self.num_turns_demoted_total,
+        tiers = self.tier_loads.stats() if self.tier_loads is not None else {}
+        return {**tiers, "turns_demoted": self.num_turns_demoted_total,
                 "turns_restored": self.num_turns_restored_total,
                 "turn_blocks_from_gpu": self.num_turn_blocks_from_gpu_total,
                 "turn_blocks_from_tiers": self.num_turn_blocks_from_tiers_total,

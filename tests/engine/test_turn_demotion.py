@@ -200,3 +200,36 @@ def test_a_preempted_request_at_the_waiting_head_makes_room_by_demotion():
     reader.abort_all()
     drain(core)
     assert_all_free(core)
+
+
+def test_without_tiers_a_held_turn_under_pressure_is_given_up_to_the_prefix_cache():
+    # No KV cache tier: under pressure the decoder still lets go of a held turn (its full
+    # blocks stay in the GPU prefix cache, evictable) instead of stalling new requests until
+    # the lease's TTL. A claim that finds the blocks still cached is served from them; one
+    # whose blocks were evicted is refused (the reader recomputes).
+    core, runner, reader = make_turn_core(num_blocks=20, host_blocks=0, ttl_s=600.0)
+    sched = core.scheduler
+    assert sched.tiers is None and sched.demoter is not None
+    finish_turns(core, {"a": prompt(1, 22), "b": prompt(2, 22)})
+    small = prompt(4, 26)  # 7 blocks, 6 free: "a" is given up, its full blocks stay cached
+    add(core, "c", small, max_tokens=2)
+    assert run_until_done(core)["c"].tokens == reference_generate(small, 2)
+    assert sched.demoter.state("a") is TurnState.DEMOTED
+    assert sched.stats()["kv_tiers"] is None  # no tier metrics without tiers
+    status, blocks = reader.claim("a")
+    assert status == "ok"
+    full = len(reader.sched.advertised["a"][1]) // BS
+    assert reader.read(blocks, full) == reader.expected("a", full)
+    reader.notify("a", "done", blocks)
+    # "b" is given up for a request that then takes every block: its claim is refused
+    big = prompt(5, 70)
+    add(core, "d", big, max_tokens=2)
+    assert run_until_done(core)["d"].tokens == reference_generate(big, 2)
+    assert sched.demoter.state("b") is TurnState.DEMOTED
+    status, _ = reader.claim("b")
+    assert status == "reject"
+    assert sched.demoter.num_turns_lost_total == 1
+    reader.abort_all()
+    drain(core)
+    assert len(reader.worker.leases) == 0
+    assert_all_free(core)

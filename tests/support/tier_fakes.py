@@ -111,9 +111,9 @@ def make_tiered_core(num_blocks: int = 16, block_size: int = 4, host_blocks: int
                      connectors: tuple[Any, Any] | None = None,
                      **cfg: Any) -> tuple[EngineCore, TieredFakeRunner]:
     """An EngineCore over a :class:`TieredFakeRunner` with ``host_blocks`` host slots and
-    ``disk_blocks`` disk blocks."""
+    ``disk_blocks`` disk blocks (``host_blocks=0``: no KV cache tiers)."""
     runner = TieredFakeRunner(num_blocks, block_size, load_delay_steps=load_delay_steps)
     off = KVOffloadingConfig(host_bytes=host_blocks, disk_dir="/unused" if disk_blocks else None,
-                             disk_bytes=disk_blocks)
+                             disk_bytes=disk_blocks) if host_blocks else None  # 0: no tiers
     config = make_config(block_size=block_size, kv_offloading=off, **cfg)
     return EngineCore(config, lambda _config: runner, connectors=connectors), runner
