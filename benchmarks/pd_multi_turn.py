@@ -63,6 +63,12 @@ _COUNTERS = (
 )
 
 
+def read_counters(url: str) -> dict[str, float]:
+    """Sum of each counter in ``_COUNTERS`` on one engine's ``/metrics`` (over its labels)."""
+    series = _read_series(url)
+    return {name: series.get(name, 0.0) for name in _COUNTERS}
+
+
 def _read_series(url: str) -> dict[str, float]:
     """Every ``pdserve:`` series on one engine's ``/metrics`` (:func:`tiers.parse_series`)."""
     return tiers.parse_series(httpx.get(f"{url}/metrics", timeout=10).text)

@@ -123,7 +123,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from pd_latency import _percentile  # noqa: E402
-from pd_multi_turn import _read_counters  # noqa: E402
+from pd_multi_turn import read_counters  # noqa: E402
 from pd_phases import print_timeline, read_traces, timeline  # noqa: E402
 
 from pd_overhead_deploy import (HANDOFFS, SINGLE, Deployment, Prompts, _body,  # noqa: E402
@@ -287,10 +287,10 @@ def run_mode(mode: str, args, work: Path, handoff_flag: bool) -> dict:
         phase_trace.set_role("client")
         with httpx.Client(timeout=600) as client:
             prompts = Prompts(client, dep.targets[SINGLE], args.seed)
-            before = {e: _read_counters(u) for e, u in dep.engines.items()}
+            before = {e: read_counters(u) for e, u in dep.engines.items()}
             runner = run_first if mode == "first" else run_bidi
             samples = runner(args, dep, client, prompts, phase_trace.mark)
-            after = {e: _read_counters(u) for e, u in dep.engines.items()}
+            after = {e: read_counters(u) for e, u in dep.engines.items()}
     finally:
         phase_trace.configure(None)
         dep.stop()

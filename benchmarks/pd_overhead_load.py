@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from pd_latency import _percentile
-from pd_multi_turn import _read_counters
+from pd_multi_turn import read_counters
 from pd_overhead_deploy import SINGLE, Deployment, Prompts, _fmt
 
 
@@ -193,7 +193,7 @@ def run_load_mode(args, work: Path, handoff_flag: bool) -> dict:
         with httpx.Client(timeout=600) as client:
             prompts = Prompts(client, dep.targets[SINGLE], args.seed)
             bodies = load_bodies(args, prompts)
-            before = {e: _read_counters(u) for e, u in dep.engines.items()}
+            before = {e: read_counters(u) for e, u in dep.engines.items()}
 
         def request(k: int) -> dict:
             msgs = [{"role": "system", "content": prompts.head()},
@@ -218,7 +218,7 @@ def run_load_mode(args, work: Path, handoff_flag: bool) -> dict:
                         await asyncio.sleep(args.gap_ms / 1e3)
 
         asyncio.run(all_rounds())
-        after = {e: _read_counters(u) for e, u in dep.engines.items()}
+        after = {e: read_counters(u) for e, u in dep.engines.items()}
     finally:
         dep.stop()
     counters = {e: {k: after[e][k] - before[e][k] for k in after[e]} for e in after}
