@@ -617,6 +617,21 @@ def test_banner_python_example_runs_as_pasted(tmp_path):
     assert check.returncode == 0 and not check.stderr, check.stderr
     missing = launcher.usage_banner("http://127.0.0.1:8000", "m", openai_installed=False)
     assert "pip install openai" in missing
+
+
+def test_multi_turn_banner_examples_send_a_conversation_id():
+    # The multi-turn proxy keeps a turn's KV on the decoder only for a request that names its
+    # conversation; the stateless examples name none.
+    multi = launcher.usage_banner("http://127.0.0.1:8000", "m", openai_installed=True,
+                                  multi_turn=True)
+    curl = next(line for line in multi.splitlines() if line.strip().startswith("-d '"))
+    body = json.loads(curl.strip()[len("-d '"):-1])
+    assert body["conversation_id"] == "demo-1"
+    assert 'extra_body={"conversation_id": "demo-1"}' in multi
+    stateless = launcher.usage_banner("http://127.0.0.1:8000", "m", openai_installed=True)
+    assert "conversation_id" not in stateless
+    compile_example = multi.split("<<'EOF'\n", 1)[1].split("\nEOF", 1)[0]
+    compile(compile_example, "example", "exec")
 def test_plan_turns_kv_events_on_with_distinct_ports():
     specs = _plan(["--num-prefillers", "2", "--num-decoders", "2", "--port", str(_proxy_port()),
                    "--", "--dtype", "float32"])

@@ -10,6 +10,7 @@ block. Torch-free, so the CLI entry points stay fast to start.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from typing import NoReturn
 
@@ -105,6 +106,26 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def writable_dir(text: str) -> str:
+    """A directory this process can create files in: an existing writable one, or one whose
+    nearest existing ancestor is a writable directory (it is created at start-up).
+
+    Raises:
+        argparse.ArgumentTypeError: an empty path, a path through a file, or no write access.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError("an empty directory path")
+    path = os.path.abspath(text)
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise argparse.ArgumentTypeError(f"{text}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable")
+    return text
 
 
 def fraction(text: str) -> float:

@@ -6,13 +6,26 @@ import argparse
 from typing import Any, Sequence
 
 from pdserve.model_files.builtin_models import BUILTIN_NAMES
-from pdserve.types.kv_tiers import KVOffloadingConfig
+from pdserve.types.kv_tiers import KVOffloadingBackend, KVOffloadingConfig
 from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.utils.host_devices import detect_gpus, nixl_progress_thread_default
 
 from pdserve.commands.parser import (Parser, bind_port, fraction, non_negative_int, parse_size, port,
-                               positive_float, positive_int)
+                               positive_float, positive_int, writable_dir)
 from pdserve.types.engine_config import DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, EngineConfig, KVCacheDtype
+
+
+def offloading_backend(text: str) -> str:
+    """``--kv-offloading-backend``: a :class:`~pdserve.types.kv_tiers.KVOffloadingBackend` name
+    (checked when the options are parsed, so ``pdserve up`` refuses it before starting).
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown backend.
+    """
+    try:
+        return KVOffloadingBackend(text.strip().lower()).value
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'native', got {text!r}") from None
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve serve`` parser (``--kv-transfer-config`` is extracted before it runs)."""
@@ -92,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache tier in host memory behind the prefix cache, in GiB over all "
                         "TP ranks: cached blocks evicted from the KV cache are kept there and "
                         "copied back on a prefix hit (default: off)")
-    p.add_argument("--kv-offloading-backend", default=None, metavar="native",
-                   help="offloading backend: 'native' (the only one; default)")
-    p.add_argument("--kv-offloading-disk-dir", default=None, metavar="DIR",
+    p.add_argument("--kv-offloading-backend", default=None, type=offloading_backend,
+                   metavar="native", help="offloading backend: 'native' (the only one; default)")
+    p.add_argument("--kv-offloading-disk-dir", default=None, type=writable_dir, metavar="DIR",
                    help="a disk tier below the host tier: block files under DIR (needs "
                         "--kv-offloading-disk-size)")
     p.add_argument("--kv-offloading-disk-size", type=positive_float, default=None, metavar="GiB",

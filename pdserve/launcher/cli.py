@@ -56,7 +56,7 @@ def _engine_facts(url: str, fallback: str, api_key: str | None = None) -> tuple[
 
 def usage_banner(endpoint: str, model: str, api_key: str | None = None,
                  python: str | None = None, openai_installed: bool | None = None,
-                 chat_template: bool = True) -> str:
+                 chat_template: bool = True, multi_turn: bool = False) -> str:
     """The ready-to-paste ``curl``, ``openai`` and ``pdserve chat`` examples for a running
     deployment (the Python example's here-document starts at the line start, so it runs as
     pasted into a shell).
@@ -67,6 +67,9 @@ def usage_banner(endpoint: str, model: str, api_key: str | None = None,
         openai_installed: whether ``openai`` is importable there (default: looked up).
         chat_template: whether the model has a chat template; without one (a base model) the
             examples use ``/v1/completions``, since ``/v1/chat/completions`` answers 400.
+        multi_turn: the proxy is the multi-turn one: the chat examples send a
+            ``conversation_id`` (without one it releases the turn's KV instead of keeping it
+            for the next turn; ``pdserve chat`` sends one by itself).
     """
     python = python or sys.executable
     if openai_installed is None:
@@ -82,14 +85,17 @@ def usage_banner(endpoint: str, model: str, api_key: str | None = None,
     chat_key = " --api-key " + api_key if api_key else ""
     if chat_template:
         path = "chat/completions"
+        conversation = {"conversation_id": "demo-1"} if multi_turn else {}
         body = json.dumps({"model": model, "messages": [
             {"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32,
-            "temperature": 0})
+            "temperature": 0, **conversation})
+        extra = ("\n    # every turn of one chat sends the same id: its KV stays on the decoder"
+                 "\n    extra_body={\"conversation_id\": \"demo-1\"},") if multi_turn else ""
         call = f"""reply = client.chat.completions.create(
     model="{model}",
     messages=[{{"role": "user", "content": "What is the capital of France?"}}],
     max_tokens=32,
-    temperature=0,  # greedy: the small default model rambles when sampled
+    temperature=0,  # greedy: the small default model rambles when sampled{extra}
 )
 print(reply.choices[0].message.content)"""
         chat_line = f"pdserve chat --url {endpoint} --temperature 0{chat_key}"
@@ -139,7 +145,8 @@ def _print_ready(launcher: Launcher, opts: argparse.Namespace) -> None:
     launcher.say(f"  logs      {launcher.log_dir}")
     launcher.say(f"  status    {launcher.status_path()}")
     launcher.say("")
-    launcher.say(usage_banner(proxy.url, model, api_key, chat_template=chat_template))
+    launcher.say(usage_banner(proxy.url, model, api_key, chat_template=chat_template,
+                              multi_turn=opts.multi_turn))
     launcher.say("Press Ctrl-C to stop.")
 
 

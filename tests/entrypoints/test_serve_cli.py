@@ -80,20 +80,31 @@ def test_bad_kv_transfer_config_exits_2(capsys: pytest.CaptureFixture[str]) -> N
     assert "kv_sideways" in capsys.readouterr().err
 
 
-def test_kv_offloading_flags_reach_engine_config() -> None:
+def test_kv_offloading_flags_reach_engine_config(tmp_path) -> None:
+    disk = str(tmp_path / "tiers" / "disk")  # not there yet: created at start-up
     args = build_parser().parse_args([
-        "--kv-offloading-size", "2", "--kv-offloading-backend", "native",
-        "--kv-offloading-disk-dir", "/d", "--kv-offloading-disk-size", "0.5"])
+        "--kv-offloading-size", "2", "--kv-offloading-backend", "Native",
+        "--kv-offloading-disk-dir", disk, "--kv-offloading-disk-size", "0.5"])
     off = engine_config_from_args(args, None).kv_offloading
-    assert (off.host_bytes, off.disk_dir, off.disk_bytes) == (2 * 2**30, "/d", 2**29)
+    assert (off.host_bytes, off.disk_dir, off.disk_bytes) == (2 * 2**30, disk, 2**29)
+
+
+def test_a_disk_tier_directory_through_a_file_exits_2(tmp_path, capsys) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    argv = ["--kv-offloading-size", "1", "--kv-offloading-disk-dir", str(afile / "sub"),
+            "--kv-offloading-disk-size", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--kv-offloading-disk-dir" in err and "is not a directory" in err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--kv-offloading-size", "0"], "--kv-offloading-size"),
     (["--kv-offloading-size", "1", "--kv-offloading-backend", "lmcache"], "must be 'native'"),
-    (["--kv-offloading-disk-dir", "/d", "--kv-offloading-disk-size", "1"],
-     "need --kv-offloading-size"),
-    (["--kv-offloading-size", "1", "--kv-offloading-disk-dir", "/d"], "go together"),
+    (["--kv-offloading-size", "1", "--kv-offloading-backend", ""], "must be 'native'"),
+    (["--kv-offloading-disk-size", "1"], "need --kv-offloading-size"),
+    (["--kv-offloading-size", "1", "--kv-offloading-disk-size", "1"], "go together"),
 ])
 def test_bad_kv_offloading_flags_exit_2(argv, message, capsys) -> None:
     assert main(argv) == 2
