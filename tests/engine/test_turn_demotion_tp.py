@@ -45,8 +45,9 @@ def claim_on_rank0(reader, request_id: str, results: dict | None = None,
     n = len(tokens) // BS * BS
     seen = []
     for _ in range(max_steps):
-        status, _, _, _, moved = reader.worker.leases.claim_answer(
-            request_id, blocks, n, token_digest(tokens[:n]))
+        answer = reader.worker.leases.claim_answer(request_id, blocks, n,
+                                                   token_digest(tokens[:n]))
+        status, moved = answer.status, answer.block_ids
         if status != "wait":
             named = moved if moved is not None else blocks
             if status == "ok":

@@ -234,15 +234,15 @@ def test_a_demoted_turn_lease_waits_then_answers_the_blocks_it_was_restored_into
     assert not leases.demote("unknown")
     assert leases.demote("t") and not leases.demote("t")
     # foreign tokens are refused as ever; the right ones wait (reported once) while demoted
-    assert leases.claim_answer("t", [3, 4, 5], 8, token_digest([9] * 8))[0] == "reject"
-    assert leases.claim_answer("t", [3, 4, 5], 8, digest)[0] == "wait"
+    assert leases.claim_answer("t", [3, 4, 5], 8, token_digest([9] * 8)).status == "reject"
+    assert leases.claim_answer("t", [3, 4, 5], 8, digest).status == "wait"
     assert leases.has_restore_wanted()
     assert leases.take_restore_wanted() == ["t"] and leases.take_restore_wanted() == []
-    assert leases.claim_answer("t", [3, 4, 5], 8, digest)[0] == "wait"
+    assert leases.claim_answer("t", [3, 4, 5], 8, digest).status == "wait"
     assert not leases.restore("unknown", [8, 9])
     assert leases.restore("t", [8, 9])
-    status, _, left, _, moved = leases.claim_answer("t", [3, 4, 5], 8, digest)
-    assert (status, moved) == ("ok", [8, 9]) and left > 0
+    answer = leases.claim_answer("t", [3, 4, 5], 8, digest)
+    assert (answer.status, answer.block_ids) == ("ok", [8, 9]) and answer.lease_left_s > 0
     assert not leases.demote("t")  # claimed: its READ may be under way
     # notices may name the advertised blocks or the restored ones; other ids are ignored
     assert not leases.done("t", block_ids=[8])
@@ -256,4 +256,4 @@ def test_a_prompt_lease_is_never_demoted():
     leases = LeaseTable()
     leases.add("p", [1, 2], 30.0, renewable=True)
     assert not leases.demote("p")
-    assert leases.claim_answer("p", [1, 2])[4] is None  # answers name no other blocks
+    assert leases.claim_answer("p", [1, 2]).block_ids is None  # answers name no other blocks

@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from tests.support.ports import free_port
+from pdserve.kv_transfer.nixl.leases import ClaimAnswer
 from pdserve.kv_transfer.nixl.side_channel import SideChannelServer, SideChannelTimeout
 from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
 from pdserve.kv_transfer.wakeup import Waker
@@ -26,8 +27,9 @@ def server():
         with lock:
             blocks = held.get(request_id)
         if blocks is None:
-            return "wait", f"unknown {request_id}", 0.0
-        return ("ok", "", 9.0) if blocks == block_ids else ("reject", "wrong blocks", 0.0)
+            return ClaimAnswer("wait", f"unknown {request_id}")
+        return ClaimAnswer("ok", "", 9.0) if blocks == block_ids else \
+            ClaimAnswer("reject", "wrong blocks")
 
     srv = SideChannelServer("127.0.0.1", free_port(), get_info=lambda: {"x": 1}, claim=claim,
                             notify=lambda kind, req: None, claim_wait_s=10.0)

@@ -179,10 +179,11 @@ class TurnReader:
         blocks, tokens = self.sched.advertised[request_id]
         n = len(tokens) // self.runner.block_size * self.runner.block_size
         for _ in range(max_steps):
-            status, _, _, _, moved = self.worker.leases.claim_answer(
-                request_id, blocks, n, token_digest(tokens[:n]))
-            if status != "wait":
-                return status, (moved if moved is not None else blocks)
+            answer = self.worker.leases.claim_answer(request_id, blocks, n,
+                                                     token_digest(tokens[:n]))
+            if answer.status != "wait":
+                return answer.status, (answer.block_ids if answer.block_ids is not None
+                                       else blocks)
             self.core.step()
         return "wait", []
 

@@ -31,6 +31,7 @@ from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl.metadata import PullClaim, RecvSpec
 from pdserve.kv_transfer.nixl.reads import Load
 from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
+from pdserve.types.remote_ref import RemoteKVRef
 
 #: Seconds after which an early claim that no load took is forgotten.
 STALE_S = 30.0
@@ -81,28 +82,30 @@ class Claims:
     def _own(self, spec: RecvSpec) -> Any:
         """Post the lease claim of a load (a pending claim for a pending reference)."""
         ref = spec.remote
-        tokens = {"num_tokens": spec.digest_tokens, "token_digest": spec.token_digest}
         if ref.pending:
             wait_s = self.config.kv_prefill_wait_timeout
             return self._client.send(
                 ref.endpoint.host, ref.endpoint.port,
-                {"type": "claim", "transfer_id": ref.transfer_id, "wait_s": wait_s, **tokens},
+                {"type": "claim", "transfer_id": ref.transfer_id, "wait_s": wait_s,
+                 "num_tokens": spec.digest_tokens, "token_digest": spec.token_digest},
                 wait_s + self.config.kv_handshake_timeout * 2)
+        return self._send(ref, spec.digest_tokens, spec.token_digest)
+
+    def _send(self, ref: RemoteKVRef, num_tokens: int, digest: str) -> Any:
+        """Post a claim of ``ref``'s request and blocks for the reader's first ``num_tokens``
+        tokens (``digest``: their :func:`~pdserve.types.remote_ref.token_digest`); returns the
+        client's ticket."""
         return self._client.send(
             ref.endpoint.host, ref.endpoint.port,
-            {"type": "claim", "request_id": ref.request_id, "block_ids": ref.block_ids, **tokens},
+            {"type": "claim", "request_id": ref.request_id, "block_ids": ref.block_ids,
+             "num_tokens": num_tokens, "token_digest": digest},
             self.config.kv_handshake_timeout * 2)
 
     def send_early(self, request_id: str, claim: PullClaim) -> None:
         """Send the claim of an arriving request's pull (never blocks)."""
         self.drop(request_id)
         phase_trace.mark("kv.claim_early")
-        ref = claim.remote
-        ticket = self._client.send(
-            ref.endpoint.host, ref.endpoint.port,
-            {"type": "claim", "request_id": ref.request_id, "block_ids": ref.block_ids,
-             "num_tokens": claim.num_tokens, "token_digest": claim.token_digest},
-            self.config.kv_handshake_timeout * 2)
+        ticket = self._send(claim.remote, claim.num_tokens, claim.token_digest)
         self._early[request_id] = _Early(claim, ticket, time.monotonic())
 
     def drop(self, request_id: str) -> None:

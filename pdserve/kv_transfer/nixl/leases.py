@@ -24,13 +24,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.kv_transfer.nixl.turn_leases import LeaseBlocks, TurnLeaseMoves
 from pdserve.types.remote_ref import token_digest
 
-__all__ = ["Lease", "LeaseBlocks", "LeaseTable", "TransferClaim"]
+__all__ = ["ClaimAnswer", "Lease", "LeaseBlocks", "LeaseTable"]
 
 _CLOSED_MEMORY = 10_000  # how many closed leases are remembered (to answer late claims clearly)
 _EARLY_NOTICE_TTL_S = 120.0
@@ -82,6 +82,8 @@ class LeaseTable(TurnLeaseMoves):
         self._transfers: dict[str, str] = {}
         self._closed_transfers: OrderedDict[str, str] = OrderedDict()
         self._early_transfer_aborts: dict[str, float] = {}
+        # demoted turn leases a claim waits for, not reported yet (turn_leases.py)
+        self._restore_wanted: set[str] = set()
 
     def __len__(self) -> int:
         with self._lock:
@@ -198,20 +200,19 @@ class LeaseTable(TurnLeaseMoves):
             return True
 
     def claim_answer(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
-                     digest: Any = None) -> tuple[str, str, float, int | None]:
-        """:meth:`claim`, plus the lease's first output token when the claim is ``"ok"`` (the
-        side channel's claim answer): the token is only told to a reader whose tokens match
-        the lease's, so a decoder gets the prefiller's own first token for exactly the prompt
-        whose KV it reads, whatever a client relayed. A fifth element names the blocks that
-        hold the KV now when they are not those advertised (a restored turn lease), else
-        None."""
+                     digest: Any = None) -> "ClaimAnswer":
+        """:meth:`claim` as the side channel answers it: when ``"ok"``, with the lease's first
+        output token (only told to a reader whose tokens match the lease's, so a decoder gets
+        the prefiller's own first token for exactly the prompt whose KV it reads, whatever a
+        client relayed) and, for a restored turn lease, ``block_ids``: the blocks that hold
+        the KV now instead of those advertised (None otherwise)."""
         with self._lock:
             status, reason, left = self.claim(request_id, block_ids, num_tokens, digest)
-            lease = self._leases.get(request_id) if status == "ok" else None
-            moved = lease.block_ids if lease is not None and lease.advertised is not None \
-                else None  # a restored turn: the reader reads these, not the advertised ones
-            return status, reason, left, (lease.first_token if lease is not None else None), \
-                moved
+            if status != "ok":
+                return ClaimAnswer(status, reason)
+            lease = self._leases[request_id]
+            moved = list(lease.block_ids) if lease.advertised is not None else None
+            return ClaimAnswer("ok", "", left, lease.first_token, block_ids=moved)
 
     def claim(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
               digest: Any = None, now: float | None = None) -> tuple[str, str, float]:
@@ -254,6 +255,7 @@ class LeaseTable(TurnLeaseMoves):
             if lease.where is not LeaseBlocks.HELD:  # demoted: the engine thread restores it
                 if lease.where is LeaseBlocks.DEMOTED:
                     lease.where = LeaseBlocks.RESTORE_WANTED
+                    self._restore_wanted.add(request_id)
                 return "wait", f"the blocks of request {request_id!r} are being restored", 0.0
             if lease.renewable:
                 lease.expiry = max(lease.expiry, now + lease.duration_s)
@@ -309,6 +311,7 @@ class LeaseTable(TurnLeaseMoves):
         """Close the open lease of ``request_id`` and remember why (lock held)."""
         lease = self._leases.pop(request_id)
         self._remember(request_id, reason)
+        self._restore_wanted.discard(request_id)
         if lease.transfer_id is not None:
             self._transfers.pop(lease.transfer_id, None)
             self._closed_transfers[lease.transfer_id] = reason
@@ -322,12 +325,12 @@ class LeaseTable(TurnLeaseMoves):
 
     # ------------------------------------------------------------- concurrent hand-offs
     def claim_transfer(self, transfer_id: str, num_tokens: Any, digest: Any,
-                       now: float | None = None) -> TransferClaim:
+                       now: float | None = None) -> "ClaimAnswer":
         """A reader's pending claim (side-channel thread): the lease of the request that came
         with ``transfer_id``, checked and extended as :meth:`claim` does.
 
         Returns:
-            A :class:`TransferClaim`: ``"ok"`` with the lease's request id, block ids and first
+            A :class:`ClaimAnswer`: ``"ok"`` with the lease's request id, block ids and first
             token when the reader's tokens match the lease's; ``"wait"`` while no such lease
             started; ``"reject"`` when it already ended, or the tokens differ (the lease is
             left to its honest reader).
@@ -337,16 +340,16 @@ class LeaseTable(TurnLeaseMoves):
             if request_id is None:
                 closed = self._closed_transfers.get(transfer_id)
                 if closed is not None:
-                    return TransferClaim("reject", f"transfer {transfer_id!r} holds no blocks "
-                                         f"any more ({closed})")
-                return TransferClaim("wait", f"no blocks are held for transfer {transfer_id!r}")
+                    return ClaimAnswer("reject", f"transfer {transfer_id!r} holds no blocks "
+                                       f"any more ({closed})")
+                return ClaimAnswer("wait", f"no blocks are held for transfer {transfer_id!r}")
             lease = self._leases[request_id]
             status, reason, left = self.claim(request_id, lease.block_ids, num_tokens, digest,
                                               now)
             if status != "ok":
-                return TransferClaim(status, reason)
-            return TransferClaim("ok", "", left, lease.first_token, request_id,
-                                 list(lease.block_ids))
+                return ClaimAnswer(status, reason)
+            return ClaimAnswer("ok", "", left, lease.first_token, request_id,
+                               list(lease.block_ids))
 
     def transfer_lease(self, transfer_id: str) -> tuple[str, list[int]] | None:
         """``(request_id, block_ids)`` of the open lease that came with ``transfer_id``, or
@@ -375,15 +378,18 @@ class LeaseTable(TurnLeaseMoves):
 
 
 @dataclass
-class TransferClaim:
-    """The answer to a pending claim (:meth:`LeaseTable.claim_transfer`).
+class ClaimAnswer:
+    """The answer to a reader's claim (:meth:`LeaseTable.claim_answer`, by request id and
+    blocks) or pending claim (:meth:`LeaseTable.claim_transfer`, by transfer id).
 
     Attributes:
         status: ``"ok"``, ``"wait"`` or ``"reject"``.
         reason: why not ``"ok"`` ("" when ok).
         lease_left_s: seconds left on the lease after the claim (0 unless ok).
         first_token: the lease's first output token (ok only; None when it has none).
-        request_id, block_ids: the lease's request and blocks (ok only).
+        request_id: the lease's request (a pending claim's, ok only; "" otherwise).
+        block_ids: the blocks to read (ok only): a pending claim's lease blocks, or a restored
+            turn lease's blocks when they are not those the reader named; None otherwise.
     """
 
     status: str
@@ -391,7 +397,7 @@ class TransferClaim:
     lease_left_s: float = 0.0
     first_token: int | None = None
     request_id: str = ""
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] | None = None
 
 
 def _is_block_list(block_ids: Any) -> bool:

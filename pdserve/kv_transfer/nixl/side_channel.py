@@ -67,6 +67,7 @@ import msgspec
 import zmq
 
 from pdserve.utils import phase_trace
+from pdserve.kv_transfer.nixl.leases import ClaimAnswer
 from pdserve.kv_transfer.nixl.notifications import NOTIF_KINDS
 
 logger = logging.getLogger(__name__)
@@ -160,9 +161,6 @@ def side_channel_request(host: str, port: int, message: dict[str, Any], timeout_
     return reply
 
 
-# ("ok"|"wait"|"reject", reason, lease seconds left[, the owner's first output token or None])
-ClaimResult = tuple
-
 #: The longest a pending claim waits for its lease (seconds), whatever the reader asks.
 MAX_PENDING_WAIT_S = 600.0
 
@@ -175,17 +173,17 @@ class SideChannelServer:
         port: TCP port.
         get_info: returns the ``get_info`` payload, or None while the KV cache is not
             registered yet.
-        claim: ``claim(request_id, block_ids, num_tokens, token_digest) -> (status, reason,
-            lease_left_s[, first_token])`` (the last two as the reader sent them, or None) with status
-            ``"ok"``, ``"wait"`` (unknown yet, ask again) or ``"reject"``; called on the server
-            thread, so it must be thread-safe.
+        claim: ``claim(request_id, block_ids, num_tokens, token_digest) ->``
+            :class:`~pdserve.kv_transfer.nixl.leases.ClaimAnswer` (the last two arguments as the
+            reader sent them, or None), status ``"ok"``, ``"wait"`` (unknown yet, ask again) or
+            ``"reject"``; called on the server thread, so it must be thread-safe.
         notify: ``notify(kind, request_id)``, or ``notify(kind, request_id, block_ids)`` when
             the notice carries block ids, or ``notify(kind, request_id, block_ids, tp_rank,
             expected)`` when it names TP fields; thread-safe.
         claim_wait_s: how long a ``"wait"`` claim is retried before it is rejected.
         instance_id: this process's instance id, sent with every claim answer.
         claim_transfer: ``claim_transfer(transfer_id, num_tokens, token_digest) ->``
-            :class:`~pdserve.kv_transfer.nixl.leases.TransferClaim`, a pending claim's answer
+            :class:`~pdserve.kv_transfer.nixl.leases.ClaimAnswer`, a pending claim's answer
             (thread-safe); None: pending claims are refused.
         abort_transfer: ``abort_transfer(transfer_id)``, a reader's abort by transfer id
             (thread-safe); None: refused.
@@ -199,7 +197,7 @@ class SideChannelServer:
         host: str,
         port: int,
         get_info: Callable[[], dict[str, Any] | None],
-        claim: Callable[[str, list[int], Any, Any], ClaimResult],
+        claim: Callable[[str, list[int], Any, Any], ClaimAnswer],
         notify: Callable[[str, str], None],
         claim_wait_s: float = 5.0,
         instance_id: str = "",
@@ -328,21 +326,20 @@ class SideChannelServer:
 
     def _try_claim(self, ident: bytes, request_id: str, block_ids: list[int], deadline: float,
                    seq: Any = None, tokens: tuple[Any, Any] = (None, None)) -> None:
-        status, reason, left, *first = self._claim(request_id, block_ids, *tokens)
-        phase_trace.mark("sc.claim_" + status)
-        if status == "wait" and time.monotonic() < deadline:
+        answer = self._claim(request_id, block_ids, *tokens)
+        phase_trace.mark("sc.claim_" + answer.status)
+        if answer.status == "wait" and time.monotonic() < deadline:
             self._pending_claims.append(lambda: self._try_claim(
                 ident, request_id, block_ids, deadline, seq, tokens))
             return
-        if status == "wait":
-            status = "reject"
-        answer = {"ok": status == "ok", "reason": reason, "lease_expiry_in": left,
-                  "instance_id": self.instance_id}
-        if status == "ok" and first and first[0] is not None:
-            answer["first_token_id"] = first[0]
-        if status == "ok" and len(first) > 1 and first[1] is not None:
-            answer["block_ids"] = first[1]  # a restored turn lease's blocks (not those named)
-        self._reply(ident, answer, seq)
+        ok = answer.status == "ok"
+        payload = {"ok": ok, "reason": answer.reason, "lease_expiry_in": answer.lease_left_s,
+                   "instance_id": self.instance_id}
+        if ok and answer.first_token is not None:
+            payload["first_token_id"] = answer.first_token
+        if ok and answer.block_ids is not None:
+            payload["block_ids"] = answer.block_ids  # a restored turn lease's blocks
+        self._reply(ident, payload, seq)
 
     def _try_transfer_claim(self, ident: bytes, transfer_id: str, deadline: float, seq: Any,
                             tokens: tuple[Any, Any]) -> None:

@@ -35,10 +35,12 @@ _DEMOTED = (LeaseBlocks.DEMOTED, LeaseBlocks.RESTORE_WANTED, LeaseBlocks.RESTORI
 
 class TurnLeaseMoves:
     """The turn-lease methods of :class:`~.leases.LeaseTable` (``_lock``, ``_leases``: the
-    table's lock and open leases by request id)."""
+    table's lock and open leases by request id; ``_restore_wanted``: the open leases its claim
+    set ``RESTORE_WANTED``, so that the engine thread's poll does not scan every lease)."""
 
     _lock: threading.RLock
     _leases: "dict[str, Lease]"
+    _restore_wanted: set[str]
 
     def where(self, request_id: str) -> tuple[LeaseBlocks, list[int]] | None:
         """Where an open lease's KV is and the blocks it names now (empty while demoted), or
@@ -70,22 +72,25 @@ class TurnLeaseMoves:
                 return False
             if lease.where in _DEMOTED and lease.advertised is not None:
                 lease.block_ids, lease.where = list(lease.advertised), LeaseBlocks.HELD
+                self._restore_wanted.discard(request_id)
             return lease.where is LeaseBlocks.HELD
 
     def take_restore_wanted(self) -> list[str]:
         """The demoted leases a reader's claim waits for, each reported once per demotion."""
         with self._lock:
+            if not self._restore_wanted:
+                return []
             out = [r for r, lease in self._leases.items()
-                   if lease.where is LeaseBlocks.RESTORE_WANTED]
+                   if r in self._restore_wanted and lease.where is LeaseBlocks.RESTORE_WANTED]
             for request_id in out:
                 self._leases[request_id].where = LeaseBlocks.RESTORING
+            self._restore_wanted.clear()
             return out
 
     def has_restore_wanted(self) -> bool:
         """True while a claim waits for a demoted lease not yet reported."""
         with self._lock:
-            return any(lease.where is LeaseBlocks.RESTORE_WANTED
-                       for lease in self._leases.values())
+            return bool(self._restore_wanted)
 
     def restore(self, request_id: str, block_ids: list[int], serve: bool = True) -> bool:
         """A demoted lease holds its KV again, in ``block_ids`` (the leading full blocks of the
@@ -99,6 +104,7 @@ class TurnLeaseMoves:
                 return False
             lease.block_ids = list(block_ids)
             lease.where = LeaseBlocks.HELD if serve else LeaseBlocks.RESTORED
+            self._restore_wanted.discard(request_id)
             return True
 
     def serve(self, request_id: str) -> bool:

@@ -54,7 +54,7 @@ from pdserve.kv_transfer.nixl.compat import compat_fields, total_kv_heads
 from pdserve.kv_transfer.nixl.handshake_info import instance_info, rank_entry
 from pdserve.kv_transfer.nixl.heartbeats import Heartbeats
 from pdserve.kv_transfer.nixl.held import HeldBlocks
-from pdserve.kv_transfer.nixl.leases import LeaseTable
+from pdserve.kv_transfer.nixl.leases import ClaimAnswer, LeaseTable
 from pdserve.kv_transfer.nixl.loads import LoadTracker
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata
 from pdserve.kv_transfer.nixl.notice_inbox import NoticeInbox
@@ -291,13 +291,13 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
 
     # ------------------------------------------------------------------- engine loop wake-ups
     def _answer_claim(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
-                      digest: Any = None) -> tuple[str, str, float, int | None, Any]:
+                      digest: Any = None) -> ClaimAnswer:
         """Side-channel thread: answer a reader's claim from the lease table
         (:meth:`~.leases.LeaseTable.claim_answer`); a granted one wakes the engine loop, whose
         next wait then polls NIXL notifications at the read rate (its READ follows), and so
         does one that waits for a demoted turn lease (the engine thread reports it)."""
         answer = self.leases.claim_answer(request_id, block_ids, num_tokens, digest)
-        if answer[0] == "ok" or (answer[0] == "wait" and self.leases.has_restore_wanted()):
+        if answer.status == "ok" or (answer.status == "wait" and self.leases.has_restore_wanted()):
             self._waker.wake()
         return answer
 
