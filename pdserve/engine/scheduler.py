@@ -435,7 +435,8 @@ class Scheduler:
             "num_requests_finished_total": self.num_requests_finished_total,
             "prefix_cache_queries_total": kvm.prefix_cache_queries,
             "prefix_cache_hits_total": kvm.prefix_cache_hits,
-            "kv_tiers": (self.demoter or self.tier_loads).stats() if self.tier_loads else None,
+            "kv_tiers": None if self.tier_loads is None else {
+                **self.tier_loads.stats(), **(self.demoter.stats() if self.demoter else {})},
         }
 
     def reset_kv_caches(self) -> bool:

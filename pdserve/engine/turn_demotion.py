@@ -362,10 +362,9 @@ class TurnDemoter:
         return sum(len(t.blocks.block_ids) for t in self._turns.values() if t.blocks is not None)
 
     def stats(self) -> dict:
-        """The tier loads' :meth:`~pdserve.engine.tier_loads.TierLoads.stats` plus the
-        cumulative turn counters (``pdserve:kv_offload_turn*``)."""
-        tiers = self.tier_loads.stats() if self.tier_loads is not None else {}
-        return {**tiers, "turns_demoted": self.num_turns_demoted_total,
+        """The cumulative turn counters (``pdserve:kv_offload_turn*``, exported beside the tier
+        loads' :meth:`~pdserve.engine.tier_loads.TierLoads.stats` when there are tiers)."""
+        return {"turns_demoted": self.num_turns_demoted_total,
                 "turns_restored": self.num_turns_restored_total,
                 "turn_blocks_from_gpu": self.num_turn_blocks_from_gpu_total,
                 "turn_blocks_from_tiers": self.num_turn_blocks_from_tiers_total,

@@ -82,8 +82,8 @@ class KVOutputMerger:
             if rank == 0:
                 self._first_tokens.update(out.first_tokens)
                 merged.remote_clock_offsets.update(out.remote_clock_offsets)
-            self._count(self._recving, out.finished_recving, rank, merged.finished_recving)
-            self._count(self._sending, out.finished_sending, rank, merged.finished_sending)
+            _count(self._recving, out.finished_recving, rank, self.size, merged.finished_recving)
+            _count(self._sending, out.finished_sending, rank, self.size, merged.finished_sending)
             self._turns.add(rank, out, merged)
             if out.stats:
                 stats.append(out.stats)
@@ -95,15 +95,6 @@ class KVOutputMerger:
                 merged.load_errors[request_id] = self._load_errors.pop(request_id)
         merged.stats = merge_stats(stats) if stats else None
         return merged
-
-    def _count(self, seen: dict[str, set[int]], reported: set[str], rank: int,
-               done: set[str]) -> None:
-        for request_id in reported:
-            ranks = seen.setdefault(request_id, set())
-            ranks.add(rank)
-            if len(ranks) == self.size:
-                del seen[request_id]
-                done.add(request_id)
 
     @property
     def num_pending(self) -> int:
@@ -138,12 +129,7 @@ class TurnAnswerMerger:
                 del self._demote[request_id]
                 (merged.demoted_turns if all(votes.values()) else merged.kept_turns).add(
                     request_id)
-        for request_id in out.restored_turns:
-            ranks = self._restored.setdefault(request_id, set())
-            ranks.add(rank)
-            if len(ranks) == self.size:
-                del self._restored[request_id]
-                merged.restored_turns.add(request_id)
+        _count(self._restored, out.restored_turns, rank, self.size, merged.restored_turns)
         merged.failed_turns |= out.failed_turns
         merged.turns_to_restore |= out.turns_to_restore
 
@@ -158,6 +144,18 @@ class TurnAnswerMerger:
     def num_pending(self) -> int:
         """Turn moves answered by some ranks but not yet by all."""
         return len(self._demote) + len(self._restored)
+
+
+def _count(seen: dict[str, set[int]], reported: set[str], rank: int, size: int,
+           done: set[str]) -> None:
+    """Count ``rank``'s reports of ``reported`` ids in ``seen`` (id -> ranks so far); an id
+    every one of ``size`` ranks reported moves to ``done``."""
+    for request_id in reported:
+        ranks = seen.setdefault(request_id, set())
+        ranks.add(rank)
+        if len(ranks) == size:
+            del seen[request_id]
+            done.add(request_id)
 
 
 class TierReportMerger:
