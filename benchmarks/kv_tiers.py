@@ -202,15 +202,12 @@ def _timed(args: argparse.Namespace, config: "EngineConfig") -> tuple[dict, int,
     """Build an engine, warm it up (then empty its prefix cache), run the workload; returns
     the run's figures, the engine's block size in bytes and whether its KV cache is float32
     (answers must then be identical)."""
-    import torch
-
     from pdserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
     try:
-        runner = engine.core.runner
-        block_bytes = runner.kv_cache_spec.block_bytes
-        exact = getattr(getattr(runner, "kv_cache", None), "dtype", None) == torch.float32
+        spec = engine.core.runner.kv_cache_spec
+        block_bytes, exact = spec.block_bytes, spec.dtype == "float32"
         if args.warmup_conversations:
             # first-time costs of each batch shape (kernel selection, allocator growth) are
             # paid here, not by the timed run

@@ -37,9 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from pathlib import Path
 from typing import Iterable
+
+from prometheus_client.parser import text_string_to_metric_families
 
 GiB = 1 << 30
 
@@ -67,8 +68,6 @@ D_TURN_SERIES = (
     'pdserve:kv_offload_turn_blocks_restored_total{medium="TIER"}',
     "pdserve:kv_offload_turns_lost_total",
 )
-
-_SERIES = re.compile(r"^(pdserve:[a-z_]+(?:\{[^}]*\})?) ([0-9.eE+-]+)$")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -179,16 +178,19 @@ def bench_args(args: argparse.Namespace) -> list[str]:
 
 
 def kv_bytes_per_token(model_dir: str | Path, device: str, engine_args: Iterable[str]) -> int:
-    """Bytes of one token's KV (all layers, K and V) from ``config.json``: 4 bytes per element on
-    CPU or with ``--dtype float32``, else 2 (an upper bound for an fp8 cache)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    """Bytes of one token's KV (all layers, K and V, in the engine's own cache geometry:
+    :func:`pdserve.models.loader.arch_config_from_hf` of ``config.json``): 4 bytes per element
+    on CPU or with ``--dtype float32``, else 2 (an upper bound for an fp8 cache).
+
+    Raises:
+        ValueError: a ``config.json`` the engine cannot serve.
+    """
+    from pdserve.models.loader import arch_config_from_hf
+
+    arch = arch_config_from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
     words = list(engine_args)
     fp32 = device == "cpu" or any(w in ("float32", "--dtype=float32") for w in words)
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * (4 if fp32 else 2)
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * (4 if fp32 else 2)
 
 
 def offload_gib(args: argparse.Namespace, model_dir: str | Path) -> float:
@@ -214,15 +216,18 @@ def engine_args(args: argparse.Namespace, tier_gib: float | None) -> list[str]:
 
 
 def parse_series(text: str) -> dict[str, float]:
-    """Every ``pdserve:`` sample of a ``/metrics`` page, keyed by name with its labels, and
-    each labelled family's sum over its labels under its bare name."""
+    """Every ``pdserve:`` sample of a ``/metrics`` page (prometheus-client's parser), keyed by
+    name with its labels as rendered (``name{k="v"}``), and each labelled family's sum over its
+    labels under its bare name."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SERIES.match(line)
-        if m:
-            keys = {m.group(1), m.group(1).split("{", 1)[0]}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("pdserve:"):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            keys = {sample.name, f"{sample.name}{{{labels}}}" if labels else sample.name}
             for key in keys:
-                out[key] = out.get(key, 0.0) + float(m.group(2))
+                out[key] = out.get(key, 0.0) + float(sample.value)
     return out
 
 

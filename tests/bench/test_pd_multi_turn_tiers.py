@@ -84,8 +84,9 @@ def test_spec_and_bench_args_describe_the_workload():
 
 def test_offload_size_from_the_model_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "hidden_size": 64, "head_dim": 16}))
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "head_dim": 16,
+        "intermediate_size": 128, "vocab_size": 100}))
     assert tiers.kv_bytes_per_token(tmp_path, "cpu", []) == 2 * 2 * 2 * 16 * 4  # bytes per token
     assert tiers.kv_bytes_per_token(tmp_path, "cuda", []) == 2 * 2 * 2 * 16 * 2
     assert tiers.kv_bytes_per_token(tmp_path, "cuda", ["--dtype", "float32"]) == 2 * 2 * 2 * 16 * 4
