@@ -373,7 +373,11 @@ def test_main_reports_bad_ports(capsys):
 
 
 @pytest.mark.parametrize("engine_args", [["--piecewise-cuda-graph-max-tokens", "-1"],
-                                         ["--max-num-seqs", "abc"], ["--no-such-option"]])
+                                         ["--max-num-seqs", "abc"], ["--no-such-option"],
+                                         ["--kv-offloading-size", "1",
+                                          "--kv-offloading-backend", "foo"],
+                                         ["--kv-offloading-size", "1", "--kv-offloading-disk-size",
+                                          "1", "--kv-offloading-disk-dir", "/dev/null/x"]])
 def test_bad_engine_options_stop_before_anything_starts(engine_args, tmp_path, capsys):
     """An engine option ``pdserve serve`` would refuse is an error of ``pdserve up`` (exit code
     2, one usage line and the error), before any child starts."""

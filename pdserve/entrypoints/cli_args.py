@@ -23,9 +23,11 @@ def offloading_backend(text: str) -> str:
         argparse.ArgumentTypeError: an unknown backend.
     """
     try:
-        return KVOffloadingBackend(text.strip().lower()).value
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'native', got {text!r}") from None
+        return KVOffloadingBackend.parse(text).value
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-offloading-backend ")) \
+            from None
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve serve`` parser (``--kv-transfer-config`` is extracted before it runs)."""

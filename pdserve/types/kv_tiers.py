@@ -36,6 +36,18 @@ class KVOffloadingBackend(enum.Enum):
 
     NATIVE = "native"
 
+    @classmethod
+    def parse(cls, text: str) -> "KVOffloadingBackend":
+        """The backend named ``text`` (case and surrounding blanks ignored).
+
+        Raises:
+            ValueError: an unknown backend (the message names the flag).
+        """
+        try:
+            return cls(text.strip().lower())
+        except ValueError:
+            raise ValueError(f"--kv-offloading-backend must be 'native', got {text!r}") from None
+
 
 @dataclass(frozen=True)
 class KVOffloadingConfig:
@@ -66,13 +78,8 @@ class KVOffloadingConfig:
                 tier (the disk tier sits below it), a disk directory without a size or a size
                 without a directory (the message names the flag).
         """
-        if backend is not None:
-            try:
-                parsed_backend = KVOffloadingBackend(backend.strip().lower())
-            except ValueError:
-                raise ValueError(f"--kv-offloading-backend must be 'native', got {backend!r}") from None
-        else:
-            parsed_backend = KVOffloadingBackend.NATIVE
+        parsed_backend = (KVOffloadingBackend.parse(backend) if backend is not None
+                          else KVOffloadingBackend.NATIVE)
         if size_gib is None:
             if backend is not None or disk_dir is not None or disk_size_gib is not None:
                 raise ValueError("--kv-offloading-backend / --kv-offloading-disk-dir / "
