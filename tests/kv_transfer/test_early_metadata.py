@@ -60,13 +60,25 @@ def test_an_arriving_pull_claims_the_decoders_turn_at_once_at_tp_1_only():
     sched.request_added(_request("p1", prompt, params))
     early = sched.take_early_metadata()
     claim = early.pull_claims["p1"]
-    assert claim.num_tokens == 200 and claim.token_digest == token_digest(prompt[:200])
+    # the hash-verified prefix: D's 12 full blocks (its partial 13th has no hash)
+    assert claim.num_tokens == 192 and claim.token_digest == token_digest(prompt[:192])
     assert claim.remote.request_id == "d-req" and claim.remote.block_ids == params["remote_block_ids"]
     assert sched.take_early_metadata() is None  # taken once
     assert not sched.build_connector_meta(None).pull_claims  # not in the next step's
     # the claim never names more tokens than the prompt has before its last one
     sched.request_added(_request("p2", history[:100], params))
-    assert sched.take_early_metadata().pull_claims["p2"].num_tokens == 99
+    assert sched.take_early_metadata().pull_claims["p2"].num_tokens == 96
+    # a prompt whose tail differs from D's tokens (the answer tokenized otherwise in the next
+    # turn's chat) claims the blocks that match, which D grants, not the turn's end
+    retold = history[:190] + list(range(9000, 9030))
+    sched.request_added(_request("p4", retold, params))
+    claim = sched.take_early_metadata().pull_claims["p4"]
+    assert claim.num_tokens == 176 and claim.token_digest == token_digest(retold[:176])
+    # the prefix computed for the claim is the one the pull plans with
+    assert sched.get_num_new_matched_tokens(_request("p4", retold, params), 0) == (176, True)
+    # no block of D's turn matches: nothing is claimed
+    sched.request_added(_request("p5", list(range(7000, 7300)), params))
+    assert sched.take_early_metadata() is None
     tp2 = NixlConnectorScheduler(_config("kv_producer"), B, tp_size=2)
     tp2.request_added(_request("p3", prompt, params))
     assert tp2.take_early_metadata() is None  # every rank claims for itself with its load

@@ -62,6 +62,16 @@ class PullDecision:
     expired: bool = False
 
 
+def pull_prefix_tokens(prompt_token_ids: list[int], block_size: int, ref: RemoteKVRef) -> int:
+    """Leading prompt tokens whose KV D's held turn ``ref`` holds, verified block by block
+    against its ``remote_block_hashes`` (:func:`matched_prefix_tokens`, a multiple of
+    ``block_size``; 0 without hashes) and capped by its block table."""
+    if not ref.block_hashes:
+        return 0
+    matched = matched_prefix_tokens(prompt_token_ids, block_size, ref.block_hashes, ref.num_tokens)
+    return min(matched, len(ref.block_ids) * block_size)
+
+
 def plan_pull(
     params: KVTransferParams | dict[str, Any] | None,
     prompt_token_ids: list[int],
@@ -72,6 +82,7 @@ def plan_pull(
     clock_offset_s: float | None = None,
     now: float | None = None,
     safety_margin_s: float = PULL_SAFETY_MARGIN_S,
+    matched: int | None = None,
 ) -> PullDecision:
     """Decide whether P pulls D's KV for this prompt.
 
@@ -87,6 +98,8 @@ def plan_pull(
         clock_offset_s: D's clock minus P's clock, or None when not measured yet (0 assumed).
         now: P's ``time.time()`` (default: now).
         safety_margin_s: seconds D's blocks must still live.
+        matched: :func:`pull_prefix_tokens` of this prompt and reference when already known
+            (computed when None).
 
     Returns:
         A :class:`PullDecision`; ``num_tokens > 0`` means load that many tokens, starting at
@@ -102,8 +115,8 @@ def plan_pull(
         return PullDecision(None, 0, 0, "the previous turn's KV is on this instance")
     if not ref.block_hashes:
         return PullDecision(ref, 0, 0, "the decoder sent no block hashes (prefix unverifiable)")
-    matched = matched_prefix_tokens(prompt_token_ids, block_size, ref.block_hashes, ref.num_tokens)
-    matched = min(matched, len(ref.block_ids) * block_size)
+    if matched is None:
+        matched = pull_prefix_tokens(prompt_token_ids, block_size, ref)
     n = tokens_to_pull(len(prompt_token_ids), num_local_tokens, matched)
     if n <= 0 or n < threshold:
         return PullDecision(

@@ -44,6 +44,7 @@ from pdserve.kv_transfer.nixl.bidirectional import (
     PULL_SAFETY_MARGIN_S,
     decoder_hold_blocks,
     plan_pull,
+    pull_prefix_tokens,
 )
 from pdserve.kv_transfer.nixl.metadata import (
     NixlConnectorMetadata, PullClaim, RecvSpec, RemoteNotice, SendSpec)
@@ -107,8 +108,12 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self._consumed: set[str] = set()  # remote KV already used or declined
         self._from_prefiller: set[str] = set()  # decoder requests of a P/D flow
         self._pulls: set[str] = set()  # prefiller requests that pull the decoder's KV
+        # arrived pulls -> their hash-verified prefix of D's turn, computed for the early claim
+        self._pull_prefix: dict[str, int] = {}
         # remote clock minus local clock per remote endpoint key, from the worker's handshakes
         self._clock_offsets: dict[tuple[str, str, int], float] = {}
+        # remote endpoint keys this instance reads device to device (same GPU), from handshakes
+        self._device_reads: set[tuple[str, str, int]] = set()
         self._held: set[str] = set()  # blocks held for a remote reader
         self._turns: dict[str, None] = {}  # decoder turn leases, oldest first
         self._meta = NixlConnectorMetadata()
@@ -154,12 +159,26 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             if kind is LoadKind.PULL and self.tp_size == 1:
                 self._claim_pull_early(request, ref)
 
+    def skips_kv_tiers(self, request: "Request") -> bool:
+        """A decode leg whose prefiller is read device to device (the same GPU) reads its
+        whole prompt from it: the prefiller holds every block on the GPU, the tiers would copy
+        the same tokens over the host link, beside the prefiller's own tier loads."""
+        kind, ref, _ = self._source(request)
+        return kind is LoadKind.PREFILL and ref is not None and \
+            ref.endpoint.key in self._device_reads
+
     def _claim_pull_early(self, request: "Request", ref: RemoteKVRef) -> None:
-        """Claim D's held turn for the prompt's tokens up to its end now (:mod:`.claims`):
-        the pull reads at most that far, so its claim is this one when it comes."""
+        """Claim D's held turn for the prompt's hash-verified prefix now (:mod:`.claims`): the
+        pull reads at most that far (:func:`plan_pull`), so its claim is this one when it
+        comes. The prefix, not the turn's end: a prompt whose tail differs from D's tokens
+        (the answer tokenized differently in the next turn's chat) would be refused."""
+        if ref.endpoint.engine_id == self.engine_id:
+            return
         prompt = request.prompt_token_ids
-        end = min(ref.num_tokens or 0, len(prompt) - 1, len(ref.block_ids) * self.block_size)
-        if end > 0 and ref.endpoint.engine_id != self.engine_id:
+        matched = pull_prefix_tokens(prompt, self.block_size, ref)
+        self._pull_prefix[request.request_id] = matched
+        end = min(matched, len(prompt) - 1)
+        if end > 0:
             self._meta.pull_claims[request.request_id] = PullClaim(
                 ref, end, token_digest(prompt[:end]))
 
@@ -213,6 +232,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         decision = plan_pull(
             request.kv_transfer_params, request.prompt_token_ids, num_local, self.block_size,
             self.config.kv_recompute_threshold, self.engine_id, clock_offset_s=offset,
+            matched=self._pull_prefix.pop(request_id, None),
         )
         if decision.num_tokens <= 0:
             logger.info("request %s: not pulling the decoder's KV (%s); recomputing", request_id,
@@ -309,6 +329,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             self._turns.pop(request_id, None)
         # measured by the worker at handshakes (for the expiry checks of bidirectional pulls)
         self._clock_offsets.update(output.remote_clock_offsets)
+        self._device_reads |= output.device_read_remotes
 
     def load_failure_policy(self, request: "Request") -> KVLoadFailurePolicy | None:
         """``RECOMPUTE`` for a failed pull of the decoder's KV (it must never fail the user's
@@ -333,6 +354,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         from_prefiller = request_id in self._from_prefiller
         self._from_prefiller.discard(request_id)
         self._pulls.discard(request_id)
+        self._pull_prefix.pop(request_id, None)
         # --- reader side: the request ends before or during its load
         if request_id in self._inflight:
             self._inflight.pop(request_id)
