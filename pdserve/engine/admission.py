@@ -103,7 +103,7 @@ class Admitter:
         consult = fresh or (tiers is not None and req.request_id in tiers.loaded)
         if fresh:
             computed_blocks, num_local = kvm.get_computed_blocks(req)
-            if tiers is not None and not remote_kv.skips_tiers(req):
+            if tiers is not None:
                 loading = tiers.try_load(req, computed_blocks, num_local)
                 if loading == 0:
                     return Admission.BLOCKED

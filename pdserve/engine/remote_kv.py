@@ -162,11 +162,6 @@ class RemoteKV:
         num_external = max(0, min(num_external, req.num_tokens - num_local))
         return num_external, load_async and num_external > 0
 
-    def skips_tiers(self, req: Request) -> bool:
-        """True when the connector reads this request's prompt KV from another instance faster
-        than the KV cache tiers would bring it (:meth:`KVConnectorSchedulerSide.skips_kv_tiers`)."""
-        return self.connector is not None and self.connector.skips_kv_tiers(req)
-
     def start_async_load(self, req: Request, num_local: int, num_external: int) -> None:
         """The request's blocks for ``num_local + num_external`` tokens are allocated: tell the
         connector and park the request in ``WAITING_FOR_REMOTE_KVS`` until its load ends

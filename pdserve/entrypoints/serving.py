@@ -14,7 +14,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pdserve.types.sampling_params import SamplingParams
+from pdserve.types.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.entrypoints.chat_tokenization import SegmentCachedEncoder, _sample_chats
 from pdserve.types import prompt_handoff
 from pdserve.types.kv_params import (
@@ -271,8 +271,8 @@ class OpenAIServing:
         )
         try:
             sp.validate()
-        except ValueError as e:
-            raise bad_request(str(e)) from e
+        except SamplingParamsError as e:
+            raise bad_request(str(e), param=e.param) from e
         return sp
 
     def make_jobs(self, base_id: str, req: CompletionRequest | ChatCompletionRequest,

@@ -9,8 +9,8 @@ Rules (shared with the connector; docs/architecture.md, "Tensor parallelism"):
 - a failure on any rank fails the load: ``invalid_block_ids`` are united at once, ``load_errors``
   kept per request (the first rank's error) and handed over with the request's merged
   ``finished_recving``;
-- ``first_tokens`` (handed over with the merged ``finished_recving`` too),
-  ``remote_clock_offsets`` and ``device_read_remotes`` come from rank 0;
+- ``first_tokens`` (handed over with the merged ``finished_recving`` too) and
+  ``remote_clock_offsets`` come from rank 0;
 - a decoder's turn leases (every rank has its own lease of a turn, over the same block ids;
   :mod:`pdserve.engine.turn_demotion`): a turn enters ``demoted_turns`` once EVERY rank gave up
   its blocks, ``kept_turns`` once every rank answered the demotion and one refused;
@@ -82,7 +82,6 @@ class KVOutputMerger:
             if rank == 0:
                 self._first_tokens.update(out.first_tokens)
                 merged.remote_clock_offsets.update(out.remote_clock_offsets)
-                merged.device_read_remotes |= out.device_read_remotes
             _count(self._recving, out.finished_recving, rank, self.size, merged.finished_recving)
             _count(self._sending, out.finished_sending, rank, self.size, merged.finished_sending)
             self._turns.add(rank, out, merged)

@@ -219,13 +219,6 @@ class KVConnectorSchedulerSide(abc.ABC):
         ``block_ids``, serve its claims from those, or end it. Default: nothing (no turn lease
         is ever offered)."""
 
-    def skips_kv_tiers(self, request: "Request") -> bool:
-        """Optional hook: True when the request's prompt KV beyond the device prefix-cache hit
-        comes from another instance faster than from this instance's KV cache tiers (a decode
-        leg whose prefiller shares the GPU: a device-to-device copy against a host-to-device
-        one), so the tiers are not looked up for it. Default: False."""
-        return False
-
     def request_added(self, request: "Request") -> None:
         """Optional hook: a request entered the scheduler's queue (before any scheduling).
 

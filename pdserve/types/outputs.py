@@ -171,10 +171,6 @@ class KVConnectorOutput:
         remote_clock_offsets: remote ``time.time()`` minus local ``time.time()`` (seconds) per
             remote endpoint key ``(engine_id, host, port)``, measured at new handshakes (for the
             connector's scheduler side; not sent to the front end).
-        device_read_remotes: remote endpoint keys found at new handshakes to be read device to
-            device (the same GPU by CUDA IPC), for the connector's scheduler side: a decode
-            leg from such a prefiller reads its whole prompt from it rather than from this
-            instance's KV cache tiers.
         load_errors: request_id -> why its load failed (for the error message), for the failed
             loads among ``finished_recving``.
         stats: connector statistics for the front end's metrics (JSON-serialisable).
@@ -197,7 +193,6 @@ class KVConnectorOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
     first_tokens: dict[str, int] = field(default_factory=dict)
     remote_clock_offsets: dict[tuple[str, str, int], float] = field(default_factory=dict)
-    device_read_remotes: set[tuple[str, str, int]] = field(default_factory=set)
     load_errors: dict[str, KVLoadError] = field(default_factory=dict)
     stats: dict[str, Any] | None = None
     demoted_turns: set[str] = field(default_factory=set)

@@ -9,6 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of range; ``param`` is its field name (the OpenAI error's
+    ``param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How one sequence is sampled and when it stops.
@@ -65,33 +74,33 @@ class SamplingParams:
         """Check ranges.
 
         Raises:
-            ValueError: with a message naming the offending field.
+            SamplingParamsError: a ``ValueError`` naming the offending field (``param``).
         """
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or at least 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if not -2 <= self.presence_penalty <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
-            )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+        checks = (
+            ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
+            ("temperature", self.temperature >= 0,
+             f"temperature must be non-negative, got {self.temperature}"),
+            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= -1,
+             f"top_k must be -1 (disabled) or at least 0, got {self.top_k}"),
+            ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("repetition_penalty", self.repetition_penalty > 0,
+             f"repetition_penalty must be positive, got {self.repetition_penalty}"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            ("max_tokens", self.max_tokens >= 1,
+             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            ("min_tokens", self.min_tokens >= 0,
+             f"min_tokens must be non-negative, got {self.min_tokens}"),
+            ("min_tokens", self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative token ids"),
+        )
+        for param, ok, message in checks:
+            if not ok:
+                raise SamplingParamsError(param, message)

@@ -10,8 +10,6 @@ import random
 import pytest
 
 from pdserve.engine.kv_tiers import TierManager
-from pdserve.kv_transfer.base import NOT_HELD, KVConnectorSchedulerSide, KVConnectorWorkerSide
-from pdserve.types.outputs import KVConnectorOutput
 from pdserve.types.kv_events import BlockRemoved, BlockStored
 from pdserve.types.kv_tiers import KVOffloadingConfig, KVTierMedium, KVTierReport, TierJobKind
 from pdserve.types.request import RequestStatus
@@ -295,57 +293,3 @@ def test_kv_events_follow_every_tier_and_a_router_index_agrees(monkeypatch):
         core.kv_events.close()
     finally:
         core.kv_events = None
-
-
-class _ReadsElsewhere(KVConnectorSchedulerSide):
-    """A connector with nothing to load that says the requests named ``far-*`` read their
-    prompt from another instance faster than from the tiers."""
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return 0, False
-
-    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
-        pass
-
-    def build_connector_meta(self, scheduler_output):
-        return None
-
-    def update_connector_output(self, output):
-        pass
-
-    def request_finished(self, request, block_ids):
-        return NOT_HELD
-
-    def skips_kv_tiers(self, request):
-        return request.request_id.startswith("far")
-
-
-class _NothingToMove(KVConnectorWorkerSide):
-    def register_kv_cache(self, kv_cache, spec):
-        pass
-
-    def bind_connector_metadata(self, metadata):
-        pass
-
-    def start_load_kv(self):
-        pass
-
-    def get_finished(self, finished_request_ids):
-        return KVConnectorOutput()
-
-
-def test_a_request_the_connector_reads_faster_elsewhere_skips_the_tiers():
-    """A decode leg whose prefiller shares the GPU reads its whole prompt from it
-    (``skips_kv_tiers``): the tiers are not looked up for it; others still hit them."""
-    core, runner = make_tiered_core(num_blocks=12, host_blocks=50,
-                                    connectors=(_ReadsElsewhere(), _NothingToMove()))
-    convs = conversations(6, seed=8)
-    chat(core, runner, convs, turns=1)  # the first histories leave the device for the host
-    hits = core.stats()["kv_tiers"]["media"]["CPU"]["hits"]
-    add(core, "far-0", convs[0], max_tokens=4)
-    assert run_until_done(core)["far-0"].tokens == reference_generate(convs[0], 4)
-    assert core.stats()["kv_tiers"]["media"]["CPU"]["hits"] == hits
-    add(core, "near-1", convs[1], max_tokens=4)
-    assert run_until_done(core)["near-1"].tokens == reference_generate(convs[1], 4)
-    assert core.stats()["kv_tiers"]["media"]["CPU"]["hits"] > hits
-    assert_all_free(core)

@@ -65,7 +65,7 @@ BAD_BODIES = [
     (COMPLETIONS, {"prompt": [1, "a"]}, "prompt", "prompt must be"),
     (COMPLETIONS, {"prompt": [True]}, "prompt", "prompt must be"),
     (COMPLETIONS, {}, "prompt", "required"),
-    (COMPLETIONS, {"prompt": "x", "max_tokens": 5, "min_tokens": 6}, None, "min_tokens"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 5, "min_tokens": 6}, "min_tokens", "min_tokens"),
     (CHAT, {"messages": []}, "messages", "empty"),
     (CHAT, {"messages": "hi"}, "messages", None),
     (CHAT, {}, "messages", "required"),
@@ -339,8 +339,8 @@ P_LEG = {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": F
     (CHAT, {"max_completion_tokens": 60}, "max_tokens"),
     (COMPLETIONS, {"max_tokens": 0}, "max_tokens"),
     (CHAT, {"max_tokens": 0}, "max_tokens"),
-    (COMPLETIONS, {"max_tokens": 5, "min_tokens": 6}, None),
-    (COMPLETIONS, {"min_tokens": 17}, None),  # completions' default max_tokens is 16
+    (COMPLETIONS, {"max_tokens": 5, "min_tokens": 6}, "min_tokens"),
+    (COMPLETIONS, {"min_tokens": 17}, "min_tokens"),  # completions' default max_tokens is 16
 ])
 async def test_prefill_leg_is_refused_as_its_decode_leg_would_be(
         client: httpx.AsyncClient, fake_engine: FakeEngine, endpoint: str, limits: dict,

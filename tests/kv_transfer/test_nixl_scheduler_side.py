@@ -162,21 +162,6 @@ def test_consumer_loads_all_but_the_last_prompt_token(env, prompt_len, local, ex
     assert not s.build_connector_meta(None).notices
 
 
-def test_a_decode_leg_from_a_prefiller_read_on_the_same_gpu_skips_the_kv_tiers(env):
-    """The worker reports the prefillers it reads device to device (same GPU); a decode leg
-    from one of them reads its whole prompt from it instead of this instance's tiers."""
-    s = make("kv_consumer")
-    near, far = request("d1", 3 * B, p_params(3)), request("d2", 3 * B, p_params(3, remote_port=6201))
-    assert not s.skips_kv_tiers(near)  # before the handshake says so
-    s.update_connector_output(KVConnectorOutput(device_read_remotes={("eng-P", "127.0.0.1", 6200)}))
-    assert s.skips_kv_tiers(near) and not s.skips_kv_tiers(far)
-    assert not s.skips_kv_tiers(request("d3", 3 * B, None))  # nothing to load
-    s.get_num_new_matched_tokens(near, 0)
-    s.update_state_after_alloc(near, [1, 2, 3], 3 * B - 1)
-    s.update_connector_output(KVConnectorOutput(finished_recving={"d1"}))
-    assert not s.skips_kv_tiers(near)  # loaded once: a preempted request uses the tiers
-
-
 def test_one_token_prompt_loads_nothing_and_releases_p(env):
     s = make("kv_consumer")
     req = request("d1", 1, p_params(1))

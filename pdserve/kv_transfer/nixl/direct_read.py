@@ -150,13 +150,6 @@ class DirectPeer:
         self._stream = torch.cuda.Stream(local.device) if local.is_cuda else None
         self._on_close = on_close
 
-    @property
-    def reads_on_device(self) -> bool:
-        """True when the owner's blocks are on the reader's GPU (a device-to-device copy, not
-        a host-to-device one nor a copy between two CPU caches)."""
-        return (self.remote is not None and self.remote.is_cuda
-                and self.remote.device == self.local.device)
-
     def post_read(self, local_ids: list[int], remote_ids: list[int]) -> tuple[_Copy, str]:
         """Start copying remote blocks into local blocks on the side stream (after the work
         already queued on the current stream, which may still use the destination blocks).

@@ -158,8 +158,6 @@ class RemoteRegistry:
         self._remotes: dict[tuple[str, str, int], RemoteState] = {}
         # endpoint key -> clock offset, measured since the last take_clock_offsets()
         self._new_clock_offsets: dict[tuple[str, str, int], float] = {}
-        # endpoint keys read device to device, found since the last take_device_reads()
-        self._new_device_reads: set[tuple[str, str, int]] = set()
 
     def get(self, endpoint: RemoteEndpoint) -> RemoteState | None:
         """The cached state of a remote, or None."""
@@ -265,8 +263,6 @@ class RemoteRegistry:
                 remote.clock_offset_s = offset
                 remote.direct = self._connect_same_host(remote, infos[0])
                 self._new_clock_offsets[ep.key] = offset
-                if remote.direct is not None and remote.direct.reads_on_device:
-                    self._new_device_reads.add(ep.key)
                 logger.info("NIXL: handshake with engine %s at %s:%d done (%d remote blocks, "
                             "TP %d -> %d, reads from ranks %s)", ep.engine_id, ep.host, ep.port,
                             remote.agent.num_blocks, route.src_tp, route.dst_tp,
@@ -308,12 +304,6 @@ class RemoteRegistry:
         """Clock offsets measured since the last call (endpoint key ``(engine_id, host, port)``
         -> seconds)."""
         out, self._new_clock_offsets = self._new_clock_offsets, {}
-        return out
-
-    def take_device_reads(self) -> set[tuple[str, str, int]]:
-        """Endpoint keys found since the last call to be read device to device (the same GPU
-        by CUDA IPC)."""
-        out, self._new_device_reads = self._new_device_reads, set()
         return out
 
     def close(self) -> None:

@@ -112,8 +112,6 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self._pull_prefix: dict[str, int] = {}
         # remote clock minus local clock per remote endpoint key, from the worker's handshakes
         self._clock_offsets: dict[tuple[str, str, int], float] = {}
-        # remote endpoint keys this instance reads device to device (same GPU), from handshakes
-        self._device_reads: set[tuple[str, str, int]] = set()
         self._held: set[str] = set()  # blocks held for a remote reader
         self._turns: dict[str, None] = {}  # decoder turn leases, oldest first
         self._meta = NixlConnectorMetadata()
@@ -158,14 +156,6 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
                                 heartbeat=kind is LoadKind.PREFILL and not ref.pending)
             if kind is LoadKind.PULL and self.tp_size == 1:
                 self._claim_pull_early(request, ref)
-
-    def skips_kv_tiers(self, request: "Request") -> bool:
-        """A decode leg whose prefiller is read device to device (the same GPU) reads its
-        whole prompt from it: the prefiller holds every block on the GPU, the tiers would copy
-        the same tokens over the host link, beside the prefiller's own tier loads."""
-        kind, ref, _ = self._source(request)
-        return kind is LoadKind.PREFILL and ref is not None and \
-            ref.endpoint.key in self._device_reads
 
     def _claim_pull_early(self, request: "Request", ref: RemoteKVRef) -> None:
         """Claim D's held turn for the prompt's hash-verified prefix now (:mod:`.claims`): the
@@ -329,7 +319,6 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             self._turns.pop(request_id, None)
         # measured by the worker at handshakes (for the expiry checks of bidirectional pulls)
         self._clock_offsets.update(output.remote_clock_offsets)
-        self._device_reads |= output.device_read_remotes
 
     def load_failure_policy(self, request: "Request") -> KVLoadFailurePolicy | None:
         """``RECOMPUTE`` for a failed pull of the decoder's KV (it must never fail the user's

@@ -281,7 +281,6 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             out.stats = dict(out.stats or TransferStats().to_dict(), transfer_paths=paths)
         # for the scheduler side's expiry checks (bidirectional)
         out.remote_clock_offsets = self.remotes.take_clock_offsets()
-        out.device_read_remotes = self.remotes.take_device_reads()
         self.stats.maybe_log()
         return out
 
