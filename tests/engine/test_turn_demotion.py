@@ -15,6 +15,7 @@ import time
 import pytest
 
 from pdserve.engine.turn_demotion import TurnState
+from pdserve.kv_transfer.nixl.leases import ClaimStatus
 from tests.support.engine_fakes import add, assert_all_free, drain, reference_generate, run_until_done
 from tests.support.turn_fakes import finish_turns, make_turn_core, turn_prompt as prompt
 
@@ -40,7 +41,7 @@ def test_held_turns_are_demoted_under_pressure_and_read_back_from_the_host_tier(
     # "c" evicted some of a's cached blocks into the host tier: the claim waits while they
     # come back, then names the blocks that hold them now
     status, blocks = reader.claim("a")
-    assert status == "ok"
+    assert status is ClaimStatus.OK
     held_tokens = len(reader.sched.advertised["a"][1])
     full = held_tokens // BS
     assert reader.read(blocks, full) == reader.expected("a", full)
@@ -66,7 +67,7 @@ def test_a_restore_from_the_gpu_prefix_cache_needs_no_copy():
     assert run_until_done(core)["c"].tokens == reference_generate(small, 2)
     assert sched.demoter.state("a") is TurnState.DEMOTED
     status, blocks = reader.claim("a")
-    assert status == "ok"
+    assert status is ClaimStatus.OK
     full = len(reader.sched.advertised["a"][1]) // BS
     assert reader.read(blocks, full) == reader.expected("a", full)
     assert sched.stats()["kv_tiers"]["turn_blocks_from_tiers"] == 0
@@ -81,7 +82,7 @@ def test_a_claimed_lease_is_not_demoted_and_the_request_waits_for_its_read():
     sched = core.scheduler
     finish_turns(core, {"a": prompt(1, 22)})
     status, blocks = reader.claim("a")  # the reader's READ may be under way
-    assert status == "ok" and blocks == reader.sched.advertised["a"][0]
+    assert status is ClaimStatus.OK and blocks == reader.sched.advertised["a"][0]
     big = prompt(3, 40)  # 11 blocks: 9 are free
     add(core, "c", big, max_tokens=4)
     for _ in range(10):
@@ -111,7 +112,7 @@ def test_blocks_gone_from_every_tier_reject_the_claim():
     # the one host slot keeps the last evicted block, a's first or not: gone too
     assert sched.tiers.clear()
     status, _ = reader.claim("a")
-    assert status == "reject"  # the reader recomputes; nothing foreign is served
+    assert status is ClaimStatus.REJECT  # the reader recomputes; nothing foreign is served
     assert sched.stats()["kv_tiers"]["turns_lost"] == 1
     reader.abort_all()
     drain(core)
@@ -131,7 +132,7 @@ def test_a_demoted_lease_still_ends_at_its_ttl():
     time.sleep(0.35)
     drain(core)  # every lease expired, "a" demoted or not
     assert len(reader.worker.leases) == 0 and sched.demoter.state("a") is None
-    assert reader.claim("a")[0] == "reject"
+    assert reader.claim("a")[0] is ClaimStatus.REJECT
     assert_all_free(core)
 
 
@@ -143,7 +144,7 @@ def test_a_lease_aborted_while_its_blocks_load_frees_them_when_the_loads_end():
     add(core, "c", big, max_tokens=4)
     run_until_done(core)
     assert sched.demoter.state("a") is TurnState.DEMOTED
-    assert reader.claim("a", max_steps=1)[0] == "wait"  # the restore starts, its loads are slow
+    assert reader.claim("a", max_steps=1)[0] is ClaimStatus.WAIT  # the restore starts, its loads are slow
     for _ in range(20):
         if sched.demoter.state("a") is not TurnState.DEMOTED:
             break
@@ -175,9 +176,9 @@ def test_a_claimed_turn_that_never_finds_blocks_is_given_up():
         if sched.queues.running and sched.queues.running[0].num_output_tokens:
             break
     assert sched.demoter.state("a") is TurnState.DEMOTED
-    assert reader.claim("a", max_steps=2)[0] == "wait"  # no block to restore into
+    assert reader.claim("a", max_steps=2)[0] is ClaimStatus.WAIT  # no block to restore into
     now[0] += td.RESTORE_WAIT_S
-    assert reader.claim("a", max_steps=2)[0] == "reject"
+    assert reader.claim("a", max_steps=2)[0] is ClaimStatus.REJECT
     assert sched.queues.running  # "c" ran all along
     assert sched.stats()["kv_tiers"]["turns_lost"] == 1
     run_until_done(core)
@@ -217,7 +218,7 @@ def test_without_tiers_a_held_turn_under_pressure_is_given_up_to_the_prefix_cach
     assert sched.demoter.state("a") is TurnState.DEMOTED
     assert sched.stats()["kv_tiers"] is None  # no tier metrics without tiers
     status, blocks = reader.claim("a")
-    assert status == "ok"
+    assert status is ClaimStatus.OK
     full = len(reader.sched.advertised["a"][1]) // BS
     assert reader.read(blocks, full) == reader.expected("a", full)
     reader.notify("a", "done", blocks)
@@ -227,7 +228,7 @@ def test_without_tiers_a_held_turn_under_pressure_is_given_up_to_the_prefix_cach
     assert run_until_done(core)["d"].tokens == reference_generate(big, 2)
     assert sched.demoter.state("b") is TurnState.DEMOTED
     status, _ = reader.claim("b")
-    assert status == "reject"
+    assert status is ClaimStatus.REJECT
     assert sched.demoter.num_turns_lost_total == 1
     reader.abort_all()
     drain(core)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.turn_demotion import TurnState
-from pdserve.kv_transfer.nixl.leases import LeaseBlocks
+from pdserve.kv_transfer.nixl.leases import ClaimStatus, LeaseBlocks
 from pdserve.kv_transfer.nixl.notifications import Notice
 from pdserve.types.remote_ref import token_digest
 from tests.support.engine_fakes import (add, assert_all_free, collect, drain, reference_generate,
@@ -37,10 +37,10 @@ def demote_a(core) -> None:
 
 
 def claim_on_rank0(reader, request_id: str, results: dict | None = None,
-                   max_steps: int = 50) -> tuple[str, list[int], list]:
+                   max_steps: int = 50) -> tuple[ClaimStatus, list[int], list]:
     """Claim as rank 0's side channel does, stepping while it waits (outputs into
-    ``results``). Returns ``(status, blocks, every rank's (where, blocks) at each "wait")``; at
-    an "ok" every rank must hold the blocks named."""
+    ``results``). Returns ``(status, blocks, every rank's (where, blocks) at each WAIT)``; at
+    an OK every rank must hold the blocks named."""
     blocks, tokens = reader.sched.advertised[request_id]
     n = len(tokens) // BS * BS
     seen = []
@@ -48,15 +48,15 @@ def claim_on_rank0(reader, request_id: str, results: dict | None = None,
         answer = reader.worker.leases.claim_answer(request_id, blocks, n,
                                                    token_digest(tokens[:n]))
         status, moved = answer.status, answer.block_ids
-        if status != "wait":
+        if status is not ClaimStatus.WAIT:
             named = moved if moved is not None else blocks
-            if status == "ok":
+            if status is ClaimStatus.OK:
                 for rank in reader.ranks:
                     assert rank.leases.where(request_id) == (LeaseBlocks.HELD, named)
             return status, named, seen
         seen.append([rank.leases.where(request_id) for rank in reader.ranks])
         collect({} if results is None else results, reader.core.step()[0])
-    return "wait", [], seen
+    return ClaimStatus.WAIT, [], seen
 
 
 def finish_clean(core, reader) -> None:
@@ -82,7 +82,7 @@ def test_a_turn_is_demoted_and_restored_on_every_rank_and_served_once_all_took_i
         assert rank.leases.where("a") == (LeaseBlocks.DEMOTED, [])
     assert sched.stats()["kv_tiers"]["turns_demoted"] == 1
     status, blocks, seen = claim_on_rank0(reader, "a")
-    assert status == "ok"
+    assert status is ClaimStatus.OK
     # the claim waited while rank 0 had taken the restored blocks but was not told that every
     # rank had: it is never told blocks another rank does not hold yet
     assert any(s[0] is not None and s[0][0] is LeaseBlocks.RESTORED for s in seen), seen
@@ -102,7 +102,7 @@ def test_a_demotion_refused_by_one_rank_keeps_the_blocks_on_every_rank():
     finish_turns(core, {"a": prompt(1, 22)})
     advertised = reader.sched.advertised["a"][0]
     status, blocks = reader.claim("a")  # rank 0 granted a claim: the READ may be under way
-    assert status == "ok" and blocks == advertised
+    assert status is ClaimStatus.OK and blocks == advertised
     big = prompt(3, 40)  # 11 blocks: 9 are free
     add(core, "c", big, max_tokens=4)
     for _ in range(10):
@@ -129,7 +129,7 @@ def test_a_rank_that_cannot_take_the_restored_blocks_ends_the_lease_on_every_ran
     reader.ranks[1].held.apply(Notice("abort", "a", 1, reader.sched.advertised["a"][0]))
     assert reader.ranks[1].leases.where("a") is None
     status, _, _ = claim_on_rank0(reader, "a")
-    assert status == "reject"  # the reader recomputes; no rank serves half a turn
+    assert status is ClaimStatus.REJECT  # the reader recomputes; no rank serves half a turn
     assert reader.worker.leases.where("a") is None
     tiers = sched.stats()["kv_tiers"]
     assert tiers["turns_lost"] == 1 and tiers["turns_restored"] == 0
@@ -150,7 +150,7 @@ def test_a_claim_before_every_rank_answered_the_demotion_is_restored_after_it():
             break
     assert sched.demoter.state("a") is TurnState.DEMOTING  # rank 1's answer is late
     status, blocks, _ = claim_on_rank0(reader, "a", results)
-    assert status == "ok"
+    assert status is ClaimStatus.OK
     full = len(reader.sched.advertised["a"][1]) // BS
     assert reader.read(blocks, full) == reader.expected("a", full)
     assert sched.stats()["kv_tiers"]["turns_restored"] == 1

@@ -205,26 +205,26 @@ def test_failed_pull_is_recomputed_even_under_fail_policy():
 def test_lease_claim_checks_the_readers_tokens():
     """A lease that knows its tokens only answers a claim that carries the digest of the same
     first ``num_tokens`` tokens."""
-    from pdserve.kv_transfer.nixl.leases import LeaseTable
+    from pdserve.kv_transfer.nixl.leases import ClaimStatus, LeaseTable
     from pdserve.types.remote_ref import token_digest
 
     table = LeaseTable()
     tokens = list(range(100, 140))
     table.add("r", [3, 4, 5], 30.0, token_ids=tokens)
-    assert table.claim("r", [3, 4, 5], 40, token_digest(tokens))[0] == "ok"
-    assert table.claim("r", [3, 4, 5], 17, token_digest(tokens[:17]))[0] == "ok"
+    assert table.claim("r", [3, 4, 5], 40, token_digest(tokens))[0] is ClaimStatus.OK
+    assert table.claim("r", [3, 4, 5], 17, token_digest(tokens[:17]))[0] is ClaimStatus.OK
     other = tokens[:16] + [7] + tokens[17:]
     for num, digest in ((40, token_digest(other)), (41, token_digest(tokens + [1])),
                         (0, token_digest([])), (None, None), ("40", token_digest(tokens)),
                         (40, None), (True, token_digest(tokens[:1]))):
         status, reason, _ = table.claim("r", [3, 4, 5], num, digest)
-        assert status == "reject" and "tokens differ" in reason, (num, status)
+        assert status is ClaimStatus.REJECT and "tokens differ" in reason, (num, status)
     table.add("plain", [1], 30.0)  # no tokens known: the block ids alone decide
-    assert table.claim("plain", [1])[0] == "ok"
+    assert table.claim("plain", [1])[0] is ClaimStatus.OK
 
 
 def test_a_demoted_turn_lease_waits_then_answers_the_blocks_it_was_restored_into():
-    from pdserve.kv_transfer.nixl.leases import LeaseBlocks, LeaseTable
+    from pdserve.kv_transfer.nixl.leases import ClaimStatus, LeaseBlocks, LeaseTable
     from pdserve.types.remote_ref import token_digest
 
     tokens = list(range(10))
@@ -234,15 +234,15 @@ def test_a_demoted_turn_lease_waits_then_answers_the_blocks_it_was_restored_into
     assert not leases.demote("unknown")
     assert leases.demote("t") and not leases.demote("t")
     # foreign tokens are refused as ever; the right ones wait (reported once) while demoted
-    assert leases.claim_answer("t", [3, 4, 5], 8, token_digest([9] * 8)).status == "reject"
-    assert leases.claim_answer("t", [3, 4, 5], 8, digest).status == "wait"
+    assert leases.claim_answer("t", [3, 4, 5], 8, token_digest([9] * 8)).status is ClaimStatus.REJECT
+    assert leases.claim_answer("t", [3, 4, 5], 8, digest).status is ClaimStatus.WAIT
     assert leases.has_restore_wanted()
     assert leases.take_restore_wanted() == ["t"] and leases.take_restore_wanted() == []
-    assert leases.claim_answer("t", [3, 4, 5], 8, digest).status == "wait"
+    assert leases.claim_answer("t", [3, 4, 5], 8, digest).status is ClaimStatus.WAIT
     assert not leases.restore("unknown", [8, 9])
     assert leases.restore("t", [8, 9])
     answer = leases.claim_answer("t", [3, 4, 5], 8, digest)
-    assert (answer.status, answer.block_ids) == ("ok", [8, 9]) and answer.lease_left_s > 0
+    assert (answer.status, answer.block_ids) == (ClaimStatus.OK, [8, 9]) and answer.lease_left_s > 0
     assert not leases.demote("t")  # claimed: its READ may be under way
     # notices may name the advertised blocks or the restored ones; other ids are ignored
     assert not leases.done("t", block_ids=[8])

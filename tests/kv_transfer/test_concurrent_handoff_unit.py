@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kv_transfer.nixl.held import HeldBlocks
-from pdserve.kv_transfer.nixl.leases import LeaseTable
+from pdserve.kv_transfer.nixl.leases import ClaimStatus, LeaseTable
 from pdserve.kv_transfer.nixl.metadata import SendSpec
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.types.kv_params import KVRole, KVTransferParams, parse_request_params
@@ -120,16 +120,16 @@ def test_the_prefiller_holds_its_blocks_under_the_transfer_id(env):
 def test_a_pending_claim_waits_then_learns_the_lease_and_a_closed_one_is_refused():
     table = LeaseTable()
     digest = token_digest(TOKENS)
-    assert table.claim_transfer("t1", len(TOKENS), digest).status == "wait"
+    assert table.claim_transfer("t1", len(TOKENS), digest).status is ClaimStatus.WAIT
     table.add("p1", [5, 6, 7], 30.0, token_ids=TOKENS, first_token=77, transfer_id="t1")
     answer = table.claim_transfer("t1", len(TOKENS), digest)
     assert (answer.status, answer.request_id, answer.block_ids, answer.first_token) == \
-        ("ok", "p1", [5, 6, 7], 77)
+        (ClaimStatus.OK, "p1", [5, 6, 7], 77)
     other = table.claim_transfer("t1", len(TOKENS), token_digest(TOKENS[:-1] + [1]))
-    assert other.status == "reject" and not other.block_ids  # another prompt learns nothing
+    assert other.status is ClaimStatus.REJECT and not other.block_ids  # another prompt learns nothing
     assert table.done("p1", block_ids=[5, 6, 7])
     late = table.claim_transfer("t1", len(TOKENS), digest)
-    assert late.status == "reject" and "read done" in late.reason
+    assert late.status is ClaimStatus.REJECT and "read done" in late.reason
 
 
 def test_an_abort_by_transfer_id_before_the_lease_closes_it_when_it_starts():

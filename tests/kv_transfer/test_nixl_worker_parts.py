@@ -18,7 +18,7 @@ from pdserve.kv_transfer.nixl.held import (
     HELD_NOTIF_POLL_INTERVAL_S, NOTIF_POLL_INTERVAL_S, READ_FAST_POLL_INTERVAL_S,
     READ_FAST_POLL_WINDOW_S, READ_POLL_WINDOW_S, HeldBlocks,
 )
-from pdserve.kv_transfer.nixl.leases import LeaseTable
+from pdserve.kv_transfer.nixl.leases import ClaimStatus, LeaseTable
 from pdserve.kv_transfer.nixl.metadata import RemoteNotice, SendSpec
 from pdserve.kv_transfer.nixl.notice_inbox import NoticeInbox
 from pdserve.kv_transfer.nixl.notice_sender import NoticeSender
@@ -193,7 +193,7 @@ def test_merely_held_blocks_are_polled_slowly_and_a_claimed_lease_fast():
     assert held.leases.expire(now=100.2) == ["short"]
     assert min(held.waits(101.0)) == HELD_NOTIF_POLL_INTERVAL_S  # not 1-10 ms
     status, _, _ = held.leases.claim("turn", [3, 4], now=102.0)
-    assert status == "ok"
+    assert status is ClaimStatus.OK
     assert min(held.waits(102.0)) == READ_FAST_POLL_INTERVAL_S  # the READ is served now
     assert min(held.waits(102.0 + READ_FAST_POLL_WINDOW_S)) == NOTIF_POLL_INTERVAL_S
     assert min(held.waits(102.0 + READ_POLL_WINDOW_S)) == HELD_NOTIF_POLL_INTERVAL_S
@@ -201,7 +201,7 @@ def test_merely_held_blocks_are_polled_slowly_and_a_claimed_lease_fast():
     held.apply(Notice("done", "turn", 1, [3, 4]))  # the read ended its lease
     assert held.take_finished() == {"turn"}
     assert min(held.waits(102.5)) == HELD_NOTIF_POLL_INTERVAL_S
-    assert held.leases.claim("other", [8], now=103.0)[0] == "reject"  # a refused claim: slow
+    assert held.leases.claim("other", [8], now=103.0)[0] is ClaimStatus.REJECT  # a refused claim: slow
     assert min(held.waits(103.0)) == HELD_NOTIF_POLL_INTERVAL_S
 
 

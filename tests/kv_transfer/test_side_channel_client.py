@@ -10,10 +10,11 @@ import pytest
 import zmq
 
 from tests.support.ports import free_port
-from pdserve.kv_transfer.nixl.leases import ClaimAnswer
+from pdserve.kv_transfer.nixl.leases import ClaimAnswer, ClaimStatus
 from pdserve.kv_transfer.nixl.side_channel import SideChannelServer, SideChannelTimeout
 from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
 from pdserve.kv_transfer.wakeup import Waker
+from pdserve.utils import phase_trace
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,9 +28,9 @@ def server():
         with lock:
             blocks = held.get(request_id)
         if blocks is None:
-            return ClaimAnswer("wait", f"unknown {request_id}")
-        return ClaimAnswer("ok", "", 9.0) if blocks == block_ids else \
-            ClaimAnswer("reject", "wrong blocks")
+            return ClaimAnswer(ClaimStatus.WAIT, f"unknown {request_id}")
+        return ClaimAnswer(ClaimStatus.OK, "", 9.0) if blocks == block_ids else \
+            ClaimAnswer(ClaimStatus.REJECT, "wrong blocks")
 
     srv = SideChannelServer("127.0.0.1", free_port(), get_info=lambda: {"x": 1}, claim=claim,
                             notify=lambda kind, req: None, claim_wait_s=10.0)
@@ -83,6 +84,36 @@ def test_answers_on_one_connection_are_matched_to_their_requests(server):
         assert client.next_deadline() is None
     finally:
         client.close()
+
+
+def test_claim_replies_carry_ok_bools_and_the_trace_marks_keep_their_names(server, tmp_path):
+    """A :class:`ClaimStatus` stays on the owner: a claim's reply says ``"ok": bool`` (its keys
+    as ever), and the side channel's phase-trace marks are named by the status values."""
+    phase_trace.configure(str(tmp_path))
+    client = SideChannelClient()
+    try:
+        client.connect("127.0.0.1", server.port)
+        ok = client.send("127.0.0.1", server.port,
+                         {"type": "claim", "request_id": "a", "block_ids": [1, 2]}, 10.0)
+        bad = client.send("127.0.0.1", server.port,
+                          {"type": "claim", "request_id": "a", "block_ids": [7]}, 10.0)
+        later = client.send("127.0.0.1", server.port,
+                            {"type": "claim", "request_id": "c", "block_ids": [4]}, 10.0)
+        replies = wait_results(client, [ok, bad])
+        with server.lock:
+            server.held["c"] = [4]
+        replies.update(wait_results(client, [later]))
+    finally:
+        client.close()
+        phase_trace.configure(None)
+    for ticket, granted in ((ok, True), (bad, False), (later, True)):
+        reply = dict(replies[ticket])
+        reply.pop("seq", None)
+        assert set(reply) == {"ok", "reason", "lease_expiry_in", "instance_id"}, reply
+        assert reply["ok"] is granted
+    marks = [line.split()[1] for f in tmp_path.glob("*.trace")
+             for line in f.read_text().splitlines() if not line.startswith("#")]
+    assert {"sc.claim_ok", "sc.claim_reject", "sc.claim_wait"} <= set(marks), marks
 
 
 def test_unanswered_request_times_out_and_drops_the_connection():

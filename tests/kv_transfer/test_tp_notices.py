@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from pdserve.kv_transfer.nixl.leases import LeaseTable
+from pdserve.kv_transfer.nixl.leases import ClaimStatus, LeaseTable
 from pdserve.kv_transfer.nixl.notifications import Notice, decode_notif, encode_notif
 from pdserve.kv_transfer.nixl.side_channel import rank_info
 
@@ -52,14 +52,14 @@ def test_notices_naming_other_blocks_leave_the_lease_alone():
     leases.abort("r", [9, 9])  # before the lease: remembered under the forged ids only
     leases.done("r", block_ids=[9, 9])
     assert leases.add("r", [1, 2], 30.0, now=0.0) is None
-    assert leases.claim("r", [1, 3], now=0.0)[0] == "reject"
+    assert leases.claim("r", [1, 3], now=0.0)[0] is ClaimStatus.REJECT
     for block_ids in ([1, 3], [1], [1, 2, 3], None, "1,2", [1, True]):
         assert not leases.abort("r", block_ids)
         assert not leases.done("r", block_ids=block_ids)
         assert not leases.release_early("r", block_ids)
         assert not leases.renew("r", block_ids, now=20.0)
     assert leases.next_expiry() == 30.0  # no forged heartbeat extended it
-    assert leases.claim("r", [1, 2], now=0.0)[0] == "ok"
+    assert leases.claim("r", [1, 2], now=0.0)[0] is ClaimStatus.OK
     assert leases.renew("r", [1, 2], now=20.0) and leases.next_expiry() == 50.0
     assert leases.abort("r", [1, 2]) and "r" not in leases
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide, TurnMove
 from pdserve.kv_transfer.nixl.held import HeldBlocks
-from pdserve.kv_transfer.nixl.leases import LeaseTable
+from pdserve.kv_transfer.nixl.leases import ClaimStatus, LeaseTable
 from pdserve.kv_transfer.nixl.metadata import SendSpec
 from pdserve.kv_transfer.nixl.notifications import Notice
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
@@ -173,19 +173,20 @@ class TurnReader:
         self.ranks = ranks
         self.worker = ranks[0]  # the rank that answers claims
 
-    def claim(self, request_id: str, max_steps: int = 50) -> tuple[str, list[int]]:
-        """Claim as the side channel does, stepping the engine while the answer is "wait".
+    def claim(self, request_id: str, max_steps: int = 50) -> tuple[ClaimStatus, list[int]]:
+        """Claim as the side channel does, stepping the engine while the answer is
+        :attr:`~pdserve.kv_transfer.nixl.leases.ClaimStatus.WAIT`.
         Returns ``(status, block ids to read)``."""
         blocks, tokens = self.sched.advertised[request_id]
         n = len(tokens) // self.runner.block_size * self.runner.block_size
         for _ in range(max_steps):
             answer = self.worker.leases.claim_answer(request_id, blocks, n,
                                                      token_digest(tokens[:n]))
-            if answer.status != "wait":
+            if answer.status is not ClaimStatus.WAIT:
                 return answer.status, (answer.block_ids if answer.block_ids is not None
                                        else blocks)
             self.core.step()
-        return "wait", []
+        return ClaimStatus.WAIT, []
 
     def read(self, block_ids: list[int], num_blocks: int) -> list[Any]:
         """The fake KV of the first ``num_blocks`` blocks named: ``(position, token)`` pairs."""

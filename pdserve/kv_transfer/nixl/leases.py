@@ -21,6 +21,7 @@ before the lease (the reader gave up while the prefill ran) closes the lease whe
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections import OrderedDict
@@ -30,10 +31,32 @@ from typing import Any
 from pdserve.kv_transfer.nixl.turn_leases import LeaseBlocks, TurnLeaseMoves
 from pdserve.types.remote_ref import token_digest
 
-__all__ = ["ClaimAnswer", "Lease", "LeaseBlocks", "LeaseTable"]
+__all__ = ["ClaimAnswer", "ClaimStatus", "Lease", "LeaseBlocks", "LeaseTable"]
 
 _CLOSED_MEMORY = 10_000  # how many closed leases are remembered (to answer late claims clearly)
 _EARLY_NOTICE_TTL_S = 120.0
+
+
+class ClaimStatus(enum.Enum):
+    """The outcome of a reader's claim (:meth:`LeaseTable.claim`, :class:`ClaimAnswer`).
+
+    What each means for the reader:
+
+    - ``OK``: granted; the lease holds the blocks for the reader's own tokens (and was
+      extended when renewable), so the reader may READ them now.
+    - ``WAIT``: not yet; no lease of that name started (its request may still be running), or
+      a demoted turn lease is being restored. The side channel asks again until the reader's
+      wait ends, then refuses.
+    - ``REJECT``: never; the lease already ended, or it holds other blocks or the KV of other
+      tokens. The reader must not read these blocks (it recomputes or fails its load).
+
+    The side channel's reply carries only ``"ok": bool`` (the wire format knows no status); the
+    values name its phase-trace marks (``sc.claim_ok``, ``sc.claim_wait``, ``sc.claim_reject``).
+    """
+
+    OK = "ok"
+    WAIT = "wait"
+    REJECT = "reject"
 
 
 @dataclass
@@ -201,21 +224,21 @@ class LeaseTable(TurnLeaseMoves):
 
     def claim_answer(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
                      digest: Any = None) -> "ClaimAnswer":
-        """:meth:`claim` as the side channel answers it: when ``"ok"``, with the lease's first
-        output token (only told to a reader whose tokens match the lease's, so a decoder gets
-        the prefiller's own first token for exactly the prompt whose KV it reads, whatever a
-        client relayed) and, for a restored turn lease, ``block_ids``: the blocks that hold
-        the KV now instead of those advertised (None otherwise)."""
+        """:meth:`claim` as the side channel answers it: when :attr:`ClaimStatus.OK`, with the
+        lease's first output token (only told to a reader whose tokens match the lease's, so a
+        decoder gets the prefiller's own first token for exactly the prompt whose KV it reads,
+        whatever a client relayed) and, for a restored turn lease, ``block_ids``: the blocks
+        that hold the KV now instead of those advertised (None otherwise)."""
         with self._lock:
             status, reason, left = self.claim(request_id, block_ids, num_tokens, digest)
-            if status != "ok":
+            if status is not ClaimStatus.OK:
                 return ClaimAnswer(status, reason)
             lease = self._leases[request_id]
             moved = list(lease.block_ids) if lease.advertised is not None else None
-            return ClaimAnswer("ok", "", left, lease.first_token, block_ids=moved)
+            return ClaimAnswer(ClaimStatus.OK, "", left, lease.first_token, block_ids=moved)
 
     def claim(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
-              digest: Any = None, now: float | None = None) -> tuple[str, str, float]:
+              digest: Any = None, now: float | None = None) -> tuple[ClaimStatus, str, float]:
         """A reader's check before its READ (side-channel thread).
 
         When the lease knows its tokens, the reader must send ``num_tokens`` and the
@@ -225,10 +248,11 @@ class LeaseTable(TurnLeaseMoves):
         in the reader's prefix cache under the wrong hashes.
 
         Returns:
-            ``("ok", "", seconds_left)`` when the lease holds exactly ``block_ids`` for the same
-            tokens (a renewable lease is extended for the read); ``("wait", reason, 0)`` for an
-            unknown request (its lease may not be registered yet); ``("reject", reason, 0)``
-            otherwise.
+            A ``(ClaimStatus, reason, seconds_left)`` tuple: ``(ClaimStatus.OK, "",
+            seconds_left)`` when the lease holds exactly ``block_ids`` for the same tokens (a
+            renewable lease is extended for the read); ``(ClaimStatus.WAIT, reason, 0)`` for an
+            unknown request (its lease may not be registered yet) or a demoted turn lease being
+            restored; ``(ClaimStatus.REJECT, reason, 0)`` otherwise.
         """
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -236,11 +260,12 @@ class LeaseTable(TurnLeaseMoves):
             if lease is None:
                 closed = self._closed.get(request_id)
                 if closed is not None:
-                    return "reject", f"request {request_id!r} holds no blocks any more ({closed})", 0.0
-                return "wait", f"no blocks are held for request {request_id!r}", 0.0
+                    return (ClaimStatus.REJECT,
+                            f"request {request_id!r} holds no blocks any more ({closed})", 0.0)
+                return ClaimStatus.WAIT, f"no blocks are held for request {request_id!r}", 0.0
             if list(block_ids) != lease.block_ids and list(block_ids) != lease.advertised:
                 return (
-                    "reject",
+                    ClaimStatus.REJECT,
                     f"block ids {list(block_ids)[:8]}... do not match the {len(lease.block_ids)} "
                     f"blocks held for request {request_id!r}",
                     0.0,
@@ -250,17 +275,18 @@ class LeaseTable(TurnLeaseMoves):
                       and 0 < num_tokens <= len(lease.token_ids) and isinstance(digest, str)
                       and digest == token_digest(lease.token_ids[:num_tokens]))
                 if not ok:
-                    return ("reject", f"the reader's tokens differ from those whose KV request "
-                            f"{request_id!r} holds", 0.0)
+                    return (ClaimStatus.REJECT, f"the reader's tokens differ from those whose KV "
+                            f"request {request_id!r} holds", 0.0)
             if lease.where is not LeaseBlocks.HELD:  # demoted: the engine thread restores it
                 if lease.where is LeaseBlocks.DEMOTED:
                     lease.where = LeaseBlocks.RESTORE_WANTED
                     self._restore_wanted.add(request_id)
-                return "wait", f"the blocks of request {request_id!r} are being restored", 0.0
+                return (ClaimStatus.WAIT,
+                        f"the blocks of request {request_id!r} are being restored", 0.0)
             if lease.renewable:
                 lease.expiry = max(lease.expiry, now + lease.duration_s)
             lease.claimed_at = now
-            return "ok", "", lease.expiry - now
+            return ClaimStatus.OK, "", lease.expiry - now
 
     def last_claim(self) -> float | None:
         """The ``time.monotonic()`` of the latest claim granted to an open lease (its reader's
@@ -330,25 +356,27 @@ class LeaseTable(TurnLeaseMoves):
         with ``transfer_id``, checked and extended as :meth:`claim` does.
 
         Returns:
-            A :class:`ClaimAnswer`: ``"ok"`` with the lease's request id, block ids and first
-            token when the reader's tokens match the lease's; ``"wait"`` while no such lease
-            started; ``"reject"`` when it already ended, or the tokens differ (the lease is
-            left to its honest reader).
+            A :class:`ClaimAnswer`: :attr:`ClaimStatus.OK` with the lease's request id, block
+            ids and first token when the reader's tokens match the lease's;
+            :attr:`ClaimStatus.WAIT` while no such lease started; :attr:`ClaimStatus.REJECT`
+            when it already ended, or the tokens differ (the lease is left to its honest
+            reader).
         """
         with self._lock:
             request_id = self._transfers.get(transfer_id)
             if request_id is None:
                 closed = self._closed_transfers.get(transfer_id)
                 if closed is not None:
-                    return ClaimAnswer("reject", f"transfer {transfer_id!r} holds no blocks "
-                                       f"any more ({closed})")
-                return ClaimAnswer("wait", f"no blocks are held for transfer {transfer_id!r}")
+                    return ClaimAnswer(ClaimStatus.REJECT, f"transfer {transfer_id!r} holds no "
+                                       f"blocks any more ({closed})")
+                return ClaimAnswer(ClaimStatus.WAIT,
+                                   f"no blocks are held for transfer {transfer_id!r}")
             lease = self._leases[request_id]
             status, reason, left = self.claim(request_id, lease.block_ids, num_tokens, digest,
                                               now)
-            if status != "ok":
+            if status is not ClaimStatus.OK:
                 return ClaimAnswer(status, reason)
-            return ClaimAnswer("ok", "", left, lease.first_token, request_id,
+            return ClaimAnswer(ClaimStatus.OK, "", left, lease.first_token, request_id,
                                list(lease.block_ids))
 
     def transfer_lease(self, transfer_id: str) -> tuple[str, list[int]] | None:
@@ -383,8 +411,8 @@ class ClaimAnswer:
     blocks) or pending claim (:meth:`LeaseTable.claim_transfer`, by transfer id).
 
     Attributes:
-        status: ``"ok"``, ``"wait"`` or ``"reject"``.
-        reason: why not ``"ok"`` ("" when ok).
+        status: a :class:`ClaimStatus` (``OK``, ``WAIT`` or ``REJECT``).
+        reason: why not :attr:`ClaimStatus.OK` ("" when ok).
         lease_left_s: seconds left on the lease after the claim (0 unless ok).
         first_token: the lease's first output token (ok only; None when it has none).
         request_id: the lease's request (a pending claim's, ok only; "" otherwise).
@@ -392,7 +420,7 @@ class ClaimAnswer:
             turn lease's blocks when they are not those the reader named; None otherwise.
     """
 
-    status: str
+    status: ClaimStatus
     reason: str
     lease_left_s: float = 0.0
     first_token: int | None = None

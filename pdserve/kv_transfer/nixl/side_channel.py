@@ -67,7 +67,7 @@ import msgspec
 import zmq
 
 from pdserve.utils import phase_trace
-from pdserve.kv_transfer.nixl.leases import ClaimAnswer
+from pdserve.kv_transfer.nixl.leases import ClaimAnswer, ClaimStatus
 from pdserve.kv_transfer.nixl.notifications import NOTIF_KINDS
 
 logger = logging.getLogger(__name__)
@@ -175,12 +175,14 @@ class SideChannelServer:
             registered yet.
         claim: ``claim(request_id, block_ids, num_tokens, token_digest) ->``
             :class:`~pdserve.kv_transfer.nixl.leases.ClaimAnswer` (the last two arguments as the
-            reader sent them, or None), status ``"ok"``, ``"wait"`` (unknown yet, ask again) or
-            ``"reject"``; called on the server thread, so it must be thread-safe.
+            reader sent them, or None), whose status is a
+            :class:`~pdserve.kv_transfer.nixl.leases.ClaimStatus`: ``OK``, ``WAIT`` (unknown
+            yet, ask again) or ``REJECT``; called on the server thread, so it must be
+            thread-safe.
         notify: ``notify(kind, request_id)``, or ``notify(kind, request_id, block_ids)`` when
             the notice carries block ids, or ``notify(kind, request_id, block_ids, tp_rank,
             expected)`` when it names TP fields; thread-safe.
-        claim_wait_s: how long a ``"wait"`` claim is retried before it is rejected.
+        claim_wait_s: how long a ``WAIT`` claim is retried before it is rejected.
         instance_id: this process's instance id, sent with every claim answer.
         claim_transfer: ``claim_transfer(transfer_id, num_tokens, token_digest) ->``
             :class:`~pdserve.kv_transfer.nixl.leases.ClaimAnswer`, a pending claim's answer
@@ -232,7 +234,7 @@ class SideChannelServer:
                 f"cannot listen for the NIXL side channel on {address} ({e}): {hint}"
             ) from e
         self._stop = threading.Event()
-        # claims answered "wait": each retried by calling it (it re-queues itself if still
+        # claims answered WAIT: each retried by calling it (it re-queues itself if still
         # waiting)
         self._pending_claims: list[Callable[[], None]] = []
         # another thread makes this readable when a lease starts: waiting claims are retried
@@ -327,12 +329,12 @@ class SideChannelServer:
     def _try_claim(self, ident: bytes, request_id: str, block_ids: list[int], deadline: float,
                    seq: Any = None, tokens: tuple[Any, Any] = (None, None)) -> None:
         answer = self._claim(request_id, block_ids, *tokens)
-        phase_trace.mark("sc.claim_" + answer.status)
-        if answer.status == "wait" and time.monotonic() < deadline:
+        phase_trace.mark("sc.claim_" + answer.status.value)
+        if answer.status is ClaimStatus.WAIT and time.monotonic() < deadline:
             self._pending_claims.append(lambda: self._try_claim(
                 ident, request_id, block_ids, deadline, seq, tokens))
             return
-        ok = answer.status == "ok"
+        ok = answer.status is ClaimStatus.OK
         payload = {"ok": ok, "reason": answer.reason, "lease_expiry_in": answer.lease_left_s,
                    "instance_id": self.instance_id}
         if ok and answer.first_token is not None:
@@ -344,13 +346,13 @@ class SideChannelServer:
     def _try_transfer_claim(self, ident: bytes, transfer_id: str, deadline: float, seq: Any,
                             tokens: tuple[Any, Any]) -> None:
         answer = self._claim_transfer(transfer_id, *tokens)
-        phase_trace.mark("sc.claim_" + answer.status)
-        if answer.status == "wait" and time.monotonic() < deadline:
+        phase_trace.mark("sc.claim_" + answer.status.value)
+        if answer.status is ClaimStatus.WAIT and time.monotonic() < deadline:
             self._pending_claims.append(lambda: self._try_transfer_claim(
                 ident, transfer_id, deadline, seq, tokens))
             return
-        ok = answer.status == "ok"
-        reason = answer.reason if answer.status != "wait" else (
+        ok = answer.status is ClaimStatus.OK
+        reason = answer.reason if answer.status is not ClaimStatus.WAIT else (
             f"{answer.reason} within the reader's wait")
         payload = {"ok": ok, "reason": reason,
                    "lease_expiry_in": answer.lease_left_s, "instance_id": self.instance_id}

@@ -54,7 +54,7 @@ from pdserve.kv_transfer.nixl.compat import compat_fields, total_kv_heads
 from pdserve.kv_transfer.nixl.handshake_info import instance_info, rank_entry
 from pdserve.kv_transfer.nixl.heartbeats import Heartbeats
 from pdserve.kv_transfer.nixl.held import HeldBlocks
-from pdserve.kv_transfer.nixl.leases import ClaimAnswer, LeaseTable
+from pdserve.kv_transfer.nixl.leases import ClaimAnswer, ClaimStatus, LeaseTable
 from pdserve.kv_transfer.nixl.loads import LoadTracker
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata
 from pdserve.kv_transfer.nixl.notice_inbox import NoticeInbox
@@ -297,7 +297,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         next wait then polls NIXL notifications at the read rate (its READ follows), and so
         does one that waits for a demoted turn lease (the engine thread reports it)."""
         answer = self.leases.claim_answer(request_id, block_ids, num_tokens, digest)
-        if answer.status == "ok" or (answer.status == "wait" and self.leases.has_restore_wanted()):
+        if answer.status is ClaimStatus.OK or (
+                answer.status is ClaimStatus.WAIT and self.leases.has_restore_wanted()):
             self._waker.wake()
         return answer
 
@@ -306,7 +307,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         (:meth:`~.leases.LeaseTable.claim_transfer`); a granted one wakes the engine loop as
         :meth:`_answer_claim` does."""
         answer = self.leases.claim_transfer(transfer_id, num_tokens, digest)
-        if answer.status == "ok":
+        if answer.status is ClaimStatus.OK:
             self._waker.wake()
         return answer
 
