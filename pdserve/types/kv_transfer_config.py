@@ -12,7 +12,11 @@ know that system feel at home)::
 Top-level keys:
 
 ``kv_connector``
-    ``"NixlConnector"`` (the only connector).
+    ``"NixlConnector"`` (the only connector). vLLM's ``"NixlPushConnector"`` is accepted as the
+    same connector: its aim, D holding the KV the moment P's prefill ends, is what pdserve's
+    concurrent hand-off does with a read that starts then (docs/architecture.md, "The
+    concurrent hand-off", says why a read and not a push); leases, heartbeats,
+    ``kv_load_failure_policy`` and expiry are the same.
 ``kv_role``
     ``"kv_producer"`` (prefiller, P), ``"kv_consumer"`` (decoder, D), or ``"kv_both"``
     (deprecated: both at once; logs a warning).
@@ -72,6 +76,11 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 CONNECTORS = ("NixlConnector",)
+#: Other names a configuration may give the one connector (vLLM's), with the reason logged.
+CONNECTOR_ALIASES = {
+    "NixlPushConnector": "pdserve's NixlConnector starts D's read the moment P holds the KV "
+                         "(the concurrent hand-off), which is what a push achieves",
+}
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
@@ -226,6 +235,10 @@ class KVTransferConfig:
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_connector, str) and self.kv_connector in CONNECTOR_ALIASES:
+            logger.info("kv_connector %s runs as NixlConnector: %s", self.kv_connector,
+                        CONNECTOR_ALIASES[self.kv_connector])
+            self.kv_connector = "NixlConnector"
         if not isinstance(self.kv_connector, str) or self.kv_connector not in CONNECTORS:
             raise KVTransferConfigError(
                 f"unknown kv_connector {self.kv_connector!r}; supported: {list(CONNECTORS)}"

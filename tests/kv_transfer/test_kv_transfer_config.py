@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.types.kv_transfer_config import KVTransferConfig, KVTransferConfigError
 from pdserve.kv_transfer.config_cli import extract_kv_transfer_args
+from pdserve.kv_transfer.factory import create_connector
 
 
 def test_json_form_and_defaults():
@@ -97,6 +98,17 @@ def test_kv_both_warns(caplog):
         cfg = KVTransferConfig.from_dict({"kv_role": "kv_both"})
     assert cfg.is_producer and cfg.is_consumer
     assert any("deprecated" in r.message for r in caplog.records)
+
+
+def test_vllms_push_connector_name_is_the_nixl_connector(caplog):
+    """vLLM's ``NixlPushConnector`` name gives pdserve's one connector (the concurrent hand-off
+    starts D's read the moment P holds the KV), said once in the log."""
+    with caplog.at_level(logging.INFO, logger="pdserve.types.kv_transfer_config"):
+        cfg = KVTransferConfig.from_dict({"kv_connector": "NixlPushConnector",
+                                          "kv_role": "kv_consumer"})
+    assert cfg.kv_connector == "NixlConnector" and cfg.to_dict()["kv_connector"] == "NixlConnector"
+    assert "NixlPushConnector runs as NixlConnector" in caplog.text
+    assert create_connector(cfg, "scheduler") is not None
 
 
 def test_round_trip():
