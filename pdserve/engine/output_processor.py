@@ -80,6 +80,9 @@ class EngineStats:
     num_held_for_transfer: int = 0
     # the KV cache tiers' snapshot (pdserve.engine.kv_tiers.TierManager.stats), None without
     kv_tiers: dict[str, Any] | None = None
+    # a decoder's turn-lease counters (pdserve.engine.turn_demotion.TurnDemoter.stats), None
+    # without a KV connector
+    kv_turns: dict[str, Any] | None = None
     per_rank: tuple["EngineStats", ...] = ()
 
     @classmethod
@@ -87,10 +90,11 @@ class EngineStats:
         """The sum of several ranks' snapshots, keeping each in ``per_rank``."""
         total = cls(per_rank=tuple(ranks))
         for f in dataclasses.fields(cls):
-            if f.name not in ("per_rank", "kv_cache_usage", "kv_tiers"):
+            if f.name not in ("per_rank", "kv_cache_usage", "kv_tiers", "kv_turns"):
                 setattr(total, f.name, sum(getattr(r, f.name) for r in ranks))
-        tiers = [r.kv_tiers for r in ranks if r.kv_tiers]
-        total.kv_tiers = _sum_nested(tiers) if tiers else None
+        for name in ("kv_tiers", "kv_turns"):
+            parts = [getattr(r, name) for r in ranks if getattr(r, name)]
+            setattr(total, name, _sum_nested(parts) if parts else None)
         used = sum(r.kv_cache_usage * r.num_blocks for r in ranks)
         total.kv_cache_usage = used / total.num_blocks if total.num_blocks else 0.0
         return total

@@ -435,8 +435,8 @@ class Scheduler:
             "num_requests_finished_total": self.num_requests_finished_total,
             "prefix_cache_queries_total": kvm.prefix_cache_queries,
             "prefix_cache_hits_total": kvm.prefix_cache_hits,
-            "kv_tiers": None if self.tier_loads is None else {
-                **self.tier_loads.stats(), **(self.demoter.stats() if self.demoter else {})},
+            "kv_tiers": None if self.tier_loads is None else self.tier_loads.stats(),
+            "kv_turns": None if self.demoter is None else self.demoter.stats(),
         }
 
     def reset_kv_caches(self) -> bool:

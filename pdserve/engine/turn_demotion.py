@@ -362,8 +362,8 @@ class TurnDemoter:
         return sum(len(t.blocks.block_ids) for t in self._turns.values() if t.blocks is not None)
 
     def stats(self) -> dict:
-        """The cumulative turn counters (``pdserve:kv_offload_turn*``, exported beside the tier
-        loads' :meth:`~pdserve.engine.tier_loads.TierLoads.stats` when there are tiers)."""
+        """The cumulative turn counters (the engine snapshot's ``kv_turns``, exported as
+        ``pdserve:kv_offload_turn*`` with or without KV cache tiers)."""
         return {"turns_demoted": self.num_turns_demoted_total,
                 "turns_restored": self.num_turns_restored_total,
                 "turn_blocks_from_gpu": self.num_turn_blocks_from_gpu_total,

@@ -37,7 +37,7 @@ def test_held_turns_are_demoted_under_pressure_and_read_back_from_the_host_tier(
     assert run_until_done(core)["c"].tokens == reference_generate(big, 4)
     assert sched.demoter.state("a") is TurnState.DEMOTED
     assert sched.demoter.state("b") is None  # one demotion was enough
-    assert sched.stats()["kv_tiers"]["turns_demoted"] == 1
+    assert sched.stats()["kv_turns"]["turns_demoted"] == 1
     # "c" evicted some of a's cached blocks into the host tier: the claim waits while they
     # come back, then names the blocks that hold them now
     status, blocks = reader.claim("a")
@@ -45,8 +45,8 @@ def test_held_turns_are_demoted_under_pressure_and_read_back_from_the_host_tier(
     held_tokens = len(reader.sched.advertised["a"][1])
     full = held_tokens // BS
     assert reader.read(blocks, full) == reader.expected("a", full)
-    tiers = sched.stats()["kv_tiers"]
-    assert tiers["turns_restored"] == 1 and tiers["turn_blocks_from_tiers"] > 0
+    turns = sched.stats()["kv_turns"]
+    assert turns["turns_restored"] == 1 and turns["turn_blocks_from_tiers"] > 0
     reader.notify("a", "done", blocks)
     reader.abort_all()
     drain(core)
@@ -70,7 +70,7 @@ def test_a_restore_from_the_gpu_prefix_cache_needs_no_copy():
     assert status is ClaimStatus.OK
     full = len(reader.sched.advertised["a"][1]) // BS
     assert reader.read(blocks, full) == reader.expected("a", full)
-    assert sched.stats()["kv_tiers"]["turn_blocks_from_tiers"] == 0
+    assert sched.stats()["kv_turns"]["turn_blocks_from_tiers"] == 0
     reader.notify("a", "done", blocks)
     reader.abort_all()
     drain(core)
@@ -95,7 +95,7 @@ def test_a_claimed_lease_is_not_demoted_and_the_request_waits_for_its_read():
     assert run_until_done(core)["c"].tokens == reference_generate(big, 4)
     reader.abort_all()
     drain(core)
-    assert sched.demoter.state("a") is None and sched.stats()["kv_tiers"]["turns_demoted"] == 0
+    assert sched.demoter.state("a") is None and sched.stats()["kv_turns"]["turns_demoted"] == 0
     assert_all_free(core)
 
 
@@ -113,7 +113,7 @@ def test_blocks_gone_from_every_tier_reject_the_claim():
     assert sched.tiers.clear()
     status, _ = reader.claim("a")
     assert status is ClaimStatus.REJECT  # the reader recomputes; nothing foreign is served
-    assert sched.stats()["kv_tiers"]["turns_lost"] == 1
+    assert sched.stats()["kv_turns"]["turns_lost"] == 1
     reader.abort_all()
     drain(core)
     assert len(reader.worker.leases) == 0
@@ -180,7 +180,7 @@ def test_a_claimed_turn_that_never_finds_blocks_is_given_up():
     now[0] += td.RESTORE_WAIT_S
     assert reader.claim("a", max_steps=2)[0] is ClaimStatus.REJECT
     assert sched.queues.running  # "c" ran all along
-    assert sched.stats()["kv_tiers"]["turns_lost"] == 1
+    assert sched.stats()["kv_turns"]["turns_lost"] == 1
     run_until_done(core)
     reader.abort_all()
     drain(core)
@@ -216,7 +216,8 @@ def test_without_tiers_a_held_turn_under_pressure_is_given_up_to_the_prefix_cach
     add(core, "c", small, max_tokens=2)
     assert run_until_done(core)["c"].tokens == reference_generate(small, 2)
     assert sched.demoter.state("a") is TurnState.DEMOTED
-    assert sched.stats()["kv_tiers"] is None  # no tier metrics without tiers
+    stats = sched.stats()
+    assert stats["kv_tiers"] is None and stats["kv_turns"]["turns_demoted"] == 1  # still counted
     status, blocks = reader.claim("a")
     assert status is ClaimStatus.OK
     full = len(reader.sched.advertised["a"][1]) // BS

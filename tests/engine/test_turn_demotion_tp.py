@@ -80,7 +80,7 @@ def test_a_turn_is_demoted_and_restored_on_every_rank_and_served_once_all_took_i
     assert sched.demoter.state("b") is None
     for rank in reader.ranks:
         assert rank.leases.where("a") == (LeaseBlocks.DEMOTED, [])
-    assert sched.stats()["kv_tiers"]["turns_demoted"] == 1
+    assert sched.stats()["kv_turns"]["turns_demoted"] == 1
     status, blocks, seen = claim_on_rank0(reader, "a")
     assert status is ClaimStatus.OK
     # the claim waited while rank 0 had taken the restored blocks but was not told that every
@@ -88,9 +88,9 @@ def test_a_turn_is_demoted_and_restored_on_every_rank_and_served_once_all_took_i
     assert any(s[0] is not None and s[0][0] is LeaseBlocks.RESTORED for s in seen), seen
     full = len(reader.sched.advertised["a"][1]) // BS
     assert reader.read(blocks, full) == reader.expected("a", full)
-    tiers = sched.stats()["kv_tiers"]
-    assert tiers["turns_restored"] == 1 and tiers["turn_blocks_from_tiers"] > 0
-    assert tiers["turns_lost"] == 0
+    turns = sched.stats()["kv_turns"]
+    assert turns["turns_restored"] == 1 and turns["turn_blocks_from_tiers"] > 0
+    assert turns["turns_lost"] == 0
     reader.notify("a", "done", blocks)
     finish_clean(core, reader)
     assert sched.demoter.state("a") is None and sched.demoter.num_held_blocks == 0
@@ -112,7 +112,7 @@ def test_a_demotion_refused_by_one_rank_keeps_the_blocks_on_every_rank():
     for rank in reader.ranks:
         assert rank.leases.where("a") == (LeaseBlocks.HELD, advertised)
     assert sched.queues.waiting and sched.queues.waiting[0].request_id == "c"
-    assert sched.stats()["kv_tiers"]["turns_demoted"] == 0
+    assert sched.stats()["kv_turns"]["turns_demoted"] == 0
     full = len(reader.sched.advertised["a"][1]) // BS
     assert reader.read(blocks, full) == reader.expected("a", full)
     reader.notify("a", "done", blocks)
@@ -131,8 +131,8 @@ def test_a_rank_that_cannot_take_the_restored_blocks_ends_the_lease_on_every_ran
     status, _, _ = claim_on_rank0(reader, "a")
     assert status is ClaimStatus.REJECT  # the reader recomputes; no rank serves half a turn
     assert reader.worker.leases.where("a") is None
-    tiers = sched.stats()["kv_tiers"]
-    assert tiers["turns_lost"] == 1 and tiers["turns_restored"] == 0
+    turns = sched.stats()["kv_turns"]
+    assert turns["turns_lost"] == 1 and turns["turns_restored"] == 0
     finish_clean(core, reader)
     assert sched.demoter.num_held_blocks == 0
 
@@ -153,7 +153,7 @@ def test_a_claim_before_every_rank_answered_the_demotion_is_restored_after_it():
     assert status is ClaimStatus.OK
     full = len(reader.sched.advertised["a"][1]) // BS
     assert reader.read(blocks, full) == reader.expected("a", full)
-    assert sched.stats()["kv_tiers"]["turns_restored"] == 1
+    assert sched.stats()["kv_turns"]["turns_restored"] == 1
     reader.notify("a", "done", blocks)
     assert run_until_done(core, results)["c"].tokens == reference_generate(big, 4)
     finish_clean(core, reader)

@@ -186,23 +186,24 @@ def test_kv_tier_metrics_from_the_engine_snapshot_summed_over_ranks() -> None:
 
 
 def test_demoted_turn_metrics_from_the_engine_snapshot() -> None:
+    """A decoder's turn counters are rendered beside the tiers' families, and without tiers
+    too (a decoder without tiers gives its turns up to the prefix cache)."""
     from pdserve.engine.kv_tiers import TierManager
 
     turns = {"turns_demoted": 3, "turns_restored": 2, "turn_blocks_from_gpu": 4,
              "turn_blocks_from_tiers": 5, "turns_lost": 1}
-    snap = dict(TierManager(host_blocks=2).stats(), prompt_tokens_loaded=0, failed_loads=0,
-                **turns)
-    two = EngineStats.combine([EngineStats(num_blocks=4, kv_tiers=snap)] * 2)
-    lines = _sample_lines(m.ServerMetrics(_Engine(two)).render()[0].decode())
-    assert lines["pdserve:kv_offload_turns_demoted_total"] == 6
-    assert lines["pdserve:kv_offload_turns_restored_total"] == 4
-    assert lines['pdserve:kv_offload_turn_blocks_restored_total{medium="GPU"}'] == 8
-    assert lines['pdserve:kv_offload_turn_blocks_restored_total{medium="TIER"}'] == 10
-    assert lines["pdserve:kv_offload_turns_lost_total"] == 2
+    snap = dict(TierManager(host_blocks=2).stats(), prompt_tokens_loaded=0, failed_loads=0)
+    for tiers in (snap, None):
+        two = EngineStats.combine([EngineStats(num_blocks=4, kv_tiers=tiers, kv_turns=turns)] * 2)
+        lines = _sample_lines(m.ServerMetrics(_Engine(two)).render()[0].decode())
+        assert lines["pdserve:kv_offload_turns_demoted_total"] == 6
+        assert lines["pdserve:kv_offload_turns_restored_total"] == 4
+        assert lines['pdserve:kv_offload_turn_blocks_restored_total{medium="GPU"}'] == 8
+        assert lines['pdserve:kv_offload_turn_blocks_restored_total{medium="TIER"}'] == 10
+        assert lines["pdserve:kv_offload_turns_lost_total"] == 2
+        assert (lines.get('pdserve:kv_offload_used_blocks{medium="CPU"}') is not None) == \
+            (tiers is not None)
     # an engine without a KV connector has no turn leases: no such family
-    plain = dict(snap)
-    for key in turns:
-        del plain[key]
-    lines = _sample_lines(m.ServerMetrics(_Engine(EngineStats(num_blocks=4, kv_tiers=plain)))
+    lines = _sample_lines(m.ServerMetrics(_Engine(EngineStats(num_blocks=4, kv_tiers=snap)))
                           .render()[0].decode())
     assert not any("kv_offload_turn" in k for k in lines)
