@@ -249,7 +249,7 @@ class DisaggProxy:
             turn.status = e.status
             return _json_response(e.status, e.body, turn.request_id)
         except asyncio.CancelledError:
-            turn.status = 499  # the client went away (handler cancellation)
+            turn.client_left()  # handler cancellation
             raise
         except Exception:
             turn.status = 500  # counted as what the client gets, not as a client that went away

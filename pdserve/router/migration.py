@@ -152,7 +152,7 @@ class StreamMigrator:
                 out, turn, leg, body, request.path, headers,
                 on_kv_params if self._record_turn is not None else None)
         except ConnectionResetError:
-            turn.status = 499  # the client went away; the open decode leg was closed
+            turn.client_left()  # the open decode leg was closed
             return out
         if completed and conv_id and not recorded:
             await self._record_turn(conv_id, leg.p_up, leg.d_up, None)
@@ -174,7 +174,7 @@ class StreamMigrator:
         open_leg: Leg | None = leg
         try:
             while True:
-                failed = await self._pump(out, leg, ledger, on_kv_params)
+                failed = await self._pump(out, turn, leg, ledger, on_kv_params)
                 if failed is None:
                     leg.d_resp.release()
                     open_leg = None
@@ -238,11 +238,11 @@ class StreamMigrator:
         self._client.leave(leg.d_up)
         self._release(leg.p_up, leg.p_params, headers)
 
-    async def _pump(self, out: web.StreamResponse, leg: Leg, ledger: StreamLedger,
+    async def _pump(self, out: web.StreamResponse, turn: Turn, leg: Leg, ledger: StreamLedger,
                     on_kv_params: Callable[[Leg, dict[str, Any]], Awaitable[None]] | None
                     ) -> tuple[MigrationReason, ProxyError] | None:
         """Forward one leg's events until its end (None) or its failure (why, and the error the
-        client gets if it is not migrated)."""
+        client gets if it is not migrated); ``turn.done_sent`` once ``[DONE]`` is written."""
         content = leg.d_resp.content
         events = SSEEvents()
         up = leg.d_up
@@ -307,6 +307,7 @@ class StreamMigrator:
                     batch.append(data)
             if batch:
                 await out.write(b"".join(batch))
+                turn.done_sent = ledger.done
             if failed is not None:
                 return failed
 

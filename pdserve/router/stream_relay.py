@@ -97,11 +97,12 @@ class StreamRelay:
                     await out.write_eof(chunk + (watcher.flush() if watcher is not None else b""))
                 elif chunk:
                     await out.write(chunk)
+                    turn.done_sent = chunk.endswith(_SSE_DONE)
                 last = chunk or last
                 if finished:
                     break
         except ConnectionResetError:
-            turn.status = 499  # the client went away; the finally clause aborts the decode
+            turn.client_left()  # the finally clause aborts the decode, if still running
         finally:
             if finished:
                 d_resp.release()

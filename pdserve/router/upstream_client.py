@@ -56,15 +56,26 @@ class UpstreamHTTPError(Exception):
 
 
 class Turn:
-    """Per-request bookkeeping: id, timing (s, ``perf_counter``) and the answered status."""
+    """Per-request bookkeeping: id, timing (s, ``perf_counter``) and the answered status.
 
-    __slots__ = ("request_id", "t0", "upstream_wait", "status")
+    ``done_sent``: a stream's ``[DONE]`` was written to the client. A client that closes after
+    it (SDK clients stop reading there) got the whole answer: the turn keeps its status
+    instead of 499 (:meth:`client_left`).
+    """
+
+    __slots__ = ("request_id", "t0", "upstream_wait", "status", "done_sent")
 
     def __init__(self, request_id: str, t0: float):
         self.request_id = request_id
         self.t0 = t0
         self.upstream_wait = 0.0
         self.status = 499  # until something is answered: the client went away
+        self.done_sent = False
+
+    def client_left(self) -> None:
+        """The client's connection closed: 499, unless the stream's end had reached it."""
+        if not self.done_sent:
+            self.status = 499
 
 
 class UpstreamClient:

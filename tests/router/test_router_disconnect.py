@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.support.router_fakes import sse, wait_until
@@ -85,3 +86,36 @@ async def test_disconnect_during_non_streaming_decode_cancels_it(make_cluster):
                           lambda: len(d.received) == 1)
     await wait_until(lambda: d.cancelled == [d.received[0].request_id])
     await wait_until(lambda: c.proxy.proxy.decoders.upstreams[0].in_flight == 0)
+
+
+@pytest.mark.parametrize("migration_limit", [0, 3], ids=["relay", "migratable"])
+async def test_a_client_that_closes_after_done_got_its_answer(make_cluster, migration_limit):
+    """SDK clients stop reading at ``[DONE]`` and close: when D's stream ends later, the proxy
+    answered the request whole (200), it is no client that went away (499)."""
+    c = await make_cluster(migration_limit=migration_limit)
+    never = asyncio.Event()
+
+    async def done_then_linger(inst, request, rec):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse({"id": "x", "choices": [{"index": 0, "text": "all",
+                                                      "finish_reason": "length"}]}))
+        await resp.write(b"data: [DONE]\n\n")
+        await never.wait()  # the end of D's response comes late
+
+    c.decoders[0].handler = done_then_linger
+    session = aiohttp.ClientSession()
+    try:
+        resp = await session.post(c.url + "/v1/completions",
+                                  json={"model": "m", "prompt": "x", "stream": True})
+        got = b""
+        while b"[DONE]" not in got:
+            got += await asyncio.wait_for(resp.content.readany(), 5)
+        assert b"all" in got
+        resp.close()  # as the openai SDK does once it has [DONE]
+    finally:
+        await session.close()
+    await wait_until(lambda: c.proxy.proxy.decoders.upstreams[0].in_flight == 0)
+    requests = c.proxy.proxy.metrics.requests
+    await wait_until(lambda: requests.labels(endpoint="completions", status="200")._value.get() == 1)
+    assert requests.labels(endpoint="completions", status="499")._value.get() == 0
