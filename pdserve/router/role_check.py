@@ -1,7 +1,9 @@
 """The check that each instance serves the leg it is given: the proxy asks every instance its
 P/D role once (``GET /pdserve/instance``, :mod:`pdserve.entrypoints.instance_info`) and refuses a
 prefiller that is a decoder (``kv_consumer``), a decoder that is a prefiller (``kv_producer``),
-or one instance in both lists, naming the flags to fix (docs/proxy.md, "Role check").
+one instance in both lists, or instances that serve different models (a request names one
+model, and both of its legs must serve it), naming the flags to fix (docs/proxy.md, "Role
+check").
 
 An instance that does not answer the route (a vLLM engine, an older pdserve) is taken as
 configured; one not reachable yet is asked again on the next request. Every answer also goes
@@ -69,6 +71,7 @@ class RoleCheck:
         self._refreshed: dict[str, float] = {}  # url -> clock() of its last background question
         self._pending: list[Upstream] = [up for pool in pools for up in pool.upstreams]
         self._engine_ids: dict[str, Upstream] = {}  # engine id -> the first instance that had it
+        self._model: tuple[str, Upstream] | None = None  # the first served model named, and where
         self._mismatch: RoleMismatch | None = None
         self._asking = asyncio.Lock()  # concurrent requests wait for one round of questions
 
@@ -140,6 +143,16 @@ class RoleCheck:
                 f"restart it with --kv-transfer-config.kv_role "
                 f"{'kv_producer' if up.leg == 'prefill' else 'kv_consumer'}")
             return
+        model = info.get("model")
+        if isinstance(model, str):
+            first = self._model = self._model or (model, up)
+            if first[0] != model:
+                self._mismatch = RoleMismatch(
+                    f"{first[1].url} ({first[1].leg}) serves the model {first[0]!r} but {up.url} "
+                    f"({up.leg}) serves {model!r}: every request names one model and both of its "
+                    "legs must serve it; start every instance with the same model (or the same "
+                    "--served-model-name)")
+                return
         engine_id = info.get("engine_id")
         if not isinstance(engine_id, str):
             return

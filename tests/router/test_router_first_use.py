@@ -26,6 +26,7 @@ class InfoInstance(FakeInstance):
         self.engine_id = engine_id or f"engine-{name}"
         self.tokenized: list[dict] = []
         self.info_status = 200  # another status: not ready to say its role yet
+        self.model = "m"  # the served model name it reports
 
     async def start(self) -> str:
         app = web.Application()
@@ -46,7 +47,7 @@ class InfoInstance(FakeInstance):
     async def _info(self, request: web.Request) -> web.Response:
         if self.info_status != 200:
             return web.Response(status=self.info_status)
-        return web.json_response({"model": "m", "kv_role": self.kv_role,
+        return web.json_response({"model": self.model, "kv_role": self.kv_role,
                                   "engine_id": self.engine_id, "chat_template": True})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
@@ -107,6 +108,18 @@ async def test_one_engine_under_two_urls_in_both_lists_is_refused(instances):
     d = await instances("d0", "decode", "kv_both", engine_id="same")
     with pytest.raises(RoleMismatch, match="both prefiller .* and decoder"):
         await start_proxy(_config([p], [d]))
+
+
+async def test_instances_serving_different_models_are_refused(instances):
+    """A request names one model and both of its legs must serve it: a prefiller and a decoder
+    with different models would answer every request with a 404 from one leg."""
+    p = await instances("p0", "prefill", "kv_producer")
+    d = await instances("d0", "decode", "kv_consumer")
+    d.model = "other"
+    with pytest.raises(RoleMismatch, match="serves the model 'm' but .* serves 'other'") as exc:
+        await start_proxy(_config([p], [d]))
+    assert p.url in str(exc.value) and d.url in str(exc.value)
+    assert "--served-model-name" in str(exc.value)
 
 
 def test_one_url_in_both_lists_is_a_usage_error(capsys):
