@@ -96,11 +96,14 @@ def _clean_msg(msg: str) -> str:
     return msg
 
 
-def validation_error_to_openai(errors: list[dict[str, Any]]) -> OpenAIError:
+def validation_error_to_openai(errors: list[dict[str, Any]],
+                               content_type: str | None = None) -> OpenAIError:
     """Turns FastAPI/pydantic validation errors into one 400.
 
     The first error names the field (``param`` = its top-level name); union members in the
-    location (``str``, ``list[int]``) are dropped from the message.
+    location (``str``, ``list[int]``) are dropped from the message. ``content_type``: the
+    request's ``Content-Type`` header; a body refused whole under a type that is not JSON
+    (the framework then reads no JSON at all) is told to send ``application/json``.
     """
     if not errors:
         return bad_request("Invalid request")
@@ -115,6 +118,10 @@ def validation_error_to_openai(errors: list[dict[str, Any]]) -> OpenAIError:
             return bad_request("The request body is missing; send a JSON object.")
         if kind in ("value_error", "assertion_error"):  # a check of the whole request
             return bad_request(_clean_msg(str(err.get("msg", "invalid request"))))
+        media = (content_type or "").split(";")[0].strip().lower()
+        if media and media != "application/json" and not media.endswith("+json"):
+            return bad_request(f"The request body must be JSON sent with Content-Type: "
+                               f"application/json (got {media!r})")
         return bad_request(f"The request body must be a JSON object: {_clean_msg(err['msg'])}")
     # Drop pydantic's union-member tags such as "str" / "list[int]" / "function-after[...]".
     path = [p for p in loc if not (("[" in p and "]" in p) or p in ("str", "int", "float", "bool"))]
@@ -133,8 +140,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error_to_openai(list(exc.errors())).response()
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error_to_openai(list(exc.errors()),
+                                          request.headers.get("content-type")).response()
 
     @app.exception_handler(json.JSONDecodeError)
     async def _json_error(_: Request, exc: json.JSONDecodeError) -> JSONResponse:

@@ -329,6 +329,17 @@ async def test_null_means_the_default(client: httpx.AsyncClient, fake_engine: Fa
     assert r.status_code == 200, r.text
 
 
+async def test_a_json_object_sent_as_text_is_told_the_content_type(client: httpx.AsyncClient,
+                                                                  fake_engine: FakeEngine) -> None:
+    """A JSON object under ``Content-Type: text/plain`` is not read as JSON: the 400 says
+    which content type to send instead of calling the object no object."""
+    r = await client.post(COMPLETIONS, content=json.dumps({"prompt": "x", "max_tokens": 2}),
+                          headers={"content-type": "text/plain; charset=utf-8"})
+    assert_openai_error(r, 400, "BadRequestError", message_has="Content-Type: application/json")
+    assert "'text/plain'" in r.json()["error"]["message"]
+    assert fake_engine.calls == {}
+
+
 # A proxied prefill leg: max_tokens 1 and no min_tokens, the client's limits beside them.
 P_LEG = {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
          "max_tokens": 1}
