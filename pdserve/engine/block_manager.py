@@ -164,14 +164,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        max_tokens = request.num_tokens - 1
-        hashes = self._request_hashes(request, max_tokens)
-        blocks: list[int] = []
-        for h in hashes:
-            block_id = self._cached.get(h)
-            if block_id is None:
-                break
-            blocks.append(block_id)
+        blocks = self.cached_prefix(self._request_hashes(request, request.num_tokens - 1))
         num_tokens = len(blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_tokens

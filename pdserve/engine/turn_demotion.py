@@ -215,9 +215,9 @@ class TurnDemoter:
                 continue
             req = held.request
             num_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-            bs = self.kv_cache_manager.block_size
-            tokens = req.token_ids(0, num_tokens // bs * bs)
-            hashes = self.kv_cache_manager.block_hashes(tokens)
+            kvm = self.kv_cache_manager
+            tokens = req.token_ids(0, num_tokens // kvm.block_size * kvm.block_size)
+            hashes = kvm.request_block_hashes(req, len(tokens))  # memoised since its prefill
             self._turns[request_id] = _Turn(TurnState.DEMOTING, tokens, hashes,
                                             len(req.block_ids))
             self.connector.move_turn(request_id, TurnMove.DEMOTE)
@@ -350,11 +350,11 @@ class TurnDemoter:
 
     # ------------------------------------------------------------------------------ status
     def has_pending_work(self) -> bool:
-        """True while tier loads are in flight (:meth:`TierLoads.has_pending_work
-        <pdserve.engine.tier_loads.TierLoads.has_pending_work>`) or a claimed turn waits for
-        blocks (its restore is retried as each step closes)."""
-        return bool(self._wanted) or (self.tier_loads is not None
-                                      and self.tier_loads.has_pending_work())
+        """True while a claimed turn waits for blocks (its restore is retried as each step
+        closes); its tier LOADs are the tier loads' pending work
+        (:meth:`TierLoads.has_pending_work <pdserve.engine.tier_loads.TierLoads.has_pending_work>`),
+        which the scheduler asks as well."""
+        return bool(self._wanted)
 
     @property
     def num_held_blocks(self) -> int:

@@ -329,35 +329,34 @@ class SideChannelServer:
     def _try_claim(self, ident: bytes, request_id: str, block_ids: list[int], deadline: float,
                    seq: Any = None, tokens: tuple[Any, Any] = (None, None)) -> None:
         answer = self._claim(request_id, block_ids, *tokens)
-        phase_trace.mark("sc.claim_" + answer.status.value)
-        if answer.status is ClaimStatus.WAIT and time.monotonic() < deadline:
-            self._pending_claims.append(lambda: self._try_claim(
-                ident, request_id, block_ids, deadline, seq, tokens))
-            return
-        ok = answer.status is ClaimStatus.OK
-        payload = {"ok": ok, "reason": answer.reason, "lease_expiry_in": answer.lease_left_s,
-                   "instance_id": self.instance_id}
-        if ok and answer.first_token is not None:
-            payload["first_token_id"] = answer.first_token
-        if ok and answer.block_ids is not None:
-            payload["block_ids"] = answer.block_ids  # a restored turn lease's blocks
-        self._reply(ident, payload, seq)
+        self._answer_claim(ident, seq, answer, deadline, lambda: self._try_claim(
+            ident, request_id, block_ids, deadline, seq, tokens))
 
     def _try_transfer_claim(self, ident: bytes, transfer_id: str, deadline: float, seq: Any,
                             tokens: tuple[Any, Any]) -> None:
         answer = self._claim_transfer(transfer_id, *tokens)
+        self._answer_claim(ident, seq, answer, deadline, lambda: self._try_transfer_claim(
+            ident, transfer_id, deadline, seq, tokens), waited=" within the reader's wait")
+
+    def _answer_claim(self, ident: bytes, seq: Any, answer: ClaimAnswer, deadline: float,
+                      retry: Callable[[], None], waited: str = "") -> None:
+        """Reply to a claim with ``answer``, or queue ``retry`` while it waits before
+        ``deadline``; a claim still waiting then is refused (``waited`` follows its reason).
+        A granted reply carries the first token, and a pending claim's request id and blocks
+        or a restored turn lease's blocks, when the answer has them."""
         phase_trace.mark("sc.claim_" + answer.status.value)
-        if answer.status is ClaimStatus.WAIT and time.monotonic() < deadline:
-            self._pending_claims.append(lambda: self._try_transfer_claim(
-                ident, transfer_id, deadline, seq, tokens))
+        waits = answer.status is ClaimStatus.WAIT
+        if waits and time.monotonic() < deadline:
+            self._pending_claims.append(retry)
             return
         ok = answer.status is ClaimStatus.OK
-        reason = answer.reason if answer.status is not ClaimStatus.WAIT else (
-            f"{answer.reason} within the reader's wait")
-        payload = {"ok": ok, "reason": reason,
+        payload = {"ok": ok, "reason": answer.reason + waited if waits else answer.reason,
                    "lease_expiry_in": answer.lease_left_s, "instance_id": self.instance_id}
         if ok:
-            payload.update(request_id=answer.request_id, block_ids=answer.block_ids)
+            if answer.request_id:
+                payload["request_id"] = answer.request_id
+            if answer.block_ids is not None:
+                payload["block_ids"] = answer.block_ids
             if answer.first_token is not None:
                 payload["first_token_id"] = answer.first_token
         self._reply(ident, payload, seq)

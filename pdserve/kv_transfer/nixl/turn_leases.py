@@ -80,10 +80,12 @@ class TurnLeaseMoves:
         with self._lock:
             if not self._restore_wanted:
                 return []
-            out = [r for r, lease in self._leases.items()
-                   if r in self._restore_wanted and lease.where is LeaseBlocks.RESTORE_WANTED]
-            for request_id in out:
-                self._leases[request_id].where = LeaseBlocks.RESTORING
+            out = []
+            for request_id in self._restore_wanted:
+                lease = self._leases.get(request_id)
+                if lease is not None and lease.where is LeaseBlocks.RESTORE_WANTED:
+                    lease.where = LeaseBlocks.RESTORING
+                    out.append(request_id)
             self._restore_wanted.clear()
             return out
 
