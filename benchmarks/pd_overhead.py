@@ -68,8 +68,8 @@ each mark of any process (``role phase``, ``#k`` for a repeat within the request
 seen in at least half of the requests), its median offset from the client's send (ms) and the
 step from the row before, in order of the median, down to ``client cl.first`` (the client saw
 the first token; its offset is about the median TTFT). The marks are listed in
-docs/architecture.md ("Phase trace"); each is a few microseconds of file write, in every target
-alike. Last, the engines' prompt-token counters over the whole mode (warm-up included):
+docs/architecture.md ("Phase trace"); each is an append to a buffer that a thread of each
+process writes every 50 ms, in every target alike. Last, the engines' prompt-token counters over the whole mode (warm-up included):
 computed, cached (prefix cache) and transferred (pulled over NIXL).
 
 ``--out FILE`` writes every raw sample (warm-up and history turns flagged), the rows, the

@@ -2,7 +2,8 @@
 
 With the environment variable ``PDSERVE_PHASE_TRACE`` naming a directory, every process that
 imports this module (proxy, API servers, engine cores; children inherit the variable) appends one
-line per :func:`mark` to ``<dir>/<pid>.trace``::
+line per :func:`mark` to ``<dir>/<pid>.trace`` (buffered, written every
+:data:`FLUSH_INTERVAL_S` by a thread of its own, and at exit)::
 
     # role P.api
     1733112345.123456 api.in
@@ -20,6 +21,7 @@ docs/architecture.md ("Phase trace").
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -27,12 +29,16 @@ from typing import TextIO
 
 #: Environment variable naming the trace directory (unset or empty: tracing off).
 ENV = "PDSERVE_PHASE_TRACE"
+#: Seconds between the background writes of the buffered marks.
+FLUSH_INTERVAL_S = 0.05
 
 _dir = os.environ.get(ENV) or None
 _role = "?"
 _file: TextIO | None = None
 _pid = 0
-_lock = threading.Lock()  # engine thread and side-channel thread share the file
+_lines: list[str] = []  # marks not written yet
+_lock = threading.Lock()  # every thread of a process marks into one buffer
+_flusher: threading.Thread | None = None
 
 
 def enabled() -> bool:
@@ -54,25 +60,59 @@ def kv_role_prefix(kv_role: str | None) -> str:
 
 
 def mark(phase: str) -> None:
-    """Append ``<time.time()> <phase>`` to this process's trace file (nothing when tracing is
-    off). ``phase`` must not contain a newline."""
+    """Note ``<time.time()> <phase>`` for this process's trace file (nothing when tracing is
+    off). ``phase`` must not contain a newline.
+
+    The mark only goes into a buffer: a background thread writes the buffer every
+    :data:`FLUSH_INTERVAL_S` (and :func:`flush` at exit). A write per mark was a system call on
+    the traced path, during which CPython hands the GIL to another thread of the process (an
+    engine core's side-channel thread waited behind its engine thread that way), so the trace
+    moved the timings it recorded."""
     if _dir is None:
         return
-    global _file, _pid
+    global _pid, _file, _flusher
     now = time.time()
     with _lock:
-        if _file is None or _pid != os.getpid():  # first mark, or a forked child
-            _pid = os.getpid()
-            _file = open(os.path.join(_dir, f"{_pid}.trace"), "a", buffering=1)
+        if _pid != os.getpid():  # first mark, or a forked child (no flusher thread there)
+            _pid, _file = os.getpid(), None
+            _lines.clear()
+            _flusher = threading.Thread(target=_flush_loop, name="pdserve-phase-trace",
+                                        daemon=True)
+            _flusher.start()
+        _lines.append(f"{now:.6f} {phase}\n")
+
+
+def flush() -> None:
+    """Write the buffered marks to this process's trace file now (the first write opens it
+    and names the role)."""
+    global _file
+    with _lock:
+        if not _lines or _dir is None:
+            return
+        if _file is None:
+            _file = open(os.path.join(_dir, f"{_pid}.trace"), "a")
             _file.write(f"# role {_role}\n")
-        _file.write(f"{now:.6f} {phase}\n")
+        _file.write("".join(_lines))
+        _lines.clear()
+        _file.flush()
+
+
+def _flush_loop() -> None:
+    pid = os.getpid()
+    while _dir is not None and _pid == pid:
+        time.sleep(FLUSH_INTERVAL_S)
+        flush()
+
+
+atexit.register(flush)
 
 
 def configure(directory: str | None) -> None:
-    """Turn tracing on (into ``directory``) or off (None) in this process; for tests and
-    drivers that set the variable after import."""
-    global _dir, _file
+    """Turn tracing on (into ``directory``) or off (None) in this process, writing what was
+    buffered first; for tests and drivers that set the variable after import."""
+    global _dir, _file, _pid
+    flush()
     with _lock:
         if _file is not None:
             _file.close()
-        _dir, _file = directory, None
+        _dir, _file, _pid = directory, None, 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -43,11 +44,23 @@ def test_marks_go_to_the_process_file_with_its_role(trace_dir):
     phase_trace.set_role("P.api")
     phase_trace.mark("api.in")
     phase_trace.mark("api.prompt")
+    assert not (trace_dir / f"{os.getpid()}.trace").exists()  # buffered: no write per mark
+    phase_trace.flush()
     lines = (trace_dir / f"{os.getpid()}.trace").read_text().splitlines()
     assert lines[0] == "# role P.api"
     assert [ln.split(" ", 1)[1] for ln in lines[1:]] == ["api.in", "api.prompt"]
     t_in, t_prompt = (float(ln.split(" ", 1)[0]) for ln in lines[1:])
     assert 0 <= t_prompt - t_in < 5
+
+
+def test_the_flusher_thread_writes_the_marks(trace_dir):
+    phase_trace.set_role("D.core")
+    phase_trace.mark("core.add")
+    path = trace_dir / f"{os.getpid()}.trace"
+    deadline = time.monotonic() + 5
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(phase_trace.FLUSH_INTERVAL_S / 5)
+    assert path.read_text().splitlines()[1].endswith(" core.add")
 
 
 def test_role_prefix():
