@@ -56,6 +56,9 @@ TIER_SERIES = (
     'pdserve:kv_offload_stored_blocks_total{medium="CPU"}',
     'pdserve:kv_offload_hits_total{medium="CPU"}',
     "pdserve:kv_offload_prompt_tokens_loaded_total",
+    'pdserve:kv_offload_bytes_total{medium="CPU"}',
+    "pdserve:kv_offload_copy_seconds_sum",
+    "pdserve:kv_offload_copy_seconds_count",
 )
 # leases that ended unread: P's prompt leases (D did not read in time) and D's turn leases
 EXPIRED_SERIES = (
@@ -254,6 +257,15 @@ def _f(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
 
+def _copy_line(c: dict[str, float]) -> str:
+    """An engine's tier copies: batches (one per step with copies), their summed time (the copy
+    stream's, stores and loads together), and GiB stored to the host tier."""
+    n, total = c.get(TIER_SERIES[5], 0.0), c.get(TIER_SERIES[4], 0.0)
+    mean = f", mean {1e3 * total / n:.2f} ms" if n else ""
+    return (f"{n:.0f} batches, {total:.2f} s{mean}; stored "
+            f"{c.get(TIER_SERIES[3], 0.0) / 2**30:.2f} GiB")
+
+
 def report(results: dict[str, dict]) -> list[str]:
     """The printed lines of both cases and the turns-2+ ratios."""
     lines = []
@@ -274,7 +286,7 @@ def report(results: dict[str, dict]) -> list[str]:
             lines.append(
                 f"{'':>9}  {role} host tier: stored {c.get(TIER_SERIES[0], 0.0):.0f} blocks, "
                 f"hits {c.get(TIER_SERIES[1], 0.0):.0f} blocks, prompt tokens loaded "
-                f"{c.get(TIER_SERIES[2], 0.0):.0f}")
+                f"{c.get(TIER_SERIES[2], 0.0):.0f}; copies {_copy_line(c)}")
         lines.append(
             f"{'':>9}  D turn leases: demoted {d.get(D_TURN_SERIES[0], 0.0):.0f}, restored "
             f"{d.get(D_TURN_SERIES[1], 0.0):.0f} ({d.get(D_TURN_SERIES[2], 0.0):.0f} blocks from "
