@@ -42,6 +42,7 @@ from aiohttp import web
 from pdserve.utils import phase_trace
 from pdserve.types.openai_errors import MAX_BODY_BYTES, body_too_large
 from pdserve.router.bodies import check_client_body, conversation_key, prefill_leg_body
+from pdserve.router.client_stream import ClientStream
 from pdserve.router.concurrent_legs import ConcurrentLegs
 from pdserve.router.config import ProxyConfig
 from pdserve.router.conversations import ConversationStore
@@ -240,14 +241,15 @@ class DisaggProxy:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         turn = Turn(request.headers.get("X-Request-Id") or uuid.uuid4().hex, perf_counter())
         endpoint = _ENDPOINTS[request.path]
+        client = ClientStream(request, turn.request_id)
         try:
-            return await self._generate_turn(request, turn)
-        except ProxyError as e:
+            return await self._generate_turn(request, turn, client)
+        except (ProxyError, UpstreamHTTPError) as e:
             turn.status = e.status
-            return _json_response(e.status, e.body(), turn.request_id)
-        except UpstreamHTTPError as e:
-            turn.status = e.status
-            return _json_response(e.status, e.body, turn.request_id)
+            body = e.body() if isinstance(e, ProxyError) else e.body
+            if client.opened:  # the headers went out: the error goes in the stream
+                return await client.fail(body)
+            return _json_response(e.status, body, turn.request_id)
         except asyncio.CancelledError:
             turn.client_left()  # handler cancellation
             raise
@@ -257,7 +259,8 @@ class DisaggProxy:
         finally:
             self.metrics.count_request(endpoint, turn.status)
 
-    async def _generate_turn(self, request: web.Request, turn: Turn) -> web.StreamResponse:
+    async def _generate_turn(self, request: web.Request, turn: Turn,
+                             client: ClientStream) -> web.StreamResponse:
         phase_trace.mark("px.in")
         if not self._authorized(request):
             raise ProxyError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
@@ -311,7 +314,8 @@ class DisaggProxy:
         if self.concurrent is not None:
             phase_trace.mark("px.p_body_built")
             answer = await self.concurrent.run(path, body, p_body, headers, turn, stream,
-                                               previous, token_ids, return_token_ids=migrate)
+                                               previous, token_ids, return_token_ids=migrate,
+                                               on_accept=client.open if stream else None)
         else:
             p_data = _encode(p_body).encode()
             phase_trace.mark("px.p_body_built")
@@ -320,7 +324,7 @@ class DisaggProxy:
         p_up, d_up, d_resp, d_raw = answer.p_up, answer.d_up, answer.d_resp, answer.raw
         phase_trace.mark("px.d_hdr")
         if d_raw is None:
-            return await self._relay_stream(request, turn, answer, conv_id, headers,
+            return await self._relay_stream(request, client, turn, answer, conv_id, headers,
                                             body if migrate else None)
         keep = conv_id is not None
         if keep or (self.state_store is not None and _D_PARAMS_NEEDLE in d_raw):
@@ -352,8 +356,8 @@ class DisaggProxy:
         if self.conversations is not None:
             self.metrics.conversations.set(len(self.conversations))
 
-    async def _relay_stream(self, request: web.Request, turn: Turn, answer: DecodeAnswer,
-                            conv_id: str | None, headers: dict[str, str],
+    async def _relay_stream(self, request: web.Request, client: ClientStream, turn: Turn,
+                            answer: DecodeAnswer, conv_id: str | None, headers: dict[str, str],
                             migrate_body: dict[str, Any] | None = None) -> web.StreamResponse:
         """Forward D's SSE stream chunk by chunk; in multi-turn mode record D's
         ``kv_transfer_params`` for the conversation (or release them on D when the request has
@@ -363,10 +367,8 @@ class DisaggProxy:
         (``--migration-limit``; :class:`pdserve.router.migration.StreamMigrator` relays it).
         """
         d_resp = answer.d_resp
-        out = web.StreamResponse(status=200, headers={
-            "Content-Type": d_resp.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache",
-            "X-Request-Id": turn.request_id})
+        # opened already when the concurrent hand-off's decoder accepted (ClientStream)
+        out = client.response(d_resp.headers.get("Content-Type", "text/event-stream"))
         if migrate_body is not None:
             leg = Leg(answer.p_up, answer.p_params, answer.d_up, d_resp, answer.held, answer.timer,
                       answer.held_parsed)

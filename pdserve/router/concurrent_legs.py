@@ -7,8 +7,9 @@ fresh ``transfer_id``, and sends the prefill leg (:mod:`pdserve.router.prefill_l
 background) and the decode leg with pending params (:func:`~pdserve.router.bodies.pending_decode_leg_body`)
 together. D's answer is what the client gets; before D's first token (a stream: its first
 event with output, :mod:`pdserve.router.first_token`; the chat opening chunk is held back until
-then) nothing has reached the client, so a failure is retried as in the sequential flow
-(:mod:`pdserve.router.legs`), within the same ``--max-retries``:
+then) nothing of the body has reached the client (a stream's headers have, once a decoder
+accepted the leg: :mod:`pdserve.router.client_stream`), so a failure is retried as in the
+sequential flow (:mod:`pdserve.router.legs`), within the same ``--max-retries``:
 
 * **P fails** (5xx, timeout, dropped connection, invalid answer) before D's first token -> the
   decode leg is closed (D aborts the request and frees its blocks), the retry is counted, and
@@ -43,7 +44,7 @@ import json
 import logging
 import uuid
 from time import perf_counter
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 
@@ -64,6 +65,8 @@ from pdserve.types.kv_endpoints import DATA_PARALLEL_RANK_HEADER
 logger = logging.getLogger("pdserve.router")
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode
+#: ``await on_accept(content_type)``: a decoder accepted a streamed decode leg.
+OnAccept = Callable[[str], Awaitable[None]]
 #: The ``param`` of a decoder's 400 that refuses the pending params themselves.
 _KV_PARAMS = "kv_transfer_params"
 
@@ -125,12 +128,16 @@ class ConcurrentLegs:
     async def run(self, path: str, body: dict[str, Any], p_body: dict[str, Any],
                   headers: dict[str, str], turn: Turn, stream: bool,
                   previous: tuple[str | None, str | None], token_ids: list[int] | None,
-                  return_token_ids: bool = False) -> DecodeAnswer:
+                  return_token_ids: bool = False,
+                  on_accept: OnAccept | None = None) -> DecodeAnswer:
         """Serve the turn up to D's first token (:meth:`TurnLegs.run`'s contract).
 
         Args:
             p_body: the prefill leg's body (:func:`~pdserve.router.bodies.prefill_leg_body`;
                 each attempt adds its transfer id).
+            on_accept: a stream's ``await on_accept(content_type)`` when a decoder answers
+                the decode leg with a 200 stream, before its first token
+                (:class:`~pdserve.router.client_stream.ClientStream.open`); None: nothing.
             (others): as :meth:`TurnLegs.run`.
 
         Raises:
@@ -155,7 +162,8 @@ class ConcurrentLegs:
                     token_ids, return_token_ids, att, (p_order, d_order))
             d_order = [u for u in d_order if self._targets.concurrent_decoder(u)]
             outcome = await self._attempt(path, body, p_body, headers, turn, stream,
-                                          return_token_ids, p_order[0], ranks, d_order, att)
+                                          return_token_ids, p_order[0], ranks, d_order, att,
+                                          on_accept)
             if outcome is _Next.SEQUENTIAL:
                 concurrent = False
             elif isinstance(outcome, DecodeAnswer):
@@ -185,7 +193,7 @@ class ConcurrentLegs:
     async def _attempt(self, path: str, body: dict[str, Any], p_body: dict[str, Any],
                        headers: dict[str, str], turn: Turn, stream: bool, return_token_ids: bool,
                        p_up: Upstream, ranks: PrefillRanks, d_order: list[Upstream],
-                       att: Attempts) -> DecodeAnswer | _Next:
+                       att: Attempts, on_accept: OnAccept | None) -> DecodeAnswer | _Next:
         """Both legs with one transfer id, up to D's first token or a failure."""
         transfer_id = uuid.uuid4().hex
         rank = ranks.pick()
@@ -205,7 +213,7 @@ class ConcurrentLegs:
         self._background.add(p_task)  # P's answer may be read after the request's answer
         p_task.add_done_callback(self._background.discard)
         d_task = asyncio.get_running_loop().create_task(
-            self._decode_start(start, d_order, path, d_data, headers, turn, stream))
+            self._decode_start(start, d_order, path, d_data, headers, turn, stream, on_accept))
         try:
             while not d_task.done():
                 waits = {d_task} if prefill.done else {d_task, prefill.task}
@@ -284,9 +292,10 @@ class ConcurrentLegs:
     # ------------------------------------------------------------------ decode leg
     async def _decode_start(self, start: _DecodeStart, order: list[Upstream], path: str,
                             data: bytes, headers: dict[str, str], turn: Turn,
-                            stream: bool) -> None:
-        """Open the decode leg and read it up to D's first token (a 200 stream) or its whole
-        body (into ``start``). Cancelled, or failing, it closes the leg.
+                            stream: bool, on_accept: OnAccept | None) -> None:
+        """Open the decode leg and read it up to D's first token (a 200 stream, announced to
+        ``on_accept`` first) or its whole body (into ``start``). Cancelled, or failing, it
+        closes the leg.
 
         Raises:
             ProxyError: no decoder accepted a connection (503), or D failed (502/504).
@@ -300,6 +309,8 @@ class ConcurrentLegs:
         start.parsed = watch.parsed
         t = perf_counter()
         try:
+            if on_accept is not None:
+                await on_accept(resp.headers.get("Content-Type", "text/event-stream"))
             while start.first is None:
                 try:
                     chunk = await resp.content.readany()

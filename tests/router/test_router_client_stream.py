@@ -1,0 +1,94 @@
+"""The concurrent hand-off sends a stream's headers when the decoder accepts the decode leg,
+its body only from D's first token on (pdserve/router/client_stream.py, docs/proxy.md): the
+client has the headers while D still waits for P's KV; a failure after that is retried unseen,
+and a turn that cannot be served then ends in the stream with an error event."""
+
+import asyncio
+import json
+
+from aiohttp import web
+
+from tests.support.handoff_fakes import SideChannels, info_for
+from tests.support.router_fakes import sse, wait_until
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+OPENING = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+
+
+async def concurrent_cluster(make_cluster, **kwargs):
+    c = await make_cluster(instance_info=info_for(), **kwargs)
+    SideChannels().install(c.prefillers, c.decoders)
+    return c
+
+
+async def test_headers_reach_the_client_before_the_first_token(make_cluster):
+    c = await concurrent_cluster(make_cluster)
+    go = asyncio.Event()
+
+    async def waits_for_the_kv(inst, request, rec):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse(OPENING))
+        await go.wait()  # D's read of P's KV
+        await resp.write(sse({"choices": [{"index": 0, "delta": {"content": "hi"}}]}))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    c.decoders[0].handler = waits_for_the_kv
+    # the headers come while D still waits (without them: a timeout here)
+    r = await asyncio.wait_for(c.session.post(c.url + "/v1/chat/completions", json=CHAT,
+                                              headers={"X-Request-Id": "early"}), 5)
+    async with r:
+        assert r.status == 200 and not go.is_set()
+        assert r.headers["Content-Type"] == "text/event-stream"
+        assert r.headers["X-Request-Id"] == "early"
+        try:  # nothing of the body before D's first token (the opening chunk is held)
+            early = await asyncio.wait_for(r.content.readany(), 0.2)
+        except asyncio.TimeoutError:
+            early = None
+        assert early is None
+        go.set()
+        raw = await r.read()
+    events = [json.loads(line[6:]) for line in raw.decode().split("\n\n")
+              if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[1]["choices"][0]["delta"] == {"content": "hi"}
+    assert raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_failure_after_the_headers_ends_the_stream_with_an_error_event(make_cluster):
+    c = await concurrent_cluster(make_cluster)
+
+    async def fails_before_any_token(inst, request, rec):  # D's own failure: not retried
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse(OPENING))
+        await resp.write(sse({"error": {"message": "engine exploded", "type": "internal_error",
+                                        "param": None, "code": 500}}) + b"data: [DONE]\n\n")
+        return resp
+
+    c.decoders[0].handler = fails_before_any_token
+    status, _, raw = await c.post("/v1/chat/completions", CHAT)
+    assert status == 200  # the headers went out when D accepted the leg
+    chunks = raw.split(b"\n\n")
+    assert chunks[0].startswith(b"data: {\"error\"") and b"engine exploded" in chunks[0]
+    assert json.loads(chunks[0][6:])["error"]["code"] == 500
+    assert raw.endswith(b"data: [DONE]\n\n") and b"assistant" not in raw  # no held chunk
+    metrics = c.proxy.proxy.metrics
+    await wait_until(lambda: metrics.requests.labels(endpoint="chat_completions",
+                                                     status="500")._value.get() == 1)
+
+
+async def test_a_non_streamed_turn_still_answers_with_the_status(make_cluster):
+    c = await concurrent_cluster(make_cluster)
+
+    async def refuses(inst, request, rec):
+        return web.json_response({"error": {"message": "no", "type": "invalid_request_error",
+                                            "param": "max_tokens", "code": 400}}, status=400)
+
+    c.decoders[0].handler = refuses
+    status, _, raw = await c.post("/v1/chat/completions", dict(CHAT, stream=False))
+    assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"
+    # a stream that D refuses with a status (not a 200 stream) opens nothing either
+    status, _, raw = await c.post("/v1/chat/completions", CHAT)
+    assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"
