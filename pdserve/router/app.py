@@ -267,6 +267,10 @@ class DisaggProxy:
                              AUTHENTICATION)
         if (request.content_length or 0) > MAX_BODY_BYTES:  # judged by its header, unread
             raise ProxyError(413, body_too_large(MAX_BODY_BYTES), REQUEST_TOO_LARGE)
+        media = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if media and media != _JSON and not media.endswith("+json"):  # as the engines answer
+            raise ProxyError(400, "The request body must be JSON sent with Content-Type: "
+                                  f"application/json (got {media!r})", INVALID_REQUEST)
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:

@@ -36,8 +36,12 @@ class Cluster:
         return self.proxy.url
 
     async def post(self, path: str, body, headers: dict | None = None) -> tuple[int, CIMultiDict, bytes]:
-        """POST ``body`` (JSON-encoded unless bytes) through the proxy: (status, headers, body)."""
+        """POST ``body`` (JSON-encoded unless bytes or text, which go as they are, sent as
+        ``application/json`` unless ``headers`` say otherwise) through the proxy: (status,
+        headers, body)."""
         kwargs = {"data": body} if isinstance(body, (bytes, str)) else {"json": body}
+        if "data" in kwargs and not any(k.lower() == "content-type" for k in headers or {}):
+            headers = {**(headers or {}), "Content-Type": "application/json"}
         async with self.session.post(self.url + path, headers=headers, **kwargs) as r:
             return r.status, r.headers.copy(), await r.read()
 

@@ -92,3 +92,56 @@ async def test_a_non_streamed_turn_still_answers_with_the_status(make_cluster):
     # a stream that D refuses with a status (not a 200 stream) opens nothing either
     status, _, raw = await c.post("/v1/chat/completions", CHAT)
     assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"
+
+
+async def test_an_indented_upstream_error_becomes_one_event(make_cluster):
+    """A prefiller's error body on several lines (indented JSON) reaches a stream whose headers
+    went out as one event of compact JSON (its data would end at the first line's end)."""
+    c = await concurrent_cluster(make_cluster, max_retries=0)
+    go = asyncio.Event()
+
+    async def waits_for_the_kv(inst, request, rec):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse(OPENING))
+        await go.wait()
+
+    async def indented_400(inst, request, rec):
+        await asyncio.sleep(0.2)  # after D accepted the decode leg
+        body = {"error": {"message": "prompt too long\nfor this prefiller", "type":
+                          "invalid_request_error", "param": "messages", "code": 400}}
+        return web.Response(status=400, text=json.dumps(body, indent=2),
+                            content_type="application/json")
+
+    c.prefillers[0].handler, c.decoders[0].handler = indented_400, waits_for_the_kv
+    try:
+        status, _, raw = await c.post("/v1/chat/completions", CHAT)
+    finally:
+        go.set()
+    assert status == 200
+    event, done = raw.split(b"\n\n")[:2]
+    assert event.count(b"\n") == 0 and done == b"data: [DONE]"
+    error = json.loads(event[len(b"data: "):])["error"]
+    assert error["message"] == "prompt too long\nfor this prefiller" and error["code"] == 400
+
+
+def test_sse_event_keeps_a_payload_that_is_no_json_as_data_lines():
+    from pdserve.router.client_stream import sse_event
+
+    assert sse_event(b'{"a":1}') == b'data: {"a":1}\n\n'
+    assert sse_event(b'{\n "a": 1\n}') == b'data: {"a":1}\n\n'
+    assert sse_event(b"bad\r\ngateway") == b"data: bad\ndata: gateway\n\n"
+
+
+async def test_a_body_sent_as_another_content_type_is_refused_as_the_engines_do(make_cluster):
+    c = await concurrent_cluster(make_cluster)
+    status, _, raw = await c.post("/v1/chat/completions", json.dumps(CHAT),
+                                  {"Content-Type": "text/plain"})
+    error = json.loads(raw)["error"]
+    assert status == 400 and "application/json" in error["message"] and "text/plain" in \
+        error["message"]
+    assert c.prefillers[0].received == [] and c.decoders[0].received == []
+    for ok in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        status, _, _ = await c.post("/v1/chat/completions", json.dumps(CHAT),
+                                    {"Content-Type": ok})
+        assert status == 200
