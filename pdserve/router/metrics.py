@@ -3,7 +3,8 @@
 Names (kept here until the project-wide ``pdserve/entrypoints/metrics.py`` takes them over):
 
 * ``pdserve:proxy_requests_total{endpoint, status}``: generation requests answered, by endpoint
-  (``completions`` / ``chat_completions``) and HTTP status (``499`` = client went away).
+  (``completions`` / ``chat_completions``) and HTTP status (``499`` = client went away; a
+  stream that ends with an error event: that error's status).
 * ``pdserve:proxy_errors_total{upstream, leg}``: upstream failures (unreachable, timeout,
   connection lost, invalid response, HTTP 5xx), by instance URL and leg. Client errors (4xx) that
   an instance reports are not counted: they are the client's.

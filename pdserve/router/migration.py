@@ -30,6 +30,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.router.bodies import decode_leg_body, prefill_leg_body
+from pdserve.router.client_stream import sse_event
 from pdserve.router.errors import UPSTREAM_ERROR, UPSTREAM_TIMEOUT, UPSTREAM_UNAVAILABLE, ProxyError
 from pdserve.router.first_token import DecodeTimer
 from pdserve.router.metrics import ProxyMetrics
@@ -192,6 +193,7 @@ class StreamMigrator:
                     if refusal is not None:
                         logger.warning("request %s: not migrated (%s): %s", turn.request_id,
                                        refusal, err.message)
+                        turn.status = err.status  # the request's metric counts the error
                         await out.write_eof(b"data: " + err.body() + b"\n\n" + _DONE)
                         return leg, False
                     migrations += 1
@@ -204,7 +206,8 @@ class StreamMigrator:
                                                     turn, tried)
                     except UpstreamHTTPError as e:
                         if e.status < 500:  # the instance refused the resumed request itself
-                            await out.write_eof(b"data: " + e.body + b"\n\n" + _DONE)
+                            turn.status = e.status
+                            await out.write_eof(sse_event(e.body) + _DONE)
                             return leg, False
                         reason, err = MigrationReason.UPSTREAM_ERROR, ProxyError(
                             e.status, _message(e.body), error_type(e.status))
@@ -212,6 +215,7 @@ class StreamMigrator:
                     except ProxyError as e:
                         reason, err = MigrationReason.CONNECTION, e
                         if e.status == 503:  # no instance left to try
+                            turn.status = e.status
                             await out.write_eof(b"data: " + e.body() + b"\n\n" + _DONE)
                             return leg, False
                         continue

@@ -69,6 +69,7 @@ class StreamRelay:
                     chunk, held = held or await content.readany(), b""
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     err = self._client.failure(d_up, e)
+                    turn.status = err.status  # the request's metric counts the error
                     d_resp.close()
                     sep = b"" if last.endswith(b"\n\n") else b"\n\n"
                     await out.write_eof(sep + b"data: " + err.body() + b"\n\n" + _SSE_DONE)

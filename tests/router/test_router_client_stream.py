@@ -145,3 +145,27 @@ async def test_a_body_sent_as_another_content_type_is_refused_as_the_engines_do(
         status, _, _ = await c.post("/v1/chat/completions", json.dumps(CHAT),
                                     {"Content-Type": ok})
         assert status == 200
+
+
+async def test_a_stream_that_fails_after_its_first_token_counts_the_error(make_cluster):
+    """The request metric counts what the client got: a stream that ends with an error event
+    after tokens (the decoder's connection dropped, no migration) counts that error's status."""
+    c = await concurrent_cluster(make_cluster)
+
+    async def drops_after_a_token(inst, request, rec):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse({"choices": [{"index": 0, "delta": {"content": "hi"}}]}))
+        request.transport.close()  # the connection drops mid-stream
+        return resp
+
+    c.decoders[0].handler = drops_after_a_token
+    status, _, raw = await c.post("/v1/chat/completions", CHAT)
+    assert status == 200 and b'"hi"' in raw and b'{"error"' in raw
+    assert raw.endswith(b"data: [DONE]\n\n")
+    metrics = c.proxy.proxy.metrics
+    code = json.loads(raw.split(b"\n\n")[-3][len(b"data: "):])["error"]["code"]
+    assert code >= 500
+    await wait_until(lambda: metrics.requests.labels(endpoint="chat_completions",
+                                                     status=str(code))._value.get() == 1)
+    assert metrics.requests.labels(endpoint="chat_completions", status="200")._value.get() == 0
