@@ -80,6 +80,11 @@ def check_client_body(body: Any) -> None:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ProxyError(400, f"'stream' must be a boolean, got {stream!r}", INVALID_REQUEST, "stream")
+    ids = body.get("return_token_ids")
+    if ids is not None and not isinstance(ids, bool):
+        # the decode leg of a migratable stream sets it: checked here, before it is overwritten
+        raise ProxyError(400, f"'return_token_ids' must be a boolean, got {ids!r}",
+                         INVALID_REQUEST, "return_token_ids")
     if body.get("stream_options") is not None and not stream:
         # D would refuse it after P's prefill (the engines' rule, as vLLM's)
         raise ProxyError(400, STREAM_OPTIONS_WITHOUT_STREAM, INVALID_REQUEST, "stream_options")

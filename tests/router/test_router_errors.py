@@ -174,6 +174,8 @@ async def test_bad_client_bodies_are_400_and_reach_no_instance(make_cluster):
          "instead", "n"),
         (json.dumps(dict(BODY, stream="true")).encode(), "'stream' must be a boolean, got 'true'",
          "stream"),
+        (json.dumps(dict(BODY, stream=True, return_token_ids="x")).encode(),
+         "'return_token_ids' must be a boolean, got 'x'", "return_token_ids"),
         (json.dumps(dict(BODY, prompt=["Hi", "Bye"])).encode(),
          "a list of 2 prompts is not supported by the disaggregated proxy; send one request per "
          "prompt", "prompt"),
