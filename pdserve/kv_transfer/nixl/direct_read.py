@@ -5,8 +5,11 @@ itself on a side CUDA stream; :class:`DirectPeer` has the transfer interface of
 :class:`~pdserve.kv_transfer.nixl.agent.NixlAgent` (post, check, telemetry, release), so the
 load tracker treats it like a NIXL READ and sends the owner "done" when it completes.
 
-:func:`copy_blocks` is plain torch indexing and runs on CPU tensors too (tests stand in two CPU
-tensors for the two caches; :class:`DirectPeer` then copies synchronously).
+Between two caches on one GPU the blocks are copied by one kernel launch
+(:mod:`pdserve.kernels.block_copy`: each byte read and written once, the block ids read on the
+device); without Triton, on CPU tensors (tests stand in two CPU tensors for the two caches;
+:class:`DirectPeer` then copies synchronously) and from host memory, :func:`copy_blocks` uses
+plain torch copies.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import functools
+import importlib.util
 
 import torch
 
@@ -34,13 +40,35 @@ class CopyPlan:
     Attributes:
         runs: ``[(dst_start, src_start, num_blocks), ...]`` when copied run by run, else None.
         dst_idx, src_idx: ``int64 [n]`` block ids on the tensors' devices for the gather path.
-        chunk: blocks per gather chunk.
+        chunk: blocks per gather chunk; with ``kernel_ids``, the blocks to copy.
+        kernel_ids: ``int32 [2, m]`` (destination ids, source ids, each row padded to a
+            multiple of 4) in pinned host memory when the copy is one
+            :mod:`pdserve.kernels.block_copy` launch, else None.
     """
 
     runs: list[tuple[int, int, int]] | None
     dst_idx: torch.Tensor | None = None
     src_idx: torch.Tensor | None = None
     chunk: int = 0
+    kernel_ids: torch.Tensor | None = None
+
+
+@functools.lru_cache(maxsize=1)
+def _block_copy_kernels():
+    """:mod:`pdserve.kernels.block_copy`, or None without Triton."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from pdserve.kernels import block_copy
+
+    return block_copy
+
+
+def _kernel_copies(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether a copy from ``src`` into ``dst`` is one block-copy kernel launch: both on one
+    CUDA device, contiguous, blocks of whole 32-bit words, and Triton installed."""
+    return (dst.is_cuda and dst.device == src.device and dst.is_contiguous()
+            and src.is_contiguous() and (dst[0].numel() * dst.element_size()) % 4 == 0
+            and _block_copy_kernels() is not None)
 
 
 def plan_copy(dst: torch.Tensor, src: torch.Tensor, dst_ids: list[int], src_ids: list[int],
@@ -63,10 +91,17 @@ def plan_copy(dst: torch.Tensor, src: torch.Tensor, dst_ids: list[int], src_ids:
     if dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
         raise ValueError(f"block shapes/dtypes differ: {tuple(dst.shape[1:])} {dst.dtype} vs "
                          f"{tuple(src.shape[1:])} {src.dtype}")
-    if any(not 0 <= b < dst.shape[0] for b in dst_ids):
+    if dst_ids and (min(dst_ids) < 0 or max(dst_ids) >= dst.shape[0]):
         raise ValueError(f"destination block id out of range (0..{dst.shape[0] - 1})")
-    if any(not 0 <= b < src.shape[0] for b in src_ids):
+    if src_ids and (min(src_ids) < 0 or max(src_ids) >= src.shape[0]):
         raise ValueError(f"source block id out of range (0..{src.shape[0] - 1})")
+    if len(dst_ids) > 1 and _kernel_copies(dst, src):
+        # rows padded to 16 bytes: both rows keep one alignment, so the kernel compiled when
+        # the peer was opened is the one every read launches (Triton specialises on it)
+        pad = [0] * (-len(dst_ids) % 4)
+        ids = torch.tensor([dst_ids + pad, src_ids + pad], dtype=torch.int32,
+                           pin_memory=dst.is_cuda)
+        return CopyPlan(None, kernel_ids=ids, chunk=len(dst_ids))
     runs = block_runs(dst_ids, src_ids)
     if len(runs) <= MAX_RUN_COPIES or dst.device != src.device:
         return CopyPlan(runs)
@@ -80,6 +115,12 @@ def plan_copy(dst: torch.Tensor, src: torch.Tensor, dst_ids: list[int], src_ids:
 
 def issue_copy(dst: torch.Tensor, src: torch.Tensor, plan: CopyPlan) -> int:
     """Issue a planned copy on the current stream; returns the copy operations issued."""
+    if plan.kernel_ids is not None:
+        # allocated on the current stream, which also runs the kernel that reads it
+        ids = plan.kernel_ids.to(dst.device, non_blocking=True)
+        n = plan.chunk
+        _block_copy_kernels().copy_blocks(dst, src, ids[0, :n], ids[1, :n])
+        return 1
     if plan.runs is not None:
         for d0, s0, n in plan.runs:
             dst[d0:d0 + n].copy_(src[s0:s0 + n], non_blocking=True)
@@ -97,9 +138,11 @@ def issue_copy(dst: torch.Tensor, src: torch.Tensor, plan: CopyPlan) -> int:
 def copy_blocks(dst: torch.Tensor, src: torch.Tensor, dst_ids: list[int], src_ids: list[int],
                 gather_chunk_bytes: int = GATHER_CHUNK_BYTES) -> int:
     """Copy blocks ``src[src_ids[i]]`` into ``dst[dst_ids[i]]`` on the current stream
-    (:func:`plan_copy` then :func:`issue_copy`): runs of blocks consecutive on both sides as
-    slices when there are at most :data:`MAX_RUN_COPIES` of them or the source is in host
-    memory, otherwise gathered and scattered in chunks of at most ``gather_chunk_bytes``.
+    (:func:`plan_copy` then :func:`issue_copy`): between two caches on one GPU by one
+    block-copy kernel launch (Triton installed, more than one block); otherwise runs of blocks
+    consecutive on both sides as slices when there are at most :data:`MAX_RUN_COPIES` of them
+    or the source is in host memory, else gathered and scattered in chunks of at most
+    ``gather_chunk_bytes``.
 
     Returns:
         The number of copy operations issued (runs or chunks).
@@ -149,6 +192,17 @@ class DirectPeer:
         self.block_bytes = local[0].numel() * local.element_size()
         self._stream = torch.cuda.Stream(local.device) if local.is_cuda else None
         self._on_close = on_close
+        if _kernel_copies(local, remote):
+            self._compile_kernel()
+
+    def _compile_kernel(self) -> None:
+        """Compile the block-copy kernel for this cache's block size now (at connect time, not
+        in the first read) by one copy between two scratch blocks of the same shape."""
+        scratch = torch.zeros((2, *self.local.shape[1:]), dtype=self.local.dtype,
+                              device=self.local.device)
+        with torch.inference_mode(), torch.cuda.stream(self._stream):
+            issue_copy(scratch, scratch, plan_copy(scratch, scratch, [0, 1], [0, 1]))
+        self._stream.synchronize()
 
     def post_read(self, local_ids: list[int], remote_ids: list[int]) -> tuple[_Copy, str]:
         """Start copying remote blocks into local blocks on the side stream (after the work
