@@ -44,7 +44,7 @@ def test_refuses_layouts_it_cannot_address():
         block_copy.word_view(torch.zeros(4, 3, dtype=torch.bfloat16, device=DEVICE))
 
 
-@pytest.mark.parametrize("n", [2, 5, 8])
+@pytest.mark.parametrize("n", [6, 9, 12])
 def test_the_same_gpu_read_plans_one_launch_with_padded_id_rows(monkeypatch, n):
     """The reader's copy (pdserve/kv_transfer/nixl/direct_read.py) through the kernel: one
     operation, id rows padded to 16 bytes and only the asked blocks copied (on CPU the kernel
@@ -58,6 +58,7 @@ def test_the_same_gpu_read_plans_one_launch_with_padded_id_rows(monkeypatch, n):
     dst = torch.zeros(14, 2, 2, 4, 8, device=DEVICE)
     src_ids = torch.randperm(12, generator=gen)[:n].tolist()
     dst_ids = torch.randperm(14, generator=gen)[:n].tolist()
+    assert len(direct_read.block_runs(dst_ids, src_ids)) > direct_read.MAX_KERNEL_FREE_RUNS
     plan = direct_read.plan_copy(dst, src, dst_ids, src_ids)
     assert plan.kernel_ids.shape == (2, n + (-n % 4)) and plan.chunk == n
     assert direct_read.issue_copy(dst, src, plan) == 1
@@ -65,6 +66,9 @@ def test_the_same_gpu_read_plans_one_launch_with_padded_id_rows(monkeypatch, n):
         assert torch.equal(dst[d].cpu(), src[s].cpu())
     untouched = sorted(set(range(14)) - set(dst_ids))
     assert float(dst[untouched].abs().sum()) == 0.0
+    # a few runs stay slice copies (one DMA copy each)
+    plan = direct_read.plan_copy(dst, src, [0, 1, 2, 7], [3, 4, 5, 0])
+    assert plan.kernel_ids is None and plan.runs == [(0, 3, 3), (7, 0, 1)]
 
 
 def test_block_copy_compiles_for_hopper(hopper_compile):

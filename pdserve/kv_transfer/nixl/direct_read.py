@@ -31,6 +31,10 @@ from pdserve.kv_transfer.nixl.agent import block_runs
 # copy (an asynchronous DMA from pinned memory).
 MAX_RUN_COPIES = 64
 GATHER_CHUNK_BYTES = 64 << 20
+# Same device with Triton: up to this many runs are still copied run by run (a run is one DMA
+# copy, which moves a long run faster than the kernel and costs less host time), beyond them
+# one launch of the block-copy kernel (docs/benchmarks.md, "same-GPU block copies").
+MAX_KERNEL_FREE_RUNS = 4
 
 
 @dataclass
@@ -95,14 +99,14 @@ def plan_copy(dst: torch.Tensor, src: torch.Tensor, dst_ids: list[int], src_ids:
         raise ValueError(f"destination block id out of range (0..{dst.shape[0] - 1})")
     if src_ids and (min(src_ids) < 0 or max(src_ids) >= src.shape[0]):
         raise ValueError(f"source block id out of range (0..{src.shape[0] - 1})")
-    if len(dst_ids) > 1 and _kernel_copies(dst, src):
+    runs = block_runs(dst_ids, src_ids)
+    if len(runs) > MAX_KERNEL_FREE_RUNS and _kernel_copies(dst, src):
         # rows padded to 16 bytes: both rows keep one alignment, so the kernel compiled when
         # the peer was opened is the one every read launches (Triton specialises on it)
         pad = [0] * (-len(dst_ids) % 4)
         ids = torch.tensor([dst_ids + pad, src_ids + pad], dtype=torch.int32,
                            pin_memory=dst.is_cuda)
         return CopyPlan(None, kernel_ids=ids, chunk=len(dst_ids))
-    runs = block_runs(dst_ids, src_ids)
     if len(runs) <= MAX_RUN_COPIES or dst.device != src.device:
         return CopyPlan(runs)
     block_bytes = max(1, dst[0].numel() * dst.element_size())
@@ -138,11 +142,11 @@ def issue_copy(dst: torch.Tensor, src: torch.Tensor, plan: CopyPlan) -> int:
 def copy_blocks(dst: torch.Tensor, src: torch.Tensor, dst_ids: list[int], src_ids: list[int],
                 gather_chunk_bytes: int = GATHER_CHUNK_BYTES) -> int:
     """Copy blocks ``src[src_ids[i]]`` into ``dst[dst_ids[i]]`` on the current stream
-    (:func:`plan_copy` then :func:`issue_copy`): between two caches on one GPU by one
-    block-copy kernel launch (Triton installed, more than one block); otherwise runs of blocks
-    consecutive on both sides as slices when there are at most :data:`MAX_RUN_COPIES` of them
-    or the source is in host memory, else gathered and scattered in chunks of at most
-    ``gather_chunk_bytes``.
+    (:func:`plan_copy` then :func:`issue_copy`): runs of blocks consecutive on both sides as
+    slices when there are at most :data:`MAX_KERNEL_FREE_RUNS` of them; beyond, between two
+    caches on one GPU, one block-copy kernel launch (Triton installed); otherwise as slices
+    when there are at most :data:`MAX_RUN_COPIES` runs or the source is in host memory, else
+    gathered and scattered in chunks of at most ``gather_chunk_bytes``.
 
     Returns:
         The number of copy operations issued (runs or chunks).
@@ -201,7 +205,10 @@ class DirectPeer:
         scratch = torch.zeros((2, *self.local.shape[1:]), dtype=self.local.dtype,
                               device=self.local.device)
         with torch.inference_mode(), torch.cuda.stream(self._stream):
-            issue_copy(scratch, scratch, plan_copy(scratch, scratch, [0, 1], [0, 1]))
+            plan = CopyPlan(None, kernel_ids=torch.tensor([[0, 1, 0, 0], [0, 1, 0, 0]],
+                                                          dtype=torch.int32, pin_memory=True),
+                            chunk=2)
+            issue_copy(scratch, scratch, plan)
         self._stream.synchronize()
 
     def post_read(self, local_ids: list[int], remote_ids: list[int]) -> tuple[_Copy, str]:
