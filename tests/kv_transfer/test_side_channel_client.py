@@ -60,18 +60,26 @@ def wait_results(client: SideChannelClient, tickets: list[int], timeout_s: float
     return out
 
 
+def send_claims(client: SideChannelClient, port: int, later_id: str) -> tuple[int, ...]:
+    """Send a granted claim, a rejected one, one the server holds back (no lease of
+    ``later_id`` yet) and a ``get_info``, in this order on one connection: ``(ok, bad, later,
+    info)`` tickets. The server answers in order, so once ``info`` is answered the held-back
+    claim has had its first (waiting) answer."""
+    client.connect("127.0.0.1", port)
+    ok = client.send("127.0.0.1", port, {"type": "claim", "request_id": "a", "block_ids": [1, 2]},
+                     10.0)
+    bad = client.send("127.0.0.1", port, {"type": "claim", "request_id": "a", "block_ids": [7]},
+                      10.0)
+    later = client.send("127.0.0.1", port,
+                        {"type": "claim", "request_id": later_id, "block_ids": [3]}, 10.0)
+    info = client.send("127.0.0.1", port, {"type": "get_info"}, 10.0)
+    return ok, bad, later, info
+
+
 def test_answers_on_one_connection_are_matched_to_their_requests(server):
     client = SideChannelClient()
     try:
-        client.connect("127.0.0.1", server.port)
-        ok = client.send("127.0.0.1", server.port,
-                         {"type": "claim", "request_id": "a", "block_ids": [1, 2]}, 10.0)
-        bad = client.send("127.0.0.1", server.port,
-                          {"type": "claim", "request_id": "a", "block_ids": [7]}, 10.0)
-        # held back by the server until the lease appears
-        later = client.send("127.0.0.1", server.port,
-                            {"type": "claim", "request_id": "b", "block_ids": [3]}, 10.0)
-        info = client.send("127.0.0.1", server.port, {"type": "get_info"}, 10.0)
+        ok, bad, later, info = send_claims(client, server.port, "b")
         assert len(client.sockets()) == 1  # one persistent connection
         first = wait_results(client, [ok, bad, info])
         assert first[ok]["ok"] and first[ok]["lease_expiry_in"] == 9.0
@@ -92,16 +100,11 @@ def test_claim_replies_carry_ok_bools_and_the_trace_marks_keep_their_names(serve
     phase_trace.configure(str(tmp_path))
     client = SideChannelClient()
     try:
-        client.connect("127.0.0.1", server.port)
-        ok = client.send("127.0.0.1", server.port,
-                         {"type": "claim", "request_id": "a", "block_ids": [1, 2]}, 10.0)
-        bad = client.send("127.0.0.1", server.port,
-                          {"type": "claim", "request_id": "a", "block_ids": [7]}, 10.0)
-        later = client.send("127.0.0.1", server.port,
-                            {"type": "claim", "request_id": "c", "block_ids": [4]}, 10.0)
-        replies = wait_results(client, [ok, bad])
+        ok, bad, later, info = send_claims(client, server.port, "c")
+        replies = wait_results(client, [ok, bad, info])  # ``later`` waits at the server now
+        del replies[info]
         with server.lock:
-            server.held["c"] = [4]
+            server.held["c"] = [3]
         replies.update(wait_results(client, [later]))
     finally:
         client.close()
