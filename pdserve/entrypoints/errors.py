@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.types.outputs import KVLoadFailure
-from pdserve.types.openai_errors import UPSTREAM_ERROR, UPSTREAM_UNAVAILABLE, error_body, error_type
+from pdserve.types.openai_errors import (UPSTREAM_ERROR, UPSTREAM_UNAVAILABLE, error_body,
+                                         error_type, not_json_content_type)
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +119,9 @@ def validation_error_to_openai(errors: list[dict[str, Any]],
             return bad_request("The request body is missing; send a JSON object.")
         if kind in ("value_error", "assertion_error"):  # a check of the whole request
             return bad_request(_clean_msg(str(err.get("msg", "invalid request"))))
-        media = (content_type or "").split(";")[0].strip().lower()
-        if media and media != "application/json" and not media.endswith("+json"):
-            return bad_request(f"The request body must be JSON sent with Content-Type: "
-                               f"application/json (got {media!r})")
+        not_json = not_json_content_type(content_type)
+        if not_json is not None:
+            return bad_request(not_json)
         return bad_request(f"The request body must be a JSON object: {_clean_msg(err['msg'])}")
     # Drop pydantic's union-member tags such as "str" / "list[int]" / "function-after[...]".
     path = [p for p in loc if not (("[" in p and "]" in p) or p in ("str", "int", "float", "bool"))]

@@ -40,7 +40,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.utils import phase_trace
-from pdserve.types.openai_errors import MAX_BODY_BYTES, body_too_large
+from pdserve.types.openai_errors import MAX_BODY_BYTES, body_too_large, not_json_content_type
 from pdserve.router.bodies import check_client_body, conversation_key, prefill_leg_body
 from pdserve.router.client_stream import ClientStream
 from pdserve.router.concurrent_legs import ConcurrentLegs
@@ -267,10 +267,9 @@ class DisaggProxy:
                              AUTHENTICATION)
         if (request.content_length or 0) > MAX_BODY_BYTES:  # judged by its header, unread
             raise ProxyError(413, body_too_large(MAX_BODY_BYTES), REQUEST_TOO_LARGE)
-        media = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        if media and media != _JSON and not media.endswith("+json"):  # as the engines answer
-            raise ProxyError(400, "The request body must be JSON sent with Content-Type: "
-                                  f"application/json (got {media!r})", INVALID_REQUEST)
+        not_json = not_json_content_type(request.headers.get("Content-Type"))
+        if not_json is not None:  # the engines' answer
+            raise ProxyError(400, not_json, INVALID_REQUEST)
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:

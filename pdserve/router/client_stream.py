@@ -13,11 +13,9 @@ the first token does (docs/proxy.md).
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 
-from pdserve.router.stream_ledger import SSE_DONE
+from pdserve.router.stream_ledger import SSE_DONE, sse_event
 from pdserve.utils import phase_trace
 
 
@@ -59,12 +57,8 @@ class ClientStream:
 
     async def fail(self, error_body: bytes) -> web.StreamResponse:
         """End an opened stream with ``error_body`` (an OpenAI-style error object) as an SSE
-        event, then ``[DONE]``. Returns the response.
-
-        A body on several lines (an upstream that indents its JSON) is sent as one line of
-        compact JSON (an event's ``data`` ends at its line's end; clients that read an
-        event per line would see ``{``), or as one ``data:`` line per line when it is no
-        JSON."""
+        event (:func:`~pdserve.router.stream_ledger.sse_event`: one line of compact JSON),
+        then ``[DONE]``. Returns the response."""
         out = self.response()
         try:
             await out.write_eof(sse_event(error_body) + SSE_DONE)
@@ -72,14 +66,3 @@ class ClientStream:
             pass  # nobody left to tell
         return out
 
-
-def sse_event(payload: bytes) -> bytes:
-    """``payload`` as one SSE event (``data: ...`` and the blank line that ends it); see
-    :meth:`ClientStream.fail` for a payload on several lines."""
-    if b"\n" in payload or b"\r" in payload:
-        try:
-            payload = json.dumps(json.loads(payload), separators=(",", ":")).encode()
-        except ValueError:
-            lines = payload.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-            return b"".join(b"data: " + line + b"\n" for line in lines) + b"\n"
-    return b"data: " + payload + b"\n\n"

@@ -30,12 +30,11 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.router.bodies import decode_leg_body, prefill_leg_body
-from pdserve.router.client_stream import sse_event
 from pdserve.router.errors import UPSTREAM_ERROR, UPSTREAM_TIMEOUT, UPSTREAM_UNAVAILABLE, ProxyError
 from pdserve.router.first_token import DecodeTimer
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.upstream_client import Turn, UpstreamClient, UpstreamHTTPError
-from pdserve.router.stream_ledger import SSE_DONE, SSEEvents, StreamLedger
+from pdserve.router.stream_ledger import SSE_DONE, SSEEvents, StreamLedger, sse_event
 from pdserve.router.upstreams import Upstream, UpstreamPool
 from pdserve.types.openai_errors import error_type
 from pdserve.types.resume import resume_refusal
@@ -194,7 +193,7 @@ class StreamMigrator:
                         logger.warning("request %s: not migrated (%s): %s", turn.request_id,
                                        refusal, err.message)
                         turn.status = err.status  # the request's metric counts the error
-                        await out.write_eof(b"data: " + err.body() + b"\n\n" + _DONE)
+                        await out.write_eof(sse_event(err.body()) + _DONE)
                         return leg, False
                     migrations += 1
                     self._metrics.count_migration(reason.value)
@@ -216,7 +215,7 @@ class StreamMigrator:
                         reason, err = MigrationReason.CONNECTION, e
                         if e.status == 503:  # no instance left to try
                             turn.status = e.status
-                            await out.write_eof(b"data: " + e.body() + b"\n\n" + _DONE)
+                            await out.write_eof(sse_event(e.body()) + _DONE)
                             return leg, False
                         continue
                     open_leg = leg

@@ -1,6 +1,7 @@
 """What the client of a migratable stream has received (:class:`StreamLedger`), read from the
 decode legs' Server-Sent Events (:class:`SSEEvents`) as :mod:`pdserve.router.migration` relays
-them: the token ids, the response id, the finish, usage and ``[DONE]``.
+them: the token ids, the response id, the finish, usage and ``[DONE]``; and the writing of one
+event (:func:`sse_event`: the proxy's in-band errors).
 """
 
 from __future__ import annotations
@@ -133,3 +134,18 @@ def _carries_nothing(choice: dict[str, Any]) -> bool:
     if isinstance(delta, dict):
         return not any(v for k, v in delta.items() if k != "content") and not delta.get("content")
     return not choice.get("text")
+
+
+def sse_event(payload: bytes) -> bytes:
+    """``payload`` as one SSE event (``data: ...`` and the blank line that ends it).
+
+    A payload on several lines (an upstream that indents its JSON) becomes one line of compact
+    JSON (an event's ``data`` ends at its line's end; clients that read an event per line
+    would see ``{``), or one ``data:`` line per line when it is no JSON."""
+    if b"\n" in payload or b"\r" in payload:
+        try:
+            payload = _encode(json.loads(payload)).encode()
+        except ValueError:
+            lines = payload.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+            return b"".join(b"data: " + line + b"\n" for line in lines) + b"\n"
+    return b"data: " + payload + b"\n\n"

@@ -14,11 +14,10 @@ from pdserve.router.decode_guard import DecodeLegGuard
 from pdserve.router.first_token import DecodeTimer
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.sse import KVParamsWatcher
+from pdserve.router.stream_ledger import SSE_DONE, sse_event
 from pdserve.router.upstream_client import Turn, UpstreamClient
 from pdserve.router.upstreams import Upstream
 from pdserve.utils import phase_trace
-
-_SSE_DONE = b"data: [DONE]\n\n"
 
 RecordTurn = Callable[[str, "Upstream | None", Upstream, "dict[str, Any] | None"], Awaitable[None]]
 
@@ -72,7 +71,7 @@ class StreamRelay:
                     turn.status = err.status  # the request's metric counts the error
                     d_resp.close()
                     sep = b"" if last.endswith(b"\n\n") else b"\n\n"
-                    await out.write_eof(sep + b"data: " + err.body() + b"\n\n" + _SSE_DONE)
+                    await out.write_eof(sep + sse_event(err.body()) + SSE_DONE)
                     break
                 phase_trace.mark("px.chunk")
                 if timer is not None and timer.feed(chunk):
@@ -98,7 +97,7 @@ class StreamRelay:
                     await out.write_eof(chunk + (watcher.flush() if watcher is not None else b""))
                 elif chunk:
                     await out.write(chunk)
-                    turn.done_sent = chunk.endswith(_SSE_DONE)
+                    turn.done_sent = chunk.endswith(SSE_DONE)
                 last = chunk or last
                 if finished:
                     break

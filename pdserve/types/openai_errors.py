@@ -42,6 +42,16 @@ def body_too_large(limit: int) -> str:
 
 
 #: ``stream_options`` in a request that does not stream (vLLM's rule and wording).
+def not_json_content_type(content_type: str | None) -> str | None:
+    """The message of the 400 for a body sent with ``content_type`` (a ``Content-Type``
+    header) that is not JSON (``application/json`` or a ``+json`` type), or None when it is
+    JSON or absent."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    if not media or media == "application/json" or media.endswith("+json"):
+        return None
+    return f"The request body must be JSON sent with Content-Type: application/json (got {media!r})"
+
+
 STREAM_OPTIONS_WITHOUT_STREAM = "Stream options can only be defined when `stream=True`."
 
 

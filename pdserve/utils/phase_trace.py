@@ -38,7 +38,7 @@ _file: TextIO | None = None
 _pid = 0
 _lines: list[str] = []  # marks not written yet
 _lock = threading.Lock()  # every thread of a process marks into one buffer
-_flusher: threading.Thread | None = None
+_file_lock = threading.Lock()  # one writer at a time; marks wait only for the buffer's swap
 
 
 def enabled() -> bool:
@@ -64,21 +64,20 @@ def mark(phase: str) -> None:
     off). ``phase`` must not contain a newline.
 
     The mark only goes into a buffer: a background thread writes the buffer every
-    :data:`FLUSH_INTERVAL_S` (and :func:`flush` at exit). A write per mark was a system call on
-    the traced path, during which CPython hands the GIL to another thread of the process (an
-    engine core's side-channel thread waited behind its engine thread that way), so the trace
-    moved the timings it recorded."""
+    :data:`FLUSH_INTERVAL_S` (and :func:`flush` at exit). A write per mark would be a system
+    call on the traced path, during which CPython hands the GIL to another thread of the
+    process (an engine core's side-channel thread would wait behind its engine thread), so the
+    trace would move the timings it records."""
     if _dir is None:
         return
-    global _pid, _file, _flusher
+    global _pid, _file
     now = time.time()
     with _lock:
         if _pid != os.getpid():  # first mark, or a forked child (no flusher thread there)
             _pid, _file = os.getpid(), None
             _lines.clear()
-            _flusher = threading.Thread(target=_flush_loop, name="pdserve-phase-trace",
-                                        daemon=True)
-            _flusher.start()
+            threading.Thread(target=_flush_loop, name="pdserve-phase-trace",
+                             daemon=True).start()
         _lines.append(f"{now:.6f} {phase}\n")
 
 
@@ -86,14 +85,17 @@ def flush() -> None:
     """Write the buffered marks to this process's trace file now (the first write opens it
     and names the role)."""
     global _file
-    with _lock:
-        if not _lines or _dir is None:
-            return
+    with _file_lock:
+        with _lock:  # the marking threads wait for this swap only, not for the write
+            if not _lines or _dir is None:
+                return
+            lines = _lines[:]
+            _lines.clear()
+            directory, pid = _dir, _pid
         if _file is None:
-            _file = open(os.path.join(_dir, f"{_pid}.trace"), "a")
+            _file = open(os.path.join(directory, f"{pid}.trace"), "a")
             _file.write(f"# role {_role}\n")
-        _file.write("".join(_lines))
-        _lines.clear()
+        _file.write("".join(lines))
         _file.flush()
 
 
@@ -112,7 +114,7 @@ def configure(directory: str | None) -> None:
     buffered first; for tests and drivers that set the variable after import."""
     global _dir, _file, _pid
     flush()
-    with _lock:
+    with _file_lock, _lock:
         if _file is not None:
             _file.close()
         _dir, _file, _pid = directory, None, 0

@@ -5,21 +5,20 @@ itself on a side CUDA stream; :class:`DirectPeer` has the transfer interface of
 :class:`~pdserve.kv_transfer.nixl.agent.NixlAgent` (post, check, telemetry, release), so the
 load tracker treats it like a NIXL READ and sends the owner "done" when it completes.
 
-Between two caches on one GPU the blocks are copied by one kernel launch
-(:mod:`pdserve.kernels.block_copy`: each byte read and written once, the block ids read on the
-device); without Triton, on CPU tensors (tests stand in two CPU tensors for the two caches;
-:class:`DirectPeer` then copies synchronously) and from host memory, :func:`copy_blocks` uses
-plain torch copies.
+Between two caches on one GPU, blocks in more than :data:`MAX_KERNEL_FREE_RUNS` runs are copied
+by one kernel launch (:mod:`pdserve.kernels.block_copy`: each byte read and written once, the
+block ids read on the device); fewer runs, and without Triton, on CPU tensors (tests stand in
+two CPU tensors for the two caches; :class:`DirectPeer` then copies synchronously) and from host
+memory, :func:`copy_blocks` uses plain torch copies.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import time
 from dataclasses import dataclass
 from typing import Any
-
-import functools
-import importlib.util
 
 import torch
 
@@ -204,11 +203,10 @@ class DirectPeer:
         in the first read) by one copy between two scratch blocks of the same shape."""
         scratch = torch.zeros((2, *self.local.shape[1:]), dtype=self.local.dtype,
                               device=self.local.device)
+        # a fresh allocation: 16-byte aligned like a read's padded id rows (plan_copy)
+        ids = torch.tensor([0, 1], dtype=torch.int32, device=self.local.device)
         with torch.inference_mode(), torch.cuda.stream(self._stream):
-            plan = CopyPlan(None, kernel_ids=torch.tensor([[0, 1, 0, 0], [0, 1, 0, 0]],
-                                                          dtype=torch.int32, pin_memory=True),
-                            chunk=2)
-            issue_copy(scratch, scratch, plan)
+            _block_copy_kernels().copy_blocks(scratch, scratch, ids, ids)
         self._stream.synchronize()
 
     def post_read(self, local_ids: list[int], remote_ids: list[int]) -> tuple[_Copy, str]:
