@@ -49,6 +49,9 @@ class EngineJob:
             engine computes after the prompt and continues; empty otherwise.
         data_parallel_rank: the rank that serves the job (the request's
             ``X-data-parallel-rank``); None: the engine picks the least-loaded one.
+        after: the index of the job whose first output (or end) this one waits for before it
+            goes to the engine, or None. The choices after the first of a request that reads a
+            remote KV wait for the first: its read puts the prompt's KV in the prefix cache.
     """
 
     index: int
@@ -58,6 +61,7 @@ class EngineJob:
     kv_transfer_params: KVTransferParams | None = None
     resumed_output_ids: list[int] = field(default_factory=list)
     data_parallel_rank: int | None = None
+    after: int | None = None
 
 
 class JobRunner:
@@ -78,7 +82,8 @@ class JobRunner:
         """Yields ``(choice index, RequestOutput)`` as outputs arrive from all jobs.
 
         Leaving early (consumer closed, cancelled, or an exception) aborts every job that has not
-        finished. Exceptions from ``engine.generate`` are raised as :class:`OpenAIError`.
+        finished. Exceptions from ``engine.generate`` are raised as :class:`OpenAIError`. A
+        job with ``after`` goes to the engine once that job has its first output or has ended.
 
         Args:
             jobs: the engine requests.
@@ -90,9 +95,13 @@ class JobRunner:
         first_token_at: dict[int, float] = {}
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         done_marker = object()
+        # set at a job's first output or its end; the jobs that wait for it (``after``) start then
+        started = {job.index: asyncio.Event() for job in jobs}
 
         async def pump(job: EngineJob) -> None:
             try:
+                if job.after is not None:
+                    await started[job.after].wait()
                 args = (job.request_id, job.prompt_token_ids, job.sampling_params,
                         job.kv_transfer_params)
                 # only the options a job uses are passed (engine doubles take the basic call)
@@ -105,11 +114,13 @@ class JobRunner:
                 async with contextlib.aclosing(gen):
                     async for out in gen:
                         queue.put_nowait((job.index, out))
+                        started[job.index].set()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - forwarded to the consumer
                 queue.put_nowait((job.index, e))
             finally:
+                started[job.index].set()
                 queue.put_nowait((job.index, done_marker))
 
         tasks = [asyncio.create_task(pump(job)) for job in jobs]

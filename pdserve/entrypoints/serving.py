@@ -300,8 +300,10 @@ class OpenAIServing:
         hand_on = kv is not None and kv.role is KVRole.PREFILL
         # A proxied prefill leg: refuse now what the decode leg will refuse (no wasted prefill).
         d_view = decode_leg.decode_view(req) if hand_on else None
-        # A prefiller's first token belongs to its one choice: other choices draw their own.
+        # A prefiller's first token belongs to its one choice: other choices draw their own. A
+        # remote KV is read by the first choice alone; the others start after its first output.
         other_params = kv_params.for_other_choices() if kv_params is not None else None
+        after = 0 if kv_params is not None and kv_params.reads_remote_kv else None
         total = len(prompts) * req.n
         jobs = []
         for p, ids in enumerate(prompts):
@@ -328,6 +330,7 @@ class OpenAIServing:
                     if job_params is not None else None,
                     resumed_output_ids=resumed,
                     data_parallel_rank=data_parallel_rank,
+                    after=after if index else None,
                 ))
         return jobs
 

@@ -238,9 +238,24 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
         connector returns the prompt ids with the params (:func:`with_prompt_handoff`)."""
         return self if digest is None else msgspec.structs.replace(self, prompt_digest=digest)
 
-    def for_other_choices(self) -> "KVTransferParams":
-        """These params for choices after the first: the prefiller's first token belongs to its
-        one choice; the others draw their own."""
+    @property
+    def reads_remote_kv(self) -> bool:
+        """The request reads KV held by another instance: a decoder leg (its prefiller's lease)
+        or a prefill leg that pulls a previous turn from a decoder."""
+        return self.remote is not None
+
+    def for_other_choices(self) -> "KVTransferParams | None":
+        """These params for the choices after the first (``n > 1``), or None.
+
+        None when these params read a remote KV: a lease is read by one reader (the owner frees
+        the blocks at the first reader's "done", which a second reader's READ of the same blocks
+        could follow), so the first choice reads it and the others run without params, started
+        once the first choice has its first output and the prompt's KV is in the local prefix
+        cache (:attr:`pdserve.entrypoints.job_runner.EngineJob.after`). Otherwise these params
+        without the prefiller's first token, which belongs to its one choice: the others draw
+        their own."""
+        if self.reads_remote_kv:
+            return None
         if self.first_token is None and _FIRST_TOKEN not in self.wire:
             return self
         wire = {k: v for k, v in self.wire.items() if k != _FIRST_TOKEN}

@@ -3,6 +3,8 @@ sampling-parameter mapping and ``kv_transfer_params``."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from tests.support.live_server import parse_sse
@@ -243,6 +245,33 @@ async def test_kv_transfer_params_round_trip(client: httpx.AsyncClient,
             assert events[-1] == "[DONE]"
             assert events[-2]["kv_transfer_params"] == returned
             assert all("kv_transfer_params" not in e for e in events[:-2])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_choices_after_the_first_wait_for_its_remote_kv_read(
+        client: httpx.AsyncClient, fake_engine: FakeEngine, stream: bool) -> None:
+    """A decode leg with n > 1: only choice 0 names the prefiller's lease (one reader per
+    lease); the other choices go to the engine without params once choice 0 has its first
+    output (its read put the prompt's KV in the prefix cache)."""
+    sent = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-engine",
+            "remote_block_ids": [3, 4, 5], "remote_host": "127.0.0.1", "remote_port": 5600,
+            "remote_request_id": "cmpl-1", "tp_size": 1, "first_token_id": 7}
+    fake_engine.gate = asyncio.Event()  # choice 0 "loads" until the gate opens
+    body = {"prompt": "hi", "max_tokens": 2, "n": 3, "temperature": 1.0, "seed": 5,
+            "stream": stream, "kv_transfer_params": sent}
+    answer = asyncio.create_task(client.post(COMPLETIONS, json=body))
+    for _ in range(50):
+        await asyncio.sleep(0)
+    (only,) = fake_engine.calls.values()  # choices 1 and 2 wait for choice 0's first output
+    assert only["kv"] == sent
+    fake_engine.gate.set()
+    r = await answer
+    assert r.status_code == 200
+    calls = list(fake_engine.calls.values())
+    assert [c["kv"] for c in calls] == [sent, None, None]
+    assert [c["params"].seed for c in calls] == [5, 6, 7]
+    choices = (parse_sse(r.text)[:-1] if stream else r.json()["choices"])
+    assert choices
 
 
 async def test_engine_error_non_streaming(client: httpx.AsyncClient,
