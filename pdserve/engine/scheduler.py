@@ -29,21 +29,13 @@ The scheduler composes helpers that own their state and get their collaborators 
 :class:`~pdserve.engine.block_manager.KVCacheManager`, :class:`RemoteKV`, limits) in their
 constructors: :class:`~pdserve.engine.running_batch.RunningBatch` (step 1),
 :class:`~pdserve.engine.admission.Admitter` (step 2), ``MultiStepRounds``,
-``AsyncSchedulingPolicy`` (step n+1 while step n runs) and
-:class:`~pdserve.engine.remote_kv.RemoteKV`; their outcomes that move or finish a request are
-applied here.
-
-Computed tokens are committed (``num_computed_tokens`` advanced, full blocks registered in the
-prefix cache) in :meth:`Scheduler.update_from_output`, after their KV exists.
-
-KV that crosses instances is tracked by :class:`~pdserve.engine.remote_kv.RemoteKV` (its module
-docstring says how the scheduler drives the connector).
-
-With KV cache tiers (``--kv-offloading-size``), a :class:`~pdserve.engine.kv_tiers.TierManager`
-keeps evicted cached blocks in host memory (and on disk); the step's copy jobs travel in
-``SchedulerOutput.kv_tier_jobs`` and requests whose prefix comes back from a tier wait in
-:class:`~pdserve.engine.tier_loads.TierLoads`; a decoder's blocks held for the next turn's
-prefiller go there under pressure (:class:`~pdserve.engine.turn_demotion.TurnDemoter`).
+``AsyncSchedulingPolicy`` (step n+1 while step n runs), :class:`~pdserve.engine.remote_kv.RemoteKV`
+(KV that crosses instances; its docstring says how the connector is driven) and, with KV cache
+tiers (``--kv-offloading-size``), :class:`~pdserve.engine.kv_tiers.TierManager`,
+:class:`~pdserve.engine.tier_loads.TierLoads` and
+:class:`~pdserve.engine.turn_demotion.TurnDemoter`; their outcomes that move or finish a request
+are applied here. Computed tokens are committed (``num_computed_tokens`` advanced, full blocks
+registered in the prefix cache) in :meth:`Scheduler.update_from_output`, after their KV exists.
 """
 
 from __future__ import annotations
