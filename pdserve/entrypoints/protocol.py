@@ -13,8 +13,9 @@ OpenAI fields pdserve does not implement are refused with a 400 naming them rath
 since ignoring them silently changes what the client gets: ``logit_bias`` (unless empty),
 ``response_format`` (unless ``{"type": "text"}``), and for chat ``tools`` (unless empty),
 ``tool_choice`` (unless ``"none"``), ``functions`` and ``function_call`` (unless ``"none"``),
-a user, system or developer message without ``content``, and vLLM's ``prompt_logprobs``,
-``include_stop_str_in_output`` (unless false) and the completions ``suffix`` (unless empty).
+a user, system or developer message without ``content``, ``echo`` (unless false), and vLLM's
+``prompt_logprobs``, ``include_stop_str_in_output`` and ``skip_special_tokens`` (unless their
+defaults), ``truncate_prompt_tokens`` and the completions ``suffix`` (unless empty).
 ``null`` for a field with a plain default (``n``, ``stream``, ...) means that default.
 """
 
@@ -73,7 +74,8 @@ class ResumeFields(_Request):
 
 
 #: Fields whose ``null`` means their default.
-_NULL_IS_DEFAULT = ("n", "stream", "min_tokens", "ignore_eos", "echo", "add_generation_prompt",
+_NULL_IS_DEFAULT = ("n", "stream", "min_tokens", "ignore_eos", "echo", "skip_special_tokens",
+                    "add_generation_prompt",
                     "return_token_ids")
 
 
@@ -108,6 +110,10 @@ class _SamplingFields(_Request):
     response_format: Any = None
     prompt_logprobs: Any = None
     include_stop_str_in_output: Any = None
+    echo: bool = False
+    # vLLM's; pdserve's text always leaves special tokens out, and prompts are never truncated
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -131,6 +137,29 @@ class _SamplingFields(_Request):
         if v is not None and v is not False:
             raise ValueError("include_stop_str_in_output is not supported by pdserve (the stop "
                              "string is always left out)")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo=true is not supported by pdserve")
+        return v
+
+    @field_validator("skip_special_tokens")
+    @classmethod
+    def _special_tokens_skipped(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("skip_special_tokens=false is not supported by pdserve (special "
+                             "tokens are always left out of the text)")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _no_truncation(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("truncate_prompt_tokens is not supported by pdserve (send the "
+                             "prompt to keep; a prompt longer than the context is a 400)")
         return v
 
     @field_validator("logit_bias")
@@ -187,13 +216,12 @@ class CompletionRequest(_SamplingFields):
 
     ``prompt`` is a string, a list of strings, a list of token ids, or a list of token-id lists;
     each prompt gets ``n`` choices (choice index = prompt index * n + i). ``logprobs`` is the
-    number of alternatives per token (0..20). ``echo`` is not supported (only ``false``).
+    number of alternatives per token (0..20).
     """
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
     suffix: Any = None
 
     @field_validator("suffix")
@@ -226,13 +254,6 @@ class CompletionRequest(_SamplingFields):
         for text in [v] if isinstance(v, str) else v:
             if isinstance(text, str):
                 _check_unicode(text, "prompt")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo=true is not supported")
         return v
 
     def prompts(self) -> list[str] | list[list[int]]:

@@ -14,7 +14,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pdserve.types.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.types.sampling_params import (GREEDY_TEMPERATURE_EPS, INT64_MAX, SamplingParams,
+                                           SamplingParamsError)
 from pdserve.entrypoints.chat_tokenization import SegmentCachedEncoder, _sample_chats
 from pdserve.types import prompt_handoff
 from pdserve.types.kv_params import (
@@ -254,11 +255,12 @@ class OpenAIServing:
         """
         sp = SamplingParams(
             n=1,
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=1.0 if req.temperature is None else
+            0.0 if req.temperature < GREEDY_TEMPERATURE_EPS else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
-            seed=None if req.seed is None else req.seed + choice,
+            seed=None if req.seed is None else _wrap_int64(req.seed + choice),
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
@@ -333,6 +335,12 @@ class OpenAIServing:
                     after=after if index else None,
                 ))
         return jobs
+
+def _wrap_int64(value: int) -> int:
+    """``value`` wrapped into the 64-bit signed range (a choice's seed ``seed + choice`` past
+    :data:`~pdserve.types.sampling_params.INT64_MAX` continues at the range's bottom)."""
+    return (value + INT64_MAX + 1) % 2**64 - INT64_MAX - 1
+
 
 def _left(requested: int | None, done: int) -> int | None:
     """A resumed request's remaining ``max_tokens`` (None: up to ``max_model_len``).

@@ -9,6 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+#: Largest value of an integer parameter (``top_k``, ``seed``, a stop token id): the engine core's
+#: messages and the sampler's tensors carry int64, and a larger value would fail there instead of
+#: being refused here.
+INT64_MAX = 2**63 - 1
+#: A temperature below this samples greedily (vLLM's ``_SAMPLING_EPS``, vllm/sampling_params.py):
+#: dividing the logits by a smaller one overflows float32 to infinity, and the draw then sees NaN.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter out of range; ``param`` is its field name (the OpenAI error's
     ``param``)."""
@@ -25,7 +34,8 @@ class SamplingParams:
     Attributes:
         n: number of independent choices for the prompt (the front end fans these out into
             ``n`` engine requests).
-        temperature: softmax temperature; ``0`` means greedy (argmax).
+        temperature: softmax temperature; ``0`` means greedy (argmax). The API maps a
+            temperature below :data:`GREEDY_TEMPERATURE_EPS` to ``0``.
         top_p: nucleus sampling mass in (0, 1]; ``1`` disables it.
         top_k: keep the ``k`` most likely tokens; ``0`` or ``-1`` disables it.
         min_p: drop tokens whose probability is below ``min_p * p_max``; ``0`` disables it.
@@ -81,8 +91,10 @@ class SamplingParams:
             ("temperature", self.temperature >= 0,
              f"temperature must be non-negative, got {self.temperature}"),
             ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            ("top_k", self.top_k >= -1,
-             f"top_k must be -1 (disabled) or at least 0, got {self.top_k}"),
+            ("top_k", -1 <= self.top_k <= INT64_MAX,
+             f"top_k must be -1 (disabled) or in [0, {INT64_MAX}], got {self.top_k}"),
+            ("seed", self.seed is None or -INT64_MAX - 1 <= self.seed <= INT64_MAX,
+             f"seed must be a 64-bit signed integer, got {self.seed}"),
             ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             ("repetition_penalty", self.repetition_penalty > 0,
              f"repetition_penalty must be positive, got {self.repetition_penalty}"),
@@ -98,8 +110,8 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs must be in [0, 20], got {self.logprobs}"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids must be non-negative token ids"),
+            ("stop_token_ids", all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
+             f"stop_token_ids must be token ids in [0, {INT64_MAX}]"),
         )
         for param, ok, message in checks:
             if not ok:

@@ -35,6 +35,9 @@ BAD_BODIES = [
     (COMPLETIONS, {"prompt": "x", "temperature": -0.5}, "temperature", None),
     (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p", None),
     (COMPLETIONS, {"prompt": "x", "top_k": -2}, "top_k", None),
+    # beyond int64: the engine core's sampler failed on it (and the core with it)
+    (COMPLETIONS, {"prompt": "x", "top_k": 2**63, "temperature": 0.5}, "top_k", None),
+    (CHAT, {"messages": USER_HI, "top_k": 2**64, "temperature": 0.5}, "top_k", None),
     (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, "min_p", None),
     (COMPLETIONS, {"prompt": "x", "max_tokens": -1}, "max_tokens", None),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens", None),
@@ -52,6 +55,7 @@ BAD_BODIES = [
     (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs", None),
     (COMPLETIONS, {"prompt": "x", "stop": 5}, "stop", None),
     (COMPLETIONS, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", None),
+    (COMPLETIONS, {"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids", None),
     (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream", None),
     (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options",
      None),
@@ -61,6 +65,13 @@ BAD_BODIES = [
      None, "Stream options can only be defined when `stream=True`"),
     (COMPLETIONS, {"prompt": "x", "kv_transfer_params": [1, 2]}, "kv_transfer_params", None),
     (COMPLETIONS, {"prompt": "x", "echo": True}, "echo", "echo"),
+    (CHAT, {"messages": USER_HI, "echo": True}, "echo", "echo"),
+    (CHAT, {"messages": USER_HI, "echo": "x"}, "echo", None),
+    (COMPLETIONS, {"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens",
+     "skip_special_tokens"),
+    (CHAT, {"messages": USER_HI, "skip_special_tokens": "x"}, "skip_special_tokens", None),
+    (COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 100}, "truncate_prompt_tokens",
+     "truncate_prompt_tokens"),
     (COMPLETIONS, {"prompt": 5}, "prompt", "prompt must be"),
     (COMPLETIONS, {"prompt": [1, "a"]}, "prompt", "prompt must be"),
     (COMPLETIONS, {"prompt": [True]}, "prompt", "prompt must be"),
@@ -307,7 +318,8 @@ async def test_lone_surrogates_are_400(client: httpx.AsyncClient, fake_engine: F
 async def test_unsupported_fields_in_the_forms_that_ask_nothing_are_accepted(
         client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
     none = {"tools": [], "tool_choice": "none", "function_call": "none", "logit_bias": {},
-            "response_format": {"type": "text"}, "functions": None}
+            "response_format": {"type": "text"}, "functions": None, "echo": False,
+            "skip_special_tokens": True, "truncate_prompt_tokens": None}
     r = await client.post(CHAT, json={"messages": [*USER_HI, {"role": "assistant"}],
                                       "max_tokens": 2, **none})
     assert r.status_code == 200, r.text
@@ -321,7 +333,8 @@ async def test_null_means_the_default(client: httpx.AsyncClient, fake_engine: Fa
     """OpenAI's and vLLM's servers take ``"n": null`` and ``"stream": null`` as their defaults."""
     r = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2, "n": None,
                                              "stream": None, "min_tokens": None,
-                                             "ignore_eos": None, "echo": None})
+                                             "ignore_eos": None, "echo": None,
+                                             "skip_special_tokens": None})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1
     r = await client.post(CHAT, json={"messages": USER_HI, "max_tokens": 2, "n": None,

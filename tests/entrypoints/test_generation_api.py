@@ -127,6 +127,30 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient,
     assert call["params"].temperature == 1.0 and call["params"].max_tokens == 16
 
 
+@pytest.mark.parametrize("temperature,expected", [(1e-38, 0.0), (1e-300, 0.0), (9e-6, 0.0),
+                                                  (1e-5, 1e-5), (0.5, 0.5)])
+async def test_a_temperature_too_small_to_divide_by_samples_greedily(
+        client: httpx.AsyncClient, fake_engine: FakeEngine, temperature: float,
+        expected: float) -> None:
+    """Below vLLM's sampling epsilon (1e-5) the logits divided by the temperature overflow
+    float32 (a 1e-38 temperature gave token 0 every step); such a request is greedy."""
+    r = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2,
+                                             "temperature": temperature})
+    assert r.status_code == 200, r.text
+    (call,) = fake_engine.calls.values()
+    assert call["params"].temperature == expected
+
+
+async def test_choice_seeds_wrap_within_int64(client: httpx.AsyncClient,
+                                              fake_engine: FakeEngine) -> None:
+    """Choice i's seed is ``seed + i``, kept in the engine core's 64-bit signed range."""
+    r = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2, "n": 3,
+                                             "temperature": 0.5, "seed": 2**63 - 2})
+    assert r.status_code == 200, r.text
+    seeds = sorted(c["params"].seed for c in fake_engine.calls.values())
+    assert seeds == [-(2**63), 2**63 - 2, 2**63 - 1]
+
+
 async def test_stop_token_finish_reason(client: httpx.AsyncClient,
                                         fake_engine: FakeEngine) -> None:
     ids = fake_engine.tokenizer.encode("ab")
