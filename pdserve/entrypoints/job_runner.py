@@ -2,6 +2,11 @@
 aborted when the consumer goes away, TTFT / TPOT / end-to-end latency recorded, and the result
 collected into choices or streamed as SSE events.
 
+A stream that has had nothing to send for :data:`KEEPALIVE_INTERVAL_S` (its request queued,
+preempted, or its text held back) sends an SSE comment (``: keep-alive``, which clients ignore)
+so that a reader with an idle timeout, the proxy's ``--stall-timeout`` above all, does not take
+a busy but live server for a dead one.
+
 The engine returns each job's ``kv_transfer_params`` complete (the connector builds them, P's
 prompt ids included); they are relayed as they are.
 """
@@ -25,13 +30,22 @@ from pdserve.entrypoints.choices import (
     first_kv_transfer_params,
     usage_of,
 )
-from pdserve.entrypoints.sse import DONE, sse_event
+from pdserve.entrypoints.sse import DONE, KEEPALIVE, sse_event
 from pdserve.entrypoints.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 # Finish reasons that end a request normally; anything else is reported as an error.
 OK_FINISH_REASONS = ("stop", "length")
+#: Seconds a streamed response may send nothing before it sends a keep-alive comment
+#: (:data:`pdserve.entrypoints.sse.KEEPALIVE`). Well below the proxy's ``--stall-timeout``
+#: (default 30 s: :data:`pdserve.router.migration.DEFAULT_STALL_TIMEOUT_S`), after which a silent
+#: decode leg counts as failed: a stall timeout should be two intervals or more. A keep-alive
+#: says that the API server is alive, not that the request advances; the engine core's liveness
+#: is watched apart from it (:meth:`pdserve.engine.core_client.CoreClient.check_alive`: a local
+#: core's process, a remote rank's heartbeats), and a dead core fails its requests, which ends
+#: their streams with an error event.
+KEEPALIVE_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -78,8 +92,10 @@ class JobRunner:
         self.metrics = metrics
         self.model_name = model_name
 
-    async def run(self, jobs: list[EngineJob], arrival: float) -> AsyncIterator[tuple[int, Any]]:
-        """Yields ``(choice index, RequestOutput)`` as outputs arrive from all jobs.
+    async def run(self, jobs: list[EngineJob], arrival: float, idle_s: float | None = None
+                  ) -> AsyncIterator[tuple[int, Any] | None]:
+        """Yields ``(choice index, RequestOutput)`` as outputs arrive from all jobs; with
+        ``idle_s``, also None each time ``idle_s`` seconds pass without one (the jobs go on).
 
         Leaving early (consumer closed, cancelled, or an exception) aborts every job that has not
         finished. Exceptions from ``engine.generate`` are raised as :class:`OpenAIError`. A
@@ -88,6 +104,8 @@ class JobRunner:
         Args:
             jobs: the engine requests.
             arrival: ``time.monotonic()`` when the HTTP request arrived (for TTFT / e2e).
+            idle_s: seconds without an output after which None is yielded (again every
+                ``idle_s`` while none comes); None: never.
         """
         unfinished = {job.index: job.request_id for job in jobs}
         # a resumed job's output count includes the tokens another instance generated
@@ -95,8 +113,22 @@ class JobRunner:
         first_token_at: dict[int, float] = {}
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         done_marker = object()
+        idle_marker = object()
         # set at a job's first output or its end; the jobs that wait for it (``after``) start then
         started = {job.index: asyncio.Event() for job in jobs}
+        loop = asyncio.get_running_loop()
+        last_item = time.monotonic()  # when the last item (or None) was taken from the queue
+        idle_timer: asyncio.TimerHandle | None = None
+
+        def idle_check() -> None:
+            """Queues an idle marker once ``idle_s`` passed since the last item; re-arms. One
+            timer per request, not one per output: an output only sets ``last_item``."""
+            nonlocal idle_timer
+            wait = last_item + idle_s - time.monotonic()
+            if wait <= 0:
+                queue.put_nowait((-1, idle_marker))
+                wait = idle_s
+            idle_timer = loop.call_later(wait, idle_check)
 
         async def pump(job: EngineJob) -> None:
             try:
@@ -124,17 +156,23 @@ class JobRunner:
                 queue.put_nowait((job.index, done_marker))
 
         tasks = [asyncio.create_task(pump(job)) for job in jobs]
+        if idle_s is not None:
+            idle_timer = loop.call_later(idle_s, idle_check)
         try:
             remaining = len(tasks)
             while remaining:
                 index, item = await queue.get()
+                last_item = time.monotonic()
+                if item is idle_marker:
+                    yield None
+                    continue
                 if item is done_marker:
                     remaining -= 1
                     continue
                 if isinstance(item, BaseException):
                     raise engine_exception_to_error(item) from item
                 phase_trace.mark("api.item")
-                now = time.monotonic()
+                now = last_item
                 if item.new_token_ids and index not in first_token_at:
                     first_token_at[index] = now
                     self.metrics.observe_first_token(now - arrival)
@@ -147,6 +185,8 @@ class JobRunner:
                         ), item.num_output_tokens - resumed[index])
                 yield index, item
         finally:
+            if idle_timer is not None:
+                idle_timer.cancel()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -217,17 +257,25 @@ class JobRunner:
         try:
             for choice in opening_choices:
                 yield chunk([choice])
-            runner = self.run(jobs, arrival)
+            sent_at = time.monotonic()  # when the last event (or keep-alive) was yielded
+            runner = self.run(jobs, arrival, KEEPALIVE_INTERVAL_S)
             async with contextlib.aclosing(runner):
-                async for index, out in runner:
-                    st = states[index]
-                    st.update(out)
-                    if out.finished and st.finish_reason not in OK_FINISH_REASONS:
-                        yield sse_event(failed_request_error(st).body())
-                        yield DONE
-                        return
-                    if not (out.new_text or out.new_logprobs or out.finished
-                            or (token_ids and out.new_token_ids)):
+                async for item in runner:
+                    if item is not None:
+                        index, out = item
+                        st = states[index]
+                        st.update(out)
+                        if out.finished and st.finish_reason not in OK_FINISH_REASONS:
+                            yield sse_event(failed_request_error(st).body())
+                            yield DONE
+                            return
+                    if item is None or not (out.new_text or out.new_logprobs or out.finished
+                                            or (token_ids and out.new_token_ids)):
+                        # nothing to send: idle for an interval (None), or outputs whose text
+                        # is held back, which get a keep-alive once an interval passed
+                        if item is None or time.monotonic() - sent_at >= KEEPALIVE_INTERVAL_S:
+                            sent_at = time.monotonic()
+                            yield KEEPALIVE
                         continue
                     extra: dict[str, Any] = {}
                     if out.finished:
@@ -236,6 +284,7 @@ class JobRunner:
                             extra["kv_transfer_params"] = first_kv_transfer_params(
                                 list(states.values()))
                     phase_trace.mark("api.chunk")
+                    sent_at = time.monotonic()
                     yield chunk([choice_of(index, out,
                                            st.finish_reason if out.finished else None)], **extra)
             if include_usage:

@@ -1,5 +1,5 @@
-"""Server-sent events: the ``data: {...}`` framing and a streaming response that notices a client
-disconnect even while it waits for the next token.
+"""Server-sent events: the ``data: {...}`` framing, the keep-alive comment, and a streaming
+response that notices a client disconnect even while it waits for the next token.
 
 Starlette's ``StreamingResponse`` (ASGI spec >= 2.4) only notices a disconnect when a write fails,
 so a request queued in the engine would keep running after its client left. Here the body is
@@ -21,6 +21,10 @@ from starlette.types import Receive, Scope, Send
 logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
+#: An SSE comment (a line starting with ``:``; clients ignore it, it is no event), sent by a
+#: stream that has had nothing to send for ``job_runner.KEEPALIVE_INTERVAL_S`` seconds so that
+#: readers with an idle timeout (the proxy's ``--stall-timeout``) see a live server.
+KEEPALIVE = ": keep-alive\n\n"
 
 
 def sse_event(data: dict[str, Any]) -> str:

@@ -5,15 +5,17 @@ The decode leg of a migratable stream asks for vLLM's ``return_token_ids``, so e
 the tokens it carries (the proxy strips those fields when the client did not ask for them, and
 drops the chunks that only carried tokens whose text is held back). When the decode leg fails —
 the connection drops, the stream ends without ``[DONE]``, an in-band error event with a 5xx
-code, or no bytes for ``--stall-timeout`` seconds — the proxy closes it (a live D aborts the
-request and frees its blocks; P's lease is released if D never read it), routes the request
-again to a prefiller and to a decoder this request has not failed on, with the client's body
-plus ``pdserve_resume`` (the prompt ids and the output ids already streamed; the engine side is
-:class:`pdserve.entrypoints.protocol.ResumeFields`), and goes on forwarding, every chunk's
-``id`` and ``created`` rewritten to the first leg's. At most ``--migration-limit`` migrations
-per request; past it (or when no other decoder is left, or the request cannot be resumed
-identically: :func:`pdserve.types.resume.resume_refusal`) the client gets the error event as
-without migration. docs/proxy.md has the whole contract.
+code, or no bytes for ``--stall-timeout`` seconds (a live pdserve decoder with nothing to send,
+its request queued or preempted, sends an SSE keep-alive comment every
+:data:`~pdserve.entrypoints.job_runner.KEEPALIVE_INTERVAL_S`, which the proxy passes on) — the
+proxy closes it (a live D aborts the request and frees its blocks; P's lease is released if D
+never read it), routes the request again to a prefiller and to a decoder this request has not
+failed on, with the client's body plus ``pdserve_resume`` (the prompt ids and the output ids
+already streamed; the engine side is :class:`pdserve.entrypoints.protocol.ResumeFields`), and
+goes on forwarding, every chunk's ``id`` and ``created`` rewritten to the first leg's. At most
+``--migration-limit`` migrations per request; past it (or when no other decoder is left, or the
+request cannot be resumed identically: :func:`pdserve.types.resume.resume_refusal`) the client
+gets the error event as without migration. docs/proxy.md has the whole contract.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ from pdserve.router.errors import UPSTREAM_ERROR, UPSTREAM_TIMEOUT, UPSTREAM_UNA
 from pdserve.router.first_token import DecodeTimer
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.upstream_client import Turn, UpstreamClient, UpstreamHTTPError
-from pdserve.router.stream_ledger import SSE_DONE, SSEEvents, StreamLedger, sse_event
+from pdserve.router.stream_ledger import (
+    SSE_DONE,
+    SSE_KEEPALIVE,
+    SSEEvents,
+    StreamLedger,
+    sse_event,
+)
 from pdserve.router.upstreams import Upstream, UpstreamPool
 from pdserve.types.openai_errors import error_type
 from pdserve.types.resume import resume_refusal
@@ -43,6 +51,8 @@ logger = logging.getLogger("pdserve.router")
 
 #: Default ``--stall-timeout``: seconds without a byte from a streaming decoder before the proxy
 #: takes it as failed (only with ``--migration-limit`` > 0; ``--timeout`` applies otherwise).
+#: A pdserve decoder sends a keep-alive comment after 10 s with nothing to send
+#: (:data:`pdserve.entrypoints.job_runner.KEEPALIVE_INTERVAL_S`): keep this at twice that or more.
 DEFAULT_STALL_TIMEOUT_S = 30.0
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 _DONE = SSE_DONE
@@ -271,9 +281,14 @@ class StreamMigrator:
                 return MigrationReason.EOF, ProxyError(
                     502, f"decode instance {up.url} ended the stream before its end",
                     UPSTREAM_ERROR)
-            batch: list[bytes] = []  # one write per chunk read, as the plain relay does
+            payloads = events.feed(chunk)
+            # one write per chunk read, as the plain relay does; a keep-alive (the decoder had
+            # nothing to send, the bytes above restarted the stall timer) is passed on too, so
+            # that the client's own idle timeout sees a live stream; it came before the events
+            # of the same chunk (sent only while nothing else was)
+            batch: list[bytes] = [SSE_KEEPALIVE] if events.comments else []
             failed = None
-            for payload in events.feed(chunk):
+            for payload in payloads:
                 if payload == b"[DONE]":
                     ledger.done = True
                     batch.append(_DONE)

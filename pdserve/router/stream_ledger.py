@@ -2,6 +2,10 @@
 decode legs' Server-Sent Events (:class:`SSEEvents`) as :mod:`pdserve.router.migration` relays
 them: the token ids, the response id, the finish, usage and ``[DONE]``; and the writing of one
 event (:func:`sse_event`: the proxy's in-band errors).
+
+A decoder sends an SSE comment (``: keep-alive``) when a stream has had nothing to send for a
+while (:data:`pdserve.entrypoints.job_runner.KEEPALIVE_INTERVAL_S`): it is no event (no payload
+here, never a first token), only bytes that show the decoder alive.
 """
 
 from __future__ import annotations
@@ -13,28 +17,41 @@ from typing import Any
 RESUME_FIELD = "pdserve_resume"
 #: The end of an SSE stream.
 SSE_DONE = b"data: [DONE]\n\n"
+#: A keep-alive: an SSE comment, which clients ignore.
+SSE_KEEPALIVE = b": keep-alive\n\n"
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class SSEEvents:
-    """Splits a byte stream of Server-Sent Events into the ``data`` payloads of whole events."""
+    """Splits a byte stream of Server-Sent Events into the ``data`` payloads of whole events.
 
-    __slots__ = ("_buf",)
+    Attributes:
+        comments: how many of the blocks completed by the last :meth:`feed` were only comments
+            (lines starting with ``:``: keep-alives), which give no payload.
+    """
+
+    __slots__ = ("_buf", "comments")
 
     def __init__(self) -> None:
         self._buf = b""
+        self.comments = 0
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        """The payloads (``data:`` lines joined) of the events completed by ``chunk``."""
-        self._buf += chunk.replace(b"\r\n", b"\n")
+        """The payloads (``data:`` lines joined) of the events completed by ``chunk``; a block
+        without ``data:`` lines (a comment) is none."""
+        # the buffer again too: a CRLF may be split between two chunks
+        self._buf = (self._buf + chunk).replace(b"\r\n", b"\n")
         *events, self._buf = self._buf.split(b"\n\n")
         out = []
+        self.comments = 0
         for event in events:
-            data = [line[5:].lstrip(b" ") for line in event.split(b"\n")
-                    if line.startswith(b"data:")]
+            lines = event.split(b"\n")
+            data = [line[5:].lstrip(b" ") for line in lines if line.startswith(b"data:")]
             if data:
                 out.append(b"\n".join(data))
+            elif any(line.startswith(b":") for line in lines):
+                self.comments += 1
         return out
 
 
