@@ -257,6 +257,12 @@ class AsyncEngine:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
+    def core_silence_s(self) -> float:
+        """Seconds since the most silent engine core's last message. A core with requests sends
+        one at least every :data:`~pdserve.types.core_messages.HEARTBEAT_INTERVAL_S` while its
+        loop runs, so a long silence means a core stuck in a step (or gone)."""
+        return max(core.silent_s for core in self._cores)
+
     def stats(self) -> EngineStats:
         """The latest snapshots the cores sent (updated after every step with output), summed
         over the ranks; with several ranks ``per_rank`` holds each rank's own."""

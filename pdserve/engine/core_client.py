@@ -153,6 +153,12 @@ class CoreClient:
                 "--data-parallel-address to an address of this host") from None
 
     # ------------------------------------------------------------------ liveness
+    @property
+    def silent_s(self) -> float:
+        """Seconds since the core's last message (a core with requests sends one at least every
+        :data:`~pdserve.types.core_messages.HEARTBEAT_INTERVAL_S`, pdserve/engine/core_loop.py)."""
+        return time.monotonic() - self._last_seen
+
     def check_alive(self) -> str | None:
         """Why the core is dead (and records it), or None while it lives."""
         if self.dead is None:

@@ -146,6 +146,12 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
         # next deadline while only KV work is pending, long (but bounded, to notice a dead
         # parent) when idle. Never spins a core when nothing can progress.
         timeout_s = core.wait_timeout_s(progressed)
+        # With requests in it the loop says it lives at least every HEARTBEAT_INTERVAL_S (a
+        # waiting request's stream sends keep-alives only while its core does, so a core stuck
+        # in a step is still taken for failed: pdserve/entrypoints/job_runner.py).
+        busy = scheduler.has_unfinished_requests()
+        if busy:
+            timeout_s = min(timeout_s, HEARTBEAT_INTERVAL_S)
         if stats_stale:
             timeout_s = min(timeout_s, max(0.0, last_stats_time + STATS_INTERVAL_S - time.monotonic()))
         wakeups = sync_poller(poller, wakeups, core.wakeup_handles())
@@ -211,7 +217,7 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
             else:
                 stats_stale = changed
         if outputs or conn_stats or stats is not None or (
-                remote and now - last_sent >= HEARTBEAT_INTERVAL_S):
+                (remote or busy) and now - last_sent >= HEARTBEAT_INTERVAL_S):
             if outputs:
                 phase_trace.mark("core.send_out")
             out_sock.send(encoder.encode(StepOutputs(outputs=outputs, stats=stats, connector_stats=conn_stats)))

@@ -41,10 +41,12 @@ OK_FINISH_REASONS = ("stop", "length")
 #: (:data:`pdserve.entrypoints.sse.KEEPALIVE`). Well below the proxy's ``--stall-timeout``
 #: (default 30 s: :data:`pdserve.router.migration.DEFAULT_STALL_TIMEOUT_S`), after which a silent
 #: decode leg counts as failed: a stall timeout should be two intervals or more. A keep-alive
-#: says that the API server is alive, not that the request advances; the engine core's liveness
-#: is watched apart from it (:meth:`pdserve.engine.core_client.CoreClient.check_alive`: a local
-#: core's process, a remote rank's heartbeats), and a dead core fails its requests, which ends
-#: their streams with an error event.
+#: is sent only while the engine cores have been heard from within the interval (a core with
+#: requests says it lives every second: ``AsyncEngine.core_silence_s``), so a core stuck in a
+#: step with its process alive still leaves its streams silent, and the proxy's stall timeout
+#: takes it for failed; a dead core fails its requests
+#: (:meth:`pdserve.engine.core_client.CoreClient.check_alive`), which ends their streams with an
+#: error event.
 KEEPALIVE_INTERVAL_S = 10.0
 
 
@@ -273,7 +275,8 @@ class JobRunner:
                                             or (token_ids and out.new_token_ids)):
                         # nothing to send: idle for an interval (None), or outputs whose text
                         # is held back, which get a keep-alive once an interval passed
-                        if item is None or time.monotonic() - sent_at >= KEEPALIVE_INTERVAL_S:
+                        if (item is None or time.monotonic() - sent_at >= KEEPALIVE_INTERVAL_S) \
+                                and self.engine.core_silence_s() < KEEPALIVE_INTERVAL_S:
                             sent_at = time.monotonic()
                             yield KEEPALIVE
                         continue

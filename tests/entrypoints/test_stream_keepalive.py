@@ -69,6 +69,29 @@ async def test_queued_request_gets_keepalives_then_its_chunks():
     assert not engine.aborted
 
 
+async def test_a_silent_engine_core_gets_no_keepalives():
+    """A core stuck in a step (its process alive, no message for an interval) leaves the stream
+    silent, so that a reader's idle timeout (the proxy's stall timeout) still sees it."""
+    engine = FakeEngine()
+    engine.gate = asyncio.Event()
+    engine.core_silence = INTERVAL_S * 2
+    events: list[str] = []
+
+    async def read():
+        async for event in stream_of(engine):
+            events.append(event)
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(INTERVAL_S * 5)
+    assert events == []
+    engine.core_silence = 0.0  # heard from again
+    await asyncio.sleep(INTERVAL_S * 3)
+    assert events and set(events) == {KEEPALIVE}
+    engine.gate.set()
+    await asyncio.wait_for(reader, 5)
+    assert events[-1] == DONE
+
+
 async def test_keepalives_between_slow_tokens():
     engine = FakeEngine()
     engine.token_delay_s = INTERVAL_S * 3  # a preempted request's next token comes late

@@ -83,6 +83,7 @@ class FakeEngine:
         self._listeners: list[Any] = []
         self.stats_value = EngineStats(num_blocks=100, num_free_blocks=100)
         self.shutdown_called = False
+        self.core_silence = 0.0  # what core_silence_s() reports (s)
 
     # ---- oracle ---------------------------------------------------------------------------
     def expected_tokens(self, prompt_ids: list[int], seed: int | None, n: int) -> list[int]:
@@ -94,6 +95,9 @@ class FakeEngine:
         return self.tokenizer.decode(self.expected_tokens(prompt_ids, seed, n))
 
     # ---- AsyncEngine interface ------------------------------------------------------------
+    def core_silence_s(self) -> float:
+        return self.core_silence
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling_params: SamplingParams,
                        kv_transfer_params: dict[str, Any] | None = None,
