@@ -13,10 +13,10 @@ hand-off). A prefill's returned ``kv_transfer_params`` name the rank that comput
 side-channel port and engine id), so a decoder reads from that rank. One rank dying makes the
 whole engine dead.
 
-Per request the front end detokenises incrementally and applies stop strings (the stop string
-is cut from the text, the request is aborted in the core, ``finish_reason`` is ``"stop"``;
-:mod:`pdserve.engine.output_processor`); as in vLLM, no stop string may end in the text of the
-first ``min_tokens`` tokens. A request's ``kv_transfer_params`` arrive parsed
+Per request the front end detokenises incrementally and applies stop strings (cut from the
+text, the request aborted in the core, ``finish_reason`` ``"stop"``; :mod:`.output_processor`);
+as in vLLM, none may end in the text of the first ``min_tokens`` tokens, and an ending EOS or stop
+token has no text (its id is kept). A request's ``kv_transfer_params`` arrive parsed
 (:class:`pdserve.types.kv_params.KVTransferParams`) and are passed on to the core as they are.
 """
 

@@ -23,8 +23,9 @@ class RequestOutput:
     Attributes:
         request_id: the request.
         new_token_ids: tokens generated since the previous delta.
-        new_text: text since the previous delta (stop strings removed; may be empty while a
-            multi-byte character or a possible stop-string prefix is held back).
+        new_text: text since the previous delta (stop strings and the text of the EOS or stop
+            token that ended the request removed; may be empty while a multi-byte character or
+            a possible stop-string prefix is held back).
         new_logprobs: logprobs of ``new_token_ids`` when requested.
         finished: True on the last delta.
         finish_reason: ``stop``, ``length``, ``abort`` or ``error`` on the last delta.
@@ -153,16 +154,24 @@ class RequestState:
 def process_output(o: EngineCoreOutput, st: RequestState) -> RequestOutput:
     """Turn one core delta into the client's :class:`RequestOutput`: detokenize, match stop
     strings (a stop string cut from the text finishes the request with ``"stop"``; the caller
-    then aborts it in the core), count tokens. Marks ``st.finished`` on the last delta."""
+    then aborts it in the core), count tokens. Marks ``st.finished`` on the last delta.
+
+    A delta the core finished with ``"stop"`` ends in the token that stopped the request (EOS or
+    one of ``stop_token_ids``; the core stops on tokens only): that token's text is left out,
+    while its id stays in ``new_token_ids`` and the counts, as vLLM does without
+    ``include_stop_str_in_output`` (``vllm/v1/engine/detokenizer.py``: a stop-terminated
+    delta's last token is not detokenized)."""
     finished = o.finish_reason is not None
     finish_reason = o.finish_reason
     stop_reason: int | str | None = o.stop_reason
     tokens = o.new_token_ids
+    # tokens whose text is shown: all but a stop token
+    n_text = len(tokens) - 1 if tokens and o.finish_reason == "stop" else len(tokens)
     if len(tokens) > 1 and st.stop_matcher.stop:
         # Several tokens at once (a multi-step round): match stop strings token by token,
         # so that tokens after a stop are neither emitted nor counted, as with single steps.
         emit, stop = "", None
-        for i, tok in enumerate(tokens):
+        for i, tok in enumerate(tokens[:n_text]):
             part, stop = st.stop_matcher.feed(st.detokenizer.add_tokens([tok]),
                                               st.num_output_tokens + i + 1 > st.min_tokens)
             emit += part
@@ -174,7 +183,7 @@ def process_output(o: EngineCoreOutput, st: RequestState) -> RequestOutput:
                                               st.num_output_tokens + len(tokens) > st.min_tokens)
             emit += part
     else:
-        text = st.detokenizer.add_tokens(tokens) if tokens else ""
+        text = st.detokenizer.add_tokens(tokens[:n_text]) if n_text else ""
         if finished:
             text += st.detokenizer.flush()
         emit, stop = st.stop_matcher.feed(text, st.num_output_tokens + len(tokens) > st.min_tokens)

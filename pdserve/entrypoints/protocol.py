@@ -136,7 +136,7 @@ class _SamplingFields(_Request):
     def _stop_str_left_out(cls, v: Any) -> Any:
         if v is not None and v is not False:
             raise ValueError("include_stop_str_in_output is not supported by pdserve (the stop "
-                             "string is always left out)")
+                             "string or stop token's text is always left out)")
         return v
 
     @field_validator("echo")

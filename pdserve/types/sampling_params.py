@@ -45,9 +45,11 @@ class SamplingParams:
         presence_penalty: OpenAI presence penalty on tokens seen in the output.
         frequency_penalty: OpenAI frequency penalty, proportional to output occurrence counts.
         max_tokens: upper bound on generated tokens.
-        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens exist.
+        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens exist,
+            and no stop string may end in the text of these first tokens.
         stop: strings that end generation; they are not included in the returned text.
-        stop_token_ids: token ids that end generation (in addition to EOS).
+        stop_token_ids: token ids that end generation (in addition to EOS); the text of the
+            one that ends it (or of EOS) is not included in the returned text, its id is.
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: ``None`` for no logprobs, else the number of top alternatives per token (0..20).
     """

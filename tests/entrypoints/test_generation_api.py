@@ -159,7 +159,9 @@ async def test_stop_token_finish_reason(client: httpx.AsyncClient,
                                             "stop_token_ids": [third]})
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
-    assert choice["text"] == fake_engine.expected_text(ids, None, 3)
+    # the stop token's text is left out; the token is counted
+    assert choice["text"] == fake_engine.expected_text(ids, None, 2)
+    assert r.json()["usage"]["completion_tokens"] == 3
 
 
 @pytest.mark.parametrize("include_usage", [False, True])

@@ -179,6 +179,40 @@ def test_stop_strings_wait_for_min_tokens(client: openai.OpenAI, offline: dict,
     assert chunks[-1].usage.completion_tokens == 7
 
 
+def test_stop_token_text_is_left_out(client: openai.OpenAI, offline: dict,
+                                     tiny_llama_path: str) -> None:
+    """A ``stop_token_ids`` token ends the request with ``stop``: it is counted in the usage,
+    its text is not in the answer (as in vLLM). Both endpoints, plain and streamed alike."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+    for key in (17, "chat"):
+        _, tokens = offline[key]
+        # the first token (after the second) not seen before: the request stops there
+        k = next((i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i]), None)
+        assert k is not None, f"no fresh token in {tokens}"
+        expected = tokenizer.decode(tokens[:k], skip_special_tokens=True)
+        kw = dict(GREEDY, extra_body={"ignore_eos": True, "stop_token_ids": [tokens[k]]})
+        if key == "chat":
+            r = client.chat.completions.create(model=SERVED_NAME, messages=CHAT, **kw)
+            text = r.choices[0].message.content
+            chunks = list(client.chat.completions.create(
+                model=SERVED_NAME, messages=CHAT, stream=True,
+                stream_options={"include_usage": True}, **kw))
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            r = client.completions.create(model=SERVED_NAME, prompt=_prompt_ids(key), **kw)
+            text = r.choices[0].text
+            chunks = list(client.completions.create(
+                model=SERVED_NAME, prompt=_prompt_ids(key), stream=True,
+                stream_options={"include_usage": True}, **kw))
+            streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == streamed == expected, key
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k + 1
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        assert chunks[-1].usage.completion_tokens == k + 1
+
+
 def test_repeated_prompt_hits_prefix_cache(client: openai.OpenAI, offline: dict) -> None:
     ids = _prompt_ids(33)
     client.completions.create(model=SERVED_NAME, prompt=ids, **GREEDY)

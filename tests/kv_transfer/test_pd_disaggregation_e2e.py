@@ -144,6 +144,34 @@ def test_stop_string_waits_for_min_tokens_on_the_decoder(cluster, stream):
     p.wait_all_blocks_free(timeout_s=10)
 
 
+@pytest.mark.parametrize("index, stream", [(0, False), (2, True)],
+                         ids=["first-plain", "third-stream"])
+def test_stop_token_text_is_left_out_on_the_decoder(cluster, index, stream):
+    """A ``stop_token_ids`` token ends D's request as one instance's: counted, its text left
+    out; also when it is P's first token (D finishes on it before any decode step)."""
+    p, d = cluster["p"], cluster["d_fail"]
+    body = completion_body(cluster, token_prompt(B + 7, seed=6160 + index), stream)
+    free = generate(cluster["single"], "completions",
+                    dict(body, stream=False, return_token_ids=True))
+    ids = free["body"]["choices"][0]["token_ids"]
+    assert ids[index] not in ids[:index], "pick a prompt whose stop token is new there"
+    body["stop_token_ids"] = [ids[index]]
+    single = generate(cluster["single"], "completions", dict(body, stream=False))
+    assert single["body"]["usage"]["completion_tokens"] == index + 1
+    assert single["body"]["choices"][0]["finish_reason"] == "stop"
+    head = cluster["single"].client.post("/detokenize", json={"tokens": ids[:index]}).json()
+    assert single["text"] == head["prompt"]
+    params = prefill_leg(p, "completions", body)
+    assert params["first_token_id"] == ids[0]
+    out = decode_leg(d, "completions", body, params)
+    assert out["status"] == 200, out
+    assert out["text"] == single["text"]
+    if not stream:
+        assert out["body"]["usage"]["completion_tokens"] == index + 1
+        assert out["body"]["choices"][0]["finish_reason"] == "stop"
+    p.wait_all_blocks_free(timeout_s=10)
+
+
 def test_forged_first_token_id_is_a_400(cluster):
     p, d = cluster["p"], cluster["d_fail"]
     body = completion_body(cluster, token_prompt(B + 1, seed=99), False)

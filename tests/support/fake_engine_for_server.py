@@ -158,7 +158,8 @@ class FakeEngine:
                 yield RequestOutput(
                     request_id=request_id,
                     new_token_ids=[tok],
-                    new_text=self.tokenizer.decode([tok]),
+                    # a stop token's text is left out (AsyncEngine's contract, as vLLM's)
+                    new_text="" if stop else self.tokenizer.decode([tok]),
                     new_logprobs=logprobs,
                     finished=done,
                     finish_reason=("stop" if stop else "length") if done else None,
