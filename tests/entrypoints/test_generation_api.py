@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 import pytest
-from tests.support.live_server import parse_sse
+from tests.support.live_server import parse_sse, wait_until
 from tests.support.fake_engine_for_server import FakeEngine
 
 COMPLETIONS = "/v1/completions"
@@ -286,9 +286,9 @@ async def test_choices_after_the_first_wait_for_its_remote_kv_read(
     body = {"prompt": "hi", "max_tokens": 2, "n": 3, "temperature": 1.0, "seed": 5,
             "stream": stream, "kv_transfer_params": sent}
     answer = asyncio.create_task(client.post(COMPLETIONS, json=body))
-    for _ in range(50):
-        await asyncio.sleep(0)
-    (only,) = fake_engine.calls.values()  # choices 1 and 2 wait for choice 0's first output
+    await wait_until(lambda: fake_engine.calls)  # choice 0 reached the engine
+    await asyncio.sleep(0.05)  # time for the others, which must wait for its first output
+    (only,) = fake_engine.calls.values()
     assert only["kv"] == sent
     fake_engine.gate.set()
     r = await answer
