@@ -88,10 +88,15 @@ class TierLoads:
         # part of what they need could otherwise hold every block, none able to run).
         if kvm.allocate_slots(req, req.num_tokens - num_local, computed_blocks) is None:
             return 0
+        # Matched again: the allocation may have evicted cached device blocks into the host
+        # tier, pushing some of these blocks from the host tier to disk (or out). Whether the
+        # load is host-only (computed in this very step) must be decided on where they are now.
+        media = self.tiers.match(hashes[:n])
+        n = len(media)
         first = len(computed_blocks)
         host_only = all(m is KVTierMedium.CPU for m in media)
         loading = self.tiers.start_load(req.request_id, hashes[:n], req.block_ids[first:first + n],
-                                        detached=host_only)
+                                        detached=host_only) if n else 0
         if loading == 0:  # every host slot is pinned: admit it as usual
             kvm.free(req)
             return None

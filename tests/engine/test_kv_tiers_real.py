@@ -104,6 +104,22 @@ def test_disk_tier_below_a_tiny_host_tier_and_a_corrupt_file(tiny_llama_path, ti
     assert not glob.glob(str(tmp_path / "*" / "*.kvblock"))  # removed at shutdown
 
 
+@pytest.mark.parametrize("host_blocks", [10, 24])
+def test_a_history_pushed_to_disk_by_its_own_allocation_is_not_read_as_host_blocks(
+        tiny_llama_path, tiers_off, tmp_path, host_blocks):
+    """A history matched in the host tier can move to disk while the request's blocks are
+    allocated (the allocation evicts cached device blocks into the host tier, which pushes
+    older host blocks down): the load then waits for the file reads instead of being computed
+    in the same step as a host-only load (which read blocks not loaded yet: other tokens)."""
+    off = KVOffloadingConfig(host_bytes=host_blocks * 2048, disk_dir=str(tmp_path),
+                             disk_bytes=400 * 2048)
+    engine = make_engine(tiny_llama_path, off)
+    answers = three_turns(engine)
+    stats = finish(engine)
+    assert answers == tiers_off[0]
+    assert stats["kv_tiers"]["media"]["DISK"]["hits"] >= 20
+
+
 def test_fp8_cache_with_host_and_disk_tiers_gives_the_same_tokens(tiny_llama_path, tmp_path,
                                                                   scheduling_mode):
     """The tiers copy an fp8 cache's bytes as they are (1-byte elements, the same scales)."""
