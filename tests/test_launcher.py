@@ -799,6 +799,38 @@ def test_restart_limit_zero_keeps_the_old_stop_everything_behaviour(tmp_path, ca
     assert "restarting" not in out and "decode-1 (pid" in out
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--startup-timeout", "nan"], "finite"), (["--startup-timeout", "inf"], "finite"),
+    (["--startup-timeout", "0"], "must be > 0"), (["--shutdown-timeout", "-1"], "must be >= 0"),
+    (["--shutdown-timeout", "nan"], "finite"), (["--restart-window", "nan"], "finite"),
+])
+def test_timeouts_must_be_finite_and_not_negative(argv, needle, capsys):
+    """Seconds options: ``nan`` never timed out and ``-1`` was taken as given."""
+    assert _exit_code(lambda: launcher.cli.parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert argv[0] in err and needle in err, err
+
+
+def test_a_log_dir_that_is_a_file_exits_2(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert _exit_code(lambda: launcher.cli.parse_args(["--log-dir", str(afile)])) == 2
+    err = capsys.readouterr().err
+    assert "--log-dir" in err and "is not a directory" in err and "Traceback" not in err
+    opts = launcher.cli.parse_args(["--log-dir", str(tmp_path / "new" / "logs")])
+    assert opts.log_dir == tmp_path / "new" / "logs" and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("argv", [["--kv-offloading-size", "inf"],
+                                  ["--kv-offloading-size", "1", "--kv-offloading-disk-dir", "d",
+                                   "--kv-offloading-disk-size", "inf"]])
+def test_engine_option_inf_is_refused_up_front(argv):
+    """``pdserve up`` checks engine options with the ``pdserve serve`` parser: ``inf`` GiB
+    (an OverflowError traceback at start-up) is an argument error."""
+    error = launcher.cli.engine_args_error("gemma3-270m", argv)
+    assert error is not None and "finite" in error
+
+
 def test_restart_backoff_doubles_up_to_its_cap():
     from pdserve.launcher.restarts import RestartPolicy
 

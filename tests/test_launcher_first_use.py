@@ -38,7 +38,20 @@ def test_up_refuses_a_missing_tokenizer(capsys):
 
 def test_model_error_accepts_builtins_and_paths(tmp_path):
     assert launcher.cli.model_error("gemma3-270m") is None
+    (tmp_path / "config.json").write_text("{}")
     assert launcher.cli.model_error(str(tmp_path)) is None
+    (tmp_path / "m.gguf").write_bytes(b"")
+    assert launcher.cli.model_error(str(tmp_path / "m.gguf")) is None
+
+
+def test_model_error_refuses_a_directory_that_is_not_a_model(tmp_path):
+    """A directory without config.json (or a file that is not .gguf) is refused up front; it
+    failed only after the engine had started."""
+    error = launcher.cli.model_error(str(tmp_path))
+    assert error is not None and "config.json" in error and str(tmp_path) in error
+    (tmp_path / "notes.txt").write_text("")
+    error = launcher.cli.model_error(str(tmp_path / "notes.txt"))
+    assert error is not None and ".gguf" in error
 
 
 def _python_example(banner: str) -> str:

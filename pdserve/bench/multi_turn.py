@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -87,8 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
     def positive(name: str, value: float | None) -> None:
+        if value is not None and not math.isfinite(value):
+            parser.error(f"{name} must be a finite number, got {value}")
         if value is not None and value <= 0:
             parser.error(f"{name} must be > 0, got {value}")
+
+    def output_path(name: str, path: str | None) -> None:
+        """Refuse ``path`` before the run when its file could not be written after it."""
+        if path is None:
+            return
+        if os.path.isdir(path):
+            parser.error(f"{name} {path}: is a directory (give a file name)")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            parser.error(f"{name} {path}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            parser.error(f"{name} {path}: directory {parent} is not writable")
 
     positive("--num-clients", args.num_clients)
     positive("--max-active-conversations", args.max_active_conversations)
@@ -98,8 +113,12 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict
     positive("--request-timeout-sec", args.request_timeout_sec)
     if args.limit_min_tokens is not None and args.limit_min_tokens < 0:
         parser.error("--limit-min-tokens must be >= 0")
-    if args.request_rate < 0:
-        parser.error("--request-rate must be >= 0")
+    if not (math.isfinite(args.request_rate) and args.request_rate >= 0):
+        parser.error(f"--request-rate must be a finite number >= 0 (0 = back to back), "
+                     f"got {args.request_rate}")
+    output_path("-o/--output-file", args.output_file)
+    output_path("--stats-json-output", args.stats_json_output)
+    output_path("--plot", args.plot)
     if (args.max_active_conversations is not None
             and args.max_active_conversations < args.num_clients):
         parser.error("--max-active-conversations must be >= --num-clients (each client needs one)")

@@ -10,8 +10,10 @@ block. Torch-free, so the CLI entry points stay fast to start.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+import tempfile
 from typing import NoReturn
 
 
@@ -93,38 +95,81 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "an integer >= 0")
 
 
-def positive_float(text: str) -> float:
-    """A number > 0 (seconds, for the options that use it).
-
-    Raises:
-        argparse.ArgumentTypeError: not a number, or not above 0.
-    """
+def _finite_float(text: str) -> float:
+    """``text`` as a finite number (``nan``, ``inf`` and ``-inf`` are refused)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds, GiB, ... for the options that use it).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, not finite, or not above 0.
+    """
+    value = _finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
-def writable_dir(text: str) -> str:
-    """A directory this process can create files in: an existing writable one, or one whose
-    nearest existing ancestor is a writable directory (it is created at start-up).
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (seconds, for the options that use it).
 
     Raises:
-        argparse.ArgumentTypeError: an empty path, a path through a file, or no write access.
+        argparse.ArgumentTypeError: not a number, not finite, or negative.
+    """
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def writable_dir(text: str) -> str:
+    """A directory this process can create files in: an existing writable one, or one that can
+    be created (it is created at start-up).
+
+    The check tries it: a temporary file in an existing directory, else creating the
+    directory (and its missing parents), which are removed again right away.
+
+    Raises:
+        argparse.ArgumentTypeError: an empty path, a path through a file, no write access, or a
+            directory that cannot be created (e.g. under ``/proc`` or ``/sys``).
     """
     if not text:
         raise argparse.ArgumentTypeError("an empty directory path")
     path = os.path.abspath(text)
+    missing: list[str] = []  # the directories to create, deepest first
     probe = path
     while not os.path.exists(probe):
+        missing.append(probe)
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
+        if probe == path:
+            raise argparse.ArgumentTypeError(f"{text} is not a directory")
         raise argparse.ArgumentTypeError(f"{text}: {probe} is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable")
+    try:
+        if missing:
+            os.makedirs(path, exist_ok=True)
+        else:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+    except OSError as e:
+        action = "cannot be created" if missing else "is not writable"
+        raise argparse.ArgumentTypeError(f"{text} {action} ({e.strerror or e})") from None
+    finally:
+        for created in missing:
+            try:
+                os.rmdir(created)
+            except OSError:
+                pass
     return text
 
 

@@ -202,8 +202,9 @@ def check_paths(config: EngineConfig) -> None:
     """Fails early, with a clear message, on a model or tokenizer path that does not exist.
 
     Raises:
-        StartupError: ``model`` is neither the built-in name nor an existing path, or
-            ``tokenizer`` is given and does not exist.
+        StartupError: ``model`` is neither the built-in name nor an existing path, is a
+            directory without ``config.json`` or a file that is not ``.gguf`` (what the model
+            loader accepts), or ``tokenizer`` is given and does not exist.
     """
     from pdserve.model_files.builtin_models import BUILTIN_NAMES, is_builtin
 
@@ -212,6 +213,15 @@ def check_paths(config: EngineConfig) -> None:
             f"model {config.model!r} not found: give a local Hugging Face directory, a .gguf "
             f"file, or a built-in name ({', '.join(map(repr, BUILTIN_NAMES))}; nothing is "
             "downloaded)")
+    model = "" if is_builtin(config.model) else os.path.expanduser(config.model)
+    if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        raise StartupError(
+            f"model {config.model!r} is not a model: a Hugging Face model directory has a "
+            "config.json (or give a .gguf file)")
+    if os.path.isfile(model) and not model.endswith(".gguf"):
+        raise StartupError(
+            f"model {config.model!r} is not a model: expected a Hugging Face directory or a "
+            ".gguf file")
     if config.tokenizer is not None and not os.path.exists(os.path.expanduser(config.tokenizer)):
         raise StartupError(f"tokenizer {config.tokenizer!r} not found (a local directory)")
 
@@ -343,15 +353,14 @@ def run_server(args: argparse.Namespace) -> int:
             "serving on %s, but PDSERVE_NIXL_SIDE_CHANNEL_HOST is %s: instances on other hosts "
             "cannot reach this side channel; set PDSERVE_NIXL_SIDE_CHANNEL_HOST to this host's "
             "address if they read KV from (or hand KV to) it", args.host, kv.side_channel_host)
+    try:  # a model or tokenizer that is missing or not a model: before any engine starts
+        check_paths(config)
+    except StartupError as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
     if config.headless:
-        try:
-            check_paths(config)
-        except StartupError as e:
-            print(f"pdserve serve: {e}", file=sys.stderr)
-            return 2 if "not found" in str(e) else 1
         return data_parallel.run_headless(config)
     try:
-        check_paths(config)
         sock = bind_socket(args.host, args.port)
     except StartupError as e:
         print(f"pdserve serve: {e}", file=sys.stderr)

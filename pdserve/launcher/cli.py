@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from pdserve.commands.parser import NEGATIVE_NUMBER, Parser, port_list, positive_int
+from pdserve.commands.parser import (NEGATIVE_NUMBER, Parser, non_negative_float, port_list,
+                                     positive_float, positive_int, writable_dir)
 from pdserve.types.engine_config import DEFAULT_MODEL
 from pdserve.launcher.errors import LaunchError
 from pdserve.launcher.plan import (
@@ -151,6 +152,15 @@ def _print_ready(launcher: Launcher, opts: argparse.Namespace) -> None:
 
 
 
+def log_dir_path(text: str) -> Path:
+    """``--log-dir``: a directory that exists and is writable or can be created.
+
+    Raises:
+        argparse.ArgumentTypeError: an existing file, or a directory that cannot be written.
+    """
+    return Path(writable_dir(text))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve up`` argument parser (engine options are not declared: they pass through)."""
     p = Parser(
@@ -196,12 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-side-channel-ports", type=port_list, default=None,
                    metavar="P1,P2", help="NIXL side-channel ports of the decoders "
                                          "(default: free ports)")
-    p.add_argument("--log-dir", type=Path, default=None,
+    p.add_argument("--log-dir", type=log_dir_path, default=None,
                    help="directory for child logs and pdserve-up.json (default: a new temp dir)")
-    p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
+    p.add_argument("--startup-timeout", type=positive_float, default=DEFAULT_STARTUP_TIMEOUT_S,
                    metavar="SECONDS", help="give up if not all parts are healthy by then "
                                            f"(default {DEFAULT_STARTUP_TIMEOUT_S:.0f})")
-    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+    p.add_argument("--shutdown-timeout", type=non_negative_float,
+                   default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    metavar="SECONDS", help="SIGKILL children still running this long after the "
                                            f"stop signal (default {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})")
     p.add_argument("--restart-limit", type=int, default=DEFAULT_MAX_RESTARTS, metavar="K",
@@ -209,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "serves) at most K times within --restart-window, with a back-off of "
                         "1, 2, 4 ... s (at most 30 s); 0 = never restart, any death stops "
                         f"everything (default {DEFAULT_MAX_RESTARTS})")
-    p.add_argument("--restart-window", type=float, default=DEFAULT_RESTART_WINDOW_S,
+    p.add_argument("--restart-window", type=positive_float, default=DEFAULT_RESTART_WINDOW_S,
                    metavar="SECONDS", help="the window --restart-limit counts deaths in "
                                            f"(default {DEFAULT_RESTART_WINDOW_S:.0f})")
     return p

@@ -18,6 +18,7 @@ device block stored and then overwritten by the step, always sees its old conten
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 GiB = 1 << 30
@@ -74,9 +75,9 @@ class KVOffloadingConfig:
         is asked for.
 
         Raises:
-            ValueError: a non-positive size, an unknown backend, a disk tier without a host
-                tier (the disk tier sits below it), a disk directory without a size or a size
-                without a directory (the message names the flag).
+            ValueError: a non-positive or non-finite size, an unknown backend, a disk tier
+                without a host tier (the disk tier sits below it), a disk directory without a
+                size or a size without a directory (the message names the flag).
         """
         parsed_backend = (KVOffloadingBackend.parse(backend) if backend is not None
                           else KVOffloadingBackend.NATIVE)
@@ -86,12 +87,14 @@ class KVOffloadingConfig:
                                  "--kv-offloading-disk-size need --kv-offloading-size GiB "
                                  "(the host-memory tier the disk tier sits below)")
             return None
-        if not size_gib > 0:
-            raise ValueError(f"--kv-offloading-size must be > 0 GiB, got {size_gib}")
+        if not 0 < size_gib < math.inf:
+            raise ValueError(f"--kv-offloading-size must be a finite number > 0 GiB, "
+                             f"got {size_gib}")
         if (disk_dir is None) != (disk_size_gib is None):
             raise ValueError("--kv-offloading-disk-dir and --kv-offloading-disk-size go together")
-        if disk_size_gib is not None and not disk_size_gib > 0:
-            raise ValueError(f"--kv-offloading-disk-size must be > 0 GiB, got {disk_size_gib}")
+        if disk_size_gib is not None and not 0 < disk_size_gib < math.inf:
+            raise ValueError(f"--kv-offloading-disk-size must be a finite number > 0 GiB, "
+                             f"got {disk_size_gib}")
         return cls(host_bytes=int(size_gib * GiB), backend=parsed_backend, disk_dir=disk_dir,
                    disk_bytes=int((disk_size_gib or 0) * GiB))
 

@@ -284,6 +284,29 @@ def test_bad_arguments_and_input(tmp_path, capsys, fake_server_factory, word_tok
     assert not server.requests
 
 
+@pytest.mark.parametrize("argv", [["--request-rate", "nan"], ["--request-rate", "inf"],
+                                  ["--request-timeout-sec", "nan"]])
+def test_non_finite_numbers_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["-o", "--stats-json-output", "--plot"])
+def test_an_output_path_that_cannot_be_written_exits_2_before_the_run(option, tmp_path, capsys):
+    """The parent directory of each output file is checked up front (the run took minutes
+    before the write failed with a traceback)."""
+    with pytest.raises(SystemExit) as info:
+        main([option, str(tmp_path / "missing" / "x.json"), "-u", "http://127.0.0.1:9"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and str(tmp_path / "missing") in err
+    with pytest.raises(SystemExit) as info:
+        main([option, str(tmp_path), "-u", "http://127.0.0.1:9"])
+    assert info.value.code == 2 and "is a directory" in capsys.readouterr().err
+
+
 def test_conversation_list_input(tmp_path, capsys, fake_server_factory, word_tokenizer_dir):
     server = fake_server_factory()
     data = [{"id": "chat-a", "messages": [

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from pdserve.types.engine_config import DEFAULT_MODEL, EngineConfig
-from pdserve.commands.parser import parse_size
+from pdserve.commands.parser import parse_size, writable_dir
 from pdserve.entrypoints.cli_args import build_parser, engine_config_from_args
-from pdserve.entrypoints.server import main
+from pdserve.entrypoints.server import StartupError, check_paths, main
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -99,8 +99,39 @@ def test_a_disk_tier_directory_through_a_file_exits_2(tmp_path, capsys) -> None:
     assert "--kv-offloading-disk-dir" in err and "is not a directory" in err
 
 
+@pytest.mark.parametrize("path", ["/proc/pdserve-no-such-dir", "/sys/kernel/pdserve-x"])
+def test_a_disk_tier_directory_that_cannot_be_created_is_refused(path) -> None:
+    """Under /proc or /sys even root cannot create it: refused when the options are parsed
+    (it failed with PermissionError / FileNotFoundError after the model had loaded)."""
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot be created|not writable"):
+        writable_dir(path)
+    assert not os.path.exists(path)
+
+
+def test_writable_dir_check_leaves_nothing_behind(tmp_path) -> None:
+    assert writable_dir(str(tmp_path / "a" / "b")) == str(tmp_path / "a" / "b")
+    assert not (tmp_path / "a").exists()
+    assert writable_dir(str(tmp_path)) == str(tmp_path) and not any(tmp_path.iterdir())
+
+
+def test_a_directory_that_is_not_a_model_is_refused(tmp_path) -> None:
+    """The model loader takes a directory with config.json or a .gguf file; anything else is
+    refused before the engine starts (exit code 2)."""
+    with pytest.raises(StartupError, match="config.json"):
+        check_paths(EngineConfig(model=str(tmp_path)))
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(StartupError, match=".gguf"):
+        check_paths(EngineConfig(model=str(tmp_path / "weights.bin")))
+    (tmp_path / "config.json").write_text("{}")
+    check_paths(EngineConfig(model=str(tmp_path)))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--kv-offloading-size", "0"], "--kv-offloading-size"),
+    (["--kv-offloading-size", "inf"], "finite"),
+    (["--kv-offloading-size", "nan"], "finite"),
+    (["--kv-offloading-size", "1", "--kv-offloading-disk-dir", ".",
+      "--kv-offloading-disk-size", "inf"], "finite"),
     (["--kv-offloading-size", "1", "--kv-offloading-backend", "lmcache"], "must be 'native'"),
     (["--kv-offloading-size", "1", "--kv-offloading-backend", ""], "must be 'native'"),
     (["--kv-offloading-disk-size", "1"], "need --kv-offloading-size"),

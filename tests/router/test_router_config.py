@@ -74,6 +74,9 @@ def test_all_flags():
     (["--prefiller-port", "1", "--decoder-port", "2", "--prefill-port", "3"], "unrecognized"),
     (["--prefiller-port", "1", "--decoder-port", "2", "--migration-limit", "-1"], "must be >= 0"),
     (["--prefiller-port", "1", "--decoder-port", "2", "--stall-timeout", "0"], "must be > 0"),
+    (["--prefiller-port", "1", "--decoder-port", "2", "--timeout", "inf"], "finite"),
+    (["--prefiller-port", "1", "--decoder-port", "2", "--timeout", "nan"], "finite"),
+    (["--prefiller-port", "1", "--decoder-port", "2", "--breaker-backoff", "inf"], "finite"),
 ])
 def test_bad_flags_exit_2_with_message(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
