@@ -85,11 +85,13 @@ def test_a_failed_read_forgets_the_block_in_every_tier():
 
 
 @pytest.mark.parametrize("flags, message", [
-    ((0.0, None, None, None), "must be > 0"),
+    ((0.0, None, None, None), "must be a finite number > 0"),
+    ((float("inf"), None, None, None), "must be a finite number > 0"),
     ((1.0, "lmcache", None, None), "must be 'native'"),
     ((None, None, "/tmp/x", 1.0), "need --kv-offloading-size"),
     ((1.0, None, "/tmp/x", None), "go together"),
-    ((1.0, None, "/tmp/x", -2.0), "must be > 0"),
+    ((1.0, None, "/tmp/x", -2.0), "must be a finite number > 0"),
+    ((1.0, None, "/tmp/x", float("inf")), "must be a finite number > 0"),
 ])
 def test_bad_flags_are_refused_with_the_flag_named(flags, message):
     with pytest.raises(ValueError, match=message):
