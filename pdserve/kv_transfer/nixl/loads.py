@@ -242,13 +242,15 @@ class LoadTracker:
         return True
 
     def _resolve(self, request_id: str, spec: RecvSpec, reply: dict[str, Any]) -> bool:
-        """Complete a pending reference from its granted claim (the owner's request id and
-        block ids); False when the answer cannot be read from (the load failed)."""
+        """Complete a reference from its granted claim (a pending one: the owner's request id
+        and block ids; a decoder's restored turn: the blocks that hold it now, maybe fewer than
+        advertised when only its leading blocks came back); False when the answer cannot be
+        read from (the load failed: a pull is recomputed)."""
         owner_request, block_ids = reply.get("request_id"), reply.get("block_ids")
         if not isinstance(owner_request, str) or not owner_request or \
                 not isinstance(block_ids, list) or not all(_is_token(b) for b in block_ids):
             self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
-                       "the prefiller's pending-claim answer names no request and blocks",
+                       "the owner's claim answer names no request and blocks",
                        notify_remote=True)
             return False
         spec.remote = spec.remote.resolved(owner_request, block_ids)
@@ -256,7 +258,7 @@ class LoadTracker:
         spec.remote_read_block_ids = list(block_ids[first:first + len(spec.local_block_ids)])
         if len(spec.remote_read_block_ids) != len(spec.local_block_ids):
             self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
-                       f"the prefiller holds {len(block_ids)} blocks; the prompt needs "
+                       f"the owner holds {len(block_ids)} blocks now; the prompt needs "
                        f"{first + len(spec.local_block_ids)}", notify_remote=True)
             return False
         # the remote's agent is loaded: _remote_restarted sent the load back otherwise
