@@ -276,6 +276,21 @@ class AsyncEngine:
         the core reports it, on the event loop thread."""
         self._stats_listeners.append(fn)
 
+    def end_requests(self, reason: str) -> None:
+        """End every request in flight with :class:`EngineDeadError` (``reason``; the front end
+        answers 503, or an error event in a stream) and abort it in its core, which frees its
+        blocks; the engine keeps running. A server shutting down does this before its grace
+        period ends, so that its requests end with an answer instead of being cancelled."""
+        ended: dict[int, list[str]] = {}
+        for request_id, (st, core) in self._requests.items():
+            if not st.finished:
+                st.finished = True
+                st.queue.put_nowait(EngineDeadError(reason))
+                ended.setdefault(id(core), []).append(request_id)
+        for core in self._cores:
+            if id(core) in ended:
+                self._send_abort(core, ended[id(core)])
+
     def _core_died(self, core: CoreClient, reason: str) -> None:
         self._mark_dead(reason)
 

@@ -53,6 +53,13 @@ logger = logging.getLogger("pdserve.server")
 
 # Seconds between engine liveness checks while serving; a dead engine stops the server.
 ENGINE_WATCHDOG_INTERVAL_S = 2.0
+#: Seconds uvicorn lets requests in flight finish after a shutdown signal before it cancels them
+#: (its ``timeout_graceful_shutdown``).
+GRACEFUL_SHUTDOWN_S = 5
+#: Seconds after a shutdown signal at which the requests still in flight are ended with a 503
+#: (or an error event in their stream): before uvicorn cancels them, which would log tracebacks
+#: and answer a client 500, or nothing.
+END_REQUESTS_AFTER_S = GRACEFUL_SHUTDOWN_S - 1.0
 # Seconds allowed for the engine to shut down after the HTTP server stopped.
 ENGINE_SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -255,7 +262,10 @@ async def serve(config: EngineConfig, sock: socket.socket, api_key: str | None,
             main_task.cancel()  # still starting: abandon the startup
         else:
             server.should_exit = True
-            if signals_seen > 1:
+            if signals_seen == 1:
+                loop.call_later(END_REQUESTS_AFTER_S, engine.end_requests,
+                                "the server is shutting down")
+            else:
                 server.force_exit = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -282,7 +292,8 @@ async def serve(config: EngineConfig, sock: socket.socket, api_key: str | None,
         # now on (shorter collections while serving, and no full pass over it at exit).
         freeze_start_up_objects()
         uv_config = uvicorn.Config(app, log_config=None, log_level=log_level,
-                                   access_log=log_level == "debug", timeout_graceful_shutdown=5)
+                                   access_log=log_level == "debug",
+                                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         server = _Server(uv_config)
 
         async def watchdog() -> None:

@@ -195,6 +195,23 @@ async def test_abort_and_leaving_the_iterator_free_all_blocks(engine):
     await engine.abort("unknown-id")  # ignored
 
 
+async def test_end_requests_fails_those_in_flight_and_frees_their_blocks(engine, offline_tokens):
+    """What a server shutting down does before its grace period ends: the requests in flight
+    end with EngineDeadError (the front end's 503), their blocks are freed, and the engine
+    still serves."""
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    agen = engine.generate("ending", prompt(20), params)
+    assert not (await agen.__anext__()).finished
+    engine.end_requests("the server is shutting down")
+    with pytest.raises(EngineDeadError, match="shutting down"):
+        async for _ in agen:
+            pass
+    await wait_all_free(engine)
+    outs = [o async for o in engine.generate("after", prompt(20, 2),
+                                             SamplingParams(temperature=0.0, max_tokens=3))]
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+
+
 async def test_an_early_release_reaches_the_core_which_keeps_serving(engine, offline_tokens):
     """``release_early`` is a message to the core (a no-op there without a KV connector)."""
     assert await engine.release_early(0, "never-held", [1, 2])
