@@ -94,6 +94,9 @@ def _engine_config(args: argparse.Namespace, num_blocks: int, max_model_len: int
             "--seed", str(args.seed), *shlex.split(args.engine_args)]
     if offload_gib is not None:
         argv += ["--kv-offloading-size", f"{offload_gib:.6f}"]
+        if args.disk_dir is not None:
+            argv += ["--kv-offloading-disk-dir", args.disk_dir,
+                     "--kv-offloading-disk-size", f"{args.disk_gib:.6f}"]
     return engine_config_from_args(build_parser().parse_args(argv), None)
 
 
@@ -246,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="conversations of each engine's untimed warm-up (default: 2 x "
                          "--concurrency; 0: none)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--host-tier-gib", type=float, default=None,
+                    help="host tier of the tier run in GiB (default: room for every "
+                         "conversation's KV and a quarter more)")
+    ap.add_argument("--disk-dir", default=None,
+                    help="a disk tier below the host tier in the tier run (with --disk-gib)")
+    ap.add_argument("--disk-gib", type=float, default=None, help="the disk tier's size in GiB")
     ap.add_argument("--device-cache-run", action="store_true",
                     help="a third run whose device cache holds every conversation (no tier): "
                          "the tier run's answers are compared with it too (cached KV both)")
@@ -255,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.overcommit <= 0:
         ap.error("--overcommit must be > 0 (below 1: the working set fits the device cache)")
+    if (args.disk_dir is None) != (args.disk_gib is None):
+        ap.error("--disk-dir and --disk-gib go together")
+    for name in ("host_tier_gib", "disk_gib"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            ap.error(f"--{name.replace('_', '-')} must be a finite number > 0")
     if args.warmup_conversations is None:
         args.warmup_conversations = 2 * args.concurrency
     if args.model is None:
@@ -281,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         args, _engine_config(args, num_blocks, max_model_len, None))
     # room for every conversation's whole KV (and a quarter more) in the host tier
     offload_gib = 1.25 * total_tokens / args.block_size * block_bytes / GiB
-    print(f"host tier: {offload_gib:.3f} GiB ({block_bytes} bytes per block)", flush=True)
+    if args.host_tier_gib is not None:
+        offload_gib = args.host_tier_gib
+    disk = f", disk tier {args.disk_gib:g} GiB in {args.disk_dir}" if args.disk_dir else ""
+    print(f"host tier: {offload_gib:.4f} GiB ({block_bytes} bytes per block){disk}", flush=True)
     results["host tier"], _, _ = _timed(
         args, _engine_config(args, num_blocks, max_model_len, offload_gib))
     if args.device_cache_run:
