@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 from pdserve.types.openai_errors import STREAM_OPTIONS_WITHOUT_STREAM
 
@@ -79,6 +80,35 @@ _NULL_IS_DEFAULT = ("n", "stream", "min_tokens", "ignore_eos", "echo", "skip_spe
                     "return_token_ids")
 
 
+#: Fields pdserve does not implement, accepted only in the forms that ask for nothing (compared
+#: with their types: ``0`` is not ``false``), and the message that refuses any other value.
+_ASK_NOTHING: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logit_bias": ((None, {}), "logit_bias is not supported by pdserve (leave it out or send {})"),
+    "response_format": ((None, {"type": "text"}),
+                        'pdserve supports only the response_format {"type": "text"} '
+                        '(structured output is not supported)'),
+    "prompt_logprobs": ((None,), "prompt_logprobs is not supported by pdserve (leave it out)"),
+    "include_stop_str_in_output": ((None, False),
+                                   "include_stop_str_in_output is not supported by pdserve (the "
+                                   "stop string or stop token's text is always left out)"),
+    "echo": ((False,), "echo=true is not supported by pdserve"),
+    "skip_special_tokens": ((True,), "skip_special_tokens=false is not supported by pdserve "
+                                     "(special tokens are always left out of the text)"),
+    "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported by pdserve "
+                                        "(send the prompt to keep; a prompt longer than the "
+                                        "context is a 400)"),
+    # completions
+    "suffix": ((None, ""), "suffix is not supported by pdserve (leave it out)"),
+    # chat
+    "tools": ((None, []), "tool and function calling are not supported by pdserve"),
+    "functions": ((None, []), "tool and function calling are not supported by pdserve"),
+    "tool_choice": ((None, "none"), 'tool and function calling are not supported by pdserve '
+                                    '(only "none" is accepted)'),
+    "function_call": ((None, "none"), 'tool and function calling are not supported by pdserve '
+                                      '(only "none" is accepted)'),
+}
+
+
 class _SamplingFields(_Request):
     """Sampling and stopping fields shared by both endpoints (None: the default)."""
 
@@ -124,57 +154,13 @@ class _SamplingFields(_Request):
             data = {k: v for k, v in data.items() if not (k in _NULL_IS_DEFAULT and v is None)}
         return data
 
-    @field_validator("prompt_logprobs")
+    @field_validator(*_ASK_NOTHING, check_fields=False)  # the endpoints' own ones too
     @classmethod
-    def _no_prompt_logprobs(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("prompt_logprobs is not supported by pdserve (leave it out)")
-        return v
-
-    @field_validator("include_stop_str_in_output")
-    @classmethod
-    def _stop_str_left_out(cls, v: Any) -> Any:
-        if v is not None and v is not False:
-            raise ValueError("include_stop_str_in_output is not supported by pdserve (the stop "
-                             "string or stop token's text is always left out)")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo=true is not supported by pdserve")
-        return v
-
-    @field_validator("skip_special_tokens")
-    @classmethod
-    def _special_tokens_skipped(cls, v: bool) -> bool:
-        if not v:
-            raise ValueError("skip_special_tokens=false is not supported by pdserve (special "
-                             "tokens are always left out of the text)")
-        return v
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _no_truncation(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("truncate_prompt_tokens is not supported by pdserve (send the "
-                             "prompt to keep; a prompt longer than the context is a 400)")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: Any) -> Any:
-        if v is not None and v != {}:
-            raise ValueError("logit_bias is not supported by pdserve (leave it out or send {})")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v: Any) -> Any:
-        if v is not None and v != {"type": "text"}:
-            raise ValueError('pdserve supports only the response_format {"type": "text"} '
-                             '(structured output is not supported)')
+    def _asks_for_nothing(cls, v: Any, info: ValidationInfo) -> Any:
+        """Refuse a field of :data:`_ASK_NOTHING` in any form but those that ask for nothing."""
+        allowed, message = _ASK_NOTHING[info.field_name]
+        if not any(type(v) is type(a) and v == a for a in allowed):
+            raise ValueError(message)
         return v
 
     @model_validator(mode="after")
@@ -223,13 +209,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Any = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: Any) -> Any:
-        if v is not None and v != "":
-            raise ValueError("suffix is not supported by pdserve (leave it out)")
-        return v
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -329,21 +308,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, v: Any) -> Any:
-        if v is not None and v != []:
-            raise ValueError("tool and function calling are not supported by pdserve")
-        return v
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _choice_none_only(cls, v: Any) -> Any:
-        if v is not None and v != "none":
-            raise ValueError('tool and function calling are not supported by pdserve (only '
-                             '"none" is accepted)')
-        return v
 
     @field_validator("messages")
     @classmethod
