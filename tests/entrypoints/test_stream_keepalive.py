@@ -46,16 +46,21 @@ def texts(events: list[str]) -> str:
                    if e not in (KEEPALIVE, DONE))
 
 
-async def test_queued_request_gets_keepalives_then_its_chunks():
-    engine = FakeEngine()
-    engine.gate = asyncio.Event()  # the request waits "in the queue"
+def start_reading(stream) -> tuple[list[str], asyncio.Task]:
+    """A task reading ``stream`` (:func:`stream_of`) into the returned list as events come."""
     events: list[str] = []
 
     async def read():
-        async for event in stream_of(engine):
+        async for event in stream:
             events.append(event)
 
-    reader = asyncio.create_task(read())
+    return events, asyncio.create_task(read())
+
+
+async def test_queued_request_gets_keepalives_then_its_chunks():
+    engine = FakeEngine()
+    engine.gate = asyncio.Event()  # the request waits "in the queue"
+    events, reader = start_reading(stream_of(engine))
     await asyncio.sleep(INTERVAL_S * 5)
     assert events and set(events) == {KEEPALIVE}  # not a token yet, only comments
     assert len(events) >= 3
@@ -75,13 +80,7 @@ async def test_a_silent_engine_core_gets_no_keepalives():
     engine = FakeEngine()
     engine.gate = asyncio.Event()
     engine.core_silence = INTERVAL_S * 2
-    events: list[str] = []
-
-    async def read():
-        async for event in stream_of(engine):
-            events.append(event)
-
-    reader = asyncio.create_task(read())
+    events, reader = start_reading(stream_of(engine))
     await asyncio.sleep(INTERVAL_S * 5)
     assert events == []
     engine.core_silence = 0.0  # heard from again
@@ -127,13 +126,7 @@ async def test_cancelled_reader_aborts_its_request():
     engine = FakeEngine()
     engine.gate = asyncio.Event()
     stream = stream_of(engine)
-    seen: list[str] = []
-
-    async def read():
-        async for event in stream:
-            seen.append(event)
-
-    reader = asyncio.create_task(read())
+    seen, reader = start_reading(stream)
     await wait_until(lambda: len(seen) >= 2)
     reader.cancel()
     await asyncio.gather(reader, return_exceptions=True)
