@@ -281,15 +281,19 @@ class AsyncEngine:
         answers 503, or an error event in a stream) and abort it in its core, which frees its
         blocks; the engine keeps running. A server shutting down does this before its grace
         period ends, so that its requests end with an answer instead of being cancelled."""
-        ended: dict[int, list[str]] = {}
+        for core, request_ids in self._fail_in_flight(reason).items():
+            self._send_abort(core, request_ids)
+
+    def _fail_in_flight(self, reason: str) -> dict[CoreClient, list[str]]:
+        """Finish every unfinished request with :class:`EngineDeadError` (``reason``); returns
+        their ids by the core that runs them."""
+        failed: dict[CoreClient, list[str]] = {}
         for request_id, (st, core) in self._requests.items():
             if not st.finished:
                 st.finished = True
                 st.queue.put_nowait(EngineDeadError(reason))
-                ended.setdefault(id(core), []).append(request_id)
-        for core in self._cores:
-            if id(core) in ended:
-                self._send_abort(core, ended[id(core)])
+                failed.setdefault(core, []).append(request_id)
+        return failed
 
     def _core_died(self, core: CoreClient, reason: str) -> None:
         self._mark_dead(reason)
@@ -300,10 +304,7 @@ class AsyncEngine:
         self._dead = reason
         if not self._closed:
             logger.error("engine is dead: %s", reason)
-        for st, _ in self._requests.values():
-            if not st.finished:
-                st.finished = True
-                st.queue.put_nowait(EngineDeadError(reason))
+        self._fail_in_flight(reason)
 
     def _pick_core(self, rank: int | None = None) -> CoreClient:
         """The core of ``rank`` (ValueError when there is none); without one, the rank with the
