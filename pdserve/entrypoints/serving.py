@@ -336,6 +336,7 @@ class OpenAIServing:
                 ))
         return jobs
 
+
 def _wrap_int64(value: int) -> int:
     """``value`` wrapped into the 64-bit signed range (a choice's seed ``seed + choice`` past
     :data:`~pdserve.types.sampling_params.INT64_MAX` continues at the range's bottom)."""
