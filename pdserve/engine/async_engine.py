@@ -18,6 +18,10 @@ text, the request aborted in the core, ``finish_reason`` ``"stop"``; :mod:`.outp
 as in vLLM, none may end in the text of the first ``min_tokens`` tokens, and an ending EOS or stop
 token has no text (its id is kept). A request's ``kv_transfer_params`` arrive parsed
 (:class:`pdserve.types.kv_params.KVTransferParams`) and are passed on to the core as they are.
+
+The module is one class and stays whole (past 450 lines): its start-up, request, liveness and
+output paths all work on the same request table and cores, and a helper given parts of them
+would reach into its owner.
 """
 
 from __future__ import annotations
