@@ -282,22 +282,15 @@ class AsyncEngine:
 
     def end_requests(self, reason: str) -> None:
         """End every request in flight with :class:`EngineDeadError` (``reason``; the front end
-        answers 503, or an error event in a stream) and abort it in its core, which frees its
-        blocks; the engine keeps running. A server shutting down does this before its grace
-        period ends, so that its requests end with an answer instead of being cancelled."""
-        for core, request_ids in self._fail_in_flight(reason).items():
-            self._send_abort(core, request_ids)
-
-    def _fail_in_flight(self, reason: str) -> dict[CoreClient, list[str]]:
-        """Finish every unfinished request with :class:`EngineDeadError` (``reason``); returns
-        their ids by the core that runs them."""
-        failed: dict[CoreClient, list[str]] = {}
-        for request_id, (st, core) in self._requests.items():
+        answers 503, or an error event in a stream); the engine keeps running. Each request's
+        :meth:`generate` raises it and, as it is left, aborts the request in its core, which
+        frees its blocks. A server shutting down does this before its grace period ends, so
+        that its requests end with an answer instead of being cancelled (a dead core's
+        requests end the same way)."""
+        for st, _ in self._requests.values():
             if not st.finished:
                 st.finished = True
                 st.queue.put_nowait(EngineDeadError(reason))
-                failed.setdefault(core, []).append(request_id)
-        return failed
 
     def _core_died(self, core: CoreClient, reason: str) -> None:
         self._mark_dead(reason)
@@ -308,7 +301,7 @@ class AsyncEngine:
         self._dead = reason
         if not self._closed:
             logger.error("engine is dead: %s", reason)
-        self._fail_in_flight(reason)
+        self.end_requests(reason)
 
     def _pick_core(self, rank: int | None = None) -> CoreClient:
         """The core of ``rank`` (ValueError when there is none); without one, the rank with the

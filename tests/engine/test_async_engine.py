@@ -200,6 +200,8 @@ async def test_end_requests_fails_those_in_flight_and_frees_their_blocks(engine,
     end with EngineDeadError (the front end's 503), their blocks are freed, and the engine
     still serves."""
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    await wait_all_free(engine)
+    before = engine.stats().generation_tokens_total
     agen = engine.generate("ending", prompt(20), params)
     assert not (await agen.__anext__()).finished
     engine.end_requests("the server is shutting down")
@@ -207,6 +209,8 @@ async def test_end_requests_fails_those_in_flight_and_frees_their_blocks(engine,
         async for _ in agen:
             pass
     await wait_all_free(engine)
+    # aborted in its core: far fewer than its 100 tokens were generated
+    assert engine.stats().generation_tokens_total - before < 50
     outs = [o async for o in engine.generate("after", prompt(20, 2),
                                              SamplingParams(temperature=0.0, max_tokens=3))]
     assert outs[-1].finished and outs[-1].finish_reason == "length"
