@@ -24,7 +24,7 @@ def server():
     held = {"a": [1, 2]}
     lock = threading.Lock()
 
-    def claim(request_id, block_ids, num_tokens=None, digest=None):
+    def claim(request_id, block_ids, num_tokens=None, digest=None, reader=None, first_token=None):
         with lock:
             blocks = held.get(request_id)
         if blocks is None:

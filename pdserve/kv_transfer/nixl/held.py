@@ -134,18 +134,20 @@ class HeldBlocks:
 
     def apply(self, notice: Notice) -> None:
         """Apply a reader's notice about a held request: heartbeat, "done" or "abort" (each
-        acts only on a lease holding exactly the blocks it names)."""
+        acts only on a lease holding exactly the blocks it names; a "done" or "abort" from a
+        reader other than the one the lease is bound to is ignored, :mod:`.readers`)."""
         request_id, kind = notice.request_id, notice.kind
         if kind == "heartbeat":
             self.leases.renew(request_id, notice.block_ids)
         elif kind == "done":
-            if self.leases.done(request_id, notice.expected, block_ids=notice.block_ids):
+            if self.leases.done(request_id, notice.expected, block_ids=notice.block_ids,
+                                reader=notice.reader):
                 self._finished.add(request_id)
                 started = self._started.pop(request_id, None)
                 if started is not None:
                     self._stats.current.handoff_s.append(time.monotonic() - started)
         elif kind == "abort":  # ignored unless it names the lease's own blocks (forged params)
-            if self.leases.abort(request_id, notice.block_ids):
+            if self.leases.abort(request_id, notice.block_ids, reader=notice.reader):
                 self._finished.add(request_id)
 
     def expire(self) -> None:

@@ -17,17 +17,22 @@ reader's *pending claim* (:meth:`LeaseTable.claim_transfer`) waits for the lease
 that came with that id and, when the reader's tokens match, learns its request id and block ids;
 from then on it names the lease as any reader does. An "abort" by transfer id that arrives
 before the lease (the reader gave up while the prefill ran) closes the lease when it starts.
+
+One reader per lease (:mod:`.readers`): the first granted claim that names a reader id binds the
+lease to that reader; a claim from another reader is refused, and its "done" or "abort" leaves
+the lease alone. A claim or notice that names no reader (an older pdserve) acts as before.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.kv_transfer.nixl.claim_answer import ClaimAnswer, ClaimStatus
+from pdserve.kv_transfer.nixl.readers import LEASED_TO_ANOTHER, admits, is_reader
 from pdserve.kv_transfer.nixl.turn_leases import LeaseBlocks, TurnLeaseMoves
 from pdserve.types.remote_ref import token_digest
 
@@ -35,28 +40,6 @@ __all__ = ["ClaimAnswer", "ClaimStatus", "Lease", "LeaseBlocks", "LeaseTable"]
 
 _CLOSED_MEMORY = 10_000  # how many closed leases are remembered (to answer late claims clearly)
 _EARLY_NOTICE_TTL_S = 120.0
-
-
-class ClaimStatus(enum.Enum):
-    """The outcome of a reader's claim (:meth:`LeaseTable.claim`, :class:`ClaimAnswer`).
-
-    What each means for the reader:
-
-    - ``OK``: granted; the lease holds the blocks for the reader's own tokens (and was
-      extended when renewable), so the reader may READ them now.
-    - ``WAIT``: not yet; no lease of that name started (its request may still be running), or
-      a demoted turn lease is being restored. The side channel asks again until the reader's
-      wait ends, then refuses.
-    - ``REJECT``: never; the lease already ended, or it holds other blocks or the KV of other
-      tokens. The reader must not read these blocks (it recomputes or fails its load).
-
-    The side channel's reply carries only ``"ok": bool`` (the wire format knows no status); the
-    values name its phase-trace marks (``sc.claim_ok``, ``sc.claim_wait``, ``sc.claim_reject``).
-    """
-
-    OK = "ok"
-    WAIT = "wait"
-    REJECT = "reject"
 
 
 @dataclass
@@ -87,6 +70,7 @@ class Lease:
     # notices may name them) while ``block_ids`` are the blocks holding the KV now
     where: LeaseBlocks = LeaseBlocks.HELD
     advertised: list[int] | None = None
+    reader: str | None = None  # the reader id its first granted claim named (readers.py)
 
 
 class LeaseTable(TurnLeaseMoves):
@@ -162,30 +146,32 @@ class LeaseTable(TurnLeaseMoves):
             self._end(request_id, "released: the decode leg will not read it")
             return True
 
-    def abort(self, request_id: str, block_ids: Any, now: float | None = None) -> bool:
+    def abort(self, request_id: str, block_ids: Any, now: float | None = None,
+              reader: str | None = None) -> bool:
         """A reader's "abort" notice (it will not read): ends the lease when it holds exactly
-        ``block_ids`` (an abort for a lease not registered yet is remembered). Returns True when
-        the lease ended."""
+        ``block_ids`` and ``reader`` may act on it (:func:`~.readers.admits`; an abort for a
+        lease not registered yet is remembered). Returns True when the lease ended."""
         with self._lock:
             if request_id not in self._leases:
                 self.note_unknown(request_id, "abort", 1, now, block_ids)
                 return False
-            if not self._holds(request_id, block_ids):
+            if not self._holds(request_id, block_ids, reader):
                 return False
             self._end(request_id, "aborted by reader")
             return True
 
     def done(self, request_id: str, expected: int = 1, now: float | None = None,
-             block_ids: Any = None) -> bool:
+             block_ids: Any = None, reader: str | None = None) -> bool:
         """A reader's "done" notice for the lease holding exactly ``block_ids``: ends the lease
         once ``expected`` of them arrived (a notice for a lease not registered yet is
-        remembered; one naming other blocks is ignored). Returns True when the lease ended."""
+        remembered; one naming other blocks, or a reader other than the lease's, is ignored).
+        Returns True when the lease ended."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
                 self.note_unknown(request_id, "done", expected, now, block_ids)
                 return False
-            if not self._holds(request_id, block_ids):
+            if not self._holds(request_id, block_ids, reader):
                 return False
             lease.dones += 1
             if lease.dones < expected:
@@ -223,14 +209,16 @@ class LeaseTable(TurnLeaseMoves):
             return True
 
     def claim_answer(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
-                     digest: Any = None) -> "ClaimAnswer":
+                     digest: Any = None, reader: Any = None,
+                     first_token: Any = None) -> ClaimAnswer:
         """:meth:`claim` as the side channel answers it: when :attr:`ClaimStatus.OK`, with the
         lease's first output token (only told to a reader whose tokens match the lease's, so a
         decoder gets the prefiller's own first token for exactly the prompt whose KV it reads,
         whatever a client relayed) and, for a restored turn lease, ``block_ids``: the blocks
         that hold the KV now instead of those advertised (None otherwise)."""
         with self._lock:
-            status, reason, left = self.claim(request_id, block_ids, num_tokens, digest)
+            status, reason, left = self.claim(request_id, block_ids, num_tokens, digest,
+                                              reader=reader, first_token=first_token)
             if status is not ClaimStatus.OK:
                 return ClaimAnswer(status, reason)
             lease = self._leases[request_id]
@@ -238,7 +226,8 @@ class LeaseTable(TurnLeaseMoves):
             return ClaimAnswer(ClaimStatus.OK, "", left, lease.first_token, block_ids=moved)
 
     def claim(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
-              digest: Any = None, now: float | None = None) -> tuple[ClaimStatus, str, float]:
+              digest: Any = None, now: float | None = None,
+              reader: Any = None, first_token: Any = None) -> tuple[ClaimStatus, str, float]:
         """A reader's check before its READ (side-channel thread).
 
         When the lease knows its tokens, the reader must send ``num_tokens`` and the
@@ -246,6 +235,14 @@ class LeaseTable(TurnLeaseMoves):
         tokens, and they must equal the owner's: KV computed for other tokens (forged or stale
         params, a prompt that differs from the prefiller's) is never read, so it cannot end up
         in the reader's prefix cache under the wrong hashes.
+
+        ``reader`` is the reader id the claim names (:mod:`.readers`): the first granted claim
+        that names one binds the lease to it, and a claim from another reader is refused
+        (:data:`~.readers.LEASED_TO_ANOTHER`). A claim without it (an older pdserve) is
+        checked as before, whoever the lease is bound to; one whose reader is not a string is
+        refused. ``first_token`` is the first token the reader's params relayed (None: none):
+        a lease with another first token refuses the claim before binding it, so params with a
+        forged first token cannot take the lease from the honest reader.
 
         Returns:
             A ``(ClaimStatus, reason, seconds_left)`` tuple: ``(ClaimStatus.OK, "",
@@ -277,6 +274,14 @@ class LeaseTable(TurnLeaseMoves):
                 if not ok:
                     return (ClaimStatus.REJECT, f"the reader's tokens differ from those whose KV "
                             f"request {request_id!r} holds", 0.0)
+            if first_token is not None and lease.first_token is not None and \
+                    first_token != lease.first_token:
+                return (ClaimStatus.REJECT, f"the reader's first token ({first_token}) is not "
+                        f"the one the prefill of request {request_id!r} sampled", 0.0)
+            if reader is not None and not is_reader(reader):
+                return ClaimStatus.REJECT, "the claim names no valid reader id", 0.0
+            if not admits(lease.reader, reader):
+                return ClaimStatus.REJECT, f"{LEASED_TO_ANOTHER} (request {request_id!r})", 0.0
             if lease.where is not LeaseBlocks.HELD:  # demoted: the engine thread restores it
                 if lease.where is LeaseBlocks.DEMOTED:
                     lease.where = LeaseBlocks.RESTORE_WANTED
@@ -286,6 +291,8 @@ class LeaseTable(TurnLeaseMoves):
             if lease.renewable:
                 lease.expiry = max(lease.expiry, now + lease.duration_s)
             lease.claimed_at = now
+            if reader is not None:
+                lease.reader = reader  # bound from the first claim granted to a named reader
             return ClaimStatus.OK, "", lease.expiry - now
 
     def last_claim(self) -> float | None:
@@ -327,11 +334,13 @@ class LeaseTable(TurnLeaseMoves):
                 del self._early_transfer_aborts[transfer_id]
         return expired
 
-    def _holds(self, request_id: str, block_ids: Any) -> bool:
-        """True when an open lease of ``request_id`` holds exactly ``block_ids`` (lock held)."""
+    def _holds(self, request_id: str, block_ids: Any, reader: str | None = None) -> bool:
+        """True when an open lease of ``request_id`` holds exactly ``block_ids`` and ``reader``
+        may act on it (:func:`~.readers.admits`; lock held)."""
         lease = self._leases.get(request_id)
         return lease is not None and _is_block_list(block_ids) and \
-            list(block_ids) in (lease.block_ids, lease.advertised)
+            list(block_ids) in (lease.block_ids, lease.advertised) and \
+            admits(lease.reader, reader)
 
     def _end(self, request_id: str, reason: str) -> None:
         """Close the open lease of ``request_id`` and remember why (lock held)."""
@@ -351,9 +360,10 @@ class LeaseTable(TurnLeaseMoves):
 
     # ------------------------------------------------------------- concurrent hand-offs
     def claim_transfer(self, transfer_id: str, num_tokens: Any, digest: Any,
-                       now: float | None = None) -> "ClaimAnswer":
+                       now: float | None = None, reader: Any = None) -> ClaimAnswer:
         """A reader's pending claim (side-channel thread): the lease of the request that came
-        with ``transfer_id``, checked and extended as :meth:`claim` does.
+        with ``transfer_id``, checked, extended and bound to ``reader`` as :meth:`claim` does
+        (a second reader's pending claim is refused, and learns no blocks).
 
         Returns:
             A :class:`ClaimAnswer`: :attr:`ClaimStatus.OK` with the lease's request id, block
@@ -373,7 +383,7 @@ class LeaseTable(TurnLeaseMoves):
                                    f"no blocks are held for transfer {transfer_id!r}")
             lease = self._leases[request_id]
             status, reason, left = self.claim(request_id, lease.block_ids, num_tokens, digest,
-                                              now)
+                                              now, reader)
             if status is not ClaimStatus.OK:
                 return ClaimAnswer(status, reason)
             return ClaimAnswer(ClaimStatus.OK, "", left, lease.first_token, request_id,
@@ -403,29 +413,6 @@ class LeaseTable(TurnLeaseMoves):
             if found is None and transfer_id not in self._closed_transfers:
                 self._early_transfer_aborts[transfer_id] = now + _EARLY_NOTICE_TTL_S
             return found
-
-
-@dataclass
-class ClaimAnswer:
-    """The answer to a reader's claim (:meth:`LeaseTable.claim_answer`, by request id and
-    blocks) or pending claim (:meth:`LeaseTable.claim_transfer`, by transfer id).
-
-    Attributes:
-        status: a :class:`ClaimStatus` (``OK``, ``WAIT`` or ``REJECT``).
-        reason: why not :attr:`ClaimStatus.OK` ("" when ok).
-        lease_left_s: seconds left on the lease after the claim (0 unless ok).
-        first_token: the lease's first output token (ok only; None when it has none).
-        request_id: the lease's request (a pending claim's, ok only; "" otherwise).
-        block_ids: the blocks to read (ok only): a pending claim's lease blocks, or a restored
-            turn lease's blocks when they are not those the reader named; None otherwise.
-    """
-
-    status: ClaimStatus
-    reason: str
-    lease_left_s: float = 0.0
-    first_token: int | None = None
-    request_id: str = ""
-    block_ids: list[int] | None = None
 
 
 def _is_block_list(block_ids: Any) -> bool:

@@ -17,10 +17,11 @@ shared host mirror on this host (:mod:`.shared_host`) is read by a direct copy
 ``unstage``).
 
 Across TP sizes (:mod:`.tp_plan`): every reader rank claims the lease at the owner's side
-channel (its rank 0) and posts one READ per owner rank it reads (whole blocks, or the byte
-regions of a head slice), each carrying a "done" for that owner rank with the count of notices
-it expects; when the READs are over the reader tells the owner ranks it notifies but did not
-read ("done" by notification). A failure tells every one of them ("abort").
+channel (its rank 0), all with the request's one reader id (:mod:`.readers`), and posts one
+READ per owner rank it reads (whole blocks, or the byte regions of a head slice), each carrying
+a "done" for that owner rank with the count of notices it expects; when the READs are over the
+reader tells the owner ranks it notifies but did not read ("done" by notification). A failure
+tells every one of them ("abort").
 
 Concurrent hand-off (docs/proxy.md): a pending reference names the router's transfer id, not
 the owner's request and blocks. Its claim is a *pending claim* that the owner answers when it
@@ -52,7 +53,8 @@ from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl import host_buffer
 from pdserve.kv_transfer.nixl.agent import NixlAgent
 from pdserve.kv_transfer.nixl.metadata import RecvSpec, RemoteNotice
-from pdserve.kv_transfer.nixl.claims import Claims
+from pdserve.kv_transfer.nixl.claim_answer import is_token
+from pdserve.kv_transfer.nixl.claims import Claims, first_token_error
 from pdserve.types.remote_ref import RemoteEndpoint
 from pdserve.kv_transfer.nixl.reads import Load, LoadPhase, post_reads, read_time
 from pdserve.kv_transfer.nixl.remotes import HandshakeFailure, RemoteRegistry
@@ -86,6 +88,8 @@ class LoadTracker:
         notify: queues a notice ("abort") for a remote owner.
         mirror: returns the host-buffer mirror (``kv_buffer_device: cpu`` on CUDA), or None.
         paths: each peer's read path and bandwidth, for logs and metrics.
+        reader: the reader id of a local request, named by its claims and notices
+            (:mod:`.readers`); None: they name none.
     """
 
     def __init__(self, config: KVTransferConfig, agent: NixlAgent, remotes: RemoteRegistry,
@@ -93,7 +97,8 @@ class LoadTracker:
                  output: Callable[[], KVConnectorOutput],
                  notify: Callable[[RemoteNotice], None],
                  mirror: Callable[[], host_buffer.HostMirror | None] = lambda: None,
-                 paths: TransferPaths | None = None):
+                 paths: TransferPaths | None = None,
+                 reader: Callable[[str], str] | None = None):
         self.config = config
         self.agent = agent
         self.remotes = remotes
@@ -103,7 +108,7 @@ class LoadTracker:
         self._notify = notify
         self._mirror = mirror
         self._paths = paths if paths is not None else TransferPaths()
-        self.claims = Claims(config, client)  # lease claims, early ones too (claims.py)
+        self.claims = Claims(config, client, reader)  # lease claims, early ones too
         self._loads: dict[str, Load] = {}
 
     def __len__(self) -> int:
@@ -111,7 +116,7 @@ class LoadTracker:
 
     def add(self, request_id: str, spec: RecvSpec) -> None:
         """Start a load (its handshake at once when the remote is named)."""
-        self._loads[request_id] = Load(spec)
+        self._loads[request_id] = Load(spec, reader=self.claims.reader(request_id))
         if spec.remote is not None and spec.error is None:
             self.remotes.ensure(spec.remote.endpoint)
 
@@ -206,21 +211,13 @@ class LoadTracker:
                     continue
                 if spec.starts_with_first_token or spec.first_token is not None:
                     # the request starts with the owner's token, never with the relayed one
-                    owner_first = reply.get("first_token_id")
-                    if spec.first_token is not None and owner_first != spec.first_token:
-                        # the relayed params are not P's own: leave the lease to the honest
-                        # reader (no abort notice; it ends by that read or its expiry)
-                        self._fail(
-                            request_id, KVLoadFailure.INVALID_REFERENCE,
-                            f"the first token relayed by the client ({spec.first_token}) is not "
-                            f"the prefiller's ({owner_first})", notify_remote=False)
+                    bad = first_token_error(spec, reply)
+                    if bad is not None:
+                        reason, notify = bad
+                        self._fail(request_id, KVLoadFailure.INVALID_REFERENCE, reason,
+                                   notify_remote=notify)
                         continue
-                    if not _is_token(owner_first):
-                        self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
-                                   "the prefiller's claim answer names no first token",
-                                   notify_remote=True)
-                        continue
-                    load.first_token = owner_first
+                    load.first_token = reply["first_token_id"]
                 if load.aborted:
                     self._drop_aborted(request_id, load)
                     continue
@@ -248,7 +245,7 @@ class LoadTracker:
         read from (the load failed: a pull is recomputed)."""
         owner_request, block_ids = reply.get("request_id"), reply.get("block_ids")
         if not isinstance(owner_request, str) or not owner_request or \
-                not isinstance(block_ids, list) or not all(_is_token(b) for b in block_ids):
+                not isinstance(block_ids, list) or not all(is_token(b) for b in block_ids):
             self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
                        "the owner's claim answer names no request and blocks",
                        notify_remote=True)
@@ -380,12 +377,13 @@ class LoadTracker:
         self._stats.current.record_transfer(xfer_s, load.post_s, nbytes, ndesc)
         self._paths.observe(spec.remote.endpoint.engine_id, nbytes, xfer_s)
         if load.mover is not self.agent:  # a direct copy: tell the owner as NIXL would
-            self._notify(RemoteNotice(spec.remote, "done"))
+            self._notify(RemoteNotice(spec.remote, "done", reader_request=request_id))
         else:  # owner ranks this rank notifies without reading them
             remote = self.remotes.get(spec.remote.endpoint)
             for rank in (remote.route.targets if remote is not None else ()):
                 if rank not in load.read_ranks:
-                    self._notify(RemoteNotice(spec.remote, "done", tp_rank=rank))
+                    self._notify(RemoteNotice(spec.remote, "done", tp_rank=rank,
+                                              reader_request=request_id))
         phase_trace.mark("kv.done")
         del self._loads[request_id]
         out = self._output()
@@ -424,7 +422,7 @@ class LoadTracker:
             out.invalid_block_ids.update(spec.local_block_ids)
             out.load_errors[request_id] = KVLoadError(kind, reason)
         if notify_remote and spec.remote is not None:
-            self._notify(RemoteNotice(spec.remote, "abort"))
+            self._notify(RemoteNotice(spec.remote, "abort", reader_request=request_id))
 
     def _drop_aborted(self, request_id: str, load: Load) -> None:
         """A load aborted before its READ was posted: free locally, tell the owner."""
@@ -433,7 +431,7 @@ class LoadTracker:
             self._client.cancel(load.claim)
         self._output().finished_recving.add(request_id)
         if load.spec.remote is not None:
-            self._notify(RemoteNotice(load.spec.remote, "abort"))
+            self._notify(RemoteNotice(load.spec.remote, "abort", reader_request=request_id))
 
     def close(self) -> None:
         """Release the handles of READs still in flight."""
@@ -441,8 +439,3 @@ class LoadTracker:
             for handle in load.handles:
                 (load.mover or self.agent).release(handle)
         self._loads.clear()
-
-
-def _is_token(value: Any) -> bool:
-    """A non-negative integer (a token id or block id in an answer)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -106,11 +106,15 @@ class RemoteNotice:
         kind: ``"abort"`` (this instance will not read; free the blocks) or ``"done"``.
         tp_rank: the remote TP rank to tell, or None for every remote rank this rank notifies
             (:func:`~pdserve.kv_transfer.nixl.tp_plan.notice_targets`).
+        reader_request: the local request that read, or was to read, the remote blocks: the
+            worker sends its reader id with the notice (:mod:`.readers`); None: the notice names
+            no reader (the owner applies it whoever its lease is bound to).
     """
 
     remote: RemoteKVRef
     kind: str
     tp_rank: int | None = None
+    reader_request: str | None = None
 
 
 @dataclass

@@ -47,10 +47,11 @@ class NoticeInbox:
         self._sibling_metadata = dict(metadata)
 
     def on_side_channel_notice(self, kind: str, request_id: str, block_ids: Any = None,
-                               tp_rank: int | None = None, expected: int = 1) -> None:
-        """Side-channel thread: queue a notice (for TP rank ``tp_rank``, None: every rank) for
-        the engine thread and wake it."""
-        self._side.put((Notice(kind, request_id, expected, block_ids), tp_rank))
+                               tp_rank: int | None = None, expected: int = 1,
+                               reader: str | None = None) -> None:
+        """Side-channel thread: queue a notice (for TP rank ``tp_rank``, None: every rank; from
+        the reader id ``reader``, :mod:`.readers`) for the engine thread and wake it."""
+        self._side.put((Notice(kind, request_id, expected, block_ids, reader), tp_rank))
         self._wake()
 
     def has_side_notices(self) -> bool:
@@ -92,7 +93,8 @@ class NoticeInbox:
                 if rank not in self._siblings:  # loaded on first use
                     self._siblings[rank] = self._agent.load_agent(self._sibling_metadata[rank])
                 self._agent.send_notif(self._siblings[rank], encode_notif(
-                    notice.kind, notice.request_id, notice.expected, notice.block_ids))
+                    notice.kind, notice.request_id, notice.expected, notice.block_ids,
+                    notice.reader))
             except Exception as e:
                 self._stats.current.num_failed_notifications += 1
                 logger.warning("NIXL: forwarding a %s notice to TP rank %d failed: %s",

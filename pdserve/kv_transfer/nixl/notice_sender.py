@@ -1,6 +1,8 @@
 """Outgoing notices of the NIXL connector: "done", "abort" and "heartbeat" to a remote owner's
 ranks, by NIXL notification when its agents are loaded and NIXL's progress thread runs, else by
-its side channel in the background (so a notice never waits for a handshake)."""
+its side channel in the background (so a notice never waits for a handshake). A "done" or
+"abort" for a local request names its reader id (:mod:`.readers`), so that an owner whose lease
+is bound to another reader leaves it alone."""
 
 from __future__ import annotations
 
@@ -41,12 +43,16 @@ class NoticeSender:
             notice (a decoder that aborted its one waiting request) would never deliver it,
             and the owner would hold the blocks until the lease expires. So without the thread
             every notice goes by the side channel, which answers each one.
+        reader: the reader id of a local request (:meth:`~.worker.NixlConnectorWorker.reader_of`),
+            for the notices that name one (``RemoteNotice.reader_request``); None: none do.
     """
 
     def __init__(self, agent: NixlAgent, remotes: RemoteRegistry, pool: cf.Executor,
                  stats: StatsRecorder, forget_remote: Callable[[RemoteEndpoint, str], None],
-                 timeout_s: float, nixl_delivers: bool = True):
+                 timeout_s: float, nixl_delivers: bool = True,
+                 reader: Callable[[str], str] | None = None):
         self._agent = agent
+        self._reader = reader
         self._nixl_delivers = nixl_delivers
         self._remotes = remotes
         self._pool = pool
@@ -68,18 +74,21 @@ class NoticeSender:
         """True while side-channel notices are under way."""
         return bool(self._background)
 
-    def send(self, ref: RemoteKVRef, kind: str, tp_rank: int | None = None) -> None:
+    def send(self, ref: RemoteKVRef, kind: str, tp_rank: int | None = None,
+             reader: str | None = None) -> None:
         """Send one notice naming the remote's request and block ids to the remote ranks this
         rank notifies (or to ``tp_rank``): by NIXL if the remote agents are loaded and NIXL
         delivers notifications on its own, else by the side channel in the background (one
         message per target rank, with its expected count, once the handshake is done; before
         it one that the remote's rank 0 applies and forwards to its ranks). A pending
         reference (its claim not answered yet) is named by its transfer id: only an "abort" is
-        sent, to the remote's side channel."""
+        sent, to the remote's side channel. ``reader``: the reader id the notice names (None:
+        none)."""
+        by_reader = {} if reader is None else {"reader": reader}
         if ref.pending:  # a concurrent hand-off whose claim was not answered: by transfer id
             if kind == "abort":
                 self._submit(ref.endpoint, {"type": "notify", "kind": "abort",
-                                            "transfer_id": ref.transfer_id})
+                                            "transfer_id": ref.transfer_id, **by_reader})
             return
         remote = self._remotes.get(ref.endpoint)
         if remote is not None and remote.ready and self._nixl_delivers:
@@ -88,12 +97,12 @@ class NoticeSender:
             try:
                 for rank in ranks:
                     self._agent.send_notif(remote.agents[rank].name, encode_notif(
-                        kind, ref.request_id, route.expected[rank], ref.block_ids))
+                        kind, ref.request_id, route.expected[rank], ref.block_ids, reader))
                 return
             except Exception as e:  # the peer vanished: forget it, send by the side channel
                 self._forget_remote(ref.endpoint, f"a {kind} notification failed: {e}")
         message = {"type": "notify", "kind": kind, "request_id": ref.request_id,
-                   "block_ids": list(ref.block_ids)}
+                   "block_ids": list(ref.block_ids), **by_reader}
         route = remote.route if remote is not None else None
         if route is not None and (remote.ready or tp_rank is not None):
             for rank in (route.targets if tp_rank is None else (tp_rank,)):
@@ -113,7 +122,9 @@ class NoticeSender:
         if self._queued:
             notices, self._queued = self._queued, []
             for notice in notices:
-                self.send(notice.remote, notice.kind, notice.tp_rank)
+                reader = None if notice.reader_request is None or self._reader is None else \
+                    self._reader(notice.reader_request)
+                self.send(notice.remote, notice.kind, notice.tp_rank, reader)
         if self._background:
             still = []
             for fut in self._background:

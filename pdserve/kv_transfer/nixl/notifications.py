@@ -3,11 +3,14 @@ or "heartbeat" for one of the owner's requests (the same kinds the side channel'
 takes; rank 0 forwards those to its sibling ranks in this form).
 
 Two encodings are read: ``pdserve1|kind|request_id`` (one notice closes a lease) and
-``pdserve2|`` + msgpack ``{"k": kind, "r": request_id, "n": expected, "b": block_ids}``, written
-since TP: ``expected`` is how many "done" notices the receiving owner rank gets for the request
-(:func:`pdserve.kv_transfer.nixl.tp_plan.expected_notices`), ``block_ids`` the owner's block
-ids the reader's params named (an owner acts on a notice only when they are exactly the lease's,
-see :mod:`.leases`; the old form carries none, so it ends no lease).
+``pdserve2|`` + msgpack ``{"k": kind, "r": request_id, "n": expected, "b": block_ids[, "w":
+reader]}``, written since TP: ``expected`` is how many "done" notices the receiving owner rank
+gets for the request (:func:`pdserve.kv_transfer.nixl.tp_plan.expected_notices`), ``block_ids``
+the owner's block ids the reader's params named (an owner acts on a notice only when they are
+exactly the lease's, see :mod:`.leases`; the old form carries none, so it ends no lease),
+``reader`` the reader id of the request that read or gave up (:mod:`.readers`: a lease bound to
+another reader ignores its "done" and "abort"; absent from an older pdserve's, and from
+heartbeats).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
+
+from pdserve.kv_transfer.nixl.readers import is_reader
 
 NOTIF_PREFIX = b"pdserve1|"
 NOTIF_PREFIX_V2 = b"pdserve2|"
@@ -35,20 +40,24 @@ class Notice:
         request_id: the owner's request id.
         expected: "done" notices the owner rank receives for this request in all (>= 1).
         block_ids: the lease's block ids as the sender knows them (None in the old form).
+        reader: the sender's reader id (:mod:`.readers`); None when it names none.
     """
 
     kind: str
     request_id: str
     expected: int = 1
     block_ids: list[int] | None = None
+    reader: str | None = None
 
 
 def encode_notif(kind: str, request_id: str, expected: int = 1,
-                 block_ids: list[int] | None = None) -> bytes:
+                 block_ids: list[int] | None = None, reader: str | None = None) -> bytes:
     """Notification payload naming one of the owner's requests (see :class:`Notice`)."""
     body: dict = {"k": kind, "r": request_id, "n": int(expected)}
     if block_ids is not None:
         body["b"] = list(block_ids)
+    if reader is not None:
+        body["w"] = reader
     return NOTIF_PREFIX_V2 + _encoder.encode(body)
 
 
@@ -68,7 +77,10 @@ def decode_notif(msg: bytes) -> Notice | None:
         if blocks is not None and not (isinstance(blocks, list)
                                        and all(isinstance(b, int) for b in blocks)):
             return None
-        return Notice(kind, req, n, blocks)
+        reader = body.get("w")
+        if reader is not None and not is_reader(reader):
+            return None
+        return Notice(kind, req, n, blocks, reader)
     if not msg.startswith(NOTIF_PREFIX):
         return None
     kind, sep, req = msg[len(NOTIF_PREFIX):].partition(b"|")

@@ -46,6 +46,7 @@ class Load:
     nbytes: int = 0  # bytes the READs move
     ndesc: int = 0  # their descriptors
     read_ranks: tuple[int, ...] = ()  # owner ranks read (their "done" rides on the READ)
+    reader: str | None = None  # the reader id its claim and notices name (readers.py)
 
 
 def post_reads(agent: NixlAgent, load: Load, remote: RemoteState) -> list[str]:
@@ -69,7 +70,8 @@ def post_reads(agent: NixlAgent, load: Load, remote: RemoteState) -> list[str]:
         for read in route.reads:
             owner = remote.agents[read.src_rank]
             notif = encode_notif("done", spec.remote.request_id,
-                                 route.expected[read.src_rank], spec.remote.block_ids)
+                                 route.expected[read.src_rank], spec.remote.block_ids,
+                                 load.reader)
             if route.whole(read):
                 handle, state = agent.post_read(
                     owner, spec.local_block_ids, spec.remote_read_block_ids, notif)

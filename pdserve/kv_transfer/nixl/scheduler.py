@@ -142,7 +142,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         """The remote KV will not be read: tell its owner to drop the blocks."""
         self._consumed.add(request_id)
         if ref is not None:
-            self._meta.notices.append(RemoteNotice(ref, "abort"))
+            self._meta.notices.append(RemoteNotice(ref, "abort", reader_request=request_id))
         if self._waiting.pop(request_id, None) is not None:
             self._meta.heartbeat_stop.add(request_id)
 
@@ -358,7 +358,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             ref = waiting_ref
         self._consumed.discard(request_id)
         if ref is not None and (kind is not None or waiting_ref is not None):
-            self._meta.notices.append(RemoteNotice(ref, "abort"))
+            self._meta.notices.append(RemoteNotice(ref, "abort", reader_request=request_id))
         normal = request.status in _NORMAL_FINISH
         params = request.kv_transfer_params
         # --- owner side: hold the prompt's blocks for the decoder

@@ -11,7 +11,8 @@ instances' ``REQ`` sockets:
     answers for every rank), that rank's NIXL agent name and metadata, KV cache base address,
     ``block_bytes``, ``num_blocks``, memory type, device id, ``tp_rank`` and its global KV heads
     ``head_start``, ``num_heads``. A rank outside the instance is answered ``ok: False``.
-``{"type": "claim", "request_id": str, "block_ids": [int], "num_tokens": int, "token_digest": str}``
+``{"type": "claim", "request_id": str, "block_ids": [int], "num_tokens": int, "token_digest": str,
+"reader": str[, "first_token_id": int]}``
     -> ``{"ok": bool, "reason": str, "lease_expiry_in": float, "instance_id": str[,
     "first_token_id": int]}``: before reading, the reader
     checks that the owner still holds exactly these blocks for that request, computed from the
@@ -25,22 +26,32 @@ instances' ``REQ`` sockets:
     reader reads those).
     ``instance_id`` (also in ``get_info``'s info) is new at every process start: a reader whose
     handshake named another instance knows the remote restarted and handshakes again.
-``{"type": "claim", "transfer_id": str, "num_tokens": int, "token_digest": str, "wait_s": float}``
+    ``reader`` is the reader id (:mod:`.readers`: the reader instance's ``instance_id`` and its
+    request id, the same on all its TP ranks): the first granted claim binds the lease to it,
+    and a claim from another reader is refused ("the blocks are leased to another reader").
+    A claim without it (an older pdserve) is answered as before. ``first_token_id`` is the
+    first token the reader's params relayed: a lease whose first token differs refuses the
+    claim before binding it (params with a forged first token never take the lease from the
+    honest reader).
+``{"type": "claim", "transfer_id": str, "num_tokens": int, "token_digest": str, "wait_s": float,
+"reader": str}``
     -> the claim answer above plus ``"request_id"`` and ``"block_ids"``: a *pending claim* of a
     concurrent hand-off (docs/proxy.md), naming the router's transfer id instead of a request
     and its blocks, which the reader does not know yet. It is answered when the lease of the
     request that came with that transfer id starts (the reader's tokens must match it), or
     rejected after ``wait_s`` seconds (at most :data:`MAX_PENDING_WAIT_S`) or at once when that
-    lease already ended.
-``{"type": "notify", "kind": "abort", "transfer_id": str}`` -> ``{"ok": True}``: a reader gave
-    up a pending claim; the lease of that transfer is aborted (now, or when it starts).
+    lease already ended. Its ``reader`` binds the lease as a claim's does.
+``{"type": "notify", "kind": "abort", "transfer_id": str[, "reader": str]}`` -> ``{"ok": True}``:
+    a reader gave up a pending claim; the lease of that transfer is aborted (now, or when it
+    starts), unless it is bound to another reader.
 ``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str, "block_ids": [int][,
-"tp_rank": int, "expected": int]}``
+"tp_rank": int, "expected": int][, "reader": str]}``
     -> ``{"ok": True}``: the same control messages as the NIXL notifications, for readers
     that could not load this agent's metadata (for example after a compatibility mismatch).
     A notice acts only on a lease holding exactly ``block_ids`` (:mod:`.leases`).
     Without ``tp_rank`` a notice is for every TP rank of the instance (rank 0 forwards it);
-    ``expected`` is the count a "done" carries (:mod:`.notifications`). Any other kind is
+    ``expected`` is the count a "done" carries (:mod:`.notifications`); ``reader`` the sender's
+    reader id (a lease bound to another reader ignores its "done" and "abort"). Any other kind is
     answered ``{"ok": False, "reason": ...}`` and applied to nothing (the proxy's early release
     reaches the owner through its own engine core, :mod:`pdserve.kv_transfer.nixl.release`).
 
@@ -67,8 +78,9 @@ import msgspec
 import zmq
 
 from pdserve.utils import phase_trace
-from pdserve.kv_transfer.nixl.leases import ClaimAnswer, ClaimStatus
+from pdserve.kv_transfer.nixl.claim_answer import ClaimAnswer, ClaimStatus, is_token
 from pdserve.kv_transfer.nixl.notifications import NOTIF_KINDS
+from pdserve.kv_transfer.nixl.readers import is_reader
 
 logger = logging.getLogger(__name__)
 
@@ -173,22 +185,23 @@ class SideChannelServer:
         port: TCP port.
         get_info: returns the ``get_info`` payload, or None while the KV cache is not
             registered yet.
-        claim: ``claim(request_id, block_ids, num_tokens, token_digest) ->``
-            :class:`~pdserve.kv_transfer.nixl.leases.ClaimAnswer` (the last two arguments as the
-            reader sent them, or None), whose status is a
+        claim: ``claim(request_id, block_ids, num_tokens, token_digest, reader=...,
+            first_token=...) ->`` :class:`~pdserve.kv_transfer.nixl.leases.ClaimAnswer` (all
+            but the first two as the reader sent them, or None), whose status is a
             :class:`~pdserve.kv_transfer.nixl.leases.ClaimStatus`: ``OK``, ``WAIT`` (unknown
             yet, ask again) or ``REJECT``; called on the server thread, so it must be
             thread-safe.
         notify: ``notify(kind, request_id)``, or ``notify(kind, request_id, block_ids)`` when
             the notice carries block ids, or ``notify(kind, request_id, block_ids, tp_rank,
-            expected)`` when it names TP fields; thread-safe.
+            expected)`` when it names TP fields; each with ``reader=`` when the notice names a
+            reader id; thread-safe.
         claim_wait_s: how long a ``WAIT`` claim is retried before it is rejected.
         instance_id: this process's instance id, sent with every claim answer.
-        claim_transfer: ``claim_transfer(transfer_id, num_tokens, token_digest) ->``
+        claim_transfer: ``claim_transfer(transfer_id, num_tokens, token_digest, reader=...) ->``
             :class:`~pdserve.kv_transfer.nixl.leases.ClaimAnswer`, a pending claim's answer
             (thread-safe); None: pending claims are refused.
-        abort_transfer: ``abort_transfer(transfer_id)``, a reader's abort by transfer id
-            (thread-safe); None: refused.
+        abort_transfer: ``abort_transfer(transfer_id)`` (with ``reader=`` when the notice names
+            a reader id), a reader's abort by transfer id (thread-safe); None: refused.
 
     Raises:
         SideChannelBindError: the port is in use or the address cannot be bound.
@@ -199,12 +212,12 @@ class SideChannelServer:
         host: str,
         port: int,
         get_info: Callable[[], dict[str, Any] | None],
-        claim: Callable[[str, list[int], Any, Any], ClaimAnswer],
+        claim: Callable[..., ClaimAnswer],
         notify: Callable[[str, str], None],
         claim_wait_s: float = 5.0,
         instance_id: str = "",
-        claim_transfer: Callable[[str, Any, Any], Any] | None = None,
-        abort_transfer: Callable[[str], None] | None = None,
+        claim_transfer: Callable[..., Any] | None = None,
+        abort_transfer: Callable[..., None] | None = None,
     ):
         self.host = host
         self._claim_transfer = claim_transfer
@@ -261,6 +274,13 @@ class SideChannelServer:
             kind = None
         # A client that multiplexes requests on one socket tags them with "seq"; echo it.
         seq = msg.get("seq") if kind is not None else None
+        reader = msg.get("reader") if kind is not None else None  # None: an older pdserve's
+        first = msg.get("first_token_id") if kind == "claim" else None
+        if (reader is not None and not is_reader(reader)) or \
+                (first is not None and not is_token(first)):
+            self._reply(ident, {"ok": False, "reason": f"malformed {kind}"}, seq)
+            return
+        by_reader = {} if reader is None else {"reader": reader}
         if kind == "get_info":
             info = self._get_info()
             if info is None:
@@ -280,16 +300,17 @@ class SideChannelServer:
                 return
             deadline = time.monotonic() + min(max(float(wait_s), 0.0), MAX_PENDING_WAIT_S)
             self._try_transfer_claim(ident, transfer_id, deadline, seq,
-                                     (msg.get("num_tokens"), msg.get("token_digest")))
+                                     (msg.get("num_tokens"), msg.get("token_digest")),
+                                     {"reader": reader})
         elif kind == "claim":
             phase_trace.mark("sc.claim_in")
             request_id, block_ids = msg.get("request_id"), msg.get("block_ids")
             if not isinstance(request_id, str) or not isinstance(block_ids, list):
                 self._reply(ident, {"ok": False, "reason": "malformed claim"}, seq)
                 return
-            tokens = (msg.get("num_tokens"), msg.get("token_digest"))
             self._try_claim(ident, request_id, block_ids, time.monotonic() + self._claim_wait_s, seq,
-                            tokens)
+                            (msg.get("num_tokens"), msg.get("token_digest")),
+                            {"reader": reader, "first_token": first})
         elif kind == "notify" and "transfer_id" in msg:
             transfer_id = msg.get("transfer_id")
             if self._abort_transfer is None or msg.get("kind") != "abort" or \
@@ -297,7 +318,7 @@ class SideChannelServer:
                 self._reply(ident, {"ok": False, "reason": "malformed notify (a notice by "
                                     "transfer id is an abort)"}, seq)
                 return
-            self._abort_transfer(transfer_id)
+            self._abort_transfer(transfer_id, **by_reader)
             self._reply(ident, {"ok": True}, seq)
         elif kind == "notify":
             request_id, note = msg.get("request_id"), msg.get("kind")
@@ -310,16 +331,16 @@ class SideChannelServer:
                 if isinstance(request_id, str) and isinstance(note, str) and \
                         (tp_rank is None or isinstance(tp_rank, int)) and \
                         isinstance(expected, int) and expected >= 1:
-                    self._notify(note, request_id, block_ids, tp_rank, expected)
+                    self._notify(note, request_id, block_ids, tp_rank, expected, **by_reader)
                     self._reply(ident, {"ok": True}, seq)
                 else:
                     self._reply(ident, {"ok": False, "reason": "malformed notify"}, seq)
             elif isinstance(request_id, str) and isinstance(note, str) and block_ids is None:
-                self._notify(note, request_id)
+                self._notify(note, request_id, **by_reader)
                 self._reply(ident, {"ok": True}, seq)
             elif isinstance(request_id, str) and isinstance(note, str) and \
                     isinstance(block_ids, list):
-                self._notify(note, request_id, block_ids)
+                self._notify(note, request_id, block_ids, **by_reader)
                 self._reply(ident, {"ok": True}, seq)
             else:
                 self._reply(ident, {"ok": False, "reason": "malformed notify"}, seq)
@@ -327,16 +348,16 @@ class SideChannelServer:
             self._reply(ident, {"ok": False, "reason": f"unknown request type {kind!r}"}, seq)
 
     def _try_claim(self, ident: bytes, request_id: str, block_ids: list[int], deadline: float,
-                   seq: Any = None, tokens: tuple[Any, Any] = (None, None)) -> None:
-        answer = self._claim(request_id, block_ids, *tokens)
+                   seq: Any, tokens: tuple[Any, Any], named: dict[str, Any]) -> None:
+        answer = self._claim(request_id, block_ids, *tokens, **named)
         self._answer_claim(ident, seq, answer, deadline, lambda: self._try_claim(
-            ident, request_id, block_ids, deadline, seq, tokens))
+            ident, request_id, block_ids, deadline, seq, tokens, named))
 
     def _try_transfer_claim(self, ident: bytes, transfer_id: str, deadline: float, seq: Any,
-                            tokens: tuple[Any, Any]) -> None:
-        answer = self._claim_transfer(transfer_id, *tokens)
+                            tokens: tuple[Any, Any], named: dict[str, Any]) -> None:
+        answer = self._claim_transfer(transfer_id, *tokens, **named)
         self._answer_claim(ident, seq, answer, deadline, lambda: self._try_transfer_claim(
-            ident, transfer_id, deadline, seq, tokens), waited=" within the reader's wait")
+            ident, transfer_id, deadline, seq, tokens, named), waited=" within the reader's wait")
 
     def _answer_claim(self, ident: bytes, seq: Any, answer: ClaimAnswer, deadline: float,
                       retry: Callable[[], None], waited: str = "") -> None:

@@ -32,7 +32,8 @@ and a copy to the GPU follows it (:mod:`.host_buffer`); the path of each peer is
 handshake (:mod:`.same_host`).
 
 Restarted peers: every worker picks a random ``instance_id`` when its process starts (part of
-its NIXL agent name, in its handshake info, and in every claim answer), so a reader tells a
+its NIXL agent name, in its handshake info, and in every claim answer; rank 0's, with a request
+id, is the reader id of this instance's claims and notices, :mod:`.readers`), so a reader tells a
 restarted owner from the one it handshook with (:mod:`.loads`); a notification that cannot be
 sent over NIXL (the peer vanished) drops the cached agent and goes by the side channel.
 """
@@ -59,6 +60,7 @@ from pdserve.kv_transfer.nixl.loads import LoadTracker
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata
 from pdserve.kv_transfer.nixl.notice_inbox import NoticeInbox
 from pdserve.kv_transfer.nixl.notice_sender import BG_NOTICE_POLL_INTERVAL_S, NoticeSender
+from pdserve.kv_transfer.nixl.readers import reader_id
 from pdserve.kv_transfer.nixl.remotes import LocalKV, RemoteRegistry, RemoteState
 from pdserve.kv_transfer.nixl.side_channel import SideChannelServer
 from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
@@ -130,10 +132,11 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self.notices = NoticeSender(self.agent, self.remotes, self._pool, self.stats,
                                     lambda endpoint, why: self.loads.forget_remote(endpoint, why),
                                     config.kv_handshake_timeout,
-                                    nixl_delivers=config.nixl_progress_thread)
+                                    nixl_delivers=config.nixl_progress_thread,
+                                    reader=self.reader_of)
         self.loads = LoadTracker(config, self.agent, self.remotes, self._client, self.stats,
                                  lambda: self._out, self.notices.queue,
-                                 lambda: self._mirror, self.paths)
+                                 lambda: self._mirror, self.paths, reader=self.reader_of)
         self.heartbeats = Heartbeats(self.remotes, self.notices.send)
         self.inbox = NoticeInbox(self.agent, tp.rank, self.held.apply, self._waker.wake,
                                  self.stats)
@@ -151,6 +154,13 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             claim_transfer=self._answer_transfer_claim,
             abort_transfer=self._abort_transfer,
         )
+
+    def reader_of(self, request_id: str) -> str:
+        """The reader id this instance's claims and notices for its request ``request_id``
+        carry (:mod:`.readers`): with the instance id of TP rank 0 (every rank learns it at
+        registration, so all ranks of one reading request send the same id)."""
+        instance = self._info["instance_id"] if self._info is not None else self.instance_id
+        return reader_id(instance, request_id)
 
     # ------------------------------------------------------------------------- registration
     def register_kv_cache(self, kv_cache: Any, spec: KVCacheSpec) -> None:
@@ -291,32 +301,36 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
 
     # ------------------------------------------------------------------- engine loop wake-ups
     def _answer_claim(self, request_id: str, block_ids: list[int], num_tokens: Any = None,
-                      digest: Any = None) -> ClaimAnswer:
+                      digest: Any = None, reader: Any = None,
+                      first_token: Any = None) -> ClaimAnswer:
         """Side-channel thread: answer a reader's claim from the lease table
         (:meth:`~.leases.LeaseTable.claim_answer`); a granted one wakes the engine loop, whose
         next wait then polls NIXL notifications at the read rate (its READ follows), and so
         does one that waits for a demoted turn lease (the engine thread reports it)."""
-        answer = self.leases.claim_answer(request_id, block_ids, num_tokens, digest)
+        answer = self.leases.claim_answer(request_id, block_ids, num_tokens, digest, reader,
+                                          first_token)
         if answer.status is ClaimStatus.OK or (
                 answer.status is ClaimStatus.WAIT and self.leases.has_restore_wanted()):
             self._waker.wake()
         return answer
 
-    def _answer_transfer_claim(self, transfer_id: str, num_tokens: Any, digest: Any) -> Any:
+    def _answer_transfer_claim(self, transfer_id: str, num_tokens: Any, digest: Any,
+                               reader: Any = None) -> Any:
         """Side-channel thread: a reader's pending claim
         (:meth:`~.leases.LeaseTable.claim_transfer`); a granted one wakes the engine loop as
         :meth:`_answer_claim` does."""
-        answer = self.leases.claim_transfer(transfer_id, num_tokens, digest)
+        answer = self.leases.claim_transfer(transfer_id, num_tokens, digest, reader=reader)
         if answer.status is ClaimStatus.OK:
             self._waker.wake()
         return answer
 
-    def _abort_transfer(self, transfer_id: str) -> None:
+    def _abort_transfer(self, transfer_id: str, reader: str | None = None) -> None:
         """Side-channel thread: a reader's abort by transfer id, applied to the lease it names
-        as an abort notice for every rank (or remembered until the lease starts)."""
+        as an abort notice from ``reader`` for every rank (or remembered until the lease
+        starts)."""
         found = self.leases.abort_transfer(transfer_id)
         if found is not None:
-            self.inbox.on_side_channel_notice("abort", found[0], found[1])
+            self.inbox.on_side_channel_notice("abort", found[0], found[1], reader=reader)
 
     def _lease_started(self) -> None:
         """Engine thread: a lease of a concurrent hand-off started; its pending claim may be
