@@ -20,6 +20,10 @@ apply:
   reported finished: ``FAIL`` ends the request with ``finish_reason="error"``, ``RECOMPUTE``
   rolls ``num_computed_tokens`` back to the first invalid block. Invalid blocks read by a
   synchronous load of this step do the same at once (the step's token is worthless).
+* A *partial load* (``KVConnectorOutput.partial_loads``: only the load's leading blocks hold
+  KV, the owner had no more) is no failure: ``num_computed_tokens`` ends where those blocks do,
+  as ``RECOMPUTE``'s roll-back would put it, the request keeps its other blocks and computes the
+  rest; no policy applies and no failure is counted (``num_kv_partial_loads_total``).
 * ``request_finished`` is called exactly once per request (finish, abort, error). When the
   connector asks for the blocks to be held, they are held until the id appears in
   ``finished_sending``. A request finished while its load is in flight
@@ -126,7 +130,8 @@ class RemoteKV:
         sync_loads: req id -> ``(num_local, num_external)`` tokens for synchronous loads of the
             step being scheduled.
         held: finished requests whose blocks are held for a transfer.
-        prompt_tokens_transferred_total / num_kv_load_failures_total: counters for metrics.
+        prompt_tokens_transferred_total / num_kv_load_failures_total /
+            num_kv_partial_loads_total: counters for metrics.
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, connector: "KVConnectorSchedulerSide | None",
@@ -143,6 +148,7 @@ class RemoteKV:
         self._consulted: set[str] = set()
         self.prompt_tokens_transferred_total = 0
         self.num_kv_load_failures_total = 0
+        self.num_kv_partial_loads_total = 0
 
     def has_pending_work(self) -> bool:
         """True while the connector has transfers, notifications or leases to poll."""
@@ -270,15 +276,37 @@ class RemoteKV:
                        f"kv_load_failure_policy is 'fail'"),
                 kv_load_failure=error.reason if error is not None else None,
             )
-        good = max(num_local, bad_block * self.kv_cache_manager.block_size)
-        good = min(good, req.num_tokens - 1)
+        good = self._roll_back(req, bad_block, num_local)
         logger.warning(
             "request %s: KV load failed at block index %d; recomputing from token %d", request_id, bad_block, good
         )
+        return LoadResult(req, LoadOutcome.RECOMPUTE)
+
+    def _roll_back(self, req: Request, bad_block: int, num_local: int) -> int:
+        """Mark the tokens before block index ``bad_block`` computed (at least the local hit,
+        at most all but the last token) and count those loaded; returns that token count."""
+        good = max(num_local, bad_block * self.kv_cache_manager.block_size)
+        good = min(good, req.num_tokens - 1)
         req.num_computed_tokens = good
         req.num_transferred_tokens = good - num_local
         self.prompt_tokens_transferred_total += min(good, req.num_prompt_tokens) - min(num_local, req.num_prompt_tokens)
-        return LoadResult(req, LoadOutcome.RECOMPUTE)
+        return good
+
+    def partial_load(self, req: Request, num_local: int, num_ext: int,
+                     num_blocks: int) -> LoadResult:
+        """A load that brought only its first ``num_blocks`` blocks (the owner held no more;
+        ``KVConnectorOutput.partial_loads``): the request computes from the block after them,
+        as a ``RECOMPUTE`` roll-back to it would, but nothing failed (no policy, no failure
+        counted). Its loaded blocks enter the prefix cache; it keeps the others."""
+        self.num_kv_partial_loads_total += 1
+        bs = self.kv_cache_manager.block_size
+        # never past the load's last full block, whatever the count says
+        good = self._roll_back(req, min(num_local // bs + num_blocks, (num_local + num_ext) // bs),
+                               num_local)
+        self.kv_cache_manager.cache_blocks(req, good)
+        logger.info("request %s: its KV load brought %d of %d tokens (the owner holds no more); "
+                    "computing from token %d", req.request_id, good - num_local, num_ext, good)
+        return LoadResult(req, LoadOutcome.LOADED)
 
     def update_connector_output(self, kv_out: KVConnectorOutput, invalid: set[int]) -> None:
         """Hand the worker side's report of a step to the connector and note the invalid
@@ -310,6 +338,9 @@ class RemoteKV:
         bad = self.failed_load.pop(request_id, None)
         if bad is not None:
             return self.apply_load_failure(req, bad, num_local, kv_out.load_errors.get(request_id))
+        partial = kv_out.partial_loads.get(request_id)
+        if partial is not None:
+            return self.partial_load(req, num_local, num_ext, partial)
         # With the whole prompt loaded the connector's first token (the prefiller's) is
         # appended at once; otherwise the last prompt token is recomputed for its logits.
         first = kv_out.first_tokens.get(request_id) if num_local + num_ext >= req.num_tokens else None

@@ -424,6 +424,7 @@ class Scheduler:
             "generation_tokens_total": self.acceptor.generation_tokens_total,
             "num_preemptions_total": self.running_batch.num_preemptions_total,
             "num_kv_load_failures_total": remote_kv.num_kv_load_failures_total,
+            "num_kv_partial_loads_total": remote_kv.num_kv_partial_loads_total,
             "num_requests_finished_total": self.num_requests_finished_total,
             "prefix_cache_queries_total": kvm.prefix_cache_queries,
             "prefix_cache_hits_total": kvm.prefix_cache_hits,

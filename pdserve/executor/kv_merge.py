@@ -11,6 +11,9 @@ Rules (shared with the connector; docs/architecture.md, "Tensor parallelism"):
   ``finished_recving``;
 - ``first_tokens`` (handed over with the merged ``finished_recving`` too) and
   ``remote_clock_offsets`` come from rank 0;
+- ``partial_loads`` (a load that brought only its leading blocks): the fewest blocks any rank
+  reported, handed over with the merged ``finished_recving`` (a rank that reports none loaded
+  them all; a rank that failed fails the load, above);
 - a decoder's turn leases (every rank has its own lease of a turn, over the same block ids;
   :mod:`pdserve.engine.turn_demotion`): a turn enters ``demoted_turns`` once EVERY rank gave up
   its blocks, ``kept_turns`` once every rank answered the demotion and one refused;
@@ -61,6 +64,7 @@ class KVOutputMerger:
         self._sending: dict[str, set[int]] = {}
         self._first_tokens: dict[str, int] = {}
         self._load_errors: dict[str, KVLoadError] = {}
+        self._partial: dict[str, int] = {}
         self._turns = TurnAnswerMerger(size)
 
     def merge(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput:
@@ -79,6 +83,9 @@ class KVOutputMerger:
             merged.invalid_block_ids |= out.invalid_block_ids
             for request_id, err in out.load_errors.items():
                 self._load_errors.setdefault(request_id, err)
+            for request_id, num_blocks in out.partial_loads.items():
+                self._partial[request_id] = min(num_blocks,
+                                                self._partial.get(request_id, num_blocks))
             if rank == 0:
                 self._first_tokens.update(out.first_tokens)
                 merged.remote_clock_offsets.update(out.remote_clock_offsets)
@@ -93,6 +100,8 @@ class KVOutputMerger:
                 merged.first_tokens[request_id] = self._first_tokens.pop(request_id)
             if request_id in self._load_errors:
                 merged.load_errors[request_id] = self._load_errors.pop(request_id)
+            if request_id in self._partial:
+                merged.partial_loads[request_id] = self._partial.pop(request_id)
         merged.stats = merge_stats(stats) if stats else None
         return merged
 

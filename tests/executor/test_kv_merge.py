@@ -35,6 +35,21 @@ def test_a_failure_on_any_rank_fails_the_load():
     assert out.invalid_block_ids == {6}
 
 
+def test_a_partial_load_counts_the_fewest_blocks_any_rank_loaded():
+    m = KVOutputMerger(3)
+    out = m.merge([KVConnectorOutput(finished_recving={"p"}, partial_loads={"p": 3}),
+                   KVConnectorOutput(finished_recving={"p"}, partial_loads={"p": 2}),
+                   KVConnectorOutput()])
+    assert out.finished_recving == set() and out.partial_loads == {}  # not every rank yet
+    out = m.merge([None, None, KVConnectorOutput(finished_recving={"p", "q"})])
+    assert out.finished_recving == {"p"} and out.partial_loads == {"p": 2}
+    assert not out.invalid_block_ids and m.num_pending == 1
+    # a rank that loaded all its blocks says nothing: the others' count stands
+    out = m.merge([KVConnectorOutput(finished_recving={"q"}, partial_loads={"q": 1}),
+                   KVConnectorOutput(finished_recving={"q"}), None])
+    assert out.finished_recving == {"q"} and out.partial_loads == {"q": 1}
+
+
 def test_clock_offsets_from_rank0_and_stats_summed():
     m = KVOutputMerger(2)
     out = m.merge([KVConnectorOutput(remote_clock_offsets={("e", "h", 1): 0.5},

@@ -202,6 +202,10 @@ class FakeRemote:
         load_error: the reason reported with a poisoned load (``load_errors``), or None.
         first_tokens: request id -> the "prefiller's" first token, reported with its finished
             load (``KVConnectorOutput.first_tokens``).
+        partial: request id -> how many leading blocks of its load the "owner" still holds: the
+            blocks after them get garbage KV (not reported invalid) and the load is reported in
+            ``KVConnectorOutput.partial_loads``, so only a scheduler that computes their tokens
+            gets the right tokens.
     """
 
     load_delay_steps: int = 2
@@ -209,6 +213,7 @@ class FakeRemote:
     load_error: KVLoadError | None = None
     release: set[str] = field(default_factory=set)
     first_tokens: dict[str, int] = field(default_factory=dict)
+    partial: dict[str, int] = field(default_factory=dict)
     added: list[str] = field(default_factory=list)
     finished_calls: list[tuple[str, list[int]]] = field(default_factory=list)
     released_kept: list[str] = field(default_factory=list)
@@ -284,12 +289,16 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
     def start_load_kv(self):
         for load in (self._meta or {}).get("loads", []):
             bad: set[int] = set()
+            held = self.remote.partial.get(load.request_id)
             for pos in range(load.start, load.start + load.num_tokens):
                 block = load.block_ids[pos // self.block_size]
                 slot = block * self.block_size + pos % self.block_size
                 if pos // self.block_size in self.remote.poison.get(load.request_id, ()):
                     self.kv[slot] = (pos, -7)  # garbage KV
                     bad.add(block)
+                elif held is not None and \
+                        pos // self.block_size - load.start // self.block_size >= held:
+                    self.kv[slot] = (pos, -8)  # not loaded: garbage unless computed
                 else:
                     self.kv[slot] = (pos, load.tokens[pos])
             self._in_flight[load.request_id] = [self.remote.load_delay_steps, bad]
@@ -303,6 +312,8 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
                 out.finished_recving.add(rid)
                 if rid in self.remote.first_tokens:
                     out.first_tokens[rid] = self.remote.first_tokens[rid]
+                if rid in self.remote.partial:
+                    out.partial_loads[rid] = self.remote.partial[rid]
                 out.invalid_block_ids |= entry[1]
                 if entry[1] and self.remote.load_error is not None:
                     out.load_errors[rid] = self.remote.load_error

@@ -28,7 +28,10 @@ holds the prompt's blocks (up to ``kv_prefill_wait_timeout``); the answer's requ
 block ids complete the reference, and the load goes on as any other. A load aborted while its
 pending claim waits tells the owner by transfer id.
 A claim of a decoder's demoted turn lease is answered with the blocks holding it again
-(``block_ids``): the reference is resolved to them as a pending one is.
+(``block_ids``): the reference is resolved to them as a pending one is; when the owner holds only
+the turn's leading blocks, the load reads those and the scheduler computes the rest (a *partial
+load*, ``KVConnectorOutput.partial_loads``, counted apart from the failures). What an answer
+means for the load is :mod:`.claim_answers`.
 
 Restarted peers: a claim answered by another ``instance_id`` than the handshaken one (the owner
 restarted, with the same engine id or on the same host and port) drops the cached agent and
@@ -51,6 +54,8 @@ from pdserve.types.outputs import KVLoadError, KVLoadFailure
 from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl import host_buffer
 from pdserve.kv_transfer.nixl.agent import NixlAgent
+from pdserve.kv_transfer.nixl.claim_answers import (Refusal, blocks_refusal, grant_refusal,
+                                                    resolve)
 from pdserve.kv_transfer.nixl.metadata import RecvSpec, RemoteNotice
 from pdserve.kv_transfer.nixl.claims import Claims
 from pdserve.types.remote_ref import RemoteEndpoint
@@ -192,35 +197,16 @@ class LoadTracker:
                     continue
                 if not spec.remote.pending and isinstance(reply.get("block_ids"), list):
                     reply = dict(reply, request_id=spec.remote.request_id)  # a restored turn
-                if (spec.remote.pending or "block_ids" in reply) and \
-                        not self._resolve(request_id, spec, reply):
+                if (spec.remote.pending or "block_ids" in reply) and (
+                        self._refused(request_id, resolve(load, reply))
+                        # the remote's agent is loaded: _remote_restarted sent it back otherwise
+                        or not self._blocks_fit(request_id, spec,
+                                                self.remotes.get(spec.remote.endpoint))):
                     continue
                 phase_trace.mark("kv.claim_ok")
                 load.claim_s = time.perf_counter() - load.t_claim
-                left = float(reply.get("lease_expiry_in") or 0.0)
-                if spec.min_lease_left_s > 0 and left < spec.min_lease_left_s:
-                    self._fail(
-                        request_id, KVLoadFailure.LEASE_REFUSED,
-                        f"the remote frees the blocks in {left:.1f} s, less than the "
-                        f"{spec.min_lease_left_s:g} s a read may need", notify_remote=True)
+                if self._refused(request_id, grant_refusal(load, reply)):
                     continue
-                if spec.starts_with_first_token or spec.first_token is not None:
-                    # the request starts with the owner's token, never with the relayed one
-                    owner_first = reply.get("first_token_id")
-                    if spec.first_token is not None and owner_first != spec.first_token:
-                        # the relayed params are not P's own: leave the lease to the honest
-                        # reader (no abort notice; it ends by that read or its expiry)
-                        self._fail(
-                            request_id, KVLoadFailure.INVALID_REFERENCE,
-                            f"the first token relayed by the client ({spec.first_token}) is not "
-                            f"the prefiller's ({owner_first})", notify_remote=False)
-                        continue
-                    if not _is_token(owner_first):
-                        self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
-                                   "the prefiller's claim answer names no first token",
-                                   notify_remote=True)
-                        continue
-                    load.first_token = owner_first
                 if load.aborted:
                     self._drop_aborted(request_id, load)
                     continue
@@ -229,40 +215,13 @@ class LoadTracker:
     def _blocks_fit(self, request_id: str, spec: RecvSpec, remote: Any) -> bool:
         """True when the remote blocks read exist on the remote and pair with the local ones;
         else the load fails."""
-        bad = [b for b in spec.remote_read_block_ids if b >= remote.agent.num_blocks]
-        if bad or len(spec.local_block_ids) != len(spec.remote_read_block_ids):
-            self._fail(
-                request_id, KVLoadFailure.INVALID_REFERENCE,
-                f"remote block ids {bad[:8]} out of range (engine "
-                f"{spec.remote.endpoint.engine_id} has {remote.agent.num_blocks} blocks)"
-                if bad else "local/remote block counts differ",
-                notify_remote=True,
-            )
-            return False
-        return True
+        return not self._refused(request_id, blocks_refusal(spec, remote.agent.num_blocks))
 
-    def _resolve(self, request_id: str, spec: RecvSpec, reply: dict[str, Any]) -> bool:
-        """Complete a reference from its granted claim (a pending one: the owner's request id
-        and block ids; a decoder's restored turn: the blocks that hold it now, maybe fewer than
-        advertised when only its leading blocks came back); False when the answer cannot be
-        read from (the load failed: a pull is recomputed)."""
-        owner_request, block_ids = reply.get("request_id"), reply.get("block_ids")
-        if not isinstance(owner_request, str) or not owner_request or \
-                not isinstance(block_ids, list) or not all(_is_token(b) for b in block_ids):
-            self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
-                       "the owner's claim answer names no request and blocks",
-                       notify_remote=True)
-            return False
-        spec.remote = spec.remote.resolved(owner_request, block_ids)
-        first = spec.remote_first_block
-        spec.remote_read_block_ids = list(block_ids[first:first + len(spec.local_block_ids)])
-        if len(spec.remote_read_block_ids) != len(spec.local_block_ids):
-            self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
-                       f"the owner holds {len(block_ids)} blocks now; the prompt needs "
-                       f"{first + len(spec.local_block_ids)}", notify_remote=True)
-            return False
-        # the remote's agent is loaded: _remote_restarted sent the load back otherwise
-        return self._blocks_fit(request_id, spec, self.remotes.get(spec.remote.endpoint))
+    def _refused(self, request_id: str, refusal: Refusal | None) -> bool:
+        """Fail the load with ``refusal`` when there is one; True then."""
+        if refusal is not None:
+            self._fail(request_id, *refusal)
+        return refusal is not None
 
     def _back_to_handshake(self, load: Load) -> None:
         load.phase, load.claim = LoadPhase.HANDSHAKE, None
@@ -392,6 +351,9 @@ class LoadTracker:
         out.finished_recving.add(request_id)
         if load.first_token is not None:
             out.first_tokens[request_id] = load.first_token
+        if load.unread:  # the owner held only the leading blocks: the scheduler computes the rest
+            out.partial_loads[request_id] = len(spec.local_block_ids)
+            self._stats.current.num_partial_transfers += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "NIXL: request %s loaded %d blocks in %.2f ms: handshake wait %.2f ms, claim "
@@ -421,7 +383,7 @@ class LoadTracker:
         out = self._output()
         out.finished_recving.add(request_id)
         if not load.aborted:  # an aborted request's blocks are simply freed
-            out.invalid_block_ids.update(spec.local_block_ids)
+            out.invalid_block_ids.update(spec.local_block_ids, load.unread)
             out.load_errors[request_id] = KVLoadError(kind, reason)
         if notify_remote and spec.remote is not None:
             self._notify(RemoteNotice(spec.remote, "abort"))
@@ -442,7 +404,3 @@ class LoadTracker:
                 (load.mover or self.agent).release(handle)
         self._loads.clear()
 
-
-def _is_token(value: Any) -> bool:
-    """A non-negative integer (a token id or block id in an answer)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

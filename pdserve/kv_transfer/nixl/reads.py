@@ -46,6 +46,9 @@ class Load:
     nbytes: int = 0  # bytes the READs move
     ndesc: int = 0  # their descriptors
     read_ranks: tuple[int, ...] = ()  # owner ranks read (their "done" rides on the READ)
+    # a partial load (claim_answers.py): the local blocks planned but not read, since the
+    # owner holds only the leading ones now (the scheduler computes their tokens)
+    unread: list[int] = field(default_factory=list)
 
 
 def post_reads(agent: NixlAgent, load: Load, remote: RemoteState) -> list[str]:
