@@ -9,8 +9,8 @@ Rules (shared with the connector; docs/architecture.md, "Tensor parallelism"):
 - a failure on any rank fails the load: ``invalid_block_ids`` are united at once, ``load_errors``
   kept per request (the first rank's error) and handed over with the request's merged
   ``finished_recving``;
-- ``first_tokens`` (handed over with the merged ``finished_recving`` too) and
-  ``remote_clock_offsets`` come from rank 0;
+- ``first_tokens`` and ``remote_clock_offsets`` come from rank 0, in the step rank 0 reports
+  them (a first token is known from the lease claim, before the load is finished anywhere);
 - ``partial_loads`` (a load that brought only its leading blocks): the fewest blocks any rank
   reported, handed over with the merged ``finished_recving`` (a rank that reports none loaded
   them all; a rank that failed fails the load, above);
@@ -62,7 +62,6 @@ class KVOutputMerger:
         self.size = size
         self._recving: dict[str, set[int]] = {}
         self._sending: dict[str, set[int]] = {}
-        self._first_tokens: dict[str, int] = {}
         self._load_errors: dict[str, KVLoadError] = {}
         self._partial: dict[str, int] = {}
         self._turns = TurnAnswerMerger(size)
@@ -87,7 +86,7 @@ class KVOutputMerger:
                 self._partial[request_id] = min(num_blocks,
                                                 self._partial.get(request_id, num_blocks))
             if rank == 0:
-                self._first_tokens.update(out.first_tokens)
+                merged.first_tokens.update(out.first_tokens)
                 merged.remote_clock_offsets.update(out.remote_clock_offsets)
             _count(self._recving, out.finished_recving, rank, self.size, merged.finished_recving)
             _count(self._sending, out.finished_sending, rank, self.size, merged.finished_sending)
@@ -96,8 +95,6 @@ class KVOutputMerger:
                 stats.append(out.stats)
         self._turns.close_step(merged)
         for request_id in merged.finished_recving:
-            if request_id in self._first_tokens:
-                merged.first_tokens[request_id] = self._first_tokens.pop(request_id)
             if request_id in self._load_errors:
                 merged.load_errors[request_id] = self._load_errors.pop(request_id)
             if request_id in self._partial:

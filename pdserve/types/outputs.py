@@ -164,10 +164,13 @@ class KVConnectorOutput:
         finished_recving: request ids whose KV load completed (successfully or not).
         invalid_block_ids: block ids whose load failed; the scheduler applies
             ``kv_load_failure_policy`` to the requests holding them.
-        first_tokens: request_id -> the first output token the remote prefiller sampled, for loads
-            in ``finished_recving`` that brought the whole prompt and whose token the connector
-            vouches for (the scheduler appends it instead of recomputing the last prompt token;
-            a whole-prompt load without an entry recomputes that token).
+        first_tokens: request_id -> the first output token the remote prefiller sampled, for
+            loads of the whole prompt whose token the connector vouches for (the owner's answer
+            to the lease claim). Reported once, as soon as it is known: usually before the load
+            is in ``finished_recving`` (the token does not depend on the local KV, so the
+            scheduler appends it at once, while the blocks are still being read, instead of
+            recomputing the last prompt token; a whole-prompt load without an entry recomputes
+            that token).
         remote_clock_offsets: remote ``time.time()`` minus local ``time.time()`` (seconds) per
             remote endpoint key ``(engine_id, host, port)``, measured at new handshakes (for the
             connector's scheduler side; not sent to the front end).

@@ -200,8 +200,9 @@ class FakeRemote:
         release: request ids whose held blocks the "decoder" has read; reported in
             finished_sending on the next poll.
         load_error: the reason reported with a poisoned load (``load_errors``), or None.
-        first_tokens: request id -> the "prefiller's" first token, reported with its finished
-            load (``KVConnectorOutput.first_tokens``).
+        first_tokens: request id -> the "prefiller's" first token, reported in the step its load
+            is posted, before the load finishes (``KVConnectorOutput.first_tokens``), as the
+            NIXL connector reports it from the lease claim's answer.
         partial: request id -> how many leading blocks of its load the "owner" still holds: the
             blocks after them get garbage KV (not reported invalid) and the load is reported in
             ``KVConnectorOutput.partial_loads``, so only a scheduler that computes their tokens
@@ -278,6 +279,7 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
         self.block_size = 0
         self._meta: Any = None
         self._in_flight: dict[str, list] = {}  # request_id -> [steps_left, invalid blocks]
+        self._first: dict[str, int] = {}  # first tokens of loads posted since the last report
 
     def register_kv_cache(self, kv_cache, spec):
         self.kv = kv_cache
@@ -302,16 +304,17 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
                 else:
                     self.kv[slot] = (pos, load.tokens[pos])
             self._in_flight[load.request_id] = [self.remote.load_delay_steps, bad]
+            if load.request_id in self.remote.first_tokens:
+                self._first[load.request_id] = self.remote.first_tokens[load.request_id]
 
     def get_finished(self, finished_request_ids):
         out = KVConnectorOutput()
+        out.first_tokens, self._first = self._first, {}
         for rid in list(self._in_flight):
             entry = self._in_flight[rid]
             entry[0] -= 1
             if entry[0] <= 0 or rid in finished_request_ids:
                 out.finished_recving.add(rid)
-                if rid in self.remote.first_tokens:
-                    out.first_tokens[rid] = self.remote.first_tokens[rid]
                 if rid in self.remote.partial:
                     out.partial_loads[rid] = self.remote.partial[rid]
                 out.invalid_block_ids |= entry[1]

@@ -6,6 +6,12 @@ Load life cycle::
     handshake (once per remote engine, cached) -> claim (per request, checks and extends the
     owner's lease) -> READ posted (notification "done" rides on it) -> polled until DONE/ERR
 
+A claim answered with the owner's first token (a decoder's load of a whole prompt) reports the
+token at once and waits in ``granted`` until the report that carries it was taken
+(:meth:`LoadTracker.report_taken`): the READ is posted in the next step, after the token went
+out, so that posting it (up to about a millisecond of host work for a long prompt) does not
+delay the first token.
+
 Any failure ends the load with the request id in ``finished_recving``, its destination blocks in
 ``invalid_block_ids`` and its :class:`~pdserve.types.outputs.KVLoadError` in ``load_errors``;
 the owner is told to drop its lease ("abort") when it can be reached.
@@ -130,11 +136,12 @@ class LoadTracker:
             load.aborted = True
 
     def next_poll_in(self) -> float | None:
-        """0 while a READ was posted less than :data:`XFER_SPIN_S` ago, else
-        :data:`XFER_POLL_INTERVAL_S`; None without a READ in flight."""
+        """0 while a READ waits to be posted or was posted less than :data:`XFER_SPIN_S` ago,
+        else :data:`XFER_POLL_INTERVAL_S`; None without a READ in flight or to post."""
         waits = [0.0 if time.perf_counter() - load.t_post < XFER_SPIN_S else XFER_POLL_INTERVAL_S
                  for load in self._loads.values()
                  if load.phase in (LoadPhase.XFER, LoadPhase.UNSTAGE)]
+        waits += [0.0 for load in self._loads.values() if load.phase is LoadPhase.GRANTED]
         return min(waits, default=None)
 
     # ----------------------------------------------------------------------------- progress
@@ -207,10 +214,25 @@ class LoadTracker:
                 load.claim_s = time.perf_counter() - load.t_claim
                 if self._refused(request_id, grant_refusal(load, reply)):
                     continue
+                if load.first_token is not None:
+                    # known now and independent of the local KV: the scheduler emits it while
+                    # the blocks are read (KVConnectorOutput.first_tokens); posted after it
+                    self._output().first_tokens[request_id] = load.first_token
+                    load.phase = LoadPhase.GRANTED
+            if load.phase is LoadPhase.GRANTED and not load.token_out:
+                continue
+            if load.phase in (LoadPhase.CLAIM, LoadPhase.GRANTED):
                 if load.aborted:
                     self._drop_aborted(request_id, load)
                     continue
                 self._post(request_id, load, now)
+
+    def report_taken(self) -> None:
+        """The worker's report of this step was taken: the first tokens it carries are on
+        their way out, so the loads that waited for that may post their READs."""
+        for load in self._loads.values():
+            if load.phase is LoadPhase.GRANTED:
+                load.token_out = True
 
     def _blocks_fit(self, request_id: str, spec: RecvSpec, remote: Any) -> bool:
         """True when the remote blocks read exist on the remote and pair with the local ones;
@@ -349,8 +371,6 @@ class LoadTracker:
         del self._loads[request_id]
         out = self._output()
         out.finished_recving.add(request_id)
-        if load.first_token is not None:
-            out.first_tokens[request_id] = load.first_token
         if load.unread:  # the owner held only the leading blocks: the scheduler computes the rest
             out.partial_loads[request_id] = len(spec.local_block_ids)
             self._stats.current.num_partial_transfers += 1
