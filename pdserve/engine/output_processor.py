@@ -78,6 +78,7 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_preemptions_total: int = 0
     num_kv_load_failures_total: int = 0
+    num_kv_partial_loads_total: int = 0  # loads that brought only their leading blocks
     num_held_for_transfer: int = 0
     # the KV cache tiers' snapshot (pdserve.engine.kv_tiers.TierManager.stats), None without
     kv_tiers: dict[str, Any] | None = None

@@ -14,12 +14,19 @@ apply:
   ``update_state_after_alloc`` with the whole block table once blocks are allocated.
 * A load reported in ``finished_recving`` marks ``min(local + external, num_tokens - 1)`` tokens
   computed, so at least the last prompt token is recomputed for its logits; except when the
-  connector loaded the whole prompt and reports the prefiller's first token in
-  ``KVConnectorOutput.first_tokens``: then that token is appended at once, without a forward pass.
+  connector loads the whole prompt and reports the prefiller's first token in
+  ``KVConnectorOutput.first_tokens``: that token is appended as soon as it is reported, while
+  the load is still in flight (:meth:`RemoteKV.first_tokens_ready`), without a forward pass;
+  the load then covers every token but the appended one, whose KV the first decode step
+  computes.
 * ``invalid_block_ids`` of a pending load apply ``kv_load_failure_policy`` when the load is
   reported finished: ``FAIL`` ends the request with ``finish_reason="error"``, ``RECOMPUTE``
   rolls ``num_computed_tokens`` back to the first invalid block. Invalid blocks read by a
   synchronous load of this step do the same at once (the step's token is worthless).
+* A *partial load* (``KVConnectorOutput.partial_loads``: only the load's leading blocks hold
+  KV, the owner had no more) is no failure: ``num_computed_tokens`` ends where those blocks do,
+  as ``RECOMPUTE``'s roll-back would put it, the request keeps its other blocks and computes the
+  rest; no policy applies and no failure is counted (``num_kv_partial_loads_total``).
 * ``request_finished`` is called exactly once per request (finish, abort, error). When the
   connector asks for the blocks to be held, they are held until the id appears in
   ``finished_sending``. A request finished while its load is in flight
@@ -33,7 +40,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from pdserve.engine.block_manager import KVCacheManager
 from pdserve.types.kv_transfer_config import FAILURE_POLICIES, KVLoadFailurePolicy
@@ -82,8 +89,9 @@ class LoadResult:
     Attributes:
         request: the request (no longer parked, or still ``RUNNING`` for a synchronous load).
         outcome: see :class:`LoadOutcome`.
-        first_token: ``LOADED`` with the whole prompt loaded: the prefiller's first token, to
-            append at once without a forward pass; else None.
+        first_token: ``LOADED``: the prefiller's first token, reported during the load and
+            kept for its end because it finishes the request (:meth:`RemoteKV.first_tokens_ready`);
+            else None.
         error: ``FAIL``: the request's error message.
         kv_load_failure: ``FAIL``: the worker's kind of failure, when it reported one.
     """
@@ -123,10 +131,13 @@ class RemoteKV:
         pending_load: req id -> ``(num_local, num_external)`` tokens of each such load.
         failed_load: req id -> index in its block table of the first invalid block reported
             for its pending load.
+        kept_first_token: req id -> the prefiller's first token of a pending load, kept for the
+            load's end because it finishes the request (:meth:`first_tokens_ready`).
         sync_loads: req id -> ``(num_local, num_external)`` tokens for synchronous loads of the
             step being scheduled.
         held: finished requests whose blocks are held for a transfer.
-        prompt_tokens_transferred_total / num_kv_load_failures_total: counters for metrics.
+        prompt_tokens_transferred_total / num_kv_load_failures_total /
+            num_kv_partial_loads_total: counters for metrics.
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, connector: "KVConnectorSchedulerSide | None",
@@ -137,12 +148,14 @@ class RemoteKV:
         self.waiting_for_remote: dict[str, Request] = {}
         self.pending_load: dict[str, tuple[int, int]] = {}
         self.failed_load: dict[str, int] = {}
+        self.kept_first_token: dict[str, int] = {}
         self.sync_loads: dict[str, tuple[int, int]] = {}
         self.held: dict[str, _Held] = {}
         # requests whose connector lookup already happened (never ask twice).
         self._consulted: set[str] = set()
         self.prompt_tokens_transferred_total = 0
         self.num_kv_load_failures_total = 0
+        self.num_kv_partial_loads_total = 0
 
     def has_pending_work(self) -> bool:
         """True while the connector has transfers, notifications or leases to poll."""
@@ -214,6 +227,7 @@ class RemoteKV:
         self.waiting_for_remote.pop(request_id, None)
         was_loading = self.pending_load.pop(request_id, None) is not None
         self.failed_load.pop(request_id, None)
+        self.kept_first_token.pop(request_id, None)
         self._consulted.discard(request_id)
         hold, params = False, None
         if self.connector is not None:
@@ -270,15 +284,37 @@ class RemoteKV:
                        f"kv_load_failure_policy is 'fail'"),
                 kv_load_failure=error.reason if error is not None else None,
             )
-        good = max(num_local, bad_block * self.kv_cache_manager.block_size)
-        good = min(good, req.num_tokens - 1)
+        good = self._roll_back(req, bad_block, num_local)
         logger.warning(
             "request %s: KV load failed at block index %d; recomputing from token %d", request_id, bad_block, good
         )
+        return LoadResult(req, LoadOutcome.RECOMPUTE)
+
+    def _roll_back(self, req: Request, bad_block: int, num_local: int) -> int:
+        """Mark the tokens before block index ``bad_block`` computed (at least the local hit,
+        at most all but the last token) and count those loaded; returns that token count."""
+        good = max(num_local, bad_block * self.kv_cache_manager.block_size)
+        good = min(good, req.num_tokens - 1)
         req.num_computed_tokens = good
         req.num_transferred_tokens = good - num_local
         self.prompt_tokens_transferred_total += min(good, req.num_prompt_tokens) - min(num_local, req.num_prompt_tokens)
-        return LoadResult(req, LoadOutcome.RECOMPUTE)
+        return good
+
+    def partial_load(self, req: Request, num_local: int, num_ext: int,
+                     num_blocks: int) -> LoadResult:
+        """A load that brought only its first ``num_blocks`` blocks (the owner held no more;
+        ``KVConnectorOutput.partial_loads``): the request computes from the block after them,
+        as a ``RECOMPUTE`` roll-back to it would, but nothing failed (no policy, no failure
+        counted). Its loaded blocks enter the prefix cache; it keeps the others."""
+        self.num_kv_partial_loads_total += 1
+        bs = self.kv_cache_manager.block_size
+        # never past the load's last full block, whatever the count says
+        good = self._roll_back(req, min(num_local // bs + num_blocks, (num_local + num_ext) // bs),
+                               num_local)
+        self.kv_cache_manager.cache_blocks(req, good)
+        logger.info("request %s: its KV load brought %d of %d tokens (the owner holds no more); "
+                    "computing from token %d", req.request_id, good - num_local, num_ext, good)
+        return LoadResult(req, LoadOutcome.LOADED)
 
     def update_connector_output(self, kv_out: KVConnectorOutput, invalid: set[int]) -> None:
         """Hand the worker side's report of a step to the connector and note the invalid
@@ -310,15 +346,43 @@ class RemoteKV:
         bad = self.failed_load.pop(request_id, None)
         if bad is not None:
             return self.apply_load_failure(req, bad, num_local, kv_out.load_errors.get(request_id))
-        # With the whole prompt loaded the connector's first token (the prefiller's) is
-        # appended at once; otherwise the last prompt token is recomputed for its logits.
-        first = kv_out.first_tokens.get(request_id) if num_local + num_ext >= req.num_tokens else None
+        # At least the last token is left to compute: the last prompt token for its logits, or
+        # the prefiller's first token (appended already, or kept for now), for its KV. (A
+        # partial load is a pull of a restored turn, which brings no first token.)
+        first = self.kept_first_token.pop(request_id, None)
+        partial = kv_out.partial_loads.get(request_id)
+        if partial is not None:
+            return self.partial_load(req, num_local, num_ext, partial)
         loaded = min(num_local + num_ext, req.num_tokens - (first is None))
         req.num_computed_tokens = loaded
         req.num_transferred_tokens = loaded - num_local
         self.prompt_tokens_transferred_total += min(loaded, req.num_prompt_tokens) - min(num_local, req.num_prompt_tokens)
         self.kv_cache_manager.cache_blocks(req, loaded)
         return LoadResult(req, LoadOutcome.LOADED, first_token=first)
+
+    def first_tokens_ready(self, kv_out: KVConnectorOutput,
+                           finishes: Callable[[Request, int], bool]) -> list[tuple[Request, int]]:
+        """The parked requests whose prefiller's first token (``kv_out.first_tokens``) may be
+        appended now, each with its token: the load brings the whole prompt, no token was
+        appended yet, and no invalid block was reported for it. The token does not depend on
+        the local KV, so the caller appends it while the blocks are still being read. A token
+        that would finish the request (``finishes``: EOS, a stop token, ``max_tokens``) is kept
+        for the load's end instead (:class:`LoadResult`'s ``first_token``): a request finished
+        before its KV has landed would offer a bidirectional reader blocks still being written.
+        """
+        ready = []
+        for request_id, token in kv_out.first_tokens.items():
+            req = self.waiting_for_remote.get(request_id)
+            if req is None or request_id in self.failed_load or req.output_token_ids:
+                continue
+            num_local, num_ext = self.pending_load[request_id]
+            if num_local + num_ext < req.num_tokens:
+                continue
+            if finishes(req, token):
+                self.kept_first_token[request_id] = token
+            else:
+                ready.append((req, token))
+        return ready
 
     def transfer_sent(self, request_id: str) -> None:
         """Another instance finished reading ``request_id``'s blocks (``finished_sending``):

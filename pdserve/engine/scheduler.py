@@ -294,6 +294,8 @@ class Scheduler:
             self.demoter.update(kv_out)
         if kv_out is not None:
             remote_kv.update_connector_output(kv_out, invalid)
+            for req, token in remote_kv.first_tokens_ready(kv_out, self.acceptor.finishes):
+                outputs.append(self.append_token(req, token, None))
             for request_id in kv_out.finished_recving:
                 result = remote_kv.load_finished(request_id, kv_out)
                 if result is not None:
@@ -304,8 +306,8 @@ class Scheduler:
 
     def _apply_load_result(self, result: LoadResult, outputs: list[EngineCoreOutput]) -> None:
         """Act on the end of a request's KV load: finish it with its error (``FAIL``), or put it
-        back at the waiting front (``RECOMPUTE``; ``LOADED``, after appending the prefiller's
-        first token when there is one, unless that token finished it)."""
+        back at the waiting front (``RECOMPUTE``; ``LOADED``, after appending a kept first token
+        of the prefiller's, unless that token finished it)."""
         req = result.request
         if result.outcome is LoadOutcome.LOADED:
             if result.first_token is not None:
@@ -424,6 +426,7 @@ class Scheduler:
             "generation_tokens_total": self.acceptor.generation_tokens_total,
             "num_preemptions_total": self.running_batch.num_preemptions_total,
             "num_kv_load_failures_total": remote_kv.num_kv_load_failures_total,
+            "num_kv_partial_loads_total": remote_kv.num_kv_partial_loads_total,
             "num_requests_finished_total": self.num_requests_finished_total,
             "prefix_cache_queries_total": kvm.prefix_cache_queries,
             "prefix_cache_hits_total": kvm.prefix_cache_hits,

@@ -34,8 +34,15 @@ class TokenAcceptor:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         self.generation_tokens_total += 1
+        return self._stop(req, token, len(req.output_token_ids))
+
+    def finishes(self, req: Request, token: int) -> bool:
+        """Whether accepting ``token`` next would finish ``req`` (nothing is changed)."""
+        return self._stop(req, token, len(req.output_token_ids) + 1)[0] is not None
+
+    def _stop(self, req: Request, token: int, n_out: int) -> tuple[RequestStatus | None, int | None]:
+        """The stop condition ``token`` meets as ``req``'s ``n_out``-th output token."""
         sp = req.sampling_params
-        n_out = len(req.output_token_ids)
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and (token == req.eos_token_id or token in self.eos_token_ids):
                 return RequestStatus.FINISHED_STOPPED, None

@@ -24,7 +24,9 @@ a demoted turn's blocks then live only as evictable cached blocks on the GPU):
    turn leases are demoted first and the restore waits for them); once the LOADs are reported
    (at once when none is needed) the lease is told the blocks that hold the KV now
    (``TurnMove.RESTORED``); once it took them (``restored_turns``) the turn counts as restored
-   and the waiting claim is answered with them (``TurnMove.SERVE``). Nothing found, or the
+   and the waiting claim is answered with them (``TurnMove.SERVE``): maybe only the turn's
+   leading blocks, of which the reader reads those its pull planned and computes the rest (a
+   partial load, :mod:`pdserve.kv_transfer.nixl.granted_claims`). Nothing found, or the
    lease could not take them (``failed_turns``): ``TurnMove.LOST``, the lease ends, the claim
    is rejected and the reader recomputes (its pull's failure path).
 4. **End**: the lease still ends by the reader's "done"/"abort" or its TTL (``finished_sending``);

@@ -65,9 +65,11 @@ class EngineJob:
             engine computes after the prompt and continues; empty otherwise.
         data_parallel_rank: the rank that serves the job (the request's
             ``X-data-parallel-rank``); None: the engine picks the least-loaded one.
-        after: the index of the job whose first output (or end) this one waits for before it
-            goes to the engine, or None. The choices after the first of a request that reads a
-            remote KV wait for the first: its read puts the prompt's KV in the prefix cache.
+        after: the index of the job whose second output token (or end) this one waits for
+            before it goes to the engine, or None. The choices after the first of a request that
+            reads a remote KV wait for the first: its read puts the prompt's KV in the prefix
+            cache, done once it computed a token after the prefiller's first one (which may be
+            emitted while the read is still under way).
     """
 
     index: int
@@ -101,7 +103,7 @@ class JobRunner:
 
         Leaving early (consumer closed, cancelled, or an exception) aborts every job that has not
         finished. Exceptions from ``engine.generate`` are raised as :class:`OpenAIError`. A
-        job with ``after`` goes to the engine once that job has its first output or has ended.
+        job with ``after`` goes to the engine once that job has two output tokens or has ended.
 
         Args:
             jobs: the engine requests.
@@ -116,7 +118,8 @@ class JobRunner:
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         done_marker = object()
         idle_marker = object()
-        # set at a job's first output or its end; the jobs that wait for it (``after``) start then
+        # set at a job's second output token or its end; the jobs that wait for it (``after``)
+        # start then
         started = {job.index: asyncio.Event() for job in jobs}
         loop = asyncio.get_running_loop()
         last_item = time.monotonic()  # when the last item (or None) was taken from the queue
@@ -145,10 +148,13 @@ class JobRunner:
                 if job.data_parallel_rank is not None:
                     options["data_parallel_rank"] = job.data_parallel_rank
                 gen = self.engine.generate(*args, **options)
+                num_tokens = 0
                 async with contextlib.aclosing(gen):
                     async for out in gen:
                         queue.put_nowait((job.index, out))
-                        started[job.index].set()
+                        num_tokens += len(out.new_token_ids)
+                        if num_tokens >= 2:
+                            started[job.index].set()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - forwarded to the consumer

@@ -76,6 +76,8 @@ NIXL_POST_TIME_SECONDS = "pdserve:nixl_post_time_seconds"
 NIXL_BYTES_TRANSFERRED = "pdserve:nixl_bytes_transferred"
 NIXL_NUM_DESCRIPTORS = "pdserve:nixl_num_descriptors"
 NIXL_NUM_FAILED_TRANSFERS = "pdserve:nixl_num_failed_transfers"
+# transfers that read only the leading blocks the owner still held (not failures)
+NIXL_NUM_PARTIAL_TRANSFERS = "pdserve:nixl_num_partial_transfers"
 NIXL_NUM_FAILED_NOTIFICATIONS = "pdserve:nixl_num_failed_notifications"
 NIXL_NUM_KV_EXPIRED_REQS = "pdserve:nixl_num_kv_expired_reqs"
 # The path that carries reads from each peer (kv_transfer/nixl/transfer_path.py): 1 for the
@@ -161,6 +163,7 @@ CONNECTOR_HISTOGRAM_KEYS = {
 }
 CONNECTOR_COUNTER_KEYS = {
     "num_failed_transfers": NIXL_NUM_FAILED_TRANSFERS,
+    "num_partial_transfers": NIXL_NUM_PARTIAL_TRANSFERS,
     "num_failed_notifications": NIXL_NUM_FAILED_NOTIFICATIONS,
     "num_kv_expired_reqs": NIXL_NUM_KV_EXPIRED_REQS,
     "num_kv_turns_expired": NIXL_NUM_KV_TURNS_EXPIRED,
@@ -168,6 +171,9 @@ CONNECTOR_COUNTER_KEYS = {
 }
 _CONNECTOR_COUNTER_DOCS = {
     NIXL_NUM_FAILED_TRANSFERS: "KV transfers that failed.",
+    NIXL_NUM_PARTIAL_TRANSFERS: ("KV transfers that read only the leading blocks the owner still "
+                                 "held (a decoder's restored turn); the rest was computed. Not "
+                                 "failures."),
     NIXL_NUM_FAILED_NOTIFICATIONS: "Transfer-done notifications that could not be sent.",
     NIXL_NUM_KV_EXPIRED_REQS: "Requests whose KV lease expired before the remote read.",
     NIXL_NUM_KV_TURNS_EXPIRED: ("Multi-turn decoder blocks freed by their TTL without a pull "
@@ -359,7 +365,7 @@ class ServerMetrics:
 
         Keys (all optional): ``xfer_time_s``, ``post_time_s``, ``handoff_s`` (lists of
         seconds), ``bytes``,
-        ``num_descriptors`` (lists of ints), ``num_failed_transfers``,
+        ``num_descriptors`` (lists of ints), ``num_failed_transfers``, ``num_partial_transfers``,
         ``num_failed_notifications``, ``num_kv_expired_reqs``, ``num_kv_turns_expired``,
         ``num_kv_leases_released_early`` (ints, increments), ``transfer_paths`` (each peer's read
         path, see :meth:`~pdserve.kv_transfer.nixl.transfer_path.TransferPaths.take_delta`).

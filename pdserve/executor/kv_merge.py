@@ -9,8 +9,11 @@ Rules (shared with the connector; docs/architecture.md, "Tensor parallelism"):
 - a failure on any rank fails the load: ``invalid_block_ids`` are united at once, ``load_errors``
   kept per request (the first rank's error) and handed over with the request's merged
   ``finished_recving``;
-- ``first_tokens`` (handed over with the merged ``finished_recving`` too) and
-  ``remote_clock_offsets`` come from rank 0;
+- ``first_tokens`` and ``remote_clock_offsets`` come from rank 0, in the step rank 0 reports
+  them (a first token is known from the lease claim, before the load is finished anywhere);
+- ``partial_loads`` (a load that brought only its leading blocks): the fewest blocks any rank
+  reported, handed over with the merged ``finished_recving`` (a rank that reports none loaded
+  them all; a rank that failed fails the load, above);
 - a decoder's turn leases (every rank has its own lease of a turn, over the same block ids;
   :mod:`pdserve.engine.turn_demotion`): a turn enters ``demoted_turns`` once EVERY rank gave up
   its blocks, ``kept_turns`` once every rank answered the demotion and one refused;
@@ -59,8 +62,8 @@ class KVOutputMerger:
         self.size = size
         self._recving: dict[str, set[int]] = {}
         self._sending: dict[str, set[int]] = {}
-        self._first_tokens: dict[str, int] = {}
         self._load_errors: dict[str, KVLoadError] = {}
+        self._partial: dict[str, int] = {}
         self._turns = TurnAnswerMerger(size)
 
     def merge(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput:
@@ -79,8 +82,11 @@ class KVOutputMerger:
             merged.invalid_block_ids |= out.invalid_block_ids
             for request_id, err in out.load_errors.items():
                 self._load_errors.setdefault(request_id, err)
+            for request_id, num_blocks in out.partial_loads.items():
+                self._partial[request_id] = min(num_blocks,
+                                                self._partial.get(request_id, num_blocks))
             if rank == 0:
-                self._first_tokens.update(out.first_tokens)
+                merged.first_tokens.update(out.first_tokens)
                 merged.remote_clock_offsets.update(out.remote_clock_offsets)
             _count(self._recving, out.finished_recving, rank, self.size, merged.finished_recving)
             _count(self._sending, out.finished_sending, rank, self.size, merged.finished_sending)
@@ -89,10 +95,10 @@ class KVOutputMerger:
                 stats.append(out.stats)
         self._turns.close_step(merged)
         for request_id in merged.finished_recving:
-            if request_id in self._first_tokens:
-                merged.first_tokens[request_id] = self._first_tokens.pop(request_id)
             if request_id in self._load_errors:
                 merged.load_errors[request_id] = self._load_errors.pop(request_id)
+            if request_id in self._partial:
+                merged.partial_loads[request_id] = self._partial.pop(request_id)
         merged.stats = merge_stats(stats) if stats else None
         return merged
 

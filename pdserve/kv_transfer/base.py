@@ -274,6 +274,11 @@ class KVConnectorWorkerSide(abc.ABC):
     def get_finished(self, finished_request_ids: set[str]) -> "KVConnectorOutput":
         """Poll transfers and notifications; must not block.
 
+        A load reported in ``finished_recving`` loaded all its tokens, or failed (its blocks in
+        ``invalid_block_ids``: ``kv_load_failure_policy`` applies), or, named in
+        ``partial_loads``, loaded only its leading blocks because the owner held no more (the
+        scheduler computes the rest; not a failure).
+
         Args:
             finished_request_ids: requests the scheduler finished this step.
         """

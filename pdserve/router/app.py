@@ -63,6 +63,7 @@ from pdserve.router.migration import Leg, StreamMigrator, migration_refusal
 from pdserve.router.passthrough import PASS_THROUGH_ROUTES, forward
 from pdserve.router.role_check import RoleCheck, RoleMismatch
 from pdserve.router.state_store import MemoryStateStore, RedisStateStore
+from pdserve.router.stream_ledger import StreamLedger
 from pdserve.router.stream_relay import StreamRelay
 from pdserve.router.upstream_client import Turn, UpstreamClient, UpstreamHTTPError
 from pdserve.router.upstreams import Upstream, UpstreamPool
@@ -145,13 +146,12 @@ class DisaggProxy:
                 self._route)
         self.relay = StreamRelay(self.client, self.metrics, self.decode_guard,
                                  self._record_turn if self.state_store is not None else None)
-        self.migrator: StreamMigrator | None = None
-        if config.migration_limit > 0:
-            self.migrator = StreamMigrator(
-                self.client, self.prefillers, self.decoders,
-                lambda pool, turn: self._route(pool, None, None, turn), self.decode_guard.release,
-                self._record_turn if self.state_store is not None else None, self.metrics,
-                config.migration_limit, config.stall_timeout)
+        # also without migration: it relays a stream that continues an earlier leg's opening
+        self.migrator = StreamMigrator(
+            self.client, self.prefillers, self.decoders,
+            lambda pool, turn: self._route(pool, None, None, turn), self.decode_guard.release,
+            self._record_turn if self.state_store is not None else None, self.metrics,
+            config.migration_limit, config.stall_timeout)
 
     def _in_rotation(self, up: Upstream) -> bool:
         return self.health.in_rotation(up)
@@ -312,13 +312,15 @@ class DisaggProxy:
         if state is not None and state.kv_transfer_params:
             self.metrics.kv_params_forwarded.inc()
         stream = body.get("stream") is True
-        migrate = self.migrator is not None and stream and migration_refusal(body) is None
+        migrate = self.migrator.limit > 0 and stream and migration_refusal(body) is None
+        if stream:
+            client.ledger = StreamLedger.for_request(body)
         previous = (state.prefiller_url, state.decoder_url) if state else (None, None)
         if self.concurrent is not None:
             phase_trace.mark("px.p_body_built")
             answer = await self.concurrent.run(path, body, p_body, headers, turn, stream,
                                                previous, token_ids, return_token_ids=migrate,
-                                               on_accept=client.open if stream else None)
+                                               client=client if stream else None)
         else:
             p_data = _encode(p_body).encode()
             phase_trace.mark("px.p_body_built")
@@ -327,8 +329,8 @@ class DisaggProxy:
         p_up, d_up, d_resp, d_raw = answer.p_up, answer.d_up, answer.d_resp, answer.raw
         phase_trace.mark("px.d_hdr")
         if d_raw is None:
-            return await self._relay_stream(request, client, turn, answer, conv_id, headers,
-                                            body if migrate else None)
+            return await self._relay_stream(request, client, turn, answer, conv_id, headers, body,
+                                            migrate)
         keep = conv_id is not None
         if keep or (self.state_store is not None and _D_PARAMS_NEEDLE in d_raw):
             try:
@@ -361,22 +363,24 @@ class DisaggProxy:
 
     async def _relay_stream(self, request: web.Request, client: ClientStream, turn: Turn,
                             answer: DecodeAnswer, conv_id: str | None, headers: dict[str, str],
-                            migrate_body: dict[str, Any] | None = None) -> web.StreamResponse:
+                            body: dict[str, Any], migrate: bool) -> web.StreamResponse:
         """Forward D's SSE stream chunk by chunk; in multi-turn mode record D's
         ``kv_transfer_params`` for the conversation (or release them on D when the request has
         none) and forward them as null (:class:`~pdserve.router.stream_relay.StreamRelay`).
 
-        ``migrate_body``: the client's body when the stream may be migrated mid-stream
-        (``--migration-limit``; :class:`pdserve.router.migration.StreamMigrator` relays it).
+        ``migrate``: the stream may be migrated mid-stream (``--migration-limit``;
+        :class:`pdserve.router.migration.StreamMigrator` relays it, as it does, without
+        migrating, a stream whose client has another leg's opening chunk:
+        :meth:`~pdserve.router.client_stream.ClientStream.continues`).
         """
         d_resp = answer.d_resp
         # opened already when the concurrent hand-off's decoder accepted (ClientStream)
         out = client.response(d_resp.headers.get("Content-Type", "text/event-stream"))
-        if migrate_body is not None:
+        if migrate or client.continues(d_resp):
             leg = Leg(answer.p_up, answer.p_params, answer.d_up, d_resp, answer.held, answer.timer,
                       answer.held_parsed)
-            return await self.migrator.relay(request, out, turn, leg, migrate_body, conv_id,
-                                             headers)
+            return await self.migrator.relay(request, out, turn, leg, body, conv_id, headers,
+                                             client.ledger, migrate)
         return await self.relay.relay(request, out, turn, answer.d_up, d_resp, answer.p_up,
                                       conv_id, headers, answer.held, answer.timer)
 

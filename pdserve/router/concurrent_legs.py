@@ -6,10 +6,11 @@ prefill legs in flight, :class:`~pdserve.router.handoff.PrefillRanks`) and D up 
 fresh ``transfer_id``, and sends the prefill leg (:mod:`pdserve.router.prefill_leg`, read in the
 background) and the decode leg with pending params (:func:`~pdserve.router.bodies.pending_decode_leg_body`)
 together. D's answer is what the client gets; before D's first token (a stream: its first
-event with output, :mod:`pdserve.router.first_token`; the chat opening chunk is held back until
-then) nothing of the body has reached the client (a stream's headers have, once a decoder
-accepted the leg: :mod:`pdserve.router.client_stream`), so a failure is retried as in the
-sequential flow (:mod:`pdserve.router.legs`), within the same ``--max-retries``:
+event with output, :mod:`pdserve.router.first_token`) nothing of the answer has reached the
+client but, for a stream, the headers and the chat opening chunks, sent as a decoder accepts the
+leg and as its opening comes (:mod:`pdserve.router.client_stream`: a later leg's opening is
+dropped, its chunks get the first leg's ``id``), so a failure is retried as in the sequential
+flow (:mod:`pdserve.router.legs`), within the same ``--max-retries``:
 
 * **P fails** (5xx, timeout, dropped connection, invalid answer) before D's first token -> the
   decode leg is closed (D aborts the request and frees its blocks), the retry is counted, and
@@ -32,27 +33,30 @@ in-flight counts. Requests that cannot go concurrently are served by :class:`~pd
 with this request's retry bookkeeping: a prefiller without KV endpoints (a vLLM engine, an
 older pdserve, ranks on other hosts, an engine asked again after a restart), a decoder that is
 not a pdserve ``kv_consumer`` (a vLLM one: it is left out of the concurrent legs' orders), and
-the decode-only fallback. Mid-stream migration
+the decode-only fallback; a stream whose client already has an opening chunk is read here up
+to its first token as the concurrent legs' are. Mid-stream migration
 (:mod:`pdserve.router.migration`) sends its resumed legs sequentially.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import json
 import logging
 import uuid
 from time import perf_counter
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import aiohttp
 
 from pdserve.utils import phase_trace
 from pdserve.router.bodies import concurrent_prefill_body, pending_decode_leg_body
+from pdserve.router.client_stream import ClientStream, LegOpening
 from pdserve.router.decode_guard import DecodeLegGuard
 from pdserve.router.errors import ProxyError
-from pdserve.router.first_token import FirstEvent, FirstEventKind, FirstTokenWatch
+from pdserve.router.first_token import FirstEvent, FirstEventKind
 from pdserve.router.handoff import HandoffTargets, PrefillRanks
 from pdserve.router.legs import DecodeAnswer, Route, TurnLegs
 from pdserve.router.metrics import ProxyMetrics
@@ -65,8 +69,6 @@ from pdserve.types.kv_endpoints import DATA_PARALLEL_RANK_HEADER
 logger = logging.getLogger("pdserve.router")
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode
-#: ``await on_accept(content_type)``: a decoder accepted a streamed decode leg.
-OnAccept = Callable[[str], Awaitable[None]]
 #: The ``param`` of a decoder's 400 that refuses the pending params themselves.
 _KV_PARAMS = "kv_transfer_params"
 
@@ -129,15 +131,15 @@ class ConcurrentLegs:
                   headers: dict[str, str], turn: Turn, stream: bool,
                   previous: tuple[str | None, str | None], token_ids: list[int] | None,
                   return_token_ids: bool = False,
-                  on_accept: OnAccept | None = None) -> DecodeAnswer:
+                  client: ClientStream | None = None) -> DecodeAnswer:
         """Serve the turn up to D's first token (:meth:`TurnLegs.run`'s contract).
 
         Args:
             p_body: the prefill leg's body (:func:`~pdserve.router.bodies.prefill_leg_body`;
                 each attempt adds its transfer id).
-            on_accept: a stream's ``await on_accept(content_type)`` when a decoder answers
-                the decode leg with a 200 stream, before its first token
-                (:class:`~pdserve.router.client_stream.ClientStream.open`); None: nothing.
+            client: a stream's response (its ledger set), opened when a decoder answers the
+                decode leg with a 200 stream, sent D's opening chunks as they come
+                (:mod:`pdserve.router.client_stream`); None for a non-streamed turn.
             (others): as :meth:`TurnLegs.run`.
 
         Raises:
@@ -150,20 +152,17 @@ class ConcurrentLegs:
             p_order = [u for u in self._route(self._prefillers, previous[0], token_ids, turn)
                        if u not in att.p_failed]
             ranks = self._ranks(p_order[0]) if p_order and concurrent else None
-            if ranks is None:
-                return await self._sequential.run(
-                    path, body, _encode(p_body).encode(), headers, turn, stream, previous,
-                    token_ids, return_token_ids, att, (p_order, None))
-            d_order = self._retries.decode_order(
+            d_order = None if ranks is None else self._retries.decode_order(
                 self._route(self._decoders, previous[1], token_ids, turn), att)
             if not d_order or not self._targets.concurrent_decoder(d_order[0]):
-                return await self._sequential.run(
+                answer = await self._sequential.run(
                     path, body, _encode(p_body).encode(), headers, turn, stream, previous,
                     token_ids, return_token_ids, att, (p_order, d_order))
+                return await self._continue(answer, client, headers, turn)
             d_order = [u for u in d_order if self._targets.concurrent_decoder(u)]
             outcome = await self._attempt(path, body, p_body, headers, turn, stream,
                                           return_token_ids, p_order[0], ranks, d_order, att,
-                                          on_accept)
+                                          client)
             if outcome is _Next.SEQUENTIAL:
                 concurrent = False
             elif isinstance(outcome, DecodeAnswer):
@@ -193,7 +192,7 @@ class ConcurrentLegs:
     async def _attempt(self, path: str, body: dict[str, Any], p_body: dict[str, Any],
                        headers: dict[str, str], turn: Turn, stream: bool, return_token_ids: bool,
                        p_up: Upstream, ranks: PrefillRanks, d_order: list[Upstream],
-                       att: Attempts, on_accept: OnAccept | None) -> DecodeAnswer | _Next:
+                       att: Attempts, client: ClientStream | None) -> DecodeAnswer | _Next:
         """Both legs with one transfer id, up to D's first token or a failure."""
         transfer_id = uuid.uuid4().hex
         rank = ranks.pick()
@@ -213,7 +212,7 @@ class ConcurrentLegs:
         self._background.add(p_task)  # P's answer may be read after the request's answer
         p_task.add_done_callback(self._background.discard)
         d_task = asyncio.get_running_loop().create_task(
-            self._decode_start(start, d_order, path, d_data, headers, turn, stream, on_accept))
+            self._decode_start(start, d_order, path, d_data, headers, turn, stream, client))
         try:
             while not d_task.done():
                 waits = {d_task} if prefill.done else {d_task, prefill.task}
@@ -232,6 +231,7 @@ class ConcurrentLegs:
             if prefill.failure is not None:  # D failed because P did
                 return self._prefill_failed(prefill, att, turn)
             prefill.abandon()  # D will not read P's blocks
+            # (an error no one instance caused, e.upstream None, is not retried)
             if self._retries.retry_decode(e, att, turn):
                 return _Next.RETRY
             raise
@@ -292,10 +292,10 @@ class ConcurrentLegs:
     # ------------------------------------------------------------------ decode leg
     async def _decode_start(self, start: _DecodeStart, order: list[Upstream], path: str,
                             data: bytes, headers: dict[str, str], turn: Turn,
-                            stream: bool, on_accept: OnAccept | None) -> None:
-        """Open the decode leg and read it up to D's first token (a 200 stream, announced to
-        ``on_accept`` first) or its whole body (into ``start``). Cancelled, or failing, it
-        closes the leg.
+                            stream: bool, client: ClientStream | None) -> None:
+        """Open the decode leg and read it up to D's first token (a 200 stream, which opens
+        ``client`` first) or its whole body (into ``start``). Cancelled, or failing, it closes
+        the leg.
 
         Raises:
             ProxyError: no decoder accepted a connection (503), or D failed (502/504).
@@ -305,22 +305,10 @@ class ConcurrentLegs:
         if not stream or resp.status != 200:
             start.raw = await self._client.read_body(up, resp, turn)
             return
-        watch = FirstTokenWatch()
-        start.parsed = watch.parsed
         t = perf_counter()
         try:
-            if on_accept is not None:
-                await on_accept(resp.headers.get("Content-Type", "text/event-stream"))
-            while start.first is None:
-                try:
-                    chunk = await resp.content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    raise self._client.failure(up, e) from e
-                if not chunk:
-                    raise self._client.invalid_response(up, "the stream ended before its first "
-                                                            "token")
-                start.held += chunk
-                start.first = watch.feed(chunk)
+            await client.open(resp.headers.get("Content-Type", "text/event-stream"))
+            await self._read_start(start, client)
         except BaseException:
             resp.close()  # D's server sees the disconnect and aborts the request
             self._client.leave(up)
@@ -330,6 +318,52 @@ class ConcurrentLegs:
         if start.first.kind is FirstEventKind.ERROR:  # not relayed: D's answer is an error
             resp.close()
             self._client.leave(up)
+
+    async def _read_start(self, start: _DecodeStart, client: ClientStream) -> None:
+        """Read ``start``'s 200 stream up to D's first token (``start.first``), its opening
+        chunks sent to ``client`` as they come (:class:`LegOpening`); the rest read is held.
+
+        Raises:
+            ProxyError: D failed (502/504), or tokenized the prompt otherwise than the leg whose
+                opening the client has (502).
+        """
+        up, resp = start.up, start.resp
+        reader = LegOpening(client, resp, up.url)
+        while start.first is None:
+            try:
+                chunk = await resp.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                raise self._client.failure(up, e) from e
+            if not chunk:
+                raise self._client.invalid_response(up, "the stream ended before its first token")
+            start.first = await reader.feed(chunk)
+        start.held, start.parsed = reader.held, reader.parsed
+
+    async def _continue(self, answer: DecodeAnswer, client: ClientStream | None,
+                        headers: dict[str, str], turn: Turn) -> DecodeAnswer:
+        """A stream served sequentially after an earlier leg's opening went out: read up to
+        D's first token as :meth:`_read_start` does (its own opening is dropped; an in-band
+        error is held for the relay). Other answers are returned as they are.
+
+        Raises:
+            ProxyError: D failed before its first token (not retried: its stream is the one
+                the client gets, as in the sequential flow), or tokenized the prompt otherwise.
+        """
+        if client is None or client.opener is None or answer.raw is not None:
+            return answer
+        start = _DecodeStart()
+        start.up, start.resp = answer.d_up, answer.d_resp
+        t = perf_counter()
+        try:
+            await self._read_start(start, client)
+        except BaseException:
+            answer.d_resp.close()  # D's server sees the disconnect and aborts the request
+            self._client.leave(answer.d_up)
+            self._guard.release(answer.p_up, answer.p_params, headers)
+            raise
+        finally:
+            turn.upstream_wait += perf_counter() - t
+        return dataclasses.replace(answer, held=start.held, held_parsed=start.parsed)
 
 
 def _param(raw: bytes | None) -> str | None:

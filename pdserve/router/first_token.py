@@ -4,7 +4,8 @@ end of the decode leg's ``pdserve:proxy_handoff_seconds``.
 A pdserve decoder answers a streamed request with its headers at once and, for chat, an opening
 chunk per choice (``delta: {"role": "assistant", "content": ""}``) before it has any token (its
 KV read from the prefiller may still fail). :class:`FirstTokenWatch` parses the events up to
-the first one that is not such an opening chunk; nothing after it is parsed.
+the first one that is not such an opening chunk (those before it go to the client as they come,
+:mod:`pdserve.router.client_stream`); nothing after it is parsed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Callable
 
-from pdserve.router.stream_ledger import SSEEvents
+from pdserve.router.stream_ledger import SSEEvents, sse_event
 
 
 class FirstEventKind(enum.Enum):
@@ -48,30 +49,54 @@ class FirstTokenWatch:
     Attributes:
         parsed: ``(payload, value)`` of every event it parsed as JSON, in stream order: a relay
             that parses the same events again takes these instead (the opening chunk carries
-            the prompt's token ids, whose parse would otherwise follow D's first token).
+            the prompt's token ids).
+        openings: ``(payload, value)`` of the opening chunks the last :meth:`feed` completed,
+            in stream order (the client gets them as they come:
+            :mod:`pdserve.router.client_stream`).
     """
 
-    __slots__ = ("_events", "parsed")
+    __slots__ = ("_events", "_rest", "parsed", "openings")
 
     def __init__(self) -> None:
         self._events = SSEEvents()
+        self._rest: list[bytes] = []
         self.parsed: list[tuple[bytes, Any]] = []
+        self.openings: list[tuple[bytes, Any]] = []
 
     def feed(self, chunk: bytes) -> FirstEvent | None:
         """The first event that is not an opening chunk, once ``chunk`` completes it; None
         while only opening chunks (or a partial event) came."""
-        for payload in self._events.feed(chunk):
-            if payload == b"[DONE]":
-                return FirstEvent(FirstEventKind.TOKEN)
-            try:
-                value = json.loads(payload)
-            except ValueError:
-                return FirstEvent(FirstEventKind.TOKEN)
-            self.parsed.append((payload, value))
-            event = _first_event(payload, value)
+        self.openings = []
+        payloads = self._events.feed(chunk)
+        for i, payload in enumerate(payloads):
+            event = self._event(payload)
             if event is not None:
+                self._rest = payloads[i:]
                 return event
         return None
+
+    @property
+    def comments(self) -> int:
+        """The comment-only blocks (keep-alives) the last :meth:`feed` completed."""
+        return self._events.comments
+
+    def rest(self) -> bytes:
+        """Once :meth:`feed` returned the first event: the stream read so far from that event
+        on (each complete event as one SSE event, then the start of the next one)."""
+        return b"".join(sse_event(p) for p in self._rest) + self._events.pending
+
+    def _event(self, payload: bytes) -> FirstEvent | None:
+        if payload == b"[DONE]":
+            return FirstEvent(FirstEventKind.TOKEN)
+        try:
+            value = json.loads(payload)
+        except ValueError:
+            return FirstEvent(FirstEventKind.TOKEN)
+        self.parsed.append((payload, value))
+        event = _first_event(payload, value)
+        if event is None:
+            self.openings.append((payload, value))
+        return event
 
 
 class DecodeTimer:

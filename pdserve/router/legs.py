@@ -64,8 +64,9 @@ class DecodeAnswer:
         d_resp: D's response (headers read).
         raw: D's whole body; None for a 200 stream (the caller relays it, then calls
             ``client.leave(d_up)``).
-        held: the start of a 200 stream the proxy already read from ``d_resp`` (the concurrent
-            hand-off reads up to D's first token before answering): the relay sends it first.
+        held: the start of a 200 stream the proxy already read from ``d_resp`` and did not
+            send (the concurrent hand-off reads up to D's first token before answering, sending
+            the opening chunks as they come): the relay sends it first.
         timer: a 200 stream's decode hand-off time still to observe: the relay feeds it the
             stream's chunks until D's first token.
         held_parsed: ``(payload, value)`` of the events in ``held`` already parsed as JSON

@@ -16,6 +16,11 @@ goes on forwarding, every chunk's ``id`` and ``created`` rewritten to the first 
 ``--migration-limit`` migrations per request; past it (or when no other decoder is left, or the
 request cannot be resumed identically: :func:`pdserve.types.resume.resume_refusal`) the client
 gets the error event as without migration. docs/proxy.md has the whole contract.
+
+The same relay, without migrating (a failure ends the stream with the error event), serves a
+stream whose client has an earlier leg's opening chunk: the concurrent hand-off retried before
+D's first token (:mod:`pdserve.router.client_stream`); the ledger gives its chunks that leg's
+``id`` and ``created`` as it does a resumed leg's.
 """
 
 from __future__ import annotations
@@ -106,7 +111,8 @@ class StreamMigrator:
             params)`` remembers a conversation's last turn (the last leg's instances and D's
             ``kv_transfer_params``), so that its next turn pulls from that decoder.
         metrics: ``pdserve:proxy_migrations_total`` is counted here.
-        limit: the most migrations per request (``--migration-limit``).
+        limit: the most migrations per request (``--migration-limit``; 0: none, the relay still
+            serves the streams that continue an earlier leg's opening chunk).
         stall_timeout: seconds without a byte after which a decode leg has failed.
     """
 
@@ -127,10 +133,12 @@ class StreamMigrator:
         self.stall_timeout = stall_timeout
 
     async def relay(self, request: web.Request, out: web.StreamResponse, turn: Turn, leg: Leg,
-                    body: dict[str, Any], conv_id: str | None,
-                    headers: dict[str, str]) -> web.StreamResponse:
-        """Answer ``request`` with ``out`` (not prepared yet): the stream of ``leg`` (D's
-        response headers read, status 200), migrated when it fails.
+                    body: dict[str, Any], conv_id: str | None, headers: dict[str, str],
+                    ledger: StreamLedger | None = None,
+                    migrate: bool = True) -> web.StreamResponse:
+        """Answer ``request`` with ``out`` (not prepared yet, or prepared with what ``ledger``
+        records): the stream of ``leg`` (D's response headers read, status 200), migrated when
+        it fails.
 
         In multi-turn mode each chunk's ``kv_transfer_params`` are recorded for ``conv_id``
         with the leg that sent them (released on D when there is no conversation) and forwarded
@@ -138,6 +146,11 @@ class StreamMigrator:
 
         Args:
             body: the client's checked body (the resumed legs' bodies are built from it).
+            ledger: what the client already has of the stream (the concurrent hand-off's
+                opening chunks, :mod:`pdserve.router.client_stream`); None: nothing.
+            migrate: False for a stream that may not be migrated, relayed here because an
+                earlier leg's opening went out (its chunks get that leg's ``id``): a failure
+                ends it with the error event, and no ``--stall-timeout`` applies.
 
         Returns:
             ``out``, ended; every leg's response released or closed (a closed one makes a live
@@ -160,7 +173,8 @@ class StreamMigrator:
             self._metrics.added_latency.observe(perf_counter() - turn.t0 - turn.upstream_wait)
             leg, completed = await self._relay(
                 out, turn, leg, body, request.path, headers,
-                on_kv_params if self._record_turn is not None else None)
+                on_kv_params if self._record_turn is not None else None,
+                ledger if ledger is not None else StreamLedger.for_request(body), migrate)
         except ConnectionResetError:
             turn.client_left()  # the open decode leg was closed
             return out
@@ -170,21 +184,21 @@ class StreamMigrator:
 
     async def _relay(self, out: web.StreamResponse, turn: Turn, leg: Leg, body: dict[str, Any],
                      path: str, headers: dict[str, str],
-                     on_kv_params: Callable[[Leg, dict[str, Any]], Awaitable[None]] | None
-                     ) -> tuple[Leg, bool]:
-        """Forward ``leg``'s stream to ``out`` (prepared), migrating it on failure; ends ``out``.
-        Returns the last leg and whether the stream ended normally (else with an error event).
-        ``on_kv_params``: called with the leg and a chunk's ``kv_transfer_params`` before the
-        chunk is forwarded with them set to null (without it they are forwarded as they are)."""
-        usage = body.get("stream_options")
-        ledger = StreamLedger(body.get("return_token_ids") is True,
-                              isinstance(usage, dict) and usage.get("include_usage") is True)
+                     on_kv_params: Callable[[Leg, dict[str, Any]], Awaitable[None]] | None,
+                     ledger: StreamLedger, migrate: bool) -> tuple[Leg, bool]:
+        """Forward ``leg``'s stream to ``out`` (prepared), migrating it on failure (when
+        ``migrate``); ends ``out``. Returns the last leg and whether the stream ended normally
+        (else with an error event). ``on_kv_params``: called with the leg and a chunk's
+        ``kv_transfer_params`` before the chunk is forwarded with them set to null (without it
+        they are forwarded as they are)."""
+        limit = self.limit if migrate else 0
+        stall = self.stall_timeout if migrate else None
         tried = {leg.d_up.url}
         migrations = 0
         open_leg: Leg | None = leg
         try:
             while True:
-                failed = await self._pump(out, turn, leg, ledger, on_kv_params)
+                failed = await self._pump(out, turn, leg, ledger, on_kv_params, stall)
                 if failed is None:
                     leg.d_resp.release()
                     open_leg = None
@@ -198,7 +212,7 @@ class StreamMigrator:
                     await out.write_eof(ledger.tail())
                     return leg, True
                 while True:
-                    refusal = self._refusal(ledger, migrations, tried)
+                    refusal = self._refusal(ledger, migrations, tried, limit)
                     if refusal is not None:
                         logger.warning("request %s: not migrated (%s): %s", turn.request_id,
                                        refusal, err.message)
@@ -209,7 +223,7 @@ class StreamMigrator:
                     self._metrics.count_migration(reason.value)
                     logger.warning("request %s: decode leg on %s failed (%s) after %d tokens; "
                                    "migration %d/%d", turn.request_id, leg.d_up.url, reason.value,
-                                   len(ledger.output_token_ids), migrations, self.limit)
+                                   len(ledger.output_token_ids), migrations, limit)
                     try:
                         leg = await self._open_legs(ledger.resumed_body(body), path, headers,
                                                     turn, tried)
@@ -235,9 +249,12 @@ class StreamMigrator:
                 open_leg.d_resp.close()
                 self._client.leave(open_leg.d_up)
 
-    def _refusal(self, ledger: StreamLedger, migrations: int, tried: set[str]) -> str | None:
-        if migrations >= self.limit:
-            return f"--migration-limit {self.limit} reached"
+    def _refusal(self, ledger: StreamLedger, migrations: int, tried: set[str],
+                 limit: int) -> str | None:
+        if limit == 0:
+            return "the request may not be migrated"
+        if migrations >= limit:
+            return f"--migration-limit {limit} reached"
         if not ledger.resumable():
             return "the decode instance did not return the prompt's token ids"
         if all(u.url in tried for u in self._decoders.upstreams):
@@ -252,10 +269,11 @@ class StreamMigrator:
         self._release(leg.p_up, leg.p_params, headers)
 
     async def _pump(self, out: web.StreamResponse, turn: Turn, leg: Leg, ledger: StreamLedger,
-                    on_kv_params: Callable[[Leg, dict[str, Any]], Awaitable[None]] | None
-                    ) -> tuple[MigrationReason, ProxyError] | None:
+                    on_kv_params: Callable[[Leg, dict[str, Any]], Awaitable[None]] | None,
+                    stall: float | None) -> tuple[MigrationReason, ProxyError] | None:
         """Forward one leg's events until its end (None) or its failure (why, and the error the
-        client gets if it is not migrated); ``turn.done_sent`` once ``[DONE]`` is written."""
+        client gets if it is not migrated); ``turn.done_sent`` once ``[DONE]`` is written.
+        ``stall``: seconds without a byte after which the leg has failed (None: no limit)."""
         content = leg.d_resp.content
         events = SSEEvents()
         up = leg.d_up
@@ -263,12 +281,18 @@ class StreamMigrator:
         parsed, leg.held_parsed = leg.held_parsed, []  # popped as their payloads come
         while True:
             try:
-                chunk = held or await asyncio.wait_for(content.readany(), self.stall_timeout)
-                held = b""
-            except asyncio.TimeoutError:
+                if held:
+                    chunk, held = held, b""
+                elif stall is None:
+                    chunk = await content.readany()
+                else:
+                    chunk = await asyncio.wait_for(content.readany(), stall)
+            except asyncio.TimeoutError as e:
+                if stall is None:  # the upstream client's own read timeout (--timeout)
+                    return MigrationReason.CONNECTION, self._client.failure(up, e)
                 self._metrics.count_error(up.url, up.leg)
                 return MigrationReason.STALL, ProxyError(
-                    504, f"decode instance {up.url} sent nothing for {self.stall_timeout:g} s",
+                    504, f"decode instance {up.url} sent nothing for {stall:g} s",
                     UPSTREAM_TIMEOUT)
             except aiohttp.ClientError as e:
                 return MigrationReason.CONNECTION, self._client.failure(up, e)

@@ -1,7 +1,8 @@
-"""What the client of a migratable stream has received (:class:`StreamLedger`), read from the
-decode legs' Server-Sent Events (:class:`SSEEvents`) as :mod:`pdserve.router.migration` relays
-them: the token ids, the response id, the finish, usage and ``[DONE]``; and the writing of one
-event (:func:`sse_event`: the proxy's in-band errors).
+"""What the client of a stream has received (:class:`StreamLedger`), read from the decode legs'
+Server-Sent Events (:class:`SSEEvents`) as the proxy relays them: the opening chunks before D's
+first token (:mod:`pdserve.router.client_stream`), then, in :mod:`pdserve.router.migration`, the
+token ids, the response id, the finish, usage and ``[DONE]``; and the writing of one event
+(:func:`sse_event`: the proxy's in-band errors).
 
 A decoder sends an SSE comment (``: keep-alive``) when a stream has had nothing to send for a
 while (:data:`pdserve.entrypoints.job_runner.KEEPALIVE_INTERVAL_S`): it is no event (no payload
@@ -54,10 +55,21 @@ class SSEEvents:
                 self.comments += 1
         return out
 
+    @property
+    def pending(self) -> bytes:
+        """The start of an event not complete yet (line ends as LF)."""
+        return self._buf
+
 
 class StreamLedger:
     """What the client of one stream has received: the prompt's and the output's token ids,
-    the response id, whether the choice finished, whether usage and ``[DONE]`` were sent.
+    the response id, the choices whose opening chunk went out, whether the choice finished,
+    whether usage and ``[DONE]`` were sent.
+
+    Every chunk after the first one forwarded gets that chunk's ``id`` and ``created`` (they
+    are per engine request: a chunk of a later decode leg of the turn, a retry before D's first
+    token or a migration, continues the first leg's response). ``model`` is the instances'
+    served name, the same on each.
 
     Args:
         client_wants_ids: the client sent ``return_token_ids: true`` (else those fields are
@@ -74,9 +86,17 @@ class StreamLedger:
         self.created: Any = None
         self.object_name: Any = None
         self.model: Any = None
+        self.opened: set[Any] = set()  # the choices (index) whose opening chunk went out
         self.finished = False  # the choice's finish_reason was forwarded
         self.usage_sent = False
         self.done = False  # [DONE] was forwarded
+
+    @classmethod
+    def for_request(cls, body: dict[str, Any]) -> StreamLedger:
+        """The ledger of a stream asked for with the (checked) client ``body``."""
+        usage = body.get("stream_options")
+        return cls(body.get("return_token_ids") is True,
+                   isinstance(usage, dict) and usage.get("include_usage") is True)
 
     def forward(self, event: dict[str, Any], raw: bytes | None = None) -> bytes | None:
         """The bytes to send the client for one chunk of a decode leg (None: nothing), after
@@ -85,21 +105,23 @@ class StreamLedger:
         if self.response_id is None:
             self.response_id, self.created = event.get("id"), event.get("created")
             self.object_name, self.model = event.get("object"), event.get("model")
-        else:  # a resumed leg's chunks continue the first leg's response
+        else:  # a later leg's chunks continue the first leg's response
             if "id" in event and event["id"] != self.response_id:
                 event["id"], raw = self.response_id, None
             if "created" in event and event["created"] != self.created:
                 event["created"], raw = self.created, None
-        if not self.client_wants_ids:  # the token id fields are stripped
-            raw = None
-        self._take_prompt_ids(event)
+        stripped = self._take_prompt_ids(event)
         choices = event.get("choices")
         only_tokens = bool(choices)
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
                 continue
-            self._take_prompt_ids(choice)
-            ids = choice.get("token_ids") if self.client_wants_ids else choice.pop("token_ids", None)
+            stripped = self._take_prompt_ids(choice) or stripped
+            if self.client_wants_ids:
+                ids = choice.get("token_ids")
+            else:  # the token id fields are stripped
+                stripped = stripped or "token_ids" in choice
+                ids = choice.pop("token_ids", None)
             if isinstance(ids, list):
                 self.output_token_ids.extend(ids)
             if choice.get("finish_reason") is not None:
@@ -109,13 +131,43 @@ class StreamLedger:
             self.usage_sent = True
         if only_tokens and not self.client_wants_ids:
             return None  # a chunk the client would not have got without return_token_ids
+        if stripped:
+            raw = None
         return b"data: " + (raw if raw is not None else _encode(event).encode()) + b"\n\n"
 
-    def _take_prompt_ids(self, obj: dict[str, Any]) -> None:
-        ids = obj.get("prompt_token_ids") if self.client_wants_ids else obj.pop(
-            "prompt_token_ids", None)
+    def opening(self, event: dict[str, Any], raw: bytes | None = None) -> bytes | None:
+        """The bytes to send the client for a decode leg's opening chunk (a chat stream's
+        role-only event before D's first token:
+        :attr:`pdserve.router.first_token.FirstTokenWatch.openings`): the event through
+        :meth:`forward`, with only the choices whose opening the client has not had; None when
+        it had each (the opening of a leg retried before D's first token).
+
+        Raises:
+            ValueError: the event's ``prompt_token_ids`` differ from those of the stream's first
+                opening chunk (this leg's instance tokenized the prompt otherwise).
+        """
+        ids = event.get("prompt_token_ids")
+        if isinstance(ids, list) and self.prompt_token_ids is not None \
+                and ids != self.prompt_token_ids:
+            raise ValueError(f"its prompt_token_ids ({len(ids)}) are not those of the opening "
+                             f"chunk the client has ({len(self.prompt_token_ids)})")
+        choices = event.get("choices")
+        new = [c for c in choices if c.get("index") not in self.opened]
+        if not new:
+            return None
+        if len(new) < len(choices):
+            event["choices"], raw = new, None
+        self.opened.update(c.get("index") for c in new)
+        return self.forward(event, raw)
+
+    def _take_prompt_ids(self, obj: dict[str, Any]) -> bool:
+        """Note ``obj``'s ``prompt_token_ids`` (stripped unless the client wants them); True
+        when they were stripped."""
+        stripped = not self.client_wants_ids and "prompt_token_ids" in obj
+        ids = obj.pop("prompt_token_ids") if stripped else obj.get("prompt_token_ids")
         if isinstance(ids, list) and self.prompt_token_ids is None:
             self.prompt_token_ids = ids
+        return stripped
 
     def resumable(self) -> bool:
         """Whether the decode leg said which prompt ids it computed (needed to resume)."""

@@ -54,8 +54,7 @@ class ScriptedWorker(KVConnectorWorkerSide):
         out = KVConnectorOutput()
         out.finished_recving = set(meta.get("recv", {}).get(rank, ()))
         out.finished_sending = set(meta.get("send", {}).get(rank, ()))
-        out.first_tokens = {request_id: tok + rank for request_id, tok in meta.get("first", {}).items()
-                            if request_id in out.finished_recving}
+        out.first_tokens = {request_id: tok + rank for request_id, tok in meta.get("first", {}).items()}
         invalid = meta.get("invalid", {}).get(rank, ())
         if invalid:
             out.invalid_block_ids = set(invalid)

@@ -164,15 +164,23 @@ class KVConnectorOutput:
         finished_recving: request ids whose KV load completed (successfully or not).
         invalid_block_ids: block ids whose load failed; the scheduler applies
             ``kv_load_failure_policy`` to the requests holding them.
-        first_tokens: request_id -> the first output token the remote prefiller sampled, for loads
-            in ``finished_recving`` that brought the whole prompt and whose token the connector
-            vouches for (the scheduler appends it instead of recomputing the last prompt token;
-            a whole-prompt load without an entry recomputes that token).
+        first_tokens: request_id -> the first output token the remote prefiller sampled, for
+            loads of the whole prompt whose token the connector vouches for (the owner's answer
+            to the lease claim). Reported once, as soon as it is known: usually before the load
+            is in ``finished_recving`` (the token does not depend on the local KV, so the
+            scheduler appends it at once, while the blocks are still being read, instead of
+            recomputing the last prompt token; a whole-prompt load without an entry recomputes
+            that token).
         remote_clock_offsets: remote ``time.time()`` minus local ``time.time()`` (seconds) per
             remote endpoint key ``(engine_id, host, port)``, measured at new handshakes (for the
             connector's scheduler side; not sent to the front end).
         load_errors: request_id -> why its load failed (for the error message), for the failed
             loads among ``finished_recving``.
+        partial_loads: request_id -> how many of its load's blocks (counted from the load's
+            first block) hold the KV, for the loads among ``finished_recving`` that brought
+            fewer blocks than planned (the owner holds only the leading ones now: a decoder's
+            restored turn lease). Not a failure: the scheduler marks the tokens of those blocks
+            computed and computes the rest; the load's other blocks stay the request's.
         stats: connector statistics for the front end's metrics (JSON-serialisable).
         demoted_turns: a decoder's turn leases that gave up their GPU blocks (the scheduler
             frees them into the prefix cache; the lease lives on until its TTL).
@@ -185,7 +193,8 @@ class KVConnectorOutput:
 
     At TP > 1 each rank reports its own turn leases; the executor merges them
     (:mod:`pdserve.executor.kv_merge`): a turn is demoted or restored once every rank said so,
-    kept once every rank answered and one refused, failed as soon as one rank failed.
+    kept once every rank answered and one refused, failed as soon as one rank failed. A partial
+    load is merged as the fewest blocks any rank loaded.
     """
 
     finished_sending: set[str] = field(default_factory=set)
@@ -194,6 +203,7 @@ class KVConnectorOutput:
     first_tokens: dict[str, int] = field(default_factory=dict)
     remote_clock_offsets: dict[tuple[str, str, int], float] = field(default_factory=dict)
     load_errors: dict[str, KVLoadError] = field(default_factory=dict)
+    partial_loads: dict[str, int] = field(default_factory=dict)
     stats: dict[str, Any] | None = None
     demoted_turns: set[str] = field(default_factory=set)
     kept_turns: set[str] = field(default_factory=set)

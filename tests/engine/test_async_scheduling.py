@@ -5,6 +5,8 @@ its blocks are neither reused nor leaked; P/D first tokens behave as in synchron
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.engine_fakes import (
     EOS,
     FakeRemote,
@@ -153,5 +155,30 @@ def test_decoder_emits_the_prefillers_first_token_then_decodes():
     first_d = steps_with(runner, "d")[0]
     assert first_d.num_computed_tokens == len(p) and first_d.token_ids == [expected[0]]
     assert res["local"].tokens == reference_generate([5, 6, 7, 8], 12)
+    drain(core)
+    assert_all_free(core)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4])
+def test_decoder_emits_the_prefillers_first_token_while_its_kv_still_loads(max_tokens):
+    """The first token comes from the lease claim's answer, not from the local KV: it goes out
+    in the step that reports it, while the blocks are still read; a token that finishes the
+    request waits for the load (a finished request's blocks must have landed before anyone
+    may be offered them)."""
+    p = list(range(60, 71))
+    expected = reference_generate(p, max_tokens)
+    remote = FakeRemote(load_delay_steps=3, first_tokens={"d": expected[0]})
+    core, runner = make_core(remote=remote)
+    add(core, "d", p, kv_transfer_params=REMOTE, max_tokens=max_tokens)
+    res: dict = {}
+    loaded_when_first = None
+    for _ in range(50):
+        collect(res, core.step()[0])
+        if loaded_when_first is None and "d" in res and res["d"].tokens:
+            loaded_when_first = any("d" in o.finished_recving for o in remote.outputs_seen)
+        if "d" in res and res["d"].finish_reason is not None:
+            break
+    assert res["d"].tokens == expected and res["d"].num_transferred_tokens == len(p)
+    assert loaded_when_first is (max_tokens == 1)
     drain(core)
     assert_all_free(core)

@@ -151,6 +151,37 @@ def test_invalid_blocks_recompute_policy_gives_correct_tokens(bad_index):
     assert_all_free(core)
 
 
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+@pytest.mark.parametrize("held", [1, 2])
+def test_a_partial_load_computes_the_rest_and_is_no_failure(policy, held):
+    """The owner held only the load's first ``held`` blocks (``partial_loads``; the others got
+    garbage): the request computes from the block after them, in the blocks it holds, whatever
+    the failure policy; no failure is counted and the loaded blocks enter the prefix cache."""
+    remote = FakeRemote(load_delay_steps=1, partial={"d": held})
+    core, runner = make_core(remote=remote, kv_load_failure_policy=policy)
+    shared = list(range(50, 54))  # one full block of P's own
+    add(core, "warm", shared + [1], max_tokens=1)
+    run_until_done(core)
+    p = shared + list(range(400, 411))  # the load: blocks 1, 2 (full) and 3 (3 tokens)
+    add(core, "d", p, kv_transfer_params=REMOTE, max_tokens=5)
+    res = run_until_done(core)
+    assert res["d"].tokens == reference_generate(p, 5) and res["d"].finish_reason == "length"
+    first = next(s for st in runner.steps for s in st.scheduled if s.request_id == "d")
+    assert first.num_computed_tokens == 4 * (1 + held)  # P's block and the loaded ones
+    allocated = next(blocks for rid, blocks, _ in remote.alloc_calls if rid == "d")
+    assert first.block_ids[:len(allocated)] == allocated  # computed in the blocks it holds
+    assert res["d"].num_cached_tokens == 4 and res["d"].num_transferred_tokens == 4 * held
+    st = core.stats()
+    assert st["num_kv_load_failures_total"] == 0 and st["num_kv_partial_loads_total"] == 1
+    assert st["prompt_tokens_transferred_total"] == 4 * held
+    # the loaded blocks are in the prefix cache, with the right KV
+    add(core, "again", p, max_tokens=5)
+    res = run_until_done(core, res)
+    assert res["again"].tokens == reference_generate(p, 5)
+    assert res["again"].num_cached_tokens >= 4 * (1 + held)
+    assert_all_free(core)
+
+
 def test_delay_free_keeps_blocks_until_finished_sending():
     remote = FakeRemote()
     core, _ = make_core(remote=remote, enable_prefix_caching=False)

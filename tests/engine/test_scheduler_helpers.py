@@ -164,12 +164,35 @@ def test_remote_kv_a_finished_load_is_a_loaded_result_for_the_owner():
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
-def test_remote_kv_a_whole_prompt_load_carries_the_prefillers_first_token():
+def test_remote_kv_a_whole_prompt_loads_first_token_is_ready_before_the_load_ends():
     _, remote_kv, req = parked(StubConnector(external=8), prompt_len=8)
-    kv_out = KVConnectorOutput(finished_recving={"d"}, first_tokens={"d": 42})
-    result = remote_kv.load_finished("d", kv_out)
+    # reported at the lease claim, the load still in flight: the caller appends it at once
+    early = KVConnectorOutput(first_tokens={"d": 42})
+    assert remote_kv.first_tokens_ready(early, lambda r, t: False) == [(req, 42)]
+    req.output_token_ids.append(42)  # what the scheduler's append_token does
+    assert remote_kv.first_tokens_ready(early, lambda r, t: False) == []  # never twice
+    result = remote_kv.load_finished("d", KVConnectorOutput(finished_recving={"d"}))
+    assert result.outcome is LoadOutcome.LOADED and result.first_token is None
+    assert req.num_computed_tokens == 8  # the whole prompt; the token's KV is the next step's
+
+
+def test_remote_kv_a_first_token_that_finishes_the_request_waits_for_the_load():
+    _, remote_kv, req = parked(StubConnector(external=8), prompt_len=8)
+    early = KVConnectorOutput(first_tokens={"d": 42})
+    assert remote_kv.first_tokens_ready(early, lambda r, t: t == 42) == []
+    result = remote_kv.load_finished("d", KVConnectorOutput(finished_recving={"d"}))
     assert result.outcome is LoadOutcome.LOADED and result.first_token == 42
     assert req.num_computed_tokens == 8 and req.output_token_ids == []
+
+
+def test_remote_kv_no_early_first_token_for_a_partial_or_failed_load():
+    _, remote_kv, req = parked(StubConnector(external=8), prompt_len=11)  # 3 tokens to compute
+    assert remote_kv.first_tokens_ready(KVConnectorOutput(first_tokens={"d": 42}),
+                                        lambda r, t: False) == []
+    _, remote_kv, req = parked(StubConnector(external=8), prompt_len=8)
+    bad = KVConnectorOutput(first_tokens={"d": 42}, invalid_block_ids={req.block_ids[0]})
+    remote_kv.update_connector_output(bad, set(bad.invalid_block_ids))
+    assert remote_kv.first_tokens_ready(bad, lambda r, t: False) == []
 
 
 def test_remote_kv_a_failed_load_fails_or_recomputes_by_policy():

@@ -13,10 +13,11 @@ def test_a_request_is_done_once_every_rank_reported_it():
     m = KVOutputMerger(3)
     out = m.merge([KVConnectorOutput(finished_recving={"a"}, first_tokens={"a": 5}),
                    KVConnectorOutput(finished_recving={"a"}, first_tokens={"a": 6}), None])
-    assert out.finished_recving == set() and out.first_tokens == {} and m.num_pending == 1
+    # the first token is known from the lease claim: rank 0's goes out in the step it came
+    assert out.finished_recving == set() and out.first_tokens == {"a": 5} and m.num_pending == 1
     out = m.merge([None, None, KVConnectorOutput(finished_recving={"a"},
                                                  finished_sending={"s"})])
-    assert out.finished_recving == {"a"} and out.first_tokens == {"a": 5}  # rank 0's token
+    assert out.finished_recving == {"a"} and out.first_tokens == {}
     assert out.finished_sending == set() and m.num_pending == 1
     with pytest.raises(ValueError):
         m.merge([None, None])
@@ -33,6 +34,21 @@ def test_a_failure_on_any_rank_fails_the_load():
                    KVConnectorOutput()])
     assert out.finished_recving == {"b"} and out.load_errors == {"b": err}
     assert out.invalid_block_ids == {6}
+
+
+def test_a_partial_load_counts_the_fewest_blocks_any_rank_loaded():
+    m = KVOutputMerger(3)
+    out = m.merge([KVConnectorOutput(finished_recving={"p"}, partial_loads={"p": 3}),
+                   KVConnectorOutput(finished_recving={"p"}, partial_loads={"p": 2}),
+                   KVConnectorOutput()])
+    assert out.finished_recving == set() and out.partial_loads == {}  # not every rank yet
+    out = m.merge([None, None, KVConnectorOutput(finished_recving={"p", "q"})])
+    assert out.finished_recving == {"p"} and out.partial_loads == {"p": 2}
+    assert not out.invalid_block_ids and m.num_pending == 1
+    # a rank that loaded all its blocks says nothing: the others' count stands
+    out = m.merge([KVConnectorOutput(finished_recving={"q"}, partial_loads={"q": 1}),
+                   KVConnectorOutput(finished_recving={"q"}), None])
+    assert out.finished_recving == {"q"} and out.partial_loads == {"q": 1}
 
 
 def test_clock_offsets_from_rank0_and_stats_summed():

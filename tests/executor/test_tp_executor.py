@@ -48,13 +48,15 @@ def test_connector_per_rank_registered_polled_and_merged(tiny_llama_path):
         assert [tuple(g) for g in ex.connector_worker.rank0.gathered] == gathered
         assert ex.kv_cache_spec.num_kv_heads == 1 and ex.kv_cache_spec.total_num_kv_heads == 2
         # an empty step polls both ranks; rank 0 alone finishing "a" is not enough
+        # (the first token, known from the lease claim, is rank 0's and goes out at once)
         out = _step(ex, {"recv": {0: ["a"]}, "first": {"a": 7}, "send": {1: ["s"]}})
         assert out.finished_recving == set() and out.finished_sending == set()
+        assert out.first_tokens == {"a": 7}
         assert out.stats["polls"] == 2
         assert out.stats["gathered"] == [list(g) for g in gathered] * 2
-        # rank 1 reports "a" a step later: now it is done, with rank 0's first token
+        # rank 1 reports "a" a step later: now it is done
         out = _step(ex, {"recv": {1: ["a"]}, "send": {0: ["s"]}})
-        assert out.finished_recving == {"a"} and out.first_tokens == {"a": 7}
+        assert out.finished_recving == {"a"} and out.first_tokens == {}
         assert out.finished_sending == {"s"}
         # a failure on rank 1 only fails the load
         out = _step(ex, {"recv": {0: ["b"], 1: ["b"]}, "invalid": {1: [3]}})

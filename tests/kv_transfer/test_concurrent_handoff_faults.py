@@ -4,7 +4,9 @@ that dies in the middle of a hand-off costs the client nothing it already had an
 - **P killed while D waits**: P is frozen (SIGSTOP, with its engine core) before the request, so
   the decode leg reaches D, whose pending claim waits at P's side channel; then P is killed. The
   proxy closes the decode leg (D aborts the pending request and frees its blocks) and, with no
-  prefiller left, D serves the request alone: the client's answer equals one instance's.
+  prefiller left, D serves the request alone: the client's answer equals one instance's. A
+  chat stream's client has D's opening chunk before P is killed; it gets no second one, and
+  every chunk of D's second request carries the first one's id and created.
 - **D killed while P holds the KV for it**: D is frozen before the request, so P prefills and
   holds the prompt's blocks under the transfer id for a reader that never comes; then D is
   killed. The proxy releases P's blocks at once (well before P's lease) and answers the client
@@ -17,8 +19,10 @@ The client leaving before P has prefilled is
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import signal
+import threading
 
 import httpx
 import pytest
@@ -114,6 +118,43 @@ def test_prefiller_killed_while_the_decoder_waits(deployment):
         p.kill()
         response = answer.result(timeout=120)
     assert completion_text(response, stream=True) == expected
+    assert proxy_counter(proxy, FALLBACK) == fallbacks + 1  # D served it alone
+    d.wait_all_blocks_free(timeout_s=10)
+
+
+@pytest.mark.parametrize("deployment", ["p"], indirect=True)
+def test_prefiller_killed_after_the_chat_streams_opening_chunk(deployment):
+    p, d, proxy = deployment["p"], deployment["d"], deployment["proxy"]
+    req = {"model": deployment["model"], "max_tokens": 6, "temperature": 0,
+           "messages": [{"role": "user", "content": "Name a river, then " + "a bridge " * 20}]}
+    expected = deployment["single"].client.post(
+        "/v1/chat/completions", json=req).json()["choices"][0]["message"]["content"]
+    fallbacks = proxy_counter(proxy, FALLBACK)
+    opened = threading.Event()
+
+    def read_stream() -> list[dict]:
+        events = []
+        with proxy.client.stream("POST", "/v1/chat/completions",
+                                 json=dict(req, stream=True)) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[len("data: "):]))
+                    opened.set()
+        return events
+
+    signal_family(p, signal.SIGSTOP)
+    with cf.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(read_stream)
+        # D's opening chunk reaches the client while D waits at P's frozen side channel
+        assert opened.wait(60) and not answer.done()
+        p.kill()
+        events = answer.result(timeout=120)
+    assert not any("error" in e for e in events), events
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                   if e["choices"]) == expected
+    assert sum("role" in e["choices"][0]["delta"] for e in events if e["choices"]) == 1
+    assert len({e["id"] for e in events}) == 1 and len({e["created"] for e in events}) == 1
     assert proxy_counter(proxy, FALLBACK) == fallbacks + 1  # D served it alone
     d.wait_all_blocks_free(timeout_s=10)
 

@@ -232,3 +232,33 @@ def test_a_pulls_load_reads_with_its_granted_early_claim_and_claims_again_when_r
     tracker.progress(time.monotonic())
     tracker.progress(time.monotonic())
     assert not remote.direct.copies and "p1" in out.load_errors and not notices
+
+
+def test_a_decoders_load_reports_the_owners_first_token_before_posting_its_read():
+    """The claim's answer brings P's first token: it is reported at once, and the READ is posted
+    only once the report carrying it was taken (the token goes out first)."""
+    ref = RemoteKVRef(EP, "p-req", [100, 101], num_tokens=32)
+    client = AnsweringClient([{"ok": True, "lease_expiry_in": 30.0, "first_token_id": 77}])
+    tracker, out, remote, _ = _tracker(client)
+    tracker.add("d1", RecvSpec("d1", ref, [7, 8], [100, 101], 32, digest_tokens=32,
+                               token_digest="d", starts_with_first_token=True))
+    tracker.progress(time.monotonic())
+    assert out.first_tokens == {"d1": 77} and not remote.direct.copies
+    assert tracker.next_poll_in() == 0.0  # the next step posts it
+    tracker.progress(time.monotonic())
+    assert not remote.direct.copies  # the report was not taken yet
+    tracker.report_taken()
+    tracker.progress(time.monotonic())
+    assert remote.direct.copies == [([7, 8], [100, 101])] and out.finished_recving == {"d1"}
+
+    # aborted while it waits: nothing is read, the owner is told
+    client = AnsweringClient([{"ok": True, "lease_expiry_in": 30.0, "first_token_id": 77}])
+    tracker, out, remote, notices = _tracker(client)
+    tracker.add("d1", RecvSpec("d1", ref, [7, 8], [100, 101], 32, digest_tokens=32,
+                               token_digest="d", starts_with_first_token=True))
+    tracker.progress(time.monotonic())
+    tracker.abort("d1")
+    tracker.report_taken()
+    tracker.progress(time.monotonic())
+    assert not remote.direct.copies and out.finished_recving == {"d1"}
+    assert [n.kind for n in notices] == ["abort"]

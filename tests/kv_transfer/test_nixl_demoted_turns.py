@@ -97,3 +97,23 @@ def test_a_demoted_turn_whose_blocks_are_lost_is_refused_and_the_lease_ends(pair
     assert acc["load_errors"]["pull-gone"] == "LEASE_REFUSED"
     assert float(sum(b.abs().sum() for b in reader.blocks([14, 15]))) == 0.0  # nothing read
     owner.step_until(lambda a: "gone" in a["finished_sending"], timeout_s=10)
+
+
+def test_a_turn_restored_into_fewer_blocks_is_read_as_a_partial_load(pair):
+    """Only the turn's first block came back: the pull READs it into its first block, leaves
+    its second unread and reports a partial load of one block, not a failure."""
+    owner, reader = pair
+    demoted_turn(owner, "half", [16, 17, 18])
+    pull(reader, owner, "pull-half", "half", [16, 17, 18], [20, 21])
+    wait_restore_wanted(owner, reader, "half")
+    owner.bind(NixlConnectorMetadata(restored_turns={"half": [9]}))
+    acc = reader.step_until(lambda a: "pull-half" in a["finished_recving"])
+    assert acc["partial_loads"] == {"pull-half": 1}
+    assert not acc["invalid_block_ids"] and not acc["load_errors"], acc
+    assert sum(s["num_failed_transfers"] for s in acc["stats"]) == 0
+    assert sum(s["num_partial_transfers"] for s in acc["stats"]) == 1
+    first, second = reader.blocks([20, 21])
+    assert torch.equal(first, block_pattern(9, first.numel()))
+    assert float(second.abs().sum()) == 0.0  # not read: the reader computes it
+    # the "done" names the blocks the owner holds: the lease ends
+    owner.step_until(lambda a: "half" in a["finished_sending"], timeout_s=10)

@@ -1,7 +1,8 @@
-"""The concurrent hand-off sends a stream's headers when the decoder accepts the decode leg,
-its body only from D's first token on (pdserve/router/client_stream.py, docs/proxy.md): the
-client has the headers while D still waits for P's KV; a failure after that is retried unseen,
-and a turn that cannot be served then ends in the stream with an error event."""
+"""The concurrent hand-off sends a stream's headers when the decoder accepts the decode leg and
+D's opening chunk as it comes, the rest of its body from D's first token on
+(pdserve/router/client_stream.py, docs/proxy.md): the client has both while D still waits for
+P's KV; a turn that cannot be served then ends in the stream with an error event. Retries after
+the opening chunk went out: tests/router/test_router_opening_retry.py."""
 
 import asyncio
 import json
@@ -13,6 +14,11 @@ from tests.support.router_fakes import sse, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
 OPENING = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+#: A chat stream's opening chunk when ``return_token_ids`` is asked for: the prompt's ids.
+OPENING_IDS = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+               "prompt_token_ids": list(range(4096)),
+               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None, "token_ids": []}]}
 
 
 async def concurrent_cluster(make_cluster, **kwargs):
@@ -21,38 +27,43 @@ async def concurrent_cluster(make_cluster, **kwargs):
     return c
 
 
-async def test_headers_reach_the_client_before_the_first_token(make_cluster):
+async def test_headers_and_the_opening_chunk_reach_the_client_before_the_first_token(
+        make_cluster):
     c = await concurrent_cluster(make_cluster)
     go = asyncio.Event()
+    opening = sse(OPENING_IDS)
 
     async def waits_for_the_kv(inst, request, rec):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await resp.write(sse(OPENING))
+        await resp.write(opening)
         await go.wait()  # D's read of P's KV
-        await resp.write(sse({"choices": [{"index": 0, "delta": {"content": "hi"}}]}))
+        await resp.write(sse({"id": "chatcmpl-1", "choices": [
+            {"index": 0, "delta": {"content": "hi"}, "token_ids": [5]}]}))
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
     c.decoders[0].handler = waits_for_the_kv
     # the headers come while D still waits (without them: a timeout here)
-    r = await asyncio.wait_for(c.session.post(c.url + "/v1/chat/completions", json=CHAT,
+    r = await asyncio.wait_for(c.session.post(c.url + "/v1/chat/completions",
+                                              json=dict(CHAT, return_token_ids=True),
                                               headers={"X-Request-Id": "early"}), 5)
     async with r:
         assert r.status == 200 and not go.is_set()
         assert r.headers["Content-Type"] == "text/event-stream"
         assert r.headers["X-Request-Id"] == "early"
-        try:  # nothing of the body before D's first token (the opening chunk is held)
-            early = await asyncio.wait_for(r.content.readany(), 0.2)
-        except asyncio.TimeoutError:
-            early = None
-        assert early is None
+        # so does D's opening chunk, with the prompt's ids, as D sent it (held until D's
+        # first token: a timeout here)
+        early = b""
+        while len(early) < len(opening):
+            early += await asyncio.wait_for(r.content.readany(), 2)
+        assert early == opening and not go.is_set()
         go.set()
-        raw = await r.read()
+        raw = early + await r.read()
     events = [json.loads(line[6:]) for line in raw.decode().split("\n\n")
               if line.startswith("data: {")]
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert events[1]["choices"][0]["delta"] == {"content": "hi"}
+    assert events[0] == OPENING_IDS
+    assert events[1]["choices"][0]["delta"] == {"content": "hi"} and len(events) == 2
     assert raw.endswith(b"data: [DONE]\n\n")
 
 
@@ -71,9 +82,10 @@ async def test_a_failure_after_the_headers_ends_the_stream_with_an_error_event(m
     status, _, raw = await c.post("/v1/chat/completions", CHAT)
     assert status == 200  # the headers went out when D accepted the leg
     chunks = raw.split(b"\n\n")
-    assert chunks[0].startswith(b"data: {\"error\"") and b"engine exploded" in chunks[0]
-    assert json.loads(chunks[0][6:])["error"]["code"] == 500
-    assert raw.endswith(b"data: [DONE]\n\n") and b"assistant" not in raw  # no held chunk
+    assert chunks[0] == sse(OPENING)[:-2]  # sent as it came
+    assert chunks[1].startswith(b"data: {\"error\"") and b"engine exploded" in chunks[1]
+    assert json.loads(chunks[1][6:])["error"]["code"] == 500
+    assert raw.endswith(b"data: [DONE]\n\n") and raw.count(b"assistant") == 1
     metrics = c.proxy.proxy.metrics
     await wait_until(lambda: metrics.requests.labels(endpoint="chat_completions",
                                                      status="500")._value.get() == 1)
@@ -119,7 +131,8 @@ async def test_an_indented_upstream_error_becomes_one_event(make_cluster):
     finally:
         go.set()
     assert status == 200
-    event, done = raw.split(b"\n\n")[:2]
+    opening, event, done = raw.split(b"\n\n")[:3]
+    assert opening == sse(OPENING)[:-2]
     assert event.count(b"\n") == 0 and done == b"data: [DONE]"
     error = json.loads(event[len(b"data: "):])["error"]
     assert error["message"] == "prompt too long\nfor this prefiller" and error["code"] == 400

@@ -200,8 +200,13 @@ class FakeRemote:
         release: request ids whose held blocks the "decoder" has read; reported in
             finished_sending on the next poll.
         load_error: the reason reported with a poisoned load (``load_errors``), or None.
-        first_tokens: request id -> the "prefiller's" first token, reported with its finished
-            load (``KVConnectorOutput.first_tokens``).
+        first_tokens: request id -> the "prefiller's" first token, reported in the step its load
+            is posted, before the load finishes (``KVConnectorOutput.first_tokens``), as the
+            NIXL connector reports it from the lease claim's answer.
+        partial: request id -> how many leading blocks of its load the "owner" still holds: the
+            blocks after them get garbage KV (not reported invalid) and the load is reported in
+            ``KVConnectorOutput.partial_loads``, so only a scheduler that computes their tokens
+            gets the right tokens.
     """
 
     load_delay_steps: int = 2
@@ -209,6 +214,7 @@ class FakeRemote:
     load_error: KVLoadError | None = None
     release: set[str] = field(default_factory=set)
     first_tokens: dict[str, int] = field(default_factory=dict)
+    partial: dict[str, int] = field(default_factory=dict)
     added: list[str] = field(default_factory=list)
     finished_calls: list[tuple[str, list[int]]] = field(default_factory=list)
     released_kept: list[str] = field(default_factory=list)
@@ -273,6 +279,7 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
         self.block_size = 0
         self._meta: Any = None
         self._in_flight: dict[str, list] = {}  # request_id -> [steps_left, invalid blocks]
+        self._first: dict[str, int] = {}  # first tokens of loads posted since the last report
 
     def register_kv_cache(self, kv_cache, spec):
         self.kv = kv_cache
@@ -284,25 +291,32 @@ class FakeConnectorWorker(KVConnectorWorkerSide):
     def start_load_kv(self):
         for load in (self._meta or {}).get("loads", []):
             bad: set[int] = set()
+            held = self.remote.partial.get(load.request_id)
             for pos in range(load.start, load.start + load.num_tokens):
                 block = load.block_ids[pos // self.block_size]
                 slot = block * self.block_size + pos % self.block_size
                 if pos // self.block_size in self.remote.poison.get(load.request_id, ()):
                     self.kv[slot] = (pos, -7)  # garbage KV
                     bad.add(block)
+                elif held is not None and \
+                        pos // self.block_size - load.start // self.block_size >= held:
+                    self.kv[slot] = (pos, -8)  # not loaded: garbage unless computed
                 else:
                     self.kv[slot] = (pos, load.tokens[pos])
             self._in_flight[load.request_id] = [self.remote.load_delay_steps, bad]
+            if load.request_id in self.remote.first_tokens:
+                self._first[load.request_id] = self.remote.first_tokens[load.request_id]
 
     def get_finished(self, finished_request_ids):
         out = KVConnectorOutput()
+        out.first_tokens, self._first = self._first, {}
         for rid in list(self._in_flight):
             entry = self._in_flight[rid]
             entry[0] -= 1
             if entry[0] <= 0 or rid in finished_request_ids:
                 out.finished_recving.add(rid)
-                if rid in self.remote.first_tokens:
-                    out.first_tokens[rid] = self.remote.first_tokens[rid]
+                if rid in self.remote.partial:
+                    out.partial_loads[rid] = self.remote.partial[rid]
                 out.invalid_block_ids |= entry[1]
                 if entry[1] and self.remote.load_error is not None:
                     out.load_errors[rid] = self.remote.load_error

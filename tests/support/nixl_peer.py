@@ -135,6 +135,7 @@ def _serve(address: str, authkey: bytes, spec: dict[str, Any]) -> None:
                 "failed_turns": sorted(out.failed_turns),
                 "load_errors": {r: e.reason.name for r, e in out.load_errors.items()},
                 "load_error_details": {r: e.detail for r, e in out.load_errors.items()},
+                "partial_loads": dict(out.partial_loads),
                 "stats": out.stats,
                 "pending": worker.has_pending_work(),
                 "num_leases": len(worker.leases),
@@ -237,6 +238,7 @@ class PeerProcess:
                         "first_tokens"):
                 acc[key].update(out[key])
             acc.setdefault("load_errors", {}).update(out.get("load_errors", {}))
+            acc.setdefault("partial_loads", {}).update(out.get("partial_loads", {}))
             if out["stats"]:
                 acc["stats"].append(out["stats"])
             acc["last"] = out

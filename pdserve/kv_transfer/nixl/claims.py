@@ -30,7 +30,6 @@ from typing import Any, Callable
 
 from pdserve.utils import phase_trace
 from pdserve.types.kv_transfer_config import KVTransferConfig
-from pdserve.kv_transfer.nixl.claim_answer import is_token
 from pdserve.kv_transfer.nixl.metadata import PullClaim, RecvSpec
 from pdserve.kv_transfer.nixl.reads import Load
 from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
@@ -140,21 +139,6 @@ class Claims:
         """Forget the early claims older than :data:`STALE_S` (``now``: ``time.monotonic()``)."""
         for request_id in [r for r, s in self._early.items() if now - s.t_sent > STALE_S]:
             self.drop(request_id)
-
-
-def first_token_error(spec: RecvSpec, reply: dict[str, Any]) -> tuple[str, bool] | None:
-    """Why a load whose request starts with the owner's first token cannot take it from its
-    granted claim's answer ``reply``: ``(reason, whether to tell the owner "abort")``, or None
-    when it can (``reply["first_token_id"]``). A first token the client relayed must be the
-    owner's: otherwise the relayed params are not the owner's own, and the lease is left to the
-    honest reader (no abort notice; it ends by that read or its expiry)."""
-    owner_first = reply.get("first_token_id")
-    if spec.first_token is not None and owner_first != spec.first_token:
-        return (f"the first token relayed by the client ({spec.first_token}) is not the "
-                f"prefiller's ({owner_first})", False)
-    if not is_token(owner_first):
-        return "the prefiller's claim answer names no first token", True
-    return None
 
 
 def _named(message: dict[str, Any], reader: str | None) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pdserve.kv_transfer.nixl.agent import block_runs
+from pdserve.utils import phase_trace
 
 # Same device: up to this many runs of consecutive blocks are copied run by run (no temporary
 # memory); beyond, blocks are gathered and scattered (index_select / index_copy_) in chunks of
@@ -225,6 +226,7 @@ class DirectPeer:
         nbytes = len(local_ids) * self.block_bytes
         with torch.inference_mode():
             plan = plan_copy(self.local, self.remote, local_ids, remote_ids)
+        phase_trace.mark("kv.copy_planned")
         if self._stream is None:
             with torch.inference_mode():
                 ops = issue_copy(self.local, self.remote, plan)
@@ -236,7 +238,9 @@ class DirectPeer:
         # inference mode like the opened tensor and the engine's own KV writes
         with torch.inference_mode(), torch.cuda.stream(self._stream):
             start.record()
+            phase_trace.mark("kv.copy_issue")
             ops = issue_copy(self.local, self.remote, plan)
+            phase_trace.mark("kv.copy_issued")
             end.record()
         for index in (plan.dst_idx, plan.src_idx):
             if index is not None:

@@ -6,6 +6,12 @@ Load life cycle::
     handshake (once per remote engine, cached) -> claim (per request, checks and extends the
     owner's lease) -> READ posted (notification "done" rides on it) -> polled until DONE/ERR
 
+A claim answered with the owner's first token (a decoder's load of a whole prompt) reports the
+token at once and waits in ``granted`` until the report that carries it was taken
+(:meth:`LoadTracker.report_taken`): the READ is posted in the next step, after the token went
+out, so that posting it (up to about a millisecond of host work for a long prompt) does not
+delay the first token.
+
 Any failure ends the load with the request id in ``finished_recving``, its destination blocks in
 ``invalid_block_ids`` and its :class:`~pdserve.types.outputs.KVLoadError` in ``load_errors``;
 the owner is told to drop its lease ("abort") when it can be reached.
@@ -29,7 +35,10 @@ holds the prompt's blocks (up to ``kv_prefill_wait_timeout``); the answer's requ
 block ids complete the reference, and the load goes on as any other. A load aborted while its
 pending claim waits tells the owner by transfer id.
 A claim of a decoder's demoted turn lease is answered with the blocks holding it again
-(``block_ids``): the reference is resolved to them as a pending one is.
+(``block_ids``): the reference is resolved to them as a pending one is; when the owner holds only
+the turn's leading blocks, the load reads those and the scheduler computes the rest (a *partial
+load*, ``KVConnectorOutput.partial_loads``, counted apart from the failures). What an answer
+means for the load is :mod:`.granted_claims`.
 
 Restarted peers: a claim answered by another ``instance_id`` than the handshaken one (the owner
 restarted, with the same engine id or on the same host and port) drops the cached agent and
@@ -52,9 +61,10 @@ from pdserve.types.outputs import KVLoadError, KVLoadFailure
 from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.nixl import host_buffer
 from pdserve.kv_transfer.nixl.agent import NixlAgent
+from pdserve.kv_transfer.nixl.granted_claims import (Refusal, blocks_refusal, grant_refusal,
+                                                    resolve)
 from pdserve.kv_transfer.nixl.metadata import RecvSpec, RemoteNotice
-from pdserve.kv_transfer.nixl.claim_answer import is_token
-from pdserve.kv_transfer.nixl.claims import Claims, first_token_error
+from pdserve.kv_transfer.nixl.claims import Claims
 from pdserve.types.remote_ref import RemoteEndpoint
 from pdserve.kv_transfer.nixl.reads import Load, LoadPhase, post_reads, read_time
 from pdserve.kv_transfer.nixl.remotes import HandshakeFailure, RemoteRegistry
@@ -130,11 +140,12 @@ class LoadTracker:
             load.aborted = True
 
     def next_poll_in(self) -> float | None:
-        """0 while a READ was posted less than :data:`XFER_SPIN_S` ago, else
-        :data:`XFER_POLL_INTERVAL_S`; None without a READ in flight."""
+        """0 while a READ waits to be posted or was posted less than :data:`XFER_SPIN_S` ago,
+        else :data:`XFER_POLL_INTERVAL_S`; None without a READ in flight or to post."""
         waits = [0.0 if time.perf_counter() - load.t_post < XFER_SPIN_S else XFER_POLL_INTERVAL_S
                  for load in self._loads.values()
                  if load.phase in (LoadPhase.XFER, LoadPhase.UNSTAGE)]
+        waits += [0.0 for load in self._loads.values() if load.phase is LoadPhase.GRANTED]
         return min(waits, default=None)
 
     # ----------------------------------------------------------------------------- progress
@@ -197,69 +208,46 @@ class LoadTracker:
                     continue
                 if not spec.remote.pending and isinstance(reply.get("block_ids"), list):
                     reply = dict(reply, request_id=spec.remote.request_id)  # a restored turn
-                if (spec.remote.pending or "block_ids" in reply) and \
-                        not self._resolve(request_id, spec, reply):
+                if (spec.remote.pending or "block_ids" in reply) and (
+                        self._refused(request_id, resolve(load, reply))
+                        # the remote's agent is loaded: _remote_restarted sent it back otherwise
+                        or not self._blocks_fit(request_id, spec,
+                                                self.remotes.get(spec.remote.endpoint))):
                     continue
                 phase_trace.mark("kv.claim_ok")
                 load.claim_s = time.perf_counter() - load.t_claim
-                left = float(reply.get("lease_expiry_in") or 0.0)
-                if spec.min_lease_left_s > 0 and left < spec.min_lease_left_s:
-                    self._fail(
-                        request_id, KVLoadFailure.LEASE_REFUSED,
-                        f"the remote frees the blocks in {left:.1f} s, less than the "
-                        f"{spec.min_lease_left_s:g} s a read may need", notify_remote=True)
+                if self._refused(request_id, grant_refusal(load, reply)):
                     continue
-                if spec.starts_with_first_token or spec.first_token is not None:
-                    # the request starts with the owner's token, never with the relayed one
-                    bad = first_token_error(spec, reply)
-                    if bad is not None:
-                        reason, notify = bad
-                        self._fail(request_id, KVLoadFailure.INVALID_REFERENCE, reason,
-                                   notify_remote=notify)
-                        continue
-                    load.first_token = reply["first_token_id"]
+                if load.first_token is not None:
+                    # known now and independent of the local KV: the scheduler emits it while
+                    # the blocks are read (KVConnectorOutput.first_tokens); posted after it
+                    self._output().first_tokens[request_id] = load.first_token
+                    load.phase = LoadPhase.GRANTED
+            if load.phase is LoadPhase.GRANTED and not load.token_out:
+                continue
+            if load.phase in (LoadPhase.CLAIM, LoadPhase.GRANTED):
                 if load.aborted:
                     self._drop_aborted(request_id, load)
                     continue
                 self._post(request_id, load, now)
 
+    def report_taken(self) -> None:
+        """The worker's report of this step was taken: the first tokens it carries are on
+        their way out, so the loads that waited for that may post their READs."""
+        for load in self._loads.values():
+            if load.phase is LoadPhase.GRANTED:
+                load.token_out = True
+
     def _blocks_fit(self, request_id: str, spec: RecvSpec, remote: Any) -> bool:
         """True when the remote blocks read exist on the remote and pair with the local ones;
         else the load fails."""
-        bad = [b for b in spec.remote_read_block_ids if b >= remote.agent.num_blocks]
-        if bad or len(spec.local_block_ids) != len(spec.remote_read_block_ids):
-            self._fail(
-                request_id, KVLoadFailure.INVALID_REFERENCE,
-                f"remote block ids {bad[:8]} out of range (engine "
-                f"{spec.remote.endpoint.engine_id} has {remote.agent.num_blocks} blocks)"
-                if bad else "local/remote block counts differ",
-                notify_remote=True,
-            )
-            return False
-        return True
+        return not self._refused(request_id, blocks_refusal(spec, remote.agent.num_blocks))
 
-    def _resolve(self, request_id: str, spec: RecvSpec, reply: dict[str, Any]) -> bool:
-        """Complete a reference from its granted claim (a pending one: the owner's request id
-        and block ids; a decoder's restored turn: the blocks that hold it now, maybe fewer than
-        advertised when only its leading blocks came back); False when the answer cannot be
-        read from (the load failed: a pull is recomputed)."""
-        owner_request, block_ids = reply.get("request_id"), reply.get("block_ids")
-        if not isinstance(owner_request, str) or not owner_request or \
-                not isinstance(block_ids, list) or not all(is_token(b) for b in block_ids):
-            self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
-                       "the owner's claim answer names no request and blocks",
-                       notify_remote=True)
-            return False
-        spec.remote = spec.remote.resolved(owner_request, block_ids)
-        first = spec.remote_first_block
-        spec.remote_read_block_ids = list(block_ids[first:first + len(spec.local_block_ids)])
-        if len(spec.remote_read_block_ids) != len(spec.local_block_ids):
-            self._fail(request_id, KVLoadFailure.INVALID_REFERENCE,
-                       f"the owner holds {len(block_ids)} blocks now; the prompt needs "
-                       f"{first + len(spec.local_block_ids)}", notify_remote=True)
-            return False
-        # the remote's agent is loaded: _remote_restarted sent the load back otherwise
-        return self._blocks_fit(request_id, spec, self.remotes.get(spec.remote.endpoint))
+    def _refused(self, request_id: str, refusal: Refusal | None) -> bool:
+        """Fail the load with ``refusal`` when there is one; True then."""
+        if refusal is not None:
+            self._fail(request_id, *refusal)
+        return refusal is not None
 
     def _back_to_handshake(self, load: Load) -> None:
         load.phase, load.claim = LoadPhase.HANDSHAKE, None
@@ -388,8 +376,9 @@ class LoadTracker:
         del self._loads[request_id]
         out = self._output()
         out.finished_recving.add(request_id)
-        if load.first_token is not None:
-            out.first_tokens[request_id] = load.first_token
+        if load.unread:  # the owner held only the leading blocks: the scheduler computes the rest
+            out.partial_loads[request_id] = len(spec.local_block_ids)
+            self._stats.current.num_partial_transfers += 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "NIXL: request %s loaded %d blocks in %.2f ms: handshake wait %.2f ms, claim "
@@ -419,7 +408,7 @@ class LoadTracker:
         out = self._output()
         out.finished_recving.add(request_id)
         if not load.aborted:  # an aborted request's blocks are simply freed
-            out.invalid_block_ids.update(spec.local_block_ids)
+            out.invalid_block_ids.update(spec.local_block_ids, load.unread)
             out.load_errors[request_id] = KVLoadError(kind, reason)
         if notify_remote and spec.remote is not None:
             self._notify(RemoteNotice(spec.remote, "abort", reader_request=request_id))
@@ -439,3 +428,4 @@ class LoadTracker:
             for handle in load.handles:
                 (load.mover or self.agent).release(handle)
         self._loads.clear()
+

@@ -19,6 +19,7 @@ class LoadPhase(enum.Enum):
 
     HANDSHAKE = "handshake"  # waiting for the remote's handshake
     CLAIM = "claim"  # the lease claim was sent
+    GRANTED = "granted"  # granted with the owner's first token: posted once that token is out
     XFER = "xfer"  # the READs (or the direct copy) are posted
     UNSTAGE = "unstage"  # host-buffer mode: the mirror -> GPU copy after the READ
 
@@ -43,10 +44,14 @@ class Load:
     aborted: bool = False
     rehandshakes: int = 0  # times the remote turned out to have restarted
     first_token: int | None = None  # the owner's first output token, from the claim answer
+    token_out: bool = False  # GRANTED: the report carrying first_token was taken (post now)
     nbytes: int = 0  # bytes the READs move
     ndesc: int = 0  # their descriptors
     read_ranks: tuple[int, ...] = ()  # owner ranks read (their "done" rides on the READ)
     reader: str | None = None  # the reader id its claim and notices name (readers.py)
+    # a partial load (granted_claims.py): the local blocks planned but not read, since the
+    # owner holds only the leading ones now (the scheduler computes their tokens)
+    unread: list[int] = field(default_factory=list)
 
 
 def post_reads(agent: NixlAgent, load: Load, remote: RemoteState) -> list[str]:

@@ -4,11 +4,12 @@ periodic ``KV Transfer metrics: ...`` log line.
 The delta dict (``KVConnectorOutput.stats``) has exactly these keys::
 
     {"xfer_time_s": [float], "post_time_s": [float], "bytes": [int], "num_descriptors": [int],
-     "num_failed_transfers": int, "num_failed_notifications": int, "num_kv_expired_reqs": int,
-     "num_kv_turns_expired": int, "num_kv_leases_released_early": int, "handoff_s": [float]}
+     "num_failed_transfers": int, "num_partial_transfers": int, "num_failed_notifications": int,
+     "num_kv_expired_reqs": int, "num_kv_turns_expired": int, "num_kv_leases_released_early": int,
+     "handoff_s": [float]}
 
-one list entry per successful transfer (``handoff_s``: per prompt lease read, on the owner's TP
-rank 0); the server turns them into the ``pdserve:nixl_*`` histograms and counters and the
+one list entry per successful transfer (a partial one too; ``handoff_s``: per prompt lease read,
+on the owner's TP rank 0); the server turns them into the ``pdserve:nixl_*`` histograms and counters and the
 ``pdserve:kv_handoff_seconds`` histogram.
 """
 
@@ -48,6 +49,9 @@ class TransferStats:
         num_descriptors: per successful transfer, descriptors after merging runs of blocks.
         num_failed_transfers: transfers that failed (error, timeout, failed handshake or lease
             claim, invalid block ids).
+        num_partial_transfers: successful transfers that read only the leading blocks of their
+            load because the owner held no more (a decoder's restored turn; the reader computes
+            the rest): not failures.
         num_failed_notifications: control notifications that could not be sent.
         num_kv_expired_reqs: leases that ended without a read (blocks freed by expiry).
         num_kv_turns_expired: among those, a decoder's multi-turn blocks that no prefiller
@@ -67,6 +71,7 @@ class TransferStats:
     bytes: list[int] = field(default_factory=list)
     num_descriptors: list[int] = field(default_factory=list)
     num_failed_transfers: int = 0
+    num_partial_transfers: int = 0
     num_failed_notifications: int = 0
     num_kv_expired_reqs: int = 0
     num_kv_turns_expired: int = 0
@@ -87,6 +92,7 @@ class TransferStats:
         self.bytes += other.bytes
         self.num_descriptors += other.num_descriptors
         self.num_failed_transfers += other.num_failed_transfers
+        self.num_partial_transfers += other.num_partial_transfers
         self.num_failed_notifications += other.num_failed_notifications
         self.num_kv_expired_reqs += other.num_kv_expired_reqs
         self.num_kv_turns_expired += other.num_kv_turns_expired
@@ -107,6 +113,7 @@ class TransferStats:
             "bytes": list(self.bytes),
             "num_descriptors": list(self.num_descriptors),
             "num_failed_transfers": self.num_failed_transfers,
+            "num_partial_transfers": self.num_partial_transfers,
             "num_failed_notifications": self.num_failed_notifications,
             "num_kv_expired_reqs": self.num_kv_expired_reqs,
             "num_kv_turns_expired": self.num_kv_turns_expired,

@@ -285,6 +285,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self._finish_handshakes()
         self.notices.flush()
         out, self._out = self._out, KVConnectorOutput()
+        self.loads.report_taken()
         out.stats = self.stats.take_delta()
         paths = self.paths.take_delta()
         if paths:  # each peer's read path, for the front end's /metrics
