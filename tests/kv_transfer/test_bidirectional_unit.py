@@ -19,6 +19,7 @@ from pdserve.kv_transfer.nixl.prefix_match import matched_prefix_tokens
 from pdserve.types.block_hash import BlockHashError, encode_block_hashes, parse_block_hashes
 from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
 from pdserve.types.kv_params import KVTransferParams
+from pdserve.types.remote_ref import PackedTokens
 
 B = 16
 NOW = 1_000_000.0
@@ -210,7 +211,7 @@ def test_lease_claim_checks_the_readers_tokens():
 
     table = LeaseTable()
     tokens = list(range(100, 140))
-    table.add("r", [3, 4, 5], 30.0, token_ids=tokens)
+    table.add("r", [3, 4, 5], 30.0, tokens=PackedTokens.of(tokens))
     assert table.claim("r", [3, 4, 5], 40, token_digest(tokens))[0] is ClaimStatus.OK
     assert table.claim("r", [3, 4, 5], 17, token_digest(tokens[:17]))[0] is ClaimStatus.OK
     other = tokens[:16] + [7] + tokens[17:]
@@ -230,7 +231,7 @@ def test_a_demoted_turn_lease_waits_then_answers_the_blocks_it_was_restored_into
     tokens = list(range(10))
     digest = token_digest(tokens[:8])
     leases = LeaseTable()
-    leases.add("t", [3, 4, 5], 60.0, renewable=False, token_ids=tokens)
+    leases.add("t", [3, 4, 5], 60.0, renewable=False, tokens=PackedTokens.of(tokens))
     assert not leases.demote("unknown")
     assert leases.demote("t") and not leases.demote("t")
     # foreign tokens are refused as ever; the right ones wait (reported once) while demoted

@@ -17,6 +17,7 @@ from pdserve.types.request import Request, RequestStatus
 from pdserve.types.sampling_params import SamplingParams
 from pdserve.types.engine_config import EngineConfig
 from pdserve.kv_transfer.factory import create_connector
+from pdserve.types.remote_ref import PackedTokens
 
 B = 4
 TOKENS = list(range(100, 100 + 2 * B + 1))
@@ -121,7 +122,7 @@ def test_a_pending_claim_waits_then_learns_the_lease_and_a_closed_one_is_refused
     table = LeaseTable()
     digest = token_digest(TOKENS)
     assert table.claim_transfer("t1", len(TOKENS), digest).status is ClaimStatus.WAIT
-    table.add("p1", [5, 6, 7], 30.0, token_ids=TOKENS, first_token=77, transfer_id="t1")
+    table.add("p1", [5, 6, 7], 30.0, tokens=PackedTokens.of(TOKENS), first_token=77, transfer_id="t1")
     answer = table.claim_transfer("t1", len(TOKENS), digest)
     assert (answer.status, answer.request_id, answer.block_ids, answer.first_token) == \
         (ClaimStatus.OK, "p1", [5, 6, 7], 77)
@@ -153,3 +154,17 @@ def test_a_read_prompt_lease_records_its_hand_off_time():
     assert held.take_finished() == {"p4"}
     (handoff,) = stats.take_delta()["handoff_s"]
     assert 0.0 <= handoff < 5.0
+
+
+def test_packed_tokens_digest_every_prefix_as_older_instances_do():
+    """A lease's packed tokens answer a claim of any prefix with the digest a reader computes,
+    the same bytes as the wire form older pdserve instances hash (struct-packed int64)."""
+    import hashlib
+    import struct
+
+    ids = [0, 1, 2**40, 151_000] + list(range(100))
+    packed = PackedTokens.of(ids)
+    assert len(packed) == len(ids)
+    for n in (0, 1, 4, len(ids)):
+        assert packed.digest(n) == token_digest(ids[:n])
+    assert token_digest(ids) == hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()

@@ -15,6 +15,7 @@ import torch
 
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
 from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef, token_digest
+from pdserve.types.remote_ref import PackedTokens
 from tests.support.nixl_peer import PeerProcess, block_pattern
 from tests.support.ports import free_port
 
@@ -49,7 +50,7 @@ def pair():
 def demoted_turn(owner: PeerProcess, request_id: str, block_ids: list[int]) -> None:
     """Hold a turn's blocks under a TTL lease, then demote it (as D under pressure)."""
     owner.bind(NixlConnectorMetadata(reqs_to_send={request_id: SendSpec(
-        request_id, block_ids, 30.0, renew_on_heartbeat=False, token_ids=list(TOKENS))}))
+        request_id, block_ids, 30.0, renew_on_heartbeat=False, tokens=PackedTokens.of(list(TOKENS)))}))
     owner.bind(NixlConnectorMetadata(demote_turns={request_id}))
     assert owner.step()["demoted_turns"] == [request_id]
 

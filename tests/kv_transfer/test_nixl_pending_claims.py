@@ -14,6 +14,7 @@ import torch
 
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
 from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef, token_digest
+from pdserve.types.remote_ref import PackedTokens
 from tests.support.nixl_peer import PeerProcess, block_pattern
 from tests.support.ports import free_port
 
@@ -63,7 +64,7 @@ def pending_load(d_req: str, ref: RemoteKVRef, local: list[int], tokens: list[in
 def hold(p: PeerProcess, request_id: str, block_ids: list[int], transfer_id: str,
          first_token: int = 42) -> None:
     p.bind(NixlConnectorMetadata(reqs_to_send={request_id: SendSpec(
-        request_id, block_ids, 30.0, token_ids=list(TOKENS), first_token=first_token,
+        request_id, block_ids, 30.0, tokens=PackedTokens.of(list(TOKENS)), first_token=first_token,
         transfer_id=transfer_id)}))
 
 

@@ -12,6 +12,7 @@ from pdserve.types.sampling_params import SamplingParams
 from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.kv_transfer.factory import create_connector
 from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
+from pdserve.types.remote_ref import token_digest
 
 B = 4
 
@@ -100,6 +101,19 @@ def test_producer_returns_its_prompt_ids_when_the_params_carry_the_prompt_digest
     plain = request("r2", 2 * B + 1, {"do_remote_decode": True})
     plain.status = RequestStatus.FINISHED_LENGTH
     assert prompt_handoff.KEY not in s.request_finished(plain, [1, 2, 4])[1]
+    # a concurrent hand-off's prefill leg: its decoder tokenized the prompt while P prefilled
+    concurrent = Request("r3", list(range(100, 100 + 2 * B + 1)), SamplingParams(),
+                         kv_transfer_params=KVTransferParams.parse(
+                             {"do_remote_decode": True, "transfer_id": "t-1"}
+                         ).with_prompt_digest(digest))
+    concurrent.status = RequestStatus.FINISHED_LENGTH
+    _, params = s.request_finished(concurrent, [5, 6, 8])
+    assert prompt_handoff.KEY not in params and params["remote_block_ids"] == [[5, 6, 8]]
+    # the lease's tokens, packed once: a claim's digest of any prefix is the reader's
+    sent = s.build_connector_meta(None).reqs_to_send["r3"]
+    assert sent.tokens.digest(len(concurrent.prompt_token_ids)) == \
+        token_digest(concurrent.prompt_token_ids)
+    assert sent.tokens.digest(B) == token_digest(concurrent.prompt_token_ids[:B])
 
 
 def test_producer_hands_the_proxys_early_release_to_the_worker(env):

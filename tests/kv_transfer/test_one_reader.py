@@ -23,6 +23,7 @@ from pdserve.kv_transfer.nixl.side_channel import SideChannelServer, side_channe
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.types.kv_transfer_config import KVTransferConfig
 from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef, token_digest
+from pdserve.types.remote_ref import PackedTokens
 from tests.kv_transfer.test_nixl_worker_parts import FakeAgent, FakeRemotes, ImmediatePool
 from tests.support.ports import free_port
 
@@ -39,7 +40,7 @@ EP = RemoteEndpoint("p", "127.0.0.1", 5600)
 
 def held_lease(transfer_id: str | None = None) -> LeaseTable:
     table = LeaseTable()
-    table.add("p1", BLOCKS, 30.0, now=0.0, token_ids=TOKENS, first_token=77,
+    table.add("p1", BLOCKS, 30.0, now=0.0, tokens=PackedTokens.of(TOKENS), first_token=77,
               transfer_id=transfer_id)
     return table
 
@@ -72,7 +73,7 @@ def test_the_tp_ranks_of_one_reader_share_the_lease_and_only_their_notices_end_i
     "done" (the owner's rank 0 expects 2); another reader's "done" or "abort", by notification
     or side channel, leaves the bound lease alone."""
     held = HeldBlocks(LeaseTable(), StatsRecorder(0.0))
-    held.send("p1", SendSpec("p1", BLOCKS, 30.0, token_ids=TOKENS, first_token=77), now=0.0)
+    held.send("p1", SendSpec("p1", BLOCKS, 30.0, tokens=PackedTokens.of(TOKENS), first_token=77), now=0.0)
     for _rank in range(2):
         assert claim(held.leases, A)[0] is ClaimStatus.OK
     held.apply(Notice("done", "p1", 2, BLOCKS, B))
@@ -116,7 +117,7 @@ def test_a_second_readers_pending_claim_is_refused_and_learns_no_blocks():
     table = LeaseTable()
     assert table.claim_transfer("t1", len(TOKENS), DIGEST, reader=A).status is \
         ClaimStatus.WAIT
-    table.add("p1", BLOCKS, 30.0, token_ids=TOKENS, first_token=77, transfer_id="t1")
+    table.add("p1", BLOCKS, 30.0, tokens=PackedTokens.of(TOKENS), first_token=77, transfer_id="t1")
     first = table.claim_transfer("t1", len(TOKENS), DIGEST, reader=A)
     assert (first.status, first.request_id, first.block_ids) == (ClaimStatus.OK, "p1", BLOCKS)
     second = table.claim_transfer("t1", len(TOKENS), DIGEST, reader=B)

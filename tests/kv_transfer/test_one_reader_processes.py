@@ -20,6 +20,7 @@ from pdserve.kv_transfer.nixl.metadata import (
 )
 from pdserve.kv_transfer.nixl.side_channel import side_channel_request
 from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef, token_digest
+from pdserve.types.remote_ref import PackedTokens
 from tests.support.nixl_peer import PeerProcess, block_pattern
 from tests.support.ports import free_port
 
@@ -63,7 +64,7 @@ def ref_to(p: PeerProcess, request_id: str = "", block_ids: list[int] | None = N
 def hold(p: PeerProcess, request_id: str, block_ids: list[int],
          transfer_id: str | None = None) -> None:
     p.bind(NixlConnectorMetadata(reqs_to_send={request_id: SendSpec(
-        request_id, block_ids, 30.0, token_ids=list(TOKENS), first_token=42,
+        request_id, block_ids, 30.0, tokens=PackedTokens.of(list(TOKENS)), first_token=42,
         transfer_id=transfer_id)}))
     assert request_id not in p.step()["finished_sending"]
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.types.block_hash import block_hashes
 from pdserve.kv_transfer.nixl.metadata import SendSpec
-from pdserve.types.remote_ref import RemoteKVRef
+from pdserve.types.remote_ref import PackedTokens, RemoteKVRef
 from pdserve.kv_transfer.nixl.prefix_match import matched_prefix_tokens, seconds_left, tokens_to_pull
 from pdserve.types.block_hash import encode_block_hashes
 from pdserve.types.kv_params import KVRole, KVTransferParams, decoder_turn_params
@@ -173,7 +173,7 @@ def decoder_hold_blocks(
     tokens = request.token_ids(0, num_tokens)
     hashes = block_hashes(tokens, block_size)
     spec = SendSpec(request_id=request.request_id, block_ids=held, lease_duration=ttl_s,
-                    renew_on_heartbeat=False, token_ids=tokens)
+                    renew_on_heartbeat=False, tokens=PackedTokens.of(tokens))
     params = decoder_turn_params(engine_id, held, num_tokens, encode_block_hashes(hashes),
                                  now + ttl_s, host, port, request.request_id, tp_size)
     return spec, params

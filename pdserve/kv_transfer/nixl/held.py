@@ -99,7 +99,7 @@ class HeldBlocks:
 
     def _start_lease(self, request_id: str, send: Any, now: float) -> None:
         early = self.leases.add(request_id, send.block_ids, send.lease_duration,
-                                send.renew_on_heartbeat, now, send.token_ids, send.first_token,
+                                send.renew_on_heartbeat, now, send.tokens, send.first_token,
                                 send.transfer_id)
         if early is not None and self.leases.close(request_id, f"{early} before lease"):
             self._finished.add(request_id)

@@ -34,7 +34,7 @@ from typing import Any
 from pdserve.kv_transfer.nixl.claim_answer import ClaimAnswer, ClaimStatus
 from pdserve.kv_transfer.nixl.readers import LEASED_TO_ANOTHER, admits, is_reader
 from pdserve.kv_transfer.nixl.turn_leases import LeaseBlocks, TurnLeaseMoves
-from pdserve.types.remote_ref import token_digest
+from pdserve.types.remote_ref import PackedTokens
 
 __all__ = ["ClaimAnswer", "ClaimStatus", "Lease", "LeaseBlocks", "LeaseTable"]
 
@@ -51,9 +51,9 @@ class Lease:
         duration_s: lease length in seconds.
         expiry: ``time.monotonic()`` deadline.
         renewable: heartbeats and claims extend the lease.
-        token_ids: the tokens whose KV the blocks hold (None: claims are not checked against
-            them).
-        first_token: the first output token sampled after ``token_ids`` (a prefiller's),
+        tokens: the tokens whose KV the blocks hold, packed (None: claims are not checked
+            against them).
+        first_token: the first output token sampled after ``tokens`` (a prefiller's),
             given to a reader whose claim matches; None when there is none.
     """
 
@@ -61,7 +61,7 @@ class Lease:
     duration_s: float
     expiry: float
     renewable: bool = True
-    token_ids: list[int] | None = None
+    tokens: PackedTokens | None = None
     first_token: int | None = None
     dones: int = 0  # "done" notices received so far
     claimed_at: float | None = None  # ``time.monotonic()`` of the last granted claim
@@ -101,9 +101,9 @@ class LeaseTable(TurnLeaseMoves):
             return request_id in self._leases
 
     def add(self, request_id: str, block_ids: list[int], duration_s: float, renewable: bool = True,
-            now: float | None = None, token_ids: list[int] | None = None,
+            now: float | None = None, tokens: PackedTokens | None = None,
             first_token: int | None = None, transfer_id: str | None = None) -> str | None:
-        """Start a lease (``token_ids``, ``first_token``, ``transfer_id``: see :class:`Lease`).
+        """Start a lease (``tokens``, ``first_token``, ``transfer_id``: see :class:`Lease`).
 
         Returns:
             The kind of a notice (``"done"``/``"abort"``) that arrived before the lease; the
@@ -112,7 +112,7 @@ class LeaseTable(TurnLeaseMoves):
         now = time.monotonic() if now is None else now
         with self._lock:
             self._leases[request_id] = Lease(list(block_ids), duration_s, now + duration_s, renewable,
-                                         None if token_ids is None else list(token_ids),
+                                         tokens,
                                          first_token, transfer_id=transfer_id)
             self._closed.pop(request_id, None)
             if transfer_id is not None:
@@ -267,10 +267,10 @@ class LeaseTable(TurnLeaseMoves):
                     f"blocks held for request {request_id!r}",
                     0.0,
                 )
-            if lease.token_ids is not None:
+            if lease.tokens is not None:
                 ok = (isinstance(num_tokens, int) and not isinstance(num_tokens, bool)
-                      and 0 < num_tokens <= len(lease.token_ids) and isinstance(digest, str)
-                      and digest == token_digest(lease.token_ids[:num_tokens]))
+                      and 0 < num_tokens <= len(lease.tokens) and isinstance(digest, str)
+                      and digest == lease.tokens.digest(num_tokens))
                 if not ok:
                     return (ClaimStatus.REJECT, f"the reader's tokens differ from those whose KV "
                             f"request {request_id!r} holds", 0.0)

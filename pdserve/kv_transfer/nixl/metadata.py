@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
+from pdserve.types.remote_ref import PackedTokens, RemoteEndpoint, RemoteKVRef
 
 
 @dataclass
@@ -64,7 +64,7 @@ class SendSpec:
         block_ids: the blocks held, in token order.
         lease_duration: seconds to hold them without a heartbeat or read.
         renew_on_heartbeat: heartbeats extend the lease (P→D leases) or not (D's TTL blocks).
-        token_ids: the tokens whose KV the blocks hold, in order; a claim must carry the
+        tokens: the tokens whose KV the blocks hold, in order, packed; a claim must carry the
             :func:`token_digest` of a prefix of them (None: no check).
         first_token: the first output token sampled after those tokens (a prefiller's), told
             to the reader in the claim answer; None when there is none.
@@ -76,7 +76,7 @@ class SendSpec:
     block_ids: list[int]
     lease_duration: float
     renew_on_heartbeat: bool = True
-    token_ids: list[int] | None = None
+    tokens: PackedTokens | None = None
     first_token: int | None = None
     transfer_id: str | None = None
 

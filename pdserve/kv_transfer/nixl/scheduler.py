@@ -48,7 +48,7 @@ from pdserve.kv_transfer.nixl.bidirectional import (
 )
 from pdserve.kv_transfer.nixl.metadata import (
     NixlConnectorMetadata, PullClaim, RecvSpec, RemoteNotice, SendSpec)
-from pdserve.types.remote_ref import RemoteKVRef, token_digest
+from pdserve.types.remote_ref import PackedTokens, RemoteKVRef, token_digest
 from pdserve.types.kv_params import (KVRole, may_use_first_token, prefill_done_params,
                                      with_prompt_handoff)
 
@@ -390,14 +390,17 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             return NOT_HELD
         # the decoder may emit it without recomputing the last prompt token
         first = request.output_token_ids[0] if request.output_token_ids else None
+        transfer_id = request.kv_transfer_params.transfer_id
         self._meta.reqs_to_send[request_id] = SendSpec(
             request_id=request_id, block_ids=remote_ids, lease_duration=self.config.kv_lease_duration,
-            renew_on_heartbeat=True, token_ids=list(request.prompt_token_ids), first_token=first,
-            transfer_id=request.kv_transfer_params.transfer_id,
+            renew_on_heartbeat=True, tokens=PackedTokens.of(request.prompt_token_ids),
+            first_token=first, transfer_id=transfer_id,
         )
         self._held.add(request_id)
         params = prefill_done_params(self.engine_id, remote_ids, self.side_channel_host,
                                      self.side_channel_port, request_id, first, self.tp_size)
+        if transfer_id is not None:  # its decoder tokenized the prompt while P prefilled
+            return FinishedRequestKV(True, params)
         return FinishedRequestKV(True, with_prompt_handoff(
             params, list(request.prompt_token_ids), request.kv_transfer_params.prompt_digest))
 
