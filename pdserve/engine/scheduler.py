@@ -306,8 +306,7 @@ class Scheduler:
 
     def _apply_load_result(self, result: LoadResult, outputs: list[EngineCoreOutput]) -> None:
         """Act on the end of a request's KV load: finish it with its error (``FAIL``), or put it
-        back at the waiting front (``RECOMPUTE``; ``LOADED``, after appending a kept first token
-        of the prefiller's, unless that token finished it)."""
+        back at the waiting front (``RECOMPUTE``; ``LOADED``, after a kept first token of P's)."""
         req = result.request
         if result.outcome is LoadOutcome.LOADED:
             if result.first_token is not None:

@@ -391,11 +391,9 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         # the decoder may emit it without recomputing the last prompt token
         first = request.output_token_ids[0] if request.output_token_ids else None
         transfer_id = request.kv_transfer_params.transfer_id
-        self._meta.reqs_to_send[request_id] = SendSpec(
-            request_id=request_id, block_ids=remote_ids, lease_duration=self.config.kv_lease_duration,
-            renew_on_heartbeat=True, tokens=PackedTokens.of(request.prompt_token_ids),
-            first_token=first, transfer_id=transfer_id,
-        )
+        self._meta.reqs_to_send[request_id] = SendSpec(  # renewed by heartbeats (the default)
+            request_id, remote_ids, self.config.kv_lease_duration, first_token=first,
+            tokens=PackedTokens.of(request.prompt_token_ids), transfer_id=transfer_id)
         self._held.add(request_id)
         params = prefill_done_params(self.engine_id, remote_ids, self.side_channel_host,
                                      self.side_channel_port, request_id, first, self.tp_size)
