@@ -3,8 +3,8 @@ an owner's lease serves one reader only.
 
 Held blocks are named by ``kv_transfer_params`` (request id, block ids, token digest), which a
 client may hand to two readers at once (replayed to a second decoder while the first reads).
-Before, the owner granted both claims and freed the blocks at the first reader's "done": the
-second reader's READ could then read blocks already reused by another request. So every claim
+An owner that granted both claims would free the blocks at the first reader's "done", and the
+second reader's READ could read blocks already reused by another request. So every claim
 names its **reader id**, and the owner binds a lease to the reader of its first granted claim
 (:meth:`~.leases.LeaseTable.claim`):
 
