@@ -19,6 +19,7 @@ from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorker
 from pdserve.kv_transfer.nixl.held import HeldBlocks
 from pdserve.kv_transfer.nixl.leases import ClaimStatus, LeaseTable
 from pdserve.kv_transfer.nixl.metadata import SendSpec
+from pdserve.types.remote_ref import PackedTokens
 from pdserve.kv_transfer.nixl.notifications import Notice
 from pdserve.kv_transfer.nixl.stats import StatsRecorder
 from pdserve.types.outputs import KVConnectorOutput
@@ -68,7 +69,8 @@ class TurnConnectorScheduler(KVConnectorSchedulerSide):
         held = list(block_ids[:math.ceil(num_tokens / self.block_size)])
         tokens = request.token_ids(0, num_tokens)
         self._meta.sends[request.request_id] = SendSpec(request.request_id, held, self.ttl_s,
-                                                        renew_on_heartbeat=False, token_ids=tokens)
+                                                        renew_on_heartbeat=False,
+                                                        tokens=PackedTokens.of(tokens))
         self.turns[request.request_id] = None
         self.advertised[request.request_id] = (held, tokens)
         return True, {"remote_block_ids": held}
