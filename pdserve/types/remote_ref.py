@@ -131,7 +131,7 @@ class RemoteKVRef:
             return value
 
         engine_id = need("remote_engine_id", str)
-        host = need("remote_host", str)
+        host = check_host(need("remote_host", str), "remote_host")
         port = need("remote_port", int)
         if not 0 < port < 65536:
             raise KVTransferParamsError(f"kv_transfer_params.remote_port {port} is out of range")
@@ -190,6 +190,31 @@ def check_transfer_id(value: Any, name: str) -> str:
         raise KVTransferParamsError(
             f"kv_transfer_params.{name} must be a string of 1 to {MAX_TRANSFER_ID_CHARS} "
             "letters, digits, '-' or '_'")
+    return value
+
+
+#: Longest host name (RFC 1035 section 2.3.4: 253 characters written out).
+MAX_HOST_CHARS = 253
+
+
+def check_host(value: str, name: str) -> str:
+    """A side-channel host as the params may name it: a DNS name or an IPv4 address (labels of
+    ASCII letters, digits and ``-``, not starting or ending with ``-``, joined by dots; RFC 1123
+    section 2.1). Checked at the edge because the engine thread connects to it by ZMQ, which
+    refuses other strings (spaces, ``*``, a newline). IPv6 literals are not supported by the
+    side channel (its addresses are ``tcp://host:port``).
+
+    Raises:
+        KVTransferParamsError: ``value`` is no such name.
+    """
+    labels = value.split(".")
+    if not 0 < len(value) <= MAX_HOST_CHARS or not all(
+            0 < len(label) <= 63 and label[0] != "-" and label[-1] != "-"
+            and all(c.isascii() and (c.isalnum() or c == "-") for c in label)
+            for label in labels):
+        raise KVTransferParamsError(
+            f"kv_transfer_params.{name} must be a host name or an IPv4 address (letters, "
+            f"digits, '-' and '.'; at most {MAX_HOST_CHARS} characters)")
     return value
 
 

@@ -177,6 +177,10 @@ def test_integers_beyond_64_bits_are_refused_without_a_connector_too():
     {k: v for k, v in p_returned_params().items() if k != "remote_request_id"},
     dict(p_returned_params(), first_token_id=-1),
     dict(p_returned_params(), first_token_id=500),  # outside the vocabulary below
+    # hosts ZMQ refuses (the engine thread connects to them): a 400, not a dead engine core
+    *(dict(p_returned_params(), remote_host=host)
+      for host in ("not a host!!", " ", "a b", "*", "127.0.0.1\n", "::1", "-a.b", "a..b",
+                   "x" * 254, "")),
 ])
 def test_malformed_params_are_refused_without_a_connector_too(bad):
     """The edge parses the params the same way whether or not a connector is configured."""
@@ -195,6 +199,8 @@ def test_well_formed_params_without_a_connector_are_accepted():
     for raw in (p_returned_params(), PREFILL_KV_PARAMS, dict(PREFILL_KV_PARAMS,
                                                              **d_returned_params())):
         assert parse_request_params(raw, None, 100) is not None
+    for host in ("localhost", "10.0.0.1", "p-0.pd.example.com", "a" * 63):
+        assert parse_request_params(dict(p_returned_params(), remote_host=host), None, 100)
     assert parse_request_params(p_returned_params(), None, 100).role is KVRole.DECODE
 
 

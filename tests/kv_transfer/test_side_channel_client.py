@@ -11,7 +11,7 @@ import zmq
 
 from tests.support.ports import free_port
 from pdserve.kv_transfer.nixl.leases import ClaimAnswer, ClaimStatus
-from pdserve.kv_transfer.nixl.side_channel import SideChannelServer, SideChannelTimeout
+from pdserve.kv_transfer.nixl.side_channel import SideChannelError, SideChannelServer, SideChannelTimeout
 from pdserve.kv_transfer.nixl.side_channel_client import SideChannelClient
 from pdserve.kv_transfer.wakeup import Waker
 from pdserve.utils import phase_trace
@@ -171,3 +171,17 @@ def test_fp8_scale_mismatch_says_how_many_layers_differ_not_every_scale():
     auto = compat_mismatch(local, dict(local, dtype="float32", kv_scales=[]))
     assert "dtype: local='float8_e4m3fn' remote='float32'" in auto
     assert "kv_scales: local has 60, remote none" in auto and "0.01" not in auto
+
+
+def test_an_address_zmq_refuses_fails_the_request_not_the_engine_thread():
+    """The engine thread's client never raises for a bad address: the request's result is the
+    error (its load fails), the connection is not kept."""
+    client = SideChannelClient()
+    try:
+        client.connect("not a host!!", 5600)  # ahead of the first claim: nothing to report yet
+        ticket = client.send("not a host!!", 5600, {"type": "claim"}, 1.0)
+        with pytest.raises(SideChannelError, match="not a host"):
+            client.result(ticket)
+        assert client.sockets() == []
+    finally:
+        client.close()

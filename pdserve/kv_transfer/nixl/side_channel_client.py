@@ -48,16 +48,29 @@ class SideChannelClient:
         return list(self._socks.values())
 
     def connect(self, host: str, port: int) -> None:
-        """Open the connection to a side channel ahead of the first request (idempotent)."""
-        self._socket(host, port)
+        """Open the connection to a side channel ahead of the first request (idempotent; an
+        address ZMQ refuses is left for :meth:`send` to report)."""
+        try:
+            self._socket(host, port)
+        except zmq.ZMQError:
+            pass
 
     def _socket(self, host: str, port: int) -> zmq.Socket:
+        """The connection to ``host:port``, opened now if needed.
+
+        Raises:
+            zmq.ZMQError: ZMQ refuses the address.
+        """
         key = (host, port)
         sock = self._socks.get(key)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{host}:{port}")
+            try:
+                sock.connect(f"tcp://{host}:{port}")
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
             self._socks[key] = sock
         return sock
 
@@ -70,8 +83,8 @@ class SideChannelClient:
         """
         self._seq += 1
         seq = self._seq
-        sock = self._socket(host, port)
         try:
+            sock = self._socket(host, port)
             sock.send_multipart([b"", encoder.encode(dict(message, seq=seq))], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             self._results[seq] = SideChannelError(f"side channel tcp://{host}:{port}: {e}")
