@@ -744,7 +744,7 @@ def test_dead_decoder_is_restarted_on_its_ports_while_the_other_serves(tmp_path,
     assert rc == 0
     out = capsys.readouterr().out
     assert "decode-1 (pid" in out and "exited with code 9; restarting it in 1 s" in out
-    assert "restart 1 of 3 within 300 s" in out and "decode-0 keep serving" in out
+    assert "restart 1 of 3 within 300 s" in out and "decode-0 keeps serving" in out
     assert "decode-1 is serving again" in out
     first, status = seen["first"], seen["now"]
     assert status["state"] == "ready"
@@ -905,7 +905,7 @@ def test_restarter_backs_off_waits_for_ports_and_counts_deaths(tmp_path, monkeyp
     first_pid = d1.pid
     assert r.poll() is None and r.state(d1) is InstanceState.BACKING_OFF
     assert d1.group_signals == [signal.SIGKILL]  # its engine cores go with it
-    assert "restarting it in 1 s (restart 1 of 2 within 60 s); decode-0 keep serving" in lines[-1]
+    assert "restarting it in 1 s (restart 1 of 2 within 60 s); decode-0 keeps serving" in lines[-1]
     assert "[pdserve up] decode-1 (pid" in (tmp_path / "decode-1.log").read_text()
     clock[0] += 0.5
     assert r.poll() is None and d1.pid == first_pid  # still backing off

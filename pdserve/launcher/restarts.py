@@ -200,7 +200,8 @@ class Restarter:
         self._note(child, f"{name} (pid {pid}) {how}; restarting it in {delay:g} s "
                           f"(restart {attempt} of {self.policy.max_restarts} within "
                           f"{self.policy.window_s:.0f} s); "
-                          f"{', '.join(c.spec.name for c in peers)} keep serving")
+                          f"{', '.join(c.spec.name for c in peers)} "
+                          f"{'keeps' if len(peers) == 1 else 'keep'} serving")
         self.on_change()
         return None
 
