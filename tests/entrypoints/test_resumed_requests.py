@@ -4,7 +4,6 @@ request's text (detokenizer and stop strings continued: :class:`RequestState`)."
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -12,17 +11,9 @@ from pdserve.engine.output_processor import RequestState, process_output
 from pdserve.types.outputs import EngineCoreOutput
 from pdserve.types.sampling_params import SamplingParams
 from tests.support.fake_engine_for_server import make_char_tokenizer
+from tests.support.router_fakes import sse_data
 
 CHAT = [{"role": "user", "content": "hi"}]
-
-
-def events(raw: bytes) -> list:
-    out = []
-    for block in raw.decode().split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def chat_prompt_ids(fake_engine) -> list[int]:
@@ -33,7 +24,7 @@ def chat_prompt_ids(fake_engine) -> list[int]:
 async def test_stream_return_token_ids_chat(client, fake_engine):
     r = await client.post("/v1/chat/completions", json={
         "messages": CHAT, "max_tokens": 5, "stream": True, "return_token_ids": True})
-    evs = events(r.content)
+    evs = sse_data(r.content)
     prompt = chat_prompt_ids(fake_engine)
     assert evs[0]["prompt_token_ids"] == prompt
     assert evs[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -50,7 +41,7 @@ async def test_resumed_chat_stream_continues_without_role_chunk(client, fake_eng
         "stream_options": {"include_usage": True}, "return_token_ids": True,
         "pdserve_resume": {"prompt_token_ids": prompt, "output_token_ids": full[:2]}})
     assert r.status_code == 200
-    evs = events(r.content)
+    evs = sse_data(r.content)
     assert evs[-1] == "[DONE]"
     chunks = [e for e in evs[:-1] if e["choices"]]
     assert all("role" not in c["choices"][0]["delta"] for c in chunks)

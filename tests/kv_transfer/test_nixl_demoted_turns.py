@@ -16,29 +16,23 @@ import torch
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
 from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef, token_digest
 from pdserve.types.remote_ref import PackedTokens
-from tests.support.nixl_peer import PeerProcess, block_pattern
+from tests.support.nixl_peer import GEOMETRY, PeerProcess, block_pattern, peer_config
 from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-GEOMETRY = {"num_blocks": 32, "block_size": 4, "num_layers": 2, "num_kv_heads": 2,
-            "head_dim": 8, "model": "tiny"}
 TOKENS = [21, 22, 23, 24, 25, 26, 27, 28, 29]  # two full blocks of 4 and one token
-
-
-def make_config(role: str) -> dict:
-    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": {
-        "kv_handshake_timeout": 5.0, "kv_metrics_log_interval": 0.5,
-        "bidirectional_kv_xfer": True}}
+BIDIRECTIONAL = {"kv_handshake_timeout": 5.0, "bidirectional_kv_xfer": True}
 
 
 @pytest.fixture(scope="module")
 def pair():
-    owner = PeerProcess(make_config("kv_consumer"), free_port(), GEOMETRY)
+    owner = PeerProcess(peer_config("kv_consumer", **BIDIRECTIONAL), free_port(), GEOMETRY)
     reader = None
     try:
         assert owner.hello.get("ok"), owner.hello
-        reader = PeerProcess(make_config("kv_producer"), free_port(), GEOMETRY, zeros=True)
+        reader = PeerProcess(peer_config("kv_producer", **BIDIRECTIONAL), free_port(), GEOMETRY,
+                             zeros=True)
         assert reader.hello.get("ok"), reader.hello
         yield owner, reader
     finally:
@@ -50,7 +44,8 @@ def pair():
 def demoted_turn(owner: PeerProcess, request_id: str, block_ids: list[int]) -> None:
     """Hold a turn's blocks under a TTL lease, then demote it (as D under pressure)."""
     owner.bind(NixlConnectorMetadata(reqs_to_send={request_id: SendSpec(
-        request_id, block_ids, 30.0, renew_on_heartbeat=False, tokens=PackedTokens.of(list(TOKENS)))}))
+        request_id, block_ids, 30.0, renew_on_heartbeat=False,
+        tokens=PackedTokens.of(list(TOKENS)))}))
     owner.bind(NixlConnectorMetadata(demote_turns={request_id}))
     assert owner.step()["demoted_turns"] == [request_id]
 

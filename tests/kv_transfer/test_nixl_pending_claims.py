@@ -15,30 +15,22 @@ import torch
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, SendSpec
 from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef, token_digest
 from pdserve.types.remote_ref import PackedTokens
-from tests.support.nixl_peer import PeerProcess, block_pattern
+from tests.support.nixl_peer import GEOMETRY, PeerProcess, block_pattern, peer_config
 from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-GEOMETRY = {"num_blocks": 32, "block_size": 4, "num_layers": 2, "num_kv_heads": 2,
-            "head_dim": 8, "model": "tiny"}
 WAIT_S = 2.0  # D's kv_prefill_wait_timeout
 TOKENS = [11, 12, 13, 14, 15, 16, 17, 18]  # two blocks of 4
 
 
-def make_config(role: str, **extra) -> dict:
-    ex = {"kv_handshake_timeout": 2.0, "kv_metrics_log_interval": 0.5}
-    ex.update(extra)
-    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": ex}
-
-
 @pytest.fixture(scope="module")
 def pair():
-    p = PeerProcess(make_config("kv_producer"), free_port(), GEOMETRY)
+    p = PeerProcess(peer_config("kv_producer"), free_port(), GEOMETRY)
     d = None
     try:
         assert p.hello.get("ok"), p.hello
-        d = PeerProcess(make_config("kv_consumer", kv_prefill_wait_timeout=WAIT_S), free_port(),
+        d = PeerProcess(peer_config("kv_consumer", kv_prefill_wait_timeout=WAIT_S), free_port(),
                         GEOMETRY, zeros=True)
         assert d.hello.get("ok"), d.hello
         yield p, d

@@ -11,31 +11,23 @@ import concurrent.futures as cf
 import pytest
 import torch
 
-from tests.support.nixl_peer import PeerProcess, block_pattern
+from tests.support.nixl_peer import GEOMETRY, PeerProcess, block_pattern, peer_config
 from tests.support.ports import free_port
 from pdserve.kv_transfer.nixl.metadata import NixlConnectorMetadata, RecvSpec, RemoteNotice, SendSpec
 from pdserve.types.remote_ref import RemoteEndpoint, RemoteKVRef
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-GEOMETRY = {"num_blocks": 32, "block_size": 4, "num_layers": 2, "num_kv_heads": 2,
-            "head_dim": 8, "model": "tiny"}
 LEASE_S = 1.5  # P's configured lease (sets D's heartbeat period to LEASE_S / 3)
-
-
-def make_config(role: str, **extra) -> dict:
-    ex = {"kv_handshake_timeout": 2.0, "kv_metrics_log_interval": 0.5}
-    ex.update(extra)
-    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": ex}
 
 
 @pytest.fixture(scope="module")
 def pair():
-    p = PeerProcess(make_config("kv_producer", kv_lease_duration=LEASE_S), free_port(), GEOMETRY)
+    p = PeerProcess(peer_config("kv_producer", kv_lease_duration=LEASE_S), free_port(), GEOMETRY)
     d = None
     try:
         assert p.hello.get("ok"), p.hello
-        d = PeerProcess(make_config("kv_consumer"), free_port(), GEOMETRY, zeros=True)
+        d = PeerProcess(peer_config("kv_consumer"), free_port(), GEOMETRY, zeros=True)
         assert d.hello.get("ok"), d.hello
         yield p, d
     finally:
@@ -200,7 +192,7 @@ def test_a_release_reaches_a_lease_only_through_the_engine_core(pair, monkeypatc
     out = p.step()
     assert "p-rel" not in out["finished_sending"]
 
-    config = KVTransferConfig.from_dict(dict(make_config("kv_producer"), engine_id=p.engine_id))
+    config = KVTransferConfig.from_dict(dict(peer_config("kv_producer"), engine_id=p.engine_id))
     params = {"remote_engine_id": p.engine_id, "remote_host": "127.0.0.1",
               "remote_port": p.port, "remote_request_id": "p-rel"}
 
@@ -233,7 +225,7 @@ def test_an_owner_that_only_holds_blocks_sleeps_until_a_claim_wakes_it(pair):
     from pdserve.kv_transfer.nixl.held import HELD_NOTIF_POLL_INTERVAL_S, NOTIF_POLL_INTERVAL_S
 
     _, d = pair
-    p = PeerProcess(make_config("kv_producer", kv_lease_duration=LEASE_S), free_port(), GEOMETRY)
+    p = PeerProcess(peer_config("kv_producer", kv_lease_duration=LEASE_S), free_port(), GEOMETRY)
     try:
         assert p.hello.get("ok"), p.hello
         p.bind(NixlConnectorMetadata(reqs_to_send={
@@ -379,7 +371,7 @@ def test_wrong_engine_id_fails_the_handshake(pair):
 
 def test_incompatible_geometry_fails_the_handshake_and_frees_owner_blocks(pair):
     _, d = pair
-    other = PeerProcess(make_config("kv_producer"), free_port(), dict(GEOMETRY, head_dim=16))
+    other = PeerProcess(peer_config("kv_producer"), free_port(), dict(GEOMETRY, head_dim=16))
     try:
         assert other.hello.get("ok"), other.hello
         lease(other, "o-1", [2])
@@ -394,7 +386,7 @@ def test_incompatible_geometry_fails_the_handshake_and_frees_owner_blocks(pair):
 
 def test_port_in_use_is_a_clear_startup_error(pair):
     p, _ = pair
-    clash = PeerProcess(make_config("kv_consumer"), p.port, GEOMETRY)
+    clash = PeerProcess(peer_config("kv_consumer"), p.port, GEOMETRY)
     try:
         assert "error" in clash.hello
         assert "already in use" in clash.hello["error"]
@@ -404,7 +396,7 @@ def test_port_in_use_is_a_clear_startup_error(pair):
 
 
 def test_missing_backend_is_a_clear_startup_error():
-    bad = PeerProcess(make_config("kv_consumer", backends=["UCX", "NO_SUCH_BACKEND"]),
+    bad = PeerProcess(peer_config("kv_consumer", backends=["UCX", "NO_SUCH_BACKEND"]),
                       free_port(), GEOMETRY)
     try:
         assert "error" in bad.hello
@@ -419,11 +411,11 @@ def test_vram_read_between_processes_on_gpus():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     d_dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-    p = PeerProcess(make_config("kv_producer"), free_port(), GEOMETRY, device="cuda:0")
+    p = PeerProcess(peer_config("kv_producer"), free_port(), GEOMETRY, device="cuda:0")
     d = None
     try:
         assert p.hello.get("ok"), p.hello
-        d = PeerProcess(make_config("kv_consumer"), free_port(), GEOMETRY, zeros=True,
+        d = PeerProcess(peer_config("kv_consumer"), free_port(), GEOMETRY, zeros=True,
                         device=d_dev)
         assert d.hello.get("ok"), d.hello
         remote_ids, local_ids = [2, 3, 4, 5, 30], [7, 8, 9, 10, 1]

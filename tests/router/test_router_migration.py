@@ -9,7 +9,7 @@ import asyncio
 import json
 from aiohttp import web
 
-from tests.support.router_fakes import prefill_params, wait_until
+from tests.support.router_fakes import prefill_params, sse_data, wait_until
 
 PROMPT = [11, 12, 13]
 
@@ -113,15 +113,6 @@ def token_decoder(fail_after: int | None = None, how: str = "drop"):
     return handler
 
 
-def parse(raw: bytes) -> list:
-    out = []
-    for block in raw.decode().split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
 def answer_text(events: list, chat: bool) -> str:
     parts = []
     for e in events:
@@ -134,7 +125,7 @@ def answer_text(events: list, chat: bool) -> str:
 async def stream(c, path: str, body: dict) -> list:
     async with c.session.post(c.url + path, json=body) as r:
         assert r.status == 200
-        return parse(await r.read())
+        return sse_data(await r.read())
 
 
 def migrations(c) -> dict[str, float]:

@@ -7,14 +7,13 @@ ends the stream with an error event."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from tests.support.handoff_fakes import SideChannels, info_for
-from tests.support.router_fakes import sse, wait_until
+from tests.support.router_fakes import sse, sse_data, wait_until
 
 from .test_router_concurrent_failover import after_decoder_arrived, assert_slots_free
 from .test_router_failover import drop_before_answering, fallbacks, retries
@@ -113,15 +112,6 @@ def decoder(channels: SideChannels, plan: Plan):
     return handler
 
 
-def parse(raw: bytes) -> list:
-    out = []
-    for block in raw.decode().split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
 def text(events: list) -> str:
     return "".join(c["delta"].get("content", "") if "delta" in c else c["text"]
                    for e in events if isinstance(e, dict) for c in e.get("choices") or [])
@@ -140,7 +130,7 @@ def openings(events: list) -> list[dict]:
 async def direct(inst, path: str, body: dict) -> list:
     """The decoder's answer to the client's body sent to it directly (no proxy, no hand-off)."""
     async with aiohttp.ClientSession() as s, s.post(inst.url + path, json=body) as r:
-        return parse(await r.read())
+        return sse_data(await r.read())
 
 
 async def cluster(make_cluster, plan: Plan, **kwargs):
@@ -181,7 +171,7 @@ async def test_a_retry_before_the_first_token_keeps_the_clients_opening(
     body = dict(CHAT, return_token_ids=True) if ids else CHAT
     status, _, raw = await c.post("/v1/chat/completions", body)
     assert status == 200
-    events = parse(raw)
+    events = sse_data(raw)
     opening = assert_one_response(events, ids)
     failed, served = plan.legs
     assert failed is not served
@@ -202,7 +192,7 @@ async def test_a_completions_stream_retried_before_its_first_token_is_the_second
     body = {"model": "m", "prompt": "x", "max_tokens": 5, "stream": True,
             "return_token_ids": True}
     status, _, raw = await c.post("/v1/completions", body)
-    events = parse(raw)
+    events = sse_data(raw)
     assert status == 200 and events[-1] == "[DONE]"
     _, served = plan.legs
     assert {e["id"] for e in events[:-1]} == {f"cmpl-{served.name}-1"}
@@ -231,7 +221,7 @@ async def test_a_retry_served_sequentially_drops_its_opening_too(make_cluster):
         first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 2)
         opened.set()
         raw = first + await r.read()
-    events = parse(raw)
+    events = sse_data(raw)
     opening = assert_one_response(events, ids=True)
     assert opening["id"] == f"chatcmpl-{d.name}-1" and len(d.received) == 2
     assert "kv_transfer_params" not in d.received[1].body and fallbacks(c) == 1
@@ -248,7 +238,7 @@ async def test_a_retried_decoder_with_other_prompt_ids_ends_the_stream(make_clus
     c = await cluster(make_cluster, plan, n_decode=2)
     status, _, raw = await c.post("/v1/chat/completions", dict(CHAT, return_token_ids=True))
     assert status == 200
-    events = parse(raw)
+    events = sse_data(raw)
     assert len(events) == 3 and events[-1] == "[DONE]"
     assert openings(events) == [events[0]] and events[0]["prompt_token_ids"] == PROMPT
     error = events[1]["error"]

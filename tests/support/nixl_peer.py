@@ -30,6 +30,20 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 
+#: The KV cache geometry of a one-rank peer in most process tests: 32 blocks of 4 tokens, 2
+#: layers, 2 KV heads of 8 elements (float32: 1 KiB per block).
+GEOMETRY = {"num_blocks": 32, "block_size": 4, "num_layers": 2, "num_kv_heads": 2,
+            "head_dim": 8, "model": "tiny"}
+
+
+def peer_config(role: str, **extra: Any) -> dict[str, Any]:
+    """A NIXL ``kv_transfer_config`` for a peer: ``role`` (``"kv_producer"`` or
+    ``"kv_consumer"``), a 2 s handshake timeout and a 0.5 s metrics log interval, which
+    ``extra`` (more ``kv_connector_extra_config`` keys) may override."""
+    ex: dict[str, Any] = {"kv_handshake_timeout": 2.0, "kv_metrics_log_interval": 0.5}
+    ex.update(extra)
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": ex}
+
 
 def block_pattern(block_id: int, numel: int):
     """The initial content of block ``block_id`` (float32, ``numel`` values)."""

@@ -37,6 +37,17 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+def sse_data(raw: bytes) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, in order: parsed JSON, and the string ``[DONE]``;
+    other blocks (``: keep-alive`` comments) are skipped."""
+    out: list[Any] = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
 Handler = Callable[["FakeInstance", web.Request, Received], Awaitable[web.StreamResponse]]
 
 
