@@ -344,12 +344,13 @@ class RemoteKV:
             return None
         num_local, num_ext = self.pending_load.pop(request_id)
         bad = self.failed_load.pop(request_id, None)
-        if bad is not None:
-            return self.apply_load_failure(req, bad, num_local, kv_out.load_errors.get(request_id))
         # At least the last token is left to compute: the last prompt token for its logits, or
         # the prefiller's first token (appended already, or kept for now), for its KV. (A
-        # partial load is a pull of a restored turn, which brings no first token.)
+        # failed load recomputes its own; a partial load is a pull of a restored turn, which
+        # brings no first token.)
         first = self.kept_first_token.pop(request_id, None)
+        if bad is not None:
+            return self.apply_load_failure(req, bad, num_local, kv_out.load_errors.get(request_id))
         partial = kv_out.partial_loads.get(request_id)
         if partial is not None:
             return self.partial_load(req, num_local, num_ext, partial)

@@ -142,10 +142,10 @@ class LoadTracker:
     def next_poll_in(self) -> float | None:
         """0 while a READ waits to be posted or was posted less than :data:`XFER_SPIN_S` ago,
         else :data:`XFER_POLL_INTERVAL_S`; None without a READ in flight or to post."""
-        waits = [0.0 if time.perf_counter() - load.t_post < XFER_SPIN_S else XFER_POLL_INTERVAL_S
-                 for load in self._loads.values()
-                 if load.phase in (LoadPhase.XFER, LoadPhase.UNSTAGE)]
-        waits += [0.0 for load in self._loads.values() if load.phase is LoadPhase.GRANTED]
+        now = time.perf_counter()
+        waits = [0.0 if load.phase is LoadPhase.GRANTED or now - load.t_post < XFER_SPIN_S
+                 else XFER_POLL_INTERVAL_S for load in self._loads.values()
+                 if load.phase in (LoadPhase.GRANTED, LoadPhase.XFER, LoadPhase.UNSTAGE)]
         return min(waits, default=None)
 
     # ----------------------------------------------------------------------------- progress
