@@ -14,10 +14,9 @@ import uuid
 import pytest
 import torch
 
-from tests.support.nixl_peer import PeerProcess, block_pattern
+from tests.support.nixl_peer import GEOMETRY, PeerProcess, block_pattern, peer_config
 from tests.support.ports import free_port
-from tests.kv_transfer.test_nixl_worker_processes import (
-    GEOMETRY, lease, make_config, recv_meta, ref_to)
+from tests.kv_transfer.test_nixl_worker_processes import lease, recv_meta, ref_to
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -28,7 +27,7 @@ ROLES = {  # restarted owner's role -> (owner config role, reader config role)
 
 
 def _owner(role: str, port: int, engine_id: str | None) -> PeerProcess:
-    cfg = make_config(ROLES[role][0], bidirectional_kv_xfer=True)
+    cfg = peer_config(ROLES[role][0], bidirectional_kv_xfer=True)
     if engine_id:
         cfg["engine_id"] = engine_id
     peer = PeerProcess(cfg, port, GEOMETRY)
@@ -56,7 +55,7 @@ def test_reads_succeed_after_the_owner_restarts(role, fixed_engine_id):
     after each restart succeeds and moves the right blocks."""
     engine_id = f"owner-{uuid.uuid4().hex[:8]}" if fixed_engine_id else None
     port = free_port()
-    reader = PeerProcess(make_config(ROLES[role][1], bidirectional_kv_xfer=True), free_port(),
+    reader = PeerProcess(peer_config(ROLES[role][1], bidirectional_kv_xfer=True), free_port(),
                          GEOMETRY, zeros=True)
     owner = None
     try:
