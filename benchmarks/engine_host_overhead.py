@@ -89,6 +89,8 @@ class _Done:
     """A launched step whose result is already there."""
 
     out: ModelRunnerOutput
+    kv_connector_output: None = None
+    kv_tier_report: None = None
 
     def result(self) -> ModelRunnerOutput:
         return self.out

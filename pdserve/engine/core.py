@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from pdserve.utils import phase_trace
 from pdserve.types.engine_config import EngineConfig
@@ -100,6 +100,9 @@ class EngineCore:
         max_model_len: effective max sequence length (tokens).
         config: ``config`` with ``max_model_len`` resolved.
         scheduler: the :class:`Scheduler`.
+        emit: None, or a callable that sends outputs at once; the core loop sets it so that
+            outputs known at a step's launch (a prefiller's first token, an ended KV load) go
+            out before the host waits for the running step (:meth:`_async_step`).
 
     Raises:
         ValueError / RuntimeError / OSError: the model or the configuration cannot be used (the
@@ -169,6 +172,8 @@ class EngineCore:
             self.async_scheduling = False
         # The launched step whose tokens the host has not read (async scheduling).
         self._running: tuple[SchedulerOutput, PendingStep] | None = None
+        # Sends outputs known before a step's tokens (the core loop sets it; _async_step).
+        self.emit: Callable[[list[EngineCoreOutput]], None] | None = None
         # KV events (--kv-events-endpoint): the block manager records, the publisher sends.
         self.kv_events: KVEventPublisher | None = None
         if config.kv_events_endpoint:
@@ -302,15 +307,22 @@ class EngineCore:
 
             sched_out_{n+1} = scheduler.schedule_async(sched_out_n)   # host work, device busy
             launch(sched_out_{n+1})
-            outputs = scheduler.update_from_output(sched_out_n, runner_out_n)  # tokens of step n
+            early = scheduler.apply_reports(<step n+1's launch reports>)   # sent at once
+            outputs = scheduler.commit_step(sched_out_n, runner_out_n)     # tokens of step n
 
-        A step with nothing to compute, or a multi-step round, runs synchronously.
+        A launched step's connector and tier reports are taken on the host at its launch and do
+        not depend on its device work, so they are applied then: a prefiller's first token or
+        an ended KV load reported at a launch goes out (through :attr:`emit`, when set) before
+        the host waits for step n, instead of a step later with step n+1's tokens. A step with
+        nothing to compute, or a multi-step round, runs synchronously.
 
         Returns:
-            ``(outputs, computed, runner_out)``: the committed step's per-request deltas,
-            whether any token was computed, and its runner output (None when nothing ran).
+            ``(outputs, computed, runner_out)``: the committed step's per-request deltas (and
+            those of the reports when there is no :attr:`emit`), whether any token was
+            computed, and its runner output (None when nothing ran).
         """
         scheduler = self.scheduler
+        early: list[EngineCoreOutput] = []
         if self._running is None:
             first = scheduler.schedule()
             if (not first.scheduled and not first.finished_request_ids
@@ -322,18 +334,27 @@ class EngineCore:
                 self._bind_early()
                 return outputs, bool(first.scheduled), runner_out
             self._launch(first, None)
+            early += self._apply_launch_reports(self._running[1])
         running, pending = self._running
         nxt = scheduler.schedule_async(running)
         self._running = None
         launched: frozenset[str] = frozenset()
         if nxt is not None:
             launched = self._launch(nxt, running)
+            early += self._apply_launch_reports(self._running[1])
+        if early and self.emit is not None:
+            self.emit(early)
+            early = []
         runner_out = pending.result()
         phase_trace.mark("core.result")
-        outputs = scheduler.update_from_output(running, runner_out)
+        outputs = early + scheduler.commit_step(running, runner_out)
         scheduler.kv_cache_manager.set_in_flight(launched)
         self._bind_early()
         return outputs, True, runner_out
+
+    def _apply_launch_reports(self, step: PendingStep) -> list[EngineCoreOutput]:
+        """Apply a just-launched step's connector and tier reports (:meth:`_async_step`)."""
+        return self.scheduler.apply_reports(step.kv_connector_output, step.kv_tier_report)
 
     def _bind_early(self) -> None:
         """TP 1: give the worker side now what need not wait for the next step (the holds of

@@ -138,6 +138,14 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
     stats_stale = False  # a changed snapshot waits for STATS_INTERVAL_S to pass
     progressed = False
     scheduler = core.scheduler
+
+    def emit(outputs: list[EngineCoreOutput]) -> None:
+        """Send outputs known at a step's launch now, before the core waits for the running
+        step (:meth:`EngineCore._async_step`)."""
+        phase_trace.mark("core.send_early")
+        out_sock.send(encoder.encode(StepOutputs(outputs=outputs)))
+
+    core.emit = emit
     # A remote rank (pdserve/types/core_messages.py): heartbeats both ways.
     last_input = last_sent = time.monotonic()
     while True:

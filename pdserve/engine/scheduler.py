@@ -54,7 +54,9 @@ from pdserve.engine.running_batch import RunningBatch
 from pdserve.engine.tier_loads import TierLoads
 from pdserve.engine.turn_demotion import TurnDemoter
 from pdserve.engine.token_acceptor import TokenAcceptor
-from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pdserve.types.kv_tiers import KVTierReport
+from pdserve.types.outputs import (EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput,
+                                   SchedulerOutput)
 from pdserve.types.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -237,11 +239,29 @@ class Scheduler:
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Commit a step: advance computed tokens, append sampled tokens, apply stop
-        conditions, and consume the connector's report.
+        conditions (:meth:`commit_step`), and consume the connector's and the tiers' reports
+        (:meth:`apply_reports`).
 
         Returns:
             One :class:`EngineCoreOutput` per request that produced a token or finished (plus
-            requests failed by a KV load), in batch order.
+            requests failed by a KV load), in batch order, then those of the reports.
+        """
+        outputs = self.commit_step(sched_out, runner_out)
+        outputs.extend(self.apply_reports(runner_out.kv_connector_output,
+                                          runner_out.kv_tier_report))
+        return outputs
+
+    def commit_step(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Commit a step's tokens without its reports: advance computed tokens, append sampled
+        tokens, apply stop conditions. Of the connector's report only the invalid blocks and
+        load errors of the step's synchronous loads are read (their failure policy applies
+        to this step's requests).
+
+        Returns:
+            One :class:`EngineCoreOutput` per request that produced a token or finished, in
+            batch order.
         """
         outputs: list[EngineCoreOutput] = []
         kv_out = runner_out.kv_connector_output
@@ -285,15 +305,29 @@ class Scheduler:
         if sync_loads:  # not clear(): an async-scheduled next step may have loads too
             for sr in sched_out.scheduled:
                 sync_loads.pop(sr.request_id, None)
+        return outputs
 
-        if runner_out.kv_tier_report is not None and self.tier_loads is not None:
-            for req in self.tier_loads.report(runner_out.kv_tier_report):
+    def apply_reports(self, kv_out: KVConnectorOutput | None,
+                      tier_report: KVTierReport | None) -> list[EngineCoreOutput]:
+        """Consume the reports the runner took on the host (the KV connector's
+        ``get_finished`` and the KV cache tiers' copies): ended tier loads go back to the
+        waiting front, prefillers' first tokens are appended, ended KV loads and sends are
+        acted on. They do not depend on a step's tokens: with async scheduling the engine core
+        applies a step's reports at its launch, before its tokens are known.
+
+        Returns:
+            The outputs of requests that got a first token or finished by a KV load.
+        """
+        outputs: list[EngineCoreOutput] = []
+        remote_kv = self.remote_kv
+        if tier_report is not None and self.tier_loads is not None:
+            for req in self.tier_loads.report(tier_report):
                 self.queues.requeue_front(req)
                 self.loaded_since_schedule = True
         if self.demoter is not None:
             self.demoter.update(kv_out)
         if kv_out is not None:
-            remote_kv.update_connector_output(kv_out, invalid)
+            remote_kv.update_connector_output(kv_out, set(kv_out.invalid_block_ids))
             for req, token in remote_kv.first_tokens_ready(kv_out, self.acceptor.finishes):
                 outputs.append(self.append_token(req, token, None))
             for request_id in kv_out.finished_recving:

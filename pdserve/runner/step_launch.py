@@ -43,9 +43,10 @@ class PendingRunnerStep:
         request_ids: the sampled requests, in row order of ``tokens``.
         tokens: ``[S]`` int64 sampled tokens on the device.
         logprobs: request_id -> logprobs, for the requests that asked (sampled on the host).
-        kv_connector_output: the connector's report of this step, or None.
+        kv_connector_output: the connector's report of this step (taken at launch), or None.
 
     Attributes:
+        kv_connector_output: as given.
         kv_tier_report: the KV cache tiers' report at launch (set by the runner), or None.
     """
 
@@ -53,7 +54,7 @@ class PendingRunnerStep:
                  logprobs: dict[str, TokenLogprobs], kv_connector_output: KVConnectorOutput | None):
         self._request_ids = request_ids
         self._logprobs = logprobs
-        self._kv_out = kv_connector_output
+        self.kv_connector_output = kv_connector_output
         self.kv_tier_report: KVTierReport | None = None
         self._event: torch.cuda.Event | None = None
         if tokens.device.type == "cuda":
@@ -70,7 +71,7 @@ class PendingRunnerStep:
             self._event.synchronize()
         tokens = self._host.tolist()
         return ModelRunnerOutput(sampled_token_ids=dict(zip(self._request_ids, tokens)),
-                                 logprobs=self._logprobs, kv_connector_output=self._kv_out,
+                                 logprobs=self._logprobs, kv_connector_output=self.kv_connector_output,
                                  kv_tier_report=self.kv_tier_report)
 
 

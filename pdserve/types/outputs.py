@@ -267,9 +267,20 @@ class EngineCoreOutput:
 
 class PendingStep(Protocol):
     """A step launched by ``runner.execute_async(sched_out)`` whose results the host reads later
-    (async scheduling, :mod:`pdserve.engine.async_scheduling`)."""
+    (async scheduling, :mod:`pdserve.engine.async_scheduling`).
+
+    Attributes:
+        kv_connector_output: the KV connector's report taken at launch (``get_finished``), or
+            None without a connector.
+        kv_tier_report: the KV cache tiers' report taken at launch, or None without tiers.
+
+    Neither report depends on the step's device work: the engine core applies them as soon as
+    the step is launched (``Scheduler.apply_reports``), not with its tokens."""
+
+    kv_connector_output: KVConnectorOutput | None
+    kv_tier_report: KVTierReport | None
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the step's sampled tokens (on CUDA: its event) and return the step's
-        output, as ``runner.execute(sched_out)`` would have."""
+        output, as ``runner.execute(sched_out)`` would have (with the launch's reports)."""
         ...

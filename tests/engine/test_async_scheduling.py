@@ -182,3 +182,52 @@ def test_decoder_emits_the_prefillers_first_token_while_its_kv_still_loads(max_t
     assert loaded_when_first is (max_tokens == 1)
     drain(core)
     assert_all_free(core)
+
+
+def test_a_first_token_reported_at_a_launch_goes_out_before_the_running_step_is_read():
+    """The connector's report is taken at a step's launch and does not depend on the step's
+    device work: a prefiller's first token it brings is sent through ``core.emit`` in the very
+    ``step()`` call that launched the step, before the host waits for the step in flight (not
+    a call later, with the launched step's tokens), while a running decode keeps the pipeline
+    two deep. The tokens are unchanged."""
+    p = list(range(60, 71))
+    expected = reference_generate(p, 4)
+    remote = FakeRemote(load_delay_steps=3, first_tokens={"d": expected[0]})
+    core, runner = make_core(remote=remote, async_scheduling=True)
+    res: dict = {}
+    order: list[str] = []  # what happened, in order: "emit:<ids>", "read" (a wait for a step)
+
+    def emit(outs):
+        order.append("emit:" + ",".join(o.request_id for o in outs))
+        collect(res, outs)
+
+    core.emit = emit
+    launch = runner.execute_async
+
+    def execute_async(sched):
+        pending = launch(sched)
+        result = pending.result
+        pending.result = lambda: (order.append("read"), result())[1]
+        return pending
+
+    runner.execute_async = execute_async
+    add(core, "local", [5, 6, 7, 8], max_tokens=12, ignore_eos=True)
+    collect(res, core.step()[0])
+    add(core, "d", p, kv_transfer_params=REMOTE, max_tokens=4)
+    for _ in range(50):
+        seen, order[:] = len(remote.outputs_seen), []
+        outputs, _ = core.step()
+        collect(res, outputs)
+        if any("d" in o.first_tokens for o in remote.outputs_seen[seen:]):
+            assert order[:2] == ["emit:d", "read"]  # out before the wait for the running step
+            assert all(o.request_id != "d" for o in outputs)  # and only once
+            assert res["d"].tokens == expected[:1]
+            break
+    else:
+        raise AssertionError("the first token was never reported")
+    assert core.step_in_flight
+    run_until_done(core, res)
+    assert res["d"].tokens == expected
+    assert res["local"].tokens == reference_generate([5, 6, 7, 8], 12)
+    drain(core)
+    assert_all_free(core)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from pdserve.types.engine_config import EngineConfig
 from pdserve.engine.core import EngineCore
+from pdserve.types.kv_tiers import KVTierReport
 from pdserve.types.outputs import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from pdserve.kv_transfer.base import KVConnectorSchedulerSide, KVConnectorWorkerSide
 from pdserve.types.outputs import KVLoadError
@@ -128,7 +129,7 @@ class FakeModelRunner:
         step = FakePendingStep(self, sched)
         self._launched.append(step)
         if self.worker is not None:
-            step.kv_out = self.worker.get_finished(sched.finished_request_ids)
+            step.kv_connector_output = self.worker.get_finished(sched.finished_request_ids)
         return step
 
     def _run_launched(self, until: "FakePendingStep | None" = None) -> None:
@@ -171,12 +172,15 @@ class FakePendingStep:
         self.runner = runner
         self.sched = sched
         self.tokens: dict[str, int] | None = None
-        self.kv_out: KVConnectorOutput | None = None
+        self.kv_connector_output: KVConnectorOutput | None = None
+        self.kv_tier_report: KVTierReport | None = None
 
     def result(self) -> ModelRunnerOutput:
         if self.tokens is None:
             self.runner._run_launched(until=self)
-        return ModelRunnerOutput(sampled_token_ids=dict(self.tokens), kv_connector_output=self.kv_out)
+        return ModelRunnerOutput(sampled_token_ids=dict(self.tokens),
+                                 kv_connector_output=self.kv_connector_output,
+                                 kv_tier_report=self.kv_tier_report)
 
 
 # ------------------------------------------------------------------ fake KV connector

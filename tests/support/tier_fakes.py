@@ -94,15 +94,7 @@ class TieredFakeRunner(FakeModelRunner):
     def execute_async(self, sched: SchedulerOutput) -> FakePendingStep:
         self._run_jobs(sched)
         step = super().execute_async(sched)
-        report = self._report()
-        result = step.result
-
-        def result_with_report() -> ModelRunnerOutput:
-            out = result()
-            out.kv_tier_report = report
-            return out
-
-        step.result = result_with_report  # type: ignore[method-assign]
+        step.kv_tier_report = self._report()
         return step
 
 
