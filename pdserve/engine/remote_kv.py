@@ -370,6 +370,10 @@ class RemoteKV:
         that would finish the request (``finishes``: EOS, a stop token, ``max_tokens``) is kept
         for the load's end instead (:class:`LoadResult`'s ``first_token``): a request finished
         before its KV has landed would offer a bidirectional reader blocks still being written.
+        A token that the request's ``min_tokens`` mask forbids (a prefill leg drawn without
+        it) is dropped: the load then ends one token short and the request draws its first
+        token itself (:func:`~pdserve.types.kv_params.may_use_first_token` says when that is
+        the masked draw).
         """
         ready = []
         for request_id, token in kv_out.first_tokens.items():
@@ -378,6 +382,9 @@ class RemoteKV:
                 continue
             num_local, num_ext = self.pending_load[request_id]
             if num_local + num_ext < req.num_tokens:
+                continue
+            sp = req.sampling_params
+            if sp.min_tokens > 0 and token in sp.min_tokens_mask(req.eos_token_id):
                 continue
             if finishes(req, token):
                 self.kept_first_token[request_id] = token

@@ -1,7 +1,7 @@
 """A prefill leg checked against the request its decode leg will carry.
 
 The disaggregation proxy sends P the client's body with ``max_tokens: 1`` (and
-``max_completion_tokens: 1``) and without ``min_tokens``; it puts the values it rewrote in the
+``max_completion_tokens: 1``) and ``min_tokens`` at most 1; it puts the values it rewrote in the
 body field :data:`FIELD` (``{"max_tokens": .., "max_completion_tokens": .., "min_tokens": ..}``,
 only those the client sent). P's front end rebuilds the decode leg's view of the request from
 them and checks it as D will (length against ``max_model_len``, ``max_tokens >= 1``,

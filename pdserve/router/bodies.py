@@ -1,8 +1,10 @@
 """Request bodies of the two legs (docs/proxy.md) and the proxy's own checks on client bodies.
 
 Prefill leg (to P): the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1`` when
-the client sent that field), ``stream=false``, without ``min_tokens``, ``stream_options``, ``n``
-and ``conversation_id``, with the rewritten limits in :data:`DECODE_LEG_FIELD`, and with
+the client sent that field), ``stream=false``, ``min_tokens=1`` when the client asked for at
+least one (P's token is then drawn as D's first token would be, EOS and ``stop_token_ids``
+masked), without ``stream_options``, ``n`` and ``conversation_id``, with the client's limits in
+:data:`DECODE_LEG_FIELD`, and with
 ``kv_transfer_params`` set to :data:`PREFILL_KV_PARAMS`; in
 multi-turn mode the decoder's params from the previous turn are merged in (see
 :func:`prefill_leg_body`).
@@ -132,7 +134,10 @@ def prefill_leg_body(body: dict[str, Any], decoder_params: dict[str, Any] | None
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    for field in ("min_tokens", "stream_options", "n", "return_token_ids", *PROXY_FIELDS):
+    min_tokens = out.pop("min_tokens", None)
+    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens >= 1:
+        out["min_tokens"] = 1  # (an invalid value is refused by P through DECODE_LEG_FIELD)
+    for field in ("stream_options", "n", "return_token_ids", *PROXY_FIELDS):
         out.pop(field, None)
     params = dict(PREFILL_KV_PARAMS)
     if decoder_params:

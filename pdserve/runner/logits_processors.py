@@ -63,11 +63,7 @@ def apply_min_tokens(logits: torch.Tensor, reqs: Sequence[ScheduledRequest]) -> 
     vocab = logits.shape[1]
     for i, r in enumerate(reqs):
         if below_min_tokens(r):
-            p = r.sampling_params
-            ids = list(p.stop_token_ids)
-            if r.eos_token_id is not None:
-                ids.append(r.eos_token_id)
-            for t in ids:
+            for t in r.sampling_params.min_tokens_mask(r.eos_token_id):
                 if 0 <= t < vocab:
                     rows.append(i)
                     cols.append(t)

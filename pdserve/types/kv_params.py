@@ -379,9 +379,16 @@ def may_use_first_token(request: "Request") -> bool:
     whole prompt and emits that token without a forward pass (the token's own KV is computed by
     the first decode step). This holds the same distribution as sampling on the decoder, since
     the prefill leg runs the same sampling parameters, except for what the prefill leg cannot
-    reproduce: ``min_tokens`` (the proxy drops it there) and logprobs (not transferred); with
-    ``n > 1`` the front end passes the token to the first choice only. Those requests, and
-    requests that already have output tokens, recompute the last prompt token as before. The
+    reproduce: logprobs (not transferred); with ``n > 1`` the front end passes the token to the
+    first choice only. ``min_tokens``: the proxy's prefill leg carries ``min_tokens: 1`` (a
+    leg from elsewhere may carry none); the decoder drops a first token that the ``min_tokens``
+    mask forbids and draws its own (:meth:`RemoteKV.first_tokens_ready
+    <pdserve.engine.remote_kv.RemoteKV.first_tokens_ready>`), which is the masked draw when
+    :attr:`SamplingParams.min_tokens_by_rejection
+    <pdserve.types.sampling_params.SamplingParams.min_tokens_by_rejection>` holds; other
+    ``min_tokens`` requests (seeded, or with top-k / top-p / min-p), requests with logprobs or
+    ``n > 1``, and requests that already have output tokens, recompute the last prompt token
+    as before. The
     token itself comes from the prefiller's lease-claim answer (see
     ``kv_transfer/nixl/leases.py``); the relayed one is only compared with it. A pending
     reference (concurrent hand-off) relays none: the claim answer is the only source.
@@ -393,5 +400,6 @@ def may_use_first_token(request: "Request") -> bool:
     if params.first_token is None and not pending:  # pending: the claim answer brings it
         return False
     sp = request.sampling_params
-    return not (sp.n != 1 or sp.logprobs is not None or sp.min_tokens > 0
+    return not (sp.n != 1 or sp.logprobs is not None
+                or (sp.min_tokens > 0 and not sp.min_tokens_by_rejection)
                 or request.output_token_ids)

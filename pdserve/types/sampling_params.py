@@ -75,6 +75,28 @@ class SamplingParams:
         """True when sampling reduces to argmax (temperature 0)."""
         return self.temperature == 0.0
 
+    def min_tokens_mask(self, eos_token_id: int | None) -> list[int]:
+        """The token ids a draw below ``min_tokens`` cannot give: ``stop_token_ids`` and the
+        request's EOS (``eos_token_id``, None: none); the sampler sets their logits to
+        ``-inf`` (``pdserve.runner.logits_processors.apply_min_tokens``)."""
+        ids = list(self.stop_token_ids)
+        if eos_token_id is not None:
+            ids.append(eos_token_id)
+        return ids
+
+    @property
+    def min_tokens_by_rejection(self) -> bool:
+        """True when a token drawn without the ``min_tokens`` mask, kept if it is not in
+        :meth:`min_tokens_mask` and else drawn again with the mask, is the masked draw: so for
+        greedy rows (the argmax, when it is not masked, is the masked argmax) and for unseeded
+        draws without top-k / top-p / min-p (rejection sampling: ``p(t) + p(masked) * q(t) =
+        q(t)`` for the masked distribution ``q``). A seeded draw would take other noise, and a
+        truncation computed over the unmasked distribution keeps another set of tokens."""
+        if self.greedy:
+            return True
+        return (self.seed is None and self.top_k in (0, -1) and self.top_p == 1.0
+                and self.min_p == 0.0)
+
     @property
     def uses_penalties(self) -> bool:
         """True when a repetition, presence or frequency penalty applies: the next token then

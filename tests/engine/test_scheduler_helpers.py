@@ -185,6 +185,27 @@ def test_remote_kv_a_first_token_that_finishes_the_request_waits_for_the_load():
     assert req.num_computed_tokens == 8 and req.output_token_ids == []
 
 
+def test_remote_kv_drops_a_first_token_the_min_tokens_mask_forbids():
+    """A prefill leg drawn without ``min_tokens``: its EOS or stop token cannot be the first
+    token of a request with ``min_tokens`` (the draw masks them), so it is dropped and the
+    load ends one token short (the request draws its own first token under the mask); any
+    other token is used."""
+    kvm, remote_kv, req = parked(StubConnector(external=8), prompt_len=8)
+    req.sampling_params = SamplingParams(min_tokens=3, stop_token_ids=[7], temperature=0.0)
+    for forbidden in (EOS, 7):
+        early = KVConnectorOutput(first_tokens={"d": forbidden})
+        assert remote_kv.first_tokens_ready(early, lambda r, t: False) == []
+    result = remote_kv.load_finished("d", KVConnectorOutput(finished_recving={"d"}))
+    assert result.outcome is LoadOutcome.LOADED and result.first_token is None
+    assert req.num_computed_tokens == 7 and req.output_token_ids == []  # last prompt token left
+    assert kvm.num_cached_blocks == 1  # the block with the last token is not cached yet
+
+    _, remote_kv, req = parked(StubConnector(external=8), prompt_len=8)
+    req.sampling_params = SamplingParams(min_tokens=3, stop_token_ids=[7], temperature=0.0)
+    assert remote_kv.first_tokens_ready(KVConnectorOutput(first_tokens={"d": 42}),
+                                        lambda r, t: False) == [(req, 42)]
+
+
 def test_remote_kv_no_early_first_token_for_a_partial_or_failed_load():
     _, remote_kv, req = parked(StubConnector(external=8), prompt_len=11)  # 3 tokens to compute
     assert remote_kv.first_tokens_ready(KVConnectorOutput(first_tokens={"d": 42}),

@@ -292,3 +292,27 @@ def test_server_answers_400_naming_the_field(decoder, endpoint, stream, bad, fie
 
 def decoder_model(server) -> str:
     return server.client.get("/v1/models").json()["data"][0]["id"]
+
+
+@pytest.mark.parametrize("sampling, usable", [
+    ({}, True),
+    ({"min_tokens": 3, "temperature": 0.0}, True),  # greedy: the unmasked argmax, if allowed
+    ({"min_tokens": 3, "temperature": 0.7}, True),  # unseeded, untruncated: rejection sampling
+    ({"min_tokens": 3, "temperature": 0.7, "seed": 1}, False),  # other noise than D's draw
+    ({"min_tokens": 3, "temperature": 0.7, "top_p": 0.9}, False),  # another nucleus
+    ({"min_tokens": 3, "temperature": 0.7, "top_k": 5}, False),
+    ({"min_tokens": 3, "temperature": 0.7, "min_p": 0.1}, False),
+    ({"temperature": 0.7, "seed": 1, "top_p": 0.9}, True),  # no min_tokens: P drew as D would
+    ({"logprobs": 1}, False),
+    ({"n": 2}, False),
+])
+def test_a_decoder_starts_from_the_prefillers_token_when_its_draw_is_d_s_own(sampling, usable):
+    from pdserve.types.kv_params import may_use_first_token
+    from pdserve.types.request import Request
+    from pdserve.types.sampling_params import SamplingParams
+
+    params = KVTransferParams.parse(dict(p_returned_params(), first_token_id=5))
+    req = Request(request_id="r", prompt_token_ids=[1, 2, 3],
+                  sampling_params=SamplingParams(**sampling), eos_token_id=2,
+                  kv_transfer_params=params)
+    assert may_use_first_token(req) is usable

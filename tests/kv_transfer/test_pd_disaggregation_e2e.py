@@ -89,14 +89,15 @@ def test_completions_equal_single_instance(cluster, length, stream):
     p.wait_all_blocks_free(timeout_s=10)  # read done (or released) -> P's lease ends at once
 
 
-@pytest.mark.parametrize("extra", [{"logprobs": 2}, {"min_tokens": 2},
+@pytest.mark.parametrize("extra", [{"logprobs": 2},
+                                   {"min_tokens": 2, "temperature": 1.0, "seed": 5},
                                    {"n": 2, "temperature": 1.0, "seed": 11}],
-                         ids=["logprobs", "min_tokens", "n"])
+                         ids=["logprobs", "min_tokens-seeded", "n"])
 def test_requests_the_first_token_cannot_serve_recompute_the_last_prompt_token(cluster, extra):
-    """Logprobs and min_tokens are not reproduced by the prefill leg: D reads all but the last
-    prompt token and computes that one. With n > 1 (sampled, seeded) choice 0 alone reads P's
-    lease and takes P's token; the other choice starts from what it read. The outputs still equal one
-    instance's."""
+    """Logprobs, and min_tokens with a seeded draw, are not reproduced by the prefill leg: D
+    reads all but the last prompt token and computes that one. With n > 1 (sampled, seeded)
+    choice 0 alone reads P's lease and takes P's token; the other choice starts from what it
+    read. The outputs still equal one instance's."""
     p, d = cluster["p"], cluster["d_fail"]
     length = 2 * B + 3
     seed = 4242 + sum(map(ord, next(iter(extra))))  # a new prompt each case: no prefix-cache hit
@@ -104,7 +105,7 @@ def test_requests_the_first_token_cannot_serve_recompute_the_last_prompt_token(c
     expected = generate(cluster["single"], "completions", body)
     assert expected["status"] == 200, expected
     before = counters(d.metrics())
-    leg = {k: v for k, v in body.items() if k not in ("min_tokens", "n")}  # as the proxy sends it
+    leg = {k: v for k, v in body.items() if k != "n"}  # as the proxy sends it
     params = prefill_leg(p, "completions", leg)
     out = decode_leg(d, "completions", body, params)
     assert out["status"] == 200, out
@@ -122,10 +123,37 @@ def test_requests_the_first_token_cannot_serve_recompute_the_last_prompt_token(c
     p.wait_all_blocks_free(timeout_s=10)
 
 
+@pytest.mark.parametrize("leg_min_tokens", [True, False], ids=["proxy-leg", "leg-without-it"])
+def test_min_tokens_starts_from_the_prefillers_token_unless_its_mask_forbids_it(cluster,
+                                                                             leg_min_tokens):
+    """Greedy with ``min_tokens`` and a stop token that is the prompt's unmasked argmax: the
+    proxy's leg (``min_tokens: 1``) draws P's token under the mask, and D starts from it,
+    computing no prompt token; a leg without ``min_tokens`` draws the stop token, which D
+    drops: it computes the last prompt token and draws the first token under the mask. Both
+    answer as one instance."""
+    p, d = cluster["p"], cluster["d_fail"]
+    length = 2 * B + 5
+    body = completion_body(cluster, token_prompt(length, seed=7070 + leg_min_tokens), False)
+    free = generate(cluster["single"], "completions", dict(body, return_token_ids=True))
+    body.update(min_tokens=2, stop_token_ids=[free["body"]["choices"][0]["token_ids"][0]])
+    expected = generate(cluster["single"], "completions", dict(body, return_token_ids=True))
+    assert expected["status"] == 200, expected
+    assert expected["body"]["choices"][0]["token_ids"][0] not in body["stop_token_ids"]
+    before = counters(d.metrics())
+    params = prefill_leg(p, "completions", body, leg_min_tokens=leg_min_tokens)
+    assert (params["first_token_id"] in body["stop_token_ids"]) is not leg_min_tokens
+    out = decode_leg(d, "completions", dict(body, return_token_ids=True), params)
+    assert out["status"] == 200, out
+    assert out["body"]["choices"][0]["token_ids"] == expected["body"]["choices"][0]["token_ids"]
+    after = counters(d.wait_metrics(lambda m: counters(m)["requests"] > before["requests"]))
+    assert after["computed"] - before["computed"] == (0 if leg_min_tokens else 1)
+    p.wait_all_blocks_free(timeout_s=10)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_stop_string_waits_for_min_tokens_on_the_decoder(cluster, stream):
     """A stop string that the first token's text matches is ignored until ``min_tokens``
-    tokens exist, through P/D as on one instance (P's leg drops ``min_tokens``)."""
+    tokens exist, through P/D as on one instance (P's leg has ``min_tokens`` 1 at most)."""
     p, d = cluster["p"], cluster["d_fail"]
     body = completion_body(cluster, token_prompt(B + 5, seed=5150 + stream), stream, max_tokens=10)
     free = reference(cluster, "completions", body)

@@ -18,12 +18,26 @@ def test_prefill_leg_body_is_one_token_non_streaming_with_stateless_params():
     before = copy.deepcopy(CLIENT)
     assert prefill_leg_body(CLIENT) == {
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-        "max_completion_tokens": 1, "stream": False, "temperature": 0.0,
+        "max_completion_tokens": 1, "stream": False, "temperature": 0.0, "min_tokens": 1,
         "pdserve_decode_leg": {"max_tokens": 50, "max_completion_tokens": 50, "min_tokens": 5},
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
                                "remote_engine_id": None, "remote_block_ids": None,
                                "remote_host": None, "remote_port": None}}
     assert CLIENT == before
+
+
+@pytest.mark.parametrize("min_tokens, leg", [(0, None), (1, 1), (7, 1), (None, None),
+                                             ("5", None), (True, None), (-2, None)])
+def test_prefill_leg_body_draws_its_token_under_min_tokens(min_tokens, leg):
+    """P's one token is drawn as D's first one would be: with EOS and stop tokens masked when
+    the client asked for at least one token; an invalid value is not sent as ``min_tokens``
+    (P refuses it through the decode-leg field, as D would)."""
+    body = {"model": "m", "prompt": "x", "max_tokens": 9}
+    if min_tokens is not None:
+        body["min_tokens"] = min_tokens
+    out = prefill_leg_body(body)
+    assert out.get("min_tokens") == leg
+    assert out["pdserve_decode_leg"].get("min_tokens") == min_tokens
 
 
 def test_prefill_leg_body_adds_max_completion_tokens_only_when_present():

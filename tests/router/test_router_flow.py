@@ -21,7 +21,7 @@ async def test_completion_legs_bodies_and_request_id(make_cluster):
     (p_req,), (d_req,) = c.prefillers[0].received, c.decoders[0].received
     assert p_req.path == d_req.path == "/v1/completions"
     assert p_req.body == {"model": "m", "prompt": "Hello", "max_tokens": 1, "temperature": 0,
-                          "stream": False, "kv_transfer_params": STATELESS,
+                          "stream": False, "min_tokens": 1, "kv_transfer_params": STATELESS,
                           "pdserve_decode_leg": {"max_tokens": 20, "min_tokens": 3}}
     assert d_req.body == dict(body, kv_transfer_params=prefill_params("p0", "req-42"))
     assert p_req.request_id == d_req.request_id == headers["X-Request-Id"] == "req-42"

@@ -470,13 +470,15 @@ def generate(server: EngineServer, endpoint: str, body: dict) -> dict:
             "kv_transfer_params": data.get("kv_transfer_params"), "body": data}
 
 
-def prefill_leg(p: EngineServer, endpoint: str, body: dict) -> dict:
-    """The proxy's request to P: ``max_tokens=1``, not streamed, ``do_remote_decode``.
-    Returns P's ``kv_transfer_params``."""
+def prefill_leg(p: EngineServer, endpoint: str, body: dict, leg_min_tokens: bool = True) -> dict:
+    """The proxy's request to P: ``max_tokens=1``, not streamed, ``do_remote_decode``, and
+    ``min_tokens`` 1 when the body asks for more (``leg_min_tokens`` False: without it, as a
+    proxy that drops it sends the leg). Returns P's ``kv_transfer_params``."""
     leg = dict(body, max_tokens=1, stream=False,
                kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
     leg.pop("stream_options", None)
-    leg.pop("min_tokens", None)
+    if leg.pop("min_tokens", 0) >= 1 and leg_min_tokens:
+        leg["min_tokens"] = 1
     out = generate(p, endpoint, leg)
     assert out["status"] == 200, out
     params = out["kv_transfer_params"]
