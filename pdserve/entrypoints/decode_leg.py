@@ -11,12 +11,13 @@ the same 400.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from pdserve.entrypoints.errors import validation_error_to_openai
-from pdserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _Request
+from pdserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, _Request,
+                                          null_is_default)
 
 #: Body field of a prefill leg with the client's own limits (set by the proxy).
 FIELD = "pdserve_decode_leg"
@@ -28,11 +29,17 @@ R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 
 class DecodeLegLimits(_Request):
-    """The client's limits, validated as the request models validate them."""
+    """The client's limits, validated as the request models validate them (``min_tokens:
+    null`` is the default)."""
 
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     min_tokens: int = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return null_is_default(data)
 
 
 def decode_view(req: R) -> R | None:

@@ -109,6 +109,15 @@ _ASK_NOTHING: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+def null_is_default(data: Any) -> Any:
+    """``data`` without the ``null`` values of :data:`_NULL_IS_DEFAULT`: ``null`` for a field
+    with a plain default means that default (OpenAI's and vLLM's servers accept ``"n": null``,
+    ``"stream": null``). For the request models' ``mode="before"`` validators."""
+    if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
+        data = {k: v for k, v in data.items() if not (k in _NULL_IS_DEFAULT and v is None)}
+    return data
+
+
 class _SamplingFields(_Request):
     """Sampling and stopping fields shared by both endpoints (None: the default)."""
 
@@ -148,11 +157,7 @@ class _SamplingFields(_Request):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        """``null`` for a field with a plain default means that default (OpenAI's and vLLM's
-        servers accept ``"n": null``, ``"stream": null``)."""
-        if isinstance(data, dict) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
-            data = {k: v for k, v in data.items() if not (k in _NULL_IS_DEFAULT and v is None)}
-        return data
+        return null_is_default(data)
 
     @field_validator(*_ASK_NOTHING, check_fields=False)  # the endpoints' own ones too
     @classmethod

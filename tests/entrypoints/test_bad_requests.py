@@ -380,11 +380,15 @@ async def test_prefill_leg_is_refused_as_its_decode_leg_would_be(
     assert fake_engine.calls == {}  # nothing was prefilled
 
 
+@pytest.mark.parametrize("min_tokens", [3, None])
 async def test_prefill_leg_within_the_decode_limits_runs(client: httpx.AsyncClient,
-                                                         fake_engine: FakeEngine) -> None:
+                                                         fake_engine: FakeEngine,
+                                                         min_tokens: int | None) -> None:
+    """Limits D accepts pass P's check: ``min_tokens: null`` is the default there as in the
+    request models."""
     r = await client.post(COMPLETIONS, json={"prompt": "x" * 10, **P_LEG,
                                              "pdserve_decode_leg": {"max_tokens": 20,
-                                                                    "min_tokens": 3}})
+                                                                    "min_tokens": min_tokens}})
     assert r.status_code == 200, r.text
     assert len(fake_engine.calls) == 1
 
