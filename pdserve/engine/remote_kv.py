@@ -316,13 +316,15 @@ class RemoteKV:
                     "computing from token %d", req.request_id, good - num_local, num_ext, good)
         return LoadResult(req, LoadOutcome.LOADED)
 
-    def update_connector_output(self, kv_out: KVConnectorOutput, invalid: set[int]) -> None:
+    def update_connector_output(self, kv_out: KVConnectorOutput) -> None:
         """Hand the worker side's report of a step to the connector and note the invalid
-        blocks of pending loads (their policy applies when the load is reported finished).
+        blocks of pending loads (``kv_out.invalid_block_ids``; their policy applies when the
+        load is reported finished).
         The scheduler then calls :meth:`load_finished` for each id of ``finished_recving``
         and :meth:`transfer_sent` for each id of ``finished_sending``, in that order."""
         if self.connector is not None:
             self.connector.update_connector_output(kv_out)
+        invalid = kv_out.invalid_block_ids
         if invalid:
             for request_id, load in self.pending_load.items():
                 bad = self.first_invalid_block(self.waiting_for_remote[request_id], load, invalid)

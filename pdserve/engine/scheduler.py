@@ -327,7 +327,7 @@ class Scheduler:
         if self.demoter is not None:
             self.demoter.update(kv_out)
         if kv_out is not None:
-            remote_kv.update_connector_output(kv_out, set(kv_out.invalid_block_ids))
+            remote_kv.update_connector_output(kv_out)
             for req, token in remote_kv.first_tokens_ready(kv_out, self.acceptor.finishes):
                 outputs.append(self.append_token(req, token, None))
             for request_id in kv_out.finished_recving:

@@ -153,7 +153,7 @@ def parked(connector, prompt_len: int = 11, num_blocks: int = 16, policy=KVLoadF
 def test_remote_kv_a_finished_load_is_a_loaded_result_for_the_owner():
     kvm, remote_kv, req = parked(StubConnector(external=8))
     kv_out = KVConnectorOutput(finished_recving={"d"})
-    remote_kv.update_connector_output(kv_out, set())
+    remote_kv.update_connector_output(kv_out)
     result = remote_kv.load_finished("d", kv_out)
     assert result.outcome is LoadOutcome.LOADED and result.request is req and result.first_token is None
     assert req.num_computed_tokens == 8 and req.num_transferred_tokens == 8
@@ -212,7 +212,7 @@ def test_remote_kv_no_early_first_token_for_a_partial_or_failed_load():
                                         lambda r, t: False) == []
     _, remote_kv, req = parked(StubConnector(external=8), prompt_len=8)
     bad = KVConnectorOutput(first_tokens={"d": 42}, invalid_block_ids={req.block_ids[0]})
-    remote_kv.update_connector_output(bad, set(bad.invalid_block_ids))
+    remote_kv.update_connector_output(bad)
     assert remote_kv.first_tokens_ready(bad, lambda r, t: False) == []
 
 
@@ -221,7 +221,7 @@ def test_remote_kv_a_failed_load_fails_or_recomputes_by_policy():
     kvm, remote_kv, req = parked(StubConnector(external=8))
     kv_out = KVConnectorOutput(finished_recving={"d"}, invalid_block_ids={req.block_ids[1]},
                                load_errors={"d": error})
-    remote_kv.update_connector_output(kv_out, set(kv_out.invalid_block_ids))
+    remote_kv.update_connector_output(kv_out)
     result = remote_kv.load_finished("d", kv_out)
     assert result.outcome is LoadOutcome.FAIL and result.kv_load_failure is KVLoadFailure.TIMEOUT
     assert "timeout: no answer" in result.error and "'fail'" in result.error
@@ -229,7 +229,7 @@ def test_remote_kv_a_failed_load_fails_or_recomputes_by_policy():
 
     _, remote_kv, req = parked(StubConnector(external=8, policy="recompute"))
     kv_out = KVConnectorOutput(finished_recving={"d"}, invalid_block_ids={req.block_ids[1]})
-    remote_kv.update_connector_output(kv_out, set(kv_out.invalid_block_ids))
+    remote_kv.update_connector_output(kv_out)
     result = remote_kv.load_finished("d", kv_out)
     assert result.outcome is LoadOutcome.RECOMPUTE and result.error is None
     assert req.num_computed_tokens == BS and req.num_transferred_tokens == BS  # block 0 was good
