@@ -7,6 +7,11 @@ runs it in the loop of :mod:`pdserve.engine.core_loop`. The class owns the engin
 deadlines and their shutdown, and runs its steps: one at a time, or two deep with async
 scheduling (``--async-scheduling``; what to schedule next while a step runs is the scheduler's
 :mod:`pdserve.engine.async_scheduling`).
+
+The module is one class and stays whole (past 450 lines): its start-up order, its steps (one at
+a time or two deep, with the launched step and the reports applied at its launch) and its
+shutdown work on the same resources, and a helper given some of them would reach into its
+owner.
 """
 
 from __future__ import annotations

@@ -35,7 +35,13 @@ tiers (``--kv-offloading-size``), :class:`~pdserve.engine.kv_tiers.TierManager`,
 :class:`~pdserve.engine.tier_loads.TierLoads` and
 :class:`~pdserve.engine.turn_demotion.TurnDemoter`; their outcomes that move or finish a request
 are applied here. Computed tokens are committed (``num_computed_tokens`` advanced, full blocks
-registered in the prefix cache) in :meth:`Scheduler.update_from_output`, after their KV exists.
+registered in the prefix cache) in :meth:`Scheduler.commit_step`, after their KV exists; the
+connector's and the tiers' reports in :meth:`Scheduler.apply_reports`.
+
+The module is one class and stays whole (past 450 lines): it is where the helpers' outcomes
+are applied to the queues, the blocks and the requests, so every method moves the same
+requests between the same queues; a second class given part of that would reach into its
+owner.
 """
 
 from __future__ import annotations
