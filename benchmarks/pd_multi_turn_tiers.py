@@ -27,7 +27,8 @@ minutes). Under pressure the no-tier figures thus include these stalls; the expi
 counters and the turns-2+ maximum TTFT show them.
 
 Printed per case: TTFT of turn 1 and of turns 2+ (p50 / p90, ms), output tokens per second,
-P's prompt tokens (computed, from its prefix cache, pulled from D), the host tier's counters on
+P's prompt tokens (computed, from its prefix cache, pulled from D; the pulls given up because
+D's answer took longer than computing them), the host tier's counters on
 P and D (blocks stored, hits, prompt tokens loaded) and D's demoted / restored / lost turn
 leases; then the turns-2+ p50 and p90 ratios (no tier / host tier).
 """
@@ -51,6 +52,7 @@ P_SERIES = (
     "pdserve:prompt_tokens_computed_total",
     "pdserve:prompt_tokens_cached_total",
     "pdserve:prompt_tokens_transferred_total",
+    "pdserve:nixl_num_pulls_given_up",
 )
 TIER_SERIES = (
     'pdserve:kv_offload_stored_blocks_total{medium="CPU"}',
@@ -281,7 +283,8 @@ def report(results: dict[str, dict]) -> list[str]:
             f"{'':>9}  P prompt tokens {p.get('pdserve:prompt_tokens_total', 0.0):.0f}: computed "
             f"{p.get('pdserve:prompt_tokens_computed_total', 0.0):.0f}, prefix cache "
             f"{p.get('pdserve:prompt_tokens_cached_total', 0.0):.0f}, pulled from D "
-            f"{p.get('pdserve:prompt_tokens_transferred_total', 0.0):.0f}")
+            f"{p.get('pdserve:prompt_tokens_transferred_total', 0.0):.0f} (pulls given up "
+            f"{p.get('pdserve:nixl_num_pulls_given_up', 0.0):.0f})")
         for role, c in (("P", p), ("D", d)):
             lines.append(
                 f"{'':>9}  {role} host tier: stored {c.get(TIER_SERIES[0], 0.0):.0f} blocks, "

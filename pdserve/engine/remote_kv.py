@@ -24,9 +24,9 @@ apply:
   rolls ``num_computed_tokens`` back to the first invalid block. Invalid blocks read by a
   synchronous load of this step do the same at once (the step's token is worthless).
 * A *partial load* (``KVConnectorOutput.partial_loads``: only the load's leading blocks hold
-  KV, the owner had no more) is no failure: ``num_computed_tokens`` ends where those blocks do,
-  as ``RECOMPUTE``'s roll-back would put it, the request keeps its other blocks and computes the
-  rest; no policy applies and no failure is counted (``num_kv_partial_loads_total``).
+  KV, maybe none: the owner had no more, or the load was given up before reading) is no
+  failure: ``num_computed_tokens`` ends where those blocks do, as ``RECOMPUTE``'s roll-back
+  would put it, the request keeps its other blocks and computes the rest; no policy applies and no failure is counted (``num_kv_partial_loads_total``).
 * ``request_finished`` is called exactly once per request (finish, abort, error). When the
   connector asks for the blocks to be held, they are held until the id appears in
   ``finished_sending``. A request finished while its load is in flight
@@ -302,18 +302,19 @@ class RemoteKV:
 
     def partial_load(self, req: Request, num_local: int, num_ext: int,
                      num_blocks: int) -> LoadResult:
-        """A load that brought only its first ``num_blocks`` blocks (the owner held no more;
-        ``KVConnectorOutput.partial_loads``): the request computes from the block after them,
-        as a ``RECOMPUTE`` roll-back to it would, but nothing failed (no policy, no failure
-        counted). Its loaded blocks enter the prefix cache; it keeps the others."""
+        """A load that brought only its first ``num_blocks`` blocks, maybe none (the owner held no
+        more, or the load was given up; ``KVConnectorOutput.partial_loads``): the request
+        computes from the block after them, as a ``RECOMPUTE`` roll-back to it would, but
+        nothing failed (no policy, no failure counted). Its loaded blocks enter the prefix
+        cache; it keeps the others."""
         self.num_kv_partial_loads_total += 1
         bs = self.kv_cache_manager.block_size
         # never past the load's last full block, whatever the count says
         good = self._roll_back(req, min(num_local // bs + num_blocks, (num_local + num_ext) // bs),
                                num_local)
         self.kv_cache_manager.cache_blocks(req, good)
-        logger.info("request %s: its KV load brought %d of %d tokens (the owner holds no more); "
-                    "computing from token %d", req.request_id, good - num_local, num_ext, good)
+        logger.info("request %s: its KV load brought %d of %d tokens; computing from token %d",
+                    req.request_id, good - num_local, num_ext, good)
         return LoadResult(req, LoadOutcome.LOADED)
 
     def update_connector_output(self, kv_out: KVConnectorOutput) -> None:

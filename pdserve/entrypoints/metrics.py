@@ -86,6 +86,8 @@ KV_TRANSFER_PATH_INFO = "pdserve:kv_transfer_path_info"
 KV_TRANSFER_READ_GBPS = "pdserve:kv_transfer_read_gbps"
 NIXL_NUM_KV_TURNS_EXPIRED = "pdserve:nixl_num_kv_turns_expired"
 KV_LEASES_RELEASED_EARLY = "pdserve:kv_leases_released_early_total"
+# a prefiller's pulls whose lease claim took longer than computing their tokens (not failures)
+NIXL_NUM_PULLS_GIVEN_UP = "pdserve:nixl_num_pulls_given_up"
 
 # Bucket bounds. Latencies: roughly x2-x2.5 steps from 1 ms to 10 min, wide enough for a CPU
 # engine under load and fine enough for a GPU decode step. Sizes: powers of two.
@@ -168,6 +170,7 @@ CONNECTOR_COUNTER_KEYS = {
     "num_kv_expired_reqs": NIXL_NUM_KV_EXPIRED_REQS,
     "num_kv_turns_expired": NIXL_NUM_KV_TURNS_EXPIRED,
     "num_kv_leases_released_early": KV_LEASES_RELEASED_EARLY,
+    "num_pulls_given_up": NIXL_NUM_PULLS_GIVEN_UP,
 }
 _CONNECTOR_COUNTER_DOCS = {
     NIXL_NUM_FAILED_TRANSFERS: "KV transfers that failed.",
@@ -180,6 +183,9 @@ _CONNECTOR_COUNTER_DOCS = {
                                 "(also counted in nixl_num_kv_expired_reqs; expected traffic)."),
     KV_LEASES_RELEASED_EARLY: ("Prefill leases released at once because their decode leg will "
                                "not read them (D refused or unreachable, client gone)."),
+    NIXL_NUM_PULLS_GIVEN_UP: ("Pulls of a decoder's turn given up because its lease claim was "
+                              "not answered within the time computing those tokens takes; "
+                              "the tokens were computed. Not failures."),
 }
 
 
@@ -367,7 +373,7 @@ class ServerMetrics:
         seconds), ``bytes``,
         ``num_descriptors`` (lists of ints), ``num_failed_transfers``, ``num_partial_transfers``,
         ``num_failed_notifications``, ``num_kv_expired_reqs``, ``num_kv_turns_expired``,
-        ``num_kv_leases_released_early`` (ints, increments), ``transfer_paths`` (each peer's read
+        ``num_kv_leases_released_early``, ``num_pulls_given_up`` (ints, increments), ``transfer_paths`` (each peer's read
         path, see :meth:`~pdserve.kv_transfer.nixl.transfer_path.TransferPaths.take_delta`).
         Unknown keys
         are ignored. May be called from any thread.

@@ -276,8 +276,9 @@ class KVConnectorWorkerSide(abc.ABC):
 
         A load reported in ``finished_recving`` loaded all its tokens, or failed (its blocks in
         ``invalid_block_ids``: ``kv_load_failure_policy`` applies), or, named in
-        ``partial_loads``, loaded only its leading blocks because the owner held no more (the
-        scheduler computes the rest; not a failure).
+        ``partial_loads``, loaded only its leading blocks (maybe none) because the owner held no
+        more or the load was given up before reading (the scheduler computes the rest; not a
+        failure).
 
         Args:
             finished_request_ids: requests the scheduler finished this step.

@@ -43,6 +43,9 @@ Top-level keys:
     ``kv_lease_duration``        30          seconds P keeps a finished request's blocks for D
     ``bidirectional_kv_xfer``    false       multi-turn: D keeps blocks, P may pull them back
     ``kv_recompute_threshold``   64          tokens: below this, P recomputes instead of pulling
+    ``kv_pull_wait_factor``      1           a pull's claim waits at most this many times the
+                                             time P takes to compute the tokens it would load
+                                             (measured on P's own prefills); 0: no bound
     ``decoder_kv_blocks_ttl``    480         seconds D keeps a finished turn's blocks
     ``kv_metrics_log_interval``  10          seconds between ``KV Transfer metrics`` log lines
     ``kv_handshake_timeout``     5           seconds to wait for a remote side channel's answer
@@ -68,6 +71,7 @@ from __future__ import annotations
 import copy
 import enum
 import logging
+import math
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -106,6 +110,7 @@ EXTRA_DEFAULTS: dict[str, Any] = {
     "kv_lease_duration": 30.0,
     "bidirectional_kv_xfer": False,
     "kv_recompute_threshold": 64,
+    "kv_pull_wait_factor": 1.0,
     "decoder_kv_blocks_ttl": 480.0,
     "kv_metrics_log_interval": 10.0,
     "kv_handshake_timeout": 5.0,
@@ -193,6 +198,14 @@ def _validate_extra(extra: Any) -> dict[str, Any]:
             "kv_connector_extra_config.kv_recompute_threshold must be a non-negative integer "
             f"number of tokens, got {thr!r}"
         )
+    factor = out["kv_pull_wait_factor"]
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or \
+            not math.isfinite(factor) or factor < 0:
+        raise KVTransferConfigError(
+            "kv_connector_extra_config.kv_pull_wait_factor must be a non-negative number (0: "
+            f"no bound on a pull's wait), got {factor!r}"
+        )
+    out["kv_pull_wait_factor"] = float(factor)
     if out["same_host_transport"] not in SAME_HOST_TRANSPORTS:
         raise KVTransferConfigError(
             f"kv_connector_extra_config.same_host_transport must be one of "
@@ -345,6 +358,12 @@ class KVTransferConfig:
     def kv_recompute_threshold(self) -> int:
         """Tokens: a reusable remote prefix shorter than this is recomputed, not pulled."""
         return self.kv_connector_extra_config["kv_recompute_threshold"]
+
+    @property
+    def kv_pull_wait_factor(self) -> float:
+        """How many times the time P takes to compute a pull's tokens its lease claim may wait
+        (0: no bound; :class:`~pdserve.kv_transfer.nixl.bidirectional.PrefillPace`)."""
+        return self.kv_connector_extra_config["kv_pull_wait_factor"]
 
     @property
     def decoder_kv_blocks_ttl(self) -> float:

@@ -119,3 +119,4 @@ def test_series_parsing_delta_and_report():
     assert lines[-1].startswith("summary: turns 2+ TTFT p50 40.0 -> 10.0 ms (4.00x), p90 "
                                 "80.0 -> 20.0 ms (4.00x)")
     assert any("D turn leases: demoted 2, restored 2" in line for line in lines)
+    assert any("pulled from D 1 (pulls given up 1)" in line for line in lines)

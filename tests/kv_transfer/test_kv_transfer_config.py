@@ -24,6 +24,7 @@ def test_json_form_and_defaults():
     assert cfg.kv_lease_duration == 30.0
     assert cfg.bidirectional_kv_xfer is False
     assert cfg.kv_recompute_threshold == 64
+    assert cfg.kv_pull_wait_factor == 1.0
     assert cfg.decoder_kv_blocks_ttl == 480.0
     assert cfg.kv_metrics_log_interval == 10.0
     assert cfg.same_host_transport == "auto"
@@ -152,6 +153,15 @@ def test_round_trip():
         (["--kv-transfer-config.kv_role", "kv_producer",
           "--kv-transfer-config.kv_connector_extra_config.kv_recompute_threshold", "1.5"],
          "kv_recompute_threshold must be a non-negative integer"),
+        (["--kv-transfer-config.kv_role", "kv_producer",
+          "--kv-transfer-config.kv_connector_extra_config.kv_pull_wait_factor", "-0.5"],
+         "kv_pull_wait_factor must be a non-negative number"),
+        (["--kv-transfer-config.kv_role", "kv_producer",
+          "--kv-transfer-config.kv_connector_extra_config.kv_pull_wait_factor", "true"],
+         "kv_pull_wait_factor must be a non-negative number"),
+        (["--kv-transfer-config.kv_role", "kv_producer",
+          "--kv-transfer-config.kv_connector_extra_config.kv_pull_wait_factor", "NaN"],
+         "kv_pull_wait_factor must be a non-negative number"),
         (["--kv-transfer-config.kv_role", "kv_producer",
           "--kv-transfer-config.kv_connector_extra_config.backends", "[]"],
          "backends must be a non-empty list"),

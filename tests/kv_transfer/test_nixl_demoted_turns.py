@@ -51,12 +51,13 @@ def demoted_turn(owner: PeerProcess, request_id: str, block_ids: list[int]) -> N
 
 
 def pull(reader: PeerProcess, owner: PeerProcess, read_id: str, request_id: str,
-         advertised: list[int], local: list[int]) -> None:
+         advertised: list[int], local: list[int], claim_wait_s: float = 0.0) -> None:
     ref = RemoteKVRef(RemoteEndpoint(owner.engine_id, "127.0.0.1", owner.port), request_id,
                       list(advertised), len(TOKENS) - 1)
     reader.bind(NixlConnectorMetadata(reqs_to_recv={read_id: RecvSpec(
         read_id, ref, local, list(advertised[:len(local)]), num_tokens=4 * len(local),
-        digest_tokens=4 * len(local), token_digest=token_digest(TOKENS[:4 * len(local)]))}))
+        digest_tokens=4 * len(local), token_digest=token_digest(TOKENS[:4 * len(local)]),
+        claim_wait_s=claim_wait_s)}))
 
 
 def wait_restore_wanted(owner: PeerProcess, reader: PeerProcess, request_id: str) -> None:
@@ -113,3 +114,21 @@ def test_a_turn_restored_into_fewer_blocks_is_read_as_a_partial_load(pair):
     assert float(second.abs().sum()) == 0.0  # not read: the reader computes it
     # the "done" names the blocks the owner holds: the lease ends
     owner.step_until(lambda a: "half" in a["finished_sending"], timeout_s=10)
+
+
+def test_a_pull_whose_claim_outwaits_its_bound_reads_nothing_and_ends_the_turn(pair):
+    """The owner does not restore the turn within the pull's ``claim_wait_s``: the reader gives
+    the pull up (a load of no block, no failure, nothing read) and its abort ends the lease."""
+    owner, reader = pair
+    demoted_turn(owner, "slow", [22, 23, 24])
+    pull(reader, owner, "pull-slow", "slow", [22, 23, 24], [25, 26], claim_wait_s=0.3)
+    t0 = time.monotonic()
+    wait_restore_wanted(owner, reader, "slow")  # the claim waits for a restore that never comes
+    acc = reader.step_until(lambda a: "pull-slow" in a["finished_recving"])
+    assert time.monotonic() - t0 >= 0.3
+    assert acc["partial_loads"] == {"pull-slow": 0}
+    assert not acc["invalid_block_ids"] and not acc["load_errors"], acc
+    assert sum(s["num_pulls_given_up"] for s in acc["stats"]) == 1
+    assert sum(s["num_failed_transfers"] for s in acc["stats"]) == 0
+    assert float(sum(b.abs().sum() for b in reader.blocks([25, 26]))) == 0.0  # nothing read
+    owner.step_until(lambda a: "slow" in a["finished_sending"], timeout_s=10)

@@ -29,7 +29,7 @@ def test_delta_dict_and_log_line(caplog):
         "bytes": [2_000_000, 4_000_000], "num_descriptors": [2, 4],
         "num_failed_transfers": 1, "num_partial_transfers": 0, "num_failed_notifications": 0,
         "num_kv_expired_reqs": 2, "num_kv_turns_expired": 0, "num_kv_leases_released_early": 0,
-        "handoff_s": [],
+        "num_pulls_given_up": 0, "handoff_s": [],
     }
     assert rec.take_delta() is None
     assert rec.maybe_log(now=rec._last_log + 1.0) is None  # interval not over yet

@@ -84,12 +84,16 @@ def nixl_config(role: str, **extra: Any) -> dict:
     ``kv_consumer``); ``kv_load_failure_policy`` goes at the top level, any other keyword into
     ``kv_connector_extra_config``. NIXL's progress thread is off unless a test asks for it: it
     keeps one core busy per instance, and the suite's engines progress their transfers when they
-    poll (docs/configuration.md, ``nixl_progress_thread``)."""
+    poll (docs/configuration.md, ``nixl_progress_thread``). A pull's wait is not bounded
+    (``kv_pull_wait_factor`` 0) unless a test asks for it: the suite's tiny models compute a
+    turn's history in less time than a busy 2-core machine takes to answer a claim, and the
+    tests that count the tokens P pulls would find pulls given up."""
     cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": role}
     policy = extra.pop("kv_load_failure_policy", None)
     if policy:
         cfg["kv_load_failure_policy"] = policy
-    cfg["kv_connector_extra_config"] = {"nixl_progress_thread": False, **extra}
+    cfg["kv_connector_extra_config"] = {"nixl_progress_thread": False,
+                                        "kv_pull_wait_factor": 0, **extra}
     return cfg
 
 

@@ -19,6 +19,14 @@ With ``kv_connector_extra_config.bidirectional_kv_xfer: true`` on both instances
   seconds from now (D's expiry time converted to P's clock with the offset measured at the
   handshake). Otherwise P recomputes. A pull that fails never fails the request: the scheduler
   recomputes (per-request ``kv_load_failure_policy`` override).
+* **A pull never waits longer than its recompute** — :class:`PrefillPace`: P measures how long
+  its own prefills take per prompt token, and a pull's lease claim waits at most the time P
+  would take to compute the tokens it loads (``RecvSpec.claim_wait_s``; times
+  ``kv_pull_wait_factor``, default 1, 0 for no bound). D answers a claim of
+  a turn it demoted under GPU pressure only once the turn is restored into GPU blocks, a few of
+  D's engine steps later (:mod:`pdserve.engine.turn_demotion`); when that is longer, P stops
+  waiting and computes those tokens (a load of no block, ``KVConnectorOutput.partial_loads``;
+  D is told to drop the turn).
 """
 
 from __future__ import annotations
@@ -177,3 +185,46 @@ def decoder_hold_blocks(
     params = decoder_turn_params(engine_id, held, num_tokens, encode_block_hashes(hashes),
                                  now + ttl_s, host, port, request.request_id, tp_size)
     return spec, params
+
+
+class PrefillPace:
+    """Seconds per prompt token of this prefiller's own prefills, for the wait bound of its pulls.
+
+    A P leg that loads nothing (no pull) is timed from the step that allocates its blocks
+    (:meth:`started`) to its finish (:meth:`finished`; a P leg samples one token, so that is its
+    prefill), over the prompt tokens it computed (its prompt less its prefix-cache and tier
+    hits). The pace is the exponentially weighted mean (weight :data:`WEIGHT` for the newest) of
+    those per-token times, over legs of at least :data:`MIN_TOKENS` computed tokens (a shorter
+    leg's time is mostly a step's fixed cost). Legs batched together each count the whole step,
+    so the pace errs long: a pull waits somewhat more than its recompute would take, never less.
+    Pure bookkeeping: the caller passes the clock.
+    """
+
+    #: Weight of the newest leg in the running mean.
+    WEIGHT = 0.2
+    #: Fewest computed prompt tokens for a leg to be timed.
+    MIN_TOKENS = 32
+
+    def __init__(self) -> None:
+        self._started: dict[str, float] = {}  # request id -> when its blocks were allocated
+        self._s_per_token: float | None = None
+
+    def started(self, request_id: str, now: float) -> None:
+        """A P leg that loads nothing got its blocks at ``now`` (seconds, a monotonic clock)."""
+        self._started[request_id] = now
+
+    def finished(self, request_id: str, num_computed: int, now: float, normal: bool) -> None:
+        """The request ended at ``now`` having computed ``num_computed`` prompt tokens;
+        ``normal``: its prefill completed (an aborted or failed leg is not timed)."""
+        start = self._started.pop(request_id, None)
+        if start is None or not normal or num_computed < self.MIN_TOKENS:
+            return
+        per_token = max(0.0, now - start) / num_computed
+        prev = self._s_per_token
+        self._s_per_token = per_token if prev is None else \
+            prev + self.WEIGHT * (per_token - prev)
+
+    def seconds_for(self, num_tokens: int) -> float | None:
+        """Seconds this prefiller takes to compute ``num_tokens`` prompt tokens at its pace;
+        None before a leg was timed."""
+        return None if self._s_per_token is None else self._s_per_token * num_tokens

@@ -39,6 +39,10 @@ A claim of a decoder's demoted turn lease is answered with the blocks holding it
 the turn's leading blocks, the load reads those and the scheduler computes the rest (a *partial
 load*, ``KVConnectorOutput.partial_loads``, counted apart from the failures). What an answer
 means for the load is :mod:`.granted_claims`.
+A pull's claim waits at most ``RecvSpec.claim_wait_s``, the time the prefiller takes to compute
+the tokens it loads (:class:`~.bidirectional.PrefillPace`); still unanswered then, the load is
+given up: nothing read, reported as a partial load of no block, counted in
+``num_pulls_given_up``, and the owner told to drop the turn.
 
 Restarted peers: a claim answered by another ``instance_id`` than the handshaken one (the owner
 restarted, with the same engine id or on the same host and port) drops the cached agent and
@@ -141,11 +145,16 @@ class LoadTracker:
 
     def next_poll_in(self) -> float | None:
         """0 while a READ waits to be posted or was posted less than :data:`XFER_SPIN_S` ago,
-        else :data:`XFER_POLL_INTERVAL_S`; None without a READ in flight or to post."""
+        else :data:`XFER_POLL_INTERVAL_S`, or the time left of a pull's claim wait
+        (``RecvSpec.claim_wait_s``) when sooner; None without a READ in flight or to post or a
+        bounded claim waiting."""
         now = time.perf_counter()
         waits = [0.0 if load.phase is LoadPhase.GRANTED or now - load.t_post < XFER_SPIN_S
                  else XFER_POLL_INTERVAL_S for load in self._loads.values()
                  if load.phase in (LoadPhase.GRANTED, LoadPhase.XFER, LoadPhase.UNSTAGE)]
+        waits += [max(0.0, load.t_claim + load.spec.claim_wait_s - now)
+                  for load in self._loads.values()
+                  if load.phase is LoadPhase.CLAIM and load.spec.claim_wait_s > 0.0]
         return min(waits, default=None)
 
     # ----------------------------------------------------------------------------- progress
@@ -190,10 +199,13 @@ class LoadTracker:
                                KVLoadFailure.TRANSPORT, f"lease claim failed: {e}",
                                notify_remote=not timeout)
                     continue
-                if reply is None:
-                    if load.aborted and spec.remote.pending:  # gave up while P prefills
-                        self._drop_aborted(request_id, load)
-                    continue  # not answered yet
+                if reply is None:  # not answered yet
+                    waited_out = 0.0 < spec.claim_wait_s < time.perf_counter() - load.t_claim
+                    if load.aborted and (spec.remote.pending or waited_out):
+                        self._drop_aborted(request_id, load)  # gave up while the owner works
+                    elif waited_out:
+                        self._give_up(request_id, load)
+                    continue
                 if not reply.get("ok") and self.claims.again(load):
                     continue
                 if not reply.get("ok"):
@@ -412,6 +424,22 @@ class LoadTracker:
             out.load_errors[request_id] = KVLoadError(kind, reason)
         if notify_remote and spec.remote is not None:
             self._notify(RemoteNotice(spec.remote, "abort", reader_request=request_id))
+
+    def _give_up(self, request_id: str, load: Load) -> None:
+        """A pull whose claim was not answered within ``claim_wait_s`` (the owner restores a
+        demoted turn, or has not started its lease): computing its tokens is sooner. Nothing
+        was read: reported as a load of no block (the scheduler computes from the request's
+        local hit); the owner is told to drop the turn."""
+        del self._loads[request_id]
+        self._client.cancel(load.claim)
+        self._stats.current.num_pulls_given_up += 1
+        logger.info("NIXL: request %s: no answer to the pull's lease claim within %.1f ms (the "
+                    "time computing its %d tokens takes); computing them", request_id,
+                    1e3 * load.spec.claim_wait_s, load.spec.num_tokens)
+        out = self._output()
+        out.finished_recving.add(request_id)
+        out.partial_loads[request_id] = 0
+        self._notify(RemoteNotice(load.spec.remote, "abort", reader_request=request_id))
 
     def _drop_aborted(self, request_id: str, load: Load) -> None:
         """A load aborted before its READ was posted: free locally, tell the owner."""

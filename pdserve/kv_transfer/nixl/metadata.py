@@ -39,6 +39,10 @@ class RecvSpec:
         remote_first_block: the index, in the owner's block table, of the first block read
             (the blocks before it are in the local prefix cache); a pending reference's
             ``remote_read_block_ids`` are the owner's claimed blocks from there on.
+        claim_wait_s: a pull's bound (seconds) on the wait for its lease claim's answer, from
+            the claim's send: past it the worker gives the load up, reads nothing and reports
+            it as a load of no block (:class:`~.bidirectional.PrefillPace`); 0 for no bound
+            (the claim's own timeout applies).
     """
 
     request_id: str
@@ -53,6 +57,7 @@ class RecvSpec:
     first_token: int | None = None
     starts_with_first_token: bool = False
     remote_first_block: int = 0
+    claim_wait_s: float = 0.0
 
 
 @dataclass

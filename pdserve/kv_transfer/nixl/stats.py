@@ -6,7 +6,7 @@ The delta dict (``KVConnectorOutput.stats``) has exactly these keys::
     {"xfer_time_s": [float], "post_time_s": [float], "bytes": [int], "num_descriptors": [int],
      "num_failed_transfers": int, "num_partial_transfers": int, "num_failed_notifications": int,
      "num_kv_expired_reqs": int, "num_kv_turns_expired": int, "num_kv_leases_released_early": int,
-     "handoff_s": [float]}
+     "num_pulls_given_up": int, "handoff_s": [float]}
 
 one list entry per successful transfer (a partial one too; ``handoff_s``: per prompt lease read,
 on the owner's TP rank 0); the server turns them into the ``pdserve:nixl_*`` histograms and counters and the
@@ -61,6 +61,9 @@ class TransferStats:
             their decode leg will not read them (the proxy's release: D refused, unreachable,
             client gone between the legs; or the prefill's client gone before it got the
             params).
+        num_pulls_given_up: a prefiller's pulls of a decoder's turn whose lease claim was not
+            answered within the time computing their tokens takes (``RecvSpec.claim_wait_s``):
+            nothing read, the tokens computed. Not failures.
         handoff_s: per prompt lease (P's blocks for a decoder) ended by its reader's "done",
             seconds from the lease's start (P holds the KV) to that "done" (the KV is in the
             reader's cache): the hand-off as the owner sees it.
@@ -76,6 +79,7 @@ class TransferStats:
     num_kv_expired_reqs: int = 0
     num_kv_turns_expired: int = 0
     num_kv_leases_released_early: int = 0
+    num_pulls_given_up: int = 0
     handoff_s: list[float] = field(default_factory=list)
 
     def record_transfer(
@@ -97,12 +101,14 @@ class TransferStats:
         self.num_kv_expired_reqs += other.num_kv_expired_reqs
         self.num_kv_turns_expired += other.num_kv_turns_expired
         self.num_kv_leases_released_early += other.num_kv_leases_released_early
+        self.num_pulls_given_up += other.num_pulls_given_up
         self.handoff_s += other.handoff_s
 
     def is_empty(self) -> bool:
         return not (
             self.xfer_time_s or self.num_failed_transfers or self.num_failed_notifications
             or self.num_kv_expired_reqs or self.num_kv_leases_released_early or self.handoff_s
+            or self.num_pulls_given_up
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,6 +124,7 @@ class TransferStats:
             "num_kv_expired_reqs": self.num_kv_expired_reqs,
             "num_kv_turns_expired": self.num_kv_turns_expired,
             "num_kv_leases_released_early": self.num_kv_leases_released_early,
+            "num_pulls_given_up": self.num_pulls_given_up,
             "handoff_s": list(self.handoff_s),
         }
 

@@ -369,8 +369,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         :data:`~pdserve.kv_transfer.nixl.held.READ_POLL_WINDOW_S`; the claim woke the loop),
         every :data:`~pdserve.kv_transfer.nixl.held.HELD_NOTIF_POLL_INTERVAL_S` while blocks
         are merely held (an instance that only holds blocks sleeps until then, its next lease
-        expiry, or a wake-up). Lease expiries,
-        heartbeats and side-channel timeouts are deadlines; finished background side-channel
+        expiry, or a wake-up). Lease expiries, heartbeats, side-channel timeouts and the end of
+        a pull's claim wait (``RecvSpec.claim_wait_s``) are deadlines; finished background side-channel
         notices are collected every
         :data:`~pdserve.kv_transfer.nixl.notice_sender.BG_NOTICE_POLL_INTERVAL_S`.
         """
