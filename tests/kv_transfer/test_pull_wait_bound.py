@@ -27,7 +27,12 @@ def test_the_pace_is_a_weighted_mean_of_timed_legs_per_computed_token():
     assert pace.seconds_for(100) is None  # nothing timed yet
     pace.started("a", now=10.0)
     pace.finished("a", num_computed=200, now=10.2, normal=True)  # 1 ms per token
-    assert pace.seconds_for(64) == pytest.approx(0.064)
+    assert pace.seconds_for(64) == pytest.approx(0.064) == pace.claim_wait_s(64)
+    patient, unbounded = PrefillPace(wait_factor=3.0), PrefillPace(wait_factor=0.0)
+    for p in (patient, unbounded):
+        p.started("a", now=10.0)
+        p.finished("a", num_computed=200, now=10.2, normal=True)
+    assert patient.claim_wait_s(64) == pytest.approx(0.192) and unbounded.claim_wait_s(64) == 0.0
     pace.started("b", now=20.0)
     pace.finished("b", num_computed=100, now=20.6, normal=True)  # 6 ms per token
     assert pace.seconds_for(1) == pytest.approx(0.001 + PrefillPace.WEIGHT * 0.005)
@@ -42,7 +47,7 @@ def test_short_aborted_and_untimed_legs_leave_the_pace_alone():
     pace.finished("never-started", num_computed=500, now=5.0, normal=True)
     assert pace.seconds_for(10) is None
     pace.finished("aborted", num_computed=500, now=6.0, normal=True)  # forgotten at its end
-    assert pace.seconds_for(10) is None
+    assert pace.seconds_for(10) is None and pace.claim_wait_s(10) == 0.0  # no bound yet
 
 
 # ------------------------------------------------------------------ the scheduler side

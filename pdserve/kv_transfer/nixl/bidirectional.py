@@ -198,6 +198,10 @@ class PrefillPace:
     leg's time is mostly a step's fixed cost). Legs batched together each count the whole step,
     so the pace errs long: a pull waits somewhat more than its recompute would take, never less.
     Pure bookkeeping: the caller passes the clock.
+
+    Args:
+        wait_factor: ``kv_pull_wait_factor``: a pull's claim waits at most this many times the
+            time its tokens take (:meth:`claim_wait_s`; 0: no bound).
     """
 
     #: Weight of the newest leg in the running mean.
@@ -205,7 +209,8 @@ class PrefillPace:
     #: Fewest computed prompt tokens for a leg to be timed.
     MIN_TOKENS = 32
 
-    def __init__(self) -> None:
+    def __init__(self, wait_factor: float = 1.0) -> None:
+        self.wait_factor = wait_factor
         self._started: dict[str, float] = {}  # request id -> when its blocks were allocated
         self._s_per_token: float | None = None
 
@@ -228,3 +233,9 @@ class PrefillPace:
         """Seconds this prefiller takes to compute ``num_tokens`` prompt tokens at its pace;
         None before a leg was timed."""
         return None if self._s_per_token is None else self._s_per_token * num_tokens
+
+    def claim_wait_s(self, num_tokens: int) -> float:
+        """The bound on the claim wait of a pull of ``num_tokens`` tokens
+        (``RecvSpec.claim_wait_s``): :attr:`wait_factor` times :meth:`seconds_for`; 0 (no
+        bound) before a leg was timed or with a factor of 0."""
+        return self.wait_factor * (self.seconds_for(num_tokens) or 0.0)

@@ -116,7 +116,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self._clock_offsets: dict[tuple[str, str, int], float] = {}
         self._held: set[str] = set()  # blocks held for a remote reader
         self._turns: dict[str, None] = {}  # decoder turn leases, oldest first
-        self._pace = PrefillPace()  # bidirectional prefiller: its own prefills, for pull waits
+        self._pace = PrefillPace(config.kv_pull_wait_factor)  # P's prefills, for pull waits
         self._meta = NixlConnectorMetadata()
 
     # ------------------------------------------------------------------------------- params
@@ -254,8 +254,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         plan = self._plans.pop(request_id, None)
         if plan is None:
             params = request.kv_transfer_params  # a P leg loading nothing: time its prefill
-            if self.config.bidirectional_kv_xfer and params is not None and \
-                    params.role is KVRole.PREFILL:
+            if params is not None and params.role is KVRole.PREFILL:
                 self._pace.started(request_id, time.monotonic())
             return
         ref = plan.remote
@@ -298,17 +297,12 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             first_token=request.kv_transfer_params.first_token if starts else None,
             starts_with_first_token=starts,
             remote_first_block=first,
-            claim_wait_s=self._pull_wait_s(num_external_tokens) if plan.kind is LoadKind.PULL
-            else 0.0,
+            claim_wait_s=self._pace.claim_wait_s(num_external_tokens)
+            if plan.kind is LoadKind.PULL else 0.0,
         )
         self._waiting.pop(request_id, None)
         self._inflight[request_id] = plan.kind
         self._consumed.add(request_id)
-
-    def _pull_wait_s(self, num_tokens: int) -> float:
-        """The bound on a pull's claim wait: ``kv_pull_wait_factor`` times P's time for
-        ``num_tokens`` tokens (0, no bound, before P timed a prefill or with factor 0)."""
-        return self.config.kv_pull_wait_factor * (self._pace.seconds_for(num_tokens) or 0.0)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> NixlConnectorMetadata:
         meta, self._meta = self._meta, NixlConnectorMetadata()
@@ -374,8 +368,8 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         if ref is not None and (kind is not None or waiting_ref is not None):
             self._meta.notices.append(RemoteNotice(ref, "abort", reader_request=request_id))
         normal = request.status in _NORMAL_FINISH
-        self._pace.finished(request_id, request.num_prompt_tokens - max(request.num_cached_tokens, 0),
-                            time.monotonic(), normal)
+        computed = request.num_prompt_tokens - max(request.num_cached_tokens, 0)
+        self._pace.finished(request_id, computed, time.monotonic(), normal)
         params = request.kv_transfer_params
         # --- owner side: hold the prompt's blocks for the decoder
         if normal and params is not None and params.role is KVRole.PREFILL:
