@@ -223,14 +223,19 @@ def engine_args(args: argparse.Namespace, tier_gib: float | None) -> list[str]:
 def parse_series(text: str) -> dict[str, float]:
     """Every ``pdserve:`` sample of a ``/metrics`` page (prometheus-client's parser), keyed by
     name with its labels as rendered (``name{k="v"}``), and each labelled family's sum over its
-    labels under its bare name."""
+    labels under its bare name. A counter rendered without ``_total`` (the connector's
+    ``pdserve:nixl_num_*``) keeps its name (the parser names its sample ``..._total``)."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if not sample.name.startswith("pdserve:"):
                 continue
+            name = sample.name
+            if family.type == "counter" and name == family.name + "_total" and \
+                    f"\n{family.name} " in f"\n{text}":
+                name = family.name  # rendered without "_total" (pdserve:nixl_num_*): the parser adds it
             labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
-            keys = {sample.name, f"{sample.name}{{{labels}}}" if labels else sample.name}
+            keys = {name, f"{name}{{{labels}}}" if labels else name}
             for key in keys:
                 out[key] = out.get(key, 0.0) + float(sample.value)
     return out

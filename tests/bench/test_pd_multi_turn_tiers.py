@@ -102,6 +102,14 @@ def test_series_parsing_delta_and_report():
     s = tiers.parse_series(page)
     assert s["pdserve:prompt_tokens_total"] == 100 and s['pdserve:kv_offload_hits_total'] == 7
     assert s['pdserve:kv_offload_hits_total{medium="CPU"}'] == 7
+    # the connector's counters are rendered without "_total" (the parser names them with it)
+    counters = tiers.parse_series("# HELP pdserve:nixl_num_kv_expired_reqs x\n"
+                                  "# TYPE pdserve:nixl_num_kv_expired_reqs counter\n"
+                                  "pdserve:nixl_num_kv_expired_reqs 2.0\n"
+                                  "# HELP pdserve:prompt_tokens_total x\n"
+                                  "# TYPE pdserve:prompt_tokens_total counter\n"
+                                  "pdserve:prompt_tokens_total 5.0\n")
+    assert counters == {"pdserve:nixl_num_kv_expired_reqs": 2.0, "pdserve:prompt_tokens_total": 5.0}
     d = tiers.delta([s], [{"pdserve:prompt_tokens_total": 40.0}],
                     ["pdserve:prompt_tokens_total", "pdserve:kv_offload_turns_lost_total"])
     assert d == {"pdserve:prompt_tokens_total": 60.0, "pdserve:kv_offload_turns_lost_total": 0.0}
