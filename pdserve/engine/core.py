@@ -31,6 +31,7 @@ from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, PendingSt
 from pdserve.types.request import Request
 from pdserve.engine.kv_tiers import TierManager
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step_waiter import StepWaiter
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,8 @@ class EngineCore:
         self._running: tuple[SchedulerOutput, PendingStep] | None = None
         # Sends outputs known before a step's tokens (the core loop sets it; _async_step).
         self.emit: Callable[[list[EngineCoreOutput]], None] | None = None
+        # Reads a launched step while the connector's answers are watched (_read_step).
+        self._waiter: StepWaiter | None = None
         # KV events (--kv-events-endpoint): the block manager records, the publisher sends.
         self.kv_events: KVEventPublisher | None = None
         if config.kv_events_endpoint:
@@ -350,12 +353,37 @@ class EngineCore:
         if early and self.emit is not None:
             self.emit(early)
             early = []
-        runner_out = pending.result()
+        runner_out = self._read_step(pending)
         phase_trace.mark("core.result")
         outputs = early + scheduler.commit_step(running, runner_out)
         scheduler.kv_cache_manager.set_in_flight(launched)
         self._bind_early()
         return outputs, True, runner_out
+
+    def _read_step(self, pending: PendingStep) -> ModelRunnerOutput:
+        """``pending.result()``; at TP 1, while the connector waits for an answer that brings
+        the scheduler something to send (a prefiller's first token), its wake-ups are watched
+        too and a report taken when one comes is applied and sent at once (:attr:`emit`),
+        instead of at the next launch (:mod:`pdserve.engine.step_waiter`)."""
+        worker = self.connector_worker
+        if not self._bind_at_once or self.emit is None or not worker.expects_answer():
+            return pending.result()
+        if self._waiter is None:
+            self._waiter = StepWaiter()
+        return self._waiter.wait(pending, worker.wakeup_handles, self._apply_answer)
+
+    def _apply_answer(self) -> bool:
+        """A connector wake-up while a step runs: take the worker's report, apply it and send
+        what it brings; returns whether the worker still waits for such an answer."""
+        worker = self.connector_worker
+        worker.handle_wakeup()
+        kv_out = worker.get_finished(set())
+        if kv_out.stats:
+            self._connector_stats.append(kv_out.stats)
+        early = self.scheduler.apply_reports(kv_out, None)
+        if early:
+            self.emit(early)
+        return worker.expects_answer()
 
     def _apply_launch_reports(self, step: PendingStep) -> list[EngineCoreOutput]:
         """Apply a just-launched step's connector and tier reports (:meth:`_async_step`)."""
@@ -465,6 +493,9 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
         for part in (self.connector, self.connector_worker, self.runner):
             if part is None:
                 continue

@@ -296,6 +296,14 @@ class KVConnectorWorkerSide(abc.ABC):
         """Consume what made :meth:`wakeup_handles` readable (must not block); the engine's
         next step acts on it. Default: nothing."""
 
+    def expects_answer(self) -> bool:
+        """True while an answer the worker waits for would give the scheduler something to send
+        before the running step ends (a lease claim whose answer carries a prefiller's first
+        token): an async-scheduling engine at TP 1 then watches :meth:`wakeup_handles` while
+        it waits for a launched step, and applies a report (:meth:`get_finished`) taken when
+        one wakes it. Default: False."""
+        return False
+
     def next_poll_in(self) -> float | None:
         """Seconds until the worker needs a step although no wake-up came (transfers that
         cannot signal, lease deadlines), or None when it only needs steps after wake-ups.

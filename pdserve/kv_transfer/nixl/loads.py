@@ -134,6 +134,13 @@ class LoadTracker:
         if spec.remote is not None and spec.error is None:
             self.remotes.ensure(spec.remote.endpoint)
 
+    def awaits_first_token(self) -> bool:
+        """True while a load whose claim's answer carries the owner's first token is not
+        answered yet (:meth:`~pdserve.kv_transfer.base.KVConnectorWorkerSide.expects_answer`)."""
+        return any((load.spec.starts_with_first_token or load.spec.first_token is not None)
+                   and load.phase in (LoadPhase.HANDSHAKE, LoadPhase.CLAIM)
+                   for load in self._loads.values())
+
     def abort(self, request_id: str) -> None:
         """The request was aborted: its load ends at the next step (a READ in flight first
         finishes, since it writes the blocks)."""

@@ -350,6 +350,11 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         self._waker.drain()
         self._client.poll()
 
+    def expects_answer(self) -> bool:
+        """True while a load waits for the claim answer that brings a prefiller's first token
+        (the engine applies that answer while its step runs)."""
+        return self.loads.awaits_first_token()
+
     def next_poll_in(self, now: float | None = None) -> float | None:
         """Seconds until this worker needs an engine step although nothing woke the loop, or
         None when only a wake-up can give it work.
