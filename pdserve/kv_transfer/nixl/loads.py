@@ -440,9 +440,10 @@ class LoadTracker:
         del self._loads[request_id]
         self._client.cancel(load.claim)
         self._stats.current.num_pulls_given_up += 1
-        logger.info("NIXL: request %s: no answer to the pull's lease claim within %.1f ms (the "
-                    "time computing its %d tokens takes); computing them", request_id,
-                    1e3 * load.spec.claim_wait_s, load.spec.num_tokens)
+        logger.info("NIXL: request %s: no answer to the pull's lease claim within its bound of "
+                    "%.1f ms (kv_pull_wait_factor times the time computing its %d tokens takes); "
+                    "computing them", request_id, 1e3 * load.spec.claim_wait_s,
+                    load.spec.num_tokens)
         out = self._output()
         out.finished_recving.add(request_id)
         out.partial_loads[request_id] = 0
