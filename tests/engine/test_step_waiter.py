@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.engine.step_waiter import StepWaiter
 from pdserve.types.outputs import ModelRunnerOutput
+from tests.kv_transfer.test_partial_loads import pull, tracker
 from tests.support.engine_fakes import (
     FakeConnectorWorker,
     FakeRemote,
@@ -196,3 +197,20 @@ def test_a_first_token_answered_while_a_step_runs_goes_out_before_the_step_is_re
     drain(core)
     assert_all_free(core)
     core.shutdown()
+
+
+def test_the_nixl_loads_await_an_answer_only_while_a_first_token_claim_is_unanswered():
+    """``expects_answer`` of the NIXL worker: a load whose claim answer brings the owner's
+    first token awaits it until answered; a pull (no first token) never does."""
+    import dataclasses
+
+    plain = pull()
+    first = dataclasses.replace(plain, starts_with_first_token=True)
+    loads, out, _, _, _, _ = tracker({"ok": True, "lease_expiry_in": 60.0, "first_token_id": 7})
+    loads.add("p1", plain)
+    assert not loads.awaits_first_token()
+    loads.add("d1", dataclasses.replace(first, request_id="d1"))
+    assert loads.awaits_first_token()  # handshake, then claim: not answered yet
+    loads.progress(time.monotonic())  # the fake side channel answers at once
+    assert out.first_tokens == {"d1": 7} and not out.load_errors
+    assert not loads.awaits_first_token()

@@ -88,7 +88,7 @@ def grant_refusal(load: Load, reply: dict[str, Any]) -> Refusal | None:
         return Refusal(KVLoadFailure.LEASE_REFUSED,
                        f"the remote frees the blocks in {left:.1f} s, less than the "
                        f"{spec.min_lease_left_s:g} s a read may need", True)
-    if not spec.starts_with_first_token and spec.first_token is None:
+    if not spec.takes_first_token:
         return None
     # the request starts with the owner's token, never with the relayed one
     owner_first = reply.get("first_token_id")

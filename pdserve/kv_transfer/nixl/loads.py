@@ -50,7 +50,9 @@ sends the load back to the handshake; a READ that cannot be posted (``NIXL_ERR_R
 does the same; a READ that fails drops the agent so later loads handshake afresh.
 
 :class:`LoadTracker` is the state machine (handshake, claim, post, poll, end); one load's record
-and the posting of its READs are :mod:`.reads`.
+and the posting of its READs are :mod:`.reads`, its claims :mod:`.claims`, what a claim's answer
+means :mod:`.granted_claims`. What is left stays one module (past 450 lines): every phase
+moves the same loads through one table and ends them through the same report and notices.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ class LoadTracker:
     def awaits_first_token(self) -> bool:
         """True while a load whose claim's answer carries the owner's first token is not
         answered yet (:meth:`~pdserve.kv_transfer.base.KVConnectorWorkerSide.expects_answer`)."""
-        return any((load.spec.starts_with_first_token or load.spec.first_token is not None)
+        return any(load.spec.takes_first_token
                    and load.phase in (LoadPhase.HANDSHAKE, LoadPhase.CLAIM)
                    for load in self._loads.values())
 
@@ -159,9 +161,9 @@ class LoadTracker:
         waits = [0.0 if load.phase is LoadPhase.GRANTED or now - load.t_post < XFER_SPIN_S
                  else XFER_POLL_INTERVAL_S for load in self._loads.values()
                  if load.phase in (LoadPhase.GRANTED, LoadPhase.XFER, LoadPhase.UNSTAGE)]
-        waits += [max(0.0, load.t_claim + load.spec.claim_wait_s - now)
-                  for load in self._loads.values()
-                  if load.phase is LoadPhase.CLAIM and load.spec.claim_wait_s > 0.0]
+        waits += [max(0.0, left) for load in self._loads.values()
+                  if load.phase is LoadPhase.CLAIM
+                  and (left := load.claim_wait_left(now)) is not None]
         return min(waits, default=None)
 
     # ----------------------------------------------------------------------------- progress
@@ -184,7 +186,7 @@ class LoadTracker:
                                spec.error or "no remote KV reference", notify_remote=False)
                     continue
                 if load.aborted:
-                    self._drop_aborted(request_id, load)
+                    self._drop_unread(request_id, load)
                     continue
                 remote = self.remotes.ensure(spec.remote.endpoint)
                 if remote.agent is None:
@@ -207,9 +209,10 @@ class LoadTracker:
                                notify_remote=not timeout)
                     continue
                 if reply is None:  # not answered yet
-                    waited_out = 0.0 < spec.claim_wait_s < time.perf_counter() - load.t_claim
+                    left = load.claim_wait_left(time.perf_counter())
+                    waited_out = left is not None and left < 0.0
                     if load.aborted and (spec.remote.pending or waited_out):
-                        self._drop_aborted(request_id, load)  # gave up while the owner works
+                        self._drop_unread(request_id, load)  # gave up while the owner works
                     elif waited_out:
                         self._give_up(request_id, load)
                     continue
@@ -246,7 +249,7 @@ class LoadTracker:
                 continue
             if load.phase in (LoadPhase.CLAIM, LoadPhase.GRANTED):
                 if load.aborted:
-                    self._drop_aborted(request_id, load)
+                    self._drop_unread(request_id, load)
                     continue
                 self._post(request_id, load, now)
 
@@ -292,7 +295,7 @@ class LoadTracker:
             return True
         load.rehandshakes += 1
         if load.aborted:
-            self._drop_aborted(request_id, load)
+            self._drop_unread(request_id, load)
         else:
             self._back_to_handshake(load)
         return True
@@ -437,20 +440,17 @@ class LoadTracker:
         demoted turn, or has not started its lease): computing its tokens is sooner. Nothing
         was read: reported as a load of no block (the scheduler computes from the request's
         local hit); the owner is told to drop the turn."""
-        del self._loads[request_id]
-        self._client.cancel(load.claim)
+        self._drop_unread(request_id, load)
+        self._output().partial_loads[request_id] = 0
         self._stats.current.num_pulls_given_up += 1
         logger.info("NIXL: request %s: no answer to the pull's lease claim within its bound of "
                     "%.1f ms (kv_pull_wait_factor times the time computing its %d tokens takes); "
                     "computing them", request_id, 1e3 * load.spec.claim_wait_s,
                     load.spec.num_tokens)
-        out = self._output()
-        out.finished_recving.add(request_id)
-        out.partial_loads[request_id] = 0
-        self._notify(RemoteNotice(load.spec.remote, "abort", reader_request=request_id))
 
-    def _drop_aborted(self, request_id: str, load: Load) -> None:
-        """A load aborted before its READ was posted: free locally, tell the owner."""
+    def _drop_unread(self, request_id: str, load: Load) -> None:
+        """A load ended before its READ was posted (aborted, or given up): reported finished,
+        its claim cancelled, the owner told."""
         del self._loads[request_id]
         if load.claim is not None:
             self._client.cancel(load.claim)

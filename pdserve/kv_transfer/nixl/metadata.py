@@ -59,6 +59,12 @@ class RecvSpec:
     remote_first_block: int = 0
     claim_wait_s: float = 0.0
 
+    @property
+    def takes_first_token(self) -> bool:
+        """True when the load's claim answer brings the owner's first token (the request starts
+        with it: ``starts_with_first_token``, or a relayed ``first_token``)."""
+        return self.starts_with_first_token or self.first_token is not None
+
 
 @dataclass
 class SendSpec:

@@ -53,6 +53,12 @@ class Load:
     # owner holds only the leading ones now (the scheduler computes their tokens)
     unread: list[int] = field(default_factory=list)
 
+    def claim_wait_left(self, now: float) -> float | None:
+        """Seconds left of the claim wait's bound (``RecvSpec.claim_wait_s``, counted from the
+        claim's send; ``now``: ``time.perf_counter()``), negative once past; None: no bound."""
+        bound = self.spec.claim_wait_s
+        return None if bound <= 0.0 else self.t_claim + bound - now
+
 
 def post_reads(agent: NixlAgent, load: Load, remote: RemoteState) -> list[str]:
     """Post the READs of ``load`` from ``remote`` (one per owner rank it reads: whole blocks, or
