@@ -171,19 +171,14 @@ def test_prefiller_plans_pull_and_overrides_failure_policy():
     assert plain.get_num_new_matched_tokens(_request("p4", prompt, params), 0) == (0, False)
 
 
-def test_failed_pull_is_recomputed_even_under_fail_policy():
-    """The engine scheduler with P's connector side: a pull whose blocks come back invalid
-    puts the request back to compute its whole prompt instead of failing it."""
+def pulling_prefiller(kv: KVTransferConfig):
+    """The engine scheduler with P's connector side (config ``kv``) and request ``p1`` parked
+    for its pull of 160 history tokens from D; returns ``(scheduler, step output, prompt)``."""
     import time
 
     from pdserve.types.engine_config import EngineConfig
-    from pdserve.types.outputs import KVConnectorOutput, ModelRunnerOutput
     from pdserve.engine.scheduler import Scheduler
 
-    kv = KVTransferConfig.from_dict({
-        "kv_connector": "NixlConnector", "kv_role": "kv_producer",
-        "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {"bidirectional_kv_xfer": True}})
     config = EngineConfig(model="fake", block_size=B, max_num_batched_tokens=512,
                           kv_transfer_config=kv)
     sched = Scheduler(config, num_blocks=64, connector=NixlConnectorScheduler(kv, B))
@@ -192,6 +187,18 @@ def test_failed_pull_is_recomputed_even_under_fail_policy():
     sched.add_request(_request("p1", prompt, d_params(history, expiry=time.time() + 480)))
     out = sched.schedule()
     assert not out.scheduled and "p1" in out.kv_connector_metadata.reqs_to_recv
+    return sched, out, prompt
+
+
+def test_failed_pull_is_recomputed_even_under_fail_policy():
+    """The engine scheduler with P's connector side: a pull whose blocks come back invalid
+    puts the request back to compute its whole prompt instead of failing it."""
+    from pdserve.types.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    sched, out, prompt = pulling_prefiller(KVTransferConfig.from_dict({
+        "kv_connector": "NixlConnector", "kv_role": "kv_producer",
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"bidirectional_kv_xfer": True}}))
     assert sched.stats()["num_waiting_for_remote_kvs"] == 1
     blocks = out.kv_connector_metadata.reqs_to_recv["p1"].local_block_ids
     failed = KVConnectorOutput(finished_recving={"p1"}, invalid_block_ids=set(blocks))

@@ -11,13 +11,12 @@ import time
 
 import pytest
 
-from pdserve.engine.scheduler import Scheduler
 from pdserve.kv_transfer.nixl.bidirectional import PrefillPace
 from pdserve.kv_transfer.nixl.scheduler import NixlConnectorScheduler
-from pdserve.types.engine_config import EngineConfig
 from pdserve.types.outputs import KVConnectorOutput, ModelRunnerOutput
 from pdserve.types.request import RequestStatus
-from tests.kv_transfer.test_bidirectional_unit import B, _config, _request, d_params
+from tests.kv_transfer.test_bidirectional_unit import (B, _config, _request, d_params,
+                                                       pulling_prefiller)
 from tests.kv_transfer.test_partial_loads import TURN, Client, pull, tracker
 
 
@@ -163,15 +162,7 @@ def test_an_aborted_request_whose_claim_waits_out_its_bound_is_dropped_not_repor
 
 # ------------------------------------------------------------------------ the scheduler
 def test_a_given_up_pull_computes_its_tokens_and_counts_no_failure():
-    kv = _config("kv_producer")
-    config = EngineConfig(model="fake", block_size=B, max_num_batched_tokens=512,
-                          kv_transfer_config=kv)
-    sched = Scheduler(config, num_blocks=64, connector=NixlConnectorScheduler(kv, B))
-    history = list(range(5000, 5160))
-    prompt = history + [1, 2, 3]
-    sched.add_request(_request("p1", prompt, d_params(history, expiry=time.time() + 480)))
-    out = sched.schedule()
-    assert not out.scheduled and "p1" in out.kv_connector_metadata.reqs_to_recv
+    sched, out, prompt = pulling_prefiller(_config("kv_producer"))
     given_up = KVConnectorOutput(finished_recving={"p1"}, partial_loads={"p1": 0})
     outputs = sched.update_from_output(out, ModelRunnerOutput(kv_connector_output=given_up))
     assert not any(o.finish_reason for o in outputs)
