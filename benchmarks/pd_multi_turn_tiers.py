@@ -233,7 +233,8 @@ def parse_series(text: str) -> dict[str, float]:
             name = sample.name
             if family.type == "counter" and name == family.name + "_total" and \
                     f"\n{family.name} " in f"\n{text}":
-                name = family.name  # rendered without "_total" (pdserve:nixl_num_*): the parser adds it
+                # rendered without "_total" (pdserve:nixl_num_*): the parser adds it
+                name = family.name
             labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
             keys = {name, f"{name}{{{labels}}}" if labels else name}
             for key in keys:

@@ -26,7 +26,8 @@ apply:
 * A *partial load* (``KVConnectorOutput.partial_loads``: only the load's leading blocks hold
   KV, maybe none: the owner had no more, or the load was given up before reading) is no
   failure: ``num_computed_tokens`` ends where those blocks do, as ``RECOMPUTE``'s roll-back
-  would put it, the request keeps its other blocks and computes the rest; no policy applies and no failure is counted (``num_kv_partial_loads_total``).
+  would put it, the request keeps its other blocks and computes the rest; no policy applies and
+  no failure is counted (``num_kv_partial_loads_total``).
 * ``request_finished`` is called exactly once per request (finish, abort, error). When the
   connector asks for the blocks to be held, they are held until the id appears in
   ``finished_sending``. A request finished while its load is in flight

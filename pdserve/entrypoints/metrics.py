@@ -373,9 +373,9 @@ class ServerMetrics:
         seconds), ``bytes``,
         ``num_descriptors`` (lists of ints), ``num_failed_transfers``, ``num_partial_transfers``,
         ``num_failed_notifications``, ``num_kv_expired_reqs``, ``num_kv_turns_expired``,
-        ``num_kv_leases_released_early``, ``num_pulls_given_up`` (ints, increments), ``transfer_paths`` (each peer's read
-        path, see :meth:`~pdserve.kv_transfer.nixl.transfer_path.TransferPaths.take_delta`).
-        Unknown keys
+        ``num_kv_leases_released_early``, ``num_pulls_given_up`` (ints, increments),
+        ``transfer_paths`` (each peer's read path, see
+        :meth:`~pdserve.kv_transfer.nixl.transfer_path.TransferPaths.take_delta`). Unknown keys
         are ignored. May be called from any thread.
         """
         for key, name in CONNECTOR_HISTOGRAM_KEYS.items():

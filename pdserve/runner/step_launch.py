@@ -71,7 +71,8 @@ class PendingRunnerStep:
             self._event.synchronize()
         tokens = self._host.tolist()
         return ModelRunnerOutput(sampled_token_ids=dict(zip(self._request_ids, tokens)),
-                                 logprobs=self._logprobs, kv_connector_output=self.kv_connector_output,
+                                 logprobs=self._logprobs,
+                                 kv_connector_output=self.kv_connector_output,
                                  kv_tier_report=self.kv_tier_report)
 
 

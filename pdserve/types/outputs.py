@@ -180,8 +180,8 @@ class KVConnectorOutput:
             first block) hold the KV, for the loads among ``finished_recving`` that brought
             fewer blocks than planned (the owner holds only the leading ones now: a decoder's
             restored turn lease), or none (a pull given up: its claim waited longer than
-            computing its tokens takes). Not a failure: the scheduler marks the tokens of those blocks
-            computed and computes the rest; the load's other blocks stay the request's.
+            computing its tokens takes). Not a failure: the scheduler marks the tokens of those
+            blocks computed and computes the rest; the load's other blocks stay the request's.
         stats: connector statistics for the front end's metrics (JSON-serialisable).
         demoted_turns: a decoder's turn leases that gave up their GPU blocks (the scheduler
             frees them into the prefix cache; the lease lives on until its TTL).

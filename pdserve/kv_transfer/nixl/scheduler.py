@@ -25,6 +25,11 @@ recomputed (:meth:`NixlConnectorScheduler.load_failure_policy`), never an error.
 The scheduler side reads a request's parsed params
 (:class:`~pdserve.types.kv_params.KVTransferParams`: role, remote KV reference, relayed
 first token) and builds the params it returns with :mod:`pdserve.types.kv_params`.
+
+The module is one class and stays whole (past 450 lines): it is the connector's side of the
+scheduler's contract (:class:`~pdserve.kv_transfer.base.KVConnectorSchedulerSide`), whose every
+call reads and moves the same per-request tables (plans, waits, loads in flight, holds); the
+decisions themselves are pure functions elsewhere (:mod:`.bidirectional`, :mod:`.prefix_match`).
 """
 
 from __future__ import annotations

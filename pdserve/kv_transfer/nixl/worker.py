@@ -375,8 +375,8 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
         every :data:`~pdserve.kv_transfer.nixl.held.HELD_NOTIF_POLL_INTERVAL_S` while blocks
         are merely held (an instance that only holds blocks sleeps until then, its next lease
         expiry, or a wake-up). Lease expiries, heartbeats, side-channel timeouts and the end of
-        a pull's claim wait (``RecvSpec.claim_wait_s``) are deadlines; finished background side-channel
-        notices are collected every
+        a pull's claim wait (``RecvSpec.claim_wait_s``) are deadlines; finished background
+        side-channel notices are collected every
         :data:`~pdserve.kv_transfer.nixl.notice_sender.BG_NOTICE_POLL_INTERVAL_S`.
         """
         now = time.monotonic() if now is None else now
