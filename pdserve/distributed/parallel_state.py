@@ -57,12 +57,20 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=INIT_TIMEOUT_S))
-    group = dist.group.WORLD
-    if backend == "nccl":  # create the communicator now, never inside a CUDA graph capture
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
-    cpu_group = group if backend == "gloo" else dist.new_group(list(range(size)), backend="gloo")
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=INIT_TIMEOUT_S))
+        group = dist.group.WORLD
+        if backend == "nccl":  # create the communicator now, never inside a CUDA graph capture
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+        cpu_group = (group if backend == "gloo"
+                     else dist.new_group(list(range(size)), backend="gloo"))
+    except BaseException:
+        # a rendezvous that failed half-way (a peer gone) must not leave a default group
+        # behind: the process may start an instance again (an in-process engine, a test)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     _state = _TPState(rank, size, group, cpu_group)
     logger.info("tensor-parallel rank %d of %d on %s (%s)", rank, size, device, backend)
 

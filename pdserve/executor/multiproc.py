@@ -60,6 +60,9 @@ DEATH_GRACE_S = 10.0
 SHUTDOWN_TIMEOUT_S = 10.0
 #: Seconds between liveness checks while waiting for the workers' answers.
 _ANSWER_POLL_S = 0.1
+#: Seconds a rank found dead gets for its last answer (the reason it failed, sent before it
+#: exits) to arrive before the executor reports the exit alone.
+LAST_ANSWER_WAIT_S = 2.0
 
 
 class RankFailedError(RuntimeError):
@@ -230,10 +233,14 @@ class TPExecutor:
         import zmq
 
         replies: dict[int, WorkerReply] = {}
+        dead: str | None = None
         while len(replies) < self.size - 1:
             if not self._results.poll(_ANSWER_POLL_S * 1000, zmq.POLLIN):
+                if dead is not None:  # its last answer did not come either
+                    raise RankFailedError(dead)
                 dead = self._dead or self._exited_worker()
-                if dead:
+                if dead is not None and not self._results.poll(LAST_ANSWER_WAIT_S * 1000,
+                                                                zmq.POLLIN):
                     raise RankFailedError(dead)
                 continue
             reply: WorkerReply = pickle.loads(self._results.recv())
