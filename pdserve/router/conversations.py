@@ -7,6 +7,11 @@ After each turn the proxy remembers, per ``conversation_id``:
 * which prefill and decode instances served the turn, so the next turn prefers them (D holds the
   blocks; P's prefix cache may still hold the earlier prompt).
 
+The params are single-use: :meth:`ConversationStore.take` hands them to one turn (its prefill
+leg), and the table keeps none until a later turn records D's new ones. A prefiller that pulls
+D's blocks ends D's lease on them, so a turn given the same params again (after a failed turn,
+or beside a concurrent one) would only have its pull refused.
+
 Expiry: an entry lives ``ttl`` seconds after its last turn (default: the decoder's
 ``decoder_kv_blocks_ttl``). The stored params expire sooner when D says so in
 ``remote_blocks_expiry_time``, an absolute wall-clock time in seconds since the Unix epoch
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 
@@ -28,7 +33,7 @@ class ConversationState:
 
     Attributes:
         prefiller_url, decoder_url: base URLs of the instances that served the last turn.
-        kv_transfer_params: D's params from the latest turn that returned any, or None.
+        kv_transfer_params: D's params from the last turn, until taken, or None.
         params_expire_at: monotonic time (s) after which ``kv_transfer_params`` is dropped.
         expires_at: monotonic time (s) after which the whole entry is dropped.
     """
@@ -86,24 +91,30 @@ class ConversationStore:
         self._entries.move_to_end(conversation_id)
         return state
 
+    def take(self, conversation_id: str) -> ConversationState | None:
+        """As :meth:`get`, with the params taken (single-use, module docstring): the returned
+        state carries them, the stored one no longer does."""
+        state = self.get(conversation_id)
+        if state is None or state.kv_transfer_params is None:
+            return state
+        taken = replace(state)
+        state.kv_transfer_params = None
+        return taken
+
     def record_turn(self, conversation_id: str, prefiller_url: str | None, decoder_url: str | None,
                     kv_transfer_params: dict[str, Any] | None) -> ConversationState:
         """Store the outcome of a finished turn.
 
         Args:
-            kv_transfer_params: D's returned params; None keeps the previously stored params (and
-                their expiry), since D's older blocks stay valid until they expire.
+            kv_transfer_params: D's returned params, or None (the conversation then has none).
 
         Returns:
             The stored state.
         """
         now = self._clock()
         expires_at = now + self.ttl
-        state = self._entries.get(conversation_id)
         if kv_transfer_params is not None:
             params_expire_at = min(expires_at, self._params_deadline(kv_transfer_params, now))
-        elif state is not None and state.kv_transfer_params is not None and now < state.params_expire_at:
-            kv_transfer_params, params_expire_at = state.kv_transfer_params, state.params_expire_at
         else:
             params_expire_at = now
         state = ConversationState(prefiller_url, decoder_url, kv_transfer_params, params_expire_at,

@@ -4,7 +4,7 @@ The table maps ``conversation_id`` -> which prefill and decode instances served 
 and the decoder's returned ``kv_transfer_params`` (where D keeps the turn's KV blocks).
 
 * :class:`MemoryStateStore` (the default): :class:`pdserve.router.conversations.ConversationStore`
-  in this process (LRU- and TTL-bounded).
+  in this process (LRU- and TTL-bounded; the params single-use there too).
 * :class:`RedisStateStore` (``--state-store redis://HOST:PORT/DB``): shared by every proxy
   replica on that Redis. Per conversation two keys: ``pdserve:conv:{id}`` (the instances, JSON,
   expiring ``--conversation-ttl`` seconds after the last turn) and ``pdserve:conv:{id}:kv`` (D's
@@ -82,12 +82,12 @@ class MemoryStateStore:
         self.table = table
 
     async def load(self, conversation_id: str) -> ConversationState | None:
-        """The conversation's state (params stay until replaced or expired)."""
-        return self.table.get(conversation_id)
+        """The conversation's state, its params taken (single-use)."""
+        return self.table.take(conversation_id)
 
     async def record_turn(self, conversation_id: str, prefiller_url: str | None,
                           decoder_url: str | None, kv_transfer_params: dict[str, Any] | None) -> None:
-        """Store a finished turn (None params keep the previous ones)."""
+        """Store a finished turn (None: the conversation has no params)."""
         self.table.record_turn(conversation_id, prefiller_url, decoder_url, kv_transfer_params)
 
     async def close(self) -> None:
@@ -168,8 +168,9 @@ class RedisStateStore:
 
     async def record_turn(self, conversation_id: str, prefiller_url: str | None,
                           decoder_url: str | None, kv_transfer_params: dict[str, Any] | None) -> None:
-        """Store a finished turn: the instances (``ttl``), and D's params when given (until
-        ``min(ttl, remote_blocks_expiry_time)``; already expired params are not stored)."""
+        """Store a finished turn: the instances (``ttl``), and D's params (until
+        ``min(ttl, remote_blocks_expiry_time)``; None or already expired params leave the
+        conversation none)."""
         import redis.exceptions
 
         if not self._available("record"):
@@ -178,15 +179,16 @@ class RedisStateStore:
         pipe = self._redis.pipeline(transaction=False)
         pipe.set(key, json.dumps({"p": prefiller_url, "d": decoder_url}),
                  px=max(1, int(self.ttl * 1000)))
+        life_s = 0.0
         if kv_transfer_params is not None:
             life_s = self.ttl
             expiry = kv_transfer_params.get("remote_blocks_expiry_time")
             if isinstance(expiry, (int, float)) and not isinstance(expiry, bool):
                 life_s = min(life_s, float(expiry) - self._wall_clock())
-            if life_s > 0:
-                pipe.set(key + ":kv", json.dumps(kv_transfer_params), px=max(1, int(life_s * 1000)))
-            else:
-                pipe.delete(key + ":kv")
+        if life_s > 0:
+            pipe.set(key + ":kv", json.dumps(kv_transfer_params), px=max(1, int(life_s * 1000)))
+        else:
+            pipe.delete(key + ":kv")
         try:
             await asyncio.wait_for(pipe.execute(), REDIS_TIMEOUT_S * 2)
         except (redis.exceptions.RedisError, OSError, asyncio.TimeoutError) as e:

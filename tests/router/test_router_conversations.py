@@ -42,16 +42,19 @@ def test_remote_blocks_expiry_time_drops_params_before_ttl_but_keeps_routing():
     assert state.kv_transfer_params is None and state.decoder_url == "http://d"
 
 
-def test_turn_without_params_keeps_previous_params_and_their_expiry():
+def test_params_are_taken_once_and_a_turn_without_params_leaves_none():
     store, mono, wall = make(ttl=100)
     store.record_turn("c", "p", "d1", {"remote_block_ids": [1]})
+    taken = store.take("c")
+    assert taken.kv_transfer_params == {"remote_block_ids": [1]} and taken.decoder_url == "d1"
+    again = store.take("c")  # taken: the routing stays
+    assert again.kv_transfer_params is None and again.decoder_url == "d1"
+    assert store.take("unknown") is None
+    store.record_turn("c", "p", "d1", {"remote_block_ids": [2]})
     mono.t += 50
-    store.record_turn("c", "p", "d2", None)
-    assert store.get("c").kv_transfer_params == {"remote_block_ids": [1]}
-    assert store.get("c").decoder_url == "d2"
-    mono.t += 50  # the params' own 100 s are over; the entry (renewed at t+50) is not
+    store.record_turn("c", "p", "d2", None)  # never taken, still replaced
     state = store.get("c")
-    assert state is not None and state.kv_transfer_params is None
+    assert state.kv_transfer_params is None and state.decoder_url == "d2"
 
 
 def test_lru_bound_drops_least_recently_used():

@@ -109,7 +109,9 @@ async def test_lru_bound_forgets_least_recent_conversation(make_cluster):
     assert len(c.proxy.proxy.conversations) == 1
 
 
-async def test_failed_turn_keeps_previous_params(make_cluster):
+async def test_a_failed_turn_used_the_params_and_the_next_turn_has_none(make_cluster):
+    """The failed turn's prefill leg carried D's turn-1 params (its P may have pulled the
+    blocks, which ends D's lease on them): the next turn's prefill leg carries none."""
     from aiohttp import web
 
     c = await make_cluster(multi_turn=True)
@@ -125,7 +127,8 @@ async def test_failed_turn_keeps_previous_params(make_cluster):
     c.decoders[0].handler = None
     await run_turns(c, stream=False, n=1, conversation_id="c")
     bodies = [r.body["kv_transfer_params"] for r in c.prefillers[0].received]
-    assert bodies[1]["remote_request_id"] == bodies[2]["remote_request_id"] == "d0-turn1"
+    assert bodies[1]["remote_request_id"] == "d0-turn1"
+    assert bodies[2] == STATELESS
 
 
 async def test_params_recorded_before_the_client_sees_the_end_of_the_turn(make_cluster):

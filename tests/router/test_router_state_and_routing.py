@@ -49,6 +49,11 @@ async def test_redis_store_params_are_single_use_and_expire(redis_server):
             "http://p", "http://d", params)
         again = await store.load("c")  # params taken; routing kept
         assert again.kv_transfer_params is None and again.decoder_url == "http://d"
+        # a turn without params leaves none, as in the in-process table
+        await store.record_turn("c", "http://p", "http://d", params)
+        await store.record_turn("c", "http://p", "http://d2", None)
+        state = await store.load("c")
+        assert state.kv_transfer_params is None and state.decoder_url == "http://d2"
         # already expired params are not stored
         await store.record_turn("c", "http://p", "http://d",
                                 {"remote_blocks_expiry_time": time.time() - 1})
