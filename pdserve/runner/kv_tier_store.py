@@ -4,12 +4,16 @@ scheduler's :class:`~pdserve.types.kv_tiers.TierJob` list asks for.
 
 Copies (docs/architecture.md, "KV cache tiers"):
 
-* device <-> host on CUDA run on a copy stream of their own, after the work already queued on
-  the engine's stream; the engine's stream waits for the step's STOREs before its forward pass
-  overwrites those blocks (a few microseconds of DMA per block; the host never blocks). The
-  engine's stream waits for a step's host LOADs too (the scheduler computes a request whose
-  history is in the host tier in the step that loads it); a LOAD is reported finished, and
-  its host slot unpinned, once its CUDA event has completed. A disk LOAD's host-to-device
+* device <-> host on CUDA run on a copy stream of their own, at once: they do not wait for the
+  step still running on the engine's stream (async scheduling), since no block a job copies is
+  used by that step (a block is free, and so evictable or reusable, only once no launched step
+  uses it: ``KVCacheManager.set_in_flight``). A step's host LOADs thus overlap the step before
+  it. The engine's stream waits for the step's STOREs before its forward pass overwrites those
+  blocks, and for its host LOADs (the scheduler computes a request whose history is in the
+  host tier in the step that loads it). The host waits only on an instance whose KV connector
+  writes into blocks outside the engine's stream, and only for the step's STOREs and the LOADs
+  of earlier steps (:meth:`KVTierStore.wait_stores`). A LOAD is reported finished, and its
+  host slot unpinned, once its CUDA event has completed. A disk LOAD's host-to-device
   copy is issued when its file read ends; its request is only scheduled once that copy is
   reported. On a CPU engine the same copies are plain synchronous tensor copies.
 * host <-> disk run on one I/O thread, in job order. A file is a header (magic, block hash,
@@ -170,6 +174,8 @@ class KVTierStore:
             os.makedirs(directory, exist_ok=True)
             self._disk = _DiskIO(directory, namespace)
         self._stores_this_step: "torch.cuda.Event | None" = None
+        self._earlier_loads: "torch.cuda.Event | None" = None  # the latest LOADs of earlier runs
+        self._last_loads: "torch.cuda.Event | None" = None  # the LOADs of the latest run with some
 
     def run(self, jobs: KVTierJobs | None) -> None:
         """Issue a step's jobs (before its forward pass; see the module docstring): first the
@@ -179,19 +185,21 @@ class KVTierStore:
         a loaded block is neither cached nor evictable, a slot a LOAD reads is pinned) and
         lets the engine's stream wait for the stores alone before what overwrites them.
         The engine's stream also waits for the step's host LOADs: a request whose history
-        comes back from the host tier is computed in the step that loads it.
+        comes back from the host tier is computed in the step that loads it. The copies do
+        not wait for the engine's stream: the step it still runs uses none of these blocks
+        (the module docstring).
 
         Raises:
             RuntimeError: a DISK job without a disk tier (a bookkeeping bug).
         """
         self._stores_this_step = None
+        self._earlier_loads = self._last_loads
         if jobs is None:
             return
         stream = self._stream
         begin = compute = None
         if stream is not None:
             compute = torch.cuda.current_stream(self.kv_cache.device)  # the engine's stream
-            stream.wait_stream(compute)
             begin = torch.cuda.Event(enable_timing=True)
             begin.record(stream)
         loads: list[int] = []
@@ -236,16 +244,20 @@ class KVTierStore:
         end.record(stream)
         if loads:
             compute.wait_event(end)  # the step's forward may read the loaded blocks
-            self._stores_this_step = end  # and a KV connector's writes wait for them too
+            self._last_loads = end
         self._pending.append(_Pending(loads, end, begin))
 
     def wait_stores(self) -> None:
-        """Block the host until this step's STOREs and host LOADs are done (before a KV
-        connector READ may write into the blocks they copy: that write does not follow the
-        engine's stream; a block loaded for a request that finished or was preempted since
-        may be handed out again at once)."""
-        if self._stores_this_step is not None:
-            self._stores_this_step.synchronize()
+        """Block the host until this step's STOREs and the host LOADs of earlier steps are
+        done: a KV connector READ, which does not follow the engine's stream, may from now on
+        write into a block a STORE copies out of, or into a block an earlier LOAD wrote (its
+        request may have finished since, its blocks reused: a request that waits for remote
+        KV after its host-tier hit is in no launched step). This step's LOADs need no wait:
+        their blocks were allocated in this step's scheduling, so no READ of it targets
+        them, and the blocks become reusable at the next scheduling at the earliest."""
+        for event in (self._stores_this_step, self._earlier_loads):
+            if event is not None and not event.query():
+                event.synchronize()
 
     def _loads_issued(self, job_ids: list[int]) -> None:
         if not self.cuda:

@@ -99,3 +99,32 @@ def test_a_bad_file_is_a_failed_load_and_leaves_the_block_alone(tmp_path, caplog
     assert torch.equal(kv[0], before)
     assert any("KV disk tier" in r.getMessage() for r in caplog.records)
     store.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_load_overlaps_the_running_step_and_the_next_step_sees_it():
+    """On CUDA a step's host LOADs and STOREs do not wait for the step still running on the
+    engine's stream (none of their blocks is that step's), while the engine's next work waits
+    for them: the copies finish while a long kernel still runs, a read queued on the engine's
+    stream after ``run`` sees the loaded block, and :meth:`KVTierStore.wait_stores` of the next
+    step (an instance whose KV connector writes outside the engine's stream) returns only once
+    the LOAD is done."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn((8, 2, 2, 2, 16, 64), generator=g).to(dev)
+    original = kv.clone()
+    store = KVTierStore(kv, host_blocks=2, namespace=block_namespace("m", "f32", (), 0, 1))
+    store.run(KVTierJobs([TierJob(STORE, 0, 11, block_id=3, slot=0)]))
+    torch.cuda.synchronize()
+    running_step = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)  # the running step: about a second of a busy kernel
+    running_step.record()
+    store.run(KVTierJobs([TierJob(STORE, 1, 12, block_id=5, slot=1),
+                          TierJob(LOAD, 2, 11, block_id=0, slot=0)]))
+    seen = kv[0].clone()  # the next step's read, queued on the engine's stream
+    store.run(None)  # the next step, without tier jobs
+    store.wait_stores()
+    assert store.report().finished_loads == {2}
+    assert not running_step.query(), "the LOAD waited for the running step"
+    torch.cuda.synchronize()
+    assert torch.equal(seen, original[3]) and torch.equal(store.host[1], original[5].cpu())
