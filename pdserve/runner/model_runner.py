@@ -245,11 +245,14 @@ class ModelRunner:
                                                        self.max_blocks_per_seq)
             self._capture_piecewise_graphs()
         total = num_blocks * self.block_bytes
+        # A defaulted max_model_len is the model's context length here; the engine core may
+        # still cap it at the cache's capacity (and says so), so name it for what it is.
+        of = "max_model_len=" if self.config.max_model_len else "the model's context of "
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s on %s "
-                    "(%.1f sequences of max_model_len=%d)", num_blocks, self.block_size,
+                    "(%.1f sequences of %s%d tokens)", num_blocks, self.block_size,
                     num_blocks * self.block_size, total / GiB,
                     str(self.kv_cache_dtype).removeprefix("torch."), self.device,
-                    num_blocks * self.block_size / self.max_model_len, self.max_model_len)
+                    num_blocks * self.block_size / self.max_model_len, of, self.max_model_len)
 
     def _kv_scales_for_spec(self) -> tuple[float, ...]:
         """The fp8 cache's key scales then value scales, per layer (empty for a full-precision

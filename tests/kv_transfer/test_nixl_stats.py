@@ -75,3 +75,16 @@ def test_line_deadline_one_interval_after_activity_none_while_idle():
     assert line is not None and "Num successful transfers=2," in line
     assert rec.next_log_in(now=t0 + 35.0) is None
     assert rec.maybe_log(now=t0 + 60.0) is None
+
+
+def test_an_interval_of_only_hand_offs_and_given_up_pulls_says_so():
+    """A prefiller's interval without reads of its own (its activity: leases handed off to
+    decoders, pulls given up) gets vLLM's fields at zero followed by what it did."""
+    rec = StatsRecorder(log_interval_s=10.0)
+    rec.current.handoff_s += [0.010, 0.020, 0.030]
+    rec.current.num_pulls_given_up += 2
+    rec.take_delta()
+    line = rec.maybe_log(now=rec._last_log + 10.0)
+    head, tail = line.split(", Num hand-offs=")
+    assert LINE.match(head) and "Num successful transfers=0," in head
+    assert tail == "3, Avg hand-off (ms)=20.000, P90 hand-off (ms)=28.000, Num pulls given up=2"

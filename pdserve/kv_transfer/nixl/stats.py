@@ -130,7 +130,11 @@ class TransferStats:
 
     def format_log_line(self) -> str:
         """``KV Transfer metrics: ...`` with averages and P90s in milliseconds, sizes in MB
-        (10^6 bytes) and throughput as total MB over total transfer time."""
+        (10^6 bytes) and throughput as total MB over total transfer time: vLLM's
+        NixlConnector fields, in its order, then the counts that only pdserve has, each only
+        when not zero (the owner's hand-offs with their average and P90, pulls given up,
+        leases released early, failed notifications), so that an interval whose activity
+        was only those says what it was."""
         n = len(self.xfer_time_s)
         total_mb = sum(self.bytes) / 1e6
         total_xfer_s = sum(self.xfer_time_s)
@@ -149,7 +153,21 @@ class TransferStats:
             f"Avg number of descriptors={avg_desc:.1f}, "
             f"Num failed transfers={self.num_failed_transfers}, "
             f"Num KV expired reqs={self.num_kv_expired_reqs}"
-        )
+        ) + "".join(self._own_fields())
+
+    def _own_fields(self) -> list[str]:
+        out = []
+        if self.handoff_s:
+            avg = 1e3 * sum(self.handoff_s) / len(self.handoff_s)
+            p90 = 1e3 * percentile(self.handoff_s, 90)
+            out.append(f", Num hand-offs={len(self.handoff_s)}, Avg hand-off (ms)={avg:.3f}, "
+                       f"P90 hand-off (ms)={p90:.3f}")
+        for name, value in (("Num pulls given up", self.num_pulls_given_up),
+                            ("Num leases released early", self.num_kv_leases_released_early),
+                            ("Num failed notifications", self.num_failed_notifications)):
+            if value:
+                out.append(f", {name}={value}")
+        return out
 
 
 class StatsRecorder:
