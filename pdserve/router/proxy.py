@@ -14,6 +14,7 @@ import signal
 import sys
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from pdserve.utils import phase_trace
 from pdserve.router.app import DisaggProxy
@@ -41,6 +42,25 @@ class RunningProxy:
         await self._runner.cleanup()
 
 
+class _ClientHttpErrors(logging.Filter):
+    """Makes aiohttp's report of a malformed request (a duplicate ``Content-Type`` header, a
+    non-numeric ``Content-Length``: :class:`BadHttpMessage`, answered 400 by aiohttp before any
+    handler runs) a one-line warning instead of an ERROR with a traceback: the client is at
+    fault, the proxy is fine (uvicorn, in front of vLLM, logs such requests as a warning too)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = f"{record.getMessage()}: {exc.message}"
+            record.args = None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_CLIENT_HTTP_ERRORS = _ClientHttpErrors()
+
+
 async def start_proxy(config: ProxyConfig) -> RunningProxy:
     """Start the proxy for ``config`` in the running event loop.
 
@@ -53,6 +73,7 @@ async def start_proxy(config: ProxyConfig) -> RunningProxy:
             (:mod:`pdserve.router.role_check`).
     """
     proxy = DisaggProxy(config)
+    logging.getLogger("aiohttp.server").addFilter(_CLIENT_HTTP_ERRORS)  # once: a set
     runner = web.AppRunner(proxy.build_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, backlog=1024)

@@ -1,6 +1,7 @@
 """Every error path of the proxy: exact status codes and OpenAI-style bodies."""
 
 import asyncio
+import logging
 import json
 
 from aiohttp import web
@@ -344,3 +345,27 @@ async def test_an_unexpected_proxy_error_is_counted_as_500(make_cluster, monkeyp
     requests = c.proxy.proxy.metrics.requests
     assert requests.labels(endpoint="completions", status="500")._value.get() == 1
     assert requests.labels(endpoint="completions", status="499")._value.get() == 0
+
+
+async def test_a_malformed_http_request_is_a_400_and_a_one_line_warning(make_cluster, caplog):
+    """aiohttp answers a request it cannot parse (here a duplicate Content-Type header) with a
+    400 before any handler runs; the proxy logs it as the client's fault, without a
+    traceback, and goes on serving."""
+    c = await make_cluster()
+    host, port = c.url.removeprefix("http://").split(":")
+    body = json.dumps(BODY).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request)
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        await wait_until(lambda: any(r.name == "aiohttp.server" for r in caplog.records))
+    assert status_line.split()[1] == b"400"
+    [record] = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    assert "Duplicate 'Content-Type' header" in record.getMessage()
+    status, _, _ = await c.post("/v1/completions", BODY)
+    assert status == 200
