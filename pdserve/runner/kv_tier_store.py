@@ -12,10 +12,10 @@ Copies (docs/architecture.md, "KV cache tiers"):
   blocks, and for its host LOADs (the scheduler computes a request whose history is in the
   host tier in the step that loads it). The host waits only on an instance whose KV connector
   writes into blocks outside the engine's stream, and only for the step's STOREs and the LOADs
-  of earlier steps (:meth:`KVTierStore.wait_stores`). A LOAD is reported finished, and its
-  host slot unpinned, once its CUDA event has completed. A disk LOAD's host-to-device
-  copy is issued when its file read ends; its request is only scheduled once that copy is
-  reported. On a CPU engine the same copies are plain synchronous tensor copies.
+  of earlier steps (:meth:`KVTierStore.wait_before_connector_writes`). A LOAD is reported
+  finished, and its host slot unpinned, once its CUDA event has completed. A disk LOAD's
+  host-to-device copy is issued when its file read ends; its request is only scheduled once
+  that copy is reported. On a CPU engine the same copies are plain synchronous tensor copies.
 * host <-> disk run on one I/O thread, in job order. A file is a header (magic, block hash,
   the engine's namespace: model, dtype, block shape, fp8 scales, TP rank, its payload length and
   CRC32) and the block's bytes. A read whose header or checksum does not match is a failed
@@ -247,7 +247,7 @@ class KVTierStore:
             self._last_loads = end
         self._pending.append(_Pending(loads, end, begin))
 
-    def wait_stores(self) -> None:
+    def wait_before_connector_writes(self) -> None:
         """Block the host until this step's STOREs and the host LOADs of earlier steps are
         done: a KV connector READ, which does not follow the engine's stream, may from now on
         write into a block a STORE copies out of, or into a block an earlier LOAD wrote (its

@@ -247,12 +247,13 @@ class ModelRunner:
         total = num_blocks * self.block_bytes
         # A defaulted max_model_len is the model's context length here; the engine core may
         # still cap it at the cache's capacity (and says so), so name it for what it is.
-        of = "max_model_len=" if self.config.max_model_len else "the model's context of "
+        length = "max_model_len=" if self.config.max_model_len else "the model's context of "
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s on %s "
                     "(%.1f sequences of %s%d tokens)", num_blocks, self.block_size,
                     num_blocks * self.block_size, total / GiB,
                     str(self.kv_cache_dtype).removeprefix("torch."), self.device,
-                    num_blocks * self.block_size / self.max_model_len, of, self.max_model_len)
+                    num_blocks * self.block_size / self.max_model_len, length,
+                    self.max_model_len)
 
     def _kv_scales_for_spec(self) -> tuple[float, ...]:
         """The fp8 cache's key scales then value scales, per layer (empty for a full-precision
@@ -334,11 +335,12 @@ class ModelRunner:
 
     def _run_tier_jobs(self, sched_out: SchedulerOutput) -> None:
         """Issue the step's tier copies before anything writes the KV cache (a connector's
-        READ into a block whose old KV is being stored waits for the store)."""
+        READ into a block whose old KV is being stored, or that an earlier step's LOAD wrote,
+        waits for that copy)."""
         if self._tiers is not None:
             self._tiers.run(sched_out.kv_tier_jobs)
             if self._connector is not None:
-                self._tiers.wait_stores()
+                self._tiers.wait_before_connector_writes()
 
     @torch.inference_mode()
     def execute_async(self, sched_out: SchedulerOutput) -> PendingRunnerStep:

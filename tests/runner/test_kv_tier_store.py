@@ -106,12 +106,14 @@ def test_cuda_a_load_overlaps_the_running_step_and_the_next_step_sees_it():
     """On CUDA a step's host LOADs and STOREs do not wait for the step still running on the
     engine's stream (none of their blocks is that step's), while the engine's next work waits
     for them: the copies finish while a long kernel still runs, a read queued on the engine's
-    stream after ``run`` sees the loaded block, and :meth:`KVTierStore.wait_stores` of the next
-    step (an instance whose KV connector writes outside the engine's stream) returns only once
-    the LOAD is done."""
+    stream after ``run`` sees the loaded block, and
+    :meth:`KVTierStore.wait_before_connector_writes` of the next step (an instance whose KV
+    connector writes outside the engine's stream) returns only once the LOAD is done."""
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
-    kv = torch.randn((8, 2, 2, 2, 16, 64), generator=g).to(dev)
+    # 16 MiB blocks: a LOAD of one takes a fraction of a millisecond, far longer than the host
+    # needs from ``run`` to ``report``, so a wait that does not happen shows
+    kv = torch.randn((8, 32, 2, 8, 64, 128), generator=g).to(dev)
     original = kv.clone()
     store = KVTierStore(kv, host_blocks=2, namespace=block_namespace("m", "f32", (), 0, 1))
     store.run(KVTierJobs([TierJob(STORE, 0, 11, block_id=3, slot=0)]))
@@ -123,7 +125,7 @@ def test_cuda_a_load_overlaps_the_running_step_and_the_next_step_sees_it():
                           TierJob(LOAD, 2, 11, block_id=0, slot=0)]))
     seen = kv[0].clone()  # the next step's read, queued on the engine's stream
     store.run(None)  # the next step, without tier jobs
-    store.wait_stores()
+    store.wait_before_connector_writes()
     assert store.report().finished_loads == {2}
     assert not running_step.query(), "the LOAD waited for the running step"
     torch.cuda.synchronize()
