@@ -27,6 +27,15 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 
+def params_life_s(kv_transfer_params: dict[str, Any], wall_now: float) -> float:
+    """Seconds from ``wall_now`` (``time.time()``) until D's params expire by their
+    ``remote_blocks_expiry_time`` (negative once past it; ``inf`` without a numeric one)."""
+    expiry = kv_transfer_params.get("remote_blocks_expiry_time")
+    if isinstance(expiry, (int, float)) and not isinstance(expiry, bool):
+        return float(expiry) - wall_now
+    return float("inf")
+
+
 @dataclass
 class ConversationState:
     """What the proxy knows about one conversation.
@@ -114,7 +123,8 @@ class ConversationStore:
         now = self._clock()
         expires_at = now + self.ttl
         if kv_transfer_params is not None:
-            params_expire_at = min(expires_at, self._params_deadline(kv_transfer_params, now))
+            params_expire_at = min(expires_at,
+                                   now + params_life_s(kv_transfer_params, self._wall_clock()))
         else:
             params_expire_at = now
         state = ConversationState(prefiller_url, decoder_url, kv_transfer_params, params_expire_at,
@@ -123,12 +133,6 @@ class ConversationStore:
         self._entries.move_to_end(conversation_id)
         self._evict(now)
         return state
-
-    def _params_deadline(self, params: dict[str, Any], now: float) -> float:
-        expiry = params.get("remote_blocks_expiry_time")
-        if isinstance(expiry, (int, float)) and not isinstance(expiry, bool):
-            return now + (float(expiry) - self._wall_clock())
-        return float("inf")
 
     def _evict(self, now: float) -> None:
         entries = self._entries

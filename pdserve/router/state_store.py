@@ -28,7 +28,8 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from pdserve.router.conversations import ConversationState, ConversationStore
+from pdserve.router.conversations import (ConversationState, ConversationStore,
+                                          params_life_s)
 
 logger = logging.getLogger("pdserve.router")
 
@@ -181,10 +182,7 @@ class RedisStateStore:
                  px=max(1, int(self.ttl * 1000)))
         life_s = 0.0
         if kv_transfer_params is not None:
-            life_s = self.ttl
-            expiry = kv_transfer_params.get("remote_blocks_expiry_time")
-            if isinstance(expiry, (int, float)) and not isinstance(expiry, bool):
-                life_s = min(life_s, float(expiry) - self._wall_clock())
+            life_s = min(self.ttl, params_life_s(kv_transfer_params, self._wall_clock()))
         if life_s > 0:
             pipe.set(key + ":kv", json.dumps(kv_transfer_params), px=max(1, int(life_s * 1000)))
         else:
