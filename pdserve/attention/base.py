@@ -44,11 +44,6 @@ class AttentionBackend(ABC):
             synchronisation, so the runner may capture it in a CUDA graph.
         kv_cache_kind: what the backend stores in the cache (per-head K/V; the MLA backend's
             latent), for the KV connector's compatibility check.
-        waits_for_kv_by_layer: :meth:`forward` of layer ``l`` first calls
-            ``meta.kv_ready.wait(l)`` when ``meta.kv_ready`` is set, so the runner may let a
-            step start while later layers' host-tier blocks are still being copied
-            (:class:`~pdserve.attention.metadata.KVReadyByLayer`); without it the runner makes
-            the whole step wait for them.
 
     Attributes:
         kv_scales: per-layer scales of an fp8 KV cache (:mod:`pdserve.attention.kv_quant`), set
@@ -59,7 +54,6 @@ class AttentionBackend(ABC):
     uses_triton_kernels: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
     kv_cache_kind: ClassVar[KVCacheKind] = KVCacheKind.PER_HEAD
-    waits_for_kv_by_layer: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  scale: float):

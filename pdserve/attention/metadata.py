@@ -16,55 +16,11 @@ split; it is built once per step (:func:`build_attention_metadata` on the host, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from pdserve.attention.host_tensors import int_tensor, padded_rows
-
-
-class _Event(Protocol):
-    def wait(self) -> None: ...
-
-
-class KVReadyByLayer:
-    """What a step's reads of the KV cache wait for, layer by layer: the host tier's LOADs of
-    the step, copied in groups of layers, each group with its CUDA event
-    (:mod:`pdserve.runner.kv_tier_store`). The attention of layer ``l`` waits, before it
-    writes or reads the cache, for the group that holds ``l``, so the step's first layers run
-    while later layers' blocks are still being copied.
-
-    Args:
-        events: one event per group, in layer order (``torch.cuda.Event``: :meth:`wait` makes
-            the current stream wait for it).
-        layers_per_group: layers ``g * layers_per_group .. (g + 1) * layers_per_group - 1``
-            are group ``g``.
-
-    Raises:
-        ValueError: no event, or ``layers_per_group < 1``.
-    """
-
-    def __init__(self, events: Sequence[_Event], layers_per_group: int):
-        if not events or layers_per_group < 1:
-            raise ValueError("KVReadyByLayer needs at least one event and one layer per group")
-        self._events = list(events)
-        self._per_group = layers_per_group
-        self._waited = -1  # the last group the stream was made to wait for
-
-    def wait(self, layer: int) -> None:
-        """Make the current stream wait for the groups up to the one of ``layer`` (once each;
-        a layer past the last group waits for every group)."""
-        last = min(layer // self._per_group, len(self._events) - 1)
-        while self._waited < last:
-            self._waited += 1
-            self._events[self._waited].wait()
-
-    def wait_all(self) -> None:
-        """Make the current stream wait for every group (a step that reads the cache outside
-        a per-layer path, and the end of every step: later steps see the loads)."""
-        self.wait(len(self._events) * self._per_group)
 
 
 @dataclass
@@ -123,8 +79,6 @@ class AttentionMetadata:
             in-block offset of every key of every prefill, request after request (the slots of
             positions ``0 .. context_len - 1``); None when no prefill has cached context (then
             the packed keys are this step's own prefill keys).
-        kv_ready: what the step's cache accesses of each layer wait for (the backends whose
-            ``waits_for_kv_by_layer`` is set call ``kv_ready.wait(layer)`` first), or None.
     """
 
     slot_mapping: torch.Tensor
@@ -143,7 +97,6 @@ class AttentionMetadata:
     max_prefill_context_len: int = 0
     prefill_kv_block: torch.Tensor | None = None
     prefill_kv_offset: torch.Tensor | None = None
-    kv_ready: KVReadyByLayer | None = None
 
     @property
     def num_tokens(self) -> int:

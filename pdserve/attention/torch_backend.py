@@ -148,8 +148,6 @@ class TorchAttentionBackend(AttentionBackend):
         last_prefill_impl: ``varlen``, ``sdpa`` or ``sdpa-default``: what the last prefill used.
     """
 
-    waits_for_kv_by_layer = True
-
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  scale: float):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale)
@@ -175,8 +173,6 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Rotate, write this step's K/V into the cache, then attend (contract of
         :meth:`pdserve.attention.base.AttentionBackend.forward`)."""
-        if meta.kv_ready is not None:
-            meta.kv_ready.wait(layer)
         if rotation is not None:
             query, key = rotation.apply(query, key)
         value = value.contiguous()

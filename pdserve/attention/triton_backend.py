@@ -62,8 +62,6 @@ class TritonAttentionBackend(TorchAttentionBackend):
         """Same contract as :meth:`pdserve.attention.base.AttentionBackend.forward`; ``query``,
         ``key`` and ``value`` may be strided views (e.g. into a fused QKV projection), which
         ``rotation`` rotates in place."""
-        if meta.kv_ready is not None:
-            meta.kv_ready.wait(layer)
         k_scale, v_scale = self.kv_scale(layer)
         if rotation is None:
             self._kv_cache_kernels.store_kv_cache(key, value, kv_cache, layer, meta.slot_mapping,

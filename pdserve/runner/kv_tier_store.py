@@ -10,13 +10,7 @@ Copies (docs/architecture.md, "KV cache tiers"):
   uses it: ``KVCacheManager.set_in_flight``). A step's host LOADs thus overlap the step before
   it. The engine's stream waits for the step's STOREs before its forward pass overwrites those
   blocks, and for its host LOADs (the scheduler computes a request whose history is in the
-  host tier in the step that loads it). When that step has prefills, its attention waits
-  layer by layer and the engine's stream is idle (no step to overlap), the LOADs are copied
-  by range of layers instead (a Triton kernel reading the pinned pool, one launch and event
-  per range) and each layer waits only for its range
-  (:class:`~pdserve.attention.metadata.KVReadyByLayer`): an idle prefiller computes its
-  first layers while the last ones' history is still on its way; otherwise copy engines move
-  one block per copy and the whole step waits. The host waits only on an instance whose KV connector
+  host tier in the step that loads it). The host waits only on an instance whose KV connector
   writes into blocks outside the engine's stream, and only for the step's STOREs and the LOADs
   of earlier steps (:meth:`KVTierStore.wait_before_connector_writes`). A LOAD is reported
   finished, and its host slot unpinned, once its CUDA event has completed. A disk LOAD's
@@ -45,15 +39,9 @@ from typing import Callable
 
 import torch
 
-from pdserve.attention.metadata import KVReadyByLayer
 from pdserve.types.kv_tiers import KVTierJobs, KVTierReport, TierJob, TierJobKind
 
 logger = logging.getLogger("pdserve.model")
-
-#: launches a step's host LOADs are split into when its attention waits by layer (each a range
-#: of ``ceil(L / LOAD_LAYER_GROUPS)`` layers): the first layers wait for one range's copy, not
-#: for every layer's; more launches cost host time before the forward pass
-LOAD_LAYER_GROUPS = 8
 
 _MAGIC = b"PDSKV001"
 _HEADER = struct.Struct("<8sQ16sQI")  # magic, block hash, namespace, payload bytes, crc32
@@ -188,25 +176,8 @@ class KVTierStore:
         self._stores_this_step: "torch.cuda.Event | None" = None
         self._earlier_loads: "torch.cuda.Event | None" = None  # the latest LOADs of earlier runs
         self._last_loads: "torch.cuda.Event | None" = None  # the LOADs of the latest run with some
-        layers = kv_cache.shape[1] if kv_cache.dim() > 1 else 1
-        self._layers_per_group = -(-layers // LOAD_LAYER_GROUPS)
-        self._segment_copy = _segment_copy_kernels() if self.cuda else None
-        if self._segment_copy is not None:
-            self._warm_up_segment_copy()
 
-    @property
-    def loads_by_layer(self) -> bool:
-        """Whether :meth:`run` can copy a step's host LOADs by layer range (CUDA with Triton)."""
-        return self._segment_copy is not None
-
-    def _warm_up_segment_copy(self) -> None:
-        """Compile the segment copy now, not at the first LOAD: slot 0 copied onto itself."""
-        ids = torch.zeros(2, dtype=torch.int32, device=self.kv_cache.device)
-        self._segment_copy.copy_block_segments(self.host, self.host, ids, ids, 0,
-                                               self._layers_per_group)
-        torch.cuda.synchronize(self.kv_cache.device)
-
-    def run(self, jobs: KVTierJobs | None, by_layer: bool = False) -> KVReadyByLayer | None:
+    def run(self, jobs: KVTierJobs | None) -> None:
         """Issue a step's jobs (before its forward pass; see the module docstring): first the
         STORE, DISK_WRITE and DISK_DELETE jobs in list order, then the LOAD jobs in list order.
         Moving the loads behind the stores keeps every order that matters (a STORE into a
@@ -218,25 +189,13 @@ class KVTierStore:
         not wait for the engine's stream: the step it still runs uses none of these blocks
         (the module docstring).
 
-        With ``by_layer`` (the step's attention waits layer by layer, ``meta.kv_ready``),
-        :attr:`loads_by_layer` and nothing running on the engine's stream, the host LOADs are
-        copied in :data:`LOAD_LAYER_GROUPS` launches
-        of :func:`~pdserve.kernels.block_copy.copy_block_segments`, each a range of layers of
-        every loaded block, and the engine's stream does not wait for them here: the returned
-        object says what each layer waits for, so a prefiller that loads a history while idle
-        computes its first layers during the copy of the last ones.
-
-        Returns:
-            the per-layer waits of this step's host LOADs when they were copied by layer range,
-            else None (the engine's stream already waits for them).
-
         Raises:
             RuntimeError: a DISK job without a disk tier (a bookkeeping bug).
         """
         self._stores_this_step = None
         self._earlier_loads = self._last_loads
         if jobs is None:
-            return None
+            return
         stream = self._stream
         begin = compute = None
         if stream is not None:
@@ -269,52 +228,24 @@ class KVTierStore:
                     self._store_events[slot] = stores_done
                 compute.wait_event(stores_done)
                 self._stores_this_step = stores_done
-            host_loads: list[TierJob] = []
             for job in load_jobs:
                 if job.from_disk:
                     self._read_file(job)
                 else:
-                    host_loads.append(job)
-                    loads.append(job.job_id)
-            ready = None
-            # by layer only on an idle engine: a LOAD beside a running step overlaps that step
-            # through the copy engines, without taking SMs from it
-            if by_layer and host_loads and self._segment_copy is not None and compute.query():
-                ready = self._load_by_layer(host_loads)
-            else:
-                for job in host_loads:
                     self.kv_cache[job.block_id].copy_(self.host[job.slot], non_blocking=self.cuda)
+                    loads.append(job.job_id)
         if not (stored or loads):
-            return None
+            return
         if stream is None:
             self._report.copy_times_s.append(time.perf_counter() - t0)
             self._report.finished_loads.update(loads)
-            return None
+            return
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
         if loads:
-            if ready is None:
-                compute.wait_event(end)  # the step's forward may read the loaded blocks
+            compute.wait_event(end)  # the step's forward may read the loaded blocks
             self._last_loads = end
         self._pending.append(_Pending(loads, end, begin))
-        return ready
-
-    def _load_by_layer(self, jobs: list[TierJob]) -> KVReadyByLayer:
-        """Launch the host-to-device copies of ``jobs`` on the copy stream (current) by layer
-        range, an event after each range."""
-        ids = torch.tensor([[j.block_id for j in jobs], [j.slot for j in jobs]],
-                           dtype=torch.int32).pin_memory()
-        ids = ids.to(self.kv_cache.device, non_blocking=True)
-        layers = self.kv_cache.shape[1]
-        per_group = self._layers_per_group
-        events = []
-        for start in range(0, layers, per_group):
-            self._segment_copy.copy_block_segments(self.kv_cache, self.host, ids[0], ids[1],
-                                                   start, min(start + per_group, layers))
-            event = torch.cuda.Event()
-            event.record()
-            events.append(event)
-        return KVReadyByLayer(events, per_group)
 
     def wait_before_connector_writes(self) -> None:
         """Block the host until this step's STOREs and the host LOADs of earlier steps are
@@ -408,15 +339,6 @@ class KVTierStore:
         if self._disk is not None:
             self._disk.close()
             self._disk = None
-
-
-def _segment_copy_kernels():
-    """:mod:`pdserve.kernels.block_copy`, or None without Triton."""
-    try:
-        from pdserve.kernels import block_copy
-    except ImportError:
-        return None
-    return block_copy
 
 
 class _nullcontext:

@@ -31,14 +31,12 @@ from pdserve.types.engine_config import EngineConfig
 from pdserve.types.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
 from pdserve.kv_transfer.base import KVCacheSpec, KVConnectorWorkerSide
 from pdserve.attention.kv_quant import kv_cache_torch_dtype
-from pdserve.attention.metadata import KVReadyByLayer
 from pdserve.types.model_info import ModelInfo
 from pdserve.runner.memory_profile import cuda_memory_at_start, measure_cuda_budget
 from pdserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pdserve.distributed.sharding import kv_head_range
 from pdserve.models.loader import load_model, model_max_len, resolve_device, tp_device
 from pdserve.runner.block_tables import DecodeBlockTables
-from pdserve.runner.flat_batch import split_batch
 from pdserve.runner.cpu_malloc import tune_cpu_malloc
 from pdserve.runner.cuda_graphs import CUDAGraphRunner
 from pdserve.runner.decode_graphs import (
@@ -109,8 +107,6 @@ class ModelRunner:
         self.kv_cache_spec: KVCacheSpec | None = None
         self._connector: KVConnectorWorkerSide | None = None
         self._tiers: KVTierStore | None = None  # the KV cache tiers' memory and copies
-        # what the next forward pass's layers wait for (host LOADs copied by layer range)
-        self._kv_ready: KVReadyByLayer | None = None
         # replays decode graphs; keeps the host block tables of their requests between steps
         self._decode_replay = DecodeGraphReplay(DecodeBlockTables(self.max_blocks_per_seq),
                                                 self.block_size, self.max_model_len, self.device)
@@ -340,20 +336,11 @@ class ModelRunner:
     def _run_tier_jobs(self, sched_out: SchedulerOutput) -> None:
         """Issue the step's tier copies before anything writes the KV cache (a connector's
         READ into a block whose old KV is being stored, or that an earlier step's LOAD wrote,
-        waits for that copy). A single step with prefills, whose every layer attends through a
-        backend that waits by layer, gets its host LOADs by layer range (the forward pass
-        takes the waits from :attr:`_kv_ready`); any other step waits for them as a whole."""
-        tiers = self._tiers
-        if tiers is None:
-            return
-        by_layer = (tiers.loads_by_layer and sched_out.num_steps == 1
-                    and self.model.attn_backend.waits_for_kv_by_layer
-                    and any(len(r.token_ids) > 1 for r in sched_out.scheduled))
-        if self._kv_ready is not None:  # a step that never reached its forward pass
-            self._kv_ready.wait_all()
-        self._kv_ready = tiers.run(sched_out.kv_tier_jobs, by_layer)
-        if self._connector is not None:
-            tiers.wait_before_connector_writes()
+        waits for that copy)."""
+        if self._tiers is not None:
+            self._tiers.run(sched_out.kv_tier_jobs)
+            if self._connector is not None:
+                self._tiers.wait_before_connector_writes()
 
     @torch.inference_mode()
     def execute_async(self, sched_out: SchedulerOutput) -> PendingRunnerStep:
@@ -401,25 +388,35 @@ class ModelRunner:
                 ``max_model_len``, a block table too short, or a placeholder whose request
                 ``previous`` did not sample.
         """
-        ready, self._kv_ready = self._kv_ready, None
-        try:
-            return self._forward_logits(scheduled, kv_cache, previous, ready)
-        finally:
-            if ready is not None:
-                ready.wait_all()  # later steps read the loaded blocks too
-
-    def _forward_logits(self, scheduled: list[ScheduledRequest], kv_cache: torch.Tensor,
-                        previous: DeviceTokens | None, ready: KVReadyByLayer | None):
-        """:meth:`forward_logits` with the layers' waits for this step's host LOADs."""
-        batch = split_batch(scheduled)
-        prefills, decodes = batch.prefills, batch.decodes
+        prefills = [r for r in scheduled if len(r.token_ids) > 1]
+        decodes = [r for r in scheduled if len(r.token_ids) == 1]
+        if len(prefills) + len(decodes) != len(scheduled):
+            bad = next(r.request_id for r in scheduled if not r.token_ids)
+            raise ValueError(f"request {bad} was scheduled with no tokens")
         graphs = self.decode_graphs
         if (graphs is not None and not prefills and kv_cache is self.kv_cache
                 and len(decodes) <= graphs.max_batch_size):
-            if ready is not None:
-                ready.wait_all()
             return self._decode_replay.decode(decodes, graphs, previous)
-        batch.add_rows()
+        fed: list[tuple[int, str]] = []  # (input row, request_id) of placeholders
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_idx: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        for r in prefills:
+            n = r.num_computed_tokens
+            input_ids.extend(r.token_ids)
+            positions.extend(range(n, n + len(r.token_ids)))
+            if r.sample:
+                logits_idx.append(len(input_ids) - 1)
+                sampled.append(r)
+        for r in decodes:
+            if r.input_from_previous_step:
+                fed.append((len(input_ids), r.request_id))
+            input_ids.append(r.token_ids[0])
+            positions.append(r.num_computed_tokens)
+            if r.sample:
+                logits_idx.append(len(input_ids) - 1)
+                sampled.append(r)
         last = max(r.num_computed_tokens + len(r.token_ids) for r in scheduled)
         if last > self.max_model_len:
             raise ValueError(f"a scheduled request reaches {last} tokens, beyond max_model_len="
@@ -427,19 +424,18 @@ class ModelRunner:
         meta = self.model.attn_backend.build_metadata(
             [(r.num_computed_tokens, r.block_ids, len(r.token_ids)) for r in prefills],
             [(r.block_ids, r.num_computed_tokens) for r in decodes], self.device)
-        meta.kv_ready = ready
         dev = self.device
-        ids_t = int_tensor(batch.input_ids).to(dev, non_blocking=True)
-        pos_t = int_tensor(batch.positions).to(dev, non_blocking=True)
-        idx_t = int_tensor(batch.logits_rows).to(dev, non_blocking=True)
-        feed_previous_tokens(ids_t, batch.fed, previous)
+        ids_t = int_tensor(input_ids).to(dev, non_blocking=True)
+        pos_t = int_tensor(positions).to(dev, non_blocking=True)
+        idx_t = int_tensor(logits_idx).to(dev, non_blocking=True)
+        feed_previous_tokens(ids_t, fed, previous)
         pieces = self.piecewise_graphs
         if (pieces is not None and kv_cache is self.kv_cache
-                and len(batch.input_ids) <= pieces.max_tokens):
+                and len(input_ids) <= pieces.max_tokens):
             logits = pieces.run(ids_t, pos_t, kv_cache, meta, idx_t)
         else:
             logits = self.model(ids_t, pos_t, kv_cache, meta, idx_t)
-        return batch.sampled, (logits if batch.sampled else None)
+        return sampled, (logits if sampled else None)
 
     def shutdown(self) -> None:
         """Release the KV cache and the weights (the connector is shut down by its owner)."""

@@ -6,7 +6,7 @@ tests/kernels/conftest.py). Prints ``ok GROUP LABEL`` per compiled configuration
 Groups: ``attention`` (paged decode and its merge, KV store, RMS norm, rotary with and without
 the KV store, SwiGLU, the sampler's inverse-CDF draw) and ``moe`` (the grouped GEMM), checked by
 tests/kernels/test_triton_attention.py and tests/kernels/test_triton_moe.py, and ``mla`` (the
-MLA decode split kernel; tests/kernels/test_mla_decode.py), and ``copy`` (the KV block copies;
+MLA decode split kernel; tests/kernels/test_mla_decode.py), and ``copy`` (the KV block copy;
 tests/kernels/test_block_copy.py). The interpreter accepts code the compiler rejects, so the
 configurations cover every constexpr branch the kernels take in production.
 """
@@ -176,11 +176,6 @@ def copy() -> None:
              {"dst_ptr": "*i32", "src_ptr": "*i32", "dst_ids_ptr": "*i32",
               "src_ids_ptr": "*i32"}, dict(BLOCK=block_copy.WORDS_PER_PROGRAM),
              lambda n: n.endswith("_ptr") or n == "words_per_block", num_warps=8)
-    _compile("copy", "copy_block_segments", block_copy._copy_segments_kernel,
-             {"dst_ptr": "*i32", "src_ptr": "*i32", "dst_ids_ptr": "*i32",
-              "src_ids_ptr": "*i32"}, dict(CHUNK=block_copy.SEGMENT_CHUNK_WORDS),
-             lambda n: n.endswith("_ptr") or n in ("words_per_block", "seg_offset", "seg_words"),
-             num_warps=8)
 
 
 #: labels each group must report
@@ -196,7 +191,7 @@ EXPECTED = {
     "moe": {"grouped_gemm_bf16_m16", "grouped_gemm_bf16_m32", "grouped_gemm_bf16_m64",
             "grouped_gemm_fp32_m64"},
     "mla": {"mla_decode_bf16_split0", "mla_decode_bf16_split1", "mla_decode_bf16_fp8_kv"},
-    "copy": {"copy_blocks", "copy_block_segments"},
+    "copy": {"copy_blocks"},
 }
 
 if __name__ == "__main__":

@@ -79,32 +79,3 @@ def test_block_copy_compiles_for_hopper(hopper_compile):
     ok, failed, stderr = hopper_compile
     assert not failed.get("copy") and not failed.get("script"), (failed, stderr[-3000:])
     assert ok.get("copy") == EXPECTED["copy"], (ok, stderr[-3000:])
-
-
-@pytest.mark.parametrize("start, stop", [(0, 1), (1, 3), (0, 4)])
-def test_segment_copies_take_the_layer_range_of_the_named_blocks(start, stop):
-    """``copy_block_segments`` (the host tier's LOADs by layer range,
-    pdserve/runner/kv_tier_store.py) against torch indexing: layers ``start:stop`` of each
-    named block, other layers and blocks untouched; more work items than programs (a block of
-    several chunks), and a source in pinned host memory on CUDA."""
-    gen = torch.Generator().manual_seed(start * 10 + stop)
-    block_shape = (4, 2, 1, 16, 600)  # [L, 2, H, bs, D]: 19,200 words per layer, 3 chunks
-    src = torch.randn(9, *block_shape, generator=gen)
-    src = src.pin_memory() if HAS_CUDA else src
-    dst = torch.zeros(11, *block_shape, device=DEVICE)
-    n = 7
-    src_ids = torch.randperm(9, generator=gen)[:n].tolist()
-    dst_ids = torch.randperm(11, generator=gen)[:n].tolist()
-    block_copy.copy_block_segments(dst, src, torch.tensor(dst_ids, dtype=torch.int32,
-                                                          device=DEVICE),
-                                   torch.tensor(src_ids, dtype=torch.int32, device=DEVICE),
-                                   start, stop)
-    out = dst.cpu()
-    for d, s in zip(dst_ids, src_ids):
-        assert torch.equal(out[d, start:stop], src[s, start:stop].cpu())
-    mask = torch.ones(11, 4, dtype=torch.bool)
-    mask[dst_ids, start:stop] = False
-    assert float(out[mask].abs().sum()) == 0.0
-    with pytest.raises(ValueError, match="layer range"):
-        block_copy.copy_block_segments(dst, src, torch.tensor(dst_ids, dtype=torch.int32),
-                                       torch.tensor(src_ids, dtype=torch.int32), 2, 5)

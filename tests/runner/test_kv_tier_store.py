@@ -130,31 +130,3 @@ def test_cuda_a_load_overlaps_the_running_step_and_the_next_step_sees_it():
     assert not running_step.query(), "the LOAD waited for the running step"
     torch.cuda.synchronize()
     assert torch.equal(seen, original[3]) and torch.equal(store.host[1], original[5].cpu())
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_loads_by_layer_range_copy_the_blocks_and_order_each_range():
-    """With ``by_layer`` the step's host LOADs are copied range by range of layers (one launch
-    and event each, :func:`pdserve.kernels.block_copy.copy_block_segments` reading the pinned
-    pool), the engine's stream waits for none of them in ``run``, and after the returned
-    object's waits the loaded blocks equal the stored ones, every layer, other blocks
-    untouched. A range waited for is complete before the engine's stream goes on."""
-    dev = torch.device("cuda")
-    g = torch.Generator().manual_seed(0)
-    kv = torch.randn((12, 32, 2, 8, 16, 128), generator=g).to(dev, torch.bfloat16)
-    original = kv.clone()
-    store = KVTierStore(kv, host_blocks=6, namespace=block_namespace("m", "bf16", (), 0, 1))
-    assert store.loads_by_layer
-    store.run(KVTierJobs([TierJob(STORE, i, 100 + i, block_id=i, slot=5 - i) for i in range(6)]))
-    torch.cuda.synchronize()
-    loads = [TierJob(LOAD, 10 + i, 100 + i, block_id=6 + i, slot=5 - i) for i in range(6)]
-    ready = store.run(KVTierJobs(loads), by_layer=True)
-    assert ready is not None
-    ready.wait(0)
-    first = kv[6:12, :4].clone()  # the first range, read on the engine's stream after its wait
-    ready.wait_all()
-    torch.cuda.synchronize()
-    assert torch.equal(first, original[0:6, :4])
-    assert torch.equal(kv[6:12], original[0:6]) and torch.equal(kv[:6], original[:6])
-    assert wait_report(store).finished_loads == {10, 11, 12, 13, 14, 15}
-    assert store.run(KVTierJobs([TierJob(LOAD, 20, 100, block_id=11, slot=5)])) is None
