@@ -150,6 +150,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, RecursionError):
+            # FastAPI turns a body that json's decoder cannot parse without recursing too deep
+            # into "There was an error parsing the body"; say what it is, as the proxy does
+            return bad_request("Malformed JSON body: nested too deeply").response()
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         err = OpenAIError(detail, exc.status_code)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)

@@ -56,6 +56,8 @@ async def _body(request: Request) -> dict[str, Any]:
         body = await request.json()
     except ValueError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # json's decoder recurses once per level of nesting
+        raise bad_request("request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     return body

@@ -109,6 +109,18 @@ async def test_malformed_json_is_400(client: httpx.AsyncClient, raw: bytes) -> N
     assert_openai_error(r, 400, "BadRequestError", message_has="JSON")
 
 
+async def test_json_nested_too_deeply_is_400_saying_so(client: httpx.AsyncClient) -> None:
+    """json's decoder recurses once per level: a body nested past the interpreter's limit is a
+    400 that says why, in the proxy's words (tests/router/test_router_errors.py), and the
+    server keeps serving."""
+    raw = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for path in (COMPLETIONS, CHAT):
+        r = await client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert_openai_error(r, 400, "BadRequestError", message_has="nested too deeply")
+    ok = await client.post(COMPLETIONS, json={"prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/json"])
 async def test_non_json_body_is_the_same_400_as_any_other(client: httpx.AsyncClient,
                                                           content_type: str | None) -> None:

@@ -75,6 +75,14 @@ async def test_malformed_json_is_400(client):
     assert r.status_code == 400
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+async def test_json_nested_too_deeply_is_400_not_500(client, path):
+    raw = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = await client.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert "nested too deeply" in r.json()["error"]["message"]
+
+
 async def test_version(client):
     r = await client.get("/version")
     assert r.status_code == 200 and r.json() == {"version": __version__}
