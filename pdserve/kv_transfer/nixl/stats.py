@@ -38,6 +38,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def _avg_p90_ms(seconds: list[float]) -> tuple[float, float]:
+    """Average and P90 of ``seconds`` in milliseconds (0.0 each when empty)."""
+    if not seconds:
+        return 0.0, 0.0
+    return 1e3 * sum(seconds) / len(seconds), 1e3 * percentile(seconds, 90)
+
+
 @dataclass
 class TransferStats:
     """Transfer observations over some period.
@@ -138,10 +145,8 @@ class TransferStats:
         n = len(self.xfer_time_s)
         total_mb = sum(self.bytes) / 1e6
         total_xfer_s = sum(self.xfer_time_s)
-        avg_xfer = 1e3 * total_xfer_s / n if n else 0.0
-        p90_xfer = 1e3 * percentile(self.xfer_time_s, 90) if n else 0.0
-        avg_post = 1e3 * sum(self.post_time_s) / n if n else 0.0
-        p90_post = 1e3 * percentile(self.post_time_s, 90) if n else 0.0
+        avg_xfer, p90_xfer = _avg_p90_ms(self.xfer_time_s)
+        avg_post, p90_post = _avg_p90_ms(self.post_time_s)
         avg_mb = total_mb / n if n else 0.0
         throughput = total_mb / total_xfer_s if total_xfer_s > 0 else 0.0
         avg_desc = sum(self.num_descriptors) / n if n else 0.0
@@ -158,8 +163,7 @@ class TransferStats:
     def _own_fields(self) -> list[str]:
         out = []
         if self.handoff_s:
-            avg = 1e3 * sum(self.handoff_s) / len(self.handoff_s)
-            p90 = 1e3 * percentile(self.handoff_s, 90)
+            avg, p90 = _avg_p90_ms(self.handoff_s)
             out.append(f", Num hand-offs={len(self.handoff_s)}, Avg hand-off (ms)={avg:.3f}, "
                        f"P90 hand-off (ms)={p90:.3f}")
         for name, value in (("Num pulls given up", self.num_pulls_given_up),
