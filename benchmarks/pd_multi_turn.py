@@ -88,6 +88,8 @@ def _start_up(args: argparse.Namespace, multi_turn: bool, log_dir: Path,
            "--log-dir", str(log_dir), "--device", args.device]
     if multi_turn:
         cmd.append("--multi-turn")
+    if args.local_prefill_max_tokens:
+        cmd += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
     engine_args = [*(extra_engine_args or []), *shlex.split(args.engine_args)]
     if engine_args:
         cmd += ["--", *engine_args]
@@ -139,6 +141,7 @@ def _run_case(args: argparse.Namespace, name: str, multi_turn: bool, work: Path,
         proxy = next(p["url"] for p in parts if p["role"] == "proxy")
         engines = {role: [p["url"] for p in parts if p["role"] == role]
                    for role in ("prefill", "decode")}
+        engines["proxy"] = [proxy]
         before = {role: [_read_series(u) for u in urls] for role, urls in engines.items()}
         stats_path = log_dir / "stats.json"
         cmd = [sys.executable, "-m", "pdserve.cli", "bench", "multi-turn", "-u", proxy,
@@ -190,7 +193,7 @@ def _run_tiers(args: argparse.Namespace, work: Path) -> dict:
                       extra_bench_args=tiers.bench_args(args))
         results[name] = {"ttft": tiers.ttft_percentiles(r["summary"]),
                          "prefill": r["series"]["prefill"], "decode": r["series"]["decode"],
-                         "summary": r["summary"]}
+                         "proxy": r["series"]["proxy"], "summary": r["summary"]}
     return results
 
 
@@ -227,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
+                    help="'pdserve up --local-prefill-max-tokens N' in every deployment: a "
+                         "decoder that holds all but N prompt tokens of a request prefills it "
+                         "itself (default 0: every request through a prefiller)")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="keep the deployments' logs in this new directory (default: a "
                          "temporary one, removed at the end)")

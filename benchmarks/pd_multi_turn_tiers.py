@@ -73,6 +73,8 @@ D_TURN_SERIES = (
     'pdserve:kv_offload_turn_blocks_restored_total{medium="TIER"}',
     "pdserve:kv_offload_turns_lost_total",
 )
+# requests the proxy sent to D alone (--local-prefill-max-tokens)
+LOCAL_PREFILLS = "pdserve:proxy_local_prefills_total"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -303,6 +305,10 @@ def report(results: dict[str, dict]) -> list[str]:
             f"{d.get(D_TURN_SERIES[3], 0.0):.0f}; leases expired unread: P "
             f"{p.get(EXPIRED_SERIES[0], 0.0):.0f}, D {d.get(EXPIRED_SERIES[0], 0.0):.0f} (turns "
             f"{d.get(EXPIRED_SERIES[1], 0.0):.0f})")
+        local = r.get("proxy", {}).get(LOCAL_PREFILLS, 0.0)
+        if local:
+            lines.append(f"{'':>9}  prefilled by D itself (--local-prefill-max-tokens): "
+                         f"{local:.0f} requests")
     base, tier = results["no tier"]["ttft"]["later"], results["host tier"]["ttft"]["later"]
     ratios = [b / t if b and t else None for b, t in zip(base[:2], tier[:2])]
     lines.append(f"summary: turns 2+ TTFT p50 {_f(base[0])} -> {_f(tier[0])} ms "

@@ -123,9 +123,9 @@ class FakeCommands(ChildCommands):
                               device=device, engine_args=engine_args)
         return self._fake(role, port) + ["--real"] + real[1:]
 
-    def proxy(self, *, host, port, prefillers, decoders, multi_turn, api_key=None):
+    def proxy(self, *, host, port, prefillers, decoders, multi_turn, **options):
         real = super().proxy(host=host, port=port, prefillers=prefillers, decoders=decoders,
-                             multi_turn=multi_turn, api_key=api_key)
+                             multi_turn=multi_turn, **options)
         return self._fake("proxy", port) + ["--real"] + real[1:]
 
 

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from pdserve.commands.parser import (NEGATIVE_NUMBER, Parser, non_negative_float, port_list,
-                                     positive_float, positive_int, writable_dir)
+from pdserve.commands.parser import (NEGATIVE_NUMBER, Parser, non_negative_float,
+                                     non_negative_int, port_list, positive_float, positive_int,
+                                     writable_dir)
 from pdserve.types.engine_config import DEFAULT_MODEL
 from pdserve.launcher.errors import LaunchError
 from pdserve.launcher.plan import (
@@ -190,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "data-parallel rank), default 1")
     p.add_argument("--multi-turn", action="store_true",
                    help="bidirectional KV transfer on P and D and the multi-turn proxy")
+    p.add_argument("--local-prefill-max-tokens", type=non_negative_int, default=0, metavar="N",
+                   help="the proxy lets a decoder prefill a request itself, without a prefill leg, "
+                        "when it holds all but at most N of the prompt tokens in its KV cache or "
+                        "its KV cache tiers (default 0 = always use a prefiller; docs/proxy.md)")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
                    help="engine device (default: the engine's own default, auto)")
     p.add_argument("--host", default="127.0.0.1",

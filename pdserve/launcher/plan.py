@@ -177,12 +177,15 @@ class ChildCommands:
 
     def proxy(self, *, host: str, port: int, prefillers: Sequence[tuple[str, int]],
               decoders: Sequence[tuple[str, int]], multi_turn: bool,
-              api_key: str | None = None) -> list[str]:
+              api_key: str | None = None, local_prefill_max_tokens: int = 0,
+              tokenizer: str | None = None) -> list[str]:
         """``pdserve proxy`` in front of the given (host, HTTP port) engines, migrating a
         stream whose decoder fails mid-stream up to :data:`UP_MIGRATION_LIMIT` times.
 
         With ``api_key`` the proxy requires it from clients and forwards their ``Authorization``
-        header to the engines, which were started with the same key.
+        header to the engines, which were started with the same key. ``local_prefill_max_tokens``
+        > 0 lets decoders prefill requests they hold all but that many prompt tokens of
+        (``--local-prefill-max-tokens``, with ``tokenizer``: the served model's).
         """
         argv = [self.python, "-m", "pdserve.cli", "proxy", "--host", host, "--port", str(port),
                 "--prefiller-hosts", *[h for h, _ in prefillers],
@@ -194,6 +197,9 @@ class ChildCommands:
             argv.append("--multi-turn")
         if api_key:
             argv += ["--api-key", api_key]
+        if local_prefill_max_tokens:
+            argv += ["--local-prefill-max-tokens", str(local_prefill_max_tokens),
+                     "--tokenizer", tokenizer]
         return argv
 
     health_path_engine = "/health"
@@ -371,7 +377,9 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
     proxy_argv = commands.proxy(
         host=opts.host, port=opts.port,
         prefillers=[(ENGINE_HOST, p) for p in p_ports], decoders=[(ENGINE_HOST, p) for p in d_ports],
-        multi_turn=opts.multi_turn, api_key=option_value(engine_args, "--api-key"))
+        multi_turn=opts.multi_turn, api_key=option_value(engine_args, "--api-key"),
+        local_prefill_max_tokens=opts.local_prefill_max_tokens,
+        tokenizer=option_value(engine_args, "--tokenizer") or opts.model)
     specs.append(ChildSpec(name="proxy", role="proxy", argv=proxy_argv,
                            env={"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""},
                            host=opts.host, port=opts.port, health_path=commands.health_path_proxy))

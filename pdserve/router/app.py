@@ -58,6 +58,7 @@ from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, METHOD_NOT_A
                                    ProxyError, error_bytes)
 from pdserve.router.kv_routing import (KVAwareRouter, PromptTokenizer, RoutingDecision,
                                        RoutingReason, affinity_allows, route_plain)
+from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.migration import Leg, StreamMigrator, migration_refusal
 from pdserve.router.passthrough import PASS_THROUGH_ROUTES, forward
@@ -90,11 +91,15 @@ class DisaggProxy:
         conversations: the in-process multi-turn table, or None (no ``--multi-turn``, or
             ``--state-store redis://...``).
         state_store: where multi-turn state is loaded from and recorded, or None.
-        kv_router: KV-aware routing (``--routing kv-aware``), or None.
+        kv_router: the instances' KV indexes and the prompt tokenizer (``--routing kv-aware``,
+            ``--local-prefill-max-tokens``), or None.
+        local_prefill: which requests their decoder prefills itself
+            (``--local-prefill-max-tokens``), or None.
         metrics: the Prometheus metrics served at ``/metrics``.
 
     Raises:
-        pdserve.model_files.client_tokenizer.TokenizerLoadError: kv-aware routing cannot load ``--tokenizer``.
+        pdserve.model_files.client_tokenizer.TokenizerLoadError: kv-aware routing or local
+            prefill cannot load ``--tokenizer``.
     """
 
     def __init__(self, config: ProxyConfig):
@@ -118,10 +123,14 @@ class DisaggProxy:
             self.state_store = RedisStateStore(config.state_store, config.conversation_ttl,
                                                self.metrics.count_state_store_error)
         self.kv_router: KVAwareRouter | None = None
-        if config.routing == "kv-aware":
+        if config.routing == "kv-aware" or config.local_prefill_max_tokens:
             self.kv_router = KVAwareRouter(config.prefillers + config.decoders,
                                            PromptTokenizer(config.tokenizer),
                                            config.kv_load_weight, config.kv_events_stale_after)
+        self.local_prefill: LocalPrefill | None = None
+        if config.local_prefill_max_tokens:
+            self.local_prefill = LocalPrefill(config.local_prefill_max_tokens, self.kv_router,
+                                              self.metrics.local_prefills)
         self._api_key = (f"Bearer {config.api_key}".encode() if config.api_key else None)
         self._upstream_auth = (f"Bearer {config.upstream_api_key}" if config.upstream_api_key else None)
         self.client = UpstreamClient(config.timeout, (self.prefillers, self.decoders),
@@ -215,7 +224,7 @@ class DisaggProxy:
         ``previous_url``: the instance of the conversation's previous turn, if any.
         """
         previous = pool.get(previous_url)
-        kv = self.kv_router
+        kv = self.kv_router if self.config.routing == "kv-aware" else None
         if self.config.session_affinity and pool is self.decoders and previous is not None:
             if affinity_allows(pool, previous):
                 order = pool.order(previous)
@@ -308,24 +317,47 @@ class DisaggProxy:
                              + ", ".join(u.url for u in self.decoders.upstreams)
                              + "); the request was not prefilled", UPSTREAM_UNAVAILABLE)
 
-        p_body = prefill_leg_body(body, state.kv_transfer_params if state else None)
-        if state is not None and state.kv_transfer_params:
-            self.metrics.kv_params_forwarded.inc()
         stream = body.get("stream") is True
         migrate = self.migrator.limit > 0 and stream and migration_refusal(body) is None
         if stream:
             client.ledger = StreamLedger.for_request(body)
         previous = (state.prefiller_url, state.decoder_url) if state else (None, None)
-        if self.concurrent is not None:
-            phase_trace.mark("px.p_body_built")
-            answer = await self.concurrent.run(path, body, p_body, headers, turn, stream,
-                                               previous, token_ids, return_token_ids=migrate,
-                                               client=client if stream else None)
+        p_body = prefill_leg_body(body, state.kv_transfer_params if state else None)
+        d_order = None
+        if self.local_prefill is not None:
+            d_order = self._route(self.decoders, previous[1], token_ids, turn)
+        if self.local_prefill is not None and self.local_prefill.take(
+                d_order[0] if d_order else None, token_ids):
+            phase_trace.mark("px.local_prefill")
+            answer = None
+            try:  # (the prefill leg's body serves a retry, which goes through a prefiller)
+                answer = await self.legs.run(path, body, _encode(p_body).encode(), headers,
+                                             turn, stream, previous, token_ids,
+                                             return_token_ids=migrate, orders=(None, d_order),
+                                             local=True)
+            finally:
+                if state is not None and state.kv_transfer_params and (
+                        answer is None or answer.p_up is None):
+                    # the previous turn's blocks D holds for a prefiller's pull: none pulled
+                    # them (freed, they stay in D's prefix cache, evictable)
+                    prev_d = self.decoders.get(state.decoder_url)
+                    if prev_d is not None:
+                        self.decode_guard.release(prev_d, state.kv_transfer_params, headers)
         else:
-            p_data = _encode(p_body).encode()
-            phase_trace.mark("px.p_body_built")
-            answer = await self.legs.run(path, body, p_data, headers, turn, stream, previous,
-                                         token_ids, return_token_ids=migrate)
+            if state is not None and state.kv_transfer_params:
+                self.metrics.kv_params_forwarded.inc()
+            if self.concurrent is not None:
+                phase_trace.mark("px.p_body_built")
+                answer = await self.concurrent.run(path, body, p_body, headers, turn, stream,
+                                                   previous, token_ids, return_token_ids=migrate,
+                                                   client=client if stream else None,
+                                                   d_first=d_order)
+            else:
+                p_data = _encode(p_body).encode()
+                phase_trace.mark("px.p_body_built")
+                answer = await self.legs.run(path, body, p_data, headers, turn, stream,
+                                             previous, token_ids, return_token_ids=migrate,
+                                             orders=(None, d_order))
         p_up, d_up, d_resp, d_raw = answer.p_up, answer.d_up, answer.d_resp, answer.raw
         phase_trace.mark("px.d_hdr")
         if d_raw is None:

@@ -131,7 +131,8 @@ class ConcurrentLegs:
                   headers: dict[str, str], turn: Turn, stream: bool,
                   previous: tuple[str | None, str | None], token_ids: list[int] | None,
                   return_token_ids: bool = False,
-                  client: ClientStream | None = None) -> DecodeAnswer:
+                  client: ClientStream | None = None,
+                  d_first: list[Upstream] | None = None) -> DecodeAnswer:
         """Serve the turn up to D's first token (:meth:`TurnLegs.run`'s contract).
 
         Args:
@@ -140,6 +141,7 @@ class ConcurrentLegs:
             client: a stream's response (its ledger set), opened when a decoder answers the
                 decode leg with a 200 stream, sent D's opening chunks as they come
                 (:mod:`pdserve.router.client_stream`); None for a non-streamed turn.
+            d_first: the first decode order to try, already routed; None: routed here.
             (others): as :meth:`TurnLegs.run`.
 
         Raises:
@@ -152,9 +154,14 @@ class ConcurrentLegs:
             p_order = [u for u in self._route(self._prefillers, previous[0], token_ids, turn)
                        if u not in att.p_failed]
             ranks = self._ranks(p_order[0]) if p_order and concurrent else None
-            d_order = None if ranks is None else self._retries.decode_order(
-                self._route(self._decoders, previous[1], token_ids, turn), att)
-            if not d_order or not self._targets.concurrent_decoder(d_order[0]):
+            if ranks is None:
+                d_order = d_first  # routed by the sequential legs when None
+            else:
+                routed = (d_first if d_first is not None
+                          else self._route(self._decoders, previous[1], token_ids, turn))
+                d_order = self._retries.decode_order(routed, att)
+            d_first = None
+            if ranks is None or not d_order or not self._targets.concurrent_decoder(d_order[0]):
                 answer = await self._sequential.run(
                     path, body, _encode(p_body).encode(), headers, turn, stream, previous,
                     token_ids, return_token_ids, att, (p_order, d_order))

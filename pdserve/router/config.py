@@ -48,7 +48,8 @@ class ProxyConfig:
         conversation_ttl: seconds a conversation entry lives after its last turn.
         timeout: seconds to wait for an upstream's response, and between streamed chunks.
         tokenizer: the served model (built-in name, directory or ``.gguf``) whose tokenizer
-            kv-aware routing uses; required with ``routing="kv-aware"``.
+            kv-aware routing and local prefill use; required with ``routing="kv-aware"`` and
+            with ``local_prefill_max_tokens`` > 0.
         kv_load_weight: kv-aware cost of one request in flight against a whole cached prompt.
         kv_events_stale_after: seconds without KV events after which an instance's cache view
             is ignored (kv-aware falls back to least-loaded).
@@ -71,6 +72,10 @@ class ProxyConfig:
         handoff: how a turn's two legs are sent (``--handoff``): both at once (concurrent,
             :mod:`pdserve.router.concurrent_legs`) or the decode leg after P's answer
             (sequential, :mod:`pdserve.router.legs`).
+        local_prefill_max_tokens: a request whose decoder holds all but at most this many of
+            its prompt tokens (in its KV cache or its KV cache tiers, from its KV events) is
+            prefilled by that decoder, without a prefill leg (0 = never;
+            :mod:`pdserve.router.local_prefill`).
     """
 
     host: str = "127.0.0.1"
@@ -97,6 +102,7 @@ class ProxyConfig:
     migration_limit: int = 0
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
     handoff: HandoffMode = HandoffMode.CONCURRENT
+    local_prefill_max_tokens: int = 0
 
 
 def base_url(host: str, port: int) -> str:
@@ -235,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the decoder waits at the prefiller's side channel; prefillers that list "
                         "no KV endpoints are served sequentially); sequential: send it after the "
                         "prefiller's answer, with the params it returned")
+    p.add_argument("--local-prefill-max-tokens", type=cli_types.non_negative_int, default=0,
+                   metavar="N",
+                   help="prefill a request on its decoder, without a prefill leg, when the decoder "
+                        "holds all but at most N of its prompt tokens in its KV cache or its KV "
+                        "cache tiers (from its KV events; needs --tokenizer and decoders started "
+                        "with --kv-events-endpoint; default 0 = always use a prefiller)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default info; debug logs every routing decision)")
@@ -261,6 +273,12 @@ def parse_args(argv: list[str]) -> ProxyConfig:
     if ns.routing == "kv-aware" and not ns.tokenizer:
         parser.error("--routing kv-aware needs --tokenizer MODEL (the served model's built-in name, "
                      "directory or .gguf file) to hash prompts as the instances do")
+    if ns.local_prefill_max_tokens and not ns.tokenizer:
+        parser.error("--local-prefill-max-tokens needs --tokenizer MODEL (the served model's "
+                     "built-in name, directory or .gguf file) to hash prompts as the instances do")
+    if ns.local_prefill_max_tokens and ns.enforce_disagg:
+        parser.error("--local-prefill-max-tokens lets decoders prefill requests, which "
+                     "--enforce-disagg forbids: give one of them")
     if ns.state_store != "memory" and not ns.multi_turn:
         parser.error("--state-store keeps the --multi-turn table: give --multi-turn too")
     if ns.session_affinity and not ns.multi_turn:
@@ -275,5 +293,5 @@ def parse_args(argv: list[str]) -> ProxyConfig:
         max_retries=ns.max_retries, breaker_failures=ns.breaker_failures,
         breaker_backoff=ns.breaker_backoff, enforce_disagg=ns.enforce_disagg,
         migration_limit=ns.migration_limit, stall_timeout=ns.stall_timeout,
-        handoff=HandoffMode(ns.handoff),
+        handoff=HandoffMode(ns.handoff), local_prefill_max_tokens=ns.local_prefill_max_tokens,
     )

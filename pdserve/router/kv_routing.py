@@ -217,6 +217,17 @@ class KVAwareRouter:
         """True when every instance in ``urls`` has a live index (tests wait on this)."""
         return all(self.indexes[u].live(self.stale_after) for u in urls)
 
+    def uncached_tokens(self, up: Upstream, token_ids: list[int]) -> int | None:
+        """Tokens of a prompt of ``token_ids`` that ``up`` would compute: those after the
+        leading full blocks it holds in its KV cache or one of its KV cache tiers (a tier hit
+        is loaded, not computed). None when ``up``'s index is not live (no KV events from it
+        within ``stale_after`` seconds, or none yet)."""
+        index = self.indexes.get(up.url)
+        if index is None or not index.live(self.stale_after):
+            return None
+        hits = len(index.hit_media(block_hashes(token_ids, index.block_size)))
+        return len(token_ids) - hits * index.block_size
+
     def route(self, pool: UpstreamPool, token_ids: list[int] | None) -> RoutingDecision:
         """Score ``pool``'s instances for a prompt of ``token_ids`` and order them, best first."""
         live = [(u, self.indexes[u.url]) for u in pool.upstreams]

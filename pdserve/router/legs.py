@@ -111,8 +111,8 @@ class TurnLegs:
                   turn: Turn, stream: bool, previous: tuple[str | None, str | None],
                   token_ids: list[int] | None, return_token_ids: bool = False,
                   att: Attempts | None = None,
-                  orders: tuple[list[Upstream] | None, list[Upstream] | None] = (None, None)
-                  ) -> DecodeAnswer:
+                  orders: tuple[list[Upstream] | None, list[Upstream] | None] = (None, None),
+                  local: bool = False) -> DecodeAnswer:
         """Serve the turn up to D's answer.
 
         Args:
@@ -129,6 +129,8 @@ class TurnLegs:
                 new one.
             orders: the first prefill and decode orders to try, already routed (the
                 concurrent hand-off's decision); None: routed here.
+            local: the first attempt goes to the decoder alone, which prefills the request
+                itself (:mod:`pdserve.router.local_prefill`); a retry goes through a prefiller.
 
         Raises:
             ProxyError: 502/503/504 when the turn cannot be served (the last failure, or the
@@ -138,8 +140,12 @@ class TurnLegs:
         att = att if att is not None else self._retries.attempts()
         p_order, d_first = orders
         while True:
-            p_up, p_params = await self._prefill(path, p_data, headers, turn, previous[0],
-                                                 token_ids, att, p_order)
+            if local:
+                local = False
+                p_up = p_params = None
+            else:
+                p_up, p_params = await self._prefill(path, p_data, headers, turn, previous[0],
+                                                     token_ids, att, p_order)
             p_order = None
             phase_trace.mark("px.p_parsed")
             d_data = _encode(decode_leg_body(body, p_params, return_token_ids)).encode()

@@ -35,6 +35,9 @@ Names (kept here until the project-wide ``pdserve/entrypoints/metrics.py`` takes
   the decode leg.
 * ``pdserve:proxy_decode_only_fallback_total``: requests a decoder served alone (it prefilled
   them itself) because no prefill instance was available.
+* ``pdserve:proxy_local_prefills_total``: requests a decoder prefilled itself because it held
+  all but at most ``--local-prefill-max-tokens`` of their prompt tokens
+  (:mod:`pdserve.router.local_prefill`).
 * ``pdserve:proxy_upstream_healthy{upstream, leg}``: 1 while the instance is in rotation (its
   circuit breaker closed or half-open), 0 while it is out (open).
 * ``pdserve:proxy_handoff_seconds{leg}``: the P/D hand-off per leg, in seconds: ``prefill``
@@ -109,6 +112,10 @@ class ProxyMetrics:
         self.decode_only_fallback = Counter(
             "pdserve:proxy_decode_only_fallback",
             "Requests a decoder served alone because no prefill instance was available",
+            registry=self.registry)
+        self.local_prefills = Counter(
+            "pdserve:proxy_local_prefills",
+            "Requests a decoder prefilled itself: it held all but a few of their prompt tokens",
             registry=self.registry)
         self.upstream_healthy = Gauge("pdserve:proxy_upstream_healthy",
                                       "1 while the instance is in rotation (circuit breaker "

@@ -1,0 +1,62 @@
+"""Local prefill (``--local-prefill-max-tokens N``): a request whose decoder already holds all but a
+few of its prompt tokens is prefilled by that decoder, without a prefill leg.
+
+Disaggregation pays when the prefill it moves off the decoder is long. A later turn of a chat
+whose history the decoder still holds, in its KV cache or in its KV cache tiers (it decoded the
+previous turn), needs only the new tokens computed; sending them through a prefiller costs a
+second request, the prefiller's queue and a hand-off of the whole history's KV, which for a few
+hundred tokens take longer than computing them on the decoder. So the proxy asks, per request,
+how many prompt tokens the decoder routing picked would compute: the prompt's leading full
+blocks that its KV events say it holds are not computed (a block in a tier is loaded, not
+computed; :meth:`pdserve.router.kv_routing.KVAwareRouter.uncached_tokens`), the rest are. At most
+``N`` -> the request goes to that decoder alone, as the decode-only fallback sends it (no
+``kv_transfer_params``: a ``kv_consumer`` computes such a prompt itself, loading what its tiers
+hold); more, or no live KV events from the decoder -> the usual prefill leg. This is NVIDIA
+Dynamo's conditional disaggregation (prefill remotely only when the prefill length after the
+prefix hit exceeds ``max_local_prefill_length``) and llm-d's selective P/D, with the decoder's
+tiers counted as held.
+
+A decoder that prefills a request adds it to one of its steps beside its running decodes (their
+inter-token latency grows for that step): ``N`` bounds that cost. A request that fails on its
+decoder before the first token is retried through a prefiller, as any other.
+Counted in ``pdserve:proxy_local_prefills_total``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+from pdserve.router.kv_routing import KVAwareRouter
+from pdserve.router.upstreams import Upstream
+
+
+class LocalPrefill:
+    """Decides which requests their decoder prefills itself (see the module docstring).
+
+    Args:
+        max_tokens: ``--local-prefill-max-tokens`` (>= 1).
+        kv: the proxy's per-instance KV indexes and prompt tokenizer.
+        counter: ``pdserve:proxy_local_prefills_total``.
+
+    Raises:
+        ValueError: ``max_tokens < 1``.
+    """
+
+    def __init__(self, max_tokens: int, kv: KVAwareRouter, counter: Counter):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._kv = kv
+        self._counter = counter
+
+    def take(self, decoder: Upstream | None, token_ids: list[int] | None) -> bool:
+        """True (and counted) when ``decoder`` is to prefill a prompt of ``token_ids`` itself:
+        it would compute at most ``max_tokens`` of them. False without a decoder, without
+        token ids (the prompt could not be tokenized) or without live KV events from it."""
+        if decoder is None or not token_ids:
+            return False
+        uncached = self._kv.uncached_tokens(decoder, token_ids)
+        if uncached is None or uncached > self.max_tokens:
+            return False
+        self._counter.inc()
+        return True
