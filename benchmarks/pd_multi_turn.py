@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                          "temporary one, removed at the end)")
     tiers.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.local_prefill_max_tokens < 0:
+        ap.error("--local-prefill-max-tokens must be >= 0")
     if args.num_clients is None:
         args.num_clients = 4 if args.kv_tiers else 2
     if args.kv_tiers:

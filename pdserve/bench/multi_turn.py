@@ -191,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = load_tokenizer(args.model)
         conversations = load_conversations(args.input_file, tokenizer, args.seed)
-    except (TokenizerLoadError, SpecError) as exc:
+    except TokenizerLoadError as exc:
+        return fail(f"-m/--model: {exc}")
+    except SpecError as exc:
         return fail(str(exc))
 
     model_name = args.served_model_name or discover_model_name(args.url, headers) or args.model

@@ -31,6 +31,7 @@ from pdserve.entrypoints.protocol import RESUME_FIELD, ChatCompletionRequest, Co
 from pdserve.types.kv_endpoints import DATA_PARALLEL_RANK_HEADER, parse_data_parallel_rank
 from pdserve.types.resume import resume_refusal
 from pdserve.entrypoints.metrics import ServerMetrics
+from pdserve.model_files.tokenizer import max_prompt_chars
 
 
 class PromptIds(list):
@@ -360,21 +361,3 @@ def _left(requested: int | None, done: int) -> int | None:
 def new_request_id(prefix: str) -> str:
     """``prefix-<32 hex digits>``."""
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
-    """The longest text (characters) whose tokens could fit in ``max_model_len``: the longest
-    vocabulary entry's length times ``max_model_len``.
-
-    A token's string in the vocabulary is at least as long as the text it stands for (byte-level
-    BPE spells each byte as one character, SentencePiece pieces spell their text, byte-fallback
-    pieces like ``<0x41>`` are longer), so a text longer than this has more than
-    ``max_model_len`` tokens. (A normaliser that deletes characters would break that; the
-    tokenizers served here have none.) Falls back to 64 characters per token when the
-    tokenizer has no ``get_vocab``.
-    """
-    try:
-        longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
-    except (AttributeError, NotImplementedError, TypeError):
-        longest = 0
-    return max(1, max_model_len) * (longest or 64)

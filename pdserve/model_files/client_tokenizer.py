@@ -48,6 +48,6 @@ def load_tokenizer(source: str) -> Any:
     except (OSError, ValueError) as exc:
         raise TokenizerLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
     raise TokenizerLoadError(
-        f"-m/--model {source!r} is neither the built-in {BUILTIN_MODEL!r}, a local model "
-        "directory, nor a .gguf file (the benchmark never downloads tokenizers)"
+        f"{source!r} is neither the built-in {BUILTIN_MODEL!r}, a local model directory, nor a "
+        ".gguf file (tokenizers are never downloaded)"
     )

@@ -117,3 +117,21 @@ def _byte_of(ch: str) -> int:
     others = [b for b in range(256)
               if not (33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255)]
     return others[code - 256]
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """The longest text (characters) whose tokens could fit in ``max_model_len``: the longest
+    vocabulary entry's length times ``max_model_len``.
+
+    A token's string in the vocabulary is at least as long as the text it stands for (byte-level
+    BPE spells each byte as one character, SentencePiece pieces spell their text, byte-fallback
+    pieces like ``<0x41>`` are longer), so a text longer than this has more than
+    ``max_model_len`` tokens. (A normaliser that deletes characters would break that; the
+    tokenizers served here have none.) Falls back to 64 characters per token when the
+    tokenizer has no ``get_vocab``.
+    """
+    try:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except (AttributeError, NotImplementedError, TypeError):
+        longest = 0
+    return max(1, max_model_len) * (longest or 64)

@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --kv-events-endpoint)")
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
                    help="the served model (built-in name, directory or .gguf) whose tokenizer and "
-                        "chat template --routing kv-aware uses to hash prompts")
+                        "chat template --routing kv-aware and --local-prefill-max-tokens use to "
+                        "hash prompts")
     p.add_argument("--kv-load-weight", type=cli_types.positive_float, default=DEFAULT_KV_LOAD_WEIGHT,
                    help="kv-aware: cost of one request in flight, against a whole prompt found in "
                         f"an instance's cache (default {DEFAULT_KV_LOAD_WEIGHT:g})")

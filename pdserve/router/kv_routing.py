@@ -47,6 +47,9 @@ logger = logging.getLogger("pdserve.router")
 TIER_BLOCK_COST = {"CPU": 0.1, "DISK": 0.5}
 #: Default weight of one request in flight against a whole prompt found in an instance's cache.
 DEFAULT_KV_LOAD_WEIGHT = 0.5
+#: Context length (tokens) the proxy's prompt-size bound assumes when the tokenizer names none
+#: or an implausible one (:attr:`PromptTokenizer.max_chars`).
+MAX_TOKENIZER_CONTEXT = 131072
 #: Session affinity (``--session-affinity``): a conversation's decoder is kept while it has at
 #: most this many requests in flight more than the least-loaded decoder.
 AFFINITY_MAX_EXTRA_IN_FLIGHT = 2
@@ -120,6 +123,11 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 class PromptTokenizer:
     """The served model's tokenizer in the proxy, loaded once, used in one worker thread.
 
+    Attributes:
+        max_chars: the longest prompt text (characters) tokenized: the engines' bound
+            (:func:`pdserve.model_files.tokenizer.max_prompt_chars`) for the tokenizer's
+            ``model_max_length``, or :data:`MAX_TOKENIZER_CONTEXT` tokens when it names none.
+
     Args:
         source: the built-in model name, a model/tokenizer directory, or a ``.gguf`` file.
 
@@ -129,15 +137,22 @@ class PromptTokenizer:
 
     def __init__(self, source: str):
         from pdserve.model_files.client_tokenizer import load_tokenizer
+        from pdserve.model_files.tokenizer import max_prompt_chars
 
         self.tokenizer = load_tokenizer(source)
+        context = self.tokenizer.model_max_length  # transformers' "unset" is 1e30
+        if not isinstance(context, int) or not 0 < context <= MAX_TOKENIZER_CONTEXT:
+            context = MAX_TOKENIZER_CONTEXT
+        self.max_chars = max_prompt_chars(self.tokenizer, context)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-proxy-tok")
 
     def token_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt token ids an instance builds for ``body``, as ``pdserve serve`` does:
         completions encode the (first) prompt with special tokens; chat renders the template
         (``add_generation_prompt``, ``chat_template_kwargs``) and encodes without. None when
-        the body has no usable prompt.
+        the body has no usable prompt, or a text longer than :attr:`max_chars` (more tokens
+        than the model takes: an engine refuses it, and tokenizing it would hold the one
+        worker thread, and so every other request's routing, for seconds).
 
         Raises:
             Exception: whatever the tokenizer or the template raises on bad input.
@@ -151,12 +166,16 @@ class PromptTokenizer:
                 prompt = prompt[0]
                 if isinstance(prompt, list):
                     return list(prompt)
-            if isinstance(prompt, str) and prompt:
+            if isinstance(prompt, str) and prompt and len(prompt) <= self.max_chars:
                 return list(tok.encode(prompt, add_special_tokens=True))
             return None
+        messages = chat_messages(body)
+        if sum(len(m["content"]) for m in messages) > self.max_chars:
+            return None
+        add_generation_prompt = body.get("add_generation_prompt")  # null: the default, as served
         text = tok.apply_chat_template(
-            chat_messages(body), tokenize=False,
-            add_generation_prompt=body.get("add_generation_prompt", True),
+            messages, tokenize=False,
+            add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt,
             **(body.get("chat_template_kwargs") or {}))
         return list(tok.encode(text, add_special_tokens=False))
 

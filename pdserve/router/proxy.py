@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from pdserve.utils import phase_trace
+from pdserve.model_files.client_tokenizer import TokenizerLoadError
 from pdserve.router.app import DisaggProxy
 from pdserve.router.config import ProxyConfig, parse_args
 from pdserve.router.role_check import RoleMismatch
@@ -124,9 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop
+        run = uvloop.run
     except ImportError:
-        return asyncio.run(_serve(config))
-    return uvloop.run(_serve(config))
+        run = asyncio.run
+    try:
+        return run(_serve(config))
+    except TokenizerLoadError as e:  # --tokenizer (kv-aware routing, local prefill)
+        print(f"pdserve proxy: error: --tokenizer: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ async def test_text_no_tokenization_fits_is_refused_before_tokenizing(
         client: httpx.AsyncClient, fake_engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A text longer than any tokenization that fits in max_model_len is a 400 before the one
     tokenizer thread spends time on it (a 60 MB prompt held every other request for a minute)."""
-    from pdserve.entrypoints.serving import max_prompt_chars
+    from pdserve.model_files.tokenizer import max_prompt_chars
 
     calls = []
     encode = fake_engine.tokenizer.encode

@@ -433,3 +433,38 @@ async def test_concurrent_hand_off_with_local_prefill(make_cluster, tokenizer_di
     assert "kv_transfer_params" not in c.decoders[1].received[-1].body
     assert [len(d.received) for d in c.decoders] == [2, 2]
     assert await scraped(c) == 1
+
+
+def test_a_prompt_longer_than_the_model_takes_is_not_tokenized(tokenizer_dir):
+    """The proxy's tokenizer skips a text the engines refuse as too long (one worker thread
+    tokenizes every request's prompt: a 30 MB one held the others for ~30 s), and honours a
+    null ``add_generation_prompt`` as the engines do (the default, True)."""
+    from pdserve.router.kv_routing import PromptTokenizer
+
+    tok = PromptTokenizer(tokenizer_dir)
+    try:
+        limit = tok.max_chars
+        assert 0 < limit < 10**8
+        assert tok.token_ids("chat_completions", chat("x" * (limit + 1))) is None
+        assert tok.token_ids("completions", {"prompt": "x" * (limit + 1)}) is None
+        assert tok.token_ids("completions", {"prompt": "x" * 8}) is not None
+        short = tok.token_ids("chat_completions", chat("x" * 8))
+        assert short is not None
+        assert tok.token_ids("chat_completions", chat("x" * 8, add_generation_prompt=None)) == short
+        assert len(tok.token_ids("chat_completions",
+                                 chat("x" * 8, add_generation_prompt=False))) < len(short)
+    finally:
+        tok.close()
+
+
+def test_a_tokenizer_that_cannot_load_is_a_one_line_error(capsys, tmp_path):
+    """``pdserve proxy --tokenizer`` naming nothing loadable exits 2 with one line naming the
+    flag (it ended in a traceback and exit 1)."""
+    from pdserve.router.proxy import main
+
+    rc = main([*PORTS, "--port", "0", "--local-prefill-max-tokens", "16",
+               "--tokenizer", str(tmp_path / "no-such-model")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("pdserve proxy: error: --tokenizer: ") and "no-such-model" in err
+    assert "Traceback" not in err
