@@ -1,5 +1,6 @@
 """The tokenizer a client of the server loads (the benchmark's ``-m/--model``, the proxy's
-``--routing kv-aware --tokenizer``), from local files only; nothing is downloaded."""
+``--tokenizer`` for kv-aware routing and local prefill), from local files only; nothing is
+downloaded."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ def load_tokenizer(source: str) -> Any:
     """Return a ``transformers`` tokenizer for ``source``.
 
     Args:
-        source: the built-in model name ``smollm2-135m-instruct`` (resolved, and converted once,
-            by :func:`pdserve.model_files.builtin_models.resolve_model_path`), a local Hugging Face model or
-            tokenizer directory, or a local ``.gguf`` file.
+        source: a built-in model name (``smollm2-135m-instruct``, ``gemma3-270m``; resolved, and
+            converted once, by :func:`pdserve.model_files.builtin_models.resolve_model_path`), a
+            local Hugging Face model or tokenizer directory, or a local ``.gguf`` file.
 
     Raises:
         TokenizerLoadError: the path does not exist or holds no loadable tokenizer.
@@ -29,13 +30,13 @@ def load_tokenizer(source: str) -> Any:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    path_str = source
-    if source.strip().lower() == BUILTIN_MODEL:
-        from pdserve.model_files.builtin_models import resolve_model_path
+    from pdserve.model_files.builtin_models import BUILTIN_NAMES, is_builtin, resolve_model_path
 
+    path_str = source
+    if is_builtin(source):
         try:
             path_str = resolve_model_path(source)
-        except (FileNotFoundError, OSError) as exc:
+        except (OSError, ValueError, ImportError) as exc:
             raise TokenizerLoadError(f"cannot prepare the built-in model {source!r}: {exc}") from exc
     path = Path(path_str).expanduser()
     try:
@@ -48,6 +49,6 @@ def load_tokenizer(source: str) -> Any:
     except (OSError, ValueError) as exc:
         raise TokenizerLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
     raise TokenizerLoadError(
-        f"{source!r} is neither the built-in {BUILTIN_MODEL!r}, a local model directory, nor a "
-        ".gguf file (tokenizers are never downloaded)"
+        f"{source!r} is neither a built-in model ({', '.join(BUILTIN_NAMES)}), a local model "
+        "directory, nor a .gguf file (tokenizers are never downloaded)"
     )

@@ -468,3 +468,20 @@ def test_a_tokenizer_that_cannot_load_is_a_one_line_error(capsys, tmp_path):
     assert rc == 2
     assert err.startswith("pdserve proxy: error: --tokenizer: ") and "no-such-model" in err
     assert "Traceback" not in err
+
+
+def test_every_built_in_model_name_is_a_tokenizer_source(monkeypatch, tokenizer_dir):
+    """``pdserve up gemma3-270m --local-prefill-max-tokens N`` hands the proxy ``--tokenizer
+    gemma3-270m``: every built-in name resolves as the engines resolve it (only SmolLM2's did,
+    so that deployment's proxy exited 2)."""
+    from pdserve.model_files import builtin_models
+    from pdserve.model_files.client_tokenizer import TokenizerLoadError, load_tokenizer
+
+    asked = []
+    monkeypatch.setattr(builtin_models, "resolve_model_path",
+                        lambda name: asked.append(name) or tokenizer_dir)
+    for name in builtin_models.BUILTIN_NAMES:
+        assert load_tokenizer(name.upper()) is not None
+    assert [a.lower() for a in asked] == list(builtin_models.BUILTIN_NAMES)
+    with pytest.raises(TokenizerLoadError, match="gemma3-270m"):  # the message names them all
+        load_tokenizer("no-such-built-in")
