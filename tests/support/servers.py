@@ -98,6 +98,14 @@ def nixl_config(role: str, **extra: Any) -> dict:
 
 
 # ---------------------------------------------------------------------------------- servers
+
+#: The tests' HTTP clients drop an idle pooled connection after 2 s, before the servers' own
+#: keep-alive timeout (uvicorn's default, 5 s), which httpx's default expiry (5 s) equals: a
+#: request sent on a connection the server was closing at that moment failed with "Connection
+#: reset by peer" (seen once in CI, tests/kv_transfer/test_pd_disaggregation_e2e.py).
+CLIENT_LIMITS = httpx.Limits(keepalive_expiry=2.0)
+
+
 class EngineServer(Process):
     """``pdserve serve MODEL`` on a free port, with its own NIXL side-channel port and an HTTP
     ``client`` on its URL.
@@ -130,7 +138,7 @@ class EngineServer(Process):
         super().__init__(cmd, log_path, {"PDSERVE_NIXL_SIDE_CHANNEL_HOST": host,
                                          "PDSERVE_NIXL_SIDE_CHANNEL_PORT":
                                              str(self.side_channel_port), **(env or {})})
-        self.client = httpx.Client(base_url=self.url, timeout=300)
+        self.client = httpx.Client(base_url=self.url, timeout=300, limits=CLIENT_LIMITS)
 
     def is_ready(self) -> bool:
         """True when ``/health`` answers 200."""
@@ -236,7 +244,7 @@ class ProxyServer(Process):
             RuntimeError: the process exited. TimeoutError: it stopped progressing.
         """
         wait_progressing(self._listening, [self], "proxy", poll_s=0.05)
-        self.client = httpx.Client(base_url=self.url, timeout=300)
+        self.client = httpx.Client(base_url=self.url, timeout=300, limits=CLIENT_LIMITS)
 
     def stop(self) -> None:
         if self.client is not None:
