@@ -24,8 +24,8 @@ from pdserve.router.config import ProxyConfig
 from pdserve.router.proxy import start_proxy
 from tests.support.ports import free_port
 from tests.support.router_fakes import wait_until
-from tests.support.servers import (BIDIR_TTL_S, POOL_COMMON, EngineServer, nixl_config,
-                                   start_all, stop_together)
+from tests.support.servers import (BIDIR_TTL_S, POOL_COMMON, EngineServer, greedy_chat_body,
+                                   nixl_config, start_all, stop_together)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -83,11 +83,7 @@ async def proxy(cluster):
 
 
 def body(cluster, messages: list[dict], conversation_id: str | None = None) -> dict:
-    out = {"model": cluster["model"], "messages": messages, "max_tokens": MAX_TOKENS,
-           "temperature": 0, "ignore_eos": True}
-    if conversation_id is not None:
-        out["conversation_id"] = conversation_id
-    return out
+    return greedy_chat_body(cluster["model"], messages, MAX_TOKENS, conversation_id)
 
 
 def local_prefills(running) -> float:

@@ -15,7 +15,8 @@ import pytest
 
 from tests.support.servers import BIDIR_TTL_S as TTL_S, BLOCK_SIZE as B, LOAD_FACTOR, POOL_COMMON
 from tests.support.servers import POOL_SPECS, TIER_BLOCKS
-from tests.support.servers import EngineServer, ProxyServer, nixl_config, start_all, stop_together
+from tests.support.servers import (EngineServer, ProxyServer, greedy_chat_body, nixl_config,
+                                   start_all, stop_together)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -60,11 +61,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def body(cluster, messages: list[dict], conversation_id: str | None = None) -> dict:
-    out = {"model": cluster["model"], "messages": messages, "max_tokens": MAX_TOKENS,
-           "temperature": 0, "ignore_eos": True}
-    if conversation_id is not None:
-        out["conversation_id"] = conversation_id
-    return out
+    return greedy_chat_body(cluster["model"], messages, MAX_TOKENS, conversation_id)
 
 
 def single_answer(cluster, messages: list[dict]) -> str:

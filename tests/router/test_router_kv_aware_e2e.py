@@ -23,8 +23,8 @@ from pdserve.types.block_hash import block_hashes
 from pdserve.router.config import ProxyConfig
 from pdserve.router.proxy import start_proxy
 from tests.support.ports import free_port
-from tests.support.servers import (EngineServer, ProxyServer, RedisServer, nixl_config, start_all,
-                     stop_together)
+from tests.support.servers import (EngineServer, ProxyServer, RedisServer, greedy_chat_body,
+                                   nixl_config, start_all, stop_together)
 
 from tests.support.router_fakes import wait_until
 
@@ -98,11 +98,7 @@ def completion_body(cluster, prompt: str) -> dict:
 
 
 def chat_body(cluster, messages: list[dict], conversation_id: str | None = None) -> dict:
-    body = {"model": cluster["model"], "messages": messages, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True}
-    if conversation_id is not None:
-        body["conversation_id"] = conversation_id
-    return body
+    return greedy_chat_body(cluster["model"], messages, MAX_TOKENS, conversation_id)
 
 
 def single(cluster, path: str, body: dict) -> dict:

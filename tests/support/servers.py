@@ -440,6 +440,17 @@ class ServerPool:
 
 
 # --------------------------------------------------------------------------------- requests
+def greedy_chat_body(model: str, messages: list[dict], max_tokens: int,
+                     conversation_id: str | None = None) -> dict:
+    """A greedy chat completion body whose answer is exactly ``max_tokens`` tokens
+    (``ignore_eos``), with the multi-turn proxy's ``conversation_id`` when one is given."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    if conversation_id is not None:
+        body["conversation_id"] = conversation_id
+    return body
+
+
 def sse_events(response: httpx.Response) -> list[dict]:
     """The JSON ``data:`` events of a streamed response (without ``[DONE]``)."""
     events = []
