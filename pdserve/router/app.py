@@ -1,5 +1,9 @@
 """The disaggregation proxy's HTTP application (aiohttp server + pooled aiohttp client).
 
+(Past ~450 lines, kept whole: it is the one place where a request's whole path is composed,
+body checks -> state -> routing -> local prefill or the two legs -> relay -> state record; each
+step lives in its own module, and splitting the composition would scatter that order.)
+
 One generation request (``POST /v1/completions`` or ``/v1/chat/completions``) becomes two legs
 (docs/proxy.md): a prefill leg to a P instance (``max_tokens=1``, non-streaming; its answer carries
 ``kv_transfer_params``) and a decode leg to a D instance, whose answer goes back to the client
