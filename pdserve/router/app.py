@@ -223,6 +223,11 @@ class DisaggProxy:
 
     def _route(self, pool: UpstreamPool, previous_url: str | None, token_ids: list[int] | None,
                turn: Turn) -> list[Upstream]:
+        """:meth:`_decide`'s order to try (:data:`pdserve.router.legs.Route`)."""
+        return self._decide(pool, previous_url, token_ids, turn).order
+
+    def _decide(self, pool: UpstreamPool, previous_url: str | None,
+                token_ids: list[int] | None, turn: Turn) -> RoutingDecision:
         """Decide one leg's instance (order to try, best first); count and log the decision.
 
         ``previous_url``: the instance of the conversation's previous turn, if any.
@@ -248,7 +253,7 @@ class DisaggProxy:
             logger.debug("request %s: %s leg -> %s (%s; %d/%d prompt blocks cached there; "
                          "%d in flight)", turn.request_id, pool.leg, up.url, decision.reason.value,
                          decision.hit_blocks, decision.prompt_blocks, up.in_flight)
-        return decision.order
+        return decision
 
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: web.Request) -> web.StreamResponse:
@@ -327,11 +332,11 @@ class DisaggProxy:
             client.ledger = StreamLedger.for_request(body)
         previous = (state.prefiller_url, state.decoder_url) if state else (None, None)
         p_body = prefill_leg_body(body, state.kv_transfer_params if state else None)
-        d_order = None
+        d_order = d_route = None
         if self.local_prefill is not None:
-            d_order = self._route(self.decoders, previous[1], token_ids, turn)
-        if self.local_prefill is not None and self.local_prefill.take(
-                d_order[0] if d_order else None, token_ids):
+            d_route = self._decide(self.decoders, previous[1], token_ids, turn)
+            d_order = d_route.order
+        if self.local_prefill is not None and self.local_prefill.take(d_route, token_ids):
             phase_trace.mark("px.local_prefill")
             answer = None
             try:  # (the prefill leg's body serves a retry, which goes through a prefiller)

@@ -75,12 +75,16 @@ class RoutingDecision:
         reason: why the first one.
         hit_blocks: prompt blocks cached on the chosen instance (kv-aware; else 0).
         prompt_blocks: full blocks of the prompt (kv-aware; else 0).
+        uncached_tokens: prompt tokens the first instance of ``order`` would compute
+            (:meth:`KVAwareRouter.uncached_tokens`), when kv-aware scoring read its live index
+            (local prefill decides on it without hashing the prompt again); else None.
     """
 
     order: list[Upstream]
     reason: RoutingReason
     hit_blocks: int = 0
     prompt_blocks: int = 0
+    uncached_tokens: int | None = None
 
 
 def route_plain(pool: UpstreamPool, preferred: Upstream | None) -> RoutingDecision:
@@ -260,6 +264,7 @@ class KVAwareRouter:
             return RoutingDecision(order, RoutingReason.LEAST_LOADED)
         best: Upstream | None = None
         best_cost = best_hits = best_blocks = 0
+        uncached: dict[str, int] = {}  # per URL of an instance with a live index
         for up in order:
             index = self.indexes[up.url]
             hits = blocks = 0
@@ -273,13 +278,16 @@ class KVAwareRouter:
                 media = index.hit_media(hashes)
                 hits = len(media)
                 miss_cost = blocks - hits + sum(TIER_BLOCK_COST.get(m, 0.0) for m in media)
+                uncached[up.url] = len(token_ids) - hits * index.block_size
             cost = (miss_cost / blocks if blocks else 1.0) + self.load_weight * up.in_flight
             if best is None or cost < best_cost:
                 best, best_cost, best_hits, best_blocks = up, cost, hits, blocks
         if best is not order[0] and not pool.is_down(best):
             order.remove(best)
             order.insert(0, best)
+        first_uncached = uncached.get(order[0].url)
         if order[0] is not best:  # the best one is cooling down: least-loaded order stands
-            return RoutingDecision(order, RoutingReason.LEAST_LOADED, 0, best_blocks)
+            return RoutingDecision(order, RoutingReason.LEAST_LOADED, 0, best_blocks,
+                                   first_uncached)
         reason = RoutingReason.KV_HIT if best_hits else RoutingReason.LEAST_LOADED
-        return RoutingDecision(order, reason, best_hits, best_blocks)
+        return RoutingDecision(order, reason, best_hits, best_blocks, first_uncached)

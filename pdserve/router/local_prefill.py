@@ -8,7 +8,8 @@ second request, the prefiller's queue and a hand-off of the whole history's KV, 
 hundred tokens take longer than computing them on the decoder. So the proxy asks, per request,
 how many prompt tokens the decoder routing picked would compute: the prompt's leading full
 blocks that its KV events say it holds are not computed (a block in a tier is loaded, not
-computed; :meth:`pdserve.router.kv_routing.KVAwareRouter.uncached_tokens`), the rest are. At most
+computed; :meth:`pdserve.router.kv_routing.KVAwareRouter.uncached_tokens`, or the count
+kv-aware routing's decision carries), the rest are. At most
 ``N`` -> the request goes to that decoder alone, as the decode-only fallback sends it (no
 ``kv_transfer_params``: a ``kv_consumer`` computes such a prompt itself, loading what its tiers
 hold); more, or no live KV events from the decoder -> the usual prefill leg. This is NVIDIA
@@ -26,8 +27,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-from pdserve.router.kv_routing import KVAwareRouter
-from pdserve.router.upstreams import Upstream
+from pdserve.router.kv_routing import KVAwareRouter, RoutingDecision
 
 
 class LocalPrefill:
@@ -49,13 +49,18 @@ class LocalPrefill:
         self._kv = kv
         self._counter = counter
 
-    def take(self, decoder: Upstream | None, token_ids: list[int] | None) -> bool:
-        """True (and counted) when ``decoder`` is to prefill a prompt of ``token_ids`` itself:
-        it would compute at most ``max_tokens`` of them. False without a decoder, without
-        token ids (the prompt could not be tokenized) or without live KV events from it."""
-        if decoder is None or not token_ids:
+    def take(self, decision: RoutingDecision, token_ids: list[int] | None) -> bool:
+        """True (and counted) when the decoder ``decision`` puts first is to prefill a prompt
+        of ``token_ids`` itself: it would compute at most ``max_tokens`` of them. False without
+        a decoder, without token ids (the prompt could not be tokenized) or without live KV
+        events from it. The tokens to compute are the decision's
+        (:attr:`~pdserve.router.kv_routing.RoutingDecision.uncached_tokens`) when kv-aware
+        routing scored that decoder, so the prompt is hashed once per request."""
+        if not decision.order or not token_ids:
             return False
-        uncached = self._kv.uncached_tokens(decoder, token_ids)
+        uncached = decision.uncached_tokens
+        if uncached is None:  # not scored: round-robin, least-loaded, affinity, index not live
+            uncached = self._kv.uncached_tokens(decision.order[0], token_ids)
         if uncached is None or uncached > self.max_tokens:
             return False
         self._counter.inc()

@@ -4,7 +4,9 @@ whose decoder holds all but at most N of its prompt tokens goes to that decoder 
 * :meth:`KVAwareRouter.uncached_tokens` and :meth:`LocalPrefill.take` over KV indexes synced
   from snapshots: leading blocks held in the KV cache or a tier (CPU, DISK) count as held; more
   than N uncached tokens, an index not live, no token ids or no decoder -> no local prefill;
-  ``pdserve:proxy_local_prefills_total`` counts the requests taken.
+  ``pdserve:proxy_local_prefills_total`` counts the requests taken; a decision kv-aware
+  routing scored carries the decoder's uncached tokens, so the prompt is hashed once per
+  request (through the proxy too).
 * ``pdserve proxy`` flags: the option needs ``--tokenizer`` and excludes ``--enforce-disagg``.
 * Through the proxy with fake P/D instances (tests/support/router_fakes.py) and a byte-level
   tokenizer written to a temporary directory: a held prompt skips the prefiller and reaches the
@@ -25,7 +27,8 @@ from aiohttp import web
 
 from pdserve.router.config import parse_args
 from pdserve.router.handoff import HandoffMode
-from pdserve.router.kv_routing import KVAwareRouter
+from pdserve.router import kv_routing
+from pdserve.router.kv_routing import KVAwareRouter, RoutingDecision, RoutingReason
 from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.upstreams import UpstreamPool
@@ -51,6 +54,11 @@ def _setup(max_tokens: int = 8):
     return router, pool.get(D_URL), local, metrics
 
 
+def _to(up) -> RoutingDecision:
+    """A decision routing to ``up`` (None: to no decoder) that kv-aware scoring did not make."""
+    return RoutingDecision([up] if up is not None else [], RoutingReason.ROUND_ROBIN)
+
+
 def _taken(metrics: ProxyMetrics) -> float:
     return metrics.registry.get_sample_value(LOCAL) or 0.0
 
@@ -65,21 +73,21 @@ def test_all_but_n_tokens_on_the_gpu_are_prefilled_locally_and_counted():
     prompt = list(range(1000, 1040))  # 2 full blocks of 16, 8 tokens after them
     _sync(router, D_URL, 16, block_hashes(prompt, 16))
     assert router.uncached_tokens(d, prompt) == 8
-    assert local.take(d, prompt) is True and _taken(metrics) == 1
+    assert local.take(_to(d), prompt) is True and _taken(metrics) == 1
     # one more token than N: the prefill leg
-    assert local.take(d, prompt + [7]) is False and _taken(metrics) == 1
+    assert local.take(_to(d), prompt + [7]) is False and _taken(metrics) == 1
     assert router.uncached_tokens(d, prompt + [7]) == 9
     # a block-aligned prompt held whole: nothing to compute
     assert router.uncached_tokens(d, prompt[:32]) == 0
-    assert local.take(d, prompt[:32]) is True and _taken(metrics) == 2
+    assert local.take(_to(d), prompt[:32]) is True and _taken(metrics) == 2
 
 
 def test_the_threshold_is_inclusive():
     router, d, _, metrics = _setup()
     prompt = list(range(40))
     _sync(router, D_URL, 16, block_hashes(prompt, 16))
-    assert LocalPrefill(7, router, metrics.local_prefills).take(d, prompt) is False
-    assert LocalPrefill(8, router, metrics.local_prefills).take(d, prompt) is True
+    assert LocalPrefill(7, router, metrics.local_prefills).take(_to(d), prompt) is False
+    assert LocalPrefill(8, router, metrics.local_prefills).take(_to(d), prompt) is True
     assert _taken(metrics) == 1
 
 
@@ -90,14 +98,14 @@ def test_leading_blocks_held_in_a_tier_count_as_held():
     # blocks 0-2 only in the host tier, 3-9 in the KV cache: all held
     _sync(router, D_URL, 4, hashes[3:], CPU=hashes[:3])
     assert router.uncached_tokens(d, prompt) == 0
-    assert local.take(d, prompt) is True
+    assert local.take(_to(d), prompt) is True
     # the host tier holds 6, the disk tier the next 2: the last 2 blocks (8 tokens) uncached
     _sync(router, D_URL, 4, (), CPU=hashes[:6], DISK=hashes[6:8])
     assert router.uncached_tokens(d, prompt) == 8
-    assert local.take(d, prompt) is False
+    assert local.take(_to(d), prompt) is False
     _sync(router, D_URL, 4, (), CPU=hashes[:6], DISK=hashes[6:9])
     assert router.uncached_tokens(d, prompt) == 4
-    assert local.take(d, prompt) is True
+    assert local.take(_to(d), prompt) is True
     assert _taken(metrics) == 2
 
 
@@ -109,11 +117,11 @@ def test_only_the_leading_held_blocks_count():
     assert router.uncached_tokens(d, prompt) == 64
     _sync(router, D_URL, 16, hashes[:2] + hashes[3:])  # a hole at block 2: 32 tokens to compute
     assert router.uncached_tokens(d, prompt) == 32
-    assert local.take(d, prompt) is False
+    assert local.take(_to(d), prompt) is False
     # another instance's blocks do not help this one
     _sync(router, D_URL, 16)
     _sync(router, OTHER_URL, 16, hashes)
-    assert router.uncached_tokens(d, prompt) == 64 and local.take(d, prompt) is False
+    assert router.uncached_tokens(d, prompt) == 64 and local.take(_to(d), prompt) is False
     assert _taken(metrics) == 0
 
 
@@ -122,10 +130,10 @@ def test_more_than_n_uncached_tokens_use_a_prefiller():
     prompt = list(range(100))
     _sync(router, D_URL, 16)  # live, nothing held
     assert router.uncached_tokens(d, prompt) == 100
-    assert local.take(d, prompt) is False
+    assert local.take(_to(d), prompt) is False
     _sync(router, D_URL, 16, block_hashes(prompt, 16)[:5])  # 80 held, 20 to compute
     assert router.uncached_tokens(d, prompt) == 20
-    assert local.take(d, prompt) is False
+    assert local.take(_to(d), prompt) is False
     assert _taken(metrics) == 0
 
 
@@ -133,16 +141,16 @@ def test_an_index_that_is_not_live_never_takes_a_request():
     router, d, local, metrics = _setup(max_tokens=64)
     prompt = list(range(40))
     assert router.uncached_tokens(d, prompt) is None  # never synced
-    assert local.take(d, prompt) is False
+    assert local.take(_to(d), prompt) is False
     _sync(router, D_URL, 16, block_hashes(prompt, 16))
     index = router.indexes[D_URL]
     index.last_message = time.monotonic() - router.stale_after - 1.0  # no events for too long
     assert router.uncached_tokens(d, prompt) is None
-    assert local.take(d, prompt) is False
+    assert local.take(_to(d), prompt) is False
     _sync(router, D_URL, 16, block_hashes(prompt, 16))  # heard from again
     index.synced = False  # a gap in the event stream: waiting for a new snapshot
     assert router.uncached_tokens(d, prompt) is None
-    assert local.take(d, prompt) is False
+    assert local.take(_to(d), prompt) is False
     assert _taken(metrics) == 0
 
 
@@ -150,13 +158,41 @@ def test_no_token_ids_or_no_decoder_never_takes_a_request():
     router, d, local, metrics = _setup(max_tokens=64)
     prompt = list(range(40))
     _sync(router, D_URL, 16, block_hashes(prompt, 16))
-    assert local.take(d, None) is False
-    assert local.take(d, []) is False
-    assert local.take(None, prompt) is False
+    assert local.take(_to(d), None) is False
+    assert local.take(_to(d), []) is False
+    assert local.take(_to(None), prompt) is False
     unknown = UpstreamPool("decode", ("http://elsewhere",), "round-robin").upstreams[0]
     assert router.uncached_tokens(unknown, prompt) is None
-    assert local.take(unknown, prompt) is False
+    assert local.take(_to(unknown), prompt) is False
     assert _taken(metrics) == 0
+
+
+def count_hashing(monkeypatch) -> list[int]:
+    """The block sizes of every prompt hashing in :mod:`pdserve.router.kv_routing` from now on."""
+    calls: list[int] = []
+
+    def counted(token_ids, block_size, *args):
+        calls.append(block_size)
+        return block_hashes(token_ids, block_size, *args)
+
+    monkeypatch.setattr(kv_routing, "block_hashes", counted)
+    return calls
+
+
+def test_a_decision_scored_by_kv_aware_routing_is_taken_without_hashing_again(monkeypatch):
+    router, d, local, metrics = _setup(max_tokens=8)
+    pool = UpstreamPool("decode", (D_URL, OTHER_URL), "kv-aware")
+    prompt = list(range(1000, 1040))  # 2 full blocks of 16, 8 tokens after them
+    _sync(router, D_URL, 16, block_hashes(prompt, 16))
+    _sync(router, OTHER_URL, 16)
+    calls = count_hashing(monkeypatch)
+    decision = router.route(pool, prompt)
+    assert (decision.order[0].url, decision.uncached_tokens) == (D_URL, 8)
+    assert local.take(decision, prompt) is True and _taken(metrics) == 1
+    assert calls == [16]  # once, for both instances (one block size) and the decision
+    # a decision routing did not score (round-robin, least-loaded, affinity): hashed here, once
+    calls.clear()
+    assert local.take(_to(d), prompt) is True and calls == [16]
 
 
 @pytest.mark.parametrize("max_tokens", [0, -1])
@@ -262,6 +298,26 @@ async def test_a_held_prompt_goes_to_the_decoder_alone(make_cluster, tokenizer_d
         "stream")
     assert await scraped(c) == 1
     assert await scraped(c, "pdserve:proxy_decode_only_fallback_total") == 0
+
+
+@pytest.mark.parametrize("routing", ["kv-aware", "round-robin"])
+async def test_the_prompt_is_hashed_once_per_request(make_cluster, tokenizer_dir, monkeypatch,
+                                                     routing):
+    """With kv-aware routing the decoder's routing decision carries its tokens to compute:
+    local prefill does not hash the prompt a second time; without it, local prefill hashes
+    it once."""
+    c = await make_cluster(n_decode=2, routing=routing, local_prefill_max_tokens=MAX_TOKENS,
+                           tokenizer=tokenizer_dir)
+    body = chat()
+    ids = prompt_ids(c, body)
+    for d in c.decoders:
+        hold(c, d, ids)
+    calls = count_hashing(monkeypatch)
+    for n in (1, 2):
+        status, _, raw = await c.post("/v1/chat/completions", body)
+        assert status == 200, raw
+        assert calls == [BLOCK] * n
+    assert c.prefillers[0].received == [] and await scraped(c) == 2
 
 
 async def test_a_prompt_the_decoder_does_not_hold_goes_through_the_prefiller(make_cluster,

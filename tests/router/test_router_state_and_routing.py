@@ -168,13 +168,17 @@ def test_kv_aware_prefers_cached_prefix_against_load():
     prompt = list(range(40))  # 10 blocks of 4
     router = live_router(urls, {"http://a": [], "http://b": block_hashes(prompt[:24], 4)})
     d = router.route(pool, prompt)
-    assert (d.order[0].url, d.reason, d.hit_blocks, d.prompt_blocks) == (
-        "http://b", RoutingReason.KV_HIT, 6, 10)
+    # the chosen instance's tokens to compute come with the decision (local prefill's input)
+    assert (d.order[0].url, d.reason, d.hit_blocks, d.prompt_blocks, d.uncached_tokens) == (
+        "http://b", RoutingReason.KV_HIT, 6, 10, 16)
+    assert d.uncached_tokens == router.uncached_tokens(d.order[0], prompt)
     pool.get("http://b").in_flight = 2  # 0.4 + 0.5 * 2 > 1.0: load wins
     d = router.route(pool, prompt)
-    assert (d.order[0].url, d.reason) == ("http://a", RoutingReason.LEAST_LOADED)
+    assert (d.order[0].url, d.reason, d.uncached_tokens) == (
+        "http://a", RoutingReason.LEAST_LOADED, 40)
     pool.get("http://b").in_flight = 0
-    assert router.route(pool, [7] * 40).reason == RoutingReason.LEAST_LOADED  # nothing cached
+    d = router.route(pool, [7] * 41)
+    assert d.reason == RoutingReason.LEAST_LOADED and d.uncached_tokens == 41  # nothing cached
 
 
 def test_kv_aware_weighs_a_hit_by_its_tier():
@@ -202,13 +206,35 @@ def test_kv_aware_weighs_a_hit_by_its_tier():
     assert d.order[0].url == "http://cpu" and d.hit_blocks == 5
 
 
+def test_kv_aware_decision_carries_the_first_instances_tokens_to_compute():
+    """``uncached_tokens`` is that of the instance tried first, whichever it is: the best one,
+    the least-loaded one while the best cools down, or None when its index is not live."""
+    urls = ("http://a", "http://b")
+    pool = UpstreamPool("decode", urls, "kv-aware")
+    prompt = list(range(42))  # 10 blocks of 4, 2 tokens after them
+    router = live_router(urls, {"http://a": block_hashes(prompt[:8], 4),
+                                "http://b": block_hashes(prompt, 4)})
+    d = router.route(pool, prompt)
+    assert (d.order[0].url, d.uncached_tokens) == ("http://b", 2)
+    pool.mark_down(pool.get("http://b"))  # the best one cools down: "a" is tried first
+    d = router.route(pool, prompt)
+    assert (d.order[0].url, d.reason, d.uncached_tokens) == (
+        "http://a", RoutingReason.LEAST_LOADED, 34)
+    pool.mark_up(pool.get("http://b"))
+    router.indexes["http://b"].synced = False  # waiting for a snapshot: not live
+    pool.get("http://a").in_flight = 1
+    d = router.route(pool, prompt)  # "a" scores 0.8 + 0.5 > "b"'s unscored 1.0
+    assert (d.order[0].url, d.uncached_tokens) == ("http://b", None)
+
+
 def test_kv_aware_without_live_events_is_least_loaded():
     urls = ("http://a", "http://b")
     pool = UpstreamPool("decode", urls, "kv-aware")
     router = KVAwareRouter(urls, tokenizer=None, load_weight=0.5, stale_after=5.0)
     pool.get("http://a").in_flight = 1
     d = router.route(pool, list(range(40)))
-    assert (d.order[0].url, d.reason) == ("http://b", RoutingReason.NO_EVENTS)
+    assert (d.order[0].url, d.reason, d.uncached_tokens) == (
+        "http://b", RoutingReason.NO_EVENTS, None)
 
 
 @pytest.mark.parametrize("argv, message", [
