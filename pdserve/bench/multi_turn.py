@@ -20,7 +20,8 @@ from pdserve.bench.distributions import SpecError
 from pdserve.bench.plot import StatsFileError, load_stats_file, plot_ttft_by_turn
 from pdserve.bench.runner import RunConfig, RunResult, run_benchmark
 from pdserve.bench.stats import format_summary, format_ttft_comparison, summarize
-from pdserve.model_files.client_tokenizer import BUILTIN_MODEL, TokenizerLoadError, load_tokenizer
+from pdserve.model_files.builtin_models import BUILTIN_NAME
+from pdserve.model_files.client_tokenizer import TokenizerLoadError, load_tokenizer
 from pdserve.commands.parser import Parser, non_negative_float, positive_float
 
 PROG = "pdserve bench multi-turn"
@@ -36,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-i", "--input-file", default=str(EXAMPLE_SPEC_FILE),
                    help="JSON list of conversations or a generate_conversations spec "
                    "(default: the example spec shipped in pdserve/data)")
-    p.add_argument("-m", "--model", default=BUILTIN_MODEL,
-                   help=f"tokenizer source: '{BUILTIN_MODEL}', a local model directory or a .gguf "
+    p.add_argument("-m", "--model", default=BUILTIN_NAME,
+                   help=f"tokenizer source: '{BUILTIN_NAME}', a local model directory or a .gguf "
                    "file (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="'model' field of the requests (default: the first id of GET /v1/models, "

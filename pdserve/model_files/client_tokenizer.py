@@ -8,8 +8,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-BUILTIN_MODEL = "smollm2-135m-instruct"
-
 
 class TokenizerLoadError(RuntimeError):
     """The tokenizer source is not usable; the message says why."""
