@@ -78,6 +78,11 @@ logger = logging.getLogger("pdserve.router")
 _JSON = "application/json"
 #: Bodies up to this size are parsed on the event loop; larger ones in a worker thread.
 _PARSE_INLINE_BYTES = 1 << 20
+#: The longest header field (bytes) the server reads, above aiohttp's default (8190): an
+#: over-long ``X-Session-ID`` reaches the handler, which answers the proxy's JSON 400
+#: (:data:`pdserve.router.bodies.MAX_CONVERSATION_ID_CHARS`); aiohttp refuses a longer field
+#: itself, with a plain-text 400.
+MAX_HEADER_FIELD_BYTES = 64 * 1024
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 #: Bytes every ``kv_transfer_params`` object a decoder keeps blocks with contains.
@@ -171,7 +176,8 @@ class DisaggProxy:
     # ------------------------------------------------------------------ application
     def build_app(self) -> web.Application:
         """The aiohttp application (run it with ``handler_cancellation=True``, see :func:`serve`)."""
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES,
+                              handler_args={"max_field_size": MAX_HEADER_FIELD_BYTES})
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)

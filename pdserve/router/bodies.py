@@ -41,6 +41,10 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 #: Body fields the proxy consumes and never forwards.
 PROXY_FIELDS = ("conversation_id",)
 
+#: The longest conversation id (``conversation_id`` or ``X-Session-ID``, characters) the proxy
+#: takes: the id is a key of its conversation table (or Redis), kept per conversation.
+MAX_CONVERSATION_ID_CHARS = 512
+
 #: Prefill-leg field with the limits the proxy rewrote (``max_tokens``,
 #: ``max_completion_tokens``, ``min_tokens`` as the client sent them): P refuses a request its
 #: decode leg would refuse before prefilling it.
@@ -100,15 +104,25 @@ def conversation_key(body: dict[str, Any], session_header: str | None) -> str | 
     """The conversation id: the body's ``conversation_id``, else the ``X-Session-ID`` header.
 
     Raises:
-        ProxyError: 400 when ``conversation_id`` is neither a string nor an integer.
+        ProxyError: 400 when ``conversation_id`` is neither a string nor an integer, or when
+            the id taken is longer than :data:`MAX_CONVERSATION_ID_CHARS`.
     """
     cid = body.get("conversation_id")
     if cid is None:
+        if session_header and len(session_header) > MAX_CONVERSATION_ID_CHARS:
+            raise ProxyError(400, f"the X-Session-ID header is {len(session_header)} characters "
+                             f"long; at most {MAX_CONVERSATION_ID_CHARS} are allowed",
+                             INVALID_REQUEST)
         return session_header or None
     if isinstance(cid, bool) or not isinstance(cid, (str, int)):
         raise ProxyError(400, f"'conversation_id' must be a string or an integer, got {cid!r}",
                          INVALID_REQUEST, "conversation_id")
-    return str(cid) or None
+    key = str(cid)
+    if len(key) > MAX_CONVERSATION_ID_CHARS:
+        raise ProxyError(400, f"'conversation_id' is {len(key)} characters long; at most "
+                         f"{MAX_CONVERSATION_ID_CHARS} are allowed", INVALID_REQUEST,
+                         "conversation_id")
+    return key or None
 
 
 def prefill_leg_body(body: dict[str, Any], decoder_params: dict[str, Any] | None = None) -> dict[str, Any]:

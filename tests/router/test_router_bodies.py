@@ -4,8 +4,9 @@ import copy
 
 import pytest
 
-from pdserve.router.bodies import (PREFILL_KV_PARAMS, check_client_body, conversation_key,
-                                   decode_leg_body, prefill_leg_body)
+from pdserve.router.bodies import (MAX_CONVERSATION_ID_CHARS, PREFILL_KV_PARAMS,
+                                   check_client_body, conversation_key, decode_leg_body,
+                                   prefill_leg_body)
 from pdserve.router.errors import ProxyError
 
 CLIENT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50,
@@ -95,6 +96,21 @@ def test_conversation_key_body_then_header():
     with pytest.raises(ProxyError) as e:
         conversation_key({"conversation_id": {"x": 1}}, None)
     assert e.value.status == 400 and e.value.param == "conversation_id"
+
+
+def test_conversation_key_is_at_most_max_conversation_id_chars_long():
+    n = MAX_CONVERSATION_ID_CHARS
+    assert conversation_key({"conversation_id": "a" * n}, None) == "a" * n
+    assert conversation_key({}, "h" * n) == "h" * n
+    # the header is not the key when the body names one
+    assert conversation_key({"conversation_id": "a"}, "h" * (n + 1)) == "a"
+    for body, header, param in (({"conversation_id": "a" * (n + 1)}, None, "conversation_id"),
+                                ({"conversation_id": 10 ** n}, None, "conversation_id"),
+                                ({}, "h" * (n + 1), None)):
+        with pytest.raises(ProxyError) as e:
+            conversation_key(body, header)
+        assert (e.value.status, e.value.param) == (400, param)
+        assert f"{n + 1} characters long; at most {n} are allowed" in e.value.message
 
 
 def test_only_lists_of_prompts_are_refused_as_several_prompts():

@@ -189,6 +189,8 @@ async def test_bad_client_bodies_are_400_and_reach_no_instance(make_cluster):
         # checked in the stateless mode too, which only drops the field
         (json.dumps(dict(BODY, conversation_id={"a": 1})).encode(),
          "'conversation_id' must be a string or an integer, got {'a': 1}", "conversation_id"),
+        (json.dumps(dict(BODY, conversation_id="c" * 513)).encode(),
+         "'conversation_id' is 513 characters long; at most 512 are allowed", "conversation_id"),
     ]
     for data, message, param in cases:
         status, headers, raw = await c.post("/v1/completions", data,

@@ -6,6 +6,9 @@ import time
 
 import pytest
 
+from pdserve.router import app as app_module
+from pdserve.router.bodies import MAX_CONVERSATION_ID_CHARS
+
 from .test_router_flow import STATELESS
 
 
@@ -79,6 +82,45 @@ async def test_session_header_keys_the_conversation(make_cluster):
         assert status == 200
     second = c.prefillers[0].received[1].body["kv_transfer_params"]
     assert second["remote_request_id"] == "d0-turn1" and second["do_remote_decode"] is True
+
+
+async def test_an_over_long_conversation_id_is_a_json_400_and_is_not_stored(make_cluster):
+    """A conversation id over MAX_CONVERSATION_ID_CHARS, from the body field or the
+    ``X-Session-ID`` header, gets the proxy's OpenAI-style 400 before any instance is asked or
+    anything is stored: a 2 MB ``conversation_id`` was served and kept as a key of the
+    conversation table, and a header over aiohttp's default field limit (8190 bytes) got
+    aiohttp's plain-text 400. An id of exactly the limit is served and stored."""
+    limit = MAX_CONVERSATION_ID_CHARS
+    c = await make_cluster(multi_turn=True)
+    cases = [
+        (chat(1, conversation_id="c" * 2_000_000), {}, "conversation_id",
+         f"'conversation_id' is 2000000 characters long; at most {limit} are allowed"),
+        (chat(1, conversation_id=int("9" * (limit + 1))), {}, "conversation_id",
+         f"'conversation_id' is {limit + 1} characters long; at most {limit} are allowed"),
+        (chat(1), {"X-Session-ID": "s" * (limit + 1)}, None,
+         f"the X-Session-ID header is {limit + 1} characters long; at most {limit} are allowed"),
+        (chat(1), {"X-Session-ID": "s" * 9000}, None,
+         f"the X-Session-ID header is 9000 characters long; at most {limit} are allowed"),
+    ]
+    for body, headers, param, message in cases:
+        status, got_headers, raw = await c.post("/v1/chat/completions", body, headers)
+        assert status == 400, raw[:200]
+        assert got_headers["Content-Type"] == "application/json"
+        assert json.loads(raw) == {"error": {"message": message, "type": "BadRequestError",
+                                             "param": param, "code": 400}}
+    assert c.prefillers[0].received == [] and c.decoders[0].received == []
+    assert len(c.proxy.proxy.conversations) == 0
+    for body, headers in ((chat(1, conversation_id="c" * limit), {}),
+                          (chat(1), {"X-Session-ID": "s" * limit})):
+        status, _, raw = await c.post("/v1/chat/completions", body, headers)
+        assert status == 200, raw
+    conversations = c.proxy.proxy.conversations
+    assert len(conversations) == 2
+    assert conversations.get("c" * limit) is not None and conversations.get("s" * limit) is not None
+    # a header field longer than the server reads is still aiohttp's own (plain-text) 400
+    status, got_headers, _ = await c.post("/v1/chat/completions", chat(1), {
+        "X-Session-ID": "s" * (app_module.MAX_HEADER_FIELD_BYTES + 1)})
+    assert status == 400 and got_headers["Content-Type"].startswith("text/plain")
 
 
 async def test_stateless_mode_strips_conversation_id_and_attaches_nothing(make_cluster):
