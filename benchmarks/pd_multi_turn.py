@@ -164,8 +164,9 @@ def _run_case(args: argparse.Namespace, name: str, multi_turn: bool, work: Path,
 
 
 def _run_tiers(args: argparse.Namespace, work: Path) -> dict:
-    """The ``--kv-tiers`` comparison: both deployments, results keyed ``no tier`` /
-    ``host tier`` (each: ``ttft`` figures, ``prefill`` and ``decode`` series increases)."""
+    """The ``--kv-tiers`` comparison: the deployments, results keyed ``no tier`` /
+    ``host tier`` (and ``device cache`` with ``--device-cache-run``; each: ``ttft`` figures,
+    ``prefill`` and ``decode`` series increases)."""
     from pdserve.model_files.builtin_models import resolve_model_path
 
     if args.model is None:
@@ -186,11 +187,24 @@ def _run_tiers(args: argparse.Namespace, work: Path) -> dict:
           f"{'holds' if p['fits'] else 'cannot hold'} every conversation's last turn",
           flush=True)
     results = {}
-    cases = [("no tier", None), ("host tier", gib)]
-    for name, gib_i in (cases[::-1] if args.tier_first else cases):
-        r = _run_case(args, name.replace(" ", "-"), True, work, spec=str(spec),
-                      extra_engine_args=tiers.engine_args(args, gib_i),
-                      extra_bench_args=tiers.bench_args(args))
+    cases = [("no tier", None, None), ("host tier", gib, None)]
+    if args.tier_first:
+        cases.reverse()
+    if args.device_cache_run:
+        blocks = tiers.device_cache_blocks(args)
+        print(f"device cache: {blocks} blocks on P and on D (every conversation)", flush=True)
+        cases.append(("device cache", None, blocks))
+    for name, gib_i, blocks_i in cases:
+        try:
+            r = _run_case(args, name.replace(" ", "-"), True, work, spec=str(spec),
+                          extra_engine_args=tiers.engine_args(args, gib_i, blocks_i),
+                          extra_bench_args=tiers.bench_args(args))
+        except SystemExit as e:
+            if blocks_i is None:
+                raise
+            # a cache this large may not fit the GPU beside the weights: keep the comparison
+            print(f"device cache deployment failed, left out: {str(e)[-2000:]}", flush=True)
+            continue
         results[name] = {"ttft": tiers.ttft_percentiles(r["summary"]),
                          "prefill": r["series"]["prefill"], "decode": r["series"]["decode"],
                          "proxy": r["series"]["proxy"], "summary": r["summary"]}

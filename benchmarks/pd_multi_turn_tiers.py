@@ -31,6 +31,13 @@ P's prompt tokens (computed, from its prefix cache, pulled from D; the pulls giv
 D's answer took longer than computing them), the host tier's counters on
 P and D (blocks stored, hits, prompt tokens loaded) and D's demoted / restored / lost turn
 leases; then the turns-2+ p50 and p90 ratios (no tier / host tier).
+
+``--device-cache-run`` adds a third deployment, ``device cache``: no tier, and a device cache
+on P and on D that holds every conversation and the requests in flight
+(:func:`device_cache_blocks`), so nothing is evicted. Its turns 2+ are what a tier could give
+at best (every history is where a tier would put it back), and the summary prints the ratios
+no tier / device cache beside the tier's: on a workload whose later turns cost little more to
+recompute than the P/D path costs anyway, even a free tier is bounded there.
 """
 
 from __future__ import annotations
@@ -105,6 +112,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--tier-first", action="store_true",
                    help="run the host-tier deployment first (to tell an order effect from the "
                         "tier's own cost)")
+    g.add_argument("--device-cache-run", action="store_true",
+                   help="a third deployment without a tier whose device cache holds every "
+                        "conversation (nothing evicted): the most a tier could give")
     g.add_argument("--offload-gib", type=float, default=None,
                    help="host tier size per engine (default: every conversation's KV x 1.25, "
                         "from the model's config.json)")
@@ -163,6 +173,15 @@ def plan(args: argparse.Namespace) -> dict:
     }
 
 
+def device_cache_blocks(args: argparse.Namespace) -> int:
+    """Blocks of the ``--device-cache-run`` deployment's cache on P and on D: every
+    conversation at its final length and ``--num-clients`` requests in flight (the smallest
+    cache for which :func:`plan`'s ``fits`` holds)."""
+    conv = plan(args)["conversation_tokens"]
+    return (args.conversations * -(-conv // args.block_size)
+            + args.num_clients * -(-(conv + args.block_size) // args.block_size))
+
+
 def spec(args: argparse.Namespace) -> dict:
     """The ``pdserve bench multi-turn`` ``generate_conversations`` spec of the workload."""
     prompt_input = {"num_turns": {"distribution": "constant", "value": 2 * args.turns},
@@ -209,11 +228,14 @@ def offload_gib(args: argparse.Namespace, model_dir: str | Path) -> float:
     return 1.25 * plan(args)["total_tokens"] * per_token / GiB
 
 
-def engine_args(args: argparse.Namespace, tier_gib: float | None) -> list[str]:
+def engine_args(args: argparse.Namespace, tier_gib: float | None,
+                num_blocks: int | None = None) -> list[str]:
     """The ``pdserve serve`` options of one case (given to P and D alike), before the user's
-    ``--engine-args``."""
+    ``--engine-args``; ``num_blocks`` replaces :func:`plan`'s cache size (the device-cache
+    case)."""
     p = plan(args)
-    out = ["--num-gpu-blocks-override", str(p["num_blocks"]), "--block-size", str(args.block_size),
+    blocks = p["num_blocks"] if num_blocks is None else num_blocks
+    out = ["--num-gpu-blocks-override", str(blocks), "--block-size", str(args.block_size),
            "--max-model-len", str(p["max_model_len"]),
            "--kv-transfer-config.kv_connector_extra_config.decoder_kv_blocks_ttl",
            f"{args.lease_ttl:g}"]
@@ -314,4 +336,10 @@ def report(results: dict[str, dict]) -> list[str]:
     lines.append(f"summary: turns 2+ TTFT p50 {_f(base[0])} -> {_f(tier[0])} ms "
                  f"({_f(ratios[0], 2)}x), p90 {_f(base[1])} -> {_f(tier[1])} ms "
                  f"({_f(ratios[1], 2)}x); no tier / host tier")
+    if "device cache" in results:
+        dev = results["device cache"]["ttft"]["later"]
+        best = [b / d if b and d else None for b, d in zip(base[:2], dev[:2])]
+        lines.append(f"summary: turns 2+ TTFT p50 {_f(base[0])} -> {_f(dev[0])} ms "
+                     f"({_f(best[0], 2)}x), p90 {_f(base[1])} -> {_f(dev[1])} ms "
+                     f"({_f(best[1], 2)}x); no tier / device cache (the most a tier could give)")
     return lines

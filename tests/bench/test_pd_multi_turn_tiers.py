@@ -70,6 +70,17 @@ def test_engine_args_are_the_same_on_both_cases_but_the_tier():
     assert tier == base + ["--kv-offloading-size", "0.250000", "--kv-offloading-backend", "native"]
 
 
+def test_device_cache_run_holds_every_conversation():
+    args = _args("--device-cache-run")
+    assert args.device_cache_run and not _args().device_cache_run
+    blocks = tiers.device_cache_blocks(args)
+    assert blocks == 16 * 27 + 4 * 28  # ceil(420 / 16) held, ceil(436 / 16) per request in flight
+    assert tiers.plan(_args("--overcommit", str(16 * 420 / 16 / blocks)))["fits"]
+    assert not tiers.plan(_args("--overcommit", str(16 * 420 / 16 / (blocks - 1))))["fits"]
+    assert tiers.engine_args(args, None, blocks)[:2] == ["--num-gpu-blocks-override", str(blocks)]
+    assert tiers.engine_args(args, None)[1] == "240"
+
+
 def test_spec_and_bench_args_describe_the_workload():
     args = _args("--conversations", "8", "--turns", "4")
     s = tiers.spec(args)
@@ -123,6 +134,10 @@ def test_series_parsing_delta_and_report():
         return {"ttft": tiers.ttft_percentiles(summary), "prefill": dict.fromkeys(names, 1.0),
                 "decode": dict.fromkeys(names, 2.0)}
 
+    lines = tiers.report({"no tier": case((40.0, 80.0)), "host tier": case((10.0, 20.0)),
+                          "device cache": case((8.0, 16.0))})
+    assert lines[-1].startswith("summary: turns 2+ TTFT p50 40.0 -> 8.0 ms (5.00x), p90 80.0 -> "
+                                "16.0 ms (5.00x); no tier / device cache")
     lines = tiers.report({"no tier": case((40.0, 80.0)), "host tier": case((10.0, 20.0))})
     assert lines[-1].startswith("summary: turns 2+ TTFT p50 40.0 -> 10.0 ms (4.00x), p90 "
                                 "80.0 -> 20.0 ms (4.00x)")
