@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.types.outputs import KVLoadFailure
-from pdserve.types.openai_errors import (UPSTREAM_ERROR, UPSTREAM_UNAVAILABLE, error_body,
+from pdserve.types.openai_errors import (UPSTREAM_ERROR, UPSTREAM_UNAVAILABLE, error_body, quoted,
                                          error_type, not_json_content_type)
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def kv_load_error(message: str, failure: KVLoadFailure) -> OpenAIError:
 def model_not_found(name: str | None, served: str) -> OpenAIError:
     """A 404 for a ``model`` this server does not serve."""
     return OpenAIError(
-        f"The model '{name}' does not exist; this server serves '{served}'.",
+        f"The model {quoted(name)} does not exist; this server serves '{served}'.",
         404, param="model", type_="NotFoundError",
     )
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.types.openai_errors import STREAM_OPTIONS_WITHOUT_STREAM
+from pdserve.types.openai_errors import STREAM_OPTIONS_WITHOUT_STREAM, quoted
 from pdserve.router.errors import INVALID_REQUEST, ProxyError
 from pdserve.types.kv_endpoints import KVEndpoint
 
@@ -69,7 +69,7 @@ def check_client_body(body: Any) -> None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ProxyError(400, f"'{field}' must be a positive integer, got {value!r}",
+            raise ProxyError(400, f"'{field}' must be a positive integer, got {quoted(value)}",
                              INVALID_REQUEST, field)
         if value > 1:
             raise ProxyError(400, f"'{field}' > 1 is not supported by the disaggregated proxy "
@@ -85,11 +85,11 @@ def check_client_body(body: Any) -> None:
                          "prompt")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise ProxyError(400, f"'stream' must be a boolean, got {stream!r}", INVALID_REQUEST, "stream")
+        raise ProxyError(400, f"'stream' must be a boolean, got {quoted(stream)}", INVALID_REQUEST, "stream")
     ids = body.get("return_token_ids")
     if ids is not None and not isinstance(ids, bool):
         # the decode leg of a migratable stream sets it: checked here, before it is overwritten
-        raise ProxyError(400, f"'return_token_ids' must be a boolean, got {ids!r}",
+        raise ProxyError(400, f"'return_token_ids' must be a boolean, got {quoted(ids)}",
                          INVALID_REQUEST, "return_token_ids")
     if body.get("stream_options") is not None and not stream:
         # D would refuse it after P's prefill (the engines' rule, as vLLM's)
@@ -104,8 +104,9 @@ def conversation_key(body: dict[str, Any], session_header: str | None) -> str | 
     """The conversation id: the body's ``conversation_id``, else the ``X-Session-ID`` header.
 
     Raises:
-        ProxyError: 400 when ``conversation_id`` is neither a string nor an integer, or when
-            the id taken is longer than :data:`MAX_CONVERSATION_ID_CHARS`.
+        ProxyError: 400 when ``conversation_id`` is neither a string nor an integer, is
+            empty, or when the id taken is longer than :data:`MAX_CONVERSATION_ID_CHARS`. An
+            integer is the same conversation as its decimal string; an empty header is no id.
     """
     cid = body.get("conversation_id")
     if cid is None:
@@ -115,14 +116,17 @@ def conversation_key(body: dict[str, Any], session_header: str | None) -> str | 
                              INVALID_REQUEST)
         return session_header or None
     if isinstance(cid, bool) or not isinstance(cid, (str, int)):
-        raise ProxyError(400, f"'conversation_id' must be a string or an integer, got {cid!r}",
+        raise ProxyError(400, f"'conversation_id' must be a string or an integer, got {quoted(cid)}",
                          INVALID_REQUEST, "conversation_id")
     key = str(cid)
+    if not key:
+        raise ProxyError(400, "'conversation_id' must not be empty", INVALID_REQUEST,
+                         "conversation_id")
     if len(key) > MAX_CONVERSATION_ID_CHARS:
         raise ProxyError(400, f"'conversation_id' is {len(key)} characters long; at most "
                          f"{MAX_CONVERSATION_ID_CHARS} are allowed", INVALID_REQUEST,
                          "conversation_id")
-    return key or None
+    return key
 
 
 def prefill_leg_body(body: dict[str, Any], decoder_params: dict[str, Any] | None = None) -> dict[str, Any]:

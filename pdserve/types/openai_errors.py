@@ -36,6 +36,19 @@ UPSTREAM_TIMEOUT = "upstream_timeout"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
+#: Characters of a client's value an error message quotes at most (:func:`quoted`).
+MAX_QUOTED_CHARS = 80
+
+
+def quoted(value: object) -> str:
+    """``repr(value)`` for an error message, cut to :data:`MAX_QUOTED_CHARS` characters with
+    the full length said: an error never sends a client's megabytes back."""
+    text = repr(value)
+    if len(text) <= MAX_QUOTED_CHARS:
+        return text
+    return f"{text[:MAX_QUOTED_CHARS]}... ({len(text):,} characters)"
+
+
 def body_too_large(limit: int) -> str:
     """The message of the 413 for a body over ``limit`` bytes."""
     return f"request body larger than {limit} bytes"

@@ -178,6 +178,10 @@ async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
     for path, body in ((COMPLETIONS, {"prompt": "x"}), (CHAT, {"messages": USER_HI})):
         r = await client.post(path, json={**body, "model": "gpt-17"})
         assert_openai_error(r, 404, "NotFoundError", param="model", message_has="gpt-17")
+    # a megabyte-long name is not sent back whole
+    r = await client.post(CHAT, json={"messages": USER_HI, "model": "m" * 1_000_000})
+    assert_openai_error(r, 404, "NotFoundError", param="model", message_has="characters)")
+    assert len(r.content) < 1000
 
 
 async def test_served_model_name_is_accepted(client: httpx.AsyncClient) -> None:

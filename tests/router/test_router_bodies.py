@@ -4,6 +4,7 @@ import copy
 
 import pytest
 
+from pdserve.types.openai_errors import MAX_QUOTED_CHARS, quoted
 from pdserve.router.bodies import (MAX_CONVERSATION_ID_CHARS, PREFILL_KV_PARAMS,
                                    check_client_body, conversation_key, decode_leg_body,
                                    prefill_leg_body)
@@ -111,6 +112,32 @@ def test_conversation_key_is_at_most_max_conversation_id_chars_long():
             conversation_key(body, header)
         assert (e.value.status, e.value.param) == (400, param)
         assert f"{n + 1} characters long; at most {n} are allowed" in e.value.message
+
+
+def test_an_empty_conversation_id_is_refused_and_an_empty_header_is_no_id():
+    with pytest.raises(ProxyError) as e:
+        conversation_key({"conversation_id": ""}, "h")
+    assert (e.value.status, e.value.param) == (400, "conversation_id")
+    assert e.value.message == "'conversation_id' must not be empty"
+    assert conversation_key({}, "") is None
+    assert conversation_key({"conversation_id": 123}, None) == conversation_key(
+        {"conversation_id": "123"}, None) == "123"
+
+
+def test_a_refused_value_is_quoted_short_in_the_message():
+    """An error message quotes at most MAX_QUOTED_CHARS of the client's value and says its
+    length: a megabyte-long field was sent back whole."""
+    for body, param in (({"conversation_id": ["a" * 2_000_000]}, "conversation_id"),
+                        ({"stream": "s" * 5_000_000}, "stream"),
+                        ({"n": "n" * 1_000_000}, "n")):
+        with pytest.raises(ProxyError) as e:
+            check_client_body(body) if param != "conversation_id" else conversation_key(body, None)
+        assert e.value.param == param
+        assert len(e.value.message) < 200, e.value.message[:300]
+        assert " characters)" in e.value.message
+    assert quoted("short") == "'short'"
+    long = quoted("x" * 1000)
+    assert long == repr("x" * MAX_QUOTED_CHARS)[:MAX_QUOTED_CHARS] + "... (1,002 characters)"
 
 
 def test_only_lists_of_prompts_are_refused_as_several_prompts():
