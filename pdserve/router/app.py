@@ -44,8 +44,9 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.utils import phase_trace
-from pdserve.types.openai_errors import MAX_BODY_BYTES, body_too_large, not_json_content_type
+from pdserve.types.openai_errors import MAX_BODY_BYTES
 from pdserve.router.bodies import check_client_body, conversation_key, prefill_leg_body
+from pdserve.router.client_body import read_json_body
 from pdserve.router.client_stream import ClientStream
 from pdserve.router.concurrent_legs import ConcurrentLegs
 from pdserve.router.config import ProxyConfig
@@ -56,10 +57,8 @@ from pdserve.router.handoff import HandoffMode, HandoffTargets
 from pdserve.router.health import BreakerPolicy, UpstreamHealth
 from pdserve.router.legs import DecodeAnswer, TurnLegs
 from pdserve.router.retries import RetryPolicy
-from pdserve.router.errors import (AUTHENTICATION, INVALID_REQUEST, METHOD_NOT_ALLOWED,
-                                   NOT_FOUND, REQUEST_TOO_LARGE, UPSTREAM_ERROR,
-                                   UPSTREAM_UNAVAILABLE,
-                                   ProxyError, error_bytes)
+from pdserve.router.errors import (AUTHENTICATION, METHOD_NOT_ALLOWED, NOT_FOUND,
+                                   UPSTREAM_ERROR, UPSTREAM_UNAVAILABLE, ProxyError, error_bytes)
 from pdserve.router.kv_routing import (KVAwareRouter, PromptTokenizer, RoutingDecision,
                                        RoutingReason, affinity_allows, route_plain)
 from pdserve.router.local_prefill import LocalPrefill
@@ -76,8 +75,6 @@ from pdserve.router.upstreams import Upstream, UpstreamPool
 logger = logging.getLogger("pdserve.router")
 
 _JSON = "application/json"
-#: Bodies up to this size are parsed on the event loop; larger ones in a worker thread.
-_PARSE_INLINE_BYTES = 1 << 20
 #: The longest header field (bytes) the server reads, above aiohttp's default (8190): an
 #: over-long ``X-Session-ID`` reaches the handler, which answers the proxy's JSON 400
 #: (:data:`pdserve.router.bodies.MAX_CONVERSATION_ID_CHARS`); aiohttp refuses a longer field
@@ -289,24 +286,7 @@ class DisaggProxy:
         if not self._authorized(request):
             raise ProxyError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                              AUTHENTICATION)
-        if (request.content_length or 0) > MAX_BODY_BYTES:  # judged by its header, unread
-            raise ProxyError(413, body_too_large(MAX_BODY_BYTES), REQUEST_TOO_LARGE)
-        not_json = not_json_content_type(request.headers.get("Content-Type"))
-        if not_json is not None:  # the engines' answer
-            raise ProxyError(400, not_json, INVALID_REQUEST)
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ProxyError(413, body_too_large(MAX_BODY_BYTES), REQUEST_TOO_LARGE) from None
-        try:
-            # a large body is parsed off the event loop (60 MB took ~0.4 s, held every request)
-            body = (json.loads(raw) if len(raw) <= _PARSE_INLINE_BYTES
-                    else await asyncio.to_thread(json.loads, raw))
-        except ValueError as e:
-            raise ProxyError(400, f"request body is not valid JSON: {e}", INVALID_REQUEST) from None
-        except RecursionError:  # json's decoder recurses once per level of nesting
-            raise ProxyError(400, "request body is not valid JSON: nested too deeply",
-                             INVALID_REQUEST) from None
+        body = await read_json_body(request, MAX_BODY_BYTES)
         phase_trace.mark("px.parsed")
         check_client_body(body)
         if not self.role_check.done:

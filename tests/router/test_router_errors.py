@@ -7,6 +7,7 @@ import json
 from aiohttp import web
 
 from pdserve.router import app as app_module
+from pdserve.router import client_body
 
 from .conftest import unused_port
 from tests.support.router_fakes import sse, wait_until
@@ -313,7 +314,7 @@ async def test_declared_body_over_the_limit_is_413_before_reading_it(make_cluste
 
 
 async def test_large_bodies_are_parsed_off_the_event_loop_and_served(make_cluster, monkeypatch):
-    monkeypatch.setattr(app_module, "_PARSE_INLINE_BYTES", 100)
+    monkeypatch.setattr(client_body, "PARSE_INLINE_BYTES", 100)
     in_threads = []
     to_thread = asyncio.to_thread
 
