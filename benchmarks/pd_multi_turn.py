@@ -191,7 +191,7 @@ def _run_tiers(args: argparse.Namespace, work: Path) -> dict:
     if args.tier_first:
         cases.reverse()
     if args.device_cache_run:
-        blocks = tiers.device_cache_blocks(args)
+        blocks = p["device_cache_blocks"]
         print(f"device cache: {blocks} blocks on P and on D (every conversation)", flush=True)
         cases.append(("device cache", None, blocks))
     for name, gib_i, blocks_i in cases:

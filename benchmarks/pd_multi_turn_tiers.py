@@ -34,7 +34,7 @@ leases; then the turns-2+ p50 and p90 ratios (no tier / host tier).
 
 ``--device-cache-run`` adds a third deployment, ``device cache``: no tier, and a device cache
 on P and on D that holds every conversation and the requests in flight
-(:func:`device_cache_blocks`), so nothing is evicted. Its turns 2+ are what a tier could give
+(:func:`plan`'s ``device_cache_blocks``), so nothing is evicted. Its turns 2+ are what a tier could give
 at best (every history is where a tier would put it back), and the summary prints the ratios
 no tier / device cache beside the tier's: on a workload whose later turns cost little more to
 recompute than the P/D path costs anyway, even a free tier is bounded there.
@@ -153,33 +153,27 @@ def plan(args: argparse.Namespace) -> dict:
         the template's tokens), ``total_tokens`` (all conversations), ``num_blocks`` (each
         engine's ``--num-gpu-blocks-override``: ``total / overcommit``, rounded up),
         ``min_blocks`` (what ``--num-clients`` conversations in flight need at their longest)
-        ``max_model_len`` (the final length plus one block) and ``fits`` (whether one cache
-        holds every conversation's last turn and the requests in flight: a no-tier D then
-        never waits for a lease's TTL).
+        ``max_model_len`` (the final length plus one block), ``device_cache_blocks`` (every
+        conversation at its final length and the requests in flight: the cache of the
+        ``--device-cache-run`` deployment on P and on D) and ``fits`` (whether one cache of
+        ``num_blocks`` holds that much: a no-tier D then never waits for a lease's TTL).
     """
     messages = 2 * args.turns + 1  # user and assistant per turn, and the system message
     conv = (args.first_tokens + (args.turns - 1) * args.user_tokens
             + args.turns * args.output_tokens + messages * args.template_tokens)
     total = args.conversations * conv
+    num_blocks = math.ceil(total / args.overcommit / args.block_size)
+    min_blocks = args.num_clients * -(-(conv + args.block_size) // args.block_size)
+    every = args.conversations * -(-conv // args.block_size) + min_blocks
     return {
         "conversation_tokens": conv,
         "total_tokens": total,
-        "num_blocks": math.ceil(total / args.overcommit / args.block_size),
-        "min_blocks": args.num_clients * -(-(conv + args.block_size) // args.block_size),
+        "num_blocks": num_blocks,
+        "min_blocks": min_blocks,
         "max_model_len": conv + args.block_size,
-        "fits": math.ceil(total / args.overcommit / args.block_size)
-        >= args.conversations * -(-conv // args.block_size)
-        + args.num_clients * -(-(conv + args.block_size) // args.block_size),
+        "device_cache_blocks": every,
+        "fits": num_blocks >= every,
     }
-
-
-def device_cache_blocks(args: argparse.Namespace) -> int:
-    """Blocks of the ``--device-cache-run`` deployment's cache on P and on D: every
-    conversation at its final length and ``--num-clients`` requests in flight (the smallest
-    cache for which :func:`plan`'s ``fits`` holds)."""
-    conv = plan(args)["conversation_tokens"]
-    return (args.conversations * -(-conv // args.block_size)
-            + args.num_clients * -(-(conv + args.block_size) // args.block_size))
 
 
 def spec(args: argparse.Namespace) -> dict:

@@ -73,7 +73,7 @@ def test_engine_args_are_the_same_on_both_cases_but_the_tier():
 def test_device_cache_run_holds_every_conversation():
     args = _args("--device-cache-run")
     assert args.device_cache_run and not _args().device_cache_run
-    blocks = tiers.device_cache_blocks(args)
+    blocks = tiers.plan(args)["device_cache_blocks"]
     assert blocks == 16 * 27 + 4 * 28  # ceil(420 / 16) held, ceil(436 / 16) per request in flight
     assert tiers.plan(_args("--overcommit", str(16 * 420 / 16 / blocks)))["fits"]
     assert not tiers.plan(_args("--overcommit", str(16 * 420 / 16 / (blocks - 1))))["fits"]
