@@ -85,7 +85,8 @@ def check_client_body(body: Any) -> None:
                          "prompt")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise ProxyError(400, f"'stream' must be a boolean, got {quoted(stream)}", INVALID_REQUEST, "stream")
+        raise ProxyError(400, f"'stream' must be a boolean, got {quoted(stream)}", INVALID_REQUEST,
+                         "stream")
     ids = body.get("return_token_ids")
     if ids is not None and not isinstance(ids, bool):
         # the decode leg of a migratable stream sets it: checked here, before it is overwritten
@@ -116,8 +117,8 @@ def conversation_key(body: dict[str, Any], session_header: str | None) -> str | 
                              INVALID_REQUEST)
         return session_header or None
     if isinstance(cid, bool) or not isinstance(cid, (str, int)):
-        raise ProxyError(400, f"'conversation_id' must be a string or an integer, got {quoted(cid)}",
-                         INVALID_REQUEST, "conversation_id")
+        raise ProxyError(400, "'conversation_id' must be a string or an integer, got "
+                         f"{quoted(cid)}", INVALID_REQUEST, "conversation_id")
     key = str(cid)
     if not key:
         raise ProxyError(400, "'conversation_id' must not be empty", INVALID_REQUEST,

@@ -10,14 +10,14 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.router.errors import INVALID_REQUEST, REQUEST_TOO_LARGE, ProxyError
-from pdserve.types.openai_errors import MAX_BODY_BYTES, body_too_large, not_json_content_type
+from pdserve.types.openai_errors import body_too_large, not_json_content_type
 
 #: Bodies up to this size (bytes) are parsed on the event loop; larger ones in a worker thread
 #: (a 60 MB body took ~0.4 s to parse, and held every other request meanwhile).
 PARSE_INLINE_BYTES = 1 << 20
 
 
-async def read_json_body(request: web.Request, limit: int = MAX_BODY_BYTES) -> Any:
+async def read_json_body(request: web.Request, limit: int) -> Any:
     """The parsed JSON of ``request``'s body (any JSON value; :func:`~pdserve.router.bodies.
     check_client_body` checks its shape). ``limit``: the application's ``client_max_size``
     (bytes).
