@@ -59,8 +59,9 @@ from pdserve.router.legs import DecodeAnswer, TurnLegs
 from pdserve.router.retries import RetryPolicy
 from pdserve.router.errors import (AUTHENTICATION, METHOD_NOT_ALLOWED, NOT_FOUND,
                                    UPSTREAM_ERROR, UPSTREAM_UNAVAILABLE, ProxyError, error_bytes)
-from pdserve.router.kv_routing import (KVAwareRouter, PromptTokenizer, RoutingDecision,
-                                       RoutingReason, affinity_allows, route_plain)
+from pdserve.router.kv_routing import (KVAwareRouter, PromptBlocks, PromptTokenizer,
+                                       RoutingDecision, RoutingReason, affinity_allows,
+                                       route_plain)
 from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.migration import Leg, StreamMigrator, migration_refusal
@@ -224,16 +225,17 @@ class DisaggProxy:
             headers["Authorization"] = auth
         return headers
 
-    def _route(self, pool: UpstreamPool, previous_url: str | None, token_ids: list[int] | None,
+    def _route(self, pool: UpstreamPool, previous_url: str | None, prompt: PromptBlocks | None,
                turn: Turn) -> list[Upstream]:
         """:meth:`_decide`'s order to try (:data:`pdserve.router.legs.Route`)."""
-        return self._decide(pool, previous_url, token_ids, turn).order
+        return self._decide(pool, previous_url, prompt, turn).order
 
     def _decide(self, pool: UpstreamPool, previous_url: str | None,
-                token_ids: list[int] | None, turn: Turn) -> RoutingDecision:
+                prompt: PromptBlocks | None, turn: Turn) -> RoutingDecision:
         """Decide one leg's instance (order to try, best first); count and log the decision.
 
         ``previous_url``: the instance of the conversation's previous turn, if any.
+        ``prompt``: the request's token ids and block hashes (kv-aware routing), or None.
         """
         previous = pool.get(previous_url)
         kv = self.kv_router if self.config.routing == "kv-aware" else None
@@ -244,9 +246,9 @@ class DisaggProxy:
                             if order and order[0] is previous
                             else route_plain(pool, None))
             else:  # too busy: routed as a new conversation would be
-                decision = kv.route(pool, token_ids) if kv is not None else route_plain(pool, None)
+                decision = kv.route(pool, prompt) if kv is not None else route_plain(pool, None)
         elif kv is not None:
-            decision = kv.route(pool, token_ids)
+            decision = kv.route(pool, prompt)
         else:
             decision = route_plain(pool, previous)
         self.metrics.count_decision(pool.leg, decision.reason.value,
@@ -303,9 +305,10 @@ class DisaggProxy:
         phase_trace.mark("px.state")
         headers = self._upstream_headers(request, turn.request_id)
         path = request.path
-        token_ids = None
+        prompt = None  # token ids and block hashes, shared by every routing of the request
         if self.kv_router is not None:
             token_ids = await self.kv_router.tokenizer.token_ids_async(_ENDPOINTS[path], body)
+            prompt = PromptBlocks(token_ids) if token_ids is not None else None
 
         if not await self.decode_guard.decoders_reachable():
             raise ProxyError(503, "no decode instance is reachable ("
@@ -320,14 +323,14 @@ class DisaggProxy:
         p_body = prefill_leg_body(body, state.kv_transfer_params if state else None)
         d_order = d_route = None
         if self.local_prefill is not None:
-            d_route = self._decide(self.decoders, previous[1], token_ids, turn)
+            d_route = self._decide(self.decoders, previous[1], prompt, turn)
             d_order = d_route.order
-        if self.local_prefill is not None and self.local_prefill.take(d_route, token_ids):
+        if self.local_prefill is not None and self.local_prefill.take(d_route, prompt):
             phase_trace.mark("px.local_prefill")
             answer = None
             try:  # (the prefill leg's body serves a retry, which goes through a prefiller)
                 answer = await self.legs.run(path, body, _encode(p_body).encode(), headers,
-                                             turn, stream, previous, token_ids,
+                                             turn, stream, previous, prompt,
                                              return_token_ids=migrate, orders=(None, d_order),
                                              local=True)
             finally:
@@ -344,14 +347,14 @@ class DisaggProxy:
             if self.concurrent is not None:
                 phase_trace.mark("px.p_body_built")
                 answer = await self.concurrent.run(path, body, p_body, headers, turn, stream,
-                                                   previous, token_ids, return_token_ids=migrate,
+                                                   previous, prompt, return_token_ids=migrate,
                                                    client=client if stream else None,
                                                    d_first=d_order)
             else:
                 p_data = _encode(p_body).encode()
                 phase_trace.mark("px.p_body_built")
                 answer = await self.legs.run(path, body, p_data, headers, turn, stream,
-                                             previous, token_ids, return_token_ids=migrate,
+                                             previous, prompt, return_token_ids=migrate,
                                              orders=(None, d_order))
         p_up, d_up, d_resp, d_raw = answer.p_up, answer.d_up, answer.d_resp, answer.raw
         phase_trace.mark("px.d_hdr")

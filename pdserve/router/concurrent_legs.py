@@ -58,6 +58,7 @@ from pdserve.router.decode_guard import DecodeLegGuard
 from pdserve.router.errors import ProxyError
 from pdserve.router.first_token import FirstEvent, FirstEventKind
 from pdserve.router.handoff import HandoffTargets, PrefillRanks
+from pdserve.router.kv_routing import PromptBlocks
 from pdserve.router.legs import DecodeAnswer, Route, TurnLegs
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.prefill_leg import PrefillLeg
@@ -129,7 +130,7 @@ class ConcurrentLegs:
 
     async def run(self, path: str, body: dict[str, Any], p_body: dict[str, Any],
                   headers: dict[str, str], turn: Turn, stream: bool,
-                  previous: tuple[str | None, str | None], token_ids: list[int] | None,
+                  previous: tuple[str | None, str | None], prompt: PromptBlocks | None,
                   return_token_ids: bool = False,
                   client: ClientStream | None = None,
                   d_first: list[Upstream] | None = None) -> DecodeAnswer:
@@ -151,20 +152,20 @@ class ConcurrentLegs:
         att = self._retries.attempts()
         concurrent = True
         while True:
-            p_order = [u for u in self._route(self._prefillers, previous[0], token_ids, turn)
+            p_order = [u for u in self._route(self._prefillers, previous[0], prompt, turn)
                        if u not in att.p_failed]
             ranks = self._ranks(p_order[0]) if p_order and concurrent else None
             if ranks is None:
                 d_order = d_first  # routed by the sequential legs when None
             else:
                 routed = (d_first if d_first is not None
-                          else self._route(self._decoders, previous[1], token_ids, turn))
+                          else self._route(self._decoders, previous[1], prompt, turn))
                 d_order = self._retries.decode_order(routed, att)
             d_first = None
             if ranks is None or not d_order or not self._targets.concurrent_decoder(d_order[0]):
                 answer = await self._sequential.run(
                     path, body, _encode(p_body).encode(), headers, turn, stream, previous,
-                    token_ids, return_token_ids, att, (p_order, d_order))
+                    prompt, return_token_ids, att, (p_order, d_order))
                 return await self._continue(answer, client, headers, turn)
             d_order = [u for u in d_order if self._targets.concurrent_decoder(u)]
             outcome = await self._attempt(path, body, p_body, headers, turn, stream,

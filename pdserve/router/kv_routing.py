@@ -18,8 +18,10 @@ this proxy has open on it; ``load_weight`` (``--kv-load-weight``, default
 :data:`DEFAULT_KV_LOAD_WEIGHT`): a whole prompt found in the cache is worth that many fewer
 requests in flight (1 / 0.5 = 2). Ties go to the round-robin order. The prompt's hashes are
 the engines' own (:func:`pdserve.types.block_hash.block_hashes`) over the token ids the
-engines would build (:class:`PromptTokenizer`). When no instance of the leg has live events, or
-the prompt cannot be tokenized, the leg is routed least-loaded. The scheme follows the
+engines would build (:class:`PromptTokenizer`), computed at most once per request and block
+size: the request's :class:`PromptBlocks` keeps them for both legs' routing and the local
+prefill check (:mod:`pdserve.router.local_prefill`). When no instance of the leg has live
+events, or the prompt cannot be tokenized, the leg is routed least-loaded. The scheme follows the
 overlap-vs-load cost of SGLang's and NVIDIA Dynamo's KV routers.
 
 Every decision has a :class:`RoutingReason`; it is counted per leg and logged at debug level.
@@ -64,6 +66,35 @@ class RoutingReason(str, Enum):
     NO_EVENTS = "no_events"          # kv-aware without live events: least-loaded fallback
     CONVERSATION = "conversation"    # --multi-turn: the conversation's previous instance
     AFFINITY = "affinity"            # --session-affinity: the conversation's decoder
+
+
+class PromptBlocks:
+    """One request's prompt as kv-aware routing reads it: its token ids and, per block size,
+    the chained hashes of its full blocks, computed on first use and kept, so that the
+    routing of both legs and the local prefill check hash the prompt at most once per block
+    size (instances of one model share one block size: once per request).
+
+    Args:
+        token_ids: the prompt token ids an instance builds (:meth:`PromptTokenizer.token_ids`).
+
+    Attributes:
+        token_ids: as given (not copied; not to be changed once hashed).
+    """
+
+    __slots__ = ("token_ids", "_hashes")
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+        self._hashes: dict[int, list[int]] = {}  # block size (tokens) -> hashes
+
+    def hashes(self, block_size: int) -> list[int]:
+        """Chained hashes of the prompt's full blocks of ``block_size`` tokens
+        (:func:`~pdserve.types.block_hash.block_hashes`, ``len(token_ids) // block_size`` of
+        them), hashed on the first call for that size."""
+        hashes = self._hashes.get(block_size)
+        if hashes is None:
+            hashes = self._hashes[block_size] = block_hashes(self.token_ids, block_size)
+        return hashes
 
 
 @dataclass
@@ -240,25 +271,27 @@ class KVAwareRouter:
         """True when every instance in ``urls`` has a live index (tests wait on this)."""
         return all(self.indexes[u].live(self.stale_after) for u in urls)
 
-    def uncached_tokens(self, up: Upstream, token_ids: list[int]) -> int | None:
-        """Tokens of a prompt of ``token_ids`` that ``up`` would compute: those after the
-        leading full blocks it holds in its KV cache or one of its KV cache tiers (a tier hit
-        is loaded, not computed). None when ``up``'s index is not live (no KV events from it
+    def uncached_tokens(self, up: Upstream, prompt: PromptBlocks) -> int | None:
+        """Tokens of ``prompt`` that ``up`` would compute: those after the leading full blocks
+        it holds in its KV cache or one of its KV cache tiers (a tier hit is loaded, not
+        computed); ``prompt`` hashes its blocks only if no earlier call for this request did
+        at ``up``'s block size. None when ``up``'s index is not live (no KV events from it
         within ``stale_after`` seconds, or none yet)."""
         index = self.indexes.get(up.url)
         if index is None or not index.live(self.stale_after):
             return None
-        hits = len(index.hit_media(block_hashes(token_ids, index.block_size)))
-        return len(token_ids) - hits * index.block_size
+        hits = len(index.hit_media(prompt.hashes(index.block_size)))
+        return len(prompt.token_ids) - hits * index.block_size
 
-    def route(self, pool: UpstreamPool, token_ids: list[int] | None) -> RoutingDecision:
-        """Score ``pool``'s instances for a prompt of ``token_ids`` and order them, best first."""
+    def route(self, pool: UpstreamPool, prompt: PromptBlocks | None) -> RoutingDecision:
+        """Score ``pool``'s instances for ``prompt`` (None: not tokenized) and order them, best
+        first; ``prompt`` keeps the hashes it computes for the request's other routing."""
         live = [(u, self.indexes[u.url]) for u in pool.upstreams]
         live = [(u, ix) for u, ix in live if ix.live(self.stale_after)]
-        if not live or not token_ids:
+        if not live or prompt is None or not prompt.token_ids:
             reason = RoutingReason.NO_EVENTS if not live else RoutingReason.LEAST_LOADED
             return RoutingDecision(pool.order(None), reason)
-        hashes_by_size: dict[int, list[int]] = {}
+        num_tokens = len(prompt.token_ids)
         order = pool.order(None)  # least-loaded, ties in round-robin order
         if not order:  # every instance of the leg is out of rotation
             return RoutingDecision(order, RoutingReason.LEAST_LOADED)
@@ -270,15 +303,12 @@ class KVAwareRouter:
             hits = blocks = 0
             miss_cost = 0.0
             if index.live(self.stale_after):
-                hashes = hashes_by_size.get(index.block_size)
-                if hashes is None:
-                    hashes = hashes_by_size[index.block_size] = block_hashes(token_ids,
-                                                                             index.block_size)
+                hashes = prompt.hashes(index.block_size)
                 blocks = len(hashes)
                 media = index.hit_media(hashes)
                 hits = len(media)
                 miss_cost = blocks - hits + sum(TIER_BLOCK_COST.get(m, 0.0) for m in media)
-                uncached[up.url] = len(token_ids) - hits * index.block_size
+                uncached[up.url] = num_tokens - hits * index.block_size
             cost = (miss_cost / blocks if blocks else 1.0) + self.load_weight * up.in_flight
             if best is None or cost < best_cost:
                 best, best_cost, best_hits, best_blocks = up, cost, hits, blocks

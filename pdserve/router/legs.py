@@ -40,6 +40,7 @@ from pdserve.router.bodies import decode_leg_body
 from pdserve.router.decode_guard import DecodeLegGuard
 from pdserve.router.errors import ProxyError
 from pdserve.router.first_token import DecodeTimer
+from pdserve.router.kv_routing import PromptBlocks
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.prefill_leg import parse_prefill_answer
 from pdserve.router.retries import KV_SOURCE_FAILED, Attempts, RetryPolicy
@@ -48,8 +49,9 @@ from pdserve.router.upstreams import Upstream, UpstreamPool
 
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 
-#: ``route(pool, previous_url, token_ids, turn)`` -> the instances to try, best first.
-Route = Callable[[UpstreamPool, "str | None", "list[int] | None", Turn], list[Upstream]]
+#: ``route(pool, previous_url, prompt, turn)`` -> the instances to try, best first; ``prompt``:
+#: the request's :class:`~pdserve.router.kv_routing.PromptBlocks` (kv-aware routing), or None.
+Route = Callable[[UpstreamPool, "str | None", "PromptBlocks | None", Turn], list[Upstream]]
 
 
 @dataclass
@@ -109,7 +111,7 @@ class TurnLegs:
 
     async def run(self, path: str, body: dict[str, Any], p_data: bytes, headers: dict[str, str],
                   turn: Turn, stream: bool, previous: tuple[str | None, str | None],
-                  token_ids: list[int] | None, return_token_ids: bool = False,
+                  prompt: PromptBlocks | None, return_token_ids: bool = False,
                   att: Attempts | None = None,
                   orders: tuple[list[Upstream] | None, list[Upstream] | None] = (None, None),
                   local: bool = False) -> DecodeAnswer:
@@ -122,7 +124,9 @@ class TurnLegs:
             headers: upstream headers (``X-Request-Id``, auth).
             stream: the client asked for a stream (a 200 stream is returned unread).
             previous: multi-turn: the conversation's previous (prefiller, decoder) URLs.
-            token_ids: kv-aware routing's prompt ids, or None.
+            prompt: the prompt's token ids and block hashes for kv-aware routing (one
+                :class:`~pdserve.router.kv_routing.PromptBlocks` per request, so that each
+                routing of either leg reuses its hashes), or None.
             return_token_ids: ask D for the token ids of its answer (a stream that may be
                 migrated, :mod:`pdserve.router.migration`).
             att: the request's retry bookkeeping so far (the concurrent hand-off's); None: a
@@ -145,13 +149,13 @@ class TurnLegs:
                 p_up = p_params = None
             else:
                 p_up, p_params = await self._prefill(path, p_data, headers, turn, previous[0],
-                                                     token_ids, att, p_order)
+                                                     prompt, att, p_order)
             p_order = None
             phase_trace.mark("px.p_parsed")
             d_data = _encode(decode_leg_body(body, p_params, return_token_ids)).encode()
             phase_trace.mark("px.d_body_built")
             routed = (d_first if d_first is not None
-                      else self._route(self._decoders, previous[1], token_ids, turn))
+                      else self._route(self._decoders, previous[1], prompt, turn))
             d_first = None
             order = self._retries.decode_order(routed, att)
             t_sent = perf_counter()
@@ -191,14 +195,14 @@ class TurnLegs:
 
     # ------------------------------------------------------------------ prefill leg
     async def _prefill(self, path: str, p_data: bytes, headers: dict[str, str], turn: Turn,
-                       previous: str | None, token_ids: list[int] | None, att: Attempts,
+                       previous: str | None, prompt: PromptBlocks | None, att: Attempts,
                        first_order: list[Upstream] | None
                        ) -> tuple[Upstream | None, dict[str, Any] | None]:
         """(P, P's params) once a prefiller served the leg; (None, None) for decode-only."""
         pool = self._prefillers
         while True:
             routed = (first_order if first_order is not None
-                      else self._route(pool, previous, token_ids, turn))
+                      else self._route(pool, previous, prompt, turn))
             first_order = None
             order = [u for u in routed if u not in att.p_failed]
             if not order:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-from pdserve.router.kv_routing import KVAwareRouter, RoutingDecision
+from pdserve.router.kv_routing import KVAwareRouter, PromptBlocks, RoutingDecision
 
 
 class LocalPrefill:
@@ -49,18 +49,19 @@ class LocalPrefill:
         self._kv = kv
         self._counter = counter
 
-    def take(self, decision: RoutingDecision, token_ids: list[int] | None) -> bool:
-        """True (and counted) when the decoder ``decision`` puts first is to prefill a prompt
-        of ``token_ids`` itself: it would compute at most ``max_tokens`` of them. False without
-        a decoder, without token ids (the prompt could not be tokenized) or without live KV
-        events from it. The tokens to compute are the decision's
+    def take(self, decision: RoutingDecision, prompt: PromptBlocks | None) -> bool:
+        """True (and counted) when the decoder ``decision`` puts first is to prefill ``prompt``
+        itself: it would compute at most ``max_tokens`` of its tokens. False without a
+        decoder, without a prompt or token ids (the prompt could not be tokenized) or without
+        live KV events from it. The tokens to compute are the decision's
         (:attr:`~pdserve.router.kv_routing.RoutingDecision.uncached_tokens`) when kv-aware
-        routing scored that decoder, so the prompt is hashed once per request."""
-        if not decision.order or not token_ids:
+        routing scored that decoder; else ``prompt``'s hashes, computed at most once per
+        request and block size (:class:`~pdserve.router.kv_routing.PromptBlocks`)."""
+        if not decision.order or prompt is None or not prompt.token_ids:
             return False
         uncached = decision.uncached_tokens
         if uncached is None:  # not scored: round-robin, least-loaded, affinity, index not live
-            uncached = self._kv.uncached_tokens(decision.order[0], token_ids)
+            uncached = self._kv.uncached_tokens(decision.order[0], prompt)
         if uncached is None or uncached > self.max_tokens:
             return False
         self._counter.inc()

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from pdserve.router.config import ProxyConfig
+from pdserve.router.kv_routing import PromptBlocks
 from pdserve.router.proxy import start_proxy
 from tests.support.ports import free_port
 from tests.support.router_fakes import wait_until
@@ -140,13 +141,14 @@ async def wait_held(running, cluster, messages: list[dict]) -> int:
     d_up = running.proxy.decoders.get(cluster["d"].url)
     ids = kv.tokenizer.token_ids("chat_completions", body(cluster, messages))
     assert ids
+    prompt = PromptBlocks(ids)
 
     def held() -> bool:
-        uncached = kv.uncached_tokens(d_up, ids)
+        uncached = kv.uncached_tokens(d_up, prompt)
         return uncached is not None and uncached <= N
 
     await wait_until(held, timeout=20)
-    return kv.uncached_tokens(d_up, ids)
+    return kv.uncached_tokens(d_up, prompt)
 
 
 async def test_later_turns_of_a_chat_are_prefilled_by_the_decoder(cluster, proxy):

@@ -5,8 +5,9 @@ whose decoder holds all but at most N of its prompt tokens goes to that decoder 
   from snapshots: leading blocks held in the KV cache or a tier (CPU, DISK) count as held; more
   than N uncached tokens, an index not live, no token ids or no decoder -> no local prefill;
   ``pdserve:proxy_local_prefills_total`` counts the requests taken; a decision kv-aware
-  routing scored carries the decoder's uncached tokens, so the prompt is hashed once per
-  request (through the proxy too).
+  routing scored carries the decoder's uncached tokens, and a request's ``PromptBlocks``
+  keeps the hashes it computed, so the prompt is hashed once per request (through the proxy
+  too, with kv-aware routing of both legs, either hand-off, local prefill on or off).
 * ``pdserve proxy`` flags: the option needs ``--tokenizer`` and excludes ``--enforce-disagg``.
 * Through the proxy with fake P/D instances (tests/support/router_fakes.py) and a byte-level
   tokenizer written to a temporary directory: a held prompt skips the prefiller and reaches the
@@ -28,7 +29,8 @@ from aiohttp import web
 from pdserve.router.config import parse_args
 from pdserve.router.handoff import HandoffMode
 from pdserve.router import kv_routing
-from pdserve.router.kv_routing import KVAwareRouter, RoutingDecision, RoutingReason
+from pdserve.router.kv_routing import (KVAwareRouter, PromptBlocks, RoutingDecision,
+                                       RoutingReason)
 from pdserve.router.local_prefill import LocalPrefill
 from pdserve.router.metrics import ProxyMetrics
 from pdserve.router.upstreams import UpstreamPool
@@ -70,22 +72,25 @@ def _sync(router: KVAwareRouter, url: str, block_size: int, gpu=(), **tiers) -> 
 
 def test_all_but_n_tokens_on_the_gpu_are_prefilled_locally_and_counted():
     router, d, local, metrics = _setup(max_tokens=8)
-    prompt = list(range(1000, 1040))  # 2 full blocks of 16, 8 tokens after them
-    _sync(router, D_URL, 16, block_hashes(prompt, 16))
+    ids = list(range(1000, 1040))  # 2 full blocks of 16, 8 tokens after them
+    prompt = PromptBlocks(ids)
+    _sync(router, D_URL, 16, block_hashes(ids, 16))
     assert router.uncached_tokens(d, prompt) == 8
     assert local.take(_to(d), prompt) is True and _taken(metrics) == 1
     # one more token than N: the prefill leg
-    assert local.take(_to(d), prompt + [7]) is False and _taken(metrics) == 1
-    assert router.uncached_tokens(d, prompt + [7]) == 9
+    longer = PromptBlocks(ids + [7])
+    assert local.take(_to(d), longer) is False and _taken(metrics) == 1
+    assert router.uncached_tokens(d, longer) == 9
     # a block-aligned prompt held whole: nothing to compute
-    assert router.uncached_tokens(d, prompt[:32]) == 0
-    assert local.take(_to(d), prompt[:32]) is True and _taken(metrics) == 2
+    aligned = PromptBlocks(ids[:32])
+    assert router.uncached_tokens(d, aligned) == 0
+    assert local.take(_to(d), aligned) is True and _taken(metrics) == 2
 
 
 def test_the_threshold_is_inclusive():
     router, d, _, metrics = _setup()
-    prompt = list(range(40))
-    _sync(router, D_URL, 16, block_hashes(prompt, 16))
+    prompt = PromptBlocks(list(range(40)))
+    _sync(router, D_URL, 16, prompt.hashes(16))
     assert LocalPrefill(7, router, metrics.local_prefills).take(_to(d), prompt) is False
     assert LocalPrefill(8, router, metrics.local_prefills).take(_to(d), prompt) is True
     assert _taken(metrics) == 1
@@ -93,8 +98,8 @@ def test_the_threshold_is_inclusive():
 
 def test_leading_blocks_held_in_a_tier_count_as_held():
     router, d, local, metrics = _setup(max_tokens=4)
-    prompt = list(range(500, 540))  # 10 blocks of 4
-    hashes = block_hashes(prompt, 4)
+    prompt = PromptBlocks(list(range(500, 540)))  # 10 blocks of 4
+    hashes = block_hashes(prompt.token_ids, 4)
     # blocks 0-2 only in the host tier, 3-9 in the KV cache: all held
     _sync(router, D_URL, 4, hashes[3:], CPU=hashes[:3])
     assert router.uncached_tokens(d, prompt) == 0
@@ -111,8 +116,8 @@ def test_leading_blocks_held_in_a_tier_count_as_held():
 
 def test_only_the_leading_held_blocks_count():
     router, d, local, metrics = _setup(max_tokens=16)
-    prompt = list(range(64))
-    hashes = block_hashes(prompt, 16)
+    prompt = PromptBlocks(list(range(64)))
+    hashes = block_hashes(prompt.token_ids, 16)
     _sync(router, D_URL, 16, hashes[1:])  # all but the first block: a prefix miss
     assert router.uncached_tokens(d, prompt) == 64
     _sync(router, D_URL, 16, hashes[:2] + hashes[3:])  # a hole at block 2: 32 tokens to compute
@@ -127,11 +132,11 @@ def test_only_the_leading_held_blocks_count():
 
 def test_more_than_n_uncached_tokens_use_a_prefiller():
     router, d, local, metrics = _setup(max_tokens=8)
-    prompt = list(range(100))
+    prompt = PromptBlocks(list(range(100)))
     _sync(router, D_URL, 16)  # live, nothing held
     assert router.uncached_tokens(d, prompt) == 100
     assert local.take(_to(d), prompt) is False
-    _sync(router, D_URL, 16, block_hashes(prompt, 16)[:5])  # 80 held, 20 to compute
+    _sync(router, D_URL, 16, block_hashes(prompt.token_ids, 16)[:5])  # 80 held, 20 to compute
     assert router.uncached_tokens(d, prompt) == 20
     assert local.take(_to(d), prompt) is False
     assert _taken(metrics) == 0
@@ -139,15 +144,16 @@ def test_more_than_n_uncached_tokens_use_a_prefiller():
 
 def test_an_index_that_is_not_live_never_takes_a_request():
     router, d, local, metrics = _setup(max_tokens=64)
-    prompt = list(range(40))
+    prompt = PromptBlocks(list(range(40)))
+    held = block_hashes(prompt.token_ids, 16)
     assert router.uncached_tokens(d, prompt) is None  # never synced
     assert local.take(_to(d), prompt) is False
-    _sync(router, D_URL, 16, block_hashes(prompt, 16))
+    _sync(router, D_URL, 16, held)
     index = router.indexes[D_URL]
     index.last_message = time.monotonic() - router.stale_after - 1.0  # no events for too long
     assert router.uncached_tokens(d, prompt) is None
     assert local.take(_to(d), prompt) is False
-    _sync(router, D_URL, 16, block_hashes(prompt, 16))  # heard from again
+    _sync(router, D_URL, 16, held)  # heard from again
     index.synced = False  # a gap in the event stream: waiting for a new snapshot
     assert router.uncached_tokens(d, prompt) is None
     assert local.take(_to(d), prompt) is False
@@ -156,10 +162,10 @@ def test_an_index_that_is_not_live_never_takes_a_request():
 
 def test_no_token_ids_or_no_decoder_never_takes_a_request():
     router, d, local, metrics = _setup(max_tokens=64)
-    prompt = list(range(40))
-    _sync(router, D_URL, 16, block_hashes(prompt, 16))
+    prompt = PromptBlocks(list(range(40)))
+    _sync(router, D_URL, 16, block_hashes(prompt.token_ids, 16))
     assert local.take(_to(d), None) is False
-    assert local.take(_to(d), []) is False
+    assert local.take(_to(d), PromptBlocks([])) is False
     assert local.take(_to(None), prompt) is False
     unknown = UpstreamPool("decode", ("http://elsewhere",), "round-robin").upstreams[0]
     assert router.uncached_tokens(unknown, prompt) is None
@@ -179,20 +185,40 @@ def count_hashing(monkeypatch) -> list[int]:
     return calls
 
 
+def test_a_prompt_is_hashed_once_per_block_size(monkeypatch):
+    """:class:`PromptBlocks` hashes on the first use of a block size and keeps the hashes:
+    the engines' own (:func:`block_hashes`), of full blocks only."""
+    ids = list(range(1000, 1042))
+    prompt = PromptBlocks(ids)
+    calls = count_hashing(monkeypatch)
+    assert calls == []  # nothing hashed before it is asked for
+    assert prompt.hashes(16) == block_hashes(ids, 16) and len(prompt.hashes(16)) == 2
+    assert prompt.hashes(16) is prompt.hashes(16)
+    assert prompt.hashes(4) == block_hashes(ids, 4) and len(prompt.hashes(4)) == 10
+    assert prompt.hashes(64) == [] and prompt.token_ids is ids
+    assert calls == [16, 4, 64]
+
+
 def test_a_decision_scored_by_kv_aware_routing_is_taken_without_hashing_again(monkeypatch):
     router, d, local, metrics = _setup(max_tokens=8)
     pool = UpstreamPool("decode", (D_URL, OTHER_URL), "kv-aware")
-    prompt = list(range(1000, 1040))  # 2 full blocks of 16, 8 tokens after them
-    _sync(router, D_URL, 16, block_hashes(prompt, 16))
+    ids = list(range(1000, 1040))  # 2 full blocks of 16, 8 tokens after them
+    _sync(router, D_URL, 16, block_hashes(ids, 16))
     _sync(router, OTHER_URL, 16)
     calls = count_hashing(monkeypatch)
+    prompt = PromptBlocks(ids)
     decision = router.route(pool, prompt)
     assert (decision.order[0].url, decision.uncached_tokens) == (D_URL, 8)
     assert local.take(decision, prompt) is True and _taken(metrics) == 1
     assert calls == [16]  # once, for both instances (one block size) and the decision
-    # a decision routing did not score (round-robin, least-loaded, affinity): hashed here, once
+    # routing the same request again (the other leg, a retry) reuses the prompt's hashes
+    assert router.route(pool, prompt).uncached_tokens == 8 and calls == [16]
+    # a decision routing did not score (round-robin, least-loaded, affinity): a new request's
+    # prompt is hashed here, once
     calls.clear()
+    prompt = PromptBlocks(ids)
     assert local.take(_to(d), prompt) is True and calls == [16]
+    assert router.uncached_tokens(d, prompt) == 8 and calls == [16]
 
 
 @pytest.mark.parametrize("max_tokens", [0, -1])
@@ -318,6 +344,41 @@ async def test_the_prompt_is_hashed_once_per_request(make_cluster, tokenizer_dir
         assert status == 200, raw
         assert calls == [BLOCK] * n
     assert c.prefillers[0].received == [] and await scraped(c) == 2
+
+
+@pytest.mark.parametrize("local_prefill", [0, MAX_TOKENS])
+@pytest.mark.parametrize("handoff", ["sequential", "concurrent", "concurrent-side-channel"])
+async def test_a_kv_aware_request_through_both_legs_is_hashed_once(make_cluster, tokenizer_dir,
+                                                                   monkeypatch, handoff,
+                                                                   local_prefill):
+    """Kv-aware routing of both legs (prefillers and decoders live, one block size) hashes a
+    request's prompt once: the decoders' decision, the prefillers' and local prefill's check
+    share the request's :class:`~pdserve.router.kv_routing.PromptBlocks`. The concurrent
+    hand-off without side channels serves the request sequentially after routing P."""
+    side = handoff == "concurrent-side-channel"
+    c = await make_cluster(n_prefill=2, n_decode=2, routing="kv-aware", tokenizer=tokenizer_dir,
+                           local_prefill_max_tokens=local_prefill,
+                           handoff=HandoffMode.SEQUENTIAL if handoff == "sequential"
+                           else HandoffMode.CONCURRENT,
+                           instance_info=info_for() if side else None)
+    if side:
+        SideChannels().install(c.prefillers, c.decoders)
+    body = chat()
+    ids = prompt_ids(c, body)
+    for fake in c.prefillers + c.decoders:
+        hold(c, fake)  # live, nothing held
+    # p1 and d1 hold the first blocks (d1 too few for a local prefill): both legs score a hit
+    hold(c, c.prefillers[1], ids, 4)
+    hold(c, c.decoders[1], ids, 2)
+    calls = count_hashing(monkeypatch)
+    for n in (1, 2):
+        status, _, raw = await c.post("/v1/chat/completions", body)
+        assert status == 200, raw
+        assert calls == [BLOCK] * n
+    assert [len(f.received) for f in c.prefillers + c.decoders] == [0, 2, 0, 2]
+    if not side:
+        assert all("kv_transfer_params" in r.body for r in c.decoders[1].received)
+    assert await scraped(c) == 0
 
 
 async def test_a_prompt_the_decoder_does_not_hold_goes_through_the_prefiller(make_cluster,

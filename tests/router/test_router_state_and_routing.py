@@ -11,7 +11,7 @@ import pytest
 from pdserve.types.block_hash import block_hashes
 from pdserve.types.kv_events import BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 from pdserve.router.config import ProxyConfig, parse_args
-from pdserve.router.kv_routing import KVAwareRouter, RoutingReason
+from pdserve.router.kv_routing import KVAwareRouter, PromptBlocks, RoutingReason
 from pdserve.router.proxy import start_proxy
 from pdserve.router.state_store import RedisStateStore
 from pdserve.router.upstreams import UpstreamPool
@@ -165,8 +165,8 @@ def live_router(urls, cached: dict[str, list[int]], block_size=4) -> KVAwareRout
 def test_kv_aware_prefers_cached_prefix_against_load():
     urls = ("http://a", "http://b")
     pool = UpstreamPool("prefill", urls, "kv-aware")
-    prompt = list(range(40))  # 10 blocks of 4
-    router = live_router(urls, {"http://a": [], "http://b": block_hashes(prompt[:24], 4)})
+    prompt = PromptBlocks(list(range(40)))  # 10 blocks of 4
+    router = live_router(urls, {"http://a": [], "http://b": block_hashes(prompt.token_ids[:24], 4)})
     d = router.route(pool, prompt)
     # the chosen instance's tokens to compute come with the decision (local prefill's input)
     assert (d.order[0].url, d.reason, d.hit_blocks, d.prompt_blocks, d.uncached_tokens) == (
@@ -177,15 +177,15 @@ def test_kv_aware_prefers_cached_prefix_against_load():
     assert (d.order[0].url, d.reason, d.uncached_tokens) == (
         "http://a", RoutingReason.LEAST_LOADED, 40)
     pool.get("http://b").in_flight = 0
-    d = router.route(pool, [7] * 41)
+    d = router.route(pool, PromptBlocks([7] * 41))
     assert d.reason == RoutingReason.LEAST_LOADED and d.uncached_tokens == 41  # nothing cached
 
 
 def test_kv_aware_weighs_a_hit_by_its_tier():
     urls = ("http://gpu", "http://cpu", "http://disk")
     pool = UpstreamPool("prefill", urls, "kv-aware")
-    prompt = list(range(40))  # 10 blocks of 4
-    hashes = block_hashes(prompt, 4)
+    prompt = PromptBlocks(list(range(40)))  # 10 blocks of 4
+    hashes = block_hashes(prompt.token_ids, 4)
     router = live_router(urls, {u: [] for u in urls})
     # 4 blocks in the KV cache of "gpu"; all 10 in the host tier of "cpu" (KV events with
     # medium CPU), 8 in the disk tier of "disk" after 2 in its KV cache
@@ -211,9 +211,10 @@ def test_kv_aware_decision_carries_the_first_instances_tokens_to_compute():
     the least-loaded one while the best cools down, or None when its index is not live."""
     urls = ("http://a", "http://b")
     pool = UpstreamPool("decode", urls, "kv-aware")
-    prompt = list(range(42))  # 10 blocks of 4, 2 tokens after them
-    router = live_router(urls, {"http://a": block_hashes(prompt[:8], 4),
-                                "http://b": block_hashes(prompt, 4)})
+    ids = list(range(42))  # 10 blocks of 4, 2 tokens after them
+    prompt = PromptBlocks(ids)
+    router = live_router(urls, {"http://a": block_hashes(ids[:8], 4),
+                                "http://b": block_hashes(ids, 4)})
     d = router.route(pool, prompt)
     assert (d.order[0].url, d.uncached_tokens) == ("http://b", 2)
     pool.mark_down(pool.get("http://b"))  # the best one cools down: "a" is tried first
@@ -232,7 +233,7 @@ def test_kv_aware_without_live_events_is_least_loaded():
     pool = UpstreamPool("decode", urls, "kv-aware")
     router = KVAwareRouter(urls, tokenizer=None, load_weight=0.5, stale_after=5.0)
     pool.get("http://a").in_flight = 1
-    d = router.route(pool, list(range(40)))
+    d = router.route(pool, PromptBlocks(list(range(40))))
     assert (d.order[0].url, d.reason, d.uncached_tokens) == (
         "http://b", RoutingReason.NO_EVENTS, None)
 
