@@ -90,6 +90,8 @@ def _start_up(args: argparse.Namespace, multi_turn: bool, log_dir: Path,
         cmd.append("--multi-turn")
     if args.local_prefill_max_tokens:
         cmd += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
+    if args.cuda_mps:
+        cmd.append("--cuda-mps")
     engine_args = [*(extra_engine_args or []), *shlex.split(args.engine_args)]
     if engine_args:
         cmd += ["--", *engine_args]
@@ -248,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="'pdserve up --local-prefill-max-tokens N' in every deployment: a "
                          "decoder that holds all but N prompt tokens of a request prefills it "
                          "itself (default 0: every request through a prefiller)")
+    ap.add_argument("--cuda-mps", action="store_true",
+                    help="'pdserve up --cuda-mps' in every deployment: P and D sharing a GPU "
+                         "run their kernels concurrently under an MPS daemon of their own")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="keep the deployments' logs in this new directory (default: a "
                          "temporary one, removed at the end)")
@@ -264,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         with _work_dir(args.work_dir, "pd-multi-turn-tiers-") as work:
             results = _run_tiers(args, work)
         print(f"model {args.model}, device {args.device}, {args.num_clients} clients, "
-              f"overcommit {args.overcommit:g}")
+              f"overcommit {args.overcommit:g}{', CUDA MPS' if args.cuda_mps else ''}")
         print("\n".join(tiers.report(results)))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))

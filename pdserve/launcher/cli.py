@@ -10,6 +10,7 @@ import shlex
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -17,6 +18,7 @@ from pdserve.commands.parser import (NEGATIVE_NUMBER, Parser, non_negative_float
                                      non_negative_int, port_list, positive_float, positive_int,
                                      writable_dir)
 from pdserve.types.engine_config import DEFAULT_MODEL
+from pdserve.launcher.cuda_mps import CudaMps
 from pdserve.launcher.errors import LaunchError
 from pdserve.launcher.plan import (
     DEFAULT_PROXY_PORT,
@@ -195,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the proxy lets a decoder prefill a request itself, without a prefill leg, "
                         "when it holds all but at most N of the prompt tokens in its KV cache or "
                         "its KV cache tiers (default 0 = always use a prefiller; docs/proxy.md)")
+    p.add_argument("--cuda-mps", action="store_true",
+                   help="run the engines under a CUDA MPS control daemon of this deployment's own "
+                        "(pipe and log in --log-dir), so that engines sharing a GPU run their "
+                        "kernels concurrently instead of time-sliced; needs "
+                        "nvidia-cuda-mps-control on PATH (docs/deployment.md)")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
                    help="engine device (default: the engine's own default, auto)")
     p.add_argument("--host", default="127.0.0.1",
@@ -362,13 +369,30 @@ def main(argv: Sequence[str] | None = None, *, commands: ChildCommands | None = 
     except LaunchError as exc:
         print(f"pdserve up: error: {exc}", file=sys.stderr)
         return 2
+    if opts.cuda_mps and all(s.gpu is None for s in specs if s.role != "proxy"):
+        print("pdserve up: error: --cuda-mps needs engines on GPUs (none was found, or "
+              "--device cpu)", file=sys.stderr)
+        return 2
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-"))
-    print(f"pdserve up: model {opts.model}, logs in {log_dir}", flush=True)
+    mps = CudaMps(log_dir / "cuda-mps") if opts.cuda_mps else None
+    if mps is not None:
+        try:
+            env = mps.start()
+        except LaunchError as exc:
+            print(f"pdserve up: error: {exc}", file=sys.stderr)
+            return 2
+        specs = [s if s.role == "proxy" else replace(s, env={**s.env, **env}) for s in specs]
+    print(f"pdserve up: model {opts.model}, logs in {log_dir}"
+          f"{', CUDA MPS daemon in ' + str(mps.directory) if mps else ''}", flush=True)
     policy = RestartPolicy(max_restarts=opts.restart_limit, window_s=opts.restart_window,
                            startup_timeout_s=opts.startup_timeout)
     launcher = Launcher(specs, log_dir, startup_timeout=opts.startup_timeout,
                         shutdown_timeout=opts.shutdown_timeout, restart_policy=policy)
-    rc = launcher.run(on_ready=lambda la: _print_ready(la, opts))
+    try:
+        rc = launcher.run(on_ready=lambda la: _print_ready(la, opts))
+    finally:
+        if mps is not None:
+            mps.stop()
     print(f"pdserve up: stopped (exit code {rc}); logs in {log_dir}", flush=True)
     return rc
 
