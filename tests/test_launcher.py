@@ -412,6 +412,7 @@ def test_sigterm_is_forwarded_to_every_child(tmp_path, capsys):
     assert status["state"] == "stopped"
     names = [c["name"] for c in status["children"]]
     assert names == ["prefill-0", "decode-0", "decode-1", "proxy"]
+    assert {c["state"] for c in status["children"]} == {"stopped"}
     for child in status["children"]:
         assert _events(tmp_path, child["name"]) == ["SIGTERM"]
         assert not _alive(child["pid"])

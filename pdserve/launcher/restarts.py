@@ -67,6 +67,7 @@ class InstanceState(enum.Enum):
     SERVING = "serving"          # running and (was) healthy
     BACKING_OFF = "backing_off"  # dead, waiting for its back-off and its ports
     RESTARTING = "restarting"    # started again, not healthy yet
+    STOPPED = "stopped"          # exited while the deployment stopped
 
 
 def ports_free(host: str, ports: Sequence[int]) -> bool:

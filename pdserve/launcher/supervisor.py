@@ -32,7 +32,7 @@ from typing import Callable, Sequence, TextIO
 from pdserve.launcher.children import Child, tail_lines
 from pdserve.launcher.errors import LaunchError
 from pdserve.launcher.plan import ChildSpec
-from pdserve.launcher.restarts import RestartPolicy, Restarter, describe_exit
+from pdserve.launcher.restarts import InstanceState, RestartPolicy, Restarter, describe_exit
 
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -114,14 +114,18 @@ class Launcher:
         return self.log_dir / STATUS_FILE_NAME
 
     def write_status(self, state: str, **extra) -> None:
-        """Writes ``pdserve-up.json``: launcher PID, state and every child's PID/ports/log."""
+        """Writes ``pdserve-up.json``: launcher PID, state and every child's PID/ports/log (a
+        child that has exited once the deployment stops or failed is ``stopped``)."""
+        ending = state in ("stopping", "stopped", "failed")
         data = {
             "launcher_pid": os.getpid(),
             "state": state,
             "children": [
                 {**asdict(c.spec), "pid": c.proc.pid if c.proc else None,
                  "url": c.spec.url, "log": str(c.log_path), "ready": c.ready,
-                 "state": self.restarter.state(c).value, "restarts": max(c.starts - 1, 0)}
+                 "state": (InstanceState.STOPPED if ending and c.poll() is not None
+                           else self.restarter.state(c)).value,
+                 "restarts": max(c.starts - 1, 0)}
                 for c in self.children],
             **extra,
         }
