@@ -36,6 +36,7 @@ from pdserve.launcher.supervisor import (
     DEFAULT_STARTUP_TIMEOUT_S,
     Launcher,
 )
+from pdserve.router.upstreams import ROUTING_POLICIES
 
 
 def _engine_facts(url: str, fallback: str, api_key: str | None = None) -> tuple[str, bool]:
@@ -197,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the proxy lets a decoder prefill a request itself, without a prefill leg, "
                         "when it holds all but at most N of the prompt tokens in its KV cache or "
                         "its KV cache tiers (default 0 = always use a prefiller; docs/proxy.md)")
+    p.add_argument("--routing", choices=ROUTING_POLICIES, default="round-robin",
+                   help="how the proxy picks each leg's instance: round-robin (default), "
+                        "least-loaded (fewest requests in flight) or kv-aware (where the "
+                        "prompt's KV cache is, from the engines' KV events, against load; "
+                        "docs/proxy.md)")
     p.add_argument("--cuda-mps", action="store_true",
                    help="run the engines under a CUDA MPS control daemon of this deployment's own "
                         "(pipe and log in --log-dir), so that engines sharing a GPU run their "

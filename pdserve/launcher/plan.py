@@ -178,14 +178,16 @@ class ChildCommands:
     def proxy(self, *, host: str, port: int, prefillers: Sequence[tuple[str, int]],
               decoders: Sequence[tuple[str, int]], multi_turn: bool,
               api_key: str | None = None, local_prefill_max_tokens: int = 0,
-              tokenizer: str | None = None) -> list[str]:
+              tokenizer: str | None = None, routing: str = "round-robin") -> list[str]:
         """``pdserve proxy`` in front of the given (host, HTTP port) engines, migrating a
         stream whose decoder fails mid-stream up to :data:`UP_MIGRATION_LIMIT` times.
 
         With ``api_key`` the proxy requires it from clients and forwards their ``Authorization``
         header to the engines, which were started with the same key. ``local_prefill_max_tokens``
         > 0 lets decoders prefill requests they hold all but that many prompt tokens of
-        (``--local-prefill-max-tokens``, with ``tokenizer``: the served model's).
+        (``--local-prefill-max-tokens``); ``routing`` is the proxy's ``--routing`` policy
+        (``kv-aware`` weighs the engines' KV events against load). Both need ``tokenizer``, the
+        served model's, which goes to the proxy once.
         """
         argv = [self.python, "-m", "pdserve.cli", "proxy", "--host", host, "--port", str(port),
                 "--prefiller-hosts", *[h for h, _ in prefillers],
@@ -197,9 +199,12 @@ class ChildCommands:
             argv.append("--multi-turn")
         if api_key:
             argv += ["--api-key", api_key]
+        if routing != "round-robin":
+            argv += ["--routing", routing]
         if local_prefill_max_tokens:
-            argv += ["--local-prefill-max-tokens", str(local_prefill_max_tokens),
-                     "--tokenizer", tokenizer]
+            argv += ["--local-prefill-max-tokens", str(local_prefill_max_tokens)]
+        if local_prefill_max_tokens or routing == "kv-aware":
+            argv += ["--tokenizer", tokenizer]
         return argv
 
     health_path_engine = "/health"
@@ -378,7 +383,7 @@ def build_plan(opts: argparse.Namespace, commands: ChildCommands,
         host=opts.host, port=opts.port,
         prefillers=[(ENGINE_HOST, p) for p in p_ports], decoders=[(ENGINE_HOST, p) for p in d_ports],
         multi_turn=opts.multi_turn, api_key=option_value(engine_args, "--api-key"),
-        local_prefill_max_tokens=opts.local_prefill_max_tokens,
+        local_prefill_max_tokens=opts.local_prefill_max_tokens, routing=opts.routing,
         tokenizer=option_value(engine_args, "--tokenizer") or opts.model)
     specs.append(ChildSpec(name="proxy", role="proxy", argv=proxy_argv,
                            env={"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""},
