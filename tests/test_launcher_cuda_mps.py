@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,7 @@ def fake_control(tmp_path, monkeypatch) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     exe = bin_dir / CONTROL
-    exe.write_text(FAKE_CONTROL.format(python=os.path.realpath(os.sys.executable)))
+    exe.write_text(FAKE_CONTROL.format(python=os.path.realpath(sys.executable)))
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     record = tmp_path / "mps-calls.txt"
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")

@@ -390,11 +390,11 @@ def main(argv: Sequence[str] | None = None, *, commands: ChildCommands | None = 
         specs = [s if s.role == "proxy" else replace(s, env={**s.env, **env}) for s in specs]
     print(f"pdserve up: model {opts.model}, logs in {log_dir}"
           f"{', CUDA MPS daemon in ' + str(mps.directory) if mps else ''}", flush=True)
-    policy = RestartPolicy(max_restarts=opts.restart_limit, window_s=opts.restart_window,
-                           startup_timeout_s=opts.startup_timeout)
-    launcher = Launcher(specs, log_dir, startup_timeout=opts.startup_timeout,
-                        shutdown_timeout=opts.shutdown_timeout, restart_policy=policy)
     try:
+        policy = RestartPolicy(max_restarts=opts.restart_limit, window_s=opts.restart_window,
+                               startup_timeout_s=opts.startup_timeout)
+        launcher = Launcher(specs, log_dir, startup_timeout=opts.startup_timeout,
+                            shutdown_timeout=opts.shutdown_timeout, restart_policy=policy)
         rc = launcher.run(on_ready=lambda la: _print_ready(la, opts))
     finally:
         if mps is not None:

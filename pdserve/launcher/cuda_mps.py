@@ -36,6 +36,7 @@ class CudaMps:
         control: the control executable (a name looked up on ``PATH``, or a path).
 
     Attributes:
+        directory: as given.
         env: the variables that point a CUDA process at this daemon
             (``CUDA_MPS_PIPE_DIRECTORY``, ``CUDA_MPS_LOG_DIRECTORY``).
     """
@@ -90,8 +91,9 @@ class CudaMps:
         return dict(self.env)
 
     def stop(self) -> None:
-        """Tell the daemon to quit (it waits for its clients to end first); idempotent, never
-        raises (a failure is printed by the caller's log only through the daemon's log)."""
+        """Tell the daemon to quit (it waits for its clients to end first). Idempotent; never
+        raises: a daemon that does not answer within :data:`READY_TIMEOUT_S` is left running,
+        and its log (under :attr:`directory`) says why."""
         if not self._started:
             return
         self._started = False
