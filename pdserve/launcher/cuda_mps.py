@@ -25,6 +25,9 @@ from pdserve.launcher.errors import LaunchError
 CONTROL = "nvidia-cuda-mps-control"
 #: Seconds the daemon gets to create its control pipe after ``-d``, and to quit.
 READY_TIMEOUT_S = 10.0
+#: Longest Unix socket path (bytes): ``sun_path`` holds 108 with its terminating NUL (Linux,
+#: unix(7)); the daemon's pipe ``<directory>/pipe/control`` is such a socket.
+SOCKET_PATH_MAX = 107
 
 
 class CudaMps:
@@ -32,7 +35,8 @@ class CudaMps:
 
     Args:
         directory: created if missing; ``pipe/`` and ``log/`` go under it. Its path must be
-            short: the daemon's pipe is a Unix socket path (at most 107 bytes).
+            short: the daemon's pipe is a Unix socket path (at most :data:`SOCKET_PATH_MAX`
+            bytes).
         control: the control executable (a name looked up on ``PATH``, or a path).
 
     Attributes:
@@ -67,7 +71,7 @@ class CudaMps:
             raise LaunchError(f"--cuda-mps: {self.control} not found on PATH (it comes with the "
                               f"NVIDIA driver)")
         pipe = Path(self.env["CUDA_MPS_PIPE_DIRECTORY"])
-        if len(str(pipe / "control")) > 107:
+        if len(os.fsencode(pipe / "control")) > SOCKET_PATH_MAX:
             raise LaunchError(f"--cuda-mps: the pipe path {pipe} is too long for a Unix socket; "
                               f"use a shorter --log-dir")
         pipe.mkdir(parents=True, exist_ok=True)
