@@ -23,6 +23,7 @@ from pdserve.model_files.tp_precheck import TPShardingError, check_splits
 from pdserve.launcher.errors import LaunchError
 from pdserve.launcher.ports import (ENGINE_HOST, allocate_free_ports, allocate_port_ranges,
                                     connect_host, ensure_port_free)
+from pdserve.router.upstreams import proxy_needs_tokenizer
 from pdserve.utils.host_devices import detect_gpus, nixl_progress_thread_default
 
 DEFAULT_PROXY_PORT = 8000
@@ -203,7 +204,7 @@ class ChildCommands:
             argv += ["--routing", routing]
         if local_prefill_max_tokens:
             argv += ["--local-prefill-max-tokens", str(local_prefill_max_tokens)]
-        if local_prefill_max_tokens or routing == "kv-aware":
+        if proxy_needs_tokenizer(routing, local_prefill_max_tokens):
             argv += ["--tokenizer", tokenizer]
         return argv
 

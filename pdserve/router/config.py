@@ -18,7 +18,7 @@ from pdserve.router.kv_index import DEFAULT_STALE_AFTER_S
 from pdserve.router.kv_routing import DEFAULT_KV_LOAD_WEIGHT
 from pdserve.router.migration import DEFAULT_STALL_TIMEOUT_S
 from pdserve.router.state_store import check_state_store_url
-from pdserve.router.upstreams import ROUTING_POLICIES
+from pdserve.router.upstreams import ROUTING_POLICIES, proxy_needs_tokenizer
 
 #: Default lifetime of a multi-turn entry in seconds; equals the decoder's default
 #: ``decoder_kv_blocks_ttl`` (docs/proxy.md), after which D has freed the blocks anyway.
@@ -271,12 +271,11 @@ def parse_args(argv: list[str]) -> ProxyConfig:
         check_state_store_url(ns.state_store)
     except ValueError as e:
         parser.error(str(e))
-    if ns.routing == "kv-aware" and not ns.tokenizer:
-        parser.error("--routing kv-aware needs --tokenizer MODEL (the served model's built-in name, "
+    if proxy_needs_tokenizer(ns.routing, ns.local_prefill_max_tokens) and not ns.tokenizer:
+        option = ("--routing kv-aware" if ns.routing == "kv-aware"
+                  else "--local-prefill-max-tokens")
+        parser.error(f"{option} needs --tokenizer MODEL (the served model's built-in name, "
                      "directory or .gguf file) to hash prompts as the instances do")
-    if ns.local_prefill_max_tokens and not ns.tokenizer:
-        parser.error("--local-prefill-max-tokens needs --tokenizer MODEL (the served model's "
-                     "built-in name, directory or .gguf file) to hash prompts as the instances do")
     if ns.local_prefill_max_tokens and ns.enforce_disagg:
         parser.error("--local-prefill-max-tokens lets decoders prefill requests, which "
                      "--enforce-disagg forbids: give one of them")

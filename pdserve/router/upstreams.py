@@ -30,6 +30,13 @@ COOL_DOWN_S = 2.0
 ROUTING_POLICIES = ("round-robin", "least-loaded", "kv-aware")
 
 
+def proxy_needs_tokenizer(routing: str, local_prefill_max_tokens: int) -> bool:
+    """True when the proxy hashes prompts and so needs the served model's tokenizer: kv-aware
+    routing and local prefill both compare a prompt's block hashes with the instances' KV
+    events (``pdserve proxy --tokenizer``)."""
+    return routing == "kv-aware" or local_prefill_max_tokens > 0
+
+
 class Upstream:
     """One prefill or decode instance.
 

@@ -240,6 +240,9 @@ def test_kv_aware_without_live_events_is_least_loaded():
 
 @pytest.mark.parametrize("argv, message", [
     (["--routing", "kv-aware"], "--routing kv-aware needs --tokenizer"),
+    (["--local-prefill-max-tokens", "64"], "--local-prefill-max-tokens needs --tokenizer"),
+    (["--routing", "kv-aware", "--local-prefill-max-tokens", "64"],
+     "--routing kv-aware needs --tokenizer"),
     (["--state-store", "redis://h:1/0"], "give --multi-turn too"),
     (["--multi-turn", "--state-store", "mysql://h"], "expected 'memory' or redis://"),
     (["--multi-turn", "--state-store", "redis://h:1/x"], "must be a number"),
