@@ -15,7 +15,11 @@ since ignoring them silently changes what the client gets: ``logit_bias`` (unles
 ``tool_choice`` (unless ``"none"``), ``functions`` and ``function_call`` (unless ``"none"``),
 a user, system or developer message without ``content``, ``echo`` (unless false), and vLLM's
 ``prompt_logprobs``, ``include_stop_str_in_output`` and ``skip_special_tokens`` (unless their
-defaults), ``truncate_prompt_tokens`` and the completions ``suffix`` (unless empty).
+defaults), ``truncate_prompt_tokens`` and the completions ``suffix`` (unless empty), vLLM's
+constrained decoding (``structured_outputs``, ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar``), ``allowed_token_ids``, ``bad_words`` and
+``logits_processors`` (unless empty), ``use_beam_search`` (unless false) and, for chat, a
+per-request ``chat_template`` (the model's own template is always used).
 ``null`` for a field with a plain default (``n``, ``stream``, ...) means that default.
 """
 
@@ -97,6 +101,15 @@ _ASK_NOTHING: dict[str, tuple[tuple[Any, ...], str]] = {
     "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported by pdserve "
                                         "(send the prompt to keep; a prompt longer than the "
                                         "context is a 400)"),
+    # vLLM's constrained decoding and token constraints
+    **{name: ((None,), f"{name} is not supported by pdserve (structured output and guided "
+                       "decoding are not implemented)")
+       for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                    "guided_grammar")},
+    "allowed_token_ids": ((None,), "allowed_token_ids is not supported by pdserve"),
+    "bad_words": ((None, []), "bad_words is not supported by pdserve"),
+    "logits_processors": ((None, []), "logits_processors is not supported by pdserve"),
+    "use_beam_search": ((None, False), "beam search is not supported by pdserve"),
     # completions
     "suffix": ((None, ""), "suffix is not supported by pdserve (leave it out)"),
     # chat
@@ -106,6 +119,9 @@ _ASK_NOTHING: dict[str, tuple[tuple[Any, ...], str]] = {
                                     '(only "none" is accepted)'),
     "function_call": ((None, "none"), 'tool and function calling are not supported by pdserve '
                                       '(only "none" is accepted)'),
+    "chat_template": ((None,), "a per-request chat_template is not supported by pdserve (the "
+                               "model's own template is used; chat_template_kwargs are passed "
+                               "to it)"),
 }
 
 
@@ -153,6 +169,15 @@ class _SamplingFields(_Request):
     # vLLM's; pdserve's text always leaves special tokens out, and prompts are never truncated
     skip_special_tokens: bool = True
     truncate_prompt_tokens: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -313,6 +338,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
+    chat_template: Any = None
 
     @field_validator("messages")
     @classmethod

@@ -299,6 +299,17 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     (COMPLETIONS, {"suffix": "x"}, "suffix"),
     (COMPLETIONS, {"prompt_logprobs": 5}, "prompt_logprobs"),
     (CHAT, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    (CHAT, {"guided_choice": ["yes", "no"]}, "guided_choice"),
+    (CHAT, {"guided_json": {"type": "object"}}, "guided_json"),
+    (COMPLETIONS, {"guided_regex": "[0-9]+"}, "guided_regex"),
+    (COMPLETIONS, {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    (CHAT, {"structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+    (CHAT, {"allowed_token_ids": [5]}, "allowed_token_ids"),
+    (COMPLETIONS, {"allowed_token_ids": []}, "allowed_token_ids"),
+    (CHAT, {"bad_words": ["the"]}, "bad_words"),
+    (COMPLETIONS, {"logits_processors": ["x"]}, "logits_processors"),
+    (COMPLETIONS, {"use_beam_search": True}, "use_beam_search"),
+    (CHAT, {"chat_template": "{% for %}"}, "chat_template"),
     (CHAT, {"messages": [{"role": "user"}]}, "messages"),
     (CHAT, {"messages": [{"role": "system", "content": None}, *USER_HI]}, "messages"),
 ])
@@ -335,7 +346,9 @@ async def test_unsupported_fields_in_the_forms_that_ask_nothing_are_accepted(
         client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
     none = {"tools": [], "tool_choice": "none", "function_call": "none", "logit_bias": {},
             "response_format": {"type": "text"}, "functions": None, "echo": False,
-            "skip_special_tokens": True, "truncate_prompt_tokens": None}
+            "skip_special_tokens": True, "truncate_prompt_tokens": None, "bad_words": [],
+            "logits_processors": None, "use_beam_search": False, "guided_json": None,
+            "chat_template": None}
     r = await client.post(CHAT, json={"messages": [*USER_HI, {"role": "assistant"}],
                                       "max_tokens": 2, **none})
     assert r.status_code == 200, r.text
