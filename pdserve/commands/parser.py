@@ -27,6 +27,11 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"usage: {self.prog} [options] (see {self.prog} --help)\n"
                      f"{self.prog}: error: {message}\n")
 
+    def fail(self, message: str) -> NoReturn:
+        """Print ``PROG: error: MESSAGE`` alone to stderr and exit with code 2: for options that
+        parsed but do not fit together (the usage line would not help)."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
 
 #: A word that is a negative number (a value, e.g. of ``--decode-dp -1``, not an option).
 NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")

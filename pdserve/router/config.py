@@ -157,7 +157,7 @@ def check_disjoint(prefillers: tuple[str, ...], decoders: tuple[str, ...]) -> No
             "(its --kv-transfer-config kv_role): give each in one list only")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> cli_types.Parser:
     """The ``pdserve proxy`` argument parser."""
     p = cli_types.Parser(
         prog="pdserve proxy",
@@ -258,31 +258,32 @@ def parse_args(argv: list[str]) -> ProxyConfig:
     """Parse ``pdserve proxy`` arguments.
 
     Raises:
-        SystemExit: (code 2, with a usage message on stderr) for bad or inconsistent arguments.
+        SystemExit: (code 2) for bad arguments (argparse's, with a usage line on stderr) or
+            inconsistent ones (one line).
     """
     parser = build_parser()
     ns = parser.parse_args(argv)
     if not 0 <= ns.port <= 65535:
-        parser.error(f"--port {ns.port}: must be 0..65535")
+        parser.fail(f"--port {ns.port}: must be 0..65535")
     try:
         prefillers = pair_instances(ns.prefiller_hosts, ns.prefiller_ports, "prefiller")
         decoders = pair_instances(ns.decoder_hosts, ns.decoder_ports, "decoder")
         check_disjoint(prefillers, decoders)
         check_state_store_url(ns.state_store)
     except ValueError as e:
-        parser.error(str(e))
+        parser.fail(str(e))
     if proxy_needs_tokenizer(ns.routing, ns.local_prefill_max_tokens) and not ns.tokenizer:
         option = ("--routing kv-aware" if ns.routing == "kv-aware"
                   else "--local-prefill-max-tokens")
-        parser.error(f"{option} needs --tokenizer MODEL (the served model's built-in name, "
+        parser.fail(f"{option} needs --tokenizer MODEL (the served model's built-in name, "
                      "directory or .gguf file) to hash prompts as the instances do")
     if ns.local_prefill_max_tokens and ns.enforce_disagg:
-        parser.error("--local-prefill-max-tokens lets decoders prefill requests, which "
+        parser.fail("--local-prefill-max-tokens lets decoders prefill requests, which "
                      "--enforce-disagg forbids: give one of them")
     if ns.state_store != "memory" and not ns.multi_turn:
-        parser.error("--state-store keeps the --multi-turn table: give --multi-turn too")
+        parser.fail("--state-store keeps the --multi-turn table: give --multi-turn too")
     if ns.session_affinity and not ns.multi_turn:
-        parser.error("--session-affinity applies to --multi-turn conversations: give --multi-turn too")
+        parser.fail("--session-affinity applies to --multi-turn conversations: give --multi-turn too")
     return ProxyConfig(
         host=ns.host, port=ns.port, prefillers=prefillers, decoders=decoders, routing=ns.routing,
         multi_turn=ns.multi_turn, api_key=ns.api_key or None,

@@ -49,8 +49,8 @@ logger = logging.getLogger("pdserve.router")
 TIER_BLOCK_COST = {"CPU": 0.1, "DISK": 0.5}
 #: Default weight of one request in flight against a whole prompt found in an instance's cache.
 DEFAULT_KV_LOAD_WEIGHT = 0.5
-#: Context length (tokens) the proxy's prompt-size bound assumes when the tokenizer names none
-#: or an implausible one (:attr:`PromptTokenizer.max_chars`).
+#: Context length (tokens) the proxy's prompt-size bound assumes when neither the model nor its
+#: tokenizer names one, or an implausible one (:attr:`PromptTokenizer.max_chars`).
 MAX_TOKENIZER_CONTEXT = 131072
 #: Session affinity (``--session-affinity``): a conversation's decoder is kept while it has at
 #: most this many requests in flight more than the least-loaded decoder.
@@ -160,8 +160,10 @@ class PromptTokenizer:
 
     Attributes:
         max_chars: the longest prompt text (characters) tokenized: the engines' bound
-            (:func:`pdserve.model_files.tokenizer.max_prompt_chars`) for the tokenizer's
-            ``model_max_length``, or :data:`MAX_TOKENIZER_CONTEXT` tokens when it names none.
+            (:func:`pdserve.model_files.tokenizer.max_prompt_chars`) for the model's context
+            length (:func:`~pdserve.model_files.client_tokenizer.model_context_length`), else
+            the tokenizer's ``model_max_length``, or :data:`MAX_TOKENIZER_CONTEXT` tokens when
+            neither names one.
 
     Args:
         source: the built-in model name, a model/tokenizer directory, or a ``.gguf`` file.
@@ -171,11 +173,13 @@ class PromptTokenizer:
     """
 
     def __init__(self, source: str):
-        from pdserve.model_files.client_tokenizer import load_tokenizer
+        from pdserve.model_files.client_tokenizer import load_tokenizer, model_context_length
         from pdserve.model_files.tokenizer import max_prompt_chars
 
         self.tokenizer = load_tokenizer(source)
-        context = self.tokenizer.model_max_length  # transformers' "unset" is 1e30
+        context = model_context_length(source)  # what the engines default to
+        if context is None:
+            context = self.tokenizer.model_max_length  # transformers' "unset" is 1e30
         if not isinstance(context, int) or not 0 < context <= MAX_TOKENIZER_CONTEXT:
             context = MAX_TOKENIZER_CONTEXT
         self.max_chars = max_prompt_chars(self.tokenizer, context)

@@ -574,6 +574,47 @@ def test_a_prompt_longer_than_the_model_takes_is_not_tokenized(tokenizer_dir):
         tok.close()
 
 
+def test_the_prompt_bound_is_the_models_context_when_the_tokenizer_names_none(tokenizer_dir,
+                                                                              tmp_path):
+    """A tokenizer without a length (SmolLM2's says 1e30) bounds prompts by the model's
+    ``max_position_embeddings``, as the engines do, not by the 131072-token fallback: a prompt
+    between the two (0.66 M to 10.6 M characters for SmolLM2) held the proxy's one tokenizer
+    thread, and every other request's routing, for seconds before an engine refused it."""
+    import json
+    import shutil
+
+    from pdserve.model_files.client_tokenizer import model_context_length
+    from pdserve.router.kv_routing import MAX_TOKENIZER_CONTEXT, PromptTokenizer
+
+    assert model_context_length(tokenizer_dir) is None  # a tokenizer alone: no config
+    bounds = {}
+    for name, config in (("plain", {"max_position_embeddings": 2048}),
+                         ("multimodal", {"text_config": {"max_position_embeddings": 1024}}),
+                         ("none", None)):
+        model = tmp_path / name
+        shutil.copytree(tokenizer_dir, model)
+        if config is not None:
+            (model / "config.json").write_text(json.dumps(config))
+        tok = PromptTokenizer(str(model))
+        bounds[name] = tok.max_chars
+        tok.close()
+    assert model_context_length(str(tmp_path / "plain")) == 2048
+    assert model_context_length(str(tmp_path / "multimodal")) == 1024
+    assert bounds["plain"] == 2 * bounds["multimodal"]
+    assert bounds["none"] == bounds["plain"] * MAX_TOKENIZER_CONTEXT // 2048
+
+
+def test_the_built_in_models_context_is_read_from_its_packaged_gguf():
+    from pdserve.model_files import builtin_models
+    from pdserve.model_files.client_tokenizer import model_context_length
+
+    try:
+        path = builtin_models.builtin_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("the built-in model package is not installed")
+    assert model_context_length(str(path)) == 8192
+
+
 def test_a_tokenizer_that_cannot_load_is_a_one_line_error(capsys, tmp_path):
     """``pdserve proxy --tokenizer`` naming nothing loadable exits 2 with one line naming the
     flag (it ended in a traceback and exit 1)."""

@@ -251,7 +251,9 @@ def test_kv_aware_without_live_events_is_least_loaded():
 def test_bad_new_flags_exit_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--prefiller-ports", "1", "--decoder-ports", "2", *argv])
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err
+    assert err.count("\n") == 1 and err.startswith("pdserve proxy: error: "), err  # one line
 
 
 def test_new_flags_parse():
