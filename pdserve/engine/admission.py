@@ -37,9 +37,7 @@ class Admitter:
         remote_kv: the scheduler's remote-KV state (external hits, loads, parking).
         max_num_seqs: most requests running at once.
         tier_loads: the KV cache tiers' loads (None: no tiers): a fresh request whose prefix
-            goes on in a tier past its device hit parks while those blocks come back (unless
-            the KV connector reads its remote KV within the device: then the tiers are left
-            out, :meth:`RemoteKV.reads_within_device`).
+            goes on in a tier past its device hit parks while those blocks come back.
 
     Attributes:
         prompt_tokens_cached_total: prompt tokens served from the local prefix cache, over all
@@ -105,7 +103,7 @@ class Admitter:
         consult = fresh or (tiers is not None and req.request_id in tiers.loaded)
         if fresh:
             computed_blocks, num_local = kvm.get_computed_blocks(req)
-            if tiers is not None and not remote_kv.reads_within_device(req):
+            if tiers is not None:
                 loading = tiers.try_load(req, computed_blocks, num_local)
                 if loading == 0:
                     return Admission.BLOCKED

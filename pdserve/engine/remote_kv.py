@@ -167,15 +167,6 @@ class RemoteKV:
         return bool(self.connector.has_pending_work())
 
     # ================================================================ admission
-    def reads_within_device(self, req: Request) -> bool:
-        """True when the connector reads the request's remote KV within this device, so its
-        KV cache tiers are left out of its prefix lookup
-        (:meth:`~pdserve.kv_transfer.base.KVConnectorSchedulerSide.reads_within_device`);
-        False without a connector or once the connector was asked for this request."""
-        if self.connector is None or req.request_id in self._consulted:
-            return False
-        return self.connector.reads_within_device(req)
-
     def num_matched_tokens(self, req: Request, num_local: int) -> tuple[int, bool]:
         """The connector's external hit beyond the local one: ``(num_external, load_async)``,
         ``(0, False)`` without a connector or once the connector was asked for this request."""

@@ -9,9 +9,8 @@ Rules (shared with the connector; docs/architecture.md, "Tensor parallelism"):
 - a failure on any rank fails the load: ``invalid_block_ids`` are united at once, ``load_errors``
   kept per request (the first rank's error) and handed over with the request's merged
   ``finished_recving``;
-- ``first_tokens``, ``remote_clock_offsets`` and ``remote_device_reads`` come from rank 0, in
-  the step rank 0 reports them (a first token is known from the lease claim, before the load
-  is finished anywhere; a direct read within the device exists at TP 1 only);
+- ``first_tokens`` and ``remote_clock_offsets`` come from rank 0, in the step rank 0 reports
+  them (a first token is known from the lease claim, before the load is finished anywhere);
 - ``partial_loads`` (a load that brought only its leading blocks): the fewest blocks any rank
   reported, handed over with the merged ``finished_recving`` (a rank that reports none loaded
   them all; a rank that failed fails the load, above);
@@ -89,7 +88,6 @@ class KVOutputMerger:
             if rank == 0:
                 merged.first_tokens.update(out.first_tokens)
                 merged.remote_clock_offsets.update(out.remote_clock_offsets)
-                merged.remote_device_reads.update(out.remote_device_reads)
             _count(self._recving, out.finished_recving, rank, self.size, merged.finished_recving)
             _count(self._sending, out.finished_sending, rank, self.size, merged.finished_sending)
             self._turns.add(rank, out, merged)

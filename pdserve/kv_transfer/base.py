@@ -11,8 +11,7 @@ Call order inside one engine step::
 
     # scheduler (once, when a request arrives; optional hook)
     connector.request_added(req)
-    # scheduler (the local hit: device prefix cache, then the KV cache tiers unless
-    # connector.reads_within_device(req))
+    # scheduler
     n, load_async = connector.get_num_new_matched_tokens(req, num_local_computed_tokens)
     ... allocate blocks for local + n tokens ...
     connector.update_state_after_alloc(req, block_ids, n)
@@ -226,16 +225,6 @@ class KVConnectorSchedulerSide(abc.ABC):
         Lets the connector start work early for requests that will load KV (handshakes,
         keeping the remote's lease alive while the request waits). Default: nothing.
         """
-
-    def reads_within_device(self, request: "Request") -> bool:
-        """Optional hook: True when the KV this request will load from another instance is
-        read by a copy within this instance's own device (its owner's KV cache on the same
-        GPU). Such a read costs less than bringing the same tokens back from this instance's
-        KV cache tiers over the host link, so the scheduler leaves the tiers out of the
-        request's prefix lookup (its device prefix-cache hit still counts), and
-        :meth:`get_num_new_matched_tokens` gets the device hit alone. Asked once, before that
-        call. Default: False."""
-        return False
 
     def take_early_metadata(self) -> Any:
         """Optional hook: the worker-side metadata that should not wait for the next step,

@@ -174,10 +174,6 @@ class KVConnectorOutput:
         remote_clock_offsets: remote ``time.time()`` minus local ``time.time()`` (seconds) per
             remote endpoint key ``(engine_id, host, port)``, measured at new handshakes (for the
             connector's scheduler side; not sent to the front end).
-        remote_device_reads: per remote endpoint key handshaken in this step, True when its KV
-            is read by a copy within this instance's device (a peer on the same GPU), False
-            otherwise (for the connector's scheduler side,
-            :meth:`~pdserve.kv_transfer.base.KVConnectorSchedulerSide.reads_within_device`).
         load_errors: request_id -> why its load failed (for the error message), for the failed
             loads among ``finished_recving``.
         partial_loads: request_id -> how many of its load's blocks (counted from the load's
@@ -207,7 +203,6 @@ class KVConnectorOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
     first_tokens: dict[str, int] = field(default_factory=dict)
     remote_clock_offsets: dict[tuple[str, str, int], float] = field(default_factory=dict)
-    remote_device_reads: dict[tuple[str, str, int], bool] = field(default_factory=dict)
     load_errors: dict[str, KVLoadError] = field(default_factory=dict)
     partial_loads: dict[str, int] = field(default_factory=dict)
     stats: dict[str, Any] | None = None

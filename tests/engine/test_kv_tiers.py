@@ -6,7 +6,6 @@ host or disk tier with the reference tokens."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
@@ -15,8 +14,7 @@ from pdserve.types.kv_events import BlockRemoved, BlockStored
 from pdserve.types.kv_tiers import KVOffloadingConfig, KVTierMedium, KVTierReport, TierJobKind
 from pdserve.types.request import RequestStatus
 from tests.support.engine_fakes import (
-    FakeConnectorScheduler, FakeConnectorWorker, FakeRemote, add, assert_all_free, collect,
-    reference_generate, run_until_done,
+    add, assert_all_free, collect, reference_generate, run_until_done,
 )
 from tests.support.tier_fakes import make_tiered_core
 
@@ -206,39 +204,6 @@ def test_a_host_tier_hit_costs_no_step_more_than_a_device_hit():
         core.scheduler.tiers.check_consistency()
     assert steps["host"] == steps["device"], steps
     assert steps["disk"] > steps["device"], steps
-
-
-@pytest.mark.parametrize("on_device", [False, True], ids=["owner-across-a-link", "owner-on-device"])
-def test_a_prompt_whose_owner_is_on_this_device_is_read_from_it_not_from_the_tiers(on_device):
-    """A decoder's request whose prefiller shares its device (the connector's
-    ``reads_within_device``) reads the whole prompt from the prefiller: its history in the
-    host tier is not loaded (that copy would cross the host link for KV the owner holds on the
-    device), and the connector is asked with the device hit alone. With an owner across a link
-    the tier serves the history as usual. The tokens are exact either way."""
-    remote = FakeRemote()
-    core, runner = make_tiered_core(
-        num_blocks=12, host_blocks=50,
-        connectors=(FakeConnectorScheduler(remote), FakeConnectorWorker(remote)),
-        kv_transfer_config=SimpleNamespace(kv_load_failure_policy="fail"))
-    convs = conversations(6, seed=7)
-    chat(core, runner, convs, turns=1)  # the first histories are evicted into the host tier
-    hits = core.stats()["kv_tiers"]["media"]["CPU"]["hits"]
-    assert core.scheduler.tiers.match(
-        core.scheduler.kv_cache_manager.block_hashes(convs[0])[:1]) == [CPU]
-    add(core, "d", convs[0], kv_transfer_params={
-        "remote_on_device" if on_device else "remote": True}, max_tokens=4)
-    res = run_until_done(core)
-    assert res["d"].tokens == reference_generate(convs[0], 4)
-    tier_hits = core.stats()["kv_tiers"]["media"]["CPU"]["hits"] - hits
-    (rid, num_local), = [c for c in remote.matched_calls if c[0] == "d"]
-    if on_device:
-        assert tier_hits == 0 and num_local == 0
-    else:
-        assert tier_hits > 0 and num_local > 0
-    # the last prompt token is computed, for its logits
-    assert res["d"].num_transferred_tokens == len(convs[0]) - 1 - num_local
-    assert_all_free(core)
-    core.scheduler.tiers.check_consistency()
 
 
 @pytest.mark.parametrize("end", ["abort", "preempt"])

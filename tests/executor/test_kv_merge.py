@@ -54,15 +54,12 @@ def test_a_partial_load_counts_the_fewest_blocks_any_rank_loaded():
 def test_clock_offsets_from_rank0_and_stats_summed():
     m = KVOutputMerger(2)
     out = m.merge([KVConnectorOutput(remote_clock_offsets={("e", "h", 1): 0.5},
-                                     remote_device_reads={("e", "h", 1): False},
                                      stats={"reads": 2, "bytes": 10, "path": "nixl",
                                             "by_peer": {"x": 1}, "lat": [1.0]}),
                    KVConnectorOutput(remote_clock_offsets={("e", "h", 1): 9.0},
-                                     remote_device_reads={("e", "h", 1): True},
                                      stats={"reads": 3, "bytes": 5, "path": "ipc",
                                             "by_peer": {"x": 2, "y": 1}, "lat": [2.0]})])
     assert out.remote_clock_offsets == {("e", "h", 1): 0.5}
-    assert out.remote_device_reads == {("e", "h", 1): False}
     assert out.stats == {"reads": 5, "bytes": 15, "path": "nixl", "by_peer": {"x": 3, "y": 1},
                          "lat": [1.0, 2.0]}
     assert m.merge([KVConnectorOutput(), KVConnectorOutput()]).stats is None

@@ -262,33 +262,3 @@ def test_a_decoders_load_reports_the_owners_first_token_before_posting_its_read(
     tracker.progress(time.monotonic())
     assert not remote.direct.copies and out.finished_recving == {"d1"}
     assert [n.kind for n in notices] == ["abort"]
-
-
-def test_a_decoder_reads_within_its_device_only_from_a_prefiller_handshaken_there():
-    """``reads_within_device`` follows what the worker found at each handshake: a decoder's
-    request prefilled by an engine read by a copy on this GPU says True (its scheduler then
-    leaves the KV cache tiers out), by another engine False; a prefiller's pull of a decoder's
-    turn never (the turn may sit in the decoder's own tier)."""
-    from pdserve.types.outputs import KVConnectorOutput
-
-    prompt = list(range(10, 60))
-    near = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-near",
-            "remote_host": "127.0.0.1", "remote_port": 6200, "remote_request_id": "p-req",
-            "remote_block_ids": list(range(4)), "tp_size": 1}
-    far = dict(near, remote_engine_id="p-far", remote_port=6300)
-    sched = NixlConnectorScheduler(_config("kv_consumer"), B)
-    assert not sched.reads_within_device(_request("d0", prompt, near))  # not handshaken yet
-    sched.update_connector_output(KVConnectorOutput(remote_device_reads={
-        ("p-near", "127.0.0.1", 6200): True, ("p-far", "127.0.0.1", 6300): False}))
-    assert sched.reads_within_device(_request("d1", prompt, near))
-    assert not sched.reads_within_device(_request("d2", prompt, far))
-    assert not sched.reads_within_device(_request("d3", prompt, None))
-    # the same engine handshaken again (restarted) and now read across a link
-    sched.update_connector_output(KVConnectorOutput(remote_device_reads={
-        ("p-near", "127.0.0.1", 6200): False}))
-    assert not sched.reads_within_device(_request("d4", prompt, near))
-    pull = NixlConnectorScheduler(_config("kv_producer"), B)
-    pull.update_connector_output(KVConnectorOutput(remote_device_reads={
-        ("d-engine", "127.0.0.1", 5601): True}))
-    assert not pull.reads_within_device(
-        _request("p1", prompt, d_params(prompt[:32], expiry=time.time() + 480)))

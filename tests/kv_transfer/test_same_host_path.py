@@ -366,34 +366,3 @@ def test_fragmented_gather_copy_survives_allocator_churn_on_the_current_stream()
         assert peer.check(handle) == "DONE"
         assert torch.equal(dst[dst_ids], src[ids])
     peer.close()
-
-
-def test_a_finished_handshake_reports_whether_its_peer_is_read_within_the_device():
-    """What the scheduler side learns per handshake (``take_device_reads``): a direct reader
-    whose owner's blocks are on the reader's own device is a read within it; a peer read by
-    NIXL is not. Reported once per handshake."""
-    from concurrent.futures import Future
-    from types import SimpleNamespace
-
-    from pdserve.kv_transfer.nixl.remotes import RemoteRegistry, RemoteState
-    from pdserve.types.remote_ref import RemoteEndpoint
-
-    dst, src = _caches()
-    peers = {"near": DirectPeer(dst, src), "far": None}
-    agent = SimpleNamespace(add_remote=lambda *a: SimpleNamespace(name="agent", num_blocks=40))
-    registry = RemoteRegistry(config=None, agent=agent, pool=None, client=None,
-                              local=lambda: None, wake=lambda: None,
-                              connect_same_host=lambda remote, info:
-                              peers[remote.endpoint.engine_id])
-    info = {"agent_metadata": b"", "kv_base_addr": 0, "block_bytes": 4, "num_blocks": 40,
-            "mem_type": "DRAM", "device_id": 0}
-    route = SimpleNamespace(src_tp=1, dst_tp=1, reads=[])
-    for port, name in enumerate(peers, start=1):
-        endpoint = RemoteEndpoint(name, "127.0.0.1", port)
-        future: Future = Future()
-        future.set_result(({0: info}, 0.0, route))
-        registry._remotes[endpoint.key] = RemoteState(endpoint, future=future)
-    assert registry.finish() == []
-    assert registry.take_device_reads() == {("near", "127.0.0.1", 1): True,
-                                            ("far", "127.0.0.1", 2): False}
-    assert registry.take_device_reads() == {}

@@ -229,10 +229,8 @@ class FakeRemote:
 
 class FakeConnectorScheduler(KVConnectorSchedulerSide):
     """``kv_transfer_params={"remote": True}`` -> the whole prompt is available remotely
-    (async load); ``{"remote_on_device": True}`` -> the same, from an owner on this device
-    (:meth:`reads_within_device`); ``{"remote_sync": True}`` -> the same, loaded synchronously
-    within the step; ``{"do_remote_decode": True}`` -> keep blocks after finishing
-    (delay_free)."""
+    (async load); ``{"remote_sync": True}`` -> the same, loaded synchronously within the step;
+    ``{"do_remote_decode": True}`` -> keep blocks after finishing (delay_free)."""
 
     def __init__(self, remote: FakeRemote):
         self.remote = remote
@@ -245,15 +243,11 @@ class FakeConnectorScheduler(KVConnectorSchedulerSide):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         self.remote.matched_calls.append((request.request_id, num_computed_tokens))
         params = request.kv_transfer_params.to_dict() if request.kv_transfer_params else {}
-        if params.get("remote") or params.get("remote_on_device"):
+        if params.get("remote"):
             return request.num_prompt_tokens - num_computed_tokens, True
         if params.get("remote_sync"):  # loaded by start_load_kv before this step's forward pass
             return request.num_prompt_tokens - num_computed_tokens, False
         return 0, False
-
-    def reads_within_device(self, request):
-        params = request.kv_transfer_params.to_dict() if request.kv_transfer_params else {}
-        return bool(params.get("remote_on_device"))
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         self.remote.alloc_calls.append((request.request_id, list(block_ids), num_external_tokens))

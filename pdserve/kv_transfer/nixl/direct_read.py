@@ -194,9 +194,6 @@ class DirectPeer:
         self.remote = remote
         self.num_blocks = int(remote.shape[0])
         self.block_bytes = local[0].numel() * local.element_size()
-        # the owner's blocks are on the reader's own device (CUDA IPC on the same GPU), not in
-        # host memory: a read is a device-to-device copy
-        self.within_device = remote.device == local.device
         self._stream = torch.cuda.Stream(local.device) if local.is_cuda else None
         self._on_close = on_close
         if _kernel_copies(local, remote):

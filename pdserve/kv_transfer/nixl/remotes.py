@@ -158,8 +158,6 @@ class RemoteRegistry:
         self._remotes: dict[tuple[str, str, int], RemoteState] = {}
         # endpoint key -> clock offset, measured since the last take_clock_offsets()
         self._new_clock_offsets: dict[tuple[str, str, int], float] = {}
-        # endpoint key -> read within this device, found since the last take_device_reads()
-        self._new_device_reads: dict[tuple[str, str, int], bool] = {}
 
     def get(self, endpoint: RemoteEndpoint) -> RemoteState | None:
         """The cached state of a remote, or None."""
@@ -265,8 +263,6 @@ class RemoteRegistry:
                 remote.clock_offset_s = offset
                 remote.direct = self._connect_same_host(remote, infos[0])
                 self._new_clock_offsets[ep.key] = offset
-                self._new_device_reads[ep.key] = bool(
-                    remote.direct is not None and remote.direct.within_device)
                 logger.info("NIXL: handshake with engine %s at %s:%d done (%d remote blocks, "
                             "TP %d -> %d, reads from ranks %s)", ep.engine_id, ep.host, ep.port,
                             remote.agent.num_blocks, route.src_tp, route.dst_tp,
@@ -303,13 +299,6 @@ class RemoteRegistry:
     def lease_duration(self, remote: RemoteState) -> float:
         """The lease a remote owner grants (seconds), as its handshake said."""
         return float((remote.info or {}).get("lease_duration", self.config.kv_lease_duration))
-
-    def take_device_reads(self) -> dict[tuple[str, str, int], bool]:
-        """Per remote handshaken since the last call (endpoint key ``(engine_id, host,
-        port)``): True when its KV is read by a copy within this device (a peer on the same
-        GPU, CUDA IPC), False when reads cross the host link or the network."""
-        out, self._new_device_reads = self._new_device_reads, {}
-        return out
 
     def take_clock_offsets(self) -> dict[tuple[str, str, int], float]:
         """Clock offsets measured since the last call (endpoint key ``(engine_id, host, port)``

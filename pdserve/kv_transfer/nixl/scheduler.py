@@ -119,8 +119,6 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         self._pull_prefix: dict[str, int] = {}
         # remote clock minus local clock per remote endpoint key, from the worker's handshakes
         self._clock_offsets: dict[tuple[str, str, int], float] = {}
-        # remote endpoint key -> its KV is read within this device (from the worker's handshakes)
-        self._device_reads: dict[tuple[str, str, int], bool] = {}
         self._held: set[str] = set()  # blocks held for a remote reader
         self._turns: dict[str, None] = {}  # decoder turn leases, oldest first
         self._pace = PrefillPace(config.kv_pull_wait_factor)  # P's prefills, for pull waits
@@ -224,16 +222,6 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
                 self._start_waiting(request_id, ref, heartbeat=not ref.pending)
         self._plans[request_id] = _LoadPlan(LoadKind.PREFILL, ref, num_computed_tokens, num_tokens, error)
         return num_tokens, True
-
-    def reads_within_device(self, request: "Request") -> bool:
-        """A decoder's request prefilled by an instance on this GPU (handshaken, read by a
-        device copy): the prefiller holds the whole prompt's blocks on the device, so the
-        prompt is read from there rather than loaded from this instance's KV cache tiers. A
-        prefiller's pull of the decoder's turn is not one: the decoder's blocks may have been
-        demoted to its own tier, and P's tier copy is the closer one."""
-        kind, ref, error = self._source(request)
-        return (kind is LoadKind.PREFILL and ref is not None and error is None
-                and self._device_reads.get(ref.endpoint.key, False))
 
     def _plan_pull(self, request: "Request", num_local: int, ref: RemoteKVRef | None,
                    error: str | None) -> tuple[int, bool]:
@@ -344,7 +332,6 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
             self._turns.pop(request_id, None)
         # measured by the worker at handshakes (for the expiry checks of bidirectional pulls)
         self._clock_offsets.update(output.remote_clock_offsets)
-        self._device_reads.update(output.remote_device_reads)
 
     def load_failure_policy(self, request: "Request") -> KVLoadFailurePolicy | None:
         """``RECOMPUTE`` for a failed pull of the decoder's KV (it must never fail the user's

@@ -292,8 +292,6 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             out.stats = dict(out.stats or TransferStats().to_dict(), transfer_paths=paths)
         # for the scheduler side's expiry checks (bidirectional)
         out.remote_clock_offsets = self.remotes.take_clock_offsets()
-        # for the scheduler side's choice between a remote read and the KV cache tiers
-        out.remote_device_reads = self.remotes.take_device_reads()
         self.stats.maybe_log()
         return out
 
