@@ -4,7 +4,6 @@ downloaded."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -12,23 +11,6 @@ from typing import Any
 
 class TokenizerLoadError(RuntimeError):
     """The tokenizer source is not usable; the message says why."""
-
-
-def _local_path(source: str) -> Path:
-    """The local path of ``source`` (a built-in model is resolved, and converted once).
-
-    Raises:
-        TokenizerLoadError: the built-in model cannot be prepared.
-    """
-    from pdserve.model_files.builtin_models import is_builtin, resolve_model_path
-
-    path_str = source
-    if is_builtin(source):
-        try:
-            path_str = resolve_model_path(source)
-        except (OSError, ValueError, ImportError) as exc:
-            raise TokenizerLoadError(f"cannot prepare the built-in model {source!r}: {exc}") from exc
-    return Path(path_str).expanduser()
 
 
 def load_tokenizer(source: str) -> Any:
@@ -46,9 +28,15 @@ def load_tokenizer(source: str) -> Any:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    from pdserve.model_files.builtin_models import BUILTIN_NAMES
+    from pdserve.model_files.builtin_models import BUILTIN_NAMES, is_builtin, resolve_model_path
 
-    path = _local_path(source)
+    path_str = source
+    if is_builtin(source):
+        try:
+            path_str = resolve_model_path(source)
+        except (OSError, ValueError, ImportError) as exc:
+            raise TokenizerLoadError(f"cannot prepare the built-in model {source!r}: {exc}") from exc
+    path = Path(path_str).expanduser()
     try:
         if path.is_file() and path.suffix == ".gguf":
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -65,31 +53,12 @@ def load_tokenizer(source: str) -> Any:
 
 
 def model_context_length(source: str) -> int | None:
-    """The model's context length in tokens: ``max_position_embeddings`` of its
-    ``config.json`` (of its ``text_config`` for a multimodal model), or of a ``.gguf`` file's
-    metadata (``<arch>.context_length``). None when ``source`` has no readable config (a
-    tokenizer-only directory) or names none.
+    """The model's context length in tokens: ``max_position_embeddings`` of the language
+    model's config (``text_config`` of a multimodal one), or a ``.gguf`` file's
+    ``<arch>.context_length`` (:func:`~pdserve.model_files.config_values.model_config_values`).
+    None when ``source`` has no readable config (a tokenizer-only directory, a built-in model
+    not yet converted other than SmolLM2) or names none."""
+    from pdserve.model_files.config_values import model_config_values
 
-    Raises:
-        TokenizerLoadError: a built-in model cannot be prepared.
-    """
-    path = _local_path(source)
-    if path.is_file() and path.suffix == ".gguf":
-        from gguf import GGUFReader  # numpy only
-
-        try:
-            fields = GGUFReader(str(path)).fields
-            arch = fields["general.architecture"].contents()
-            return int(fields[f"{arch}.context_length"].contents())
-        except (KeyError, TypeError, ValueError, OSError):
-            return None
-    try:
-        with open(path / "config.json") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return None
-    for section in (config, config.get("text_config") or {}):
-        value = section.get("max_position_embeddings")
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    value = (model_config_values(source) or {}).get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else None

@@ -5,21 +5,17 @@
 not divide over ``N`` is refused with one line and exit code 2, instead of after an engine
 process started. The numbers come from the model's ``config.json`` (a Hugging Face directory, or
 a built-in model already converted), else from the GGUF metadata (a ``.gguf`` file, or the
-built-in SmolLM2's packaged GGUF before its one-time conversion), read with ``gguf.GGUFReader``
-(numpy only). A model whose numbers cannot be read here is checked later, by the engine
+built-in SmolLM2's packaged GGUF before its one-time conversion):
+:func:`pdserve.model_files.config_values.model_config_values`. A model whose numbers cannot be read here is checked later, by the engine
 (:func:`pdserve.models.loader.check_model_splits`). The rule, :func:`check_tp_divisible`, lives
 here (torch-free) for both.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from pdserve.model_files import builtin_models
+from pdserve.model_files.config_values import model_config_values
 
 __all__ = ["SplitNumbers", "TPShardingError", "check_splits", "check_tp_divisible",
            "split_numbers"]
@@ -68,59 +64,19 @@ class SplitNumbers:
     intermediate_size: int
 
 
-def _from_config(hf: dict[str, Any]) -> SplitNumbers | None:
-    hf = hf.get("text_config") or hf  # multimodal configs keep the language model's apart
+def split_numbers(model: str) -> SplitNumbers | None:
+    """The sizes of ``model`` (a built-in name, a Hugging Face directory or a ``.gguf`` file)
+    that TP divides, or None when they cannot be read without loading the model
+    (:func:`~pdserve.model_files.config_values.model_config_values`)."""
+    hf = model_config_values(model)
+    if hf is None:
+        return None
     try:
         heads = int(hf["num_attention_heads"])
         return SplitNumbers(heads, int(hf.get("num_key_value_heads") or heads),
                             int(hf["vocab_size"]), int(hf["intermediate_size"]))
     except (KeyError, TypeError, ValueError):
         return None
-
-
-def _from_gguf(path: Path) -> SplitNumbers | None:
-    from gguf import GGUFReader  # numpy only
-
-    try:
-        fields = GGUFReader(str(path)).fields
-        arch = fields["general.architecture"].contents()
-
-        def value(key: str) -> Any:
-            return fields[f"{arch}.{key}"].contents()
-
-        heads = int(value("attention.head_count"))
-        kv = value("attention.head_count_kv") if f"{arch}.attention.head_count_kv" in fields \
-            else heads
-        vocab = value("vocab_size") if f"{arch}.vocab_size" in fields \
-            else len(fields["tokenizer.ggml.tokens"].contents())
-        return SplitNumbers(heads, int(kv), int(vocab), int(value("feed_forward_length")))
-    except (KeyError, TypeError, ValueError, OSError):
-        return None
-
-
-def split_numbers(model: str) -> SplitNumbers | None:
-    """The sizes of ``model`` (a built-in name, a Hugging Face directory or a ``.gguf`` file)
-    that TP divides, or None when they cannot be read without loading the model."""
-    if builtin_models.is_builtin(model):
-        name = model.strip().lower()
-        config = builtin_models.converted_dir(name) / "config.json"
-        if builtin_models.is_converted(name) and config.is_file():
-            return _from_config(json.loads(config.read_text()))
-        if name != builtin_models.BUILTIN_NAME:
-            return None  # assembled from its package at conversion: the engine checks
-        try:
-            return _from_gguf(builtin_models.builtin_gguf_path())
-        except FileNotFoundError:
-            return None  # the engine reports the missing package
-    path = Path(os.path.expanduser(model))
-    if path.is_dir():
-        try:
-            return _from_config(json.loads((path / "config.json").read_text()))
-        except (OSError, ValueError):
-            return None
-    if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(path)
-    return None
 
 
 def check_splits(model: str, tp_size: int) -> None:
