@@ -21,6 +21,9 @@ constrained decoding (``structured_outputs``, ``guided_json``, ``guided_regex``,
 ``logits_processors`` (unless empty), ``use_beam_search`` (unless false) and, for chat, a
 per-request ``chat_template`` (the model's own template is always used).
 ``null`` for a field with a plain default (``n``, ``stream``, ...) means that default.
+
+The module stays whole past 450 lines: it is the API's one wire contract, requests and
+responses of both endpoints, whose models share the base classes and field rules above.
 """
 
 from __future__ import annotations
