@@ -167,7 +167,8 @@ def _run_case(args: argparse.Namespace, name: str, multi_turn: bool, work: Path,
 
 def _run_tiers(args: argparse.Namespace, work: Path) -> dict:
     """The ``--kv-tiers`` comparison: the deployments, results keyed ``no tier`` /
-    ``host tier`` (and ``device cache`` with ``--device-cache-run``; each: ``ttft`` figures,
+    ``host tier`` (``no tier, depth-first`` and ``host tier, depth-first`` with
+    ``--depth-first-run``, ``device cache`` with ``--device-cache-run``; each: ``ttft`` figures,
     ``prefill`` and ``decode`` series increases)."""
     from pdserve.model_files.builtin_models import resolve_model_path
 
@@ -189,20 +190,16 @@ def _run_tiers(args: argparse.Namespace, work: Path) -> dict:
           f"{'holds' if p['fits'] else 'cannot hold'} every conversation's last turn",
           flush=True)
     results = {}
-    cases = [("no tier", None, None), ("host tier", gib, None)]
-    if args.tier_first:
-        cases.reverse()
     if args.device_cache_run:
-        blocks = p["device_cache_blocks"]
-        print(f"device cache: {blocks} blocks on P and on D (every conversation)", flush=True)
-        cases.append(("device cache", None, blocks))
-    for name, gib_i, blocks_i in cases:
+        print(f"device cache: {p['device_cache_blocks']} blocks on P and on D (every "
+              f"conversation)", flush=True)
+    for name, engine_args, device_cache in tiers.cases(args, gib):
         try:
-            r = _run_case(args, name.replace(" ", "-"), True, work, spec=str(spec),
-                          extra_engine_args=tiers.engine_args(args, gib_i, blocks_i),
+            r = _run_case(args, name.replace(" ", "-").replace(",", ""), True, work,
+                          spec=str(spec), extra_engine_args=engine_args,
                           extra_bench_args=tiers.bench_args(args))
         except SystemExit as e:
-            if blocks_i is None:
+            if not device_cache:
                 raise
             # a cache this large may not fit the GPU beside the weights: keep the comparison
             print(f"device cache deployment failed, left out: {str(e)[-2000:]}", flush=True)

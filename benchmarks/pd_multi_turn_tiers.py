@@ -38,6 +38,12 @@ on P and on D that holds every conversation and the requests in flight
 at best (every history is where a tier would put it back), and the summary prints the ratios
 no tier / device cache beside the tier's: on a workload whose later turns cost little more to
 recompute than the P/D path costs anyway, even a free tier is bounded there.
+
+``--depth-first-run`` adds two deployments, ``no tier, depth-first`` and ``host tier,
+depth-first``: the same two cases with ``--prefix-cache-eviction depth-first`` on P and D
+(:mod:`pdserve.engine.free_blocks`), which keeps the leading blocks of every history in the
+device cache instead of evicting whole histories in turn; the summary prints their ratio and
+the host tier's (depth first) against the no-tier deployment of the default order.
 """
 
 from __future__ import annotations
@@ -115,6 +121,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--device-cache-run", action="store_true",
                    help="a third deployment without a tier whose device cache holds every "
                         "conversation (nothing evicted): the most a tier could give")
+    g.add_argument("--depth-first-run", action="store_true",
+                   help="two more deployments, without and with the tier, whose engines evict "
+                        "the deepest free cached block first (--prefix-cache-eviction "
+                        "depth-first)")
     g.add_argument("--offload-gib", type=float, default=None,
                    help="host tier size per engine (default: every conversation's KV x 1.25, "
                         "from the model's config.json)")
@@ -238,6 +248,24 @@ def engine_args(args: argparse.Namespace, tier_gib: float | None,
     return out
 
 
+def cases(args: argparse.Namespace, tier_gib: float) -> list[tuple[str, list[str], bool]]:
+    """The deployments to run, in order: ``(name, engine options, whether it is the
+    device-cache case)`` for ``no tier`` and ``host tier`` (reversed with ``--tier-first``),
+    their ``..., depth-first`` twins with ``--depth-first-run`` and ``device cache`` with
+    ``--device-cache-run``."""
+    pair = [("no tier", engine_args(args, None)), ("host tier", engine_args(args, tier_gib))]
+    if args.tier_first:
+        pair.reverse()
+    out = [(name, opts, False) for name, opts in pair]
+    if args.depth_first_run:
+        out += [(f"{name}, depth-first", opts + ["--prefix-cache-eviction", "depth-first"], False)
+                for name, opts in pair]
+    if args.device_cache_run:
+        out.append(("device cache", engine_args(args, None, plan(args)["device_cache_blocks"]),
+                    True))
+    return out
+
+
 def parse_series(text: str) -> dict[str, float]:
     """Every ``pdserve:`` sample of a ``/metrics`` page (prometheus-client's parser), keyed by
     name with its labels as rendered (``name{k="v"}``), and each labelled family's sum over its
@@ -330,6 +358,21 @@ def report(results: dict[str, dict]) -> list[str]:
     lines.append(f"summary: turns 2+ TTFT p50 {_f(base[0])} -> {_f(tier[0])} ms "
                  f"({_f(ratios[0], 2)}x), p90 {_f(base[1])} -> {_f(tier[1])} ms "
                  f"({_f(ratios[1], 2)}x); no tier / host tier")
+    for name in ("no tier, depth-first", "host tier, depth-first"):
+        if name not in results:
+            continue
+        later = results[name]["ttft"]["later"]
+        ratios = [b / t if b and t else None for b, t in zip(base[:2], later[:2])]
+        lines.append(f"summary: turns 2+ TTFT p50 {_f(base[0])} -> {_f(later[0])} ms "
+                     f"({_f(ratios[0], 2)}x), p90 {_f(base[1])} -> {_f(later[1])} ms "
+                     f"({_f(ratios[1], 2)}x); no tier / {name}")
+    if "no tier, depth-first" in results and "host tier, depth-first" in results:
+        b, t = (results[n]["ttft"]["later"] for n in ("no tier, depth-first",
+                                                      "host tier, depth-first"))
+        ratios = [x / y if x and y else None for x, y in zip(b[:2], t[:2])]
+        lines.append(f"summary: turns 2+ TTFT p50 {_f(b[0])} -> {_f(t[0])} ms "
+                     f"({_f(ratios[0], 2)}x), p90 {_f(b[1])} -> {_f(t[1])} ms "
+                     f"({_f(ratios[1], 2)}x); both depth-first: no tier / host tier")
     if "device cache" in results:
         dev = results["device cache"]["ttft"]["later"]
         best = [b / d if b and d else None for b, d in zip(base[:2], dev[:2])]

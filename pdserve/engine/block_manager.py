@@ -10,11 +10,10 @@ registered under its hash. A later request whose prompt starts with the same tok
 block (its reference count rises) instead of recomputing it.
 
 Freed blocks are not wiped: a block whose reference count drops to zero goes to the free-block
-queue but keeps its hash, so it can still be hit until it is reused for other tokens. The queue is
-an LRU: allocation takes blocks from its front; freed *cached* blocks go to its back (a request's
-blocks in reverse order, so a prompt's tail is evicted before its head, which more requests
-share); freed blocks *without* a hash go to its front, since nothing can ever hit them.
-``num_free_blocks`` therefore counts evictable cached blocks as free.
+queue but keeps its hash, so it can still be hit until it is reused for other tokens. Blocks
+*without* a hash are reused first, since nothing can ever hit them; among cached ones the order is
+the eviction policy's (:mod:`pdserve.engine.free_blocks`: LRU by default, a prompt's tail before
+its head). ``num_free_blocks`` therefore counts evictable cached blocks as free.
 
 Hash choice: the first 8 bytes of ``sha256(parent_hash as 8 little-endian bytes || token ids as
 little-endian int64)``, as an unsigned int. It is stable across processes, machines and Python
@@ -30,10 +29,12 @@ them once per step (:meth:`KVCacheManager.take_events`) and publishes them.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from itertools import chain
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from pdserve.engine.free_blocks import (
+    DepthFirstFreeBlocks, EvictionPolicy, FreeBlockQueue, LRUFreeBlocks,
+)
 from pdserve.engine.kv_events import KVEventBuffer
 from pdserve.types.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.types.block_hash import ROOT_HASH, block_hashes
@@ -56,16 +57,19 @@ class KVCacheManager:
         on_evict: called as ``on_evict(block_id, block_hash)`` when a cached block is taken for
             other tokens, before anything overwrites it (the KV cache tiers keep its KV,
             :meth:`pdserve.engine.kv_tiers.TierManager.on_evict`); None: evicted KV is lost.
+        eviction: which free cached block is reused first (:mod:`pdserve.engine.free_blocks`).
 
     Attributes:
         num_blocks: physical blocks.
         block_size: tokens per block.
         enable_prefix_caching: as given.
+        eviction: as given.
         ref_counts: per block id, how many requests hold it.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 on_evict: Callable[[int, int], None] | None = None):
+                 on_evict: Callable[[int, int], None] | None = None,
+                 eviction: EvictionPolicy = EvictionPolicy.LRU):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -74,12 +78,15 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._on_evict = on_evict
+        self.eviction = eviction
         self.ref_counts: list[int] = [0] * num_blocks
         # Hash under which each block is registered in the prefix cache (None: not cached).
         self._block_hash: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # block hash -> block id
-        # Blocks with ref count 0, in eviction order (front = next to be reused). Values unused.
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Blocks with ref count 0, in the order allocations take them.
+        self._free: FreeBlockQueue = (
+            LRUFreeBlocks(range(num_blocks)) if eviction is EvictionPolicy.LRU
+            else DepthFirstFreeBlocks(range(num_blocks), window=2 * num_blocks))
         self._req_blocks: dict[str, list[int]] = {}
         # Per request: the chained hashes computed so far and how many blocks are registered.
         self._req_hashes: dict[str, list[int]] = {}
@@ -291,7 +298,7 @@ class KVCacheManager:
         blocks = self._req_blocks.setdefault(request_id, [])
         for block_id in new_computed_blocks:
             if self.ref_counts[block_id] == 0:
-                del self._free[block_id]
+                self._free.discard(block_id)
             self.ref_counts[block_id] += 1
             blocks.append(block_id)
         if new_computed_blocks:
@@ -307,7 +314,7 @@ class KVCacheManager:
     def _take_free_block(self) -> int:
         if not self._free:
             raise NoFreeBlocksError("no free KV cache block")
-        block_id, _ = self._free.popitem(last=False)
+        block_id = self._free.pop()
         h = self._block_hash[block_id]
         if h is not None:  # evict from the prefix cache
             if self._cached.get(h) == block_id:
@@ -358,15 +365,14 @@ class KVCacheManager:
         return sum(len(blocks) for _, blocks in self._deferred)
 
     def _release(self, blocks: list[int]) -> None:
-        for block_id in reversed(blocks):
+        for depth in range(len(blocks) - 1, -1, -1):  # tail first
+            block_id = blocks[depth]
             rc = self.ref_counts[block_id] - 1
             if rc < 0:
                 raise AssertionError(f"block {block_id} freed more often than allocated")
             self.ref_counts[block_id] = rc
             if rc == 0:
-                self._free[block_id] = None
-                if self._block_hash[block_id] is None:
-                    self._free.move_to_end(block_id, last=False)
+                self._free.push(block_id, depth, self._block_hash[block_id] is not None)
 
     def check_consistency(self) -> None:
         """Assert the internal invariants (tests).

@@ -77,9 +77,9 @@ class Scheduler:
 
     Args:
         config: engine configuration; reads ``block_size``, ``enable_prefix_caching``,
-            ``max_num_batched_tokens``, ``max_num_seqs``, ``num_scheduler_steps``,
-            ``max_model_len`` (tokens; capped at the KV cache capacity ``num_blocks *
-            block_size`` so one request always fits; None: that capacity) and
+            ``prefix_cache_eviction``, ``max_num_batched_tokens``, ``max_num_seqs``,
+            ``num_scheduler_steps``, ``max_model_len`` (tokens; capped at the KV cache capacity
+            ``num_blocks * block_size`` so one request always fits; None: that capacity) and
             ``kv_transfer_config.kv_load_failure_policy`` (``FAIL`` when absent).
         num_blocks: KV cache blocks available.
         connector: the KV connector's scheduler side, or None.
@@ -124,6 +124,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             on_evict=tiers.on_evict if tiers is not None else None,
+            eviction=config.prefix_cache_eviction,
         )
         self.tier_loads = (TierLoads(self.kv_cache_manager, tiers) if tiers is not None
                            else None)

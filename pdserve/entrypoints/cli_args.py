@@ -12,7 +12,9 @@ from pdserve.utils.host_devices import detect_gpus, nixl_progress_thread_default
 
 from pdserve.commands.parser import (Parser, bind_port, fraction, non_negative_int, parse_size, port,
                                positive_float, positive_int, writable_dir)
-from pdserve.types.engine_config import DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, EngineConfig, KVCacheDtype
+from pdserve.types.engine_config import (
+    DEFAULT_MODEL, KV_CACHE_DTYPE_CHOICES, EngineConfig, EvictionPolicy, KVCacheDtype,
+)
 
 
 def offloading_backend(text: str) -> str:
@@ -26,6 +28,19 @@ def offloading_backend(text: str) -> str:
         return KVOffloadingBackend.parse(text).value
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-offloading-backend ")) \
+            from None
+
+
+def eviction_policy(text: str) -> str:
+    """``--prefix-cache-eviction``: an :class:`~pdserve.types.engine_config.EvictionPolicy` value.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown policy.
+    """
+    try:
+        return EvictionPolicy.parse(text).value
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--prefix-cache-eviction ")) \
             from None
 
 
@@ -60,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="automatic prefix caching (default on)")
+    p.add_argument("--prefix-cache-eviction", type=eviction_policy, default="lru",
+                   metavar="{lru,depth-first}",
+                   help="which free cached block is reused first: 'lru' = least recently freed "
+                        "(vLLM's order); 'depth-first' = the deepest block of a prompt first, "
+                        "keeping the leading blocks of every recent history (multi-turn "
+                        "working sets larger than the cache; default lru)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + output in tokens (default: the model's limit)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
@@ -155,6 +176,7 @@ def engine_config_from_args(args: argparse.Namespace, kv_transfer_config: Any) -
         seed=args.seed,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_eviction=EvictionPolicy.parse(args.prefix_cache_eviction),
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         num_gpu_blocks_override=args.num_gpu_blocks_override,

@@ -13,6 +13,28 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+class EvictionPolicy(enum.Enum):
+    """Order in which free cached blocks of the prefix cache are reused
+    (``--prefix-cache-eviction``; :mod:`pdserve.engine.free_blocks` describes both)."""
+
+    LRU = "lru"
+    DEPTH_FIRST = "depth-first"
+
+    @classmethod
+    def parse(cls, text: str) -> "EvictionPolicy":
+        """The member named by ``text`` (``lru`` or ``depth-first``, case-insensitive).
+
+        Raises:
+            ValueError: any other value.
+        """
+        try:
+            return cls(text.strip().lower())
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            raise ValueError(f"--prefix-cache-eviction must be one of {names}, got {text!r}") \
+                from None
+
+
 class KVCacheDtype(enum.Enum):
     """What the paged KV cache stores (``--kv-cache-dtype``).
 
@@ -64,6 +86,7 @@ class EngineConfig:
         seed: global seed for dummy weights and unseeded sampling.
         block_size: tokens per KV cache block.
         enable_prefix_caching: automatic prefix caching with chained block hashes.
+        prefix_cache_eviction: which free cached block is reused first (:class:`EvictionPolicy`).
         max_model_len: longest prompt + output in tokens (default: the model's
             ``max_position_embeddings``).
         max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts).
@@ -132,6 +155,7 @@ class EngineConfig:
     seed: int = 0
     block_size: int = 16
     enable_prefix_caching: bool = True
+    prefix_cache_eviction: EvictionPolicy = EvictionPolicy.LRU
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("script", ["pd_overhead.py", "pd_multi_turn.py", "kv_tiers.py",
-                                    "pd_latency.py", "one_gpu_pd.py"])
+                                    "pd_latency.py", "one_gpu_pd.py", "prefix_eviction.py"])
 def test_script_help(script, monkeypatch, capsys):
     path = str(ROOT / "benchmarks" / script)
     monkeypatch.setattr(sys, "argv", [path, "--help"])

@@ -70,6 +70,18 @@ def test_engine_args_are_the_same_on_both_cases_but_the_tier():
     assert tier == base + ["--kv-offloading-size", "0.250000", "--kv-offloading-backend", "native"]
 
 
+def test_cases_in_order_with_the_depth_first_twins_and_the_device_cache():
+    args = _args("--tier-first", "--depth-first-run", "--device-cache-run")
+    got = tiers.cases(args, 0.25)
+    assert [name for name, _, _ in got] == [
+        "host tier", "no tier", "host tier, depth-first", "no tier, depth-first", "device cache"]
+    assert got[0][1] == tiers.engine_args(args, 0.25) and got[1][1] == tiers.engine_args(args, None)
+    assert got[2][1] == got[0][1] + ["--prefix-cache-eviction", "depth-first"]
+    assert got[3][1] == got[1][1] + ["--prefix-cache-eviction", "depth-first"]
+    assert [dc for _, _, dc in got] == [False, False, False, False, True]
+    assert [name for name, _, _ in tiers.cases(_args(), 0.25)] == ["no tier", "host tier"]
+
+
 def test_device_cache_run_holds_every_conversation():
     args = _args("--device-cache-run")
     assert args.device_cache_run and not _args().device_cache_run
@@ -141,5 +153,14 @@ def test_series_parsing_delta_and_report():
     lines = tiers.report({"no tier": case((40.0, 80.0)), "host tier": case((10.0, 20.0))})
     assert lines[-1].startswith("summary: turns 2+ TTFT p50 40.0 -> 10.0 ms (4.00x), p90 "
                                 "80.0 -> 20.0 ms (4.00x)")
+    lines = tiers.report({"no tier": case((40.0, 80.0)), "host tier": case((10.0, 20.0)),
+                          "no tier, depth-first": case((20.0, 40.0)),
+                          "host tier, depth-first": case((8.0, 10.0))})
+    assert lines[-3].endswith("(2.00x), p90 80.0 -> 40.0 ms (2.00x); no tier / no tier, "
+                              "depth-first")
+    assert lines[-2].endswith("(5.00x), p90 80.0 -> 10.0 ms (8.00x); no tier / host tier, "
+                              "depth-first")
+    assert lines[-1].endswith("p50 20.0 -> 8.0 ms (2.50x), p90 40.0 -> 10.0 ms (4.00x); both "
+                              "depth-first: no tier / host tier")
     assert any("D turn leases: demoted 2, restored 2" in line for line in lines)
     assert any("pulled from D 1 (pulls given up 1)" in line for line in lines)

@@ -1,4 +1,5 @@
-"""KVCacheManager: reference counts, chained-hash prefix caching, LRU eviction, free accounting."""
+"""KVCacheManager: reference counts, chained-hash prefix caching, eviction, free accounting (each
+test on the ``kvm`` fixture runs under both eviction policies)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from pdserve.engine.block_manager import KVCacheManager
+from pdserve.types.engine_config import EvictionPolicy
 from pdserve.types.block_hash import block_hashes, hash_block
 from pdserve.types.request import Request
 from pdserve.types.sampling_params import SamplingParams
@@ -32,9 +34,10 @@ def compute_all(kvm: KVCacheManager, r: Request) -> list[int]:
     return table
 
 
-@pytest.fixture
-def kvm():
-    m = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+@pytest.fixture(params=list(EvictionPolicy), ids=lambda p: p.value)
+def kvm(request):
+    m = KVCacheManager(num_blocks=8, block_size=BS, enable_prefix_caching=True,
+                       eviction=request.param)
     yield m
     m.check_consistency()
 

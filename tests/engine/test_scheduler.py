@@ -16,6 +16,7 @@ from tests.support.engine_fakes import (
     reference_generate,
     run_until_done,
 )
+from pdserve.types.engine_config import EvictionPolicy
 from pdserve.types.request import RequestStatus
 
 
@@ -140,6 +141,34 @@ def test_prefix_cache_hits_are_reused_and_counted():
     assert s["prompt_tokens_cached_total"] == 12
     assert s["prompt_tokens_computed_total"] == 15 + 2
     assert_all_free(core)
+
+
+def _chats_in_turn(eviction: EvictionPolicy) -> int:
+    """Six conversations of four turns revisited in turn through a cache of 28 blocks of 4
+    tokens, which holds about half of their histories (20 tokens, then 4 more a turn); every
+    answer is checked against the reference. Returns the prompt tokens found in the prefix
+    cache."""
+    core, _ = make_core(num_blocks=28, prefix_cache_eviction=eviction)
+    histories = [[c * 100 + i for i in range(20)] for c in range(6)]
+    res: dict = {}
+    for turn in range(4):
+        for c, history in enumerate(histories):
+            prompt = history + [c * 100 + 50 + turn]
+            add(core, f"{c}-{turn}", prompt, max_tokens=3)
+            res = run_until_done(core, res)
+            answer = res[f"{c}-{turn}"].tokens
+            assert answer == reference_generate(prompt, 3), (c, turn)
+            histories[c] = prompt + answer
+    assert_all_free(core)
+    assert core.scheduler.kv_cache_manager.eviction is eviction
+    return core.stats()["prompt_tokens_cached_total"]
+
+
+def test_chats_revisited_in_turn_match_the_reference_under_both_eviction_orders():
+    lru = _chats_in_turn(EvictionPolicy.LRU)
+    depth_first = _chats_in_turn(EvictionPolicy.DEPTH_FIRST)
+    # LRU loses each history just before its turn; depth first keeps their leading blocks
+    assert depth_first > 10 * lru
 
 
 def test_identical_prompt_recomputes_at_least_the_last_token():
