@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Sequence
+import enum
+from typing import Any, Callable, Sequence
 
 from pdserve.model_files.builtin_models import BUILTIN_NAMES
 from pdserve.types.kv_tiers import KVOffloadingBackend, KVOffloadingConfig
@@ -17,31 +18,23 @@ from pdserve.types.engine_config import (
 )
 
 
-def offloading_backend(text: str) -> str:
-    """``--kv-offloading-backend``: a :class:`~pdserve.types.kv_tiers.KVOffloadingBackend` name
-    (checked when the options are parsed, so ``pdserve up`` refuses it before starting).
+def enum_option(parse: Callable[[str], enum.Enum], flag: str) -> Callable[[str], str]:
+    """An argparse ``type`` for ``flag``: the value of the member ``parse(text)`` names, checked
+    when the options are parsed (so ``pdserve up`` refuses a bad value before starting).
 
-    Raises:
-        argparse.ArgumentTypeError: an unknown backend.
+    Args:
+        parse: the enum's ``parse`` (raises ValueError naming ``flag`` for an unknown value).
+        flag: the option, dropped from the front of ``parse``'s message (argparse names it).
+
+    Returns:
+        The check; it raises ``argparse.ArgumentTypeError`` for an unknown value.
     """
-    try:
-        return KVOffloadingBackend.parse(text).value
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-offloading-backend ")) \
-            from None
-
-
-def eviction_policy(text: str) -> str:
-    """``--prefix-cache-eviction``: an :class:`~pdserve.types.engine_config.EvictionPolicy` value.
-
-    Raises:
-        argparse.ArgumentTypeError: an unknown policy.
-    """
-    try:
-        return EvictionPolicy.parse(text).value
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--prefix-cache-eviction ")) \
-            from None
+    def check(text: str) -> str:
+        try:
+            return parse(text).value
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag} ")) from None
+    return check
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="automatic prefix caching (default on)")
-    p.add_argument("--prefix-cache-eviction", type=eviction_policy, default="lru",
-                   metavar="{lru,depth-first}",
+    p.add_argument("--prefix-cache-eviction", default="lru", metavar="{lru,depth-first}",
+                   type=enum_option(EvictionPolicy.parse, "--prefix-cache-eviction"),
                    help="which free cached block is reused first: 'lru' = least recently freed "
                         "(vLLM's order); 'depth-first' = the deepest block of a prompt first, "
                         "keeping the leading blocks of every recent history (multi-turn "
@@ -128,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache tier in host memory behind the prefix cache, in GiB over all "
                         "TP ranks: cached blocks evicted from the KV cache are kept there and "
                         "copied back on a prefix hit (default: off)")
-    p.add_argument("--kv-offloading-backend", default=None, type=offloading_backend,
-                   metavar="native", help="offloading backend: 'native' (the only one; default)")
+    p.add_argument("--kv-offloading-backend", default=None, metavar="native",
+                   type=enum_option(KVOffloadingBackend.parse, "--kv-offloading-backend"),
+                   help="offloading backend: 'native' (the only one; default)")
     p.add_argument("--kv-offloading-disk-dir", default=None, type=writable_dir, metavar="DIR",
                    help="a disk tier below the host tier: block files under DIR (needs "
                         "--kv-offloading-disk-size)")
