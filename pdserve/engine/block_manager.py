@@ -65,6 +65,11 @@ class KVCacheManager:
         enable_prefix_caching: as given.
         eviction: as given.
         ref_counts: per block id, how many requests hold it.
+
+    Raises:
+        ValueError: ``num_blocks`` or ``block_size`` below 1.
+        TypeError: ``eviction`` not an :class:`EvictionPolicy` (a config built by hand with the
+            option's text instead of its member).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -74,6 +79,8 @@ class KVCacheManager:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if not isinstance(eviction, EvictionPolicy):
+            raise TypeError(f"eviction must be an EvictionPolicy, got {eviction!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -85,8 +92,8 @@ class KVCacheManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         # Blocks with ref count 0, in the order allocations take them.
         self._free: FreeBlockQueue = (
-            LRUFreeBlocks(range(num_blocks)) if eviction is EvictionPolicy.LRU
-            else DepthFirstFreeBlocks(range(num_blocks), window=2 * num_blocks))
+            DepthFirstFreeBlocks(range(num_blocks), window=2 * num_blocks)
+            if eviction is EvictionPolicy.DEPTH_FIRST else LRUFreeBlocks(range(num_blocks)))
         self._req_blocks: dict[str, list[int]] = {}
         # Per request: the chained hashes computed so far and how many blocks are registered.
         self._req_hashes: dict[str, list[int]] = {}

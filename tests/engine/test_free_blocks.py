@@ -87,6 +87,8 @@ def test_an_empty_queue_and_a_bad_window_are_refused():
             queue.pop()
     with pytest.raises(ValueError):
         DepthFirstFreeBlocks([], window=0)
+    with pytest.raises(TypeError, match="EvictionPolicy"):
+        KVCacheManager(4, 2, eviction="lru")
 
 
 def _loop_hits(policy: EvictionPolicy, conversations: int = 6, turns: int = 5) -> list[int]:
