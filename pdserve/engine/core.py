@@ -150,8 +150,11 @@ class EngineCore:
         self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
         runner.allocate_kv_cache(self.num_blocks)
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d",
-            self.num_blocks, config.block_size, self.num_blocks * config.block_size, self.max_model_len,
+            "KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d; prefix caching %s",
+            self.num_blocks, config.block_size, self.num_blocks * config.block_size,
+            self.max_model_len,
+            f"on ({config.prefix_cache_eviction.value} eviction)"
+            if config.enable_prefix_caching else "off",
         )
         self.connector = None
         self.connector_worker = None
