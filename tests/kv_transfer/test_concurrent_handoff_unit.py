@@ -74,7 +74,8 @@ def test_a_pending_load_reads_the_whole_prompt_without_heartbeats(env):
     assert s.get_num_new_matched_tokens(req, 0) == (len(TOKENS), True)  # P's token comes too
     s.update_state_after_alloc(req, [20, 21, 22], len(TOKENS))
     meta = s.build_connector_meta(None)
-    assert not meta.heartbeat_start  # no lease to keep alive before P answers
+    # P's lease, once it starts, is kept alive by transfer id while the request waits
+    assert meta.heartbeat_start["d1"].pending
     spec = meta.reqs_to_recv["d1"]
     assert spec.error is None and spec.remote.pending
     assert spec.local_block_ids == [20, 21, 22] and spec.remote_read_block_ids == []
@@ -140,6 +141,31 @@ def test_an_abort_by_transfer_id_before_the_lease_closes_it_when_it_starts():
     # after the lease started the abort names it, for the caller to apply as a notice
     table.add("p3", [3], 30.0, transfer_id="t3")
     assert table.abort_transfer("t3") == ("p3", [3])
+
+
+def test_a_heartbeat_by_transfer_id_renews_the_lease_once_it_started():
+    """The owner's side of a waiting reader's heartbeats by transfer id
+    (``NixlConnectorWorker._transfer_notice``): applied as a heartbeat naming the lease's
+    blocks, which extends it; before the lease starts there is nothing to renew."""
+    from types import SimpleNamespace
+
+    from pdserve.kv_transfer.nixl.notifications import Notice
+    from pdserve.kv_transfer.nixl.worker import NixlConnectorWorker
+
+    table, applied = LeaseTable(), []
+    held = HeldBlocks(table, StatsRecorder(10.0), lambda: None)
+    inbox = SimpleNamespace(on_side_channel_notice=lambda kind, rid, blocks, reader=None:
+                            applied.append(held.apply(Notice(kind, rid, 1, blocks, reader))))
+    worker = SimpleNamespace(leases=table, inbox=inbox)
+    NixlConnectorWorker._transfer_notice(worker, "heartbeat", "t5")  # P still computing
+    assert applied == []
+    held.send("p5", SendSpec("p5", [4, 5], 30.0, transfer_id="t5"), now=0.0)
+    assert table.next_expiry() == 30.0
+    NixlConnectorWorker._transfer_notice(worker, "heartbeat", "t5")  # at time.monotonic()
+    assert len(applied) == 1 and table.next_expiry() > 30.0
+    assert table.expire(now=31.0) == []  # renewed: not expired at its first deadline
+    NixlConnectorWorker._transfer_notice(worker, "abort", "t5", reader=None)
+    assert held.take_finished() == {"p5"}
 
 
 def test_a_read_prompt_lease_records_its_hand_off_time():

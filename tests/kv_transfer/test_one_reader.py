@@ -155,7 +155,7 @@ def channel():
         "127.0.0.1", free_port(), get_info=lambda: {"x": 1}, claim=table.claim_answer,
         notify=lambda *args, **kw: notices.append((args, kw)), claim_wait_s=1.0,
         claim_transfer=table.claim_transfer,
-        abort_transfer=lambda transfer_id, **kw: notices.append(((transfer_id,), kw)))
+        transfer_notice=lambda *args, **kw: notices.append((args, kw)))
     try:
         yield server, table, notices
     finally:
@@ -187,9 +187,13 @@ def test_the_side_channel_binds_by_the_claims_reader_field(channel):
     ask(server, {"type": "notify", "kind": "done", "request_id": "p1", "block_ids": BLOCKS,
                  "tp_rank": 0, "expected": 2, "reader": A})
     ask(server, {"type": "notify", "kind": "abort", "transfer_id": "t3", "reader": B})
+    ask(server, {"type": "notify", "kind": "heartbeat", "transfer_id": "t3"})
     ask(server, {"type": "notify", "kind": "abort", "request_id": "p1", "block_ids": BLOCKS})
     assert notices == [(("done", "p1", BLOCKS, 0, 2), {"reader": A}),
-                       (("t3",), {"reader": B}), (("abort", "p1", BLOCKS), {})]
+                       (("abort", "t3"), {"reader": B}), (("heartbeat", "t3"), {}),
+                       (("abort", "p1", BLOCKS), {})]
+    refused = ask(server, {"type": "notify", "kind": "done", "transfer_id": "t3"})
+    assert not refused["ok"] and "abort or a heartbeat" in refused["reason"]
     assert "p1" in table
 
 
@@ -238,10 +242,13 @@ def test_notices_name_the_reader_of_their_request():
     sender.queue(RemoteNotice(RemoteKVRef(EP, "", [], transfer_id="t1"), "abort",
                               reader_request="d2"))
     sender.queue(RemoteNotice(RemoteKVRef(EP, "p1", BLOCKS), "abort"))  # names no reader
+    sender.send(RemoteKVRef(EP, "", [], transfer_id="t1"), "heartbeat")  # a waiting request's
+    sender.send(RemoteKVRef(EP, "", [], transfer_id="t1"), "done")  # nothing to say it to
     sender.flush()
     assert [decode_notif(p) for _, p in agent.sent] == [
         Notice("done", "p1", 1, BLOCKS, "me/d1"), Notice("abort", "p1", 1, BLOCKS)]
     assert [call[2] for call in pool.calls] == [
+        {"type": "notify", "kind": "heartbeat", "transfer_id": "t1"},
         {"type": "notify", "kind": "abort", "transfer_id": "t1", "reader": "me/d2"}]
     # side channel: the message names it too
     down = NoticeSender(FakeAgent(), FakeRemotes(ready=False), pool := ImmediatePool(),

@@ -81,13 +81,13 @@ class NoticeSender:
         delivers notifications on its own, else by the side channel in the background (one
         message per target rank, with its expected count, once the handshake is done; before
         it one that the remote's rank 0 applies and forwards to its ranks). A pending
-        reference (its claim not answered yet) is named by its transfer id: only an "abort" is
-        sent, to the remote's side channel. ``reader``: the reader id the notice names (None:
-        none)."""
+        reference (its claim not answered yet) is named by its transfer id: only an "abort" or
+        a "heartbeat" is sent, to the remote's side channel. ``reader``: the reader id the
+        notice names (None: none)."""
         by_reader = {} if reader is None else {"reader": reader}
         if ref.pending:  # a concurrent hand-off whose claim was not answered: by transfer id
-            if kind == "abort":
-                self._submit(ref.endpoint, {"type": "notify", "kind": "abort",
+            if kind in ("abort", "heartbeat"):
+                self._submit(ref.endpoint, {"type": "notify", "kind": kind,
                                             "transfer_id": ref.transfer_id, **by_reader})
             return
         remote = self._remotes.get(ref.endpoint)

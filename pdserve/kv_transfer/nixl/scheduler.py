@@ -11,7 +11,8 @@ Prefill → decode (docs/architecture.md, "Request flow of one P/D turn"):
 * **Decoder (D)**, request with ``do_remote_prefill``: :meth:`get_num_new_matched_tokens`
   offers ``prompt_len - 1 - num_local_computed`` tokens, loaded asynchronously, so D reads only
   what its prefix cache lacks and recomputes only the last prompt token (for its logits). While
-  the request waits in D's queue, the worker sends heartbeats that keep P's lease alive. A
+  the request waits in D's queue, the worker sends heartbeats that keep P's lease alive (by
+  the router's transfer id for a concurrent hand-off whose claim is not answered yet). A
   request finished on D before its read tells P to drop the lease ("abort"); one finished while
   its READ is in flight holds its blocks until the READ is over (it appears in
   ``finished_recving``).
@@ -160,8 +161,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
         (decoder side) the heartbeats that keep P's lease alive while the request waits."""
         kind, ref, _ = self._source(request)
         if ref is not None and request.request_id not in self._waiting:
-            self._start_waiting(request.request_id, ref,
-                                heartbeat=kind is LoadKind.PREFILL and not ref.pending)
+            self._start_waiting(request.request_id, ref, heartbeat=kind is LoadKind.PREFILL)
             if kind is LoadKind.PULL and self.tp_size == 1:
                 self._claim_pull_early(request, ref)
 
@@ -218,8 +218,7 @@ class NixlConnectorScheduler(KVConnectorSchedulerSide):
                     f"the prompt needs {needed}"
                 )
             if request_id not in self._waiting:
-                # a pending reference names no lease yet: nothing to keep alive
-                self._start_waiting(request_id, ref, heartbeat=not ref.pending)
+                self._start_waiting(request_id, ref, heartbeat=True)
         self._plans[request_id] = _LoadPlan(LoadKind.PREFILL, ref, num_computed_tokens, num_tokens, error)
         return num_tokens, True
 

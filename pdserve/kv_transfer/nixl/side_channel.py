@@ -41,9 +41,12 @@ instances' ``REQ`` sockets:
     request that came with that transfer id starts (the reader's tokens must match it), or
     rejected after ``wait_s`` seconds (at most :data:`MAX_PENDING_WAIT_S`) or at once when that
     lease already ended. Its ``reader`` binds the lease as a claim's does.
-``{"type": "notify", "kind": "abort", "transfer_id": str[, "reader": str]}`` -> ``{"ok": True}``:
-    a reader gave up a pending claim; the lease of that transfer is aborted (now, or when it
-    starts), unless it is bound to another reader.
+``{"type": "notify", "kind": "abort"|"heartbeat", "transfer_id": str[, "reader": str]}`` ->
+    ``{"ok": True}``: about the lease of a pending claim's transfer. "abort": a reader gave up
+    its pending claim; the lease is aborted (now, or when it starts), unless it is bound to
+    another reader. "heartbeat": the reader's request still waits in its queue; the lease, once
+    it has started, is renewed as by a heartbeat naming its blocks (before it starts there is
+    nothing to renew).
 ``{"type": "notify", "kind": "abort"|"done"|"heartbeat", "request_id": str, "block_ids": [int][,
 "tp_rank": int, "expected": int][, "reader": str]}``
     -> ``{"ok": True}``: the same control messages as the NIXL notifications, for readers
@@ -200,8 +203,9 @@ class SideChannelServer:
         claim_transfer: ``claim_transfer(transfer_id, num_tokens, token_digest, reader=...) ->``
             :class:`~pdserve.kv_transfer.nixl.leases.ClaimAnswer`, a pending claim's answer
             (thread-safe); None: pending claims are refused.
-        abort_transfer: ``abort_transfer(transfer_id)`` (with ``reader=`` when the notice names
-            a reader id), a reader's abort by transfer id (thread-safe); None: refused.
+        transfer_notice: ``transfer_notice(kind, transfer_id)`` (with ``reader=`` when the
+            notice names a reader id), a reader's "abort" or "heartbeat" by transfer id
+            (thread-safe); None: refused.
 
     Raises:
         SideChannelBindError: the port is in use or the address cannot be bound.
@@ -217,11 +221,11 @@ class SideChannelServer:
         claim_wait_s: float = 5.0,
         instance_id: str = "",
         claim_transfer: Callable[..., Any] | None = None,
-        abort_transfer: Callable[..., None] | None = None,
+        transfer_notice: Callable[..., None] | None = None,
     ):
         self.host = host
         self._claim_transfer = claim_transfer
-        self._abort_transfer = abort_transfer
+        self._transfer_notice = transfer_notice
         self.instance_id = instance_id
         self.port = port
         self._get_info = get_info
@@ -312,13 +316,13 @@ class SideChannelServer:
                             (msg.get("num_tokens"), msg.get("token_digest")),
                             {"reader": reader, "first_token": first})
         elif kind == "notify" and "transfer_id" in msg:
-            transfer_id = msg.get("transfer_id")
-            if self._abort_transfer is None or msg.get("kind") != "abort" or \
+            transfer_id, note = msg.get("transfer_id"), msg.get("kind")
+            if self._transfer_notice is None or note not in ("abort", "heartbeat") or \
                     not isinstance(transfer_id, str):
                 self._reply(ident, {"ok": False, "reason": "malformed notify (a notice by "
-                                    "transfer id is an abort)"}, seq)
+                                    "transfer id is an abort or a heartbeat)"}, seq)
                 return
-            self._abort_transfer(transfer_id, **by_reader)
+            self._transfer_notice(note, transfer_id, **by_reader)
             self._reply(ident, {"ok": True}, seq)
         elif kind == "notify":
             request_id, note = msg.get("request_id"), msg.get("kind")

@@ -152,7 +152,7 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             claim_wait_s=config.kv_handshake_timeout,
             instance_id=self.instance_id,
             claim_transfer=self._answer_transfer_claim,
-            abort_transfer=self._abort_transfer,
+            transfer_notice=self._transfer_notice,
         )
 
     def reader_of(self, request_id: str) -> str:
@@ -325,13 +325,17 @@ class NixlConnectorWorker(KVConnectorWorkerSide):
             self._waker.wake()
         return answer
 
-    def _abort_transfer(self, transfer_id: str, reader: str | None = None) -> None:
-        """Side-channel thread: a reader's abort by transfer id, applied to the lease it names
-        as an abort notice from ``reader`` for every rank (or remembered until the lease
-        starts)."""
-        found = self.leases.abort_transfer(transfer_id)
+    def _transfer_notice(self, kind: str, transfer_id: str, reader: str | None = None) -> None:
+        """Side-channel thread: a reader's notice by transfer id, applied to the lease it
+        names as a notice naming its blocks, from ``reader``, for every rank. An "abort"
+        before the lease starts is remembered until it starts; a "heartbeat" then has nothing
+        to renew."""
+        if kind == "abort":
+            found = self.leases.abort_transfer(transfer_id)
+        else:
+            found = self.leases.transfer_lease(transfer_id)
         if found is not None:
-            self.inbox.on_side_channel_notice("abort", found[0], found[1], reader=reader)
+            self.inbox.on_side_channel_notice(kind, found[0], found[1], reader=reader)
 
     def _lease_started(self) -> None:
         """Engine thread: a lease of a concurrent hand-off started; its pending claim may be
