@@ -320,6 +320,15 @@ def _copy_line(c: dict[str, float]) -> str:
             f"{c.get(TIER_SERIES[3], 0.0) / 2**30:.2f} GiB")
 
 
+def _summary_line(base: list, other: list, label: str) -> str:
+    """One ``summary:`` line: turns 2+ TTFT p50 and p90 of ``base`` -> ``other`` (ms, from
+    :func:`ttft_percentiles`' ``later``) and their ratios ``base / other``."""
+    ratios = [b / o if b and o else None for b, o in zip(base[:2], other[:2])]
+    return (f"summary: turns 2+ TTFT p50 {_f(base[0])} -> {_f(other[0])} ms "
+            f"({_f(ratios[0], 2)}x), p90 {_f(base[1])} -> {_f(other[1])} ms "
+            f"({_f(ratios[1], 2)}x); {label}")
+
+
 def report(results: dict[str, dict]) -> list[str]:
     """The printed lines of both cases and the turns-2+ ratios."""
     lines = []
@@ -353,30 +362,16 @@ def report(results: dict[str, dict]) -> list[str]:
         if local:
             lines.append(f"{'':>9}  prefilled by D itself (--local-prefill-max-tokens): "
                          f"{local:.0f} requests")
-    base, tier = results["no tier"]["ttft"]["later"], results["host tier"]["ttft"]["later"]
-    ratios = [b / t if b and t else None for b, t in zip(base[:2], tier[:2])]
-    lines.append(f"summary: turns 2+ TTFT p50 {_f(base[0])} -> {_f(tier[0])} ms "
-                 f"({_f(ratios[0], 2)}x), p90 {_f(base[1])} -> {_f(tier[1])} ms "
-                 f"({_f(ratios[1], 2)}x); no tier / host tier")
-    for name in ("no tier, depth-first", "host tier, depth-first"):
-        if name not in results:
-            continue
-        later = results[name]["ttft"]["later"]
-        ratios = [b / t if b and t else None for b, t in zip(base[:2], later[:2])]
-        lines.append(f"summary: turns 2+ TTFT p50 {_f(base[0])} -> {_f(later[0])} ms "
-                     f"({_f(ratios[0], 2)}x), p90 {_f(base[1])} -> {_f(later[1])} ms "
-                     f"({_f(ratios[1], 2)}x); no tier / {name}")
+    pairs = [("no tier", "host tier", "no tier / host tier")]
+    pairs += [("no tier", name, f"no tier / {name}")
+              for name in ("no tier, depth-first", "host tier, depth-first") if name in results]
     if "no tier, depth-first" in results and "host tier, depth-first" in results:
-        b, t = (results[n]["ttft"]["later"] for n in ("no tier, depth-first",
-                                                      "host tier, depth-first"))
-        ratios = [x / y if x and y else None for x, y in zip(b[:2], t[:2])]
-        lines.append(f"summary: turns 2+ TTFT p50 {_f(b[0])} -> {_f(t[0])} ms "
-                     f"({_f(ratios[0], 2)}x), p90 {_f(b[1])} -> {_f(t[1])} ms "
-                     f"({_f(ratios[1], 2)}x); both depth-first: no tier / host tier")
+        pairs.append(("no tier, depth-first", "host tier, depth-first",
+                      "both depth-first: no tier / host tier"))
     if "device cache" in results:
-        dev = results["device cache"]["ttft"]["later"]
-        best = [b / d if b and d else None for b, d in zip(base[:2], dev[:2])]
-        lines.append(f"summary: turns 2+ TTFT p50 {_f(base[0])} -> {_f(dev[0])} ms "
-                     f"({_f(best[0], 2)}x), p90 {_f(base[1])} -> {_f(dev[1])} ms "
-                     f"({_f(best[1], 2)}x); no tier / device cache (the most a tier could give)")
+        pairs.append(("no tier", "device cache",
+                      "no tier / device cache (the most a tier could give)"))
+    for base, other, label in pairs:
+        lines.append(_summary_line(results[base]["ttft"]["later"],
+                                   results[other]["ttft"]["later"], label))
     return lines
