@@ -6,9 +6,9 @@ not divide over ``N`` is refused with one line and exit code 2, instead of after
 process started. The numbers come from the model's ``config.json`` (a Hugging Face directory, or
 a built-in model already converted), else from the GGUF metadata (a ``.gguf`` file, or the
 built-in SmolLM2's packaged GGUF before its one-time conversion):
-:func:`pdserve.model_files.config_values.model_config_values`. A model whose numbers cannot be read here is checked later, by the engine
-(:func:`pdserve.models.loader.check_model_splits`). The rule, :func:`check_tp_divisible`, lives
-here (torch-free) for both.
+:func:`pdserve.model_files.config_values.model_config_values`. A model whose numbers cannot be
+read here is checked later, by the engine (:func:`pdserve.models.loader.check_model_splits`).
+The rule, :func:`check_tp_divisible`, lives here (torch-free) for both.
 """
 
 from __future__ import annotations

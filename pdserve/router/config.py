@@ -276,14 +276,15 @@ def parse_args(argv: list[str]) -> ProxyConfig:
         option = ("--routing kv-aware" if ns.routing == "kv-aware"
                   else "--local-prefill-max-tokens")
         parser.fail(f"{option} needs --tokenizer MODEL (the served model's built-in name, "
-                     "directory or .gguf file) to hash prompts as the instances do")
+                    "directory or .gguf file) to hash prompts as the instances do")
     if ns.local_prefill_max_tokens and ns.enforce_disagg:
         parser.fail("--local-prefill-max-tokens lets decoders prefill requests, which "
-                     "--enforce-disagg forbids: give one of them")
+                    "--enforce-disagg forbids: give one of them")
     if ns.state_store != "memory" and not ns.multi_turn:
         parser.fail("--state-store keeps the --multi-turn table: give --multi-turn too")
     if ns.session_affinity and not ns.multi_turn:
-        parser.fail("--session-affinity applies to --multi-turn conversations: give --multi-turn too")
+        parser.fail("--session-affinity applies to --multi-turn conversations: give "
+                    "--multi-turn too")
     return ProxyConfig(
         host=ns.host, port=ns.port, prefillers=prefillers, decoders=decoders, routing=ns.routing,
         multi_turn=ns.multi_turn, api_key=ns.api_key or None,
