@@ -36,6 +36,11 @@ its NIXL agent name, in its handshake info, and in every claim answer; rank 0's,
 id, is the reader id of this instance's claims and notices, :mod:`.readers`), so a reader tells a
 restarted owner from the one it handshook with (:mod:`.loads`); a notification that cannot be
 sent over NIXL (the peer vanished) drops the cached agent and goes by the side channel.
+
+The module is one class and stays whole (past 450 lines): it is the connector's worker side of
+the contract (:class:`~pdserve.kv_transfer.base.KVConnectorWorkerSide`) and the one place that
+wires the parts above to each other and to the side-channel server's callbacks; what they do
+lives in their own modules.
 """
 
 from __future__ import annotations
