@@ -8,10 +8,11 @@ deadlines and their shutdown, and runs its steps: one at a time, or two deep wit
 scheduling (``--async-scheduling``; what to schedule next while a step runs is the scheduler's
 :mod:`pdserve.engine.async_scheduling`).
 
-The module is one class and stays whole (past 450 lines): its start-up order, its steps (one at
-a time or two deep, with the launched step and the reports applied at its launch) and its
-shutdown work on the same resources, and a helper given some of them would reach into its
-owner.
+The start-up pieces that need no core (``max_model_len``, the connector sides, the KV cache
+tiers) are :mod:`pdserve.engine.core_setup`. The rest is one class and stays whole (past 450
+lines): its start-up order, its steps (one at a time or two deep, with the launched step, the
+reports applied at its launch and what comes while it runs) and its shutdown work on the same
+resources, and a helper given some of them would reach into its owner.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pdserve.engine.kv_events import KVEventPublisher
 from pdserve.types.kv_events import default_snapshot_endpoint
 from pdserve.types.outputs import EngineCoreOutput, ModelRunnerOutput, PendingStep, SchedulerOutput
 from pdserve.types.request import Request
-from pdserve.engine.kv_tiers import TierManager
+from pdserve.engine.core_setup import build_tiers, create_connectors, resolve_max_model_len
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_waiter import StepWaiter
 
@@ -41,51 +42,20 @@ KV_POLL_INTERVAL_S = 0.001
 IDLE_POLL_INTERVAL_S = 0.5
 
 
-def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int, num_blocks: int) -> int:
-    """Effective ``max_model_len`` in tokens.
+@dataclasses.dataclass(frozen=True)
+class Arrivals:
+    """The core loop's input as the engine core watches it while a step runs with no step
+    launched behind it (:meth:`EngineCore._read_step`).
 
-    Default: the model's ``max_position_embeddings``, capped (with a warning) at the KV cache
-    capacity ``num_blocks * block_size`` so that a single request always fits.
-
-    Raises:
-        ValueError: an explicit ``max_model_len`` exceeds the model's positions or the KV cache.
+    Attributes:
+        handle: the input socket (a ZMQ socket or a file descriptor), readable while a message
+            waits on it.
+        receive: takes every waiting message and acts on it as the loop does (queues requests,
+            aborts them, ...).
     """
-    capacity = num_blocks * config.block_size
-    if config.max_model_len is None:
-        if max_position_embeddings > capacity:
-            logger.warning(
-                "max_model_len defaults to the KV cache capacity, %d tokens (the model supports %d);"
-                " give the cache more memory to serve longer sequences",
-                capacity, max_position_embeddings,
-            )
-        return min(max_position_embeddings, capacity)
-    if config.max_model_len < 1:
-        raise ValueError(f"max_model_len must be at least 1, got {config.max_model_len}")
-    if config.max_model_len > max_position_embeddings:
-        raise ValueError(
-            f"max_model_len ({config.max_model_len}) is larger than the model's "
-            f"max_position_embeddings ({max_position_embeddings})"
-        )
-    if config.max_model_len > capacity:
-        raise ValueError(
-            f"max_model_len ({config.max_model_len} tokens) does not fit in the KV cache "
-            f"({num_blocks} blocks x {config.block_size} = {capacity} tokens); lower "
-            "--max-model-len or raise --kv-cache-memory / --gpu-memory-utilization"
-        )
-    return config.max_model_len
 
-
-def _create_connectors(kv_transfer_config: Any, engine_config: EngineConfig) -> tuple[Any, Any]:
-    """Both sides of the configured KV connector (scheduler side, worker side). At TP > 1 the
-    worker side is None here: the executor creates one per rank, in the rank's process."""
-    try:
-        from pdserve.kv_transfer.factory import create_connector
-    except ImportError as e:
-        raise RuntimeError(f"a KV transfer config was given but no connector is available: {e}") from e
-    scheduler_side = create_connector(kv_transfer_config, "scheduler", engine_config)
-    if engine_config.tensor_parallel_size > 1:
-        return scheduler_side, None
-    return scheduler_side, create_connector(kv_transfer_config, "worker", engine_config)
+    handle: Any
+    receive: Callable[[], None]
 
 
 class EngineCore:
@@ -109,6 +79,8 @@ class EngineCore:
         emit: None, or a callable that sends outputs at once; the core loop sets it so that
             outputs known at a step's launch (a prefiller's first token, an ended KV load) go
             out before the host waits for the running step (:meth:`_async_step`).
+        arrivals: None, or the core loop's input (:class:`Arrivals`; the loop sets it with
+            :attr:`emit`), taken while a step runs with none launched behind it.
 
     Raises:
         ValueError / RuntimeError / OSError: the model or the configuration cannot be used (the
@@ -121,7 +93,7 @@ class EngineCore:
         # is then reported in a second, not after the model has loaded. Neither side needs the
         # runner until register_kv_cache below.
         if connectors is None and config.kv_transfer_config is not None:
-            connectors = _create_connectors(config.kv_transfer_config, config)
+            connectors = create_connectors(config.kv_transfer_config, config)
         self.runner: Executor | None = None
         try:
             self._build(config, make_executor, connectors)
@@ -167,7 +139,7 @@ class EngineCore:
         # TP 1: the only worker side is in this process (_bind_early)
         self._bind_at_once = connectors is not None and config.tensor_parallel_size == 1
         self.eos_token_ids = list(self.model_info.eos_token_ids or [])
-        self.tiers = self._build_tiers(config, runner)
+        self.tiers = build_tiers(config, runner, self.num_blocks)
         self.scheduler = Scheduler(
             self.config, self.num_blocks, self.connector, eos_token_ids=self.eos_token_ids,
             tiers=self.tiers,
@@ -183,7 +155,11 @@ class EngineCore:
         self._running: tuple[SchedulerOutput, PendingStep] | None = None
         # Sends outputs known before a step's tokens (the core loop sets it; _async_step).
         self.emit: Callable[[list[EngineCoreOutput]], None] | None = None
-        # Reads a launched step while the connector's answers are watched (_read_step).
+        # The core loop's input, taken while a step runs with none behind it (the loop sets it;
+        # _read_step).
+        self.arrivals: Arrivals | None = None
+        # Reads a launched step while the connector's answers or the input are watched
+        # (_read_step).
         self._waiter: StepWaiter | None = None
         # KV events (--kv-events-endpoint): the block manager records, the publisher sends.
         self.kv_events: KVEventPublisher | None = None
@@ -196,30 +172,6 @@ class EngineCore:
             self.scheduler.kv_cache_manager.enable_events()
             if self.tiers is not None:
                 self.tiers.enable_events()
-
-    def _build_tiers(self, config: EngineConfig, runner: Executor) -> TierManager | None:
-        """The KV cache tiers of ``config.kv_offloading``: their capacity in blocks of this
-        cache (each TP rank its shard), the runner's host pool and files, and the scheduler's
-        bookkeeping; None without tiers.
-
-        Raises:
-            ValueError: a tier too small for one block.
-        """
-        off = config.kv_offloading
-        if off is None:
-            return None
-        if not config.enable_prefix_caching:
-            logger.warning("--kv-offloading-size without prefix caching: no block has a hash, "
-                           "so the KV cache tiers stay empty")
-        block_bytes = runner.kv_cache_spec.block_bytes
-        host_blocks, disk_blocks = off.capacity(block_bytes, config.tensor_parallel_size)
-        runner.allocate_kv_tiers(host_blocks, off.disk_dir)
-        disk = (f"; disk tier: {disk_blocks} blocks, {disk_blocks * block_bytes / (1 << 30):.2f} "
-                f"GiB under {off.disk_dir}" if off.disk_dir else "; no disk tier")
-        logger.info("KV cache tiers (backend %s): host tier %d blocks, %.2f GiB per rank "
-                    "(%.1fx the KV cache)%s", off.backend.value, host_blocks,
-                    host_blocks * block_bytes / (1 << 30), host_blocks / self.num_blocks, disk)
-        return TierManager(host_blocks, disk_blocks, block_bytes)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, msg: AddRequest) -> EngineCoreOutput | None:
@@ -349,35 +301,75 @@ class EngineCore:
         running, pending = self._running
         nxt = scheduler.schedule_async(running)
         self._running = None
-        launched: frozenset[str] = frozenset()
         if nxt is not None:
-            launched = self._launch(nxt, running)
+            self._launch(nxt, running)
             early += self._apply_launch_reports(self._running[1])
         if early and self.emit is not None:
             self.emit(early)
             early = []
-        runner_out = self._read_step(pending)
+        runner_out = self._read_step(running, pending)  # may launch the step behind it
         phase_trace.mark("core.result")
         outputs = early + scheduler.commit_step(running, runner_out)
-        scheduler.kv_cache_manager.set_in_flight(launched)
+        behind = self._running
+        scheduler.kv_cache_manager.set_in_flight(
+            frozenset(sr.request_id for sr in behind[0].scheduled) if behind else frozenset())
         self._bind_early()
         return outputs, True, runner_out
 
-    def _read_step(self, pending: PendingStep) -> ModelRunnerOutput:
-        """``pending.result()``; at TP 1, while the connector waits for an answer that brings
-        the scheduler something to send (a prefiller's first token), its wake-ups are watched
-        too and a report taken when one comes is applied and sent at once (:attr:`emit`),
-        instead of at the next launch (:mod:`pdserve.engine.step_waiter`)."""
-        worker = self.connector_worker
-        if not self._bind_at_once or self.emit is None or not worker.expects_answer():
+    def _read_step(self, running: SchedulerOutput, pending: PendingStep) -> ModelRunnerOutput:
+        """``pending.result()`` (``running``'s). At TP 1 two more things are watched while it
+        waits (:mod:`pdserve.engine.step_waiter`) and taken when they come, not after the step:
+        the connector's wake-ups while it awaits an answer that brings the scheduler something to
+        send (a prefiller's first token), applied and sent through :attr:`emit`; and, while no
+        step is launched behind ``running``, the core loop's input (:attr:`arrivals`): arriving
+        requests are queued and, when the scheduler can, their step is launched behind
+        ``running``, so that their KV cache tier copies run beside it."""
+        arrivals = self.arrivals if self._running is None and self.emit is not None else None
+        if not self._awaits_answer() and arrivals is None:
             return pending.result()
         if self._waiter is None:
             self._waiter = StepWaiter()
-        return self._waiter.wait(pending, worker.wakeup_handles, self._apply_answer)
+        worker = self.connector_worker
 
-    def _apply_answer(self) -> bool:
+        inbox = arrivals.handle if arrivals is not None else None
+
+        def admitting() -> bool:
+            return arrivals is not None and self._running is None
+
+        def handles() -> list[Any]:
+            watched = list(worker.wakeup_handles()) if self._awaits_answer() else []
+            return watched + [inbox] if admitting() else watched
+
+        def on_wake(ready: list[Any]) -> bool:
+            if admitting() and inbox in ready:
+                arrivals.receive()
+                self._launch_behind(running)
+            if any(handle != inbox for handle in ready):  # watched while an answer is awaited
+                self._apply_answer()
+            return self._awaits_answer() or admitting()
+
+        return self._waiter.wait(pending, handles, on_wake)
+
+    def _awaits_answer(self) -> bool:
+        """TP 1 with :attr:`emit`: the connector waits for an answer that brings the scheduler
+        something to send (``expects_answer``)."""
+        return (self._bind_at_once and self.emit is not None
+                and self.connector_worker.expects_answer())
+
+    def _launch_behind(self, running: SchedulerOutput) -> None:
+        """Requests came while ``running`` runs with nothing behind it: launch the step the
+        scheduler makes now, if any, and send what its launch reports bring."""
+        nxt = self.scheduler.schedule_async(running)
+        if nxt is None:
+            return
+        self._launch(nxt, running)
+        early = self._apply_launch_reports(self._running[1])
+        if early:
+            self.emit(early)
+
+    def _apply_answer(self) -> None:
         """A connector wake-up while a step runs: take the worker's report, apply it and send
-        what it brings; returns whether the worker still waits for such an answer."""
+        what it brings."""
         worker = self.connector_worker
         worker.handle_wakeup()
         kv_out = worker.get_finished(set())
@@ -386,7 +378,6 @@ class EngineCore:
         early = self.scheduler.apply_reports(kv_out, None)
         if early:
             self.emit(early)
-        return worker.expects_answer()
 
     def _apply_launch_reports(self, step: PendingStep) -> list[EngineCoreOutput]:
         """Apply a just-launched step's connector and tier reports (:meth:`_async_step`)."""
@@ -401,16 +392,16 @@ class EngineCore:
             if early is not None:
                 self.connector_worker.bind_connector_metadata(early)
 
-    def _launch(self, step: SchedulerOutput, running: SchedulerOutput | None) -> frozenset[str]:
+    def _launch(self, step: SchedulerOutput, running: SchedulerOutput | None) -> None:
         """Launch ``step``; the blocks of its requests and of ``running``'s stay held until they
-        are known to be done. Returns the ids of ``step``'s requests."""
+        are known to be done."""
         if phase_trace.enabled():
             phase_trace.mark(launch_phase(step))
-        ids = frozenset([sr.request_id for sr in step.scheduled])
-        held = ids if running is None else ids.union([sr.request_id for sr in running.scheduled])
-        self.scheduler.kv_cache_manager.set_in_flight(held)
+        held = [sr.request_id for sr in step.scheduled]
+        if running is not None:
+            held += [sr.request_id for sr in running.scheduled]
+        self.scheduler.kv_cache_manager.set_in_flight(frozenset(held))
         self._running = (step, self.runner.execute_async(step))
-        return ids
 
     def wait_timeout_s(self, progressed: bool) -> float:
         """Seconds the core loop may block waiting for input or a connector wake-up before it
