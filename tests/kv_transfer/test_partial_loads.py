@@ -156,8 +156,10 @@ def test_a_restore_with_none_of_the_planned_blocks_fails_the_load():
     loads.progress(time.monotonic())
     assert agent.reads == [] and not out.partial_loads
     assert out.invalid_block_ids == {30, 31, 32}
-    assert out.load_errors["p1"].reason is KVLoadFailure.INVALID_REFERENCE
-    assert "holds 1 blocks now; the prompt needs 4" in out.load_errors["p1"].detail
+    # the owner gave the turn up: its lease is refused, the reference was valid
+    assert out.load_errors["p1"].reason is KVLoadFailure.LEASE_REFUSED
+    assert ("holds 1 of the turn's blocks now, none past the 1 this instance has; the prompt "
+            "needs 4") in out.load_errors["p1"].detail
     assert stats.take_delta()["num_failed_transfers"] == 1
 
 

@@ -11,7 +11,7 @@ A granted claim (``{"ok": true, ...}``, :mod:`.side_channel`) may name the block
   its leading local blocks, leaves the others unread (:attr:`~.reads.Load.unread`), and reports
   how many it read in ``KVConnectorOutput.partial_loads``; the scheduler computes the rest
   (:meth:`~pdserve.engine.remote_kv.RemoteKV.partial_load`). Not a failure. When they cover none
-  of the load's blocks the load fails (a pull is recomputed).
+  of the load's blocks the load fails as a refused lease (a pull is recomputed).
 
 The claim carried the digest of the reader's tokens up to the load's end and the owner granted
 it only for equal tokens, and a restored block holds the KV of the turn's tokens at its place
@@ -70,10 +70,15 @@ def resolve(load: Load, reply: dict[str, Any]) -> Refusal | None:
     held = len(spec.remote_read_block_ids)
     if held == planned:
         return None
-    if not restored or held == 0:
+    if not restored:
         return Refusal(KVLoadFailure.INVALID_REFERENCE,
                        f"the owner holds {len(block_ids)} blocks now; the prompt needs "
                        f"{first + planned}", True)
+    if held == 0:  # the owner gave the turn up (under pressure) past what this instance has
+        return Refusal(KVLoadFailure.LEASE_REFUSED,
+                       f"the owner holds {len(block_ids)} of the turn's blocks now, none past "
+                       f"the {first} this instance has; the prompt needs {first + planned}",
+                       True)
     spec.local_block_ids, load.unread = spec.local_block_ids[:held], spec.local_block_ids[held:]
     return None
 
