@@ -217,20 +217,33 @@ def test_the_nixl_loads_await_an_answer_only_while_a_first_token_claim_is_unansw
     assert not loads.awaits_first_token()
 
 
-def _blocking_reads(runner, order: list[str], until: threading.Event, first: str) -> None:
-    """Make the read of ``first``'s first step wait (up to 2 s) for ``until``; record every
-    launch and read of a step in ``order`` by the ids of its requests."""
+def _core_reading_a_held_step(release_after_s: float):
+    """An async-scheduling core over the fake runner whose read of request ``a``'s first step
+    waits (up to 2 s) until ``release_after_s`` after a step with request ``b`` is launched;
+    every launch and read is recorded in ``order`` by the ids of the step's requests, and a
+    pipe is the core's input (set ``core.arrivals`` with it).
+
+    Returns:
+        ``(core, res, inbox, order)``.
+    """
+    core, runner = make_core(async_scheduling=True)
+    res: dict = {}
+    core.emit = lambda outs: collect(res, outs)
+    order: list[str] = []
+    release = threading.Event()
     launch = runner.execute_async
 
     def execute_async(sched):
         pending = launch(sched)
         ids = ",".join(sr.request_id for sr in sched.scheduled)
         order.append("launch:" + ids)
+        if "b" in ids.split(","):
+            threading.Timer(release_after_s, release.set).start()
         result = pending.result
 
         def read():
-            if ids == first and not until.is_set():
-                until.wait(2)
+            if ids == "a" and not release.is_set():
+                release.wait(2)
             order.append("read:" + ids)
             return result()
 
@@ -238,6 +251,7 @@ def _blocking_reads(runner, order: list[str], until: threading.Event, first: str
         return pending
 
     runner.execute_async = execute_async
+    return core, res, Pipe(), order
 
 
 def test_a_request_that_comes_while_the_last_step_runs_starts_its_step_behind_it():
@@ -246,28 +260,13 @@ def test_a_request_that_comes_while_the_last_step_runs_starts_its_step_behind_it
     launched before the running step is read, not after. Tokens are unchanged, no block leaks."""
     from pdserve.engine.core import Arrivals
 
-    core, runner = make_core(async_scheduling=True)
-    res: dict = {}
-    core.emit = lambda outs: collect(res, outs)
-    inbox = Pipe()
-    order: list[str] = []
-    launched_b = threading.Event()
+    core, res, inbox, order = _core_reading_a_held_step(0.0)
 
     def receive():
         inbox.drain()
         add(core, "b", [9, 8, 7, 6, 5], max_tokens=3)
 
     core.arrivals = Arrivals(inbox.r, receive)
-    _blocking_reads(runner, order, launched_b, "a")
-    launch = runner.execute_async
-
-    def note_b(sched):
-        pending = launch(sched)
-        if any(sr.request_id == "b" for sr in sched.scheduled):
-            launched_b.set()
-        return pending
-
-    runner.execute_async = note_b
     add(core, "a", [1, 2, 3, 4, 5, 6], max_tokens=1)
     threading.Timer(0.05, inbox.ring).start()
     collect(res, core.step()[0])
@@ -287,12 +286,7 @@ def test_the_input_is_watched_until_a_step_is_launched_behind_and_an_abort_after
     block is free in the end."""
     from pdserve.engine.core import Arrivals
 
-    core, runner = make_core(async_scheduling=True)
-    res: dict = {}
-    core.emit = lambda outs: collect(res, outs)
-    inbox = Pipe()
-    order: list[str] = []
-    launched_b = threading.Event()
+    core, res, inbox, order = _core_reading_a_held_step(0.1)  # a is read after the abort came
     received: list[str] = []
 
     def receive():
@@ -307,16 +301,6 @@ def test_the_input_is_watched_until_a_step_is_launched_behind_and_an_abort_after
         order.append("received:" + received[-1])
 
     core.arrivals = Arrivals(inbox.r, receive)
-    _blocking_reads(runner, order, launched_b, "a")
-    launch = runner.execute_async
-
-    def note_b(sched):
-        pending = launch(sched)
-        if any(sr.request_id == "b" for sr in sched.scheduled):
-            threading.Timer(0.1, launched_b.set).start()  # read a after the abort has come
-        return pending
-
-    runner.execute_async = note_b
     add(core, "a", [1, 2, 3], max_tokens=1)
     threading.Timer(0.05, inbox.ring).start()
     collect(res, core.step()[0])
