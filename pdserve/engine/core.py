@@ -9,10 +9,7 @@ scheduling (``--async-scheduling``; what to schedule next while a step runs is t
 :mod:`pdserve.engine.async_scheduling`).
 
 The start-up pieces that need no core (``max_model_len``, the connector sides, the KV cache
-tiers) are :mod:`pdserve.engine.core_setup`. The rest is one class and stays whole (past 450
-lines): its start-up order, its steps (one at a time or two deep, with the launched step, the
-reports applied at its launch and what comes while it runs) and its shutdown work on the same
-resources, and a helper given some of them would reach into its owner.
+tiers) are :mod:`pdserve.engine.core_setup`; the rest is one class.
 """
 
 from __future__ import annotations
@@ -42,22 +39,6 @@ KV_POLL_INTERVAL_S = 0.001
 IDLE_POLL_INTERVAL_S = 0.5
 
 
-@dataclasses.dataclass(frozen=True)
-class Arrivals:
-    """The core loop's input as the engine core watches it while a step runs with no step
-    launched behind it (:meth:`EngineCore._read_step`).
-
-    Attributes:
-        handle: the input socket (a ZMQ socket or a file descriptor), readable while a message
-            waits on it.
-        receive: takes every waiting message and acts on it as the loop does (queues requests,
-            aborts them, ...).
-    """
-
-    handle: Any
-    receive: Callable[[], None]
-
-
 class EngineCore:
     """Scheduler, KV cache manager, model runner and (optional) KV connector of one instance.
 
@@ -79,8 +60,6 @@ class EngineCore:
         emit: None, or a callable that sends outputs at once; the core loop sets it so that
             outputs known at a step's launch (a prefiller's first token, an ended KV load) go
             out before the host waits for the running step (:meth:`_async_step`).
-        arrivals: None, or the core loop's input (:class:`Arrivals`; the loop sets it with
-            :attr:`emit`), taken while a step runs with none launched behind it.
 
     Raises:
         ValueError / RuntimeError / OSError: the model or the configuration cannot be used (the
@@ -155,11 +134,7 @@ class EngineCore:
         self._running: tuple[SchedulerOutput, PendingStep] | None = None
         # Sends outputs known before a step's tokens (the core loop sets it; _async_step).
         self.emit: Callable[[list[EngineCoreOutput]], None] | None = None
-        # The core loop's input, taken while a step runs with none behind it (the loop sets it;
-        # _read_step).
-        self.arrivals: Arrivals | None = None
-        # Reads a launched step while the connector's answers or the input are watched
-        # (_read_step).
+        # Reads a launched step while the connector's answers are watched (_read_step).
         self._waiter: StepWaiter | None = None
         # KV events (--kv-events-endpoint): the block manager records, the publisher sends.
         self.kv_events: KVEventPublisher | None = None
@@ -301,75 +276,35 @@ class EngineCore:
         running, pending = self._running
         nxt = scheduler.schedule_async(running)
         self._running = None
+        launched: frozenset[str] = frozenset()
         if nxt is not None:
-            self._launch(nxt, running)
+            launched = self._launch(nxt, running)
             early += self._apply_launch_reports(self._running[1])
         if early and self.emit is not None:
             self.emit(early)
             early = []
-        runner_out = self._read_step(running, pending)  # may launch the step behind it
+        runner_out = self._read_step(pending)
         phase_trace.mark("core.result")
         outputs = early + scheduler.commit_step(running, runner_out)
-        behind = self._running
-        scheduler.kv_cache_manager.set_in_flight(
-            frozenset(sr.request_id for sr in behind[0].scheduled) if behind else frozenset())
+        scheduler.kv_cache_manager.set_in_flight(launched)
         self._bind_early()
         return outputs, True, runner_out
 
-    def _read_step(self, running: SchedulerOutput, pending: PendingStep) -> ModelRunnerOutput:
-        """``pending.result()`` (``running``'s). At TP 1 two more things are watched while it
-        waits (:mod:`pdserve.engine.step_waiter`) and taken when they come, not after the step:
-        the connector's wake-ups while it awaits an answer that brings the scheduler something to
-        send (a prefiller's first token), applied and sent through :attr:`emit`; and, while no
-        step is launched behind ``running``, the core loop's input (:attr:`arrivals`): arriving
-        requests are queued and, when the scheduler can, their step is launched behind
-        ``running``, so that their KV cache tier copies run beside it."""
-        arrivals = self.arrivals if self._running is None and self.emit is not None else None
-        if not self._awaits_answer() and arrivals is None:
+    def _read_step(self, pending: PendingStep) -> ModelRunnerOutput:
+        """``pending.result()``; at TP 1, while the connector waits for an answer that brings
+        the scheduler something to send (a prefiller's first token), its wake-ups are watched
+        too and a report taken when one comes is applied and sent at once (:attr:`emit`),
+        instead of at the next launch (:mod:`pdserve.engine.step_waiter`)."""
+        worker = self.connector_worker
+        if not self._bind_at_once or self.emit is None or not worker.expects_answer():
             return pending.result()
         if self._waiter is None:
             self._waiter = StepWaiter()
-        worker = self.connector_worker
+        return self._waiter.wait(pending, worker.wakeup_handles, self._apply_answer)
 
-        inbox = arrivals.handle if arrivals is not None else None
-
-        def admitting() -> bool:
-            return arrivals is not None and self._running is None
-
-        def handles() -> list[Any]:
-            watched = list(worker.wakeup_handles()) if self._awaits_answer() else []
-            return watched + [inbox] if admitting() else watched
-
-        def on_wake(ready: list[Any]) -> bool:
-            if admitting() and inbox in ready:
-                arrivals.receive()
-                self._launch_behind(running)
-            if any(handle != inbox for handle in ready):  # watched while an answer is awaited
-                self._apply_answer()
-            return self._awaits_answer() or admitting()
-
-        return self._waiter.wait(pending, handles, on_wake)
-
-    def _awaits_answer(self) -> bool:
-        """TP 1 with :attr:`emit`: the connector waits for an answer that brings the scheduler
-        something to send (``expects_answer``)."""
-        return (self._bind_at_once and self.emit is not None
-                and self.connector_worker.expects_answer())
-
-    def _launch_behind(self, running: SchedulerOutput) -> None:
-        """Requests came while ``running`` runs with nothing behind it: launch the step the
-        scheduler makes now, if any, and send what its launch reports bring."""
-        nxt = self.scheduler.schedule_async(running)
-        if nxt is None:
-            return
-        self._launch(nxt, running)
-        early = self._apply_launch_reports(self._running[1])
-        if early:
-            self.emit(early)
-
-    def _apply_answer(self) -> None:
+    def _apply_answer(self) -> bool:
         """A connector wake-up while a step runs: take the worker's report, apply it and send
-        what it brings."""
+        what it brings; returns whether the worker still waits for such an answer."""
         worker = self.connector_worker
         worker.handle_wakeup()
         kv_out = worker.get_finished(set())
@@ -378,6 +313,7 @@ class EngineCore:
         early = self.scheduler.apply_reports(kv_out, None)
         if early:
             self.emit(early)
+        return worker.expects_answer()
 
     def _apply_launch_reports(self, step: PendingStep) -> list[EngineCoreOutput]:
         """Apply a just-launched step's connector and tier reports (:meth:`_async_step`)."""
@@ -392,16 +328,16 @@ class EngineCore:
             if early is not None:
                 self.connector_worker.bind_connector_metadata(early)
 
-    def _launch(self, step: SchedulerOutput, running: SchedulerOutput | None) -> None:
+    def _launch(self, step: SchedulerOutput, running: SchedulerOutput | None) -> frozenset[str]:
         """Launch ``step``; the blocks of its requests and of ``running``'s stay held until they
-        are known to be done."""
+        are known to be done. Returns the ids of ``step``'s requests."""
         if phase_trace.enabled():
             phase_trace.mark(launch_phase(step))
-        held = [sr.request_id for sr in step.scheduled]
-        if running is not None:
-            held += [sr.request_id for sr in running.scheduled]
-        self.scheduler.kv_cache_manager.set_in_flight(frozenset(held))
+        ids = frozenset([sr.request_id for sr in step.scheduled])
+        held = ids if running is None else ids.union([sr.request_id for sr in running.scheduled])
+        self.scheduler.kv_cache_manager.set_in_flight(held)
         self._running = (step, self.runner.execute_async(step))
+        return ids
 
     def wait_timeout_s(self, progressed: bool) -> float:
         """Seconds the core loop may block waiting for input or a connector wake-up before it

@@ -21,7 +21,7 @@ from typing import Any
 from pdserve.utils import phase_trace
 from pdserve.types.engine_config import EngineConfig
 from pdserve.engine import ipc_dir
-from pdserve.engine.core import IDLE_POLL_INTERVAL_S, Arrivals, EngineCore
+from pdserve.engine.core import IDLE_POLL_INTERVAL_S, EngineCore
 from pdserve.types.core_messages import (
     AbortRequests,
     AddRequest,
@@ -148,34 +148,6 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
     core.emit = emit
     # A remote rank (pdserve/types/core_messages.py): heartbeats both ways.
     last_input = last_sent = time.monotonic()
-    early_outputs: list[EngineCoreOutput] = []  # rejected requests, sent with the step's outputs
-    stopping = False
-
-    def receive() -> None:
-        """Take every message waiting on the input socket (also while a step runs:
-        :class:`~pdserve.engine.core.Arrivals`)."""
-        nonlocal last_input, stopping
-        last_input = time.monotonic()
-        while not stopping:
-            try:
-                raw = in_sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            msg = decoder.decode(raw)
-            if isinstance(msg, AddRequest):
-                phase_trace.mark("core.add")
-                rejected = core.add_request(msg)
-                phase_trace.mark("core.added")
-                if rejected is not None:
-                    early_outputs.append(rejected)
-            elif isinstance(msg, AbortRequests):
-                core.abort_requests(msg.request_ids)
-            elif isinstance(msg, ReleaseEarly):
-                core.release_early(msg.request_id, msg.block_ids)
-            elif isinstance(msg, Shutdown):
-                stopping = True
-
-    core.arrivals = Arrivals(in_sock, receive)
     while True:
         # Wait for input or a connector wake-up (side-channel answer or notice, finished
         # handshake): not at all while the last step computed tokens, until the connector's
@@ -191,16 +163,35 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
         if stats_stale:
             timeout_s = min(timeout_s, max(0.0, last_stats_time + STATS_INTERVAL_S - time.monotonic()))
         wakeups = sync_poller(poller, wakeups, core.wakeup_handles())
+        early_outputs: list[EngineCoreOutput] = []
         events = dict(poller.poll(timeout_s * 1000))
         if snapshot_sock is not None and events.pop(snapshot_sock, None):
             core.serve_kv_snapshot()
         if len(events) > (in_sock in events):
             core.handle_wakeup()
         if in_sock in events:
-            receive()
-        if stopping:
-            logger.info("engine core shutting down")
-            return
+            last_input = time.monotonic()
+            while True:
+                try:
+                    raw = in_sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = decoder.decode(raw)
+                if isinstance(msg, AddRequest):
+                    phase_trace.mark("core.add")
+                    rejected = core.add_request(msg)
+                    phase_trace.mark("core.added")
+                    if rejected is not None:
+                        early_outputs.append(rejected)
+                elif isinstance(msg, AbortRequests):
+                    core.abort_requests(msg.request_ids)
+                elif isinstance(msg, ReleaseEarly):
+                    core.release_early(msg.request_id, msg.block_ids)
+                elif isinstance(msg, Shutdown):
+                    logger.info("engine core shutting down")
+                    return
+                elif isinstance(msg, Ping):
+                    pass
         now = time.monotonic()
         if remote and now - last_input > HEARTBEAT_TIMEOUT_S:
             raise RuntimeError(f"no message from the API server for {HEARTBEAT_TIMEOUT_S:g} s "
@@ -216,7 +207,6 @@ def _core_loop(core: EngineCore, in_sock: Any, out_sock: Any, encoder: Any, deco
         outputs, progressed = core.step() if stepping else ([], False)
         core.publish_kv_events()
         outputs = early_outputs + outputs
-        early_outputs = []
         core.log_connector_stats()
         conn_stats = core.take_connector_stats()
         now = time.monotonic()

@@ -3,12 +3,10 @@
 The engine thread of an async-scheduling core reads a launched step's tokens with
 ``PendingStep.result()``, which blocks until the device is done. While the connector waits for
 an answer that gives the scheduler something to send (a prefiller's first token, carried by a
-lease claim's answer), or while no step is launched behind it (a new request could start its
-step, and its KV cache tier copies, behind the running one), :class:`StepWaiter` moves that
-wait to a thread of its own, which writes a byte to a pipe when the step's output is ready, and
-the engine thread polls that pipe and the other handles (the connector's wake-ups, the core's
-input socket) together: an answer or a request that comes while the step runs is taken at once
-(:meth:`pdserve.engine.core.EngineCore._read_step`), not after the step.
+lease claim's answer), :class:`StepWaiter` moves that wait to a thread of its own, which writes a
+byte to a pipe when the step's output is ready, and the engine thread polls that pipe and the
+connector's wake-up handles together: an answer that comes while the step runs is applied at
+once (:meth:`pdserve.engine.core.EngineCore._read_step`), not at the next step's launch.
 """
 
 from __future__ import annotations
@@ -50,11 +48,10 @@ class StepWaiter:
             os.write(self._write_fd, b"\0")
 
     def wait(self, pending: PendingStep, handles: Callable[[], list[Any]],
-             on_wake: Callable[[list[Any]], bool]) -> ModelRunnerOutput:
-        """``pending.result()``, and meanwhile ``on_wake(ready)`` each time some of ``handles()``
-        (ZMQ sockets or file descriptors, asked anew after each wake-up) are readable first;
-        ``ready`` lists those, ``on_wake`` consumes what woke it and returns whether to keep
-        watching the handles (False: only the step is waited for).
+             on_wake: Callable[[], bool]) -> ModelRunnerOutput:
+        """``pending.result()``, and meanwhile ``on_wake()`` each time one of ``handles()`` (ZMQ
+        sockets or file descriptors) is readable first; ``on_wake`` consumes what woke it and
+        returns whether to keep watching the handles (False: only the step is waited for).
 
         Raises:
             What ``pending.result()`` raises.
@@ -70,7 +67,7 @@ class StepWaiter:
             events = dict(poller.poll())
             if self._read_fd in events:
                 return self._take()
-            watching = on_wake(list(events))
+            watching = on_wake()
 
     def _take(self) -> ModelRunnerOutput:
         os.read(self._read_fd, 1)

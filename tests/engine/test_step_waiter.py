@@ -16,7 +16,6 @@ from pdserve.types.outputs import ModelRunnerOutput
 from tests.kv_transfer.test_partial_loads import pull, tracker
 from tests.support.engine_fakes import (
     FakeConnectorWorker,
-    Result,
     FakeRemote,
     add,
     assert_all_free,
@@ -65,7 +64,7 @@ def test_the_waiter_calls_back_on_each_wake_up_then_returns_the_steps_output():
     waiter, pipe, step = StepWaiter(), Pipe(), Blocked()
     wakes: list[float] = []
 
-    def on_wake(ready) -> bool:
+    def on_wake() -> bool:
         pipe.drain()
         wakes.append(time.monotonic())
         if len(wakes) == 1:
@@ -94,7 +93,7 @@ def test_a_waiter_told_to_stop_watching_only_waits_for_the_step():
     waiter, pipe, step = StepWaiter(), Pipe(), Blocked()
     wakes: list[int] = []
 
-    def on_wake(ready) -> bool:
+    def on_wake() -> bool:
         wakes.append(1)  # not drained: a handle still watched would wake it again at once
         threading.Timer(0.05, step.done.set).start()
         return False
@@ -215,101 +214,3 @@ def test_the_nixl_loads_await_an_answer_only_while_a_first_token_claim_is_unansw
     loads.progress(time.monotonic())  # the fake side channel answers at once
     assert out.first_tokens == {"d1": 7} and not out.load_errors
     assert not loads.awaits_first_token()
-
-
-def _core_reading_a_held_step(release_after_s: float):
-    """An async-scheduling core over the fake runner whose read of request ``a``'s first step
-    waits (up to 2 s) until ``release_after_s`` after a step with request ``b`` is launched;
-    every launch and read is recorded in ``order`` by the ids of the step's requests, and a
-    pipe is the core's input (set ``core.arrivals`` with it).
-
-    Returns:
-        ``(core, res, inbox, order)``.
-    """
-    core, runner = make_core(async_scheduling=True)
-    res: dict = {}
-    core.emit = lambda outs: collect(res, outs)
-    order: list[str] = []
-    release = threading.Event()
-    launch = runner.execute_async
-
-    def execute_async(sched):
-        pending = launch(sched)
-        ids = ",".join(sr.request_id for sr in sched.scheduled)
-        order.append("launch:" + ids)
-        if "b" in ids.split(","):
-            threading.Timer(release_after_s, release.set).start()
-        result = pending.result
-
-        def read():
-            if ids == "a" and not release.is_set():
-                release.wait(2)
-            order.append("read:" + ids)
-            return result()
-
-        pending.result = read
-        return pending
-
-    runner.execute_async = execute_async
-    return core, res, Pipe(), order
-
-
-def test_a_request_that_comes_while_the_last_step_runs_starts_its_step_behind_it():
-    """Async scheduling, nothing launched behind the running step (its request finishes with
-    it): a request that comes meanwhile (:attr:`EngineCore.arrivals`) is queued and its step
-    launched before the running step is read, not after. Tokens are unchanged, no block leaks."""
-    from pdserve.engine.core import Arrivals
-
-    core, res, inbox, order = _core_reading_a_held_step(0.0)
-
-    def receive():
-        inbox.drain()
-        add(core, "b", [9, 8, 7, 6, 5], max_tokens=3)
-
-    core.arrivals = Arrivals(inbox.r, receive)
-    add(core, "a", [1, 2, 3, 4, 5, 6], max_tokens=1)
-    threading.Timer(0.05, inbox.ring).start()
-    collect(res, core.step()[0])
-    assert order[:3] == ["launch:a", "launch:b", "read:a"], order
-    run_until_done(core, res)
-    assert res["a"].tokens == reference_generate([1, 2, 3, 4, 5, 6], 1)
-    assert res["b"].tokens == reference_generate([9, 8, 7, 6, 5], 3)
-    drain(core)
-    assert_all_free(core)
-    core.shutdown()
-
-
-def test_the_input_is_watched_until_a_step_is_launched_behind_and_an_abort_after_leaks_nothing():
-    """Two steps deep at most: once a request that came while the running step is read has its
-    step launched behind it, the input is no longer watched (the next message, an abort of that
-    request, waits for the loop); the aborted request's step is dropped at commit and every
-    block is free in the end."""
-    from pdserve.engine.core import Arrivals
-
-    core, res, inbox, order = _core_reading_a_held_step(0.1)  # a is read after the abort came
-    received: list[str] = []
-
-    def receive():
-        inbox.drain()
-        if not received:
-            add(core, "b", [4, 4, 4, 4, 4], max_tokens=8, ignore_eos=True)
-            received.append("b")
-            threading.Timer(0.02, inbox.ring).start()  # the abort, soon after
-        else:
-            core.abort_requests(["b"])
-            received.append("abort")
-        order.append("received:" + received[-1])
-
-    core.arrivals = Arrivals(inbox.r, receive)
-    add(core, "a", [1, 2, 3], max_tokens=1)
-    threading.Timer(0.05, inbox.ring).start()
-    collect(res, core.step()[0])
-    assert order[:4] == ["launch:a", "received:b", "launch:b", "read:a"], order
-    assert received == ["b"]  # the abort waits for the loop
-    receive()  # the loop takes it
-    run_until_done(core, res)
-    assert res["a"].tokens == reference_generate([1, 2, 3], 1)
-    assert len(res.get("b", Result()).tokens) < 8
-    drain(core)
-    assert_all_free(core)
-    core.shutdown()
