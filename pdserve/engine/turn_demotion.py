@@ -259,6 +259,11 @@ class TurnDemoter:
             if turn.state is TurnState.RESTORING:
                 turn.state = TurnState.ENDED
                 continue
+            if turn.state is TurnState.CONFIRMING and request_id in kv_out.restored_turns:
+                # the lease took the blocks and, at TP 1, answered its claim at once; the
+                # reader ended it before this report (between the launch that bound the restore
+                # and the report taken after the step's work): restored all the same
+                self._count_restored(turn)
             if turn.state in (TurnState.CONFIRMING, TurnState.RESTORED):
                 self.kv_cache_manager.free(turn.blocks)
             del self._turns[request_id]  # DEMOTING, KEPT: the scheduler frees the held blocks
@@ -334,12 +339,15 @@ class TurnDemoter:
     def _served(self, request_id: str, turn: _Turn) -> None:
         """Every rank's lease took the restored blocks: its claims are answered with them."""
         turn.state = TurnState.RESTORED
-        self.num_turns_restored_total += 1
-        self.num_turn_blocks_from_gpu_total += turn.num_from_gpu
-        self.num_turn_blocks_from_tiers_total += turn.num_good - turn.num_from_gpu
+        self._count_restored(turn)
         self.connector.move_turn(request_id, TurnMove.SERVE)
         logger.debug("turn %s restored: %d blocks (%d from the GPU prefix cache)", request_id,
                      turn.num_good, turn.num_from_gpu)
+
+    def _count_restored(self, turn: _Turn) -> None:
+        self.num_turns_restored_total += 1
+        self.num_turn_blocks_from_gpu_total += turn.num_from_gpu
+        self.num_turn_blocks_from_tiers_total += turn.num_good - turn.num_from_gpu
 
     def _lose(self, request_id: str, why: str) -> None:
         self._wanted.pop(request_id, None)

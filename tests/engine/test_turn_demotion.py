@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.engine.turn_demotion import TurnState
 from pdserve.kv_transfer.nixl.leases import ClaimStatus
+from pdserve.types.remote_ref import token_digest
 from tests.support.engine_fakes import add, assert_all_free, drain, reference_generate, run_until_done
 from tests.support.turn_fakes import finish_turns, make_turn_core, turn_prompt as prompt
 
@@ -234,4 +235,41 @@ def test_without_tiers_a_held_turn_under_pressure_is_given_up_to_the_prefix_cach
     reader.abort_all()
     drain(core)
     assert len(reader.worker.leases) == 0
+    assert_all_free(core)
+
+
+def test_a_restored_turn_whose_reader_ends_it_before_the_report_counts_as_restored():
+    """At TP 1 a restore serves the waiting claim as soon as the launch binds it; the reader may
+    end the lease (an abort: it found nothing past its own hit) before the report taken after
+    the step's work, which then names the turn as finished and as restored. It is counted
+    restored, and its blocks are freed once."""
+    core, runner, reader = make_turn_core(num_blocks=20)
+    sched = core.scheduler
+    finish_turns(core, {"a": prompt(1, 22), "b": prompt(2, 22)})
+    small = prompt(4, 26)
+    add(core, "c", small, max_tokens=2)
+    assert run_until_done(core)["c"].tokens == reference_generate(small, 2)
+    assert sched.demoter.state("a") is TurnState.DEMOTED
+    worker = reader.worker
+    bind = worker.bind_connector_metadata
+    answered: list[ClaimStatus] = []
+
+    def bind_then_reader_aborts(metadata):
+        bind(metadata)
+        if metadata is not None and "a" in metadata.restored:
+            blocks, tokens = reader.sched.advertised["a"]
+            n = len(tokens) // BS * BS
+            answer = worker.leases.claim_answer("a", blocks, n, token_digest(tokens[:n]))
+            answered.append(answer.status)
+            reader.notify("a", "abort", answer.block_ids)
+
+    worker.bind_connector_metadata = bind_then_reader_aborts
+    status, _ = reader.claim("a")  # waits, the engine restores; the lease ends meanwhile
+    assert answered == [ClaimStatus.OK]
+    for _ in range(5):
+        core.step()
+    assert sched.demoter.state("a") is None
+    assert sched.stats()["kv_turns"]["turns_restored"] == 1
+    reader.abort_all()
+    drain(core)
     assert_all_free(core)
