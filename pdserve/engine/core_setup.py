@@ -51,7 +51,14 @@ def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int, nu
 
 def create_connectors(kv_transfer_config: Any, engine_config: EngineConfig) -> tuple[Any, Any]:
     """Both sides of the configured KV connector (scheduler side, worker side). At TP > 1 the
-    worker side is None here: the executor creates one per rank, in the rank's process."""
+    worker side is None here: the executor creates one per rank, in the rank's process.
+
+    Raises:
+        RuntimeError: no KV connector can be imported (its message says why).
+        KVTransferConfigError, NixlUnavailableError, SideChannelBindError: as
+            :func:`pdserve.kv_transfer.factory.create_connector` raises them (an unknown
+            connector, a missing NIXL backend, a side-channel port in use).
+    """
     try:
         from pdserve.kv_transfer.factory import create_connector
     except ImportError as e:

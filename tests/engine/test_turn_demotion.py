@@ -57,16 +57,21 @@ def test_held_turns_are_demoted_under_pressure_and_read_back_from_the_host_tier(
     sched.tiers.check_consistency()
 
 
-def test_a_restore_from_the_gpu_prefix_cache_needs_no_copy():
-    core, runner, reader = make_turn_core(num_blocks=20)
-    sched = core.scheduler
+def _demote_a_by_a_small_request(core) -> None:
+    """Finish turns "a" and "b" (7 blocks held each of 20), then run "c", a 7-block request with
+    6 blocks free: "a", the oldest turn, is demoted; its partial block (uncached, reused first)
+    is all "c" takes of it, so its full blocks stay cached on the GPU."""
     finish_turns(core, {"a": prompt(1, 22), "b": prompt(2, 22)})
-    # 7 blocks: more than the 6 free, so "a" is demoted; its partial block (uncached, reused
-    # first) is all "c" takes of it, its full blocks stay cached on the GPU
     small = prompt(4, 26)
     add(core, "c", small, max_tokens=2)
     assert run_until_done(core)["c"].tokens == reference_generate(small, 2)
-    assert sched.demoter.state("a") is TurnState.DEMOTED
+    assert core.scheduler.demoter.state("a") is TurnState.DEMOTED
+
+
+def test_a_restore_from_the_gpu_prefix_cache_needs_no_copy():
+    core, runner, reader = make_turn_core(num_blocks=20)
+    sched = core.scheduler
+    _demote_a_by_a_small_request(core)
     status, blocks = reader.claim("a")
     assert status is ClaimStatus.OK
     full = len(reader.sched.advertised["a"][1]) // BS
@@ -212,11 +217,7 @@ def test_without_tiers_a_held_turn_under_pressure_is_given_up_to_the_prefix_cach
     core, runner, reader = make_turn_core(num_blocks=20, host_blocks=0, ttl_s=600.0)
     sched = core.scheduler
     assert sched.tiers is None and sched.demoter is not None
-    finish_turns(core, {"a": prompt(1, 22), "b": prompt(2, 22)})
-    small = prompt(4, 26)  # 7 blocks, 6 free: "a" is given up, its full blocks stay cached
-    add(core, "c", small, max_tokens=2)
-    assert run_until_done(core)["c"].tokens == reference_generate(small, 2)
-    assert sched.demoter.state("a") is TurnState.DEMOTED
+    _demote_a_by_a_small_request(core)  # without tiers "a" is given up to the prefix cache
     stats = sched.stats()
     assert stats["kv_tiers"] is None and stats["kv_turns"]["turns_demoted"] == 1  # still counted
     status, blocks = reader.claim("a")
@@ -245,11 +246,7 @@ def test_a_restored_turn_whose_reader_ends_it_before_the_report_counts_as_restor
     restored, and its blocks are freed once."""
     core, runner, reader = make_turn_core(num_blocks=20)
     sched = core.scheduler
-    finish_turns(core, {"a": prompt(1, 22), "b": prompt(2, 22)})
-    small = prompt(4, 26)
-    add(core, "c", small, max_tokens=2)
-    assert run_until_done(core)["c"].tokens == reference_generate(small, 2)
-    assert sched.demoter.state("a") is TurnState.DEMOTED
+    _demote_a_by_a_small_request(core)
     worker = reader.worker
     bind = worker.bind_connector_metadata
     answered: list[ClaimStatus] = []
